@@ -1,0 +1,27 @@
+# Set-up is part of every target: a fresh clone needs only `make demo` or `make test`.
+# Without GPUs torch's CPU build is installed; on GPU machines override, for example
+#   make test TORCH_REQ='torch>=2.8'
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_REQ ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.hetrain-installed
+
+.PHONY: demo test install clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q "$(TORCH_REQ)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/hetrain demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,60 @@
+"""`hetrain bench NAME [options] [--json]`: each benchmark lives in hetrain.bench.NAME.
+
+A benchmark module defines `build_parser(parser)`, and `run(args) -> dict` returning the figures;
+this verb prints them as one JSON object (`--json`) or as a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+from hetrain.errors import HetrainError
+
+BENCHES = {
+    "balance": "plain DDP with an even split against hetrain's balanced split, on emulated speeds",
+    "plan": "planning time on large clusters",
+    "memory": "optimizer-state and activation bytes per rank for each memory strategy",
+    "recover": "a rank killed mid-run and restarted: steps lost, recovery time, checkpoint cost",
+    "comm": "bytes per step and accuracy for each gradient compression",
+}
+
+
+def build_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", choices=sorted(BENCHES), help="which benchmark")
+    parser.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options")
+
+
+def run(args: argparse.Namespace) -> int:
+    module = importlib.import_module(f"hetrain.bench.{args.name}")
+    parser = argparse.ArgumentParser(prog=f"hetrain bench {args.name}", description=BENCHES[args.name])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    module.build_parser(parser)
+    bargs = parser.parse_args(args.rest)
+    result = module.run(bargs)
+    if bargs.json:
+        print(json.dumps(result, indent=2, sort_keys=False))
+    else:
+        _print_table(args.name, result)
+    return 0
+
+
+def _print_table(name: str, result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"hetrain bench {name}")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for key, value in result.items():
+        if isinstance(value, float):
+            value = f"{value:.4g}"
+        elif isinstance(value, (dict, list)):
+            value = json.dumps(value)
+        table.add_row(key, str(value))
+    Console(file=sys.stdout).print(table)
+
+
+__all__ = ["BENCHES", "HetrainError"]

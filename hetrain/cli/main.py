@@ -1,0 +1,73 @@
+"""`hetrain <verb>`: each verb lives in its own module, imported only when it runs.
+
+A verb module defines `build_parser(parser)` (adds its arguments) and `run(args) -> int`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from hetrain.errors import HetrainError
+
+# verb -> (module, one-line help). The order here is the order of `hetrain --help`.
+VERBS: dict[str, tuple[str, str]] = {
+    "demo": ("hetrain.cli.demo", "train on 2 emulated mixed devices: plain DDP against hetrain"),
+    "devices": ("hetrain.cli.devices", "the GPU catalog and the devices on this machine"),
+    "plan": ("hetrain.cli.plan", "choose per-device shares, precision and memory strategy"),
+    "simulate": ("hetrain.cli.simulate", "sweep cluster sizes or mixes and plot predicted speed"),
+    "launch": ("hetrain.cli.launch", "run a training script on torch's elastic agent"),
+    "bench": ("hetrain.cli.bench", "benchmarks that print ratios measured in one run"),
+    "k8s": ("hetrain.cli.k8s", "write a Kubernetes manifest for an elastic PyTorchJob"),
+}
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    lines = "\n".join(f"  {verb:<10} {text}" for verb, (_, text) in VERBS.items())
+    return argparse.ArgumentParser(
+        prog="hetrain",
+        description="Train one PyTorch model across GPUs that are not alike.",
+        epilog=f"verbs:\n{lines}\n\n`hetrain VERB --help` for each verb's options.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    top = _top_parser()
+    if not argv or argv[0] in ("-h", "--help"):
+        top.print_help()
+        return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from hetrain import __version__
+
+        print(f"hetrain {__version__}")
+        return 0
+    verb = argv[0]
+    if verb not in VERBS:
+        print(f"hetrain: error: unknown verb {verb!r}; choose one of: {', '.join(VERBS)}", file=sys.stderr)
+        return 2
+    module_name, text = VERBS[verb]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name == module_name:
+            print(f"hetrain {verb}: error: this verb is not part of this build", file=sys.stderr)
+            return 2
+        raise
+    parser = argparse.ArgumentParser(prog=f"hetrain {verb}", description=text)
+    module.build_parser(parser)
+    args = parser.parse_args(argv[1:])
+    try:
+        return int(module.run(args) or 0)
+    except HetrainError as e:
+        print(f"hetrain {verb}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"hetrain {verb}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""The Plan: everything that differs per rank, as a versioned JSON document.
+
+The planner writes it, the runtime reads it, a user can read and edit it
+(`hetrain launch --plan plan.json`), and a checkpoint stores it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from hetrain.errors import HetrainError
+
+PLAN_VERSION = 1
+
+Precision = Literal["bf16", "fp16", "tf32", "fp32"]
+Compression = Literal["none", "fp16", "bf16", "powersgd", "int8", "topk"]
+Sharding = Literal["none", "zero1", "zero1-proportional", "fsdp"]
+Strategy = Literal["ddp", "balanced", "zero1", "zero3", "pipeline", "hybrid"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RankPlan(_Strict):
+    """What one rank does."""
+
+    rank: int = Field(ge=0, description="global rank")
+    device: str = Field("cpu", description="catalog name of the device (e.g. a100-sxm4-80gb) or 'cpu'")
+    share: int = Field(ge=0, description="samples of each global batch this rank computes")
+    precision: Precision = Field("fp32", description="autocast precision of this rank")
+    micro_batch: int | None = Field(None, ge=1, description="samples per forward; None = the whole share")
+    grad_accum: int = Field(1, ge=1, description="micro-batches per step (share / micro_batch, rounded up)")
+    activation_checkpointing: bool = Field(False, description="recompute block activations in backward")
+    stage: int = Field(0, ge=0, description="pipeline stage this rank runs")
+    offload_optimizer: bool = Field(False, description="keep optimizer state in host memory")
+    memory_bytes: int | None = Field(None, description="predicted peak memory on this device")
+    memory_capacity_bytes: int | None = Field(None, description="usable memory of this device")
+    predicted_step_seconds: float | None = Field(None, description="predicted compute time per step")
+
+
+class BalancePlan(_Strict):
+    """How the balancer re-splits the global batch while the job runs."""
+
+    enabled: bool = True
+    interval: int = Field(10, ge=1, description="steps between re-splits")
+    min_share: int = Field(1, ge=0, description="fewest samples a rank takes per step")
+    max_share: int | None = Field(None, ge=1, description="most samples a rank takes per step")
+    hysteresis: float = Field(0.05, ge=0, lt=1, description="re-split only if faster by this fraction")
+
+
+class CommPlan(_Strict):
+    """How gradients travel."""
+
+    compression: Compression = "none"
+    powersgd_rank: int = Field(2, ge=1)
+    powersgd_warmup_steps: int = Field(10, ge=0)
+    topk_ratio: float = Field(0.01, gt=0, le=1)
+    hierarchical: bool = Field(False, description="reduce inside islands, then across island leaders")
+    islands: list[list[int]] | None = Field(None, description="groups of ranks sharing a fast link")
+    bucket_cap_mb: float = Field(25.0, gt=0)
+    gradient_as_bucket_view: bool = True
+
+
+class PipelinePlan(_Strict):
+    """Layer partition for models that fit on no single device."""
+
+    stages: list[list[int]] = Field(description="per stage, the [first, last) block indices it holds")
+    schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    microbatches: int = Field(4, ge=1)
+
+
+class Plan(_Strict):
+    """One job's plan: a rank entry per process, and the job-wide choices."""
+
+    version: int = PLAN_VERSION
+    global_batch_size: int = Field(ge=1)
+    strategy: Strategy = "balanced"
+    sharding: Sharding = "none"
+    ranks: list[RankPlan]
+    balance: BalancePlan = Field(default_factory=BalancePlan)
+    comm: CommPlan = Field(default_factory=CommPlan)
+    pipeline: PipelinePlan | None = None
+    predicted_samples_per_s: float | None = None
+    notes: list[str] = Field(default_factory=list, description="why the planner chose this plan")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Plan":
+        if self.version != PLAN_VERSION:
+            raise ValueError(f"plan version {self.version} is not supported; this hetrain reads version {PLAN_VERSION}")
+        if not self.ranks:
+            raise ValueError("a plan needs at least one rank")
+        if [r.rank for r in self.ranks] != list(range(len(self.ranks))):
+            raise ValueError(f"ranks must be listed as 0..{len(self.ranks) - 1} in order")
+        if self.pipeline is None:
+            total = sum(r.share for r in self.ranks)
+            if total != self.global_batch_size:
+                raise ValueError(
+                    f"rank shares add up to {total}, not the global batch {self.global_batch_size}; "
+                    "make the shares sum to global_batch_size"
+                )
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def shares(self) -> list[int]:
+        return [r.share for r in self.ranks]
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2)
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(self.to_json() + "\n")
+        tmp.replace(path)
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "plan") -> "Plan":
+        try:
+            return cls.model_validate(json.loads(text))
+        except json.JSONDecodeError as e:
+            raise HetrainError(f"{source}: not valid JSON ({e})") from None
+        except ValidationError as e:
+            raise HetrainError(f"{source}: {format_validation_error(e)}") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        path = Path(path)
+        if not path.is_file():
+            raise HetrainError(f"plan file {str(path)!r} does not exist; write one with `hetrain plan --out {path}`")
+        return cls.from_json(path.read_text(), source=str(path))
+
+    @classmethod
+    def even(cls, world_size: int, global_batch_size: int, **fields) -> "Plan":
+        """A plan that splits evenly, as plain DDP would (remainder to the first ranks)."""
+        base, extra = divmod(global_batch_size, world_size)
+        ranks = [RankPlan(rank=r, share=base + (1 if r < extra else 0)) for r in range(world_size)]
+        return cls(global_batch_size=global_batch_size, ranks=ranks, **fields)
+
+
+def format_validation_error(e: ValidationError) -> str:
+    """A pydantic error as one readable line: where, and what is wrong."""
+    parts = []
+    for err in e.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "document"
+        msg = err["msg"].removeprefix("Value error, ")
+        parts.append(f"{where}: {msg}")
+    return "; ".join(parts)
