@@ -1,0 +1,330 @@
+"""The cluster file: which devices, on which nodes, joined by which links.
+
+A cluster is nodes of device groups; ranks are numbered node by node, group by group.
+Each node is one island (its devices share NVLink or PCIe); nodes talk over the network.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from hetrain.errors import HetrainError
+from hetrain.hardware.catalog import GpuSpec, get_gpu
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DeviceGroup(_Strict):
+    """`count` devices of one catalog model."""
+
+    model: str = Field(description="catalog name or alias (a100, v100-sxm2-32gb, ...); stored as the catalog name")
+    count: int = Field(1, ge=1, description="how many devices of this model the node holds")
+
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, value: str) -> str:
+        return get_gpu(value).name  # unknown names raise HetrainError naming the closest
+
+    @property
+    def spec(self) -> GpuSpec:
+        """The catalog entry of this group's model."""
+        return get_gpu(self.model)
+
+
+class Node(_Strict):
+    """One machine: its device groups and the link between its devices."""
+
+    name: str = Field(min_length=1)
+    devices: list[DeviceGroup] = Field(min_length=1)
+    intra_link: Literal["nvlink", "pcie"] | None = Field(
+        None, description="None: nvlink if every device of the node has NVLink, else pcie"
+    )
+
+    @model_validator(mode="after")
+    def _nvlink_possible(self) -> Node:
+        if self.intra_link == "nvlink":
+            lacking = [g.model for g in self.devices if not g.spec.has_nvlink]
+            if lacking:
+                raise ValueError(
+                    f"intra_link is nvlink but the catalog lists no NVLink for {lacking[0]}; "
+                    "fix: write intra_link: pcie or remove the line"
+                )
+        return self
+
+    @property
+    def link(self) -> Literal["nvlink", "pcie"]:
+        """The link between this node's devices, with the default resolved."""
+        if self.intra_link is not None:
+            return self.intra_link
+        return "nvlink" if all(g.spec.has_nvlink for g in self.devices) else "pcie"
+
+    @property
+    def link_bytes_per_s(self) -> float:
+        """Per-device bandwidth of the node's link, one direction: the slowest device's rate.
+
+        CPU devices, which have neither link, talk through host memory.
+        """
+        specs = [g.spec for g in self.devices]
+        if self.link == "nvlink":
+            return min(s.nvlink_bytes_per_s or 0.0 for s in specs)
+        return min(s.pcie_bytes_per_s or s.mem_bw_bytes_per_s for s in specs)
+
+    @property
+    def size(self) -> int:
+        """How many devices the node holds."""
+        return sum(g.count for g in self.devices)
+
+
+@dataclass(frozen=True)
+class ClusterDevice:
+    """One rank's device in a cluster."""
+
+    rank: int
+    node: int
+    local_rank: int
+    spec: GpuSpec
+    island: int
+    """index into Cluster.islands()"""
+    intra_bytes_per_s: float
+    """bandwidth of its node's link (NVLink or PCIe), one direction"""
+
+
+class Cluster(_Strict):
+    """Nodes of devices and the network between them."""
+
+    name: str = "cluster"
+    nodes: list[Node] = Field(min_length=1)
+    inter_node_gbps: float = Field(100.0, gt=0, description="network bandwidth per node, Gb/s")
+
+    @model_validator(mode="after")
+    def _unique_node_names(self) -> Cluster:
+        seen: set[str] = set()
+        for node in self.nodes:
+            if node.name in seen:
+                raise ValueError(f"node name {node.name!r} appears twice; fix: give each node its own name")
+            seen.add(node.name)
+        return self
+
+    def devices(self) -> list[ClusterDevice]:
+        """Every device, flattened in rank order (node by node, group by group)."""
+        out: list[ClusterDevice] = []
+        for n, node in enumerate(self.nodes):
+            bw = node.link_bytes_per_s
+            local = 0
+            for group in node.devices:
+                spec = group.spec
+                for _ in range(group.count):
+                    out.append(ClusterDevice(len(out), n, local, spec, n, bw))
+                    local += 1
+        return out
+
+    def islands(self) -> list[list[int]]:
+        """Ranks sharing a fast link: one island per node (NVLink or PCIe, see Node.link)."""
+        out: list[list[int]] = []
+        start = 0
+        for node in self.nodes:
+            out.append(list(range(start, start + node.size)))
+            start += node.size
+        return out
+
+    def kinds(self) -> dict[str, int]:
+        """Catalog name -> device count, in order of first appearance."""
+        counts: dict[str, int] = {}
+        for node in self.nodes:
+            for group in node.devices:
+                counts[group.model] = counts.get(group.model, 0) + group.count
+        return counts
+
+    @property
+    def size(self) -> int:
+        """How many devices (ranks) the cluster holds."""
+        return sum(node.size for node in self.nodes)
+
+    @property
+    def inter_node_bytes_per_s(self) -> float:
+        """Network bandwidth per node in bytes/s."""
+        return self.inter_node_gbps * 1e9 / 8
+
+
+# ---- loading and writing -------------------------------------------------------------------
+
+_KEYS = {
+    "cluster": ("name", "nodes", "inter_node_gbps"),
+    "node": ("name", "devices", "intra_link"),
+    "group": ("model", "count"),
+}
+
+
+def _where(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "top level"
+
+
+def _keys_at(loc: tuple[Any, ...]) -> tuple[str, ...]:
+    depth = len([p for p in loc if isinstance(p, str)])
+    return _KEYS["cluster"] if depth <= 1 else _KEYS["node"] if depth == 2 else _KEYS["group"]
+
+
+def _line_of(root: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
+    """The 1-based YAML line of the value at `loc`, walking the composed node tree."""
+    node, line = root, None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            match = next(((k, v) for k, v in node.value if k.value == part), None)
+            if match is None:
+                break
+            line = match[0].start_mark.line + 1
+            node = match[1]
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            break
+    return line
+
+
+def _explain(err: dict[str, Any]) -> str:
+    kind, loc, got = err["type"], err["loc"], err.get("input")
+    key = loc[-1] if loc else ""
+    if kind == "extra_forbidden":
+        return f"unknown key {key!r}; fix: remove it or use one of: {', '.join(_keys_at(loc))}"
+    if kind == "missing":
+        return f"missing key {key!r}; fix: add it"
+    if kind == "value_error":
+        return str(err.get("ctx", {}).get("error", err["msg"]))
+    if kind == "too_short" and key == "nodes":
+        return "the cluster has no devices; fix: list at least one node with at least one device"
+    if kind == "too_short":
+        return f"{key} is empty; fix: list at least one entry"
+    if kind == "greater_than_equal":
+        return f"{key} must be at least {err['ctx']['ge']}, got {got!r}; fix: use {err['ctx']['ge']} or more"
+    if kind == "greater_than":
+        return f"{key} must be more than {err['ctx']['gt']}, got {got!r}; fix: use a positive value"
+    if kind == "literal_error":
+        return f"{key} must be {err['msg'].split('Input should be ')[-1]}, got {got!r}; fix: use one of those"
+    return f"{err['msg'].lower()}, got {got!r}; fix: correct the value"
+
+
+def _validation_message(source: str, exc: ValidationError, root: yaml.Node | None) -> str:
+    errors = exc.errors()
+    err = errors[0]
+    loc = tuple(err["loc"])
+    line = _line_of(root, loc)
+    place = f"{source}:{line}" if line else source
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{place}: {_where(loc)}: {_explain(err)}{more}"
+
+
+def cluster_from_dict(data: Any, source: str = "cluster", root: yaml.Node | None = None) -> Cluster:
+    """Validate a cluster mapping; errors name `source`, the line, the key, the problem and the fix."""
+    if data is None:
+        raise HetrainError(f"{source}: the file is empty; fix: list the cluster's nodes (see docs/cluster-file.md)")
+    if not isinstance(data, dict):
+        raise HetrainError(
+            f"{source}: expected a mapping with a 'nodes' list, got {type(data).__name__}; "
+            "fix: see docs/cluster-file.md for the format"
+        )
+    try:
+        return Cluster.model_validate(data)
+    except ValidationError as e:
+        raise HetrainError(_validation_message(source, e, root)) from None
+
+
+def load_cluster(path: str | Path) -> Cluster:
+    """Read and validate a cluster YAML file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise HetrainError(f"cluster file {str(path)!r} not found; fix: check the path") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise HetrainError(f"cluster file {str(path)!r} cannot be read ({e}); fix: check the file") from None
+    try:
+        root = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        place = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise HetrainError(f"{place}: malformed YAML: {problem}; fix: correct the YAML syntax there") from None
+    return cluster_from_dict(data, str(path), root)
+
+
+def dump_cluster(cluster: Cluster) -> str:
+    """The cluster as YAML text that load_cluster reads back to an equal Cluster."""
+    return yaml.safe_dump(cluster.model_dump(mode="json", exclude_none=True), sort_keys=False)
+
+
+def save_cluster(cluster: Cluster, path: str | Path) -> None:
+    """Write the cluster as a YAML file."""
+    Path(path).write_text(dump_cluster(cluster), encoding="utf-8")
+
+
+def cluster_from_devices(arg: str, name: str = "cluster", inter_node_gbps: float = 100.0) -> Cluster:
+    """One node from "MODEL:COUNT,..." (e.g. "a100:4,v100-sxm2-32gb:4"); NVLink where every device has it."""
+    groups = []
+    for item in (p.strip() for p in arg.split(",")):
+        if not item:
+            continue
+        model, _, count = item.partition(":")
+        count = count.strip() or "1"
+        if not count.isdigit() or int(count) < 1:
+            raise HetrainError(
+                f"devices {arg!r}: count {count!r} of {model.strip()!r} is not a positive integer; "
+                "fix: write MODEL:COUNT,..., e.g. a100:4,v100:4"
+            )
+        groups.append({"model": model.strip(), "count": int(count)})
+    if not groups:
+        raise HetrainError(f"devices {arg!r} names no device; fix: write MODEL:COUNT,..., e.g. a100:4,v100:4")
+    try:
+        return Cluster(name=name, nodes=[Node(name="node0", devices=groups)], inter_node_gbps=inter_node_gbps)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise HetrainError(f"devices {arg!r}: {_explain(err)}") from None
+
+
+# ---- presets --------------------------------------------------------------------------------
+
+PRESETS: dict[str, str] = {
+    "a100x8": "one node, 8x a100-sxm4-80gb on NVLink",
+    "v100x8": "one node, 8x v100-sxm2-32gb on NVLink",
+    "a100x4+v100x4": "two nodes: 4x a100-sxm4-80gb (NVLink) and 4x v100-sxm2-32gb (NVLink), 100 Gb/s between",
+    "mix1024": "128 nodes, 1024 GPUs: 32x8 h100-sxm5-80gb, 32x8 a100-sxm4-80gb, 32x8 v100-sxm2-32gb "
+    "(NVLink), 32x8 l4 (PCIe); 200 Gb/s per node",
+}
+
+
+def _nodes(prefix: str, count: int, model: str, per_node: int) -> list[dict[str, Any]]:
+    return [{"name": f"{prefix}{i}", "devices": [{"model": model, "count": per_node}]} for i in range(count)]
+
+
+def get_preset(name: str) -> Cluster:
+    """A named example cluster (see PRESETS)."""
+    key = name.strip().lower()
+    if key == "a100x8":
+        data = {"name": key, "nodes": _nodes("a100-", 1, "a100-sxm4-80gb", 8)}
+    elif key == "v100x8":
+        data = {"name": key, "nodes": _nodes("v100-", 1, "v100-sxm2-32gb", 8)}
+    elif key == "a100x4+v100x4":
+        nodes = _nodes("a100-", 1, "a100-sxm4-80gb", 4) + _nodes("v100-", 1, "v100-sxm2-32gb", 4)
+        data = {"name": key, "nodes": nodes, "inter_node_gbps": 100.0}
+    elif key == "mix1024":
+        nodes = (
+            _nodes("h100-", 32, "h100-sxm5-80gb", 8)
+            + _nodes("a100-", 32, "a100-sxm4-80gb", 8)
+            + _nodes("v100-", 32, "v100-sxm2-32gb", 8)
+            + _nodes("l4-", 32, "l4", 8)
+        )
+        data = {"name": key, "nodes": nodes, "inter_node_gbps": 200.0}
+    else:
+        raise HetrainError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+    return Cluster.model_validate(data)
