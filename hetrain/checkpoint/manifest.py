@@ -1,0 +1,102 @@
+"""`manifest.json`: what a complete checkpoint holds, with the size and sha256 of every file."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from hetrain.checkpoint.safe_io import sha256_file
+
+FORMAT = "hetrain-checkpoint"
+VERSION = 1
+MANIFEST_NAME = "manifest.json"
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of a checkpoint, relative to its directory."""
+
+    path: str
+    bytes: int
+    sha256: str
+
+
+@dataclass
+class Manifest:
+    """The written record that makes a checkpoint directory complete."""
+
+    step: int
+    world_size: int
+    files: list[FileEntry]
+    sharded: bool = False
+    format: str = FORMAT
+    version: int = VERSION
+    created_unix: float = field(default_factory=time.time)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of every file the manifest lists."""
+        return sum(f.bytes for f in self.files)
+
+    def to_json(self) -> str:
+        """The manifest as JSON text."""
+        d = asdict(self)
+        d["files"] = [asdict(f) for f in self.files]
+        return json.dumps(d, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Manifest":
+        """Parse and check a manifest; ValueError with the reason when it is not one this version reads."""
+        d = json.loads(text)
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise ValueError(f"not a {FORMAT} manifest")
+        if d.get("version") != VERSION:
+            raise ValueError(f"manifest version {d.get('version')!r}, this hetrain reads version {VERSION}")
+        files = [FileEntry(str(f["path"]), int(f["bytes"]), str(f["sha256"])) for f in d["files"]]
+        for f in files:
+            if os.path.isabs(f.path) or ".." in Path(f.path).parts:
+                raise ValueError(f"file path {f.path!r} leaves the checkpoint directory")
+        return cls(
+            step=int(d["step"]), world_size=int(d["world_size"]), files=files, sharded=bool(d["sharded"]),
+            created_unix=float(d["created_unix"]),
+        )
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> None:
+    """Write `manifest.json` into `directory` and fsync it."""
+    path = directory / MANIFEST_NAME
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(manifest.to_json())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_manifest(directory: Path) -> Manifest:
+    """Read a directory's manifest; ValueError with the reason when missing or malformed."""
+    path = directory / MANIFEST_NAME
+    if not path.is_file():
+        raise ValueError("no manifest.json (the save did not finish)")
+    try:
+        return Manifest.from_json(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"manifest.json is malformed ({type(e).__name__}: {e})") from None
+
+
+def verify(directory: Path, manifest: Manifest, only: set[str] | None = None) -> str | None:
+    """None when every listed file (or those in `only`) has its size and sha256; else the reason."""
+    for entry in manifest.files:
+        if only is not None and entry.path not in only:
+            continue
+        path = directory / entry.path
+        if not path.is_file():
+            return f"{entry.path} is missing"
+        size = path.stat().st_size
+        if size != entry.bytes:
+            return f"{entry.path} has {size} bytes, the manifest says {entry.bytes}"
+        if sha256_file(path)[1] != entry.sha256:
+            return f"{entry.path} does not match its sha256 in the manifest"
+    return None
+
