@@ -121,7 +121,10 @@ def discover(use_nvml: bool = True, cuda: Any | None = None, nvml: Any | None = 
 
 
 def local_islands(devices: list[LocalDevice], topo_text: str | None = None, nvml: Any | None = None) -> list[list[int]]:
-    """NVLink islands of the local GPUs: from `nvidia-smi topo -m` text, else NVML, else one per GPU."""
+    """NVLink islands of the local GPUs: from `nvidia-smi topo -m` text, else NVML, else one per GPU.
+
+    Indices are the driver's (nvidia-smi's); with CUDA_VISIBLE_DEVICES set they may differ from torch's.
+    """
     from hetrain.hardware import topology
 
     indices = [d.index for d in devices if d.kind == "cuda"]
@@ -134,7 +137,10 @@ def local_islands(devices: list[LocalDevice], topo_text: str | None = None, nvml
         module = nvml if nvml is not None else _import_pynvml()
         if module is None:
             return [[i] for i in indices]
-        module.nvmlInit()
+        try:
+            module.nvmlInit()
+        except getattr(module, "NVMLError", Exception):
+            return [[i] for i in indices]
         try:
             islands = topology.nvlink_islands_from_nvml(module)
         finally:

@@ -1,0 +1,193 @@
+"""The cluster file: ranks, islands, links, round-trip, one-line errors, presets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from hetrain.errors import HetrainError
+from hetrain.hardware.catalog import get_gpu
+from hetrain.hardware.cluster import (
+    PRESETS,
+    Cluster,
+    cluster_from_devices,
+    dump_cluster,
+    get_preset,
+    load_cluster,
+    save_cluster,
+)
+
+LAB = """\
+name: lab
+inter_node_gbps: 100
+nodes:
+  - name: dgx
+    devices:
+      - model: a100
+        count: 4
+  - name: box
+    devices:
+      - {model: V100-SXM2-32GB, count: 2}
+      - model: t4
+"""
+
+
+def _write(tmp_path: Path, text: str, name: str = "c.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_ranks_islands_links(tmp_path: Path) -> None:
+    cluster = load_cluster(_write(tmp_path, LAB))
+    devices = cluster.devices()
+    assert [d.rank for d in devices] == list(range(7))
+    assert [d.spec.name for d in devices] == ["a100-sxm4-80gb"] * 4 + ["v100-sxm2-32gb"] * 2 + ["t4"]
+    assert [(d.node, d.local_rank) for d in devices] == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2)]
+    assert cluster.islands() == [[0, 1, 2, 3], [4, 5, 6]]
+    assert [d.island for d in devices] == [0, 0, 0, 0, 1, 1, 1]
+    assert cluster.kinds() == {"a100-sxm4-80gb": 4, "v100-sxm2-32gb": 2, "t4": 1}
+    # node 0 is all NVLink; node 1 holds a T4 (no NVLink), so PCIe at the slowest device's rate.
+    assert cluster.nodes[0].link == "nvlink" and cluster.nodes[1].link == "pcie"
+    assert devices[0].intra_bytes_per_s == pytest.approx(300e9)
+    assert devices[4].intra_bytes_per_s == pytest.approx(15.75e9)
+    assert cluster.inter_node_bytes_per_s == pytest.approx(12.5e9)
+    assert cluster.size == 7
+
+
+def test_explicit_pcie_on_nvlink_devices(tmp_path: Path) -> None:
+    text = "nodes:\n  - name: n\n    intra_link: pcie\n    devices:\n      - model: a100\n        count: 2\n"
+    cluster = load_cluster(_write(tmp_path, text))
+    assert {d.intra_bytes_per_s for d in cluster.devices()} == {get_gpu("a100").pcie_bytes_per_s}
+
+
+def test_yaml_round_trip(tmp_path: Path) -> None:
+    cluster = load_cluster(_write(tmp_path, LAB))
+    out = tmp_path / "out.yaml"
+    save_cluster(cluster, out)
+    again = load_cluster(out)
+    assert again == cluster
+    assert again.nodes[0].devices[0].model == "a100-sxm4-80gb"  # the alias is stored as the catalog name
+    assert dump_cluster(again) == out.read_text()
+
+
+def test_preset_round_trip(tmp_path: Path) -> None:
+    cluster = get_preset("a100x4+v100x4")
+    save_cluster(cluster, tmp_path / "p.yaml")
+    assert load_cluster(tmp_path / "p.yaml") == cluster
+
+
+def _error(tmp_path: Path, text: str) -> str:
+    path = _write(tmp_path, text, "bad.yaml")
+    with pytest.raises(HetrainError) as info:
+        load_cluster(path)
+    msg = str(info.value)
+    assert "\n" not in msg, msg
+    assert msg.startswith(str(path)), msg
+    assert "fix" in msg or "see `hetrain devices --catalog`" in msg, msg
+    return msg
+
+
+def test_unknown_model_names_closest(tmp_path: Path) -> None:
+    msg = _error(tmp_path, "nodes:\n  - name: n\n    devices:\n      - model: a100\n      - model: a1000\n")
+    assert f"{tmp_path / 'bad.yaml'}:5: nodes[0].devices[1].model: unknown GPU model 'a1000'" in msg
+    assert "closest catalog names: a100, a10" in msg
+
+
+def test_count_below_one(tmp_path: Path) -> None:
+    msg = _error(tmp_path, "nodes:\n  - name: n\n    devices:\n      - model: a100\n        count: 0\n")
+    assert ":5: nodes[0].devices[0].count: count must be at least 1, got 0" in msg
+
+
+def test_no_devices(tmp_path: Path) -> None:
+    assert "the cluster has no devices" in _error(tmp_path, "nodes: []\n")
+    assert "nodes[0].devices: devices is empty" in _error(tmp_path, "nodes:\n  - name: n\n    devices: []\n")
+    assert "the file is empty" in _error(tmp_path, "")
+    assert "missing key 'nodes'" in _error(tmp_path, "name: x\n")
+
+
+def test_unknown_keys(tmp_path: Path) -> None:
+    msg = _error(tmp_path, "nodes:\n  - name: n\n    gpus: 8\n    devices:\n      - model: a100\n")
+    assert ":3: nodes[0].gpus: unknown key 'gpus'; fix: remove it or use one of: name, devices, intra_link" in msg
+    msg = _error(tmp_path, "nodes:\n  - name: n\n    devices:\n      - model: a100\n        cnt: 2\n")
+    assert "nodes[0].devices[0].cnt: unknown key 'cnt'; fix: remove it or use one of: model, count" in msg
+    msg = _error(tmp_path, "bandwidth: 3\nnodes:\n  - name: n\n    devices:\n      - model: a100\n")
+    assert ":1: bandwidth: unknown key 'bandwidth'; fix: remove it or use one of: name, nodes, inter_node_gbps" in msg
+
+
+def test_malformed_yaml(tmp_path: Path) -> None:
+    msg = _error(tmp_path, "nodes:\n  - name: n\n    devices: [model: a100\n")
+    assert "malformed YAML" in msg and f"{tmp_path / 'bad.yaml'}:4:" in msg
+    assert "expected a mapping" in _error(tmp_path, "- a100\n- v100\n")
+
+
+def test_bad_link_and_duplicates(tmp_path: Path) -> None:
+    msg = _error(tmp_path, "nodes:\n  - name: n\n    intra_link: infiniband\n    devices:\n      - model: l4\n")
+    assert "nodes[0].intra_link: intra_link must be 'nvlink' or 'pcie', got 'infiniband'" in msg
+    msg = _error(tmp_path, "nodes:\n  - name: n\n    intra_link: nvlink\n    devices:\n      - model: l4\n")
+    assert "the catalog lists no NVLink for l4" in msg
+    msg = _error(tmp_path, "nodes:\n  - {name: n, devices: [{model: l4}]}\n  - {name: n, devices: [{model: t4}]}\n")
+    assert "node name 'n' appears twice" in msg
+    msg = _error(tmp_path, "inter_node_gbps: 0\nnodes:\n  - {name: n, devices: [{model: l4}]}\n")
+    assert ":1: inter_node_gbps: inter_node_gbps must be more than 0" in msg
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(HetrainError, match="not found; fix: check the path"):
+        load_cluster(tmp_path / "nope.yaml")
+
+
+def test_cluster_from_devices() -> None:
+    cluster = cluster_from_devices("a100:4,v100-sxm2-32gb:4")
+    assert len(cluster.nodes) == 1 and cluster.nodes[0].link == "nvlink"
+    assert cluster.kinds() == {"a100-sxm4-80gb": 4, "v100-sxm2-32gb": 4}
+    assert cluster.islands() == [list(range(8))]
+    # The V100's NVLink is the slower end, so it sets the node's rate.
+    assert {d.intra_bytes_per_s for d in cluster.devices()} == {150e9}
+    assert cluster_from_devices("a100:2,l4").nodes[0].link == "pcie"
+    assert cluster_from_devices("cpu:2").kinds() == {"cpu": 2}
+
+
+@pytest.mark.parametrize(
+    "arg, text",
+    [("a100:x", "count 'x' of 'a100' is not a positive integer"), ("a100:0", "count '0'"),
+     ("a1000:2", "unknown GPU model 'a1000'"), ("", "names no device")],
+)
+def test_cluster_from_devices_errors(arg: str, text: str) -> None:
+    with pytest.raises(HetrainError, match=text):
+        cluster_from_devices(arg)
+
+
+def test_presets() -> None:
+    sizes = {name: get_preset(name).size for name in PRESETS}
+    assert sizes == {"a100x8": 8, "v100x8": 8, "a100x4+v100x4": 8, "mix1024": 1024}
+    assert get_preset("a100x8").kinds() == {"a100-sxm4-80gb": 8}
+    assert get_preset("v100x8").kinds() == {"v100-sxm2-32gb": 8}
+    two = get_preset("a100x4+v100x4")
+    assert two.islands() == [[0, 1, 2, 3], [4, 5, 6, 7]] and two.inter_node_gbps == 100
+    assert all(node.link == "nvlink" for node in two.nodes)
+
+
+def test_mix1024() -> None:
+    cluster = get_preset("mix1024")
+    devices = cluster.devices()
+    assert len(devices) == 1024 and [d.rank for d in devices] == list(range(1024))
+    assert len(cluster.kinds()) == 4 and sum(cluster.kinds().values()) == 1024
+    islands = cluster.islands()
+    assert len(islands) == 128 and all(len(i) == 8 for i in islands)
+    assert sorted(r for i in islands for r in i) == list(range(1024))
+    assert cluster.inter_node_gbps == 200
+    assert {node.link for node in cluster.nodes} == {"nvlink", "pcie"}
+
+
+def test_unknown_preset_names_the_presets() -> None:
+    with pytest.raises(HetrainError) as info:
+        get_preset("a100x9")
+    assert str(info.value) == f"unknown preset 'a100x9'; choose one of: {', '.join(PRESETS)}"
+
+
+def test_python_construction_validates() -> None:
+    with pytest.raises(ValidationError, match="unknown GPU model 'nope'"):
+        Cluster(nodes=[{"name": "n", "devices": [{"model": "nope"}]}])
