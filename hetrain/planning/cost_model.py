@@ -1,0 +1,263 @@
+"""Predicted time and memory of one training step: pure functions, no processes.
+
+Compute: a roofline per sample, FLOPs over the device's peak for its precision times a calibrated
+efficiency, plus calibrated passes over the activation bytes at memory bandwidth; each
+micro-batch also reads the weights (forward, backward) and writes gradients once.
+Memory: weights, gradients, optimizer state (ZeRO stages divide what they shard), activations per
+micro-batch (or only block boundaries with activation checkpointing), framework overhead.
+Communication: ring or two-level all-reduce over the slowest link, partly hidden under backward.
+Pipelines: the slowest stage times (m + p - 1) micro-batches (the (p-1)/m bubble of GPipe/1F1B).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from hetrain.workload.profile import WorkloadProfile
+
+ELEMENT_BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2}
+PRECISION_CLASS = {"fp32": "fp32", "tf32": "tf32", "fp16": "16bit", "bf16": "16bit"}
+_CLASS_FALLBACK = {"tf32": "16bit", "16bit": "tf32", "fp32": "tf32"}  # a group without rows
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 4, "lion": 4, "sgd-nomomentum": 0}
+CHECKPOINT_COMPUTE_FACTOR = 4.0 / 3.0  # recomputing the forward adds a third of forward+backward
+LAUNCH_SECONDS_PER_MICROBATCH = 0.5e-3
+CONTEXT_BYTES = 1 << 30  # CUDA context, cuBLAS/cuDNN workspaces
+FRAGMENTATION = 0.10  # allocator slack on top of what tensors hold
+LINK_EFFICIENCY = 0.8  # collectives reach about this fraction of a link's one-way peak
+LATENCY_INTRA_S = 5e-6
+LATENCY_INTER_S = 20e-6
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Fitted constants of the compute model (see hetrain.planning.calibration)."""
+
+    compute_efficiency: dict[str, float] = field(hash=False)
+    """fraction of peak FLOP/s reached, keyed "kind/class" (cnn|transformer, 16bit|tf32|fp32)"""
+    memory_passes: float
+    """times each activation byte crosses memory bandwidth per sample (elementwise traffic)"""
+    packed_token_fraction: float = 1.0
+    """tokens per sequence over nominal in the published BERT-512 recipe (unpadded packing)"""
+    rows: int = 0
+    parameters: int = 0
+
+    def efficiency(self, kind: str, precision: str) -> float:
+        """Fraction of peak for a workload kind in a precision ("other": geometric mean of both kinds)."""
+        if kind == "other":
+            return math.sqrt(self.efficiency("cnn", precision) * self.efficiency("transformer", precision))
+        cls = PRECISION_CLASS[precision]
+        for c in (cls, _CLASS_FALLBACK[cls], "16bit"):
+            if f"{kind}/{c}" in self.compute_efficiency:
+                return self.compute_efficiency[f"{kind}/{c}"]
+        return min(self.compute_efficiency.values())
+
+
+def default_calibration() -> Calibration:
+    """The calibration fitted on the single-GPU rows of hetrain/data/published_training.csv."""
+    from hetrain.planning.calibration import default_calibration as fitted
+
+    return fitted()
+
+
+def peak_flops(spec, precision: str) -> float:
+    """The device's peak FLOP/s in `precision` (fp32 where the chip lacks it)."""
+    peak = spec.peak_flops.get(precision, 0.0) or 0.0
+    return peak if peak > 0 else spec.peak_flops["fp32"]
+
+
+# ---------------------------------------------------------------- compute
+
+
+def per_sample_terms(profile: WorkloadProfile, spec, precision: str) -> tuple[float, float]:
+    """(FLOP seconds at 100% efficiency, seconds per activation-byte pass) for one sample."""
+    act = profile.activation_bytes(ELEMENT_BYTES[precision])
+    return profile.flops_per_sample / peak_flops(spec, precision), act / spec.mem_bw_bytes_per_s
+
+
+def fixed_seconds_per_microbatch(profile: WorkloadProfile, spec, precision: str) -> float:
+    """Per micro-batch: read fp32 weights in forward and backward, write gradients, launch kernels."""
+    return 3 * 4 * profile.params / spec.mem_bw_bytes_per_s + LAUNCH_SECONDS_PER_MICROBATCH
+
+
+def sample_seconds(profile: WorkloadProfile, spec, precision: str, calib: Calibration | None = None,
+                   checkpointing: bool = False) -> float:
+    """Predicted compute seconds per sample (large micro-batch), forward + backward."""
+    calib = calib or default_calibration()
+    flop_s, byte_s = per_sample_terms(profile, spec, precision)
+    t = flop_s / calib.efficiency(profile.kind, precision) + calib.memory_passes * byte_s
+    return t * (CHECKPOINT_COMPUTE_FACTOR if checkpointing else 1.0)
+
+
+def compute_seconds(profile: WorkloadProfile, spec, precision: str, share: int, micro_batch: int,
+                    checkpointing: bool = False, calib: Calibration | None = None) -> float:
+    """Predicted compute seconds of one step: `share` samples in micro-batches of `micro_batch`."""
+    if share <= 0:
+        return 0.0
+    steps = math.ceil(share / max(1, micro_batch))
+    return steps * fixed_seconds_per_microbatch(profile, spec, precision) + share * sample_seconds(
+        profile, spec, precision, calib, checkpointing
+    )
+
+
+def best_rate(profile: WorkloadProfile, spec, precision: str, micro_batch: int,
+              checkpointing: bool = False, calib: Calibration | None = None) -> float:
+    """Samples/s of the device alone at micro-batch `micro_batch` (no communication)."""
+    return micro_batch / compute_seconds(profile, spec, precision, micro_batch, micro_batch, checkpointing, calib)
+
+
+# ---------------------------------------------------------------- memory
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Predicted peak bytes on one device, by what holds them."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    overhead: float
+
+    @property
+    def total(self) -> int:
+        return int(math.ceil(self.weights + self.gradients + self.optimizer + self.activations + self.overhead))
+
+
+def activation_bytes_per_sample(profile: WorkloadProfile, precision: str, checkpointing: bool,
+                                blocks: slice | None = None) -> float:
+    """Bytes held for backward per sample; with checkpointing, block inputs plus the largest block."""
+    elem = ELEMENT_BYTES[precision]
+    scale = elem / profile.activation_dtype_bytes
+    chosen = profile.blocks[blocks] if blocks is not None else profile.blocks
+    if not chosen:
+        return profile.activation_bytes(elem)
+    if not checkpointing:
+        if blocks is None:
+            return profile.activation_bytes(elem)
+        return sum(b.activation_bytes_per_sample for b in chosen) * scale
+    return (sum(b.output_bytes_per_sample for b in chosen) + max(b.activation_bytes_per_sample for b in chosen)) * scale
+
+
+def state_bytes(params: float, precision: str, optimizer: str, zero: int = 0, world: int = 1,
+                largest_block_params: float = 0.0) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes: fp32 master weights, a 16-bit cast cache in mixed
+    precision, fp32 gradients; ZeRO-1 shards optimizer state, 2 also gradients, 3 also weights."""
+    opt = OPTIMIZER_STATE_BYTES[optimizer]
+    cast = 2.0 if ELEMENT_BYTES[precision] == 2 else 0.0
+    world = max(1, world)
+    weights = (4.0 + cast) * params
+    grads = 4.0 * params
+    optim = opt * params
+    if zero >= 1:
+        optim /= world
+    if zero >= 2:
+        grads /= world
+    if zero >= 3:
+        weights = weights / world + 2 * (4.0 + cast) * largest_block_params  # gathered block + prefetch
+    return weights, grads, optim
+
+
+def memory_estimate(profile: WorkloadProfile, precision: str, micro_batch: int, *, optimizer: str = "adamw",
+                    zero: int = 0, world: int = 1, checkpointing: bool = False,
+                    blocks: slice | None = None, in_flight: int = 1) -> MemoryEstimate:
+    """Predicted peak memory of one device training `blocks` (all by default) at `micro_batch`.
+
+    `in_flight` micro-batches keep their activations at once (pipeline stages under 1F1B).
+    """
+    chosen = profile.blocks[blocks] if blocks is not None else profile.blocks
+    params = sum(b.params for b in chosen) if blocks is not None else profile.params
+    largest = max((b.params for b in chosen), default=params)
+    w, g, o = state_bytes(params, precision, optimizer, zero, world, largest)
+    act = activation_bytes_per_sample(profile, precision, checkpointing, blocks) * micro_batch * in_flight
+    return MemoryEstimate(w, g, o, act, CONTEXT_BYTES + FRAGMENTATION * (w + g + o + act))
+
+
+# ---------------------------------------------------------------- communication
+
+
+@dataclass(frozen=True)
+class CommTopology:
+    """What an all-reduce crosses: nodes of devices, the slowest link inside a node, the network."""
+
+    node_sizes: tuple[int, ...]
+    intra_bytes_per_s: float
+    inter_bytes_per_s: float
+
+    @property
+    def world(self) -> int:
+        return sum(self.node_sizes)
+
+
+def topology_of(cluster, ranks: list[int] | None = None) -> CommTopology:
+    """The CommTopology of `ranks` (all by default) of a hetrain.hardware Cluster."""
+    devices = cluster.devices()
+    if ranks is not None:
+        wanted = set(ranks)
+        devices = [d for d in devices if d.rank in wanted]
+    nodes: dict[object, list] = {}
+    for d in devices:
+        nodes.setdefault(d.node, []).append(d)
+    intra = [
+        d.intra_bytes_per_s or d.spec.pcie_bytes_per_s or 16e9 for group in nodes.values() if len(group) > 1 for d in group
+    ]
+    return CommTopology(
+        node_sizes=tuple(len(g) for g in nodes.values()),
+        intra_bytes_per_s=min(intra) if intra else float("inf"),
+        inter_bytes_per_s=float(cluster.inter_node_bytes_per_s or 12.5e9),
+    )
+
+
+def ring_seconds(nbytes: float, n: int, bytes_per_s: float, latency: float, factor: float = 2.0) -> float:
+    """Ring collective time: factor*(n-1)/n of the payload over the link (2 for all-reduce,
+    1 for reduce-scatter, all-gather, reduce or broadcast), plus per-hop latency."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return factor * (n - 1) / n * nbytes / (bytes_per_s * LINK_EFFICIENCY) + factor * (n - 1) * latency
+
+
+@dataclass(frozen=True)
+class AllReduceCost:
+    """Predicted all-reduce time, the algorithm picked, and the part spent on the network."""
+
+    seconds: float
+    algorithm: str
+    inter_node_seconds: float
+
+
+def allreduce_cost(nbytes: float, topo: CommTopology, factor: float = 2.0) -> AllReduceCost:
+    """Flat ring over all ranks or two-level (inside nodes, then across nodes), whichever is faster."""
+    n, nodes = topo.world, len(topo.node_sizes)
+    if n <= 1 or nbytes <= 0:
+        return AllReduceCost(0.0, "none", 0.0)
+    if nodes == 1:
+        return AllReduceCost(ring_seconds(nbytes, n, topo.intra_bytes_per_s, LATENCY_INTRA_S, factor), "ring", 0.0)
+    flat_inter = ring_seconds(nbytes, n, topo.inter_bytes_per_s, LATENCY_INTER_S, factor)
+    k = max(topo.node_sizes)
+    inside = 2 * ring_seconds(nbytes, k, topo.intra_bytes_per_s, LATENCY_INTRA_S, factor / 2) if k > 1 else 0.0
+    across = ring_seconds(nbytes, nodes, topo.inter_bytes_per_s, LATENCY_INTER_S, factor)
+    if inside + across < flat_inter:
+        return AllReduceCost(inside + across, "two-level", across)
+    return AllReduceCost(flat_inter, "ring", flat_inter)
+
+
+def exposed_seconds(comm_seconds: float, backward_seconds: float, total_bytes: float,
+                    bucket_bytes: float = DEFAULT_BUCKET_BYTES) -> float:
+    """Communication left after overlapping with backward: all but the last bucket can hide."""
+    if comm_seconds <= 0:
+        return 0.0
+    last_bucket = comm_seconds * min(1.0, bucket_bytes / max(total_bytes, 1.0))
+    return max(comm_seconds - backward_seconds, last_bucket)
+
+
+def backward_fraction(checkpointing: bool) -> float:
+    """Share of a micro-batch's compute spent in backward (2/3; recomputation runs in backward too)."""
+    return (2.0 + (1.0 if checkpointing else 0.0)) / (3.0 + (1.0 if checkpointing else 0.0))
+
+
+def pipeline_step_seconds(stage_seconds: list[float], microbatches: int, p2p_seconds: float = 0.0) -> float:
+    """GPipe/1F1B step: (m + p - 1) slots of the slowest stage (bubble (p-1)/m), plus transfers."""
+    p = len(stage_seconds)
+    slot = max(stage_seconds) + p2p_seconds
+    return (microbatches + p - 1) * slot

@@ -1,0 +1,219 @@
+"""What one training sample of a model costs: parameters, FLOPs, activation bytes, per block.
+
+`profile(model, sample_input)` measures a real `nn.Module` on CPU: forward+backward FLOPs with
+torch's FLOP counter and the bytes of tensors saved for backward with saved-tensor hooks, for the
+whole model and for each top-level block (the units a pipeline partition assigns to stages).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from hetrain.errors import HetrainError
+
+if TYPE_CHECKING:  # torch is imported only when a model is profiled, so planning starts fast
+    import torch
+    from torch import nn
+
+PROFILE_VERSION = 1
+WorkloadKind = Literal["cnn", "transformer", "other"]
+
+
+class BlockProfile(BaseModel):
+    """One contiguous block of the model (a transformer layer, a ResNet stage...)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    params: int = Field(ge=0)
+    flops_per_sample: float = Field(ge=0, description="forward + backward FLOPs per sample")
+    activation_bytes_per_sample: float = Field(ge=0, description="bytes saved for backward per sample")
+    output_bytes_per_sample: float = Field(0.0, ge=0, description="bytes of the block's output per sample")
+
+
+class WorkloadProfile(BaseModel):
+    """Per-sample costs of training one model; saved to and loaded from JSON."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = PROFILE_VERSION
+    name: str
+    kind: WorkloadKind = "other"
+    params: int = Field(ge=1)
+    flops_per_sample: float = Field(gt=0, description="forward + backward FLOPs per sample")
+    activation_bytes_per_sample: float = Field(ge=0, description="bytes saved for backward per sample")
+    activation_dtype_bytes: int = Field(4, description="bytes per element the activations were counted at")
+    seq_len: int | None = None
+    matrix_shapes: list[tuple[int, int]] = Field(
+        default_factory=list, description="2-D (rows, cols) view of each weight with >= 2 dims"
+    )
+    blocks: list[BlockProfile] = Field(default_factory=list)
+    source: str = "measured"
+
+    def activation_bytes(self, element_bytes: int) -> float:
+        """Activation bytes per sample when activations are held in `element_bytes`-wide elements."""
+        return self.activation_bytes_per_sample * element_bytes / self.activation_dtype_bytes
+
+    def save(self, path: str | Path) -> None:
+        """Write the profile as JSON (atomically)."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(self.model_dump_json(indent=2) + "\n")
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "WorkloadProfile":
+        """Read a profile written by `save` (or by hand)."""
+        path = Path(path)
+        if not path.is_file():
+            raise HetrainError(
+                f"profile file {str(path)!r} does not exist; write one with "
+                "hetrain.workload.profile(model, sample_input).save(path)"
+            )
+        try:
+            return cls.model_validate(json.loads(path.read_text()))
+        except (json.JSONDecodeError, ValidationError) as e:
+            raise HetrainError(f"profile file {str(path)!r} is not a valid workload profile: {e}") from None
+
+
+def top_level_blocks(model: "nn.Module") -> list[tuple[str, "nn.Module"]]:
+    """The model's direct children, with ModuleLists (which are not called) opened into their items."""
+    from torch import nn
+
+    blocks: list[tuple[str, nn.Module]] = []
+    for name, child in model.named_children():
+        if isinstance(child, nn.ModuleList):
+            blocks.extend((f"{name}.{i}", sub) for i, sub in enumerate(child))
+        else:
+            blocks.append((name, child))
+    return blocks or [("model", model)]
+
+
+def _kind_of(model: "nn.Module") -> WorkloadKind:
+    from torch import nn
+
+    names = {type(m).__name__.lower() for m in model.modules()}
+    if any(isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) for m in model.modules()):
+        return "cnn"
+    if any("attention" in n or "transformer" in n for n in names):
+        return "transformer"
+    return "other"
+
+
+def _matrix_shapes(model: "nn.Module") -> list[tuple[int, int]]:
+    return [(p.shape[0], p[0].numel()) for p in model.parameters() if p.dim() >= 2]
+
+
+def _batch_of(sample_input) -> int:
+    import torch
+
+    first = sample_input[0] if isinstance(sample_input, (tuple, list)) else sample_input
+    if not isinstance(first, torch.Tensor) or first.dim() == 0:
+        raise HetrainError("sample_input must be a batched tensor (or a tuple of them) with the batch first")
+    return int(first.shape[0])
+
+
+def _first_tensor(out) -> "torch.Tensor":
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, Sequence):
+        for item in out:
+            if isinstance(item, torch.Tensor) and item.is_floating_point():
+                return item
+    raise HetrainError("the model's output holds no floating-point tensor to take a gradient of")
+
+
+def profile(model: "nn.Module", sample_input, name: str | None = None, kind: WorkloadKind | None = None) -> WorkloadProfile:
+    """Measure per-sample training costs of `model` on `sample_input` (batch first), on CPU.
+
+    Runs one forward and backward (the loss is the sum of the first floating output). FLOPs come
+    from torch.utils.flop_counter; activation bytes are the distinct tensors saved for backward,
+    parameters excluded, attributed to the top-level block running when they were saved.
+    """
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    batch = _batch_of(sample_input)
+    inputs = tuple(sample_input) if isinstance(sample_input, (tuple, list)) else (sample_input,)
+    blocks = top_level_blocks(model)
+    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: set[tuple[int, int]] = set()
+    saved = {bname: 0 for bname, _ in blocks}
+    saved_outside = 0
+    out_bytes = {bname: 0 for bname, _ in blocks}
+    current: list[str | None] = [None]
+
+    def pack(t):
+        nonlocal saved_outside
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        if key[0] not in param_storages and key not in seen:
+            seen.add(key)
+            if current[0] is None:
+                saved_outside += storage.nbytes()
+            else:
+                saved[current[0]] += storage.nbytes()
+        return t
+
+    handles = []
+    for bname, block in blocks:
+        handles.append(block.register_forward_pre_hook(lambda m, a, bname=bname: current.__setitem__(0, bname)))
+
+        def post(m, a, out, bname=bname):
+            current[0] = None
+            if isinstance(out, torch.Tensor):
+                out_bytes[bname] = out.numel() * out.element_size()
+
+        handles.append(block.register_forward_hook(post))
+    was_training = model.training
+    model.train()
+    try:
+        with FlopCounterMode(display=False) as counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = _first_tensor(model(*inputs)).float().sum()
+            loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+        model.zero_grad(set_to_none=True)
+    counts = {k: sum(v.values()) for k, v in counter.get_flop_counts().items()}
+    prefix = type(model).__name__
+    total_flops = float(counts.get("Global", 0))
+    block_profiles = [
+        BlockProfile(
+            name=bname,
+            params=sum(p.numel() for p in block.parameters()),
+            flops_per_sample=counts.get(f"{prefix}.{bname}", 0) / batch,
+            activation_bytes_per_sample=saved[bname] / batch,
+            output_bytes_per_sample=out_bytes[bname] / batch,
+        )
+        for bname, block in blocks
+    ]
+    total_saved = sum(saved.values()) + saved_outside
+    if total_flops <= 0:
+        raise HetrainError("the FLOP counter saw no floating-point work; profile a model that computes on its input")
+    first = inputs[0]
+    seq_len = int(first.shape[1]) if not first.is_floating_point() and first.dim() == 2 else None
+    return WorkloadProfile(
+        name=name or type(model).__name__,
+        kind=kind or _kind_of(model),
+        params=sum(p.numel() for p in model.parameters()),
+        flops_per_sample=total_flops / batch,
+        activation_bytes_per_sample=total_saved / batch,
+        activation_dtype_bytes=4,
+        seq_len=seq_len,
+        matrix_shapes=_matrix_shapes(model),
+        blocks=block_profiles,
+        source="measured",
+    )
