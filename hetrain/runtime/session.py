@@ -1,0 +1,319 @@
+"""`Session`: one rank's view of a heterogeneous data-parallel job (the loop in DESIGN.md).
+
+    session = hetrain.Session()
+    model, optimizer = session.prepare(model, optimizer)
+    loader = session.loader(dataset, global_batch_size=512, shuffle=True, seed=0)
+    for batch in loader:
+        with session.autocast():
+            loss = loss_fn(model(batch[0]), batch[1])    # mean over this rank's samples
+        session.backward(loss)
+        session.step()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+from hetrain.errors import HetrainError
+from hetrain.planning.batch_split import split_partial
+from hetrain.planning.plan import Plan
+from hetrain.runtime.balancer import Balancer
+from hetrain.runtime.data import GlobalBatchOrder, HeteroLoader
+from hetrain.runtime.precision import JobLossScaler, autocast, configure_tf32
+from hetrain.runtime.timing import StepTimer, TimedHookState, emulated_speed, timed_hook
+
+PLAN_ENV = "HETRAIN_PLAN"
+log = logging.getLogger("hetrain")
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else default
+
+
+class Session:
+    """Reads rank, world size and plan from the launcher, and runs one rank's part of each step."""
+
+    def __init__(self, plan: Plan | str | os.PathLike | None = None, *, backend: str | None = None,
+                 balance: bool | None = None, balance_interval: int | None = None,
+                 device: str | torch.device | None = None, log_level: int | None = None) -> None:
+        self.rank = _env_int("RANK", 0)
+        self.world_size = _env_int("WORLD_SIZE", 1)
+        self.local_rank = _env_int("LOCAL_RANK", 0)
+        self.restart_count = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+        self._configure_logging(log_level)
+
+        self.device = self._pick_device(device)
+        self._owns_group = not dist.is_initialized()
+        if self._owns_group:
+            self._init_process_group(backend)
+        else:
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
+        if plan is None and os.environ.get(PLAN_ENV):
+            plan = os.environ[PLAN_ENV]
+        if plan is not None and not isinstance(plan, Plan):
+            plan = Plan.load(plan)
+        self.plan: Plan | None = plan
+        if plan is not None and plan.world_size != self.world_size:
+            log.warning("the plan has %d ranks but the job has %d; its shares are recomputed for %d ranks",
+                        plan.world_size, self.world_size, self.world_size)
+        self._balance_override = balance
+        self._interval_override = balance_interval
+
+        self.emulated_speed = emulated_speed(self.rank, self.world_size)
+        self.emulated = self.emulated_speed is not None
+        self.precision = self._rank_plan_field("precision", "fp32")
+        configure_tf32(self.precision, self.device)
+        any_fp16 = plan is not None and any(r.precision == "fp16" for r in plan.ranks)
+        self.scaler = JobLossScaler(enabled=any_fp16)
+        self.timer = StepTimer(speed=self.emulated_speed)
+
+        self.model: DistributedDataParallel | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.balancer: Balancer | None = None
+        self._loader: HeteroLoader | None = None
+        self.step_count = 0
+        self._local_n: int | None = None
+        self._global_n: int | None = None
+        self._last_step_end: float | None = None
+        self.step_seconds: list[float] = []      # wall time of each step on this rank
+        self.compute_seconds: list[float] = []   # compute time of each step on this rank
+        if self.is_main and self.emulated:
+            log.info("speeds are emulated on CPU ranks (%s): figures from this run are emulated",
+                     os.environ.get("HETRAIN_EMULATE_SPEEDS"))
+
+    # -- set-up ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def _configure_logging(level: int | None) -> None:
+        logger = logging.getLogger("hetrain")
+        if not logger.handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("[hetrain rank %(rank)s] %(message)s"))
+            handler.addFilter(_RankFilter())
+            logger.addHandler(handler)
+            logger.propagate = False
+        if level is not None:
+            logger.setLevel(level)
+        elif logger.level == logging.NOTSET:
+            logger.setLevel(logging.INFO if _env_int("RANK", 0) == 0 else logging.WARNING)
+
+    def _pick_device(self, device: str | torch.device | None) -> torch.device:
+        if device is not None:
+            return torch.device(device)
+        if torch.cuda.is_available():
+            return torch.device("cuda", self.local_rank % torch.cuda.device_count())
+        return torch.device("cpu")
+
+    def _init_process_group(self, backend: str | None) -> None:
+        backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend, rank=self.rank, world_size=self.world_size)
+        elif self.world_size == 1:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            raise HetrainError(
+                f"WORLD_SIZE is {self.world_size} but no rendezvous address is set; "
+                "start the script with `hetrain launch --nproc-per-node N script.py`"
+            )
+
+    def _rank_plan_field(self, name: str, default: Any) -> Any:
+        if self.plan is None or self.plan.world_size != self.world_size:
+            return default
+        return getattr(self.plan.ranks[self.rank], name)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # -- the user's calls -------------------------------------------------------------------------
+
+    def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+                ) -> tuple[DistributedDataParallel, torch.optim.Optimizer | None]:
+        """Place the model on this rank's device and wrap it in DistributedDataParallel."""
+        if self.model is not None:
+            raise HetrainError("session.prepare() was already called; a session trains one model")
+        model = model.to(self.device)
+        model = self._sync_batchnorm(model)
+        comm = self.plan.comm if self.plan is not None else None
+        ddp = DistributedDataParallel(
+            model,
+            device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            bucket_cap_mb=comm.bucket_cap_mb if comm else 25.0,
+            gradient_as_bucket_view=comm.gradient_as_bucket_view if comm else True,
+        )
+        inner_state, inner_hook = self._inner_comm_hook()
+        ddp.register_comm_hook(TimedHookState(self.timer, inner_state, inner_hook), timed_hook)
+        ddp.register_forward_pre_hook(self.timer.forward_pre_hook)
+        self.model, self.optimizer = ddp, optimizer
+        return ddp, optimizer
+
+    def _inner_comm_hook(self):
+        comm = self.plan.comm if self.plan is not None else None
+        if comm is not None and (comm.compression != "none" or comm.hierarchical):
+            from hetrain.runtime.comm_hooks import build_comm_hook
+
+            return build_comm_hook(comm)
+        return None, default_hooks.allreduce_hook
+
+    def _sync_batchnorm(self, model: torch.nn.Module) -> torch.nn.Module:
+        has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+        if not has_bn or self.world_size == 1:
+            return model
+        if self.device.type == "cuda":
+            return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        if self.is_main:
+            warnings.warn(
+                "BatchNorm statistics stay local to each CPU rank (SyncBatchNorm needs CUDA); with uneven "
+                "shares each rank normalises over its own share. Use GroupNorm/LayerNorm for exact results.",
+                stacklevel=3,
+            )
+        return model
+
+    def loader(self, dataset: Any, global_batch_size: int, *, shuffle: bool = True, seed: int = 0,
+               drop_last: bool = True, collate_fn=None) -> HeteroLoader:
+        """This rank's slices of one sequence of global batches (the same for any world size or split)."""
+        if global_batch_size < self.world_size:
+            raise HetrainError(
+                f"global batch size {global_batch_size} is smaller than the number of ranks "
+                f"({self.world_size}); use a global batch of at least {self.world_size}"
+            )
+        if self._loader is not None:
+            raise HetrainError("session.loader() was already called; a session reads one dataset")
+        self._setup_split(global_batch_size)
+        order = GlobalBatchOrder(len(dataset), global_batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        self._loader = HeteroLoader(self, dataset, order, collate_fn)
+        return self._loader
+
+    def _setup_split(self, global_batch_size: int) -> None:
+        plan = self.plan
+        if plan is not None and plan.global_batch_size != global_batch_size:
+            raise HetrainError(
+                f"the plan is for a global batch of {plan.global_batch_size}, the loader asks for "
+                f"{global_batch_size}; use the same global_batch_size or re-plan"
+            )
+        if plan is None or plan.world_size != self.world_size:
+            resized = Plan.even(self.world_size, global_batch_size)
+            if plan is not None:
+                resized = resized.model_copy(update={"balance": plan.balance, "comm": plan.comm})
+            plan = resized
+        config = plan.balance.model_copy()
+        if self._balance_override is not None:
+            config.enabled = self._balance_override
+        if self._interval_override is not None:
+            config.interval = self._interval_override
+        self.balancer = Balancer(config=config, shares=list(plan.shares))
+
+    @property
+    def shares(self) -> list[int]:
+        """Samples of each full global batch that each rank takes, by rank."""
+        if self.balancer is None:
+            raise HetrainError("no split yet: call session.loader(dataset, global_batch_size) first")
+        return self.balancer.shares
+
+    @property
+    def local_batch_size(self) -> int | None:
+        """Samples this rank computes in the current step."""
+        return self._local_n
+
+    def _begin_step(self, local_n: int, global_n: int) -> None:
+        self._local_n, self._global_n = local_n, global_n
+
+    def autocast(self):
+        """This rank's precision for the forward pass (bf16/fp16 autocast, or none)."""
+        return autocast(self.precision, self.device)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of this rank's mean loss, weighted by its share so DDP's average is the global mean."""
+        if self.model is None:
+            raise HetrainError("call session.prepare(model, optimizer) before session.backward()")
+        if self._global_n is None:
+            raise HetrainError("session.backward() needs a batch from session.loader(); iterate the loader")
+        if self._local_n == 0:
+            # No samples this step: contribute exact zeros, still joining every collective.
+            loss = sum((p.sum() * 0.0) for p in self.model.parameters() if p.requires_grad)
+        else:
+            loss = loss * (self._local_n * self.world_size / self._global_n)
+        self.scaler.scale_loss(loss).backward()
+
+    def step(self) -> bool:
+        """Optimizer step (skipped on every rank if any overflowed), then balance; True if applied."""
+        if self.optimizer is None:
+            raise HetrainError("session.step() needs an optimizer: pass it to session.prepare(model, optimizer)")
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+
+        def apply() -> bool:
+            finite = self.scaler.unscale_and_check(params)
+            if finite:
+                self.optimizer.step()
+            self.scaler.update(finite)
+            return finite
+
+        applied = self.timer.time_optimizer(apply)
+        self.optimizer.zero_grad(set_to_none=True)
+        compute = self.timer.end_step()
+        now = time.perf_counter()
+        if self._last_step_end is not None:
+            self.step_seconds.append(now - self._last_step_end)
+            self.compute_seconds.append(compute)
+        self._last_step_end = now
+        self.balancer.record(self._local_n or 0, compute)
+        self.step_count += 1
+        if self.balancer.due(self.step_count):
+            self.balancer.rebalance(self.step_count, self.balancer.exchange(self.device))
+        self._local_n = self._global_n = None
+        return applied
+
+    # -- helpers for users and tools ---------------------------------------------------------------
+
+    def global_mean(self, value: torch.Tensor | float) -> float:
+        """The sample-weighted mean over the global batch of a per-rank mean (e.g. the loss)."""
+        n = self._local_n if self._local_n is not None else 0
+        v = float(value.detach().float().item() if isinstance(value, torch.Tensor) else value)
+        t = torch.tensor([v * n if n else 0.0, float(n)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return float(t[0] / t[1]) if t[1] > 0 else float("nan")
+
+    def partial_shares(self, global_n: int) -> list[int]:
+        return split_partial(global_n, self.shares)
+
+    def idle_fraction(self, last: int | None = None) -> float:
+        """Fraction of this rank's wall time per step spent not computing (waiting on others)."""
+        wall = self.step_seconds[-last:] if last else self.step_seconds
+        comp = self.compute_seconds[-last:] if last else self.compute_seconds
+        return max(0.0, 1.0 - sum(comp) / sum(wall)) if wall and sum(wall) > 0 else 0.0
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def close(self) -> None:
+        """Leave the process group (if this session started it)."""
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _RankFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = os.environ.get("RANK", "0")
+        return True
+
+

@@ -1,0 +1,115 @@
+"""Per-step compute timing and speed emulation, measured where collectives cannot distort it.
+
+The compute of a step runs from the first forward to the moment the last gradient bucket is
+ready, which DDP signals by calling the comm hook on its last bucket. Waiting for other ranks
+happens after that point, so it is not counted. The optimizer step is timed separately.
+
+Speed emulation (CPU ranks only): a rank at speed ``s`` pads each measured compute interval to
+``1/s`` of its length, before its last bucket is sent, so the other ranks wait for it as they
+would wait for a slower device. Whatever it produces is labelled as emulated.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hetrain.errors import HetrainError
+
+EMULATE_ENV = "HETRAIN_EMULATE_SPEEDS"
+
+
+def parse_speeds(text: str) -> list[float]:
+    """'1,0.5' -> [1.0, 0.5]; every speed must be a positive number."""
+    speeds = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            value = float(part)
+        except ValueError:
+            raise HetrainError(f"speed {part!r} is not a number; write speeds like --emulate-speeds 1,0.5") from None
+        if not value > 0 or value == float("inf"):
+            raise HetrainError(f"speed {part} must be above 0 (1 = full speed, 0.5 = half); got {value}")
+        speeds.append(value)
+    if not speeds:
+        raise HetrainError("no speeds given; write speeds like --emulate-speeds 1,0.5")
+    return speeds
+
+
+def emulated_speed(rank: int, world_size: int) -> float | None:
+    """This rank's emulated speed from the launcher's environment, or None when not emulating."""
+    text = os.environ.get(EMULATE_ENV)
+    if not text:
+        return None
+    speeds = parse_speeds(text)
+    if len(speeds) != world_size:
+        raise HetrainError(
+            f"{len(speeds)} emulated speeds ({text}) for {world_size} ranks; give one speed per rank"
+        )
+    return speeds[rank]
+
+
+def pad_to_speed(elapsed: float, speed: float | None) -> float:
+    """Sleep so that ``elapsed`` seconds of work take ``elapsed / speed``; returns the padded time."""
+    if speed is None or speed >= 1.0 or elapsed <= 0:
+        return elapsed
+    pad = elapsed * (1.0 / speed - 1.0)
+    time.sleep(pad)
+    return elapsed + pad
+
+
+@dataclass
+class StepTimer:
+    """Compute seconds of the current step on this rank (emulation included)."""
+
+    speed: float | None = None
+    _start: float | None = None
+    compute_s: float = 0.0          # forward+backward of the step, set when the last bucket is ready
+    optimizer_s: float = 0.0
+    history: list[tuple[int, float]] = field(default_factory=list)  # (samples, compute_s) per step
+
+    def forward_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
+        if self._start is None:
+            self._start = time.perf_counter()
+
+    def grads_ready(self) -> None:
+        """Called when this rank's last gradient bucket is ready: the compute of the step is over."""
+        if self._start is None:
+            return
+        self.compute_s = pad_to_speed(time.perf_counter() - self._start, self.speed)
+        self._start = None
+
+    def time_optimizer(self, fn: Callable[[], Any]) -> Any:
+        t0 = time.perf_counter()
+        out = fn()
+        self.optimizer_s = pad_to_speed(time.perf_counter() - t0, self.speed)
+        return out
+
+    def end_step(self) -> float:
+        """The step's compute seconds (forward, backward, optimizer); resets for the next step."""
+        total = self.compute_s + self.optimizer_s
+        self.compute_s = self.optimizer_s = 0.0
+        self._start = None
+        return total
+
+
+@dataclass
+class TimedHookState:
+    """DDP comm-hook state: the inner hook (compression, hierarchy, plain all-reduce) and the timer."""
+
+    timer: StepTimer
+    inner_state: Any
+    inner_hook: Callable[[Any, dist.GradBucket], torch.futures.Future]
+
+
+def timed_hook(state, bucket):
+    # No annotations: DDP checks them, and postponed annotations are strings.
+    if bucket.is_last():
+        state.timer.grads_ready()
+    return state.inner_hook(state.inner_state, bucket)

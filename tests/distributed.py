@@ -1,0 +1,61 @@
+"""Run a function on N CPU ranks over gloo, as the launcher would set them up (for tests)."""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue, env: dict) -> None:
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    try:
+        buf = io.BytesIO()
+        torch.save(fn(rank, world, *args), buf)  # bytes, not shared-memory handles that die with us
+        queue.put((rank, "ok", buf.getvalue()))
+    except BaseException:  # report to the parent, which fails the test with this trace
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world: int, *args: Any, env: dict | None = None, timeout: float = 120) -> list[Any]:
+    """fn(rank, world, *args) on `world` processes; returns each rank's return value, by rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue, env or {})) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors = []
+    for _ in range(world):
+        rank, status, value = queue.get()
+        if status == "error":
+            errors.append(f"rank {rank}:\n{value}")
+        results[rank] = torch.load(io.BytesIO(value), weights_only=False) if status == "ok" else None
+    for p in procs:
+        p.join(timeout)
+        if p.is_alive():
+            p.kill()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world)]
