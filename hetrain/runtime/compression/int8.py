@@ -100,7 +100,7 @@ def int8_allreduce(state: Int8State, bucket: dist.GradBucket) -> torch.Tensor:
         acc[:numel] += residual
     q, scales = quantize(acc.view(n, shard), state.chunk)
     if state.error_feedback:
-        residual.copy_(acc[:numel] - dequantize(q, scales, state.chunk).view(-1)[:numel])
+        residual.copy_(acc[:numel] - dequantize(q, scales, state.chunk).reshape(-1)[:numel])
 
     send = _pack(q, scales)
     recv = torch.empty_like(send)
@@ -112,11 +112,11 @@ def int8_allreduce(state: Int8State, bucket: dist.GradBucket) -> torch.Tensor:
         mine += shard_residual
     q2, s2 = quantize(mine.view(1, shard), state.chunk)
     if state.error_feedback:
-        shard_residual.copy_(mine - dequantize(q2, s2, state.chunk).view(-1))
+        shard_residual.copy_(mine - dequantize(q2, s2, state.chunk).reshape(-1))
 
-    gathered = torch.empty(n, send.shape[1], dtype=torch.int8)
+    gathered = torch.empty(n * send.shape[1], dtype=torch.int8)
     dist.all_gather_single(gathered, _pack(q2, s2).view(-1), group=group)
-    gq, gscales = _unpack(gathered, shard)
+    gq, gscales = _unpack(gathered.view(n, -1), shard)
     result = dequantize(gq, gscales, state.chunk).reshape(-1)[:numel]
     buf.copy_(result)
     return buf

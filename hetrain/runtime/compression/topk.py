@@ -71,9 +71,10 @@ def topk_allreduce(state: TopkState, bucket: dist.GradBucket) -> torch.Tensor:
         residual[idx] = 0.0
 
     send = torch.cat([idx.to(torch.int32), values.view(torch.int32)])
-    gathered = torch.empty(n, 2 * k, dtype=torch.int32)
-    state.stats.add(allgather_bytes(gathered.numel() * 4, n))
-    dist.all_gather_single(gathered, send, group=group)
+    flat = torch.empty(n * 2 * k, dtype=torch.int32)
+    state.stats.add(allgather_bytes(flat.numel() * 4, n))
+    dist.all_gather_single(flat, send, group=group)
+    gathered = flat.view(n, 2 * k)
     out = torch.zeros(numel)
     out.index_add_(0, gathered[:, :k].reshape(-1).long(), gathered[:, k:].contiguous().view(torch.float32).reshape(-1))
     buf.copy_(out.div_(n))
