@@ -1,0 +1,109 @@
+"""`hetrain plan`: choose per-device shares, precision, memory strategy and compression."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from hetrain.errors import HetrainError
+
+
+def add_cluster_args(parser: argparse.ArgumentParser) -> None:
+    """--cluster FILE | --preset NAME | --devices MODEL:COUNT,... (exactly one)."""
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--cluster", metavar="FILE", help="cluster file (YAML)")
+    group.add_argument("--preset", metavar="NAME", help="a named cluster: a100x8, v100x8, a100x4+v100x4, mix1024")
+    group.add_argument("--devices", metavar="MODEL:COUNT,...", help="devices on one node, e.g. a100:4,v100:4")
+
+
+def cluster_from_args(args: argparse.Namespace):
+    """The Cluster the arguments name."""
+    from hetrain.hardware.cluster import cluster_from_devices, get_preset, load_cluster
+
+    if args.cluster:
+        cluster = load_cluster(args.cluster)
+    elif args.preset:
+        cluster = get_preset(args.preset)
+    else:
+        cluster = cluster_from_devices(args.devices)
+    if cluster.size == 0:
+        raise HetrainError("the cluster has no devices; list at least one device")
+    return cluster
+
+
+def profile_from_args(args: argparse.Namespace):
+    """The workload profile: a zoo model by name or a saved profile file."""
+    from hetrain.workload import WorkloadProfile, get_profile
+
+    return WorkloadProfile.load(args.profile) if args.profile else get_profile(args.model)
+
+
+def build_parser(parser: argparse.ArgumentParser) -> None:
+    add_cluster_args(parser)
+    model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model", help="reference model: resnet50, resnet152, bert-base, bert-large, "
+                       "bert-large-512, gpt2-124m, gpt2-1.5b, llama-7b, ...")
+    model.add_argument("--profile", metavar="FILE", help="profile saved by hetrain.workload.profile(...).save()")
+    parser.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
+    parser.add_argument("--strategy", default="auto", choices=["auto", "ddp", "balanced", "zero1", "zero3", "pipeline"])
+    parser.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "tf32", "fp32"])
+    parser.add_argument("--micro-batch", type=int, default=None, help="fix the micro-batch on every device")
+    parser.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "lion", "sgd-nomomentum"])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--out", metavar="PLAN.json", help="write the Plan document here")
+
+
+def run(args: argparse.Namespace) -> int:
+    from hetrain.planning.planner import plan_job
+
+    if args.global_batch < 1:
+        raise HetrainError(f"--global-batch must be a positive integer, got {args.global_batch}")
+    if args.micro_batch is not None and args.micro_batch < 1:
+        raise HetrainError(f"--micro-batch must be a positive integer, got {args.micro_batch}")
+    result = plan_job(cluster_from_args(args), profile_from_args(args), args.global_batch,
+                      optimizer=args.optimizer, strategy=args.strategy, precision=args.precision,
+                      micro_batch=args.micro_batch)
+    if args.out:
+        result.plan.save(args.out)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print_result(result)
+        if args.out:
+            print(f"plan written to {args.out}")
+    return 0
+
+
+def print_result(result) -> None:
+    """Rich tables: one row per device (identical rows folded), then the candidates."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=sys.stdout)
+    plan = result.plan
+    table = Table(title=f"hetrain plan: {plan.strategy}, global batch {plan.global_batch_size}")
+    for col in ("ranks", "device", "precision", "share", "micro-batch x accum", "memory used / total",
+                "checkpointing", "stage", "step (s)"):
+        table.add_column(col)
+    rows: dict[tuple, list[int]] = {}
+    for r in plan.ranks:
+        key = (r.device, r.precision, r.share, r.micro_batch, r.grad_accum, r.memory_bytes, r.memory_capacity_bytes,
+               r.activation_checkpointing, r.stage, r.predicted_step_seconds)
+        rows.setdefault(key, []).append(r.rank)
+    for key, ranks in rows.items():
+        dev, prec, share, mb, acc, mem, cap, ckpt, stage, t = key
+        label = str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}..{ranks[-1]} ({len(ranks)})"
+        table.add_row(label, dev, prec, str(share), f"{mb} x {acc}", f"{(mem or 0) / 1e9:.1f} / {(cap or 0) / 1e9:.0f} GB",
+                      "yes" if ckpt else "no", str(stage), f"{t:.3f}" if t is not None else "-")
+    console.print(table)
+    cands = Table(title="candidates")
+    for col in ("strategy", "samples/s", "compression", "why"):
+        cands.add_column(col)
+    for c in result.candidates:
+        cands.add_row(c.strategy, f"{c.samples_per_s:.1f}" if c.feasible else "-", c.compression, c.reason)
+    console.print(cands)
+    console.print(f"predicted {plan.predicted_samples_per_s:.1f} samples/s; uniform DDP "
+                  f"{result.uniform_ddp_samples_per_s:.1f}; ideal (sum of devices alone) {result.ideal_samples_per_s:.1f}")
+    for note in plan.notes:
+        console.print(f"- {note}")

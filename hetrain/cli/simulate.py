@@ -1,0 +1,104 @@
+"""`hetrain simulate`: sweep cluster sizes or mixes, plot predicted samples/s and scaling
+efficiency per strategy (PNG), and write the figures (CSV)."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+
+from hetrain.errors import HetrainError
+
+
+def build_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="reference model name (see hetrain plan --help)")
+    parser.add_argument("--mix", default="a100:1,v100:1",
+                        help="device mix repeated at each size, MODEL:COUNT,... (default a100:1,v100:1)")
+    parser.add_argument("--sizes", default="1,2,4,8,16,32", help="how many copies of the mix, comma-separated")
+    parser.add_argument("--per-node", type=int, default=8, help="devices per node (NVLink inside, network between)")
+    parser.add_argument("--inter-node-gbps", type=float, default=100.0, help="network bandwidth per node, Gb/s")
+    parser.add_argument("--batch-per-device", type=int, default=64, help="global batch = this x devices")
+    parser.add_argument("--out", default="simulate", help="output prefix: PREFIX.png and PREFIX.csv")
+
+
+def _mix(text: str) -> list[tuple[str, int]]:
+    out = []
+    for item in text.split(","):
+        name, _, count = item.strip().partition(":")
+        if not name or not (count or "1").isdigit() or int(count or "1") < 1:
+            raise HetrainError(f"--mix {text!r}: write MODEL:COUNT,... with positive counts, e.g. a100:1,v100:1")
+        out.append((name, int(count or "1")))
+    return out
+
+
+def sweep_cluster(mix: list[tuple[str, int]], copies: int, per_node: int, gbps: float):
+    """`copies` of the mix, packed onto nodes of `per_node` devices of one model each."""
+    from hetrain.hardware.cluster import Cluster
+
+    nodes = []
+    for name, count in mix:
+        left = count * copies
+        while left > 0:
+            n = min(per_node, left)
+            nodes.append({"name": f"{name}-{len(nodes)}", "devices": [{"model": name, "count": n}]})
+            left -= n
+    return Cluster.model_validate({"name": "sweep", "nodes": nodes, "inter_node_gbps": gbps})
+
+
+def run(args: argparse.Namespace) -> int:
+    from hetrain.planning.planner import plan_job
+    from hetrain.workload import get_profile
+
+    profile = get_profile(args.model)
+    mix = _mix(args.mix)
+    try:
+        sizes = [int(s) for s in args.sizes.split(",")]
+    except ValueError:
+        raise HetrainError(f"--sizes {args.sizes!r}: write positive integers, e.g. 1,2,4,8") from None
+    if any(s < 1 for s in sizes) or args.batch_per_device < 1 or args.per_node < 1:
+        raise HetrainError("--sizes, --batch-per-device and --per-node must be positive")
+    rows = []
+    for size in sizes:
+        cluster = sweep_cluster(mix, size, args.per_node, args.inter_node_gbps)
+        result = plan_job(cluster, profile, args.batch_per_device * cluster.size)
+        for c in result.candidates:
+            if c.feasible:
+                rows.append({"devices": cluster.size, "strategy": c.strategy, "compression": c.compression,
+                             "samples_per_s": round(c.samples_per_s, 3), "ideal_samples_per_s": round(result.ideal_samples_per_s, 3),
+                             "scaling_efficiency": round(c.samples_per_s / result.ideal_samples_per_s, 4),
+                             "chosen": c.strategy == result.plan.strategy})
+    if not rows:
+        raise HetrainError(f"no feasible plan for {args.model} at any size; try a larger mix or another model")
+    with open(f"{args.out}.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    _plot(rows, f"{args.out}.png", f"{args.model} on copies of {args.mix}")
+    print(f"wrote {args.out}.csv and {args.out}.png ({len(rows)} points)", file=sys.stdout)
+    return 0
+
+
+def _plot(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for strategy in dict.fromkeys(r["strategy"] for r in rows):
+        pts = [r for r in rows if r["strategy"] == strategy]
+        xs = [r["devices"] for r in pts]
+        ax1.plot(xs, [r["samples_per_s"] for r in pts], marker="o", label=strategy)
+        ax2.plot(xs, [r["scaling_efficiency"] for r in pts], marker="o", label=strategy)
+    ideal = sorted({(r["devices"], r["ideal_samples_per_s"]) for r in rows})
+    ax1.plot([x for x, _ in ideal], [y for _, y in ideal], "k--", label="ideal (sum of devices)")
+    for ax, label in ((ax1, "predicted samples/s"), (ax2, "fraction of ideal")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("GPUs")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+    ax1.legend(fontsize=8)
+    fig.suptitle(title + " (predicted by hetrain's cost model)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

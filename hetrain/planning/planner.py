@@ -1,0 +1,506 @@
+"""The planner: for a cluster, a workload and a global batch, choose per device the precision,
+share, micro-batch, accumulation, activation checkpointing, sharding or pipeline stage, and
+gradient compression, by comparing candidate strategies on the cost model's predicted speed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from hetrain.errors import HetrainError
+from hetrain.planning import cost_model as cm
+from hetrain.planning.compression import PREFERENCE, compression_ratio, lossless_for
+from hetrain.planning.partition import KindLoad, partition_blocks, split_by_kind
+from hetrain.planning.plan import BalancePlan, CommPlan, PipelinePlan, Plan, RankPlan
+from hetrain.planning.precision_policy import choose_precision, needs_loss_scaling
+from hetrain.workload.profile import WorkloadProfile
+
+STRATEGIES = ("auto", "ddp", "balanced", "zero1", "zero3", "pipeline")
+_ZERO = {"ddp": 0, "balanced": 0, "zero1": 1, "zero3": 3}
+_SHARDING = {"ddp": "none", "balanced": "none", "zero1": "zero1", "zero3": "fsdp"}
+COMM_BOUND_FRACTION = 0.05  # exposed network time above this share of a step makes the link the bottleneck
+GOOD_ENOUGH = 0.95  # a more preferred (less lossy) hook wins when within this fraction of the best
+GB = 1e9
+
+
+@dataclass
+class Kind:
+    """Devices of one catalog model in the cluster, and their compute figures for this workload."""
+
+    spec: object
+    ranks: list[int]
+    precision: str
+    note: str | None
+    sample_s: float
+    sample_s_ckpt: float
+    fixed_s: float
+
+    @property
+    def count(self) -> int:
+        return len(self.ranks)
+
+    def time(self, share: int, micro_batch: int, ckpt: bool) -> float:
+        if share <= 0:
+            return 0.0
+        return math.ceil(share / micro_batch) * self.fixed_s + share * (self.sample_s_ckpt if ckpt else self.sample_s)
+
+
+@dataclass
+class Candidate:
+    """One strategy's best plan and predicted speed, or why it cannot run."""
+
+    strategy: str
+    samples_per_s: float = 0.0
+    step_seconds: float = float("inf")
+    plan: Plan | None = None
+    reason: str = ""
+    compression: str = "none"
+    exposed_comm_seconds: float = 0.0
+    inter_node_seconds: float = 0.0
+    shortfall_bytes: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def feasible(self) -> bool:
+        return self.plan is not None
+
+    def summary(self) -> dict:
+        return {
+            "strategy": self.strategy,
+            "feasible": self.feasible,
+            "predicted_samples_per_s": round(self.samples_per_s, 3),
+            "step_seconds": round(self.step_seconds, 6) if self.feasible else None,
+            "compression": self.compression,
+            "reason": self.reason,
+        }
+
+
+@dataclass
+class PlanResult:
+    """The chosen plan, the candidates it was compared with, and the reference speeds."""
+
+    plan: Plan
+    candidates: list[Candidate]
+    ideal_samples_per_s: float
+    uniform_ddp_samples_per_s: float
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        """The `hetrain plan --json` object."""
+        return {
+            "strategy": self.plan.strategy,
+            "predicted_samples_per_s": self.plan.predicted_samples_per_s,
+            "uniform_ddp_samples_per_s": self.uniform_ddp_samples_per_s,
+            "ideal_samples_per_s": self.ideal_samples_per_s,
+            "ranks": [
+                {
+                    "rank": r.rank,
+                    "device": r.device,
+                    "precision": r.precision,
+                    "share": r.share,
+                    "micro_batch": r.micro_batch,
+                    "grad_accum": r.grad_accum,
+                    "activation_checkpointing": r.activation_checkpointing,
+                    "stage": r.stage,
+                    "memory_bytes": r.memory_bytes,
+                    "memory_capacity_bytes": r.memory_capacity_bytes,
+                    "predicted_step_seconds": r.predicted_step_seconds,
+                }
+                for r in self.plan.ranks
+            ],
+            "candidates": [c.summary() for c in self.candidates],
+            "notes": self.notes,
+            "plan": self.plan.model_dump(mode="json"),
+        }
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def kinds_of(cluster, profile: WorkloadProfile, precision: str, calib: cm.Calibration) -> list[Kind]:
+    """Group the cluster's devices by catalog model, with precision and per-sample times."""
+    devices = cluster.devices()
+    if not devices:
+        raise HetrainError("the cluster has no devices; list at least one device in the cluster file")
+    kinds: dict[str, Kind] = {}
+    for d in devices:
+        if d.spec.name not in kinds:
+            prec, note = choose_precision(d.spec, precision)
+            kinds[d.spec.name] = Kind(
+                spec=d.spec, ranks=[], precision=prec, note=note,
+                sample_s=cm.sample_seconds(profile, d.spec, prec, calib, False),
+                sample_s_ckpt=cm.sample_seconds(profile, d.spec, prec, calib, True),
+                fixed_s=cm.fixed_seconds_per_microbatch(profile, d.spec, prec),
+            )
+        kinds[d.spec.name].ranks.append(d.rank)
+    return list(kinds.values())
+
+
+def max_micro_batch(profile: WorkloadProfile, kind: Kind, optimizer: str, zero: int, world: int,
+                    ckpt: bool, limit: int) -> int:
+    """Largest micro-batch (<= limit) whose predicted memory fits the device; 0 if none does."""
+    cap = kind.spec.memory_bytes
+
+    def fits(mb: int) -> bool:
+        return cm.memory_estimate(profile, kind.precision, mb, optimizer=optimizer, zero=zero, world=world,
+                                  checkpointing=ckpt).total <= cap
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, max(1, limit)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _comm(profile: WorkloadProfile, topo: cm.CommTopology, zero: int, hook: str, accum: int,
+          overlap_seconds: float) -> tuple[float, float]:
+    """(exposed seconds, exposed network seconds) of one step's gradient and parameter traffic.
+
+    DDP hides all but the last bucket of its all-reduce under backward; ZeRO-1's parameter
+    broadcast after the optimizer step hides under nothing; FSDP's gathers and reduce-scatters
+    (per micro-batch) hide under forward and backward except the first block's gather.
+    """
+    grad = 4.0 * profile.params
+    if zero >= 3:
+        c = cm.allreduce_cost(grad, topo, factor=1.0)
+        total = 3 * accum * c.seconds
+        first = total / (3 * accum * max(1, len(profile.blocks)))
+        exposed = max(total - overlap_seconds, first)
+        return exposed, exposed * (c.inter_node_seconds / c.seconds if c.seconds else 0.0)
+    ratio = compression_ratio(hook, profile)
+    c = cm.allreduce_cost(grad * ratio, topo)
+    exposed = cm.exposed_seconds(c.seconds, overlap_seconds, grad * ratio)
+    net = exposed * (c.inter_node_seconds / c.seconds if c.seconds else 0.0)
+    if zero == 1:
+        g = cm.allreduce_cost(grad, topo, factor=1.0)
+        exposed, net = exposed + g.seconds, net + g.inter_node_seconds
+    return exposed, net
+
+
+def _memory_note(profile, kind, optimizer, zero, world) -> tuple[float, str]:
+    need = cm.memory_estimate(profile, kind.precision, 1, optimizer=optimizer, zero=zero, world=world,
+                              checkpointing=True).total
+    short = need - kind.spec.memory_bytes
+    return short, (f"{kind.spec.name} needs {need / GB:.1f} GB at micro-batch 1 with activation checkpointing, "
+                   f"has {kind.spec.memory_bytes / GB:.1f} GB ({short / GB:.1f} GB missing)")
+
+
+# ---------------------------------------------------------------- data-parallel strategies
+
+
+def data_parallel(strategy: str, cluster, profile: WorkloadProfile, kinds: list[Kind], global_batch: int,
+                  optimizer: str, micro_batch: int | None, hook: str = "none") -> Candidate:
+    """Uniform DDP ("ddp"), balanced DDP, ZeRO-1 or ZeRO-3 (FSDP) over every device."""
+    zero = _ZERO[strategy]
+    world = sum(k.count for k in kinds)
+    cand = Candidate(strategy, compression=hook)
+    limits, ckpts = [], []
+    for k in kinds:
+        limit = global_batch if micro_batch is None else micro_batch
+        ckpt = False
+        mb = max_micro_batch(profile, k, optimizer, zero, world, False, limit)
+        if mb < min(limit, micro_batch or 1):
+            ckpt = True
+            mb = max_micro_batch(profile, k, optimizer, zero, world, True, limit)
+        if mb < (micro_batch or 1):
+            short, text = _memory_note(profile, k, optimizer, zero, world)
+            cand.reason, cand.shortfall_bytes = f"does not fit: {text}", short
+            return cand
+        limits.append(mb)
+        ckpts.append(ckpt)
+    if strategy == "ddp":  # as frameworks do: even shares, one micro-batch size everywhere
+        base, extra = divmod(global_batch, world)
+        mb_all = min(min(limits), base + (1 if extra else 0))
+        shares = {r: base + (1 if i < extra else 0) for i, r in enumerate(sorted(r for k in kinds for r in k.ranks))}
+        per_rank = {r: (shares[r], mb_all, kc) for k, kc in zip(kinds, ckpts) for r in k.ranks}
+    else:
+        loads = [KindLoad(k.count, lambda n, k=k, mb=mb, c=c: k.time(n, mb, c)) for k, mb, c in zip(kinds, limits, ckpts)]
+        split = split_by_kind(global_batch, loads)
+        per_rank = {}
+        for k, mb, c, sh in zip(kinds, limits, ckpts, split):
+            for r, s in zip(k.ranks, sh):
+                per_rank[r] = (s, mb, c)
+    kind_of = {r: k for k in kinds for r in k.ranks}
+    ranks, compute, slow_rank = [], {}, None
+    for r in range(world):
+        share, mb, ckpt = per_rank[r]
+        k = kind_of[r]
+        accum = max(1, math.ceil(share / mb)) if share else 1
+        mb_even = max(1, math.ceil(share / accum)) if share else 1
+        t = k.time(share, mb_even, ckpt)
+        compute[r] = (t, accum)
+        mem = cm.memory_estimate(profile, k.precision, mb_even if share else 0, optimizer=optimizer, zero=zero,
+                                 world=world, checkpointing=ckpt).total
+        ranks.append(RankPlan(rank=r, device=k.spec.name, share=share, precision=k.precision,
+                              micro_batch=mb_even, grad_accum=accum, activation_checkpointing=ckpt,
+                              memory_bytes=mem, memory_capacity_bytes=k.spec.memory_bytes,
+                              predicted_step_seconds=t))
+        if slow_rank is None or t > compute[slow_rank][0]:
+            slow_rank = r
+    t_slow, accum_slow = compute[slow_rank]
+    topo = cm.topology_of(cluster)
+    overlap = t_slow if zero >= 3 else t_slow / accum_slow * cm.backward_fraction(per_rank[slow_rank][2])
+    exposed, net_exposed = _comm(profile, topo, zero, hook, accum_slow, overlap)
+    step = t_slow + exposed
+    cand.step_seconds, cand.samples_per_s = step, global_batch / step
+    cand.exposed_comm_seconds, cand.inter_node_seconds = exposed, net_exposed
+    two_level = cm.allreduce_cost(4.0 * profile.params, topo).algorithm == "two-level"
+    cand.plan = Plan(
+        global_batch_size=global_batch, strategy=strategy, sharding=_SHARDING[strategy], ranks=ranks,
+        balance=BalancePlan(enabled=strategy != "ddp"),
+        comm=CommPlan(compression=hook, hierarchical=two_level, islands=cluster.islands() if two_level else None),
+        predicted_samples_per_s=cand.samples_per_s,
+    )
+    cand.reason = (f"step {step * 1e3:.1f} ms: compute {t_slow * 1e3:.1f} ms on the slowest rank, "
+                   f"{exposed * 1e3:.1f} ms communication not hidden under backward")
+    return cand
+
+
+def with_compression(strategy: str, cluster, profile, kinds, global_batch, optimizer, micro_batch) -> Candidate:
+    """A data-parallel candidate, compressed only if the network between nodes is the bottleneck."""
+    plain = data_parallel(strategy, cluster, profile, kinds, global_batch, optimizer, micro_batch)
+    if not plain.feasible or strategy == "zero3":
+        return plain
+    share = plain.inter_node_seconds / plain.step_seconds
+    if share <= COMM_BOUND_FRACTION:
+        if len(cluster.nodes) > 1:
+            plain.notes.append(f"{strategy}: network time not hidden under backward is {share:.1%} of a step; "
+                         "no gradient compression needed")
+        return plain
+    order = [h for h in PREFERENCE if h not in ("fp16", "bf16")]
+    order.insert(1, lossless_for(k.spec for k in kinds))
+    tried = [plain] + [data_parallel(strategy, cluster, profile, kinds, global_batch, optimizer, micro_batch, h)
+                       for h in order[1:]]
+    best = max(c.samples_per_s for c in tried)
+    chosen = next(c for c in tried if c.samples_per_s >= GOOD_ENOUGH * best)
+    speeds = ", ".join(f"{c.compression} {c.samples_per_s:.0f}/s" for c in tried)
+    chosen.notes.append(f"{strategy}: the link between nodes is the bottleneck (exposed network time {share:.0%} of a "
+                 f"step without compression); predicted {speeds}; chose {chosen.compression}"
+                 + (" (the least lossy within 5% of the best)" if chosen is not tried[-1] or len(tried) == 1 else ""))
+    return chosen
+
+
+# ---------------------------------------------------------------- planner
+
+
+def ideal_samples_per_s(profile: WorkloadProfile, kinds: list[Kind], global_batch: int, optimizer: str,
+                        world: int) -> float:
+    """Sum of each device's own best rate with no communication (its largest micro-batch that fits)."""
+    total = 0.0
+    for k in kinds:
+        for zero in (0, 1, 3):
+            mb = max_micro_batch(profile, k, optimizer, zero, world, False, global_batch)
+            ckpt = False
+            if mb == 0:
+                mb, ckpt = max_micro_batch(profile, k, optimizer, zero, world, True, global_batch), True
+            if mb:
+                total += k.count * mb / k.time(mb, mb, ckpt)
+                break
+    return total
+
+
+def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer: str = "adamw",
+             strategy: str = "auto", precision: str = "auto", micro_batch: int | None = None,
+             calib: cm.Calibration | None = None) -> PlanResult:
+    """Choose the plan for `profile` on `cluster` at `global_batch` samples per step."""
+    if global_batch is None or global_batch < 1:
+        raise HetrainError(f"global batch must be a positive integer, got {global_batch}; use e.g. --global-batch 256")
+    if micro_batch is not None and micro_batch < 1:
+        raise HetrainError(f"micro-batch must be a positive integer, got {micro_batch}")
+    if strategy not in STRATEGIES:
+        raise HetrainError(f"unknown strategy {strategy!r}; choose one of: {', '.join(STRATEGIES)}")
+    if optimizer not in cm.OPTIMIZER_STATE_BYTES:
+        raise HetrainError(f"unknown optimizer {optimizer!r}; choose one of: {', '.join(cm.OPTIMIZER_STATE_BYTES)}")
+    calib = calib or cm.default_calibration()
+    kinds = kinds_of(cluster, profile, precision, calib)
+    world = sum(k.count for k in kinds)
+    if global_batch < world and strategy not in ("pipeline",):
+        raise HetrainError(f"global batch {global_batch} is smaller than the {world} devices; "
+                           f"use a global batch of at least {world}")
+    notes = [k.note for k in kinds if k.note]
+    notes += [f"{k.spec.name}: fp16 with dynamic loss scaling (no bf16 on this chip)"
+              for k in kinds if needs_loss_scaling(k.precision) and precision == "auto"]
+    args = (cluster, profile, kinds, global_batch, optimizer, micro_batch)
+    uniform = data_parallel("ddp", *args)
+    cands: dict[str, Candidate] = {"ddp": uniform}
+    for s in ("balanced", "zero1", "zero3"):
+        cands[s] = with_compression(s, *args) if strategy in ("auto", s) else data_parallel(s, *args)
+    fits_one = any(max_micro_batch(profile, k, optimizer, 0, 1, True, 1) >= 1 for k in kinds)
+    if strategy == "pipeline" or (strategy == "auto" and not fits_one):
+        for c in pipeline_candidates(cluster, profile, kinds, global_batch, optimizer, micro_batch):
+            cands[c.strategy] = c
+    else:
+        for s in ("pipeline", "hybrid"):
+            cands[s] = Candidate(s, reason="not evaluated: the model fits on a single device")
+    if strategy == "auto":
+        order = ["balanced"]
+        if not cands["balanced"].feasible:
+            order += ["zero1", "zero3"]
+            notes.append("model state does not fit every device with plain data parallelism; ZeRO considered")
+        if not fits_one:
+            order += ["pipeline", "hybrid"]
+            notes.append("the model fits on no single device; pipelines considered")
+        feasible = [cands[s] for s in order if cands[s].feasible]
+        chosen = max(feasible, key=lambda c: c.samples_per_s) if feasible else None
+    else:
+        pick = cands.get(strategy)
+        if strategy == "pipeline":
+            options = [cands[s] for s in ("pipeline", "hybrid") if cands[s].feasible]
+            pick = max(options, key=lambda c: c.samples_per_s) if options else cands["pipeline"]
+        chosen = pick if pick is not None and pick.feasible else None
+    if chosen is None:
+        worst = max((c for c in cands.values() if c.shortfall_bytes > 0), key=lambda c: -c.shortfall_bytes, default=None)
+        raise HetrainError(_no_fit_message(profile, kinds, cands, strategy, optimizer, world, worst))
+    notes += chosen.notes
+    if uniform.feasible and chosen is not uniform:
+        notes.append(f"chose {chosen.strategy}: predicted {chosen.samples_per_s:.1f} samples/s against "
+                     f"{uniform.samples_per_s:.1f} for uniform DDP ({chosen.samples_per_s / uniform.samples_per_s:.2f}x)")
+    else:
+        notes.append(f"chose {chosen.strategy}: predicted {chosen.samples_per_s:.1f} samples/s")
+    plan = chosen.plan.model_copy(update={"notes": chosen.plan.notes + notes})
+    ideal = ideal_samples_per_s(profile, kinds, global_batch, optimizer, world)
+    return PlanResult(plan=plan, candidates=list(cands.values()), ideal_samples_per_s=ideal,
+                      uniform_ddp_samples_per_s=uniform.samples_per_s if uniform.feasible else 0.0, notes=notes)
+
+
+def _no_fit_message(profile, kinds, cands, strategy, optimizer, world, worst) -> str:
+    need = {k.spec.name: cm.memory_estimate(profile, k.precision, 1, optimizer=optimizer, zero=3, world=world,
+                                            checkpointing=True).total for k in kinds}
+    best = max(kinds, key=lambda k: k.spec.memory_bytes - need[k.spec.name])
+    missing = need[best.spec.name] - best.spec.memory_bytes
+    state = 16.0 * profile.params
+    more = max(0, math.ceil(state / max(best.spec.memory_bytes * 0.8 - cm.CONTEXT_BYTES, 1)) - world)
+    what = f"strategy {strategy}" if strategy != "auto" else "any strategy"
+    detail = f" ({worst.strategy}: {worst.reason.removeprefix('does not fit: ')})" if worst else ""
+    if missing > 0:
+        return (f"model {profile.name!r} fits no plan with {what}: even sharded over all {world} devices with "
+                f"ZeRO-3, activation checkpointing and micro-batch 1, {best.spec.name} is "
+                f"{missing / GB:.1f} GB short{detail}; add about {max(more, 1)} more devices, use devices with more "
+                f"memory, or a smaller model or sequence length")
+    return (f"model {profile.name!r} does not fit with {what}{detail}; try --strategy auto (ZeRO-3 or a "
+            f"pipeline fits), a smaller --micro-batch, or devices with more memory")
+
+
+# ---------------------------------------------------------------- pipelines
+
+
+def _divisors_desc(n: int) -> list[int]:
+    return sorted((d for d in range(1, n + 1) if n % d == 0), reverse=True)
+
+
+def pipeline_candidates(cluster, profile: WorkloadProfile, kinds: list[Kind], global_batch: int,
+                        optimizer: str, micro_batch: int | None) -> list[Candidate]:
+    """Pipelines of contiguous blocks (layer DP) replicated d times for data parallelism.
+
+    Each of the d replicas holds the same mix of device kinds (counts divisible by d), one device
+    per stage; stage j of every replica is the same kind, so the partition is shared.
+    """
+    out = {"pipeline": Candidate("pipeline"), "hybrid": Candidate("hybrid")}
+    blocks = profile.blocks
+    n_blocks = len(blocks)
+    if n_blocks < 2:
+        for c in out.values():
+            c.reason = "the profile has fewer than 2 blocks to place on stages"
+        return list(out.values())
+    calib = cm.default_calibration()
+    multi_node = len(cluster.nodes) > 1
+    devices = cluster.devices()
+    link = cluster.inter_node_bytes_per_s if multi_node else min(d.intra_bytes_per_s for d in devices)
+    counts = [k.count for k in kinds]
+    memo: dict = {}
+
+    def stage_cost(kind: Kind, a: int, b: int, mb: int, in_flight: int) -> tuple[float, bool, int] | None:
+        key = (kind.spec.name, a, b, mb, in_flight)
+        if key not in memo:
+            sub = slice(a, b)
+            result = None
+            for ckpt in (False, True):
+                mem = cm.memory_estimate(profile, kind.precision, mb, optimizer=optimizer, checkpointing=ckpt,
+                                         blocks=sub, in_flight=in_flight).total
+                if mem <= kind.spec.memory_bytes:
+                    part = profile.model_copy(update={
+                        "params": max(1, sum(x.params for x in blocks[sub])),
+                        "flops_per_sample": max(1.0, sum(x.flops_per_sample for x in blocks[sub])),
+                        "activation_bytes_per_sample": sum(x.activation_bytes_per_sample for x in blocks[sub]),
+                        "blocks": [],
+                    })
+                    t = cm.compute_seconds(part, kind.spec, kind.precision, mb, mb, ckpt, calib)
+                    result = (t, ckpt, mem)
+                    break
+            memo[key] = result
+        return memo[key]
+
+    speed = sorted(kinds, key=lambda k: k.sample_s)
+    for d in _divisors_desc(math.gcd(*counts)):
+        per = [c // d for c in counts]
+        p = sum(per)
+        label = "pipeline" if d == 1 else "hybrid"
+        if p < 2 or p > n_blocks or out[label].feasible:
+            continue
+        b_max = math.ceil(global_batch / d)
+        sizes = [micro_batch] if micro_batch else sorted({min(b_max, 2**i) for i in range(0, 7)})
+        for order in (speed, speed[::-1]):
+            stage_kinds = [k for k in order for _ in range(per[kinds.index(k)])]
+            for mb in sizes:
+                m = math.ceil(b_max / mb)
+
+                def fits(j, a, b, mb=mb, m=m, sk=stage_kinds):
+                    return stage_cost(sk[j], a, b, mb, min(p - j, m)) is not None
+
+                def time(j, a, b, mb=mb, m=m, sk=stage_kinds):
+                    return stage_cost(sk[j], a, b, mb, min(p - j, m))[0]
+
+                found = partition_blocks(n_blocks, p, time, fits)
+                if found is None:
+                    continue
+                bounds, slot = found
+                scale = cm.ELEMENT_BYTES[stage_kinds[0].precision] / profile.activation_dtype_bytes
+                p2p = max(mb * blocks[b - 1].output_bytes_per_sample * scale for _, b in bounds[:-1]) / (
+                    link * cm.LINK_EFFICIENCY)
+                grads = max(4.0 * sum(x.params for x in blocks[a:b]) for a, b in bounds)
+                topo = cm.CommTopology((1,) * d if multi_node else (d,), link, cluster.inter_node_bytes_per_s)
+                comm = cm.allreduce_cost(grads, topo).seconds
+                exposed = cm.exposed_seconds(comm, slot * cm.backward_fraction(False), grads)
+                step = cm.pipeline_step_seconds([slot], m, p2p) + exposed
+                if step < out[label].step_seconds:
+                    out[label] = _pipeline_plan(label, profile, kinds, stage_kinds, per, d, bounds, mb, m,
+                                                global_batch, optimizer, step, stage_cost, p)
+    for label, c in out.items():
+        if not c.feasible:
+            c.reason = c.reason or ("no partition fits: the stages lack memory" if label == "pipeline" or
+                                    math.gcd(*counts) > 1 else "device counts share no divisor > 1 for replicas")
+    return list(out.values())
+
+
+def _pipeline_plan(label, profile, kinds, stage_kinds, per, d, bounds, mb, m, global_batch, optimizer, step,
+                   stage_cost, p) -> Candidate:
+    base, extra = divmod(global_batch, d)
+    rank_stage: dict[int, tuple[int, int]] = {}
+    for k, n in zip(kinds, per):
+        stages = [j for j, sk in enumerate(stage_kinds) if sk is k]
+        for i, r in enumerate(k.ranks):
+            rank_stage[r] = (i // n, stages[i % n])  # (replica, stage)
+    ranks = []
+    for r in sorted(rank_stage):
+        replica, j = rank_stage[r]
+        k = stage_kinds[j]
+        a, b = bounds[j]
+        t, ckpt, mem = stage_cost(k, a, b, mb, min(p - j, m))
+        ranks.append(RankPlan(rank=r, device=k.spec.name, share=base + (1 if replica < extra else 0),
+                              precision=k.precision, micro_batch=mb, grad_accum=m, activation_checkpointing=ckpt,
+                              stage=j, memory_bytes=mem, memory_capacity_bytes=k.spec.memory_bytes,
+                              predicted_step_seconds=t * m))
+    plan = Plan(global_batch_size=global_batch, strategy=label, sharding="none", ranks=ranks,
+                balance=BalancePlan(enabled=False),
+                pipeline=PipelinePlan(stages=[[a, b] for a, b in bounds], schedule="1f1b", microbatches=m),
+                predicted_samples_per_s=global_batch / step)
+    c = Candidate(label, samples_per_s=global_batch / step, step_seconds=step, plan=plan)
+    c.reason = (f"{d} replica(s) of a {p}-stage 1F1B pipeline, {m} micro-batches of {mb}; "
+                f"bubble {(p - 1) / m:.0%}; stages {[list(x) for x in bounds]}")
+    return c
