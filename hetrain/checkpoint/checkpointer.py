@@ -70,6 +70,8 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._verified: set[tuple[Path, float]] = set()
+        self._buffers: dict[str, Any] = {}  # host copies reused by background saves
+        self._stager = sharded_io.Stager()
         self.last_save_seconds = 0.0
         self.last_blocking_seconds = 0.0
         self.last_bytes = 0
@@ -90,10 +92,10 @@ class Checkpointer:
         error = None
         try:
             if self.rank == 0:
-                shared_s = snapshot(shared, copy=copy, where="shared")
-            per_rank_s = snapshot(per_rank, copy=copy, where="per_rank")
+                shared_s = snapshot(shared, copy=copy, where="shared", buffers=self._buffers if copy else None)
+            per_rank_s = snapshot(per_rank, copy=copy, where="per_rank", buffers=self._buffers if copy else None)
             if sharded is not None:
-                sharded_s = sharded_io.stage(sharded) if copy else sharded
+                sharded_s = self._stager.stage(sharded) if copy else sharded
         except CheckpointError as e:
             error = e
         args = (step, shared_s, per_rank_s, sharded_s, sharded is not None, error, start)

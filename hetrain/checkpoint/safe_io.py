@@ -19,40 +19,44 @@ import torch
 
 from hetrain.checkpoint.errors import CheckpointError
 
-_LEAF_TYPES = (int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device, torch.Size)
+# exact types: a numpy.float64 is a float subclass, yet weights_only loading refuses it
+_LEAF_TYPES = frozenset({int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size})
+_KEY_TYPES = frozenset({str, int, float, bool, type(None)})
 _CHUNK = 1 << 22
 
 
-def snapshot(obj: Any, *, copy: bool, where: str = "state") -> Any:
+def snapshot(obj: Any, *, copy: bool, where: str = "state", buffers: dict[str, torch.Tensor] | None = None) -> Any:
     """Check `obj` holds only checkpointable values and return it with every tensor on the CPU.
 
     copy=True gives tensors that no later in-place update can change (for background writes);
     copy=False copies only what is not already a compact CPU tensor. A tensor that appears twice
-    (tied weights) stays one tensor.
+    (tied weights) stays one tensor. `buffers` (kept by the caller between saves) holds the host
+    copies for reuse, so a repeated save only copies memory instead of allocating it.
     """
-    return _snapshot(obj, copy, where, {})
+    return _snapshot(obj, copy, where, {}, buffers)
 
 
-def _snapshot(obj: Any, copy: bool, where: str, memo: dict[int, torch.Tensor]) -> Any:
+def _snapshot(obj: Any, copy: bool, where: str, memo: dict[int, torch.Tensor],
+              buffers: dict[str, torch.Tensor] | None) -> Any:
     if isinstance(obj, torch.Tensor):
         key = id(obj)
         if key not in memo:
-            memo[key] = _host_tensor(obj, copy, where)
+            memo[key] = _host_tensor(obj, copy, where, buffers)
         return memo[key]
-    if isinstance(obj, _LEAF_TYPES):
+    if type(obj) in _LEAF_TYPES:
         return obj
-    if isinstance(obj, dict):
+    if type(obj) in (dict, OrderedDict):
         out = OrderedDict() if isinstance(obj, OrderedDict) else {}
         for k, v in obj.items():
-            if not isinstance(k, (str, int, float, bool, type(None))):
+            if type(k) not in _KEY_TYPES:
                 raise CheckpointError(
                     f"{where} has a key {k!r} of type {type(k).__name__}; checkpoint dict keys are "
                     f"str, int, float, bool or None: convert the key before saving"
                 )
-            out[k] = _snapshot(v, copy, f"{where}[{k!r}]", memo)
+            out[k] = _snapshot(v, copy, f"{where}[{k!r}]", memo, buffers)
         return out
-    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-        items = [_snapshot(v, copy, f"{where}[{i}]", memo) for i, v in enumerate(obj)]
+    if type(obj) in (list, tuple):
+        items = [_snapshot(v, copy, f"{where}[{i}]", memo, buffers) for i, v in enumerate(obj)]
         return items if isinstance(obj, list) else tuple(items)
     raise CheckpointError(
         f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}; a checkpoint holds tensors, "
@@ -61,19 +65,27 @@ def _snapshot(obj: Any, copy: bool, where: str, memo: dict[int, torch.Tensor]) -
     )
 
 
-def _host_tensor(t: torch.Tensor, copy: bool, where: str) -> torch.Tensor:
+def _host_tensor(t: torch.Tensor, copy: bool, where: str, buffers: dict[str, torch.Tensor] | None) -> torch.Tensor:
     if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
         raise CheckpointError(
             f"{where} is a {type(t).__qualname__} (a tensor subclass such as a DTensor); pass "
             f"sharded state in `sharded` (written through torch.distributed.checkpoint), not here"
         )
     t = t.detach()
-    if t.device.type != "cpu":
-        return t.to("cpu", copy=True)
     compact = t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
-    if copy or not compact:
-        return t.clone()
-    return t
+    if not copy and t.device.type == "cpu":
+        return t if compact else t.clone()
+    if buffers is None:
+        return t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
+    buf = buffers.get(where)
+    dense = t.is_contiguous() or compact
+    if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or (dense and buf.stride() != t.stride()):
+        pin = t.device.type == "cuda"
+        buf = torch.empty_like(t, device="cpu", pin_memory=pin) if dense else torch.empty(
+            t.shape, dtype=t.dtype, pin_memory=pin)
+        buffers[where] = buf
+    buf.copy_(t)
+    return buf
 
 
 class _HashingWriter:

@@ -8,15 +8,20 @@ checkpoint never runs code from it.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
@@ -58,22 +63,24 @@ class _MetadataUnpickler(pickle.Unpickler):
         return obj
 
 
+def read_metadata_safely(path: Path) -> Any:
+    """Unpickle a DCP `.metadata` file admitting only DCP's metadata classes."""
+    try:
+        with open(path, "rb") as f:
+            return _MetadataUnpickler(f).load()
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(
+            f"{path} holds a pickled object that is not checkpoint metadata ({e}); hetrain never runs "
+            f"code from a checkpoint: use a checkpoint that hetrain wrote"
+        ) from None
+
+
 class SafeFileSystemReader(dcp.FileSystemReader):
     """A FileSystemReader whose metadata unpickler refuses anything but DCP metadata."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        path = Path(self.path) / ".metadata"
-        try:
-            with open(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-        except pickle.UnpicklingError as e:
-            raise CheckpointError(
-                f"{path} holds a pickled object that is not checkpoint metadata ({e}); hetrain never runs "
-                f"code from a checkpoint: use a checkpoint that hetrain wrote"
-            ) from None
+        metadata = read_metadata_safely(Path(self._get_metadata_path(kwargs.get("rank"))))
         if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
@@ -97,20 +104,65 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = loaded
 
 
-def stage(state: dict[str, Any]) -> dict[str, Any]:
-    """A CPU copy of sharded state (DTensors stay DTensors), made with DCP's own stager."""
-    return BlockingAsyncStager().stage(state)
+class Stager:
+    """CPU copies of sharded state (DTensors stay DTensors), made with DCP's own stager.
+
+    With CUDA the host copies are pinned and reused between saves; when the state's structure
+    changes (an optimizer gains state) a fresh copy is made.
+    """
+
+    def __init__(self) -> None:
+        self._cache = torch.cuda.is_available()
+        self._stager = BlockingAsyncStager(cache_staged_state_dict=self._cache)
+
+    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A CPU copy of `state` that later in-place updates do not change."""
+        try:
+            return self._stager.stage(state)
+        except (KeyError, RuntimeError, ValueError, AssertionError):
+            if not self._cache:
+                raise
+            self._stager = BlockingAsyncStager(cache_staged_state_dict=True)
+            return self._stager.stage(state)
 
 
 def save_sharded(state: dict[str, Any], directory: Path, process_group: Any) -> None:
     """dcp.save into `directory/sharded` (collective over `process_group`)."""
-    dcp.save(state, checkpoint_id=str(directory / SHARDED_DIR), process_group=process_group,
-             no_dist=process_group is None)
+    with _quiet(process_group), _unwrapped("writing", directory):
+        dcp.save(state, checkpoint_id=str(directory / SHARDED_DIR), process_group=process_group,
+                 no_dist=process_group is None)
 
 
 def load_sharded(template: dict[str, Any], directory: Path, process_group: Any) -> dict[str, Any]:
     """dcp.load into `template` in place (resharding as DCP does); returns the template."""
     path = directory / SHARDED_DIR
-    dcp.load(template, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(),
-             process_group=process_group, no_dist=process_group is None)
+    read_metadata_safely(path / ".metadata")  # refuse foreign objects before DCP touches the files
+    with _quiet(process_group), _unwrapped("reading", directory):
+        dcp.load(template, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(),
+                 process_group=process_group, no_dist=process_group is None)
     return template
+
+
+@contextlib.contextmanager
+def _quiet(process_group: Any) -> Iterator[None]:
+    """Without a process group DCP warns that it assumes one process: that is the intent here."""
+    with warnings.catch_warnings():
+        if process_group is None:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+@contextlib.contextmanager
+def _unwrapped(doing: str, directory: Path) -> Iterator[None]:
+    """DCP gathers every rank's exception into one; surface hetrain's own error, or a short one."""
+    try:
+        yield
+    except CheckpointException as e:
+        for exc, _ in e.failures.values():
+            if isinstance(exc, CheckpointError):
+                raise exc from None
+        first = next(iter(e.failures.values()))[0]
+        raise CheckpointError(
+            f"{doing} sharded state in {directory} failed on ranks {sorted(e.failures)} "
+            f"({type(first).__name__}: {first}); check the directory and that the template matches the saved state"
+        ) from None

@@ -1,0 +1,144 @@
+"""A checkpoint directory holds complete checkpoints only, the last K, and survives damage."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+
+from hetrain.checkpoint import CheckpointError, Checkpointer, CheckpointWarning
+
+
+def _state(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"model": {"w": torch.randn(64, 64, generator=g)}, "step": step}
+
+
+def _steps(root) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.name.startswith("step-"))
+
+
+def test_keeps_the_last_k(tmp_path):
+    ckpt = Checkpointer(tmp_path, keep=2, async_save=True)
+    for step in (10, 20, 30, 40):
+        ckpt.save(step, _state(step), {"rank": 0})
+    ckpt.close()
+    assert _steps(tmp_path) == ["step-000030", "step-000040"]
+    assert not list(tmp_path.glob(".tmp-*"))
+    shared, _, _ = ckpt.load()
+    assert shared["step"] == 40 and torch.equal(shared["model"]["w"], _state(40)["model"]["w"])
+
+
+def test_keep_must_be_positive(tmp_path):
+    with pytest.raises(CheckpointError, match="keep=0"):
+        Checkpointer(tmp_path, keep=0)
+
+
+_CRASH = textwrap.dedent("""
+    import os, sys, torch
+    from hetrain.checkpoint import Checkpointer
+    ckpt = Checkpointer(sys.argv[1], async_save={async_save})
+    ckpt.save(1, {{"w": torch.ones(1000)}}, {{}}, blocking=True)
+    real_save = torch.save
+    def dying_save(obj, f, *a, **k):
+        real_save(obj, f, *a, **k)
+        f.flush()
+        os._exit(9)   # the process dies right after the first file of step 2 is written
+    torch.save = dying_save
+    ckpt.save(2, {{"w": torch.zeros(1000)}}, {{}})
+    ckpt.wait()
+""")
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_crash_mid_save_leaves_no_step_directory(tmp_path, async_save):
+    proc = subprocess.run([sys.executable, "-c", _CRASH.format(async_save=async_save), str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 9, proc.stderr
+    assert _steps(tmp_path) == ["step-000001"]
+    assert (tmp_path / ".tmp-step-000002").is_dir(), "the crash happened mid-save"
+    ckpt = Checkpointer(tmp_path, async_save=False)
+    with pytest.warns(CheckpointWarning, match=r"\.tmp-step-000002 is an unfinished save of step 2"):
+        info = ckpt.latest()
+    assert info.step == 1
+    assert torch.equal(ckpt.load(info)[0]["w"], torch.ones(1000))
+    ckpt.save(3, {"w": torch.full((4,), 3.0)}, {})
+    assert not list(tmp_path.glob(".tmp-*")), "the next save cleans unfinished saves away"
+    assert _steps(tmp_path) == ["step-000001", "step-000003"]
+
+
+def test_a_failed_write_raises_and_commits_nothing(tmp_path, monkeypatch):
+    ckpt = Checkpointer(tmp_path, async_save=True)
+    ckpt.save(1, _state(1), {})
+    ckpt.wait()
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("hetrain.checkpoint.checkpointer.write_torch_file", full_disk)
+    ckpt.save(2, _state(2), {})
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        ckpt.wait()
+    assert _steps(tmp_path) == ["step-000001"]
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_truncated_newest_checkpoint_falls_back_to_previous(tmp_path):
+    ckpt = Checkpointer(tmp_path, keep=3, async_save=False)
+    for step in (1, 2):
+        ckpt.save(step, _state(step), {"step": step})
+    newest = tmp_path / "step-000002" / "shared.pt"
+    data = newest.read_bytes()
+    newest.write_bytes(data[: len(data) // 2])
+    with pytest.warns(CheckpointWarning) as caught:
+        info = Checkpointer(tmp_path, async_save=False).latest()
+    message = str(caught[0].message)
+    assert "step-000002" in message and "shared.pt has" in message and "bytes" in message
+    assert info.step == 1
+    shared, per_rank, _ = ckpt.load(info)
+    assert shared["step"] == 1 and per_rank == {"step": 1}
+
+
+def test_same_size_corruption_is_caught_by_checksum(tmp_path):
+    ckpt = Checkpointer(tmp_path, async_save=False)
+    ckpt.save(1, _state(1), {})
+    ckpt.save(2, _state(2), {})
+    path = tmp_path / "step-000002" / "rank-00000.pt"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    fresh = Checkpointer(tmp_path, async_save=False)
+    with pytest.warns(CheckpointWarning, match=r"step-000002 .*rank-00000\.pt does not match its sha256"):
+        assert fresh.latest().step == 1
+    # asking for the damaged one by name is refused, not silently loaded
+    from hetrain.checkpoint.checkpointer import _info
+
+    with pytest.raises(CheckpointError, match="failed verification"):
+        fresh.load(_info(tmp_path / "step-000002"))
+
+
+def test_missing_manifest_is_reported_and_no_checkpoint_is_none(tmp_path):
+    ckpt = Checkpointer(tmp_path, async_save=False)
+    assert ckpt.latest() is None
+    with pytest.raises(CheckpointError, match="no usable checkpoint"):
+        ckpt.load()
+    ckpt.save(5, _state(5), {})
+    (tmp_path / "step-000005" / "manifest.json").unlink()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert ckpt.latest() is None
+    assert any("step-000005" in str(w.message) and "no manifest.json" in str(w.message) for w in caught)
+
+
+def test_async_save_writes_the_state_of_the_call_not_later_updates(tmp_path):
+    w = torch.zeros(1_000_000)
+    ckpt = Checkpointer(tmp_path, async_save=True)
+    ckpt.save(1, {"w": w}, {"n": 1})
+    w.add_(1.0)  # training goes on while the background thread writes
+    ckpt.wait()
+    assert torch.equal(ckpt.load()[0]["w"], torch.zeros(1_000_000))
+    assert ckpt.last_bytes > 4_000_000 and ckpt.last_save_seconds >= ckpt.last_blocking_seconds > 0
