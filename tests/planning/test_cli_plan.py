@@ -1,0 +1,55 @@
+"""`hetrain plan` and `hetrain simulate` as a user runs them."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hetrain.planning.plan import Plan
+
+
+def _run(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "hetrain.cli.main", *args], capture_output=True, text=True,
+                          timeout=120, cwd=cwd)
+
+
+def test_plan_json_and_out(tmp_path):
+    out = tmp_path / "plan.json"
+    p = _run("plan", "--preset", "a100x4+v100x4", "--model", "resnet152", "--global-batch", "1024", "--json",
+             "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    for key in ("strategy", "predicted_samples_per_s", "uniform_ddp_samples_per_s", "ideal_samples_per_s",
+                "ranks", "candidates", "notes", "plan"):
+        assert key in d
+    for r in d["ranks"]:
+        assert {"device", "precision", "micro_batch", "grad_accum", "activation_checkpointing", "memory_bytes",
+                "memory_capacity_bytes"} <= set(r)
+    assert d["predicted_samples_per_s"] >= 0.9 * d["ideal_samples_per_s"]
+    assert d["predicted_samples_per_s"] > d["uniform_ddp_samples_per_s"]
+    assert Plan.load(out).global_batch_size == 1024
+
+
+@pytest.mark.parametrize("args", [
+    ("--preset", "nope", "--model", "resnet50", "--global-batch", "64"),
+    ("--preset", "a100x8", "--model", "nope", "--global-batch", "64"),
+    ("--preset", "a100x8", "--model", "resnet50", "--global-batch", "0"),
+    ("--preset", "a100x8", "--model", "resnet50", "--global-batch", "-5"),
+    ("--devices", "", "--model", "resnet50", "--global-batch", "64"),
+    ("--devices", "t4:1", "--model", "llama-7b", "--global-batch", "8"),
+])
+def test_bad_input_is_one_line_exit_2(args):
+    p = _run("plan", *args)
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hetrain plan: error:"), p.stderr
+
+
+def test_simulate_writes_png_and_csv(tmp_path):
+    prefix = tmp_path / "sim"
+    p = _run("simulate", "--model", "resnet50", "--sizes", "1,2,4", "--out", str(prefix))
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "sim.png").read_bytes()[:4] == b"\x89PNG"
+    rows = (tmp_path / "sim.csv").read_text().splitlines()
+    assert rows[0].startswith("devices,strategy") and len(rows) > 3

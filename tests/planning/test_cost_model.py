@@ -1,0 +1,87 @@
+"""Cost model: calibration error targets, memory accounting, collectives, compression ratios."""
+
+import math
+
+from hetrain.hardware.catalog import get_gpu
+from hetrain.planning import compression
+from hetrain.planning.calibration import evaluate, fit, published_rows, summary
+from hetrain.planning.cost_model import (
+    CommTopology,
+    allreduce_cost,
+    memory_estimate,
+    pipeline_step_seconds,
+    ring_seconds,
+    LINK_EFFICIENCY,
+)
+from hetrain.workload import get_profile
+
+
+def test_calibration_meets_error_targets_on_every_published_row():
+    s = summary(evaluate())
+    assert s["rows"] == len(published_rows()) == 28
+    assert s["median_abs_error"] <= 0.15
+    assert s["max_abs_error"] <= 0.35
+
+
+def test_calibration_fits_few_constants_within_physical_bounds():
+    c = fit(published_rows())
+    assert c.parameters <= 8 and c.rows == 14
+    assert all(0 < e <= 1.0 + 1e-9 for e in c.compute_efficiency.values())
+
+
+def test_memory_zero_stages_divide_what_they_shard():
+    p = get_profile("gpt2-1.5b")
+    plain = memory_estimate(p, "bf16", 1, optimizer="adamw", checkpointing=True)
+    z1 = memory_estimate(p, "bf16", 1, optimizer="adamw", zero=1, world=8, checkpointing=True)
+    z2 = memory_estimate(p, "bf16", 1, optimizer="adamw", zero=2, world=8, checkpointing=True)
+    z3 = memory_estimate(p, "bf16", 1, optimizer="adamw", zero=3, world=8, checkpointing=True)
+    assert math.isclose(z1.optimizer, plain.optimizer / 8) and z1.gradients == plain.gradients
+    assert math.isclose(z2.gradients, plain.gradients / 8)
+    assert z3.weights < plain.weights / 4 and z3.total < z2.total < z1.total < plain.total
+    assert plain.optimizer == 8 * p.params  # Adam: two fp32 moments
+
+
+def test_checkpointing_cuts_activation_memory():
+    p = get_profile("bert-large")
+    full = memory_estimate(p, "fp16", 8)
+    ckpt = memory_estimate(p, "fp16", 8, checkpointing=True)
+    assert ckpt.activations < full.activations / 5
+
+
+def test_ring_and_two_level_allreduce():
+    gb = 1e9
+    assert math.isclose(ring_seconds(gb, 4, 1e10, 0.0), 2 * 3 / 4 * gb / (1e10 * LINK_EFFICIENCY))
+    topo = CommTopology((4, 4), intra_bytes_per_s=300e9, inter_bytes_per_s=12.5e9)
+    c = allreduce_cost(gb, topo)
+    assert c.algorithm == "two-level" and c.inter_node_seconds < c.seconds
+    flat = ring_seconds(gb, 8, 12.5e9, 20e-6)
+    assert c.seconds < flat
+
+
+def test_pipeline_bubble():
+    assert math.isclose(pipeline_step_seconds([1.0, 2.0, 1.5], 8), (8 + 2) * 2.0)
+
+
+def test_compression_ratios():
+    p = get_profile("resnet152")
+    assert compression.analytic_ratio("fp16") == 0.5
+    assert 0.25 < compression.analytic_ratio("int8") < 0.26
+    assert math.isclose(compression.analytic_ratio("topk", topk_ratio=0.01), 0.02)
+    r = compression.powersgd_ratio(p, rank=2)
+    assert 0 < r < 0.1
+    assert compression.powersgd_ratio(p, rank=8) > r
+    old = dict(compression.MEASURED_RATIOS)
+    try:
+        compression.MEASURED_RATIOS["int8"] = 0.3
+        assert compression.compression_ratio("int8") == 0.3
+    finally:
+        compression.MEASURED_RATIOS.clear()
+        compression.MEASURED_RATIOS.update(old)
+
+
+def test_calibrated_speed_orders_devices():
+    from hetrain.planning.cost_model import sample_seconds
+
+    p = get_profile("resnet50")
+    assert sample_seconds(p, get_gpu("h100"), "bf16") < sample_seconds(p, get_gpu("a100"), "bf16") < sample_seconds(
+        p, get_gpu("v100"), "fp16") < sample_seconds(p, get_gpu("t4"), "fp16")

@@ -1,0 +1,89 @@
+"""The planner's choices: balanced beats uniform, memory caps hold, compression only when the
+network is the bottleneck, pipelines for models that fit nowhere, clear errors."""
+
+import random
+
+import pytest
+
+from hetrain.errors import HetrainError
+from hetrain.hardware.cluster import cluster_from_devices, get_preset
+from hetrain.planning.planner import plan_job
+from hetrain.planning.plan import Plan
+from hetrain.workload import get_profile
+
+
+def test_resnet152_on_mixed_preset_near_ideal_and_beats_uniform():
+    r = plan_job(get_preset("a100x4+v100x4"), get_profile("resnet152"), 1024)
+    d = r.to_dict()
+    assert d["predicted_samples_per_s"] >= 0.9 * d["ideal_samples_per_s"]
+    assert d["predicted_samples_per_s"] > d["uniform_ddp_samples_per_s"]
+    assert sum(x["share"] for x in d["ranks"]) == 1024
+    a100 = [x for x in d["ranks"] if x["device"].startswith("a100")]
+    v100 = [x for x in d["ranks"] if x["device"].startswith("v100")]
+    assert min(x["share"] for x in a100) > max(x["share"] for x in v100)
+    assert {x["precision"] for x in a100} == {"bf16"} and {x["precision"] for x in v100} == {"fp16"}
+    assert d["plan"]["comm"]["compression"] == "none"  # 100 Gb/s: the network is not the bottleneck
+    Plan.model_validate(d["plan"])
+
+
+def test_slow_network_chooses_compression_and_says_why():
+    cluster = get_preset("a100x4+v100x4").model_copy(update={"inter_node_gbps": 1.0})
+    r = plan_job(cluster, get_profile("resnet152"), 1024)
+    assert r.plan.comm.compression != "none"
+    assert any("bottleneck" in n for n in r.plan.notes)
+    fast = plan_job(get_preset("a100x4+v100x4"), get_profile("resnet152"), 1024)
+    assert r.plan.predicted_samples_per_s < fast.plan.predicted_samples_per_s
+
+
+def test_fixed_strategy_and_precision_are_respected():
+    r = plan_job(get_preset("a100x4+v100x4"), get_profile("resnet50"), 512, strategy="ddp", precision="fp16")
+    assert r.plan.strategy == "ddp" and {x.precision for x in r.plan.ranks} == {"fp16"}
+    assert len({x.share for x in r.plan.ranks}) == 1
+
+
+def test_no_plan_exceeds_device_memory_over_random_clusters_and_models():
+    rng = random.Random(0)
+    names = ["a100", "v100", "v100-16gb", "t4", "l4", "h100", "a10", "a100-40gb"]
+    models = ["resnet50", "resnet152", "bert-base", "bert-large", "bert-large-512", "gpt2-124m", "gpt2-1.5b"]
+    planned = 0
+    for _ in range(40):
+        spec = ",".join(f"{n}:{rng.randint(1, 3)}" for n in rng.sample(names, rng.randint(1, 3)))
+        cluster = cluster_from_devices(spec)
+        model = rng.choice(models)
+        batch = rng.randint(cluster.size, 64 * cluster.size)
+        strategy = rng.choice(["auto", "auto", "balanced", "zero1", "zero3"])
+        try:
+            r = plan_job(cluster, get_profile(model), batch, strategy=strategy)
+        except HetrainError as e:
+            assert "GB" in str(e) or "does not fit" in str(e)
+            continue
+        planned += 1
+        for rank in r.plan.ranks:
+            assert rank.memory_bytes <= rank.memory_capacity_bytes, (spec, model, strategy, rank)
+        for c in r.candidates:
+            if c.feasible:
+                assert all(x.memory_bytes <= x.memory_capacity_bytes for x in c.plan.ranks)
+    assert planned >= 20
+
+
+def test_model_that_fits_no_single_device_gets_a_pipeline_or_sharding():
+    cluster = cluster_from_devices("v100:8")
+    r = plan_job(cluster, get_profile("llama-7b"), 64)
+    assert r.plan.strategy in ("zero3", "pipeline", "hybrid")
+    assert any("fits on no single device" in n for n in r.notes)
+    p = plan_job(cluster, get_profile("llama-7b"), 64, strategy="pipeline")
+    stages = p.plan.pipeline.stages
+    assert stages[0][0] == 0 and stages[-1][1] == len(get_profile("llama-7b").blocks)
+    assert all(stages[i][1] == stages[i + 1][0] for i in range(len(stages) - 1))
+    assert all(x.memory_bytes <= x.memory_capacity_bytes for x in p.plan.ranks)
+
+
+def test_model_that_fits_nowhere_says_how_much_memory_is_missing():
+    with pytest.raises(HetrainError, match=r"GB short.*add about"):
+        plan_job(cluster_from_devices("t4:1"), get_profile("llama-7b"), 8)
+
+
+@pytest.mark.parametrize("batch", [0, -3])
+def test_bad_batch_is_a_user_error(batch):
+    with pytest.raises(HetrainError, match="positive"):
+        plan_job(get_preset("a100x8"), get_profile("resnet50"), batch)
