@@ -1,0 +1,194 @@
+"""An elastic Kubeflow PyTorchJob that runs `hetrain launch` on every pod.
+
+The training operator runs one Worker replica spec; each pod runs torch's elastic agent through
+`hetrain launch --nnodes MIN:MAX`, which meets the others at a c10d rendezvous on the first
+worker pod and restarts the workers (up to --max-restarts) when one dies. GPU kinds are chosen
+per pod by node labels: one kind is a nodeSelector, several kinds a node affinity that admits any
+of them (a PyTorchJob has one Worker spec, so one job spans the kinds by admitting them all).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from hetrain.errors import HetrainError
+
+API_VERSION = "kubeflow.org/v1"
+RDZV_PORT = 23456  # the operator's default port name `pytorchjob-port`
+PLAN_MOUNT = "/etc/hetrain"
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
+
+
+@dataclass(frozen=True)
+class NodeSelector:
+    """Pods of GPU kind `kind` run on nodes labelled `key=value`."""
+
+    kind: str
+    key: str
+    value: str
+
+
+def parse_node_selector(text: str) -> NodeSelector:
+    """`A100=nvidia.com/gpu.product=NVIDIA-A100-SXM4-80GB` -> NodeSelector(kind, key, value)."""
+    parts = text.split("=", 2)
+    if len(parts) != 3 or not all(parts):
+        raise HetrainError(
+            f"--node-selector {text!r} must be KIND=LABEL_KEY=LABEL_VALUE, "
+            f"e.g. A100=nvidia.com/gpu.product=NVIDIA-A100-SXM4-80GB"
+        )
+    kind, key, value = parts
+    if not _LABEL_KEY.match(key) or len(key.split("/")[-1]) > 63:
+        raise HetrainError(f"--node-selector {text!r}: {key!r} is not a Kubernetes label key; use e.g. nvidia.com/gpu.product")
+    if not _LABEL_VALUE.match(value) or len(value) > 63:
+        raise HetrainError(
+            f"--node-selector {text!r}: {value!r} is not a Kubernetes label value (up to 63 letters, digits, '-', '_', '.')"
+        )
+    return NodeSelector(kind, key, value)
+
+
+@dataclass
+class K8sJob:
+    """What `hetrain k8s` was asked for."""
+
+    image: str
+    script: str
+    script_args: list[str] = field(default_factory=list)
+    name: str = "hetrain"
+    namespace: str | None = None
+    min_replicas: int = 1
+    max_replicas: int = 1
+    max_restarts: int = 3
+    gpus_per_node: int = 1
+    node_selectors: list[NodeSelector] = field(default_factory=list)
+    plan_json: str | None = None
+    checkpoint_pvc: str | None = None
+    checkpoint_dir: str = "/checkpoints"
+
+
+def validate(job: K8sJob) -> None:
+    """User errors, each one line naming the fix."""
+    if not job.script:
+        raise HetrainError("no training script; pass --script train.py (the path inside the image)")
+    if not job.image:
+        raise HetrainError("no container image; pass --image REGISTRY/IMAGE:TAG holding hetrain and the script")
+    if not _NAME.match(job.name) or len(job.name) > 45:
+        raise HetrainError(
+            f"--name {job.name!r} must be lowercase letters, digits and '-' (at most 45, pods add '-worker-N')"
+        )
+    if job.min_replicas < 1:
+        raise HetrainError(f"--min-replicas must be >= 1, got {job.min_replicas}")
+    if job.min_replicas > job.max_replicas:
+        raise HetrainError(
+            f"--min-replicas {job.min_replicas} > --max-replicas {job.max_replicas}; "
+            f"the job needs MIN <= MAX nodes (e.g. --min-replicas {job.max_replicas} --max-replicas {job.min_replicas})"
+        )
+    if job.max_restarts < 0:
+        raise HetrainError(f"--max-restarts must be >= 0, got {job.max_restarts}")
+    if job.gpus_per_node < 1:
+        raise HetrainError(f"--gpus-per-node must be >= 1, got {job.gpus_per_node}")
+    kinds = [s.kind for s in job.node_selectors]
+    if len(set(kinds)) != len(kinds):
+        raise HetrainError(f"GPU kinds {kinds} repeat in --node-selector; give each kind once")
+
+
+def launch_command(job: K8sJob) -> list[str]:
+    """The container's command: `hetrain launch` with the elastic flags and the rendezvous on worker 0."""
+    cmd = [
+        "hetrain", "launch",
+        "--nnodes", f"{job.min_replicas}:{job.max_replicas}",
+        "--nproc-per-node", str(job.gpus_per_node),
+        "--max-restarts", str(job.max_restarts),
+        "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"{job.name}-worker-0:{RDZV_PORT}",
+        "--rdzv-id", job.name,
+    ]
+    if job.plan_json is not None:
+        cmd += ["--plan", f"{PLAN_MOUNT}/plan.json"]
+    if job.checkpoint_pvc is not None:
+        cmd += ["--checkpoint-dir", job.checkpoint_dir]
+    return cmd + [job.script, *job.script_args]
+
+
+def _scheduling(selectors: list[NodeSelector]) -> dict[str, Any]:
+    if not selectors:
+        return {}
+    if len(selectors) == 1:
+        return {"nodeSelector": {selectors[0].key: selectors[0].value}}
+    by_key: dict[str, list[str]] = {}
+    for s in selectors:
+        by_key.setdefault(s.key, []).append(s.value)
+    # terms are ORed: a node of any listed kind admits a worker pod
+    terms = [{"matchExpressions": [{"key": key, "operator": "In", "values": values}]} for key, values in by_key.items()]
+    return {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms}}}}
+
+
+def _metadata(job: K8sJob, name: str) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "labels": {"app.kubernetes.io/managed-by": "hetrain"}}
+    if job.namespace:
+        meta["namespace"] = job.namespace
+    return meta
+
+
+def manifests(job: K8sJob) -> list[dict[str, Any]]:
+    """The documents to apply: a ConfigMap with the plan (when given), then the PyTorchJob."""
+    validate(job)
+    volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    docs: list[dict[str, Any]] = []
+    if job.plan_json is not None:
+        plan_map = f"{job.name}-plan"
+        docs.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": _metadata(job, plan_map),
+                     "data": {"plan.json": job.plan_json}})
+        volumes.append({"name": "plan", "configMap": {"name": plan_map}})
+        mounts.append({"name": "plan", "mountPath": PLAN_MOUNT, "readOnly": True})
+    if job.checkpoint_pvc is not None:
+        volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": job.checkpoint_pvc}})
+        mounts.append({"name": "checkpoints", "mountPath": job.checkpoint_dir})
+    container = {
+        "name": "pytorch",  # the operator looks for this container name
+        "image": job.image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": launch_command(job),
+        "ports": [{"name": "pytorchjob-port", "containerPort": RDZV_PORT, "protocol": "TCP"}],
+        "resources": {"limits": {"nvidia.com/gpu": job.gpus_per_node}},
+        "volumeMounts": mounts,
+    }
+    pod_spec = {**_scheduling(job.node_selectors), "containers": [container], "volumes": volumes}
+    kinds = ",".join(s.kind for s in job.node_selectors)
+    template_meta = {"labels": {"app.kubernetes.io/name": job.name}}
+    if kinds:
+        template_meta["annotations"] = {"hetrain.dev/gpu-kinds": kinds}
+    docs.append({
+        "apiVersion": API_VERSION,
+        "kind": "PyTorchJob",
+        "metadata": _metadata(job, job.name),
+        "spec": {
+            "elasticPolicy": {
+                "rdzvBackend": "c10d",
+                "minReplicas": job.min_replicas,
+                "maxReplicas": job.max_replicas,
+                "maxRestarts": job.max_restarts,
+                "nProcPerNode": job.gpus_per_node,
+            },
+            "pytorchReplicaSpecs": {
+                "Worker": {
+                    "replicas": job.max_replicas,
+                    "restartPolicy": "OnFailure",
+                    "template": {"metadata": template_meta, "spec": pod_spec},
+                },
+            },
+            "runPolicy": {"cleanPodPolicy": "None", "backoffLimit": max(job.max_restarts, 1)},
+        },
+    })
+    return docs
+
+
+def to_yaml(docs: list[dict[str, Any]]) -> str:
+    """Documents as one multi-document YAML text, keys in the order written."""
+    return yaml.safe_dump_all(docs, sort_keys=False, default_flow_style=False)

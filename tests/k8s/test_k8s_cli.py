@@ -1,0 +1,44 @@
+"""`hetrain k8s` from the command line: a manifest file, or one error line and exit status 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hetrain.cli.main import main
+from hetrain.planning.plan import Plan
+from tests.k8s.openapi_subset import validate
+
+SCHEMA = yaml.safe_load((Path(__file__).parent / "fixtures" / "pytorchjob_crd_subset.yaml").read_text())
+
+
+def test_writes_a_valid_manifest_with_plan(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    Plan.even(16, 512).save(plan)
+    out = tmp_path / "job.yaml"
+    rc = main(["k8s", "--image", "reg/train:1", "--script", "train.py", "--min-replicas", "1", "--max-replicas", "2",
+               "--max-restarts", "3", "--gpus-per-node", "8", "--plan", str(plan),
+               "--node-selector", "A100=nvidia.com/gpu.product=NVIDIA-A100-SXM4-80GB",
+               "--node-selector", "V100=nvidia.com/gpu.product=Tesla-V100-SXM2-32GB",
+               "--checkpoint-pvc", "shared-ckpts", "--out", str(out), "--", "--lr", "0.1"])
+    assert rc == 0
+    config_map, pj = yaml.safe_load_all(out.read_text())
+    assert validate(pj, SCHEMA) == []
+    assert Plan.from_json(config_map["data"]["plan.json"]).global_batch_size == 512
+    cmd = pj["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["command"]
+    assert cmd[-3:] == ["train.py", "--lr", "0.1"] and "--checkpoint-dir" in cmd
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--image", "x", "--script", "t.py", "--min-replicas", "3", "--max-replicas", "2"],
+     "--min-replicas 3 > --max-replicas 2"),
+    (["--image", "x"], "no training script"),
+    (["--image", "x", "--script", "t.py", "--node-selector", "A100"], "must be KIND=LABEL_KEY=LABEL_VALUE"),
+    (["--image", "x", "--script", "t.py", "--plan", "missing.json"], "plan file 'missing.json' does not exist"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
+    assert main(["k8s", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("hetrain k8s: error:") and message in err
