@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._pytree import tree_map
-from torch.utils.data import default_collate
+from torch.utils.data import TensorDataset, default_collate
 
 from hetrain.errors import HetrainError
 from hetrain.planning.batch_split import split_partial
@@ -74,6 +74,10 @@ def rank_slice(indices: Sequence[int], shares: Sequence[int], rank: int) -> list
 
 
 def _fetch(dataset: Any, indices: list[int], collate_fn: Callable, probe: int = 0) -> Any:
+    if isinstance(dataset, TensorDataset) and collate_fn is default_collate:
+        # One gather per tensor instead of collating a tuple per sample; same result.
+        index = torch.tensor(indices, dtype=torch.long)
+        return [t[index] for t in dataset.tensors]
     if not indices:
         # A rank with no samples this step: a batch of the right structure, every tensor of length 0.
         one = _fetch(dataset, [probe], collate_fn)

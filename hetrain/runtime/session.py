@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 import warnings
 
@@ -48,6 +49,7 @@ class Session:
                  balance: bool | None = None, balance_interval: int | None = None,
                  device: str | torch.device | None = None, log_level: int | None = None) -> None:
         self.rank = _env_int("RANK", 0)
+        _print_user_errors_as_one_line()
         self.world_size = _env_int("WORLD_SIZE", 1)
         self.local_rank = _env_int("LOCAL_RANK", 0)
         self.restart_count = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
@@ -279,11 +281,11 @@ class Session:
 
     # -- helpers for users and tools ---------------------------------------------------------------
 
-    def global_mean(self, value: torch.Tensor | float) -> float:
-        """The sample-weighted mean over the global batch of a per-rank mean (e.g. the loss)."""
-        n = self._local_n if self._local_n is not None else 0
+    def global_mean(self, value: torch.Tensor | float, weight: float | None = None) -> float:
+        """Mean over all ranks of per-rank means, weighted by each rank's samples (default: this step's)."""
+        w = float(self._local_n or 0) if weight is None else float(weight)
         v = float(value.detach().float().item() if isinstance(value, torch.Tensor) else value)
-        t = torch.tensor([v * n if n else 0.0, float(n)], dtype=torch.float64, device=self.device)
+        t = torch.tensor([v * w if w else 0.0, w], dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         return float(t[0] / t[1]) if t[1] > 0 else float("nan")
 
@@ -309,6 +311,23 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _print_user_errors_as_one_line() -> None:
+    """In a worker, a HetrainError (bad input) ends the rank with one line and exit code 2."""
+    previous = sys.excepthook
+    if getattr(previous, "_hetrain", False):
+        return
+
+    def hook(kind, value, tb):
+        if isinstance(value, HetrainError):
+            if _env_int("RANK", 0) == 0:
+                print(f"hetrain: error: {value}", file=sys.__stderr__, flush=True)  # torch may redirect sys.stderr
+            os._exit(2)  # skip interpreter teardown: peers may be blocked in collectives
+        previous(kind, value, tb)
+
+    hook._hetrain = True
+    sys.excepthook = hook
 
 
 class _RankFilter(logging.Filter):

@@ -33,7 +33,7 @@ def quantize(x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = padded.view(rows, nc, chunk)
     scales = blocks.abs().amax(dim=2) / QMAX
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = torch.round(blocks / scales.unsqueeze(2)).clamp_(-QMAX, QMAX).to(torch.int8)
+    q = blocks.div_(scales.unsqueeze(2)).round_().clamp_(-QMAX, QMAX).to(torch.int8)
     return q.view(rows, nc * chunk)[:, :cols].contiguous(), scales
 
 

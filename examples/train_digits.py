@@ -1,0 +1,38 @@
+"""The loop of DESIGN.md on scikit-learn's digits. Run it on 2 CPU ranks:
+
+    hetrain launch --nproc-per-node 2 --emulate-speeds 1,0.5 examples/train_digits.py --epochs 5
+"""
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+import hetrain
+from hetrain.bench.digits import accuracy, digits_datasets, digits_mlp
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--epochs", type=int, default=5)
+parser.add_argument("--global-batch", type=int, default=128)
+parser.add_argument("--lr", type=float, default=1e-3)
+args = parser.parse_args()
+
+session = hetrain.Session()
+train, test = digits_datasets()
+model = digits_mlp(hidden=128)
+model, optimizer = session.prepare(model, torch.optim.Adam(model.parameters(), lr=args.lr))
+loader = session.loader(train, global_batch_size=args.global_batch, shuffle=True, seed=0)
+
+while loader.epoch < args.epochs:          # resumes mid-epoch after a restart
+    total, samples = 0.0, 0
+    for x, y in loader:                     # this rank's share of one global batch
+        with session.autocast():            # this device's precision
+            loss = F.cross_entropy(model(x), y)
+        session.backward(loss)              # weighted by this rank's share
+        session.step()
+        total, samples = total + loss.item() * len(x), samples + len(x)
+    mean = session.global_mean(total / max(samples, 1), weight=samples)
+    if session.is_main:
+        print(f"epoch {loader.epoch} loss {mean:.4f} shares {session.shares} "
+              f"test accuracy {accuracy(model.module, test):.3f}", flush=True)
+session.close()

@@ -1,0 +1,71 @@
+"""`hetrain bench balance`: plain DDP (even split) against hetrain (balanced), on emulated speeds.
+
+Figures are ratios measured in one run: `speedup` = balanced / uniform samples/s, and
+`efficiency` = balanced / ideal, where ideal is the sum of each rank's own rate training alone
+(no communication) in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+from hetrain.errors import HetrainError
+from hetrain.launch.launcher import LaunchConfig, launch
+from hetrain.runtime.timing import parse_speeds
+
+
+def add_job_options(parser: argparse.ArgumentParser, steps: int = 60) -> None:
+    parser.add_argument("--speeds", default="1,0.5", help="emulated speed per rank, e.g. 1,0.5")
+    parser.add_argument("--steps", type=int, default=steps, help="training steps per mode")
+    parser.add_argument("--warmup", type=int, default=10, help="steps per mode not timed")
+    parser.add_argument("--global-batch", type=int, default=512)
+    parser.add_argument("--hidden", type=int, default=512, help="MLP width")
+    parser.add_argument("--interval", type=int, default=5, help="balancer interval in steps")
+
+
+def run_job(args: argparse.Namespace, *, progress: bool, phases: str = "solo,uniform,balanced") -> dict:
+    """Launch the 3-phase job on one rank per speed and return rank 0's figures."""
+    speeds = parse_speeds(args.speeds)
+    if args.global_batch < len(speeds):
+        raise HetrainError(f"global batch {args.global_batch} is smaller than the number of ranks "
+                           f"({len(speeds)}); use a global batch of at least {len(speeds)}")
+    if args.steps <= args.warmup:
+        raise HetrainError(f"--steps {args.steps} must be larger than --warmup {args.warmup}")
+    with tempfile.TemporaryDirectory(prefix="hetrain-bench-") as tmp:
+        out = Path(tmp) / "result.json"
+        job_args = ["--steps", str(args.steps), "--warmup", str(args.warmup),
+                    "--global-batch", str(args.global_batch), "--hidden", str(args.hidden),
+                    "--interval", str(args.interval), "--phases", phases, "--out", str(out)]
+        if progress:
+            job_args.append("--progress")
+        launch(LaunchConfig(script="hetrain.bench.balance_job", module=True, script_args=job_args,
+                            nproc_per_node=len(speeds), emulate_speeds=speeds))
+        return json.loads(out.read_text())
+
+
+def build_parser(parser: argparse.ArgumentParser) -> None:
+    add_job_options(parser)
+
+
+def run(args: argparse.Namespace) -> dict:
+    r = run_job(args, progress=False)
+    uniform, balanced = r["uniform"]["samples_per_s"], r["balanced"]["samples_per_s"]
+    ideal = sum(r["solo_samples_per_s"])
+    return {
+        "speeds": r["speeds"],
+        "emulated": r["emulated"],
+        "global_batch_size": r["global_batch_size"],
+        "timed_steps": r["timed_steps"],
+        "uniform_samples_per_s": uniform,
+        "balanced_samples_per_s": balanced,
+        "ideal_samples_per_s": ideal,
+        "speedup": balanced / uniform,
+        "efficiency": balanced / ideal,
+        "balanced_shares": r["balanced"]["shares"],
+        "uniform_idle_fraction": r["uniform"]["idle_fraction"],
+        "balanced_idle_fraction": r["balanced"]["idle_fraction"],
+        "solo_samples_per_s": r["solo_samples_per_s"],
+    }

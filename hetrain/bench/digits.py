@@ -1,0 +1,42 @@
+"""The demo's task: scikit-learn's bundled handwritten digits (no download), and a small MLP."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import TensorDataset
+
+
+def digits_datasets(test_fraction: float = 0.2, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
+    """(train, test) of 8x8 digit images as 64 standardised features, with a fixed split."""
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32)
+    y = torch.tensor(data.target, dtype=torch.long)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    n_test = int(len(x) * test_fraction)
+    test_idx, train_idx = perm[:n_test], perm[n_test:]
+    mean, std = x[train_idx].mean(0), x[train_idx].std(0).clamp_min(1e-3)
+    x = (x - mean) / std
+    return TensorDataset(x[train_idx], y[train_idx]), TensorDataset(x[test_idx], y[test_idx])
+
+
+def digits_mlp(hidden: int = 512, depth: int = 2, seed: int = 0) -> torch.nn.Module:
+    """An MLP 64 -> hidden (x depth) -> 10, initialised from `seed`."""
+    torch.manual_seed(seed)
+    layers: list[torch.nn.Module] = []
+    width = 64
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, hidden), torch.nn.ReLU()]
+        width = hidden
+    layers.append(torch.nn.Linear(width, 10))
+    return torch.nn.Sequential(*layers)
+
+
+@torch.no_grad()
+def accuracy(model: torch.nn.Module, data: TensorDataset) -> float:
+    x, y = data.tensors
+    model.eval()
+    pred = model(x).argmax(1)
+    model.train()
+    return float((pred == y).float().mean())

@@ -1,0 +1,43 @@
+"""`hetrain launch [torchrun flags] [--emulate-speeds 1,0.5] [--plan plan.json] script.py [args]`."""
+
+from __future__ import annotations
+
+import argparse
+
+from hetrain.launch.launcher import LaunchConfig, launch
+from hetrain.runtime.timing import parse_speeds
+
+
+def build_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1,
+                        help="worker processes on this node (one per GPU)")
+    parser.add_argument("--nnodes", default="1", help="nodes, or MIN:MAX for an elastic job")
+    parser.add_argument("--node-rank", "--node_rank", type=int, default=None)
+    parser.add_argument("--rdzv-backend", "--rdzv_backend", default="c10d")
+    parser.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None, help="HOST:PORT of the rendezvous")
+    parser.add_argument("--rdzv-id", "--rdzv_id", default=None, help="job id shared by all nodes")
+    parser.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
+                        help="restart the workers this many times after a failure")
+    parser.add_argument("--monitor-interval", "--monitor_interval", type=float, default=None)
+    parser.add_argument("--master-addr", "--master_addr", default=None)
+    parser.add_argument("--master-port", "--master_port", type=int, default=None)
+    parser.add_argument("--log-dir", "--log_dir", default=None, help="where the agent writes worker logs")
+    parser.add_argument("--emulate-speeds", default=None, metavar="S0,S1,...",
+                        help="CPU ranks only: relative speed per rank (1 = full, 0.5 = half); output is labelled emulated")
+    parser.add_argument("--plan", default=None, help="plan.json written by `hetrain plan --out`")
+    parser.add_argument("--checkpoint-dir", default=None, help="where sessions save and resume checkpoints")
+    parser.add_argument("-m", "--module", action="store_true", help="run the script as a Python module")
+    parser.add_argument("script", help="training script (or module with -m)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = LaunchConfig(
+        script=args.script, script_args=list(args.script_args), module=args.module,
+        nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
+        rdzv_backend=args.rdzv_backend, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
+        max_restarts=args.max_restarts, monitor_interval=args.monitor_interval,
+        master_addr=args.master_addr, master_port=args.master_port, log_dir=args.log_dir,
+        emulate_speeds=parse_speeds(args.emulate_speeds) if args.emulate_speeds else None, plan=args.plan, checkpoint_dir=args.checkpoint_dir,
+    )
+    return launch(cfg)

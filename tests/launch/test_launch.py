@@ -1,0 +1,61 @@
+"""`hetrain launch` end to end, and its one-line errors."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hetrain.errors import HetrainError
+from hetrain.launch.launcher import LaunchConfig, torchrun_argv, validate
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def hetrain(*args, timeout=180):
+    return subprocess.run([sys.executable, "-m", "hetrain.cli.main", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_two_ranks_train_and_the_loss_falls():
+    r = hetrain("launch", "--nproc-per-node", "2", "--emulate-speeds", "1,0.5",
+                "examples/train_digits.py", "--epochs", "3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    losses = [float(x) for x in re.findall(r"epoch \d+ loss ([0-9.]+)", r.stdout)]
+    assert len(losses) == 3, r.stdout
+    assert losses[-1] < 0.7 * losses[0], losses
+    assert "emulated" in r.stderr                # emulated runs say so
+
+
+@pytest.mark.parametrize("args, message", [
+    (["launch", "missing.py"], "script 'missing.py' does not exist"),
+    (["launch", "--nproc-per-node", "2", "--emulate-speeds", "1,0", "examples/train_digits.py"], "must be above 0"),
+    (["launch", "--nproc-per-node", "2", "--emulate-speeds", "1,-2", "examples/train_digits.py"], "must be above 0"),
+    (["launch", "--nproc-per-node", "2", "--emulate-speeds", "1,x", "examples/train_digits.py"], "is not a number"),
+    (["bench", "balance", "--speeds", "1,0.5", "--global-batch", "1"], "smaller than the number of ranks"),
+])
+def test_bad_input_is_one_line_and_nonzero(args, message):
+    r = hetrain(*args)
+    assert r.returncode == 2
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and message in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_global_batch_smaller_than_ranks_inside_a_worker():
+    r = hetrain("launch", "--nproc-per-node", "2", "examples/train_digits.py", "--global-batch", "1")
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert "global batch size 1 is smaller than the number of ranks (2)" in r.stderr
+
+
+def test_torchrun_arguments():
+    cfg = LaunchConfig(script="train.py", script_args=["--x", "1"], nproc_per_node=4, nnodes="1:2",
+                       rdzv_endpoint="host:29400", rdzv_id="job", max_restarts=3)
+    argv = torchrun_argv(cfg)
+    assert argv[-3:] == ["train.py", "--x", "1"]
+    assert "--nnodes=1:2" in argv and "--rdzv-endpoint=host:29400" in argv and "--max-restarts=3" in argv
+    assert "--standalone" in torchrun_argv(LaunchConfig(script="train.py"))
+    with pytest.raises(HetrainError, match="MIN:MAX"):
+        validate(LaunchConfig(script=str(ROOT / "examples/train_digits.py"), nnodes="3:1"))
