@@ -23,8 +23,10 @@ class JobLossScaler:
     """A dynamic loss scale shared by every rank: same value, same skips, same growth."""
 
     def __init__(self, enabled: bool, *, init_scale: float = 2.0**16, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000, group=None) -> None:
+                 backoff_factor: float = 0.5, growth_interval: int = 2000, group=None,
+                 device: torch.device | str = "cpu") -> None:
         self.enabled = enabled
+        self.device = torch.device(device)
         self.scale = float(init_scale) if enabled else 1.0
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
@@ -38,14 +40,16 @@ class JobLossScaler:
 
     def unscale_and_check(self, params: Iterable[torch.nn.Parameter]) -> bool:
         """Divide the averaged gradients by the scale; True when every rank's are finite."""
-        grads = [p.grad for p in params if p.grad is not None]
         if not self.enabled:
             return True
+        # Sharded (FSDP2) gradients: each rank unscales and checks its own shard; the MAX below joins them.
+        grads = [_local(p.grad) for p in params if p.grad is not None]
         inv = 1.0 / self.scale
-        local_bad = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else "cpu")
-        for g in grads:
-            g.mul_(inv)
-            local_bad = torch.maximum(local_bad, (~torch.isfinite(g)).any().float().reshape(1))
+        local_bad = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else self.device)
+        if grads:
+            torch._foreach_mul_(grads, inv)
+            bad = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any()
+            local_bad = torch.maximum(local_bad, bad.float().reshape(1))
         dist.all_reduce(local_bad, op=dist.ReduceOp.MAX, group=self.group)
         return bool(local_bad.item() == 0.0)
 
@@ -69,6 +73,10 @@ class JobLossScaler:
         self.scale = float(state["scale"])
         self.good_steps = int(state["good_steps"])
         self.skipped_steps = int(state["skipped_steps"])
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 @contextlib.contextmanager

@@ -78,7 +78,8 @@ class Session:
         self.precision = self._rank_plan_field("precision", "fp32")
         configure_tf32(self.precision, self.device)
         any_fp16 = plan is not None and any(r.precision == "fp16" for r in plan.ranks)
-        self.scaler = JobLossScaler(enabled=any_fp16)
+        self.scaler = JobLossScaler(enabled=any_fp16, device=self.device)
+        self._init_memory()
         self.timer = StepTimer(speed=self.emulated_speed)
 
         self.model: DistributedDataParallel | None = None
@@ -143,13 +144,20 @@ class Session:
 
     # -- the user's calls -------------------------------------------------------------------------
 
-    def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
-                ) -> tuple[DistributedDataParallel, torch.optim.Optimizer | None]:
-        """Place the model on this rank's device and wrap it in DistributedDataParallel."""
+    def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                blocks: list[torch.nn.Module] | None = None
+                ) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
+        """Place the model on this rank's device, apply the plan's memory choices (activation checkpointing
+        of `blocks`, found when not given; ZeRO-1 or FSDP2) and wrap it in DistributedDataParallel."""
         if self.model is not None:
             raise HetrainError("session.prepare() was already called; a session trains one model")
+        self._check_master_weights(model)
         model = model.to(self.device)
         model = self._sync_batchnorm(model)
+        self.blocks = self._checkpoint_activations(model, blocks)
+        if self.sharding == "fsdp":
+            return self._prepare_fsdp(model, optimizer)
+        self._check_offload()
         comm = self.plan.comm if self.plan is not None else None
         ddp = DistributedDataParallel(
             model,
@@ -160,6 +168,8 @@ class Session:
         inner_state, inner_hook = self._inner_comm_hook()
         ddp.register_comm_hook(TimedHookState(self.timer, inner_state, inner_hook), timed_hook)
         ddp.register_forward_pre_hook(self.timer.forward_pre_hook)
+        if optimizer is not None and self.sharding in ("zero1", "zero1-proportional"):
+            optimizer = self._zero1(optimizer, model)
         self.model, self.optimizer = ddp, optimizer
         return ddp, optimizer
 
@@ -184,6 +194,88 @@ class Session:
                 stacklevel=3,
             )
         return model
+
+    # -- memory: precision checks, activation checkpointing, micro-batches, ZeRO-1, FSDP2 -----------
+
+    def _init_memory(self) -> None:
+        self.sharding: str = self.plan.sharding if self.plan is not None else "none"
+        self.micro_batch: int | None = self._rank_plan_field("micro_batch", None)
+        self.grad_accum: int = self._rank_plan_field("grad_accum", 1)
+        self.activation_checkpointing: bool = self._rank_plan_field("activation_checkpointing", False)
+        self.offload_optimizer: bool = self._rank_plan_field("offload_optimizer", False)
+        self.blocks: list[torch.nn.Module] = []
+        self._micro_n: int | None = None  # samples of the current micro-batch (None: the whole share)
+        self._micro_last = True  # the current micro-batch is this rank's last of the step
+
+    @staticmethod
+    def _check_master_weights(model: torch.nn.Module) -> None:
+        for name, p in model.named_parameters():
+            if p.dtype in (torch.float16, torch.bfloat16):
+                raise HetrainError(
+                    f"parameter {name} is {str(p.dtype).removeprefix('torch.')}; hetrain keeps master weights and "
+                    "optimizer state in fp32 and computes in each rank's precision under session.autocast(); "
+                    "pass the model in fp32 (model.float())"
+                )
+
+    def _checkpoint_activations(self, model: torch.nn.Module, blocks: list[torch.nn.Module] | None
+                                ) -> list[torch.nn.Module]:
+        from hetrain.runtime import memory
+
+        if self.activation_checkpointing:
+            return memory.apply_activation_checkpointing(model, blocks)
+        return memory.resolve_blocks(model, blocks)
+
+    def _check_offload(self) -> None:
+        if self.offload_optimizer and self.device.type == "cuda":
+            raise HetrainError(
+                f"rank {self.rank} asks for offload_optimizer with sharding {self.sharding!r}; optimizer state is "
+                "offloaded through FSDP2's CPUOffloadPolicy: set the plan's sharding to 'fsdp'"
+            )
+
+    def _zero1(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> torch.optim.Optimizer:
+        from hetrain.runtime import sharding
+
+        weights = None
+        if self.sharding == "zero1-proportional":
+            caps = [self.plan.ranks[r].memory_capacity_bytes if self.plan is not None
+                    and self.plan.world_size == self.world_size else None for r in range(self.world_size)]
+            weights = sharding.free_memory_weights(caps, model, self.device)
+            if self.is_main:
+                log.info("optimizer state sharded by free memory: %s",
+                         ", ".join(f"{w / sum(weights):.3f}" for w in weights))
+        return sharding.zero1_optimizer(optimizer, weights)
+
+    def _prepare_fsdp(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+                      ) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
+        from hetrain.runtime import sharding
+
+        names = {id(p): n for n, p in model.named_parameters()}
+        offload = self.offload_optimizer and self.device.type == "cuda"  # on a CPU rank state is in host memory
+        model = sharding.fully_shard_model(model, self.blocks, offload=offload)
+        model.register_forward_pre_hook(self.timer.forward_pre_hook)
+        if optimizer is not None:
+            optimizer = sharding.rebuild_optimizer(optimizer, names, model)
+        self.model, self.optimizer = model, optimizer
+        return model, optimizer
+
+    def _gradient_sync(self, sync: bool):
+        """DDP's no_sync / FSDP2's requires_gradient_sync(False) for all but a step's last micro-batch."""
+        import contextlib
+
+        if self.sharding == "fsdp":
+            self.model.set_requires_gradient_sync(sync)
+            return contextlib.nullcontext()
+        return contextlib.nullcontext() if sync else self.model.no_sync()
+
+    def _micro_batches(self, batch: Any):
+        """This step's batch cut into pieces of at most the plan's micro_batch; backward weights each piece."""
+        from hetrain.runtime import memory
+
+        n = self._local_n or 0
+        sizes = memory.micro_batch_sizes(n, self.micro_batch, self.grad_accum)
+        for i, piece in enumerate(memory.split_batch(batch, sizes, n)):
+            self._micro_n, self._micro_last = sizes[i], i == len(sizes) - 1
+            yield piece
 
     def loader(self, dataset: Any, global_batch_size: int, *, shuffle: bool = True, seed: int = 0,
                drop_last: bool = True, collate_fn=None) -> HeteroLoader:
@@ -244,17 +336,26 @@ class Session:
             raise HetrainError("call session.prepare(model, optimizer) before session.backward()")
         if self._global_n is None:
             raise HetrainError("session.backward() needs a batch from session.loader(); iterate the loader")
-        if self._local_n == 0:
+        n = self._local_n if self._micro_n is None else self._micro_n
+        if n == 0 and self.sharding == "fsdp":
+            # No samples: exact zeros through the forward's graph, which FSDP2's reduce-scatter hangs on.
+            loss = torch.nan_to_num(loss) * 0.0
+        elif n == 0:
             # No samples this step: contribute exact zeros, still joining every collective.
             loss = sum((p.sum() * 0.0) for p in self.model.parameters() if p.requires_grad)
         else:
-            loss = loss * (self._local_n * self.world_size / self._global_n)
-        self.scaler.scale_loss(loss).backward()
+            loss = loss * (n * self.world_size / self._global_n)
+        with self._gradient_sync(self._micro_last):
+            self.scaler.scale_loss(loss).backward()
 
     def step(self) -> bool:
         """Optimizer step (skipped on every rank if any overflowed), then balance; True if applied."""
         if self.optimizer is None:
             raise HetrainError("session.step() needs an optimizer: pass it to session.prepare(model, optimizer)")
+        if not self._micro_last:
+            return False  # more micro-batches of this step follow on this rank; gradients accumulate
+        if self.sharding == "fsdp":
+            self.timer.grads_ready()  # FSDP2 has no comm hook: backward (and its reduce-scatter) ended here
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
 
         def apply() -> bool:
@@ -277,6 +378,7 @@ class Session:
         if self.balancer.due(self.step_count):
             self.balancer.rebalance(self.step_count, self.balancer.exchange(self.device))
         self._local_n = self._global_n = None
+        self._micro_n, self._micro_last = None, True
         return applied
 
     # -- helpers for users and tools ---------------------------------------------------------------

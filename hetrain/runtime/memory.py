@@ -1,0 +1,157 @@
+"""Memory per rank: activation checkpointing of a model's blocks, micro-batches, saved-activation bytes.
+
+Activation checkpointing replaces a block's `forward` on the instance with a non-reentrant
+`torch.utils.checkpoint` call of the original forward. No module is wrapped or renamed, so
+parameter names, state dicts and sharded checkpoints are the same on ranks with and without it,
+and hooks that others put on the block (FSDP2's unshard/reshard) still run around it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+from torch.utils.checkpoint import checkpoint
+
+from hetrain.errors import HetrainError
+
+_CHECKPOINTED = "_hetrain_checkpointed"
+
+
+def find_blocks(model: nn.Module) -> list[nn.Module]:
+    """The children of the first nn.ModuleList / nn.Sequential whose children repeat one module type."""
+    for module in model.modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = list(module.children())
+        if len(children) >= 2 and len({type(c) for c in children}) == 1 and any(
+            True for _ in children[0].parameters()
+        ):
+            return children
+    return []
+
+
+def resolve_blocks(model: nn.Module, blocks: Sequence[nn.Module] | None) -> list[nn.Module]:
+    """The blocks the user named, or the repeated blocks found in the model; checks they belong to it."""
+    if blocks is None:
+        return find_blocks(model)
+    blocks = list(blocks)
+    owned = {id(m) for m in model.modules()}
+    for i, block in enumerate(blocks):
+        if not isinstance(block, nn.Module) or id(block) not in owned:
+            raise HetrainError(
+                f"blocks[{i}] ({type(block).__name__}) is not a submodule of the model; pass "
+                "session.prepare(model, optimizer, blocks=[...]) with modules taken from the model itself"
+            )
+    return blocks
+
+
+def checkpoint_blocks(blocks: Sequence[nn.Module]) -> int:
+    """Recompute each block's activations in backward (non-reentrant checkpoint); returns how many."""
+    count = 0
+    for block in blocks:
+        if getattr(block, _CHECKPOINTED, False):
+            continue
+        inner = block.forward
+
+        def forward(*args: Any, _inner=inner, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return _inner(*args, **kwargs)
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        block.forward = forward
+        setattr(block, _CHECKPOINTED, True)
+        count += 1
+    return count
+
+
+def apply_activation_checkpointing(model: nn.Module, blocks: Sequence[nn.Module] | None = None) -> list[nn.Module]:
+    """Checkpoint the model's blocks (given, or found); a user error when there are none."""
+    chosen = resolve_blocks(model, blocks)
+    if not chosen:
+        raise HetrainError(
+            f"the plan asks for activation checkpointing but {type(model).__name__} has no nn.ModuleList or "
+            "nn.Sequential of repeated blocks; pass them: session.prepare(model, optimizer, blocks=model.layers)"
+        )
+    checkpoint_blocks(chosen)
+    return chosen
+
+
+# ---------------------------------------------------------------- micro-batches
+
+
+def micro_batch_sizes(local_n: int, micro_batch: int | None, grad_accum: int = 1) -> list[int]:
+    """Near-equal pieces of at most `micro_batch` samples (or `grad_accum` pieces); one empty piece for 0."""
+    if local_n <= 0:
+        return [0]
+    pieces = math.ceil(local_n / micro_batch) if micro_batch else max(1, grad_accum)
+    pieces = min(pieces, local_n)
+    base, extra = divmod(local_n, pieces)
+    return [base + (1 if i < extra else 0) for i in range(pieces)]
+
+
+def slice_batch(batch: Any, start: int, stop: int, local_n: int) -> Any:
+    """Samples [start, stop) of a collated batch: every tensor whose first dimension is `local_n`."""
+
+    def cut(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == local_n:
+            return leaf[start:stop]
+        return leaf
+
+    return tree_map(cut, batch)
+
+
+def split_batch(batch: Any, sizes: Sequence[int], local_n: int) -> Iterator[Any]:
+    """The batch cut into consecutive pieces of the given sizes."""
+    if len(sizes) == 1:
+        yield batch
+        return
+    start = 0
+    for size in sizes:
+        yield slice_batch(batch, start, start + size, local_n)
+        start += size
+
+
+# ---------------------------------------------------------------- measurement
+
+
+class SavedActivations:
+    """Distinct bytes kept for backward by a forward: what autograd saves, plus the inputs that
+    checkpointed blocks keep to recompute; parameters (and views of them) are not counted."""
+
+    def __init__(self, model: nn.Module, blocks: Sequence[nn.Module] = ()) -> None:
+        self._params = {_local(p).untyped_storage().data_ptr() for p in model.parameters() if p.numel()}
+        self._blocks = [b for b in blocks if getattr(b, _CHECKPOINTED, False)]
+        self._storages: dict[int, int] = {}
+
+    @property
+    def bytes(self) -> int:
+        return sum(self._storages.values())
+
+    def _count(self, t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.numel() and not isinstance(t, nn.Parameter):
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr and ptr not in self._params:
+                self._storages[ptr] = storage.nbytes()
+        return t
+
+    @contextmanager
+    def measure(self) -> Iterator["SavedActivations"]:
+        """Count during the forward run inside this context."""
+        handles = [b.register_forward_pre_hook(lambda m, args: tree_map(self._count, args)) for b in self._blocks]
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._count, lambda t: t):
+                yield self
+        finally:
+            for h in handles:
+                h.remove()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
