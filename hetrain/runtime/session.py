@@ -275,7 +275,8 @@ class Session:
         sizes = memory.micro_batch_sizes(n, self.micro_batch, self.grad_accum)
         for i, piece in enumerate(memory.split_batch(batch, sizes, n)):
             self._micro_n, self._micro_last = sizes[i], i == len(sizes) - 1
-            yield piece
+            with self._gradient_sync(self._micro_last):  # DDP reads it in forward: span the user's whole pass
+                yield piece
 
     def loader(self, dataset: Any, global_batch_size: int, *, shuffle: bool = True, seed: int = 0,
                drop_last: bool = True, collate_fn=None) -> HeteroLoader:
@@ -345,8 +346,7 @@ class Session:
             loss = sum((p.sum() * 0.0) for p in self.model.parameters() if p.requires_grad)
         else:
             loss = loss * (n * self.world_size / self._global_n)
-        with self._gradient_sync(self._micro_last):
-            self.scaler.scale_loss(loss).backward()
+        self.scaler.scale_loss(loss).backward()
 
     def step(self) -> bool:
         """Optimizer step (skipped on every rank if any overflowed), then balance; True if applied."""

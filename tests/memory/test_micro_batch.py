@@ -1,0 +1,71 @@
+"""Gradient accumulation over micro-batches gives the update of the whole share at once."""
+
+import torch
+
+from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+from hetrain.runtime.data import GlobalBatchOrder
+from hetrain.runtime.memory import micro_batch_sizes, split_batch
+from tests.distributed import run_ranks
+from tests.memory.models import make_data, make_model
+
+SHARES = [7, 4, 1]
+MICRO = [2, 3, None]
+STEPS = 2
+LR = 0.5
+
+
+def test_micro_batch_sizes():
+    assert micro_batch_sizes(7, 2) == [2, 2, 2, 1]
+    assert micro_batch_sizes(4, 3) == [2, 2]
+    assert micro_batch_sizes(5, None) == [5]
+    assert micro_batch_sizes(5, None, grad_accum=2) == [3, 2]
+    assert micro_batch_sizes(0, 2) == [0]
+    x, y = torch.arange(7.0), torch.arange(7)
+    pieces = list(split_batch([x, y], [3, 4], 7))
+    assert [p[0].tolist() for p in pieces] == [[0, 1, 2], [3, 4, 5, 6]] and torch.equal(pieces[1][1], y[3:])
+
+
+def _train(rank, world):
+    import hetrain
+
+    plan = Plan(global_batch_size=sum(SHARES), balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=r, share=s, micro_batch=m) for r, (s, m) in enumerate(zip(SHARES, MICRO))])
+    session = hetrain.Session(plan)
+    net = make_model()
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=LR))
+    loader = session.loader(make_data(), global_batch_size=sum(SHARES), shuffle=True, seed=5)
+    params, returned, sizes = [], [], []
+    for step, batch in enumerate(loader):
+        if step == STEPS:
+            break
+        for x, y in session._micro_batches(batch):
+            sizes.append(len(x))
+            session.backward(torch.nn.functional.cross_entropy(model(x), y))
+            returned.append(session.step())
+        params.append([p.detach().clone() for p in net.parameters()])
+    return {"params": params, "returned": returned, "sizes": sizes, "steps": session.step_count}
+
+
+def test_accumulated_update_equals_the_whole_batch_update():
+    results = run_ranks(_train, 3)
+    assert results[0]["sizes"] == [2, 2, 2, 1] * STEPS
+    assert results[0]["returned"] == [False, False, False, True] * STEPS
+    assert results[1]["sizes"] == [2, 2] * STEPS and results[2]["sizes"] == [1] * STEPS
+    assert [r["steps"] for r in results] == [STEPS] * 3
+
+    model = make_model()
+    order = GlobalBatchOrder(len(make_data()), sum(SHARES), shuffle=True, seed=5)
+    for step in range(STEPS):
+        grads = _global_grads_at(model, order.global_batch(0, step))
+        with torch.no_grad():
+            for p, g in zip(model.parameters(), grads):
+                p -= LR * g
+        for rank in range(3):
+            for got, want in zip(results[rank]["params"][step], model.parameters()):
+                assert (got - want).abs().max().item() < 1e-5, (step, rank)
+
+
+def _global_grads_at(model, indices):
+    x, y = make_data()[indices]
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    return torch.autograd.grad(loss, list(model.parameters()))

@@ -1,0 +1,156 @@
+"""Ranks in bf16, fp16 and fp32 make one update: the single-process one under the same precisions."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+from hetrain.errors import HetrainError
+from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+from hetrain.runtime.data import GlobalBatchOrder, rank_slice
+from hetrain.runtime.precision import JobLossScaler, autocast
+from tests.distributed import run_ranks
+
+PRECISIONS = ["bf16", "fp16", "fp32"]
+SHARES = [5, 4, 3]
+GLOBAL = sum(SHARES)
+EPOCHS = 2
+SEED = 3
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 32), torch.nn.GELU(),
+                               torch.nn.Linear(32, 3))
+
+
+def make_data(n: int = 72) -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 8, generator=g)
+    y = (x[:, :3].sum(1) > 0).long() + (x[:, 3] > 1).long()
+    return TensorDataset(x, y)
+
+
+def make_optimizer(model):
+    return torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+
+
+def full_loss(model) -> float:
+    x, y = make_data().tensors
+    with torch.no_grad():
+        return F.cross_entropy(model(x), y).item()
+
+
+def make_plan(precisions) -> Plan:
+    return Plan(global_batch_size=GLOBAL, balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=r, share=s, precision=p) for r, (s, p) in enumerate(zip(SHARES, precisions))])
+
+
+def _train(rank, world, precisions, inf_at):
+    import hetrain
+
+    session = hetrain.Session(make_plan(precisions))
+    net = make_model()
+    model, optimizer = session.prepare(net, make_optimizer(net))
+    loader = session.loader(make_data(), global_batch_size=GLOBAL, shuffle=True, seed=SEED)
+    params, applied, scales = [], [], []
+    step = 0
+    for _ in range(EPOCHS):
+        for x, y in loader:
+            handle = None
+            if step == inf_at and rank == 1:
+                handle = net[2].weight.register_hook(lambda g: g * float("inf"))
+            with session.autocast():
+                loss = F.cross_entropy(model(x), y)
+            session.backward(loss)
+            if handle is not None:
+                handle.remove()
+            applied.append(session.step())
+            scales.append(session.scaler.scale)
+            params.append([p.detach().clone() for p in net.parameters()])
+            step += 1
+    return {"params": params, "applied": applied, "scales": scales, "loss": full_loss(net)}
+
+
+def reference(precisions):
+    """One process computes each rank's slice in that rank's precision, with the job's loss scale."""
+    model = make_model()
+    params = list(model.parameters())
+    optimizer = make_optimizer(model)
+    scaler = JobLossScaler(enabled="fp16" in precisions)
+    data, order = make_data(), GlobalBatchOrder(72, GLOBAL, shuffle=True, seed=SEED)
+    history, applied = [], []
+    for epoch in range(EPOCHS):
+        for step in range(order.steps_per_epoch):
+            batch = order.global_batch(epoch, step)
+            total = [torch.zeros_like(p) for p in params]
+            for r, prec in enumerate(precisions):
+                x, y = data[rank_slice(batch, SHARES, r)]
+                with autocast(prec, torch.device("cpu")):
+                    loss = F.cross_entropy(model(x), y)
+                grads = torch.autograd.grad(scaler.scale_loss(loss * (SHARES[r] * 3 / GLOBAL)), params)
+                total = [t + g / 3 for t, g in zip(total, grads)]
+            for p, t in zip(params, total):
+                p.grad = t / scaler.scale
+            finite = all(bool(torch.isfinite(p.grad).all()) for p in params)
+            if finite:
+                optimizer.step()
+            scaler.update(finite)
+            optimizer.zero_grad(set_to_none=True)
+            history.append([p.detach().clone() for p in params])
+            applied.append(finite)
+    return history, applied, full_loss(model)
+
+
+def test_bf16_fp16_fp32_ranks_match_reference_and_fp32_loss():
+    results = run_ranks(_train, 3, PRECISIONS, -1)
+    want, want_applied, mixed_loss = reference(PRECISIONS)
+    _, _, fp32_loss = reference(["fp32"] * 3)
+    worst = 0.0
+    for rank in range(3):
+        assert results[rank]["applied"] == want_applied
+        for got_step, want_step in zip(results[rank]["params"], want, strict=True):
+            for got, ref in zip(got_step, want_step):
+                worst = max(worst, (got - ref).abs().max().item())
+    assert worst < 1e-5, worst
+    final = results[0]["loss"]
+    assert abs(final - mixed_loss) < 1e-5
+    assert fp32_loss < full_loss(make_model()) * 0.8  # it trained
+    assert abs(final - fp32_loss) / fp32_loss < 0.02, (final, fp32_loss)
+
+
+def test_inf_on_one_rank_skips_that_step_on_every_rank():
+    k = 2
+    results = run_ranks(_train, 3, PRECISIONS, k)
+    for rank in range(3):
+        r = results[rank]
+        assert r["applied"][k] is False and r["applied"][k - 1] is True
+        assert r["scales"][k] == r["scales"][k - 1] / 2
+        for before, after in zip(r["params"][k - 1], r["params"][k]):
+            assert torch.equal(before, after)
+        assert all(math.isfinite(p.abs().max().item()) for p in r["params"][-1])
+    for step in range(len(results[0]["params"])):
+        for other in (1, 2):
+            for a, b in zip(results[0]["params"][step], results[other]["params"][step]):
+                assert torch.equal(a, b), (step, other)
+
+
+def test_half_precision_master_weights_are_refused():
+    import hetrain
+
+    with hetrain.Session() as session:
+        with pytest.raises(HetrainError, match="fp32"):
+            session.prepare(make_model().to(torch.bfloat16))
+
+
+def test_scaler_state_round_trips_and_grows_identically():
+    a = JobLossScaler(enabled=True, growth_interval=2)
+    for finite in (True, True, False, True):
+        a.update(finite)
+    b = JobLossScaler(enabled=True, growth_interval=2)
+    b.load_state_dict(a.state_dict())
+    assert (b.scale, b.good_steps, b.skipped_steps) == (2.0**16, 1, 1)
+    a.update(True), b.update(True)
+    assert a.scale == b.scale == 2.0**17
