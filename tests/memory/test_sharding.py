@@ -1,0 +1,109 @@
+"""ZeRO-1 (even and by free memory) and FSDP2: sharded state, the unsharded update, exact gradients."""
+
+import torch
+
+from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+from hetrain.runtime.data import GlobalBatchOrder
+from hetrain.runtime.sharding import proportional_partition
+from tests.distributed import run_ranks
+from tests.memory.models import make_data, make_model
+
+GiB = 2**30
+CAPACITY = [3 * GiB, 2 * GiB, 1 * GiB]
+SHARES = [6, 4, 2]
+STEPS = 3
+
+
+def test_proportional_partition_follows_weights():
+    sizes = [100] * 12 + [10] * 6
+    owner = proportional_partition(sizes, [3, 2, 1])
+    load = [sum(s for s, o in zip(sizes, owner) if o == r) for r in range(3)]
+    assert load == [630, 420, 210]
+
+
+def _zero(rank, world):
+    import torch.distributed as dist
+
+    import hetrain
+    from hetrain.runtime.sharding import optimizer_state_bytes
+
+    dist.init_process_group("gloo")  # one group for the three sessions below
+    out = {}
+    for sharding in ("none", "zero1", "zero1-proportional"):
+        plan = Plan(global_batch_size=sum(SHARES), sharding=sharding, balance=BalancePlan(enabled=False),
+                    ranks=[RankPlan(rank=r, share=s, memory_capacity_bytes=c)
+                           for r, (s, c) in enumerate(zip(SHARES, CAPACITY))])
+        session = hetrain.Session(plan)
+        net = make_model(depth=12)
+        model, optimizer = session.prepare(net, torch.optim.Adam(net.parameters(), lr=1e-2))
+        loader = session.loader(make_data(), global_batch_size=sum(SHARES), shuffle=True, seed=2)
+        for step, (x, y) in enumerate(loader):
+            if step == STEPS:
+                break
+            session.backward(torch.nn.functional.cross_entropy(model(x), y))
+            session.step()
+        out[sharding] = {"bytes": optimizer_state_bytes(optimizer),
+                         "params": [p.detach().clone() for p in net.parameters()],
+                         "kind": type(optimizer).__name__}
+    return out
+
+
+def test_zero1_shards_state_evenly_or_by_memory_and_keeps_the_update():
+    results = run_ranks(_zero, 3)
+    total = results[0]["none"]["bytes"]
+    assert all(r["none"]["bytes"] == total for r in results)
+    weights = [c - 2 * 4 * sum(p.numel() for p in make_model(depth=12).parameters()) for c in CAPACITY]
+    for sharding, targets in (("zero1", [1 / 3] * 3), ("zero1-proportional", [w / sum(weights) for w in weights])):
+        got = [r[sharding]["bytes"] for r in results]
+        assert sum(got) == total, (sharding, got, total)
+        for rank in range(3):
+            assert abs(got[rank] - targets[rank] * total) <= 0.10 * targets[rank] * total, (sharding, got, total)
+            for a, b in zip(results[rank][sharding]["params"], results[rank]["none"]["params"]):
+                assert (a - b).abs().max().item() < 1e-5, sharding
+    assert results[0]["zero1-proportional"]["kind"] == "ProportionalZeroRedundancyOptimizer"
+
+
+def _fsdp(rank, world, splits):
+    import hetrain
+
+    plan = Plan(global_batch_size=sum(splits[0]), sharding="fsdp", balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=r, share=s, activation_checkpointing=(r == 0)) for r, s in enumerate(splits[0])])
+    session = hetrain.Session(plan)
+    net = make_model()
+    model, optimizer = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    loader = session.loader(make_data(), global_batch_size=sum(splits[0]), shuffle=True, seed=3)
+    grads, params = [], []
+    for step, (x, y) in enumerate(loader):
+        if step == len(splits):
+            break
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        session.backward(loss)
+        grads.append([p.grad.full_tensor() for p in model.parameters()])
+        session.step()
+        params.append([p.full_tensor().detach() for p in model.parameters()])
+        session.balancer.shares = list(splits[(step + 1) % len(splits)])
+    return {"grads": grads, "params": params, "blocks": len(session.blocks)}
+
+
+def test_fsdp_gradients_equal_the_global_batch_gradient_under_uneven_shares():
+    splits = [[5, 2, 1], [0, 3, 5]]
+    results = run_ranks(_fsdp, 3, splits)
+    order = GlobalBatchOrder(len(make_data()), 8, shuffle=True, seed=3)
+    reference = make_model()
+    for step in range(len(splits)):
+        want = global_grads_for(reference, order.global_batch(0, step))
+        for rank in range(3):
+            for got, ref in zip(results[rank]["grads"][step], want):
+                assert (got - ref).abs().max().item() < 1e-5, (step, rank)
+        with torch.no_grad():
+            for p, g in zip(reference.parameters(), want):
+                p -= 0.1 * g
+        for rank in range(3):
+            for got, ref in zip(results[rank]["params"][step], reference.parameters()):
+                assert (got - ref).abs().max().item() < 1e-5, (step, rank)
+    assert results[0]["blocks"] == 6
+
+
+def global_grads_for(model, indices):
+    x, y = make_data()[indices]
+    return torch.autograd.grad(torch.nn.functional.cross_entropy(model(x), y), list(model.parameters()))
