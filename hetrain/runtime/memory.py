@@ -125,7 +125,8 @@ class SavedActivations:
     checkpointed blocks keep to recompute; parameters (and views of them) are not counted."""
 
     def __init__(self, model: nn.Module, blocks: Sequence[nn.Module] = ()) -> None:
-        self._params = {_local(p).untyped_storage().data_ptr() for p in model.parameters() if p.numel()}
+        self._model = model
+        self._params = self._param_storages()
         self._blocks = [b for b in blocks if getattr(b, _CHECKPOINTED, False)]
         self._storages: dict[int, int] = {}
 
@@ -133,10 +134,16 @@ class SavedActivations:
     def bytes(self) -> int:
         return sum(self._storages.values())
 
+    def _param_storages(self) -> set[int]:
+        # Under FSDP2 a block's parameters are unsharded, plain tensors, only while it runs: ask again then.
+        return {_local(p).untyped_storage().data_ptr() for p in self._model.parameters() if p.numel()}
+
     def _count(self, t: Any) -> Any:
         if isinstance(t, torch.Tensor) and t.numel() and not isinstance(t, nn.Parameter):
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
+            if ptr and ptr not in self._params:
+                self._params = self._param_storages()
             if ptr and ptr not in self._params:
                 self._storages[ptr] = storage.nbytes()
         return t

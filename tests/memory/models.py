@@ -39,10 +39,3 @@ def make_data(n: int = 48) -> TensorDataset:
     g = torch.Generator().manual_seed(1)
     return TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
 
-
-def global_grads(indices: list[int]) -> list[torch.Tensor]:
-    """The single-process gradient of the mean loss over a global batch."""
-    model, data = make_model(), make_data()
-    x, y = data[indices]
-    torch.nn.functional.cross_entropy(model(x), y).backward()
-    return [p.grad.clone() for p in model.parameters()]

@@ -1,0 +1,202 @@
+"""`hetrain bench memory`: what each memory strategy holds per rank, measured, and what it fits, predicted.
+
+Measured on CPU ranks over gloo (spawned here): per rank, optimizer-state bytes after one Adam step
+and the bytes a forward keeps for backward, for sharding none, zero1, zero1-proportional and fsdp,
+each with and without activation checkpointing, on a small transformer. Memory capacities for the
+proportional split come from the plan (an A100-80GB and V100-32GB pattern), as on a mixed cluster.
+Predicted by the cost model: the largest model each approach fits on the `a100x4+v100x4` preset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from hetrain.errors import HetrainError
+
+SHARDINGS = ("none", "zero1", "zero1-proportional", "fsdp")
+CAPACITY_PATTERN = (80 * 10**9, 32 * 10**9)  # a100-sxm4-80gb, v100-sxm2-32gb (from the plan, emulated)
+
+
+def build_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ranks", type=int, default=3, help="CPU ranks to spawn (2 or 3)")
+    parser.add_argument("--width", type=int, default=64, help="transformer width")
+    parser.add_argument("--depth", type=int, default=6, help="transformer blocks")
+    parser.add_argument("--seq", type=int, default=32, help="tokens per sample")
+    parser.add_argument("--global-batch-size", type=int, default=12)
+    parser.add_argument("--preset", default="a100x4+v100x4", help="cluster for the largest-model report")
+
+
+class TinyTransformer(nn.Module):
+    """Token embedding, a ModuleList of encoder blocks, a vocabulary head."""
+
+    def __init__(self, width: int, depth: int, vocab: int = 128) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(width, nhead=4, dim_feedforward=4 * width, dropout=0.0, batch_first=True)
+            for _ in range(depth)
+        )
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def _measure(rank: int, world: int, args: argparse.Namespace, sharding: str, ckpt: bool) -> dict:
+    import hetrain
+    from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+    from hetrain.runtime.memory import SavedActivations
+    from hetrain.runtime.sharding import optimizer_state_bytes
+
+    base, extra = divmod(args.global_batch_size, world)
+    ranks = [RankPlan(rank=r, share=base + (r < extra), activation_checkpointing=ckpt,
+                      memory_capacity_bytes=CAPACITY_PATTERN[r % 2]) for r in range(world)]
+    plan = Plan(global_batch_size=args.global_batch_size, sharding=sharding, ranks=ranks,
+                balance=BalancePlan(enabled=False))
+    session = hetrain.Session(plan)
+    torch.manual_seed(0)
+    net = TinyTransformer(args.width, args.depth)
+    model, optimizer = session.prepare(net, torch.optim.Adam(net.parameters(), lr=1e-3))
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randint(0, 128, (args.global_batch_size * 2, args.seq + 1), generator=g))
+    loader = session.loader(data, global_batch_size=args.global_batch_size, shuffle=False)
+    (tokens,) = next(iter(loader))
+    meter = SavedActivations(net, session.blocks)
+    with meter.measure():
+        logits = model(tokens[:, :-1])
+    loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    session.backward(loss)
+    session.step()
+    return {"optimizer_state_bytes": optimizer_state_bytes(optimizer), "saved_activation_bytes": meter.bytes,
+            "samples": len(tokens), "loss": loss.item()}
+
+
+def _rank_main(rank: int, world: int, args: argparse.Namespace, store_path: str, out_path: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    results = {f"{s}{'+ckpt' if c else ''}": _measure(rank, world, args, s, c) for s in SHARDINGS for c in (False, True)}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(gathered, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measured(args: argparse.Namespace) -> dict:
+    """Per strategy, per rank: optimizer-state bytes, saved-activation bytes (spawns `args.ranks` ranks)."""
+    if args.ranks not in (2, 3):
+        raise HetrainError(f"--ranks {args.ranks}: this benchmark runs 2 or 3 CPU ranks")
+    with tempfile.TemporaryDirectory() as tmp:
+        store, out = os.path.join(tmp, "store"), os.path.join(tmp, "out.json")
+        mp.spawn(_rank_main, args=(args.ranks, args, store, out), nprocs=args.ranks, join=True)
+        with open(out) as f:
+            per_rank = json.load(f)
+    strategies = {}
+    for name in per_rank[0]:
+        strategies[name] = {k: [r[name][k] for r in per_rank] for k in per_rank[0][name]}
+    return strategies
+
+
+def _share_errors(strategies: dict, world: int, params_bytes: int) -> dict:
+    total = sum(strategies["none"]["optimizer_state_bytes"]) / world
+    caps = [CAPACITY_PATTERN[r % 2] - 2 * params_bytes for r in range(world)]
+    targets = {"zero1": [1 / world] * world, "zero1-proportional": [c / sum(caps) for c in caps]}
+    out = {}
+    for name, target in targets.items():
+        got = strategies[name]["optimizer_state_bytes"]
+        out[name] = {"share": [g / total for g in got], "target": target,
+                     "worst_relative_error": max(abs(g / total - t) / t for g, t in zip(got, target))}
+    return out
+
+
+# ---------------------------------------------------------------- predicted: largest model per approach
+
+
+def _profile(layers: int, hidden: int = 4096, heads: int = 32, seq: int = 2048, vocab: int = 32000):
+    from hetrain.workload.zoo import ModelFacts, _transformer
+
+    params = 12 * layers * hidden * hidden + vocab * hidden
+    facts = ModelFacts(model="transformer-h4096", params=params, seq_len=seq, forward_flops=2.0 * params * seq,
+                       layers=layers, hidden=hidden, heads=heads, vocab=vocab)
+    return _transformer(f"transformer-h{hidden}-l{layers}", facts)
+
+
+def _fits(approach: str, profile, devices: list[tuple[str, int]]) -> bool:
+    from hetrain.planning import cost_model as cm
+
+    world = len(devices)
+    if approach in ("none", "zero1", "fsdp"):
+        zero = {"none": 0, "zero1": 1, "fsdp": 3}[approach]
+        return all(cm.memory_estimate(profile, prec, 1, zero=zero, world=world, checkpointing=True).total <= cap
+                   for prec, cap in devices)
+    # zero1-proportional: rank r can hold a fraction f_r of the optimizer state; the fractions must cover it.
+    covered = 0.0
+    for prec, cap in devices:
+        est = cm.memory_estimate(profile, prec, 1, zero=0, world=world, checkpointing=True)
+        per_fraction = est.optimizer * (1 + cm.FRAGMENTATION)
+        covered += min(1.0, max(0.0, (cap - (est.total - per_fraction)) / per_fraction))
+    return covered >= 1.0
+
+
+def largest_models(preset: str = "a100x4+v100x4") -> dict:
+    """By the cost model: the most parameters each approach fits (AdamW, micro-batch 1, checkpointing on)."""
+    from hetrain.hardware.cluster import get_preset
+    from hetrain.planning.precision_policy import choose_precision
+
+    cluster = get_preset(preset)
+    devices = [(choose_precision(d.spec)[0], d.spec.memory_bytes) for d in cluster.devices()]
+    out = {}
+    for approach in ("none", "zero1", "zero1-proportional", "fsdp"):
+        lo, hi = 0, 4096  # layers of a hidden-4096 transformer (seq 2048, vocab 32000)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if _fits(approach, _profile(mid), devices) else (lo, mid - 1)
+        out[approach] = {"layers": lo, "params_billion": round(_profile(lo).params / 1e9, 2) if lo else 0.0}
+    base = out["zero1"]["params_billion"]
+    for approach in out:
+        out[approach]["ratio_to_zero1"] = round(out[approach]["params_billion"] / base, 3) if base else None
+    return {"preset": preset, "devices": [f"{d.spec.name} ({p})" for d, (p, _) in zip(cluster.devices(), devices)],
+            "family": "transformer, hidden 4096, 32 heads, seq 2048, vocab 32000; AdamW; micro-batch 1; "
+                      "activation checkpointing on", "approaches": out}
+
+
+def run(args: argparse.Namespace) -> dict:
+    t0 = time.perf_counter()
+    strategies = measured(args)
+    wall = time.perf_counter() - t0
+    params_bytes = 4 * sum(p.numel() for p in TinyTransformer(args.width, args.depth).parameters())
+    ckpt_ratio = {s: sum(strategies[f"{s}+ckpt"]["saved_activation_bytes"]) / sum(strategies[s]["saved_activation_bytes"])
+                  for s in SHARDINGS}
+    shares = _share_errors(strategies, args.ranks, params_bytes // 4 * 4)
+    return {
+        "ranks": args.ranks,
+        "model": f"transformer width {args.width}, {args.depth} blocks, seq {args.seq} "
+                 f"({params_bytes // 4} parameters), Adam, global batch {args.global_batch_size}",
+        "capacities_from_plan": [CAPACITY_PATTERN[r % 2] for r in range(args.ranks)],
+        "per_rank": strategies,
+        "optimizer_state_shares": shares,
+        "checkpointing_saved_bytes_ratio": ckpt_ratio,
+        "largest_model": largest_models(args.preset),
+        "checks": {
+            "zero1_within_10pct": shares["zero1"]["worst_relative_error"] <= 0.10,
+            "zero1_proportional_within_10pct": shares["zero1-proportional"]["worst_relative_error"] <= 0.10,
+            "checkpointing_halves_activations": all(r <= 0.5 for r in ckpt_ratio.values()),
+        },
+        "wall_s": wall,
+        "emulated": "memory capacities come from the plan; CPU ranks",
+    }
