@@ -30,6 +30,7 @@ from hetrain.planning.batch_split import split_partial
 from hetrain.planning.plan import Plan
 from hetrain.runtime.balancer import Balancer
 from hetrain.runtime.data import GlobalBatchOrder, HeteroLoader
+from hetrain.runtime.resume import CHECKPOINT_ENV, INTERVAL_ENV, SessionCheckpoints
 from hetrain.runtime.precision import JobLossScaler, autocast, configure_tf32
 from hetrain.runtime.timing import StepTimer, TimedHookState, emulated_speed, timed_hook
 
@@ -47,7 +48,9 @@ class Session:
 
     def __init__(self, plan: Plan | str | os.PathLike | None = None, *, backend: str | None = None,
                  balance: bool | None = None, balance_interval: int | None = None,
-                 device: str | torch.device | None = None, log_level: int | None = None) -> None:
+                 device: str | torch.device | None = None, log_level: int | None = None,
+                 checkpoint_dir: str | os.PathLike | None = None, checkpoint_interval: int | None = None,
+                 keep_checkpoints: int = 3, async_checkpoints: bool = True) -> None:
         self.rank = _env_int("RANK", 0)
         _print_user_errors_as_one_line()
         self.world_size = _env_int("WORLD_SIZE", 1)
@@ -92,6 +95,10 @@ class Session:
         self._last_step_end: float | None = None
         self.step_seconds: list[float] = []      # wall time of each step on this rank
         self.compute_seconds: list[float] = []   # compute time of each step on this rank
+        self._checkpoint_args = (checkpoint_dir or os.environ.get(CHECKPOINT_ENV) or None,
+                                 checkpoint_interval or _env_int(INTERVAL_ENV, 100), keep_checkpoints,
+                                 async_checkpoints)
+        self.checkpoints: SessionCheckpoints | None = None
         if self.is_main and self.emulated:
             log.info("speeds are emulated on CPU ranks (%s): figures from this run are emulated",
                      os.environ.get("HETRAIN_EMULATE_SPEEDS"))
@@ -123,7 +130,15 @@ class Session:
         backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        if "MASTER_ADDR" in os.environ:
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # Workers share the elastic agent's store across restarts; keys written by a failed
+            # attempt (a dead rank's address) would be read by the next one. Namespace them.
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  world_size=self.world_size, is_master=False)
+            prefix = f"hetrain/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/attempt{self.restart_count}"
+            dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=self.rank,
+                                    world_size=self.world_size)
+        elif "MASTER_ADDR" in os.environ:
             dist.init_process_group(backend, rank=self.rank, world_size=self.world_size)
         elif self.world_size == 1:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
@@ -291,6 +306,7 @@ class Session:
         self._setup_split(global_batch_size)
         order = GlobalBatchOrder(len(dataset), global_batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last)
         self._loader = HeteroLoader(self, dataset, order, collate_fn)
+        self._start_checkpoints()
         return self._loader
 
     def _setup_split(self, global_batch_size: int) -> None:
@@ -379,6 +395,8 @@ class Session:
             self.balancer.rebalance(self.step_count, self.balancer.exchange(self.device))
         self._local_n = self._global_n = None
         self._micro_n, self._micro_last = None, True
+        if self.checkpoints is not None:
+            self.checkpoints.after_step()
         return applied
 
     # -- helpers for users and tools ---------------------------------------------------------------
@@ -404,9 +422,33 @@ class Session:
         dist.barrier()
 
     def close(self) -> None:
-        """Leave the process group (if this session started it)."""
+        """Save a final checkpoint (when checkpointing), then leave the process group if this session started it."""
+        if self.checkpoints is not None:
+            self.checkpoints.close()
+            self.checkpoints = None
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
+
+    # -- checkpoints (hetrain.runtime.resume decides what and when) ---------------------------------
+
+    def _start_checkpoints(self) -> None:
+        directory, interval, keep, async_save = self._checkpoint_args
+        if directory is None:
+            return
+        if self.model is None:
+            raise HetrainError("with checkpoints, call session.prepare(model, optimizer) before session.loader() "
+                               "so the session can resume them")
+        self.checkpoints = SessionCheckpoints(self, directory, interval=interval, keep=keep, async_save=async_save)
+        self.checkpoints.resume()
+
+    def _unwrapped_model(self) -> torch.nn.Module:
+        return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
+
+    def _optimizer_state_for_checkpoint(self) -> dict | None:
+        return self.optimizer.state_dict() if self.optimizer is not None else None
+
+    def _load_optimizer_state_from_checkpoint(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
 
     def __enter__(self) -> "Session":
         return self
