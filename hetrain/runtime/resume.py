@@ -5,6 +5,17 @@ data position (epoch, step in epoch, seed), the balancer's split and measurement
 plan, and every rank's RNG states. Saves happen every `interval` steps, when any rank received
 SIGTERM (agreed by all-reduce, so every rank saves the same step), and when the session closes.
 
+A rank that gets SIGTERM while blocked in a collective (a peer is gone but its connection is not
+reset, as when a node drops off the network) cannot run a Python signal handler. A watcher thread,
+woken through `signal.set_wakeup_fd`, sees SIGTERM at once; if the rank does not reach the end of
+its step within a grace period (the larger of `HETRAIN_SIGTERM_GRACE` seconds, default 5, and three
+of its recent steps), it exits with status 143 without saving, so the elastic agent restarts the
+job at once instead of after its own SIGKILL timeout.
+
+Sharded state: a ZeroRedundancyOptimizer's state is consolidated on rank 0 and saved whole (it loads
+on any number of ranks); an FSDP2 model and its optimizer go through
+`torch.distributed.checkpoint.state_dict` into the checkpoint's sharded part, which DCP reshards.
+
 On a different number of ranks (an elastic restart), the global batches continue in the same
 order (they depend only on the seed and the global batch size), the split is recomputed for the
 new ranks, and a new rank without an RNG state of its own keeps the one it started with.
@@ -15,6 +26,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +36,7 @@ import torch.distributed as dist
 
 from hetrain.checkpoint.checkpointer import Checkpointer
 from hetrain.checkpoint.rng import capture_rng, restore_rng
+from hetrain.errors import HetrainError
 from hetrain.planning.plan import Plan
 
 if TYPE_CHECKING:
@@ -32,6 +46,8 @@ log = logging.getLogger("hetrain.checkpoint")
 
 CHECKPOINT_ENV = "HETRAIN_CHECKPOINT_DIR"
 INTERVAL_ENV = "HETRAIN_CHECKPOINT_INTERVAL"
+GRACE_ENV = "HETRAIN_SIGTERM_GRACE"
+SIGTERM_EXIT = 143
 
 
 class SessionCheckpoints:
@@ -39,6 +55,8 @@ class SessionCheckpoints:
 
     def __init__(self, session: "Session", directory: str | os.PathLike, *, interval: int = 100,
                  keep: int = 3, async_save: bool = True) -> None:
+        if interval < 1:
+            raise HetrainError(f"checkpoint interval {interval} must be >= 1 step; pass checkpoint_interval>=1")
         self.session = session
         self.interval = interval
         self.checkpointer = Checkpointer(Path(directory), keep=keep, async_save=async_save)
@@ -46,34 +64,58 @@ class SessionCheckpoints:
         self.resumed_from: int | None = None
         self._sigterm = False
         self._previous_handler = None
+        self._watch = _SigtermWatch(self._on_watched_sigterm, self._grace_seconds)
         try:
             self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
         except ValueError:  # not the main thread: the interval and close() still save
-            pass
+            return
+        self._watch.start()
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         self._sigterm = True
 
+    def _on_watched_sigterm(self) -> None:
+        self._sigterm = True
+
+    def _grace_seconds(self) -> float:
+        """How long a rank may take to reach the end of its step after SIGTERM before it exits unsaved."""
+        floor = float(os.environ.get(GRACE_ENV) or 5.0)
+        recent = self.session.step_seconds[-20:]
+        return max(floor, 3 * max(recent)) if recent else floor
+
     # -- what is saved -----------------------------------------------------------------------
 
-    def _state(self) -> tuple[dict, dict]:
+    def state(self) -> tuple[dict, dict, dict | None]:
+        """(shared, per_rank, sharded): what a checkpoint of the session holds now (collective)."""
         s = self.session
-        optimizer_state = s._optimizer_state_for_checkpoint()
+        sharded = None
+        if s.sharding == "fsdp":
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+            sharded = {"model": get_model_state_dict(s.model)}
+            if s.optimizer is not None:  # a fresh optimizer's state is initialised first, as a template
+                sharded["optimizer"] = get_optimizer_state_dict(s.model, s.optimizer)
+            model_state = optimizer_state = None
+        else:
+            model_state = s._unwrapped_model().state_dict()
+            optimizer_state = s._optimizer_state_for_checkpoint()
         shared = {
             "step": s.step_count,
-            "model": s._unwrapped_model().state_dict(),
+            "model": model_state,
             "optimizer": optimizer_state,
+            "sharding": s.sharding,
             "scaler": s.scaler.state_dict(),
             "balancer": s.balancer.state_dict(),
             "loader": s._loader.state_dict(),
             "world_size": s.world_size,
             "plan": s.plan.to_json() if s.plan is not None else "",
         }
-        return shared, {"rng": capture_rng()}
+        return shared, {"rng": capture_rng()}, sharded
 
     def save(self, *, blocking: bool | None = None) -> None:
-        shared, per_rank = self._state()
-        self.checkpointer.save(self.session.step_count, shared, per_rank, blocking=blocking)
+        """Collective: write a checkpoint of the session's current step."""
+        shared, per_rank, sharded = self.state()
+        self.checkpointer.save(self.session.step_count, shared, per_rank, sharded, blocking=blocking)
         self.last_saved_step = self.session.step_count
 
     # -- when -----------------------------------------------------------------------------------
@@ -84,19 +126,31 @@ class SessionCheckpoints:
         flag = torch.tensor([1.0 if self._sigterm else 0.0], device=s.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item() > 0:
+            self._watch.reached()  # every rank is here: the save can proceed
             log.warning("SIGTERM: saving step %d and stopping", s.step_count)
             self.save(blocking=True)
             self.checkpointer.close()
-            raise SystemExit(143)
+            self._restore_signals()
+            raise SystemExit(SIGTERM_EXIT)
         if s.step_count % self.interval == 0:
             self.save()
 
     def close(self) -> None:
+        """Save the last step (unless saved already), finish pending saves, restore the SIGTERM handler."""
+        self._watch.reached()
         if self.last_saved_step != self.session.step_count and self.session.step_count > 0:
             self.save(blocking=True)
         self.checkpointer.close()
+        self._restore_signals()
+
+    def _restore_signals(self) -> None:
+        self._watch.stop()
         if self._previous_handler is not None:
-            signal.signal(signal.SIGTERM, self._previous_handler)
+            try:
+                signal.signal(signal.SIGTERM, self._previous_handler)
+            except ValueError:
+                pass
+            self._previous_handler = None
 
     # -- resume -----------------------------------------------------------------------------------
 
@@ -105,11 +159,26 @@ class SessionCheckpoints:
         info = self.checkpointer.latest()
         if info is None:
             return False
-        shared, per_rank, _ = self.checkpointer.load(info)
         s = self.session
-        s._unwrapped_model().load_state_dict(shared["model"])
-        if shared["optimizer"] is not None and s.optimizer is not None:
-            s._load_optimizer_state_from_checkpoint(shared["optimizer"])
+        fsdp = s.sharding == "fsdp"
+        if fsdp != info.sharded:
+            saved = "with FSDP2 (sharding 'fsdp')" if info.sharded else "without FSDP2"
+            raise HetrainError(
+                f"{info.path} was saved {saved}, this session uses sharding {s.sharding!r}; resume with the "
+                f"sharding it was saved with, or start in an empty checkpoint directory"
+            )
+        template = self.state()[2] if fsdp else None
+        shared, per_rank, loaded = self.checkpointer.load(info, sharded_template=template)
+        if fsdp:
+            from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+            set_model_state_dict(s.model, loaded["model"])
+            if s.optimizer is not None:
+                set_optimizer_state_dict(s.model, s.optimizer, loaded["optimizer"])
+        else:
+            s._unwrapped_model().load_state_dict(shared["model"])
+            if shared["optimizer"] is not None and s.optimizer is not None:
+                s._load_optimizer_state_from_checkpoint(shared["optimizer"])
         s.scaler.load_state_dict(shared["scaler"])
         s._loader.load_state_dict(shared["loader"])
         s.step_count = int(shared["step"])
@@ -125,6 +194,79 @@ class SessionCheckpoints:
         log.info("resumed from %s (step %d, epoch %d, step in epoch %d)", info.path, s.step_count,
                  s._loader.epoch, s._loader.step_in_epoch)
         return True
+
+
+class _SigtermWatch:
+    """A thread that sees SIGTERM at once (through the signal wakeup fd), even while the main thread is
+    blocked in a collective, and exits the process if the main thread does not reach the save in time."""
+
+    def __init__(self, on_sigterm: Any, grace: Any) -> None:
+        self._on_sigterm = on_sigterm
+        self._grace = grace
+        self._reached = threading.Event()
+        self._stopped = False
+        self._fds: tuple[int, int] | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Listen on the wakeup fd (main thread only); left off when another listener (an event loop) has it."""
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        try:
+            previous = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        except ValueError:
+            previous = None
+        if previous != -1:
+            if previous is not None:
+                signal.set_wakeup_fd(previous)
+            os.close(r)
+            os.close(w)
+            return
+        self._fds = (r, w)
+        self._thread = threading.Thread(target=self._run, name="hetrain-sigterm", daemon=True)
+        self._thread.start()
+
+    def reached(self) -> None:
+        """The main thread is at the save point (or closing): no early exit from here on."""
+        self._reached.set()
+
+    def stop(self) -> None:
+        if self._fds is None:
+            return
+        self._stopped = True
+        self._reached.set()
+        r, w = self._fds
+        try:
+            current = signal.set_wakeup_fd(-1)
+            if current not in (-1, w):  # someone replaced ours meanwhile: leave theirs
+                signal.set_wakeup_fd(current)
+        except ValueError:  # not the main thread
+            pass
+        os.write(w, b"\0")
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        os.close(r)
+        os.close(w)
+        self._fds = None
+
+    def _run(self) -> None:
+        r = self._fds[0]
+        while not self._stopped:
+            data = os.read(r, 64)
+            if self._stopped or not data:
+                return
+            if signal.SIGTERM not in data:
+                continue
+            self._on_sigterm()
+            grace = self._grace()
+            started = time.monotonic()
+            if self._reached.wait(grace) or self._stopped:
+                return
+            log.warning("SIGTERM: rank %s did not reach the end of its step within %.1f s (blocked in a collective "
+                        "with a rank that is gone?); exiting without saving, the last checkpoint stays",
+                        os.environ.get("RANK", "0"), time.monotonic() - started)
+            logging.shutdown()
+            os._exit(SIGTERM_EXIT)
 
 
 def saved_plan(shared: dict) -> Plan | None:

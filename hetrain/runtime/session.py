@@ -445,7 +445,16 @@ class Session:
         return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
 
     def _optimizer_state_for_checkpoint(self) -> dict | None:
-        return self.optimizer.state_dict() if self.optimizer is not None else None
+        """The whole optimizer state on rank 0 (collective under ZeRO-1: each rank's shard is gathered there)."""
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        if self.optimizer is None:
+            return None
+        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
+            # ZeRO's full state dict is keyed by global parameter index: it loads on any number of ranks
+            self.optimizer.consolidate_state_dict(to=0)
+            return self.optimizer.state_dict() if self.rank == 0 else None
+        return self.optimizer.state_dict()
 
     def _load_optimizer_state_from_checkpoint(self, state: dict) -> None:
         self.optimizer.load_state_dict(state)
