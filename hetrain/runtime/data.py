@@ -121,7 +121,9 @@ class HeteroLoader:
             local, shares = self.indices_for(self.epoch, self.step_in_epoch, self.session.shares)
             self.session._begin_step(len(local), sum(shares))
             self.step_in_epoch += 1
-            yield _fetch(self.dataset, local, self.collate_fn, probe=self.order.permutation(self.epoch)[0].item())
+            batch = _fetch(self.dataset, local, self.collate_fn, probe=self.order.permutation(self.epoch)[0].item())
+            # one piece, or micro-batches when the plan caps this rank's micro_batch below its share
+            yield from self.session._micro_batches(batch)
         # the epoch is complete: the next iteration starts the next one
         self.epoch += 1
         self.step_in_epoch = 0

@@ -35,14 +35,14 @@ def _train(rank, world):
     model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=LR))
     loader = session.loader(make_data(), global_batch_size=sum(SHARES), shuffle=True, seed=5)
     params, returned, sizes = [], [], []
-    for step, batch in enumerate(loader):
-        if step == STEPS:
+    for x, y in loader:                          # the plain loop: the loader yields micro-batches
+        sizes.append(len(x))
+        session.backward(torch.nn.functional.cross_entropy(model(x), y))
+        returned.append(session.step())
+        if returned[-1]:
+            params.append([p.detach().clone() for p in net.parameters()])
+        if session.step_count == STEPS:
             break
-        for x, y in session._micro_batches(batch):
-            sizes.append(len(x))
-            session.backward(torch.nn.functional.cross_entropy(model(x), y))
-            returned.append(session.step())
-        params.append([p.detach().clone() for p in net.parameters()])
     return {"params": params, "returned": returned, "sizes": sizes, "steps": session.step_count}
 
 

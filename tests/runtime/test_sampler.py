@@ -17,6 +17,9 @@ class _RankView:
     def _begin_step(self, local_n, global_n):
         self.steps.append((local_n, global_n))
 
+    def _micro_batches(self, batch):
+        yield batch
+
 
 def _dataset(n):
     return TensorDataset(torch.arange(n))
