@@ -21,8 +21,8 @@ def add_job_options(parser: argparse.ArgumentParser, steps: int = 60) -> None:
     parser.add_argument("--speeds", default="1,0.5", help="emulated speed per rank, e.g. 1,0.5")
     parser.add_argument("--steps", type=int, default=steps, help="training steps per mode")
     parser.add_argument("--warmup", type=int, default=10, help="steps per mode not timed")
-    parser.add_argument("--global-batch", type=int, default=512)
-    parser.add_argument("--hidden", type=int, default=512, help="MLP width")
+    parser.add_argument("--global-batch", type=int, default=1024)
+    parser.add_argument("--hidden", type=int, default=1024, help="MLP width")
     parser.add_argument("--interval", type=int, default=5, help="balancer interval in steps")
 
 

@@ -31,9 +31,9 @@ from hetrain.runtime.timing import StepTimer, TimedHookState, emulated_speed, pa
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--global-batch", type=int, default=512)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--global-batch", type=int, default=1024)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--interval", type=int, default=5, help="balancer interval (steps)")
     p.add_argument("--warmup", type=int, default=10, help="steps not timed (balancer settling, allocation)")
     p.add_argument("--solo-steps", type=int, default=4)
@@ -41,6 +41,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", required=True)
     p.add_argument("--progress", action="store_true")
     return p.parse_args(argv)
+
+
+def make_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
+    """SGD with momentum: the same optimizer, from the same weights, in every phase."""
+    return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
 
 class _Progress:
@@ -82,7 +87,7 @@ def _timed_wall(fn) -> float:
 def solo_phase(args, train, speed, progress) -> float:
     """This rank's own rate (samples/s) training whole global batches, no communication."""
     model = digits_mlp(args.hidden)
-    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    opt = make_optimizer(model, args)
     x, y = train.tensors
     order = GlobalBatchOrder(len(train), args.global_batch, seed=0)
     times = []
@@ -106,7 +111,7 @@ def uniform_phase(args, train, test, speed, progress) -> dict:
     """Plain DDP, even split of each global batch; the device's speed is emulated, nothing else."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = digits_mlp(args.hidden)
-    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    opt = make_optimizer(model, args)
     ddp = DistributedDataParallel(model)
     timer = StepTimer(speed=speed)
     ddp.register_comm_hook(TimedHookState(timer, None, default_hooks.allreduce_hook), timed_hook)
@@ -144,7 +149,7 @@ def balanced_phase(args, train, test, progress) -> dict:
 
     session = hetrain.Session(balance=True, balance_interval=args.interval)
     model = digits_mlp(args.hidden)
-    ddp, opt = session.prepare(model, torch.optim.Adam(model.parameters(), lr=args.lr))
+    ddp, opt = session.prepare(model, make_optimizer(model, args))
     loader = session.loader(train, global_batch_size=args.global_batch, shuffle=True, seed=0)
     compute_start = [0]
     batches = iter(())

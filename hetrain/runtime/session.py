@@ -58,6 +58,16 @@ class Session:
         self.restart_count = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
         self._configure_logging(log_level)
 
+        if plan is None and os.environ.get(PLAN_ENV):
+            plan = os.environ[PLAN_ENV]
+        if plan is not None and not isinstance(plan, Plan):
+            plan = Plan.load(plan)
+        self.plan: Plan | None = plan
+        if plan is not None and plan.world_size != self.world_size and self.rank == 0:
+            log.warning("the plan has %d ranks but the job has %d; its shares are recomputed for %d ranks",
+                        plan.world_size, self.world_size, self.world_size)
+        if plan is not None:
+            _check_plan_supported(plan, self.rank, self.world_size, self._pick_device(device))
         self.device = self._pick_device(device)
         self._owns_group = not dist.is_initialized()
         if self._owns_group:
@@ -65,14 +75,6 @@ class Session:
         else:
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
 
-        if plan is None and os.environ.get(PLAN_ENV):
-            plan = os.environ[PLAN_ENV]
-        if plan is not None and not isinstance(plan, Plan):
-            plan = Plan.load(plan)
-        self.plan: Plan | None = plan
-        if plan is not None and plan.world_size != self.world_size:
-            log.warning("the plan has %d ranks but the job has %d; its shares are recomputed for %d ranks",
-                        plan.world_size, self.world_size, self.world_size)
         self._balance_override = balance
         self._interval_override = balance_interval
 
@@ -464,6 +466,21 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_plan_supported(plan: Plan, rank: int, world_size: int, device: torch.device) -> None:
+    """Refuse what the runtime cannot apply yet; say so for what it applies differently."""
+    if plan.pipeline is not None or plan.strategy in ("pipeline", "hybrid") or any(r.stage for r in plan.ranks):
+        stages = len(plan.pipeline.stages) if plan.pipeline is not None else 1 + max(r.stage for r in plan.ranks)
+        raise HetrainError(
+            f"the plan runs a pipeline of {stages} stages (strategy {plan.strategy}); hetrain's runtime does not "
+            "run pipeline stages yet. Re-plan with `hetrain plan --strategy balanced` (or zero1, zero3)"
+        )
+    if plan.world_size == world_size and rank < world_size:
+        wanted = plan.ranks[rank].device
+        if device.type == "cpu" and wanted != "cpu" and rank == 0:
+            log.info("the plan was made for %s devices; this job runs them on CPU ranks (speeds may be emulated "
+                     "with --emulate-speeds)", ", ".join(sorted({r.device for r in plan.ranks})))
 
 
 def _print_user_errors_as_one_line() -> None:

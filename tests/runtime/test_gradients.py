@@ -1,5 +1,6 @@
 """Heterogeneity changes speed, never the math: weighted gradients equal the global-batch gradient."""
 
+import pytest
 import torch
 from torch.utils.data import TensorDataset
 
@@ -70,3 +71,40 @@ def test_two_ranks_uneven_split():
 
 def test_split_changing_between_steps_and_a_zero_share():
     _check([[5, 2, 1], [1, 1, 6], [0, 3, 5]], steps=3)
+
+
+def _compressed_grads(rank, world, compression):
+    import hetrain
+    from hetrain.planning.plan import CommPlan
+
+    shares = [5, 2, 1]
+    plan = Plan(global_batch_size=8, ranks=[RankPlan(rank=r, share=s) for r, s in enumerate(shares)],
+                balance=BalancePlan(enabled=False), comm=CommPlan(compression=compression))
+    session = hetrain.Session(plan)
+    net = make_model()
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.0))
+    loader = session.loader(make_data(), global_batch_size=8, shuffle=True, seed=3)
+    x, y = next(iter(loader))
+    session.backward(torch.nn.functional.cross_entropy(model(x), y))
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_plan_compression_keeps_weighted_gradients_to_its_precision():
+    """The plan's fp16 compression runs inside the Session's hook chain; uneven shares stay exact to fp16."""
+    from hetrain.runtime.data import GlobalBatchOrder
+
+    ref = reference_grads(GlobalBatchOrder(24, 8, shuffle=True, seed=3).global_batch(0, 0))
+    for grads in run_ranks(_compressed_grads, 3, "fp16"):
+        for got, want in zip(grads, ref):
+            assert (got - want).abs().max().item() < 2e-3 * max(1.0, want.abs().max().item())
+
+
+def test_a_pipeline_plan_is_refused_with_the_fix():
+    import hetrain
+    from hetrain.errors import HetrainError
+    from hetrain.planning.plan import PipelinePlan
+
+    plan = Plan(global_batch_size=8, strategy="pipeline", pipeline=PipelinePlan(stages=[[0, 2], [2, 4]]),
+                ranks=[RankPlan(rank=0, share=8)])
+    with pytest.raises(HetrainError, match="--strategy balanced"):
+        hetrain.Session(plan)
