@@ -1,0 +1,112 @@
+"""SIGTERM: every rank saves the same step and stops; a rank stuck in a collective exits promptly."""
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tests.distributed import free_port, run_ranks
+from tests.memory.models import make_data, make_model
+
+
+def _session_run(root, name, steps, term_after):
+    """One session in `root/name` to `steps`; with term_after, rank 0 sends SIGTERM to rank 1 after that step."""
+    import torch.distributed as dist
+
+    import hetrain
+
+    torch.manual_seed(0)
+    session = hetrain.Session(balance=False, checkpoint_dir=f"{root}/{name}", checkpoint_interval=5)
+    net = make_model()
+    model, _ = session.prepare(net, torch.optim.Adam(net.parameters(), lr=1e-2))
+    loader = session.loader(make_data(), global_batch_size=8, seed=2)
+    start = session.step_count
+    pids = [None] * session.world_size
+    dist.all_gather_object(pids, os.getpid())
+    try:
+        while session.step_count < steps:
+            for x, y in loader:
+                x = x + 0.05 * torch.randn_like(x)
+                session.backward(F.cross_entropy(model(x), y))
+                session.step()
+                if session.step_count == term_after and session.rank == 0:
+                    os.kill(pids[1], signal.SIGTERM)   # from outside, as a scheduler or the agent would
+                if session.step_count >= steps:
+                    break
+    except SystemExit as stop:
+        return {"start": start, "exit": stop.code, "step": session.step_count}
+    session.close()
+    return {"start": start, "exit": None, "params": {k: v.clone() for k, v in net.state_dict().items()}}
+
+
+def _runs(rank, world, root, runs):
+    """Several sessions one after another in one process group: [(name, steps, term_after)]."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    return [_session_run(root, *run) for run in runs]
+
+
+def test_sigterm_to_one_rank_saves_the_same_step_on_every_rank_and_a_restart_resumes_there(tmp_path):
+    from hetrain.checkpoint.checkpointer import Checkpointer
+
+    straight, stopped = zip(*run_ranks(_runs, 2, str(tmp_path), [("a", 14, None), ("b", 14, 6)]))
+    assert [r["exit"] for r in stopped] == [143, 143]
+    step = stopped[0]["step"]
+    assert stopped[1]["step"] == step and 6 < step <= 8, stopped  # the step in flight, or the next
+    latest = Checkpointer(tmp_path / "b").latest()
+    assert latest.step == step and latest.world_size == 2
+
+    resumed = [r[0] for r in run_ranks(_runs, 2, str(tmp_path), [("b", 14, None)])]   # a new process: a restart
+    assert [r["start"] for r in resumed] == [step, step]
+    for k, v in straight[0]["params"].items():
+        assert torch.equal(v, resumed[0]["params"][k]), k   # nothing lost, nothing repeated
+
+
+def _stuck(rank, world, port, tmp):
+    """Rank 1 sends SIGTERM to rank 0 after step 3 and stops itself: rank 0 blocks in the next collective."""
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "HETRAIN_SIGTERM_GRACE": "1"})
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    import hetrain
+
+    session = hetrain.Session(balance=False, checkpoint_dir=f"{tmp}/ckpt", checkpoint_interval=100)
+    net = make_model()
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    loader = session.loader(make_data(), global_batch_size=8)
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    while True:
+        for x, y in loader:
+            session.backward(F.cross_entropy(model(x), y))
+            session.step()
+            if session.step_count == 3 and rank == 1:
+                Path(f"{tmp}/sent").write_text(repr(time.time()))
+                os.kill(pids[0], signal.SIGTERM)
+                os.kill(os.getpid(), signal.SIGSTOP)   # alive, connections open, never answering
+
+
+def test_a_rank_blocked_in_a_collective_exits_soon_after_sigterm(tmp_path):
+    ctx = torch.multiprocessing.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_stuck, args=(r, 2, port, str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        procs[0].join(timeout=60)
+        exited = time.time()
+        assert not procs[0].is_alive(), "rank 0 stayed blocked after SIGTERM"
+        assert procs[0].exitcode == 143
+        sent = float((tmp_path / "sent").read_text())
+        assert exited - sent < 10, exited - sent   # grace 1 s (HETRAIN_SIGTERM_GRACE), not gloo's timeout
+        assert not list((tmp_path / "ckpt").glob("step-*"))   # no partial state was passed off as a checkpoint
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
