@@ -80,6 +80,7 @@ def recovery_figures(events: list[dict]) -> dict:
     stepped = first("step")
 
     def last(kind: str) -> float:
+        first(kind)
         return max(e["t"] for e in after if e["event"] == kind)
 
     return {

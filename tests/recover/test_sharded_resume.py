@@ -39,17 +39,23 @@ def _full_state(session, net, model, optimizer):
     return params, tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, state)
 
 
-def _run(rank, world, root, steps, crash_after, capture_at):
-    """Each sharding in turn in one process group: train to `steps` (resuming), maybe crash; full states."""
+def _runs(rank, world, runs):
+    """Runs one after another in one process group: [(root, steps, crash_after, capture_at)]."""
     import torch.distributed as dist
 
+    dist.init_process_group("gloo")
+    return [_run(*run) for run in runs]
+
+
+def _run(root, steps, crash_after, capture_at):
+    """Each sharding in turn: train to `steps` (resuming), maybe crash; full states."""
     import hetrain
 
-    dist.init_process_group("gloo")
     out = {}
     for sharding in SHARDINGS:
         torch.manual_seed(0)
-        session = hetrain.Session(_plan(world, sharding), checkpoint_dir=f"{root}/{sharding}", checkpoint_interval=SAVED)
+        session = hetrain.Session(_plan(torch.distributed.get_world_size(), sharding),
+                                  checkpoint_dir=f"{root}/{sharding}", checkpoint_interval=SAVED)
         net = make_model()
         model, optimizer = session.prepare(net, torch.optim.Adam(net.parameters(), lr=1e-2))
         loader = session.loader(make_data(), global_batch_size=GLOBAL_BATCH, seed=4)
@@ -94,17 +100,17 @@ def _equal(a, b, where="state"):
 
 @pytest.fixture(scope="module")
 def crashed(tmp_path_factory):
-    """A 2-rank run of each sharding that crashed after step 5; its newest checkpoint is step 3."""
-    root = tmp_path_factory.mktemp("crashed")
-    results = run_ranks(_run, 2, str(root), STEPS, CRASH, SAVED)
-    return root, results
+    """2-rank runs of each sharding: one uninterrupted, one that crashed after step 5 (newest checkpoint: 3)."""
+    root = tmp_path_factory.mktemp("runs")
+    results = run_ranks(_runs, 2, [(str(root / "straight"), STEPS, None, None),
+                                   (str(root / "crashed"), STEPS, CRASH, SAVED)])
+    return root / "crashed", [r[0] for r in results], [r[1] for r in results]
 
 
 def test_zero1_and_fsdp2_resume_on_the_same_ranks_equals_the_uninterrupted_run(crashed, tmp_path):
-    root, _ = crashed
+    root, straight, _ = crashed
     shutil.copytree(root, tmp_path / "resumed")
-    straight = run_ranks(_run, 2, str(tmp_path / "straight"), STEPS, None, None)
-    resumed = run_ranks(_run, 2, str(tmp_path / "resumed"), STEPS, None, None)
+    resumed = [r[0] for r in run_ranks(_runs, 2, [(str(tmp_path / "resumed"), STEPS, None, None)])]  # a restart
     for sharding in SHARDINGS:
         assert resumed[0][sharding]["start"] == SAVED, sharding
         for rank in range(2):
@@ -114,9 +120,9 @@ def test_zero1_and_fsdp2_resume_on_the_same_ranks_equals_the_uninterrupted_run(c
 
 
 def test_zero1_and_fsdp2_state_of_two_ranks_restores_exactly_on_three(crashed, tmp_path):
-    root, saved = crashed
+    root, _, saved = crashed
     shutil.copytree(root, tmp_path / "three")
-    restored = run_ranks(_run, 3, str(tmp_path / "three"), SAVED, None, SAVED)   # resume, take no step
+    restored = [r[0] for r in run_ranks(_runs, 3, [(str(tmp_path / "three"), SAVED, None, SAVED)])]  # no step taken
     for sharding in SHARDINGS:
         assert restored[0][sharding]["start"] == SAVED, sharding
         params, state = saved[0][sharding]["captured"]
