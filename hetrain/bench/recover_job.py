@@ -2,10 +2,11 @@
 
 A deterministic Session job on the digits task with an MLP of ~40 MB of model and Adam state.
 Each rank appends wall-clock events (`time.time()`, one JSON line each) to `<events>/rank<R>.jsonl`:
-`start` (process started), `ready` (process group up), `prepared` (data and model built), `resumed` (checkpoint restored, with the
-step), `step` (a step completed), `death` (written just before this rank SIGKILLs itself). Rank 0
-writes the final parameters to `--out`; with `--measure-saves N` every rank then times N
-synchronous and N background saves of the same state in a directory of their own.
+`start` (process started), `ready` (process group up), `prepared` (data and model built),
+`resumed` (checkpoint restored, with the step), `step` (a step completed), `death` (written just
+before this rank SIGKILLs itself). Rank 0 writes the final parameters to `--out`; with
+`--measure-saves N` every rank then times N synchronous and N background saves of the same state
+in a directory of their own.
 """
 
 from __future__ import annotations

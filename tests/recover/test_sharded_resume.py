@@ -20,7 +20,8 @@ def _plan(world, sharding):
     shares = Plan.even(world, GLOBAL_BATCH).shares
     capacity = [3 * GiB, 2 * GiB, 1 * GiB][:world]
     return Plan(global_batch_size=GLOBAL_BATCH, sharding=sharding, balance=BalancePlan(enabled=False),
-                ranks=[RankPlan(rank=r, share=s, memory_capacity_bytes=c) for r, (s, c) in enumerate(zip(shares, capacity))])
+                ranks=[RankPlan(rank=r, share=s, memory_capacity_bytes=c)
+                       for r, (s, c) in enumerate(zip(shares, capacity))])
 
 
 def _full_state(session, net, model, optimizer):
@@ -30,7 +31,8 @@ def _full_state(session, net, model, optimizer):
 
     if session.sharding == "fsdp":
         params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
-        state = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_optimizer_state_dict(model, optimizer, options=full)
     else:
         params = {n: p.detach().clone() for n, p in net.named_parameters()}
         assert isinstance(optimizer, ZeroRedundancyOptimizer)
