@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from tests.distributed import _context as rank_context
 from tests.distributed import free_port, run_ranks
 from tests.memory.models import make_data, make_model
 
@@ -92,7 +93,7 @@ def _stuck(rank, world, port, tmp):
 
 
 def test_a_rank_blocked_in_a_collective_exits_soon_after_sigterm(tmp_path):
-    ctx = torch.multiprocessing.get_context("spawn")
+    ctx = rank_context()   # the forkserver run_ranks uses: torch is imported once
     port = free_port()
     procs = [ctx.Process(target=_stuck, args=(r, 2, port, str(tmp_path))) for r in range(2)]
     for p in procs:
