@@ -72,3 +72,19 @@ def run_ranks(fn: Callable, world: int, *args: Any, env: dict | None = None, tim
     if errors:
         raise AssertionError("\n".join(errors))
     return [results[r] for r in range(world)]
+
+
+def run_cli(cmd: list[str], *, cwd=None, timeout: float = 300, env: dict | None = None) -> "subprocess.CompletedProcess":
+    """Run a command in its own process group; on timeout the whole group (agent and ranks) is killed."""
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env=env)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

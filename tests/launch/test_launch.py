@@ -1,21 +1,20 @@
 """`hetrain launch` end to end, and its one-line errors."""
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from hetrain.errors import HetrainError
+from tests.distributed import run_cli
 from hetrain.launch.launcher import LaunchConfig, torchrun_argv, validate
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def hetrain(*args, timeout=180):
-    return subprocess.run([sys.executable, "-m", "hetrain.cli.main", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    return run_cli([sys.executable, "-m", "hetrain.cli.main", *args], cwd=ROOT, timeout=timeout)
 
 
 def test_two_ranks_train_and_the_loss_falls():

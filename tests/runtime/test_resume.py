@@ -1,13 +1,12 @@
 """Checkpoint, resume and elastic restart of a Session (DESIGN.md, invariant 5)."""
 
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from tests.distributed import run_ranks
+from tests.distributed import run_cli, run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "tests/runtime/scripts/ckpt_job.py"
@@ -17,7 +16,7 @@ def _launch(ckpt_dir, out, *extra_args, restarts=0):
     cmd = [sys.executable, "-m", "hetrain.cli.main", "launch", "--nproc-per-node", "2",
            "--max-restarts", str(restarts), "--checkpoint-dir", str(ckpt_dir), str(JOB), "--out", str(out),
            *extra_args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return run_cli(cmd, cwd=ROOT, timeout=300)
 
 
 def test_sigkill_of_one_rank_restarts_and_ends_with_the_uninterrupted_parameters(tmp_path):
