@@ -2,7 +2,8 @@
 
 Figures are ratios measured in one run: `speedup` = balanced / uniform samples/s, and
 `efficiency` = balanced / ideal, where ideal is the sum of each rank's own rate training alone
-(no communication) in the same run.
+(no communication) in the same run. The modes alternate in blocks of a few steps, so a drift of
+the machine's speed during the run falls on each of them alike.
 """
 
 from __future__ import annotations
@@ -17,16 +18,18 @@ from hetrain.launch.launcher import LaunchConfig, launch
 from hetrain.runtime.timing import parse_speeds
 
 
-def add_job_options(parser: argparse.ArgumentParser, steps: int = 60) -> None:
+def add_job_options(parser: argparse.ArgumentParser, steps: int = 80) -> None:
     parser.add_argument("--speeds", default="1,0.5", help="emulated speed per rank, e.g. 1,0.5")
     parser.add_argument("--steps", type=int, default=steps, help="training steps per mode")
     parser.add_argument("--warmup", type=int, default=10, help="steps per mode not timed")
-    parser.add_argument("--global-batch", type=int, default=1024)
-    parser.add_argument("--hidden", type=int, default=1024, help="MLP width")
+    parser.add_argument("--global-batch", type=int, default=512)
+    parser.add_argument("--model", choices=["cnn", "mlp"], default="cnn", help="a small CNN, or an MLP")
+    parser.add_argument("--hidden", type=int, default=64, help="CNN channels or MLP width")
     parser.add_argument("--interval", type=int, default=5, help="balancer interval in steps")
 
 
-def run_job(args: argparse.Namespace, *, progress: bool, phases: str = "solo,uniform,balanced") -> dict:
+def run_job(args: argparse.Namespace, *, progress: bool, schedule: str,
+            phases: str = "solo,uniform,balanced") -> dict:
     """Launch the 3-phase job on one rank per speed and return rank 0's figures."""
     speeds = parse_speeds(args.speeds)
     if args.global_batch < len(speeds):
@@ -37,8 +40,9 @@ def run_job(args: argparse.Namespace, *, progress: bool, phases: str = "solo,uni
     with tempfile.TemporaryDirectory(prefix="hetrain-bench-") as tmp:
         out = Path(tmp) / "result.json"
         job_args = ["--steps", str(args.steps), "--warmup", str(args.warmup),
-                    "--global-batch", str(args.global_batch), "--hidden", str(args.hidden),
-                    "--interval", str(args.interval), "--phases", phases, "--out", str(out)]
+                    "--global-batch", str(args.global_batch), "--model", args.model, "--hidden", str(args.hidden),
+                    "--interval", str(args.interval), "--phases", phases, "--schedule", schedule,
+                    "--out", str(out)]
         if progress:
             job_args.append("--progress")
         launch(LaunchConfig(script="hetrain.bench.balance_job", module=True, script_args=job_args,
@@ -51,7 +55,7 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    r = run_job(args, progress=False)
+    r = run_job(args, progress=False, schedule="interleaved")
     uniform, balanced = r["uniform"]["samples_per_s"], r["balanced"]["samples_per_s"]
     ideal = sum(r["solo_samples_per_s"])
     return {

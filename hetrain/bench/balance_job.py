@@ -1,12 +1,14 @@
 """The worker of `hetrain demo` and `hetrain bench balance` (run under `hetrain launch -m`).
 
-Three phases in one process group, on the same global batches and the same initial weights:
-1. solo: each rank trains alone on whole global batches, no communication; the sum of these
-   rates is the ideal for the job;
-2. uniform: plain DistributedDataParallel with an even split, as frameworks do today;
-3. balanced: hetrain's Session, whose balancer re-splits by measured speed.
-The emulated speed pads every rank's compute the same way in all three phases (it stands for the
-device, not the framework). Rank 0 writes the figures as JSON.
+Three modes in one process group, on the same global batches and the same initial weights:
+- solo: each rank trains alone on whole global batches, no communication; the sum of these rates
+  is the ideal for the job;
+- uniform: plain DistributedDataParallel with an even split, as frameworks do today;
+- balanced: hetrain's Session, whose balancer re-splits by measured speed.
+The demo runs them one after the other; the benchmark alternates short timed blocks of each, so a
+drift of this shared machine's speed falls on every mode alike. The emulated speed pads every
+rank's compute the same way in all modes (it stands for the device, not the framework). Rank 0
+writes the figures as JSON.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from hetrain.bench.digits import accuracy, digits_datasets, digits_mlp
+from hetrain.bench.digits import accuracy, digits_datasets, digits_model
 from hetrain.planning.plan import Plan
 from hetrain.runtime.data import GlobalBatchOrder, rank_slice
 from hetrain.runtime.timing import StepTimer, TimedHookState, emulated_speed, pad_to_speed, timed_hook
@@ -30,14 +32,17 @@ from hetrain.runtime.timing import StepTimer, TimedHookState, emulated_speed, pa
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--global-batch", type=int, default=1024)
-    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=80)
+    p.add_argument("--global-batch", type=int, default=512)
+    p.add_argument("--model", choices=["cnn", "mlp"], default="cnn")
+    p.add_argument("--hidden", type=int, default=64, help="CNN channels or MLP width")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--interval", type=int, default=5, help="balancer interval (steps)")
     p.add_argument("--warmup", type=int, default=10, help="steps not timed (balancer settling, allocation)")
-    p.add_argument("--solo-steps", type=int, default=4)
+    p.add_argument("--solo-steps", type=int, default=10)
     p.add_argument("--phases", default="solo,uniform,balanced")
+    p.add_argument("--schedule", choices=["sequential", "interleaved"], default="sequential")
+    p.add_argument("--block", type=int, default=3, help="steps per block when interleaved")
     p.add_argument("--out", required=True)
     p.add_argument("--progress", action="store_true")
     return p.parse_args(argv)
@@ -76,108 +81,175 @@ class _Progress:
             self.bar.stop()
 
 
-def _timed_wall(fn) -> float:
-    dist.barrier()
-    t0 = time.perf_counter()
-    fn()
-    dist.barrier()
-    return time.perf_counter() - t0
+class SoloRunner:
+    """This rank alone on whole global batches, no communication: its own rate, for the ideal."""
 
+    name = "solo"
 
-def solo_phase(args, train, speed, progress) -> float:
-    """This rank's own rate (samples/s) training whole global batches, no communication."""
-    model = digits_mlp(args.hidden)
-    opt = make_optimizer(model, args)
-    x, y = train.tensors
-    order = GlobalBatchOrder(len(train), args.global_batch, seed=0)
-    times = []
-    progress.phase("solo rates", args.solo_steps + 1)
-    for step in range(args.solo_steps + 1):
-        idx = order.global_batch(0, step % order.steps_per_epoch)
+    def __init__(self, args, train, speed) -> None:
+        self.args, self.speed = args, speed
+        self.model = digits_model(args.model, args.hidden)
+        self.opt = make_optimizer(self.model, args)
+        self.x, self.y = train.tensors
+        self.order = GlobalBatchOrder(len(train), args.global_batch, seed=0)
+        self.steps = 0
+        self.timed_seconds = 0.0
+        self.timed_steps = 0
+
+    def step(self, timed: bool) -> None:
+        epoch, s = divmod(self.steps, self.order.steps_per_epoch)
+        idx = self.order.global_batch(epoch, s)
         t0 = time.perf_counter()
-        F.cross_entropy(model(x[idx]), y[idx]).backward()
-        compute = pad_to_speed(time.perf_counter() - t0, speed)
+        F.cross_entropy(self.model(self.x[idx]), self.y[idx]).backward()
+        compute = pad_to_speed(time.perf_counter() - t0, self.speed)
         t1 = time.perf_counter()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        compute += pad_to_speed(time.perf_counter() - t1, speed)
-        if step > 0:  # the first step pays for allocation
-            times.append(compute)
-        progress.advance()
-    return args.global_batch * len(times) / sum(times)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        compute += pad_to_speed(time.perf_counter() - t1, self.speed)
+        self.steps += 1
+        if timed:
+            self.timed_seconds += compute
+            self.timed_steps += 1
+
+    def samples_per_s(self) -> float:
+        return self.args.global_batch * self.timed_steps / self.timed_seconds
 
 
-def uniform_phase(args, train, test, speed, progress) -> dict:
+class UniformRunner:
     """Plain DDP, even split of each global batch; the device's speed is emulated, nothing else."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = digits_mlp(args.hidden)
-    opt = make_optimizer(model, args)
-    ddp = DistributedDataParallel(model)
-    timer = StepTimer(speed=speed)
-    ddp.register_comm_hook(TimedHookState(timer, None, default_hooks.allreduce_hook), timed_hook)
-    ddp.register_forward_pre_hook(timer.forward_pre_hook)
-    shares = Plan.even(world, args.global_batch).shares
-    x, y = train.tensors
-    order = GlobalBatchOrder(len(train), args.global_batch, seed=0)
-    compute = []
 
-    def run_steps(first: int, last: int) -> None:
-        for step in range(first, last):
-            epoch, s = divmod(step, order.steps_per_epoch)
-            idx = rank_slice(order.global_batch(epoch, s), shares, rank)
-            loss = F.cross_entropy(ddp(x[idx]), y[idx])
-            loss.backward()
-            timer.time_optimizer(opt.step)
-            opt.zero_grad(set_to_none=True)
-            c = timer.end_step()
-            if step >= args.warmup:
-                compute.append(c)
-            progress.advance()
+    name = "uniform"
 
-    progress.phase("plain DDP, even split", args.steps)
-    run_steps(0, args.warmup)
-    wall = _timed_wall(lambda: run_steps(args.warmup, args.steps))
-    measured = args.steps - args.warmup
-    return {"samples_per_s": args.global_batch * measured / wall, "shares": shares,
-            "idle_fraction": max(0.0, 1 - sum(compute) / wall), "test_accuracy": accuracy(model, test),
-            "train_loss": train_loss(model, train), "step_seconds": wall / measured}
+    def __init__(self, args, train, speed) -> None:
+        self.rank, world = dist.get_rank(), dist.get_world_size()
+        self.model = digits_model(args.model, args.hidden)
+        self.opt = make_optimizer(self.model, args)
+        self.ddp = DistributedDataParallel(self.model)
+        self.timer = StepTimer(speed=speed)
+        self.ddp.register_comm_hook(TimedHookState(self.timer, None, default_hooks.allreduce_hook), timed_hook)
+        self.ddp.register_forward_pre_hook(self.timer.forward_pre_hook)
+        self.shares = Plan.even(world, args.global_batch).shares
+        self.x, self.y = train.tensors
+        self.order = GlobalBatchOrder(len(train), args.global_batch, seed=0)
+        self.steps = 0
+        self.last_compute = 0.0
+
+    def step(self) -> None:
+        epoch, s = divmod(self.steps, self.order.steps_per_epoch)
+        idx = rank_slice(self.order.global_batch(epoch, s), self.shares, self.rank)
+        F.cross_entropy(self.ddp(self.x[idx]), self.y[idx]).backward()
+        self.timer.time_optimizer(self.opt.step)
+        self.opt.zero_grad(set_to_none=True)
+        self.last_compute = self.timer.end_step()
+        self.steps += 1
+
+    def current_shares(self) -> list[int]:
+        return list(self.shares)
+
+    def extra(self) -> dict:
+        return {}
 
 
-def balanced_phase(args, train, test, progress) -> dict:
+class BalancedRunner:
     """hetrain: the Session's weighted backward and its balancer."""
-    import hetrain
 
-    session = hetrain.Session(balance=True, balance_interval=args.interval)
-    model = digits_mlp(args.hidden)
-    ddp, opt = session.prepare(model, make_optimizer(model, args))
-    loader = session.loader(train, global_batch_size=args.global_batch, shuffle=True, seed=0)
-    compute_start = [0]
-    batches = iter(())
+    name = "balanced"
 
-    def run_steps(first: int, last: int) -> None:
-        nonlocal batches
-        for step in range(first, last):
-            try:
-                xb, yb = next(batches)
-            except StopIteration:
-                batches = iter(loader)
-                xb, yb = next(batches)
-            loss = F.cross_entropy(ddp(xb), yb)
-            session.backward(loss)
-            session.step()
+    def __init__(self, args, train, speed) -> None:
+        import hetrain
+
+        self.session = hetrain.Session(balance=True, balance_interval=args.interval)
+        self.model = digits_model(args.model, args.hidden)
+        self.ddp, self.opt = self.session.prepare(self.model, make_optimizer(self.model, args))
+        self.loader = self.session.loader(train, global_batch_size=args.global_batch, shuffle=True, seed=0)
+        self.batches = iter(())
+        self.steps = 0
+        self.last_compute = 0.0
+
+    def step(self) -> None:
+        try:
+            xb, yb = next(self.batches)
+        except StopIteration:
+            self.batches = iter(self.loader)
+            xb, yb = next(self.batches)
+        self.session.backward(F.cross_entropy(self.ddp(xb), yb))
+        self.session.step()
+        self.last_compute = self.session.compute_seconds[-1] if self.session.compute_seconds else 0.0
+        self.steps += 1
+
+    def current_shares(self) -> list[int]:
+        return list(self.session.shares)
+
+    def extra(self) -> dict:
+        return {"split_changes": [{"step": c.step, "old": c.old, "new": c.new}
+                                  for c in self.session.balancer.changes]}
+
+
+class Timed:
+    """Wall and compute seconds of the timed steps of one mode, between barriers."""
+
+    def __init__(self) -> None:
+        self.wall = 0.0
+        self.compute = 0.0
+        self.steps = 0
+
+    def block(self, runner, steps: int, timed: bool, progress) -> None:
+        dist.barrier()
+        t0 = time.perf_counter()
+        compute = 0.0
+        for _ in range(steps):
+            runner.step()
+            compute += runner.last_compute
             progress.advance()
+        dist.barrier()
+        if timed:
+            self.wall += time.perf_counter() - t0
+            self.compute += compute
+            self.steps += steps
 
-    progress.phase("hetrain, balanced", args.steps)
-    run_steps(0, args.warmup)
-    compute_start[0] = len(session.compute_seconds)
-    t_wall = _timed_wall(lambda: run_steps(args.warmup, args.steps))
+
+def run_schedule(args, runners: dict, solo: SoloRunner | None, progress) -> dict[str, Timed]:
+    """Untimed warm-up of each mode, then the timed steps: all of one mode after the other
+    (sequential), or alternating blocks of each mode (interleaved, so drift of the machine's speed
+    falls on every mode alike)."""
+    timed = {name: Timed() for name in runners}
     measured = args.steps - args.warmup
-    compute = sum(session.compute_seconds[compute_start[0]:])
-    changes = [{"step": c.step, "old": c.old, "new": c.new} for c in session.balancer.changes]
-    return {"samples_per_s": args.global_batch * measured / t_wall, "shares": list(session.shares),
-            "idle_fraction": max(0.0, 1 - compute / t_wall), "test_accuracy": accuracy(model, test),
-            "train_loss": train_loss(model, train),
-            "step_seconds": t_wall / measured, "split_changes": changes}
+    if args.schedule == "sequential":
+        if solo is not None:
+            progress.phase("solo rates", args.solo_steps + 1)
+            for i in range(args.solo_steps + 1):
+                solo.step(timed=i > 0)       # the first step pays for allocation
+                progress.advance()
+        for name, runner in runners.items():
+            progress.phase(LABELS[name], args.steps)
+            timed[name].block(runner, args.warmup, False, progress)
+            timed[name].block(runner, measured, True, progress)
+        return timed
+    progress.phase("warm-up", args.warmup * len(runners) + (1 if solo else 0))
+    if solo is not None:
+        solo.step(timed=False)
+        progress.advance()
+    for name, runner in runners.items():
+        timed[name].block(runner, args.warmup, False, progress)
+    progress.phase("interleaved, timed", measured * len(runners) + (args.solo_steps if solo else 0))
+    done, solo_done = 0, 0
+    while done < measured:
+        k = min(args.block, measured - done)
+        for name, runner in runners.items():
+            timed[name].block(runner, k, True, progress)
+        if solo is not None and solo_done < args.solo_steps:
+            solo.step(timed=True)
+            solo_done += 1
+            progress.advance()
+        done += k
+    while solo is not None and solo_done < args.solo_steps:
+        solo.step(timed=True)
+        solo_done += 1
+        progress.advance()
+    return timed
+
+
+LABELS = {"uniform": "plain DDP, even split", "balanced": "hetrain, balanced"}
 
 
 @torch.no_grad()
@@ -208,17 +280,23 @@ def main(argv: list[str] | None = None) -> int:
                     "timed_steps": args.steps - args.warmup, "emulated": speed is not None,
                     "speeds": gather(speed if speed is not None else 1.0)}
     try:
-        if "solo" in phases:
-            result["solo_samples_per_s"] = gather(solo_phase(args, train, speed, progress))
-        for name in ("uniform", "balanced"):
-            if name not in phases:
-                continue
-            res = uniform_phase(args, train, test, speed, progress) if name == "uniform" \
-                else balanced_phase(args, train, test, progress)
-            idle = gather(res.pop("idle_fraction"))
-            # throughput by rank 0's clock, which every rank's barrier bounds
-            res["idle_fraction"] = idle
-            result[name] = res
+        solo = SoloRunner(args, train, speed) if "solo" in phases else None
+        runners = {name: (UniformRunner if name == "uniform" else BalancedRunner)(args, train, speed)
+                   for name in ("uniform", "balanced") if name in phases}
+        timed = run_schedule(args, runners, solo, progress)
+        if solo is not None:
+            result["solo_samples_per_s"] = gather(solo.samples_per_s())
+        for name, runner in runners.items():
+            t = timed[name]
+            result[name] = {
+                "samples_per_s": args.global_batch * t.steps / t.wall,
+                "shares": runner.current_shares(),
+                "idle_fraction": gather(max(0.0, 1 - t.compute / t.wall)),
+                "test_accuracy": accuracy(runner.model, test),
+                "train_loss": train_loss(runner.model, train),
+                "step_seconds": t.wall / t.steps,
+                **runner.extra(),
+            }
     finally:
         progress.close()
     if rank == 0:

@@ -1,8 +1,8 @@
 """Re-split the global batch while the job runs, from every rank's measured speed.
 
 Every ``interval`` steps each rank contributes its mean compute seconds per sample over the
-interval; the ranks all-gather these, and each computes the same new split with the planner's
-split function (identical inputs, a pure function: every rank agrees, DESIGN.md invariant 4).
+interval; the ranks all-gather these, average them exponentially with earlier intervals, and each
+computes the same new split with the planner's split function (identical inputs, a pure function: every rank agrees, DESIGN.md invariant 4).
 At the fixed point of repeated re-splits every rank's step takes the same time.
 """
 
@@ -70,6 +70,10 @@ class Balancer:
             return False
         fill = sum(known) / len(known)  # a rank without a measurement is assumed average
         per = [x if (math.isfinite(x) and x > 0) else fill for x in per_sample_s]
+        if self.per_sample_s is not None and len(self.per_sample_s) == len(per):
+            # An exponential average over intervals: one noisy interval does not move samples.
+            a = self.config.smoothing
+            per = [a * new + (1 - a) * old for new, old in zip(per, self.per_sample_s)]
         self.per_sample_s = per
         min_share = min(self.config.min_share, sum(self.shares) // len(self.shares))
         new, t_old, t_new = rebalance(
