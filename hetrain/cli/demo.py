@@ -21,7 +21,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"[bold]hetrain demo[/]: {len(args.speeds.split(','))} CPU ranks at emulated speeds "
                   f"{args.speeds}, scikit-learn digits, global batch {args.global_batch}, "
                   f"{args.steps} steps per mode ({args.warmup} untimed)")
-    r = run_job(args, progress=True)
+    r = run_job(args, progress=True, schedule="sequential")
     uni, bal = r["uniform"], r["balanced"]
     ideal = sum(r["solo_samples_per_s"])
 
