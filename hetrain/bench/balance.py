@@ -3,7 +3,8 @@
 Figures are ratios measured in one run: `speedup` = balanced / uniform samples/s, and
 `efficiency` = balanced / ideal, where ideal is the sum of each rank's own rate training alone
 (no communication) in the same run. The modes alternate in blocks of a few steps, so a drift of
-the machine's speed during the run falls on each of them alike.
+the machine's speed during the run falls on each of them alike; each rate is the median over its
+blocks (solo: over its steps), and the mean over all timed steps is reported beside it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from hetrain.launch.launcher import LaunchConfig, launch
 from hetrain.runtime.timing import parse_speeds
 
 
-def add_job_options(parser: argparse.ArgumentParser, steps: int = 80) -> None:
+def add_job_options(parser: argparse.ArgumentParser, steps: int = 100) -> None:
     parser.add_argument("--speeds", default="1,0.5", help="emulated speed per rank, e.g. 1,0.5")
     parser.add_argument("--steps", type=int, default=steps, help="training steps per mode")
     parser.add_argument("--warmup", type=int, default=10, help="steps per mode not timed")
@@ -68,7 +69,10 @@ def run(args: argparse.Namespace) -> dict:
         "ideal_samples_per_s": ideal,
         "speedup": balanced / uniform,
         "efficiency": balanced / ideal,
+        "uniform_mean_samples_per_s": r["uniform"]["mean_samples_per_s"],
+        "balanced_mean_samples_per_s": r["balanced"]["mean_samples_per_s"],
         "balanced_shares": r["balanced"]["shares"],
+        "split_changes": r["balanced"].get("split_changes", []),
         "uniform_idle_fraction": r["uniform"]["idle_fraction"],
         "balanced_idle_fraction": r["balanced"]["idle_fraction"],
         "solo_samples_per_s": r["solo_samples_per_s"],

@@ -1,12 +1,13 @@
 """The worker of `hetrain demo` and `hetrain bench balance` (run under `hetrain launch -m`).
 
 Three modes in one process group, on the same global batches and the same initial weights:
-- solo: each rank trains alone on whole global batches, no communication; the sum of these rates
-  is the ideal for the job;
+- solo: each rank trains alone on its current balanced share, no communication; the sum of these
+  rates is the ideal for the job;
 - uniform: plain DistributedDataParallel with an even split, as frameworks do today;
 - balanced: hetrain's Session, whose balancer re-splits by measured speed.
 The demo runs them one after the other; the benchmark alternates short timed blocks of each, so a
-drift of this shared machine's speed falls on every mode alike. The emulated speed pads every
+drift of this shared machine's speed falls on every mode alike, and takes each mode's rate as the
+median over its blocks (solo: over its steps), so a burst of outside load does not decide it. The emulated speed pads every
 rank's compute the same way in all modes (it stands for the device, not the framework). Rank 0
 writes the figures as JSON.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 
@@ -39,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--interval", type=int, default=5, help="balancer interval (steps)")
     p.add_argument("--warmup", type=int, default=10, help="steps not timed (balancer settling, allocation)")
-    p.add_argument("--solo-steps", type=int, default=10)
+    p.add_argument("--solo-steps", type=int, default=30)
     p.add_argument("--phases", default="solo,uniform,balanced")
     p.add_argument("--schedule", choices=["sequential", "interleaved"], default="sequential")
     p.add_argument("--block", type=int, default=3, help="steps per block when interleaved")
@@ -82,7 +84,9 @@ class _Progress:
 
 
 class SoloRunner:
-    """This rank alone on whole global batches, no communication: its own rate, for the ideal."""
+    """This rank alone, no communication, on as many samples as its current balanced share: its
+    own rate at the work it does, for the ideal (on CPU the time per sample grows with the batch,
+    so a rate taken on the whole global batch would understate it)."""
 
     name = "solo"
 
@@ -95,10 +99,11 @@ class SoloRunner:
         self.steps = 0
         self.timed_seconds = 0.0
         self.timed_steps = 0
+        self.step_rates: list[float] = []
 
-    def step(self, timed: bool) -> None:
+    def step(self, timed: bool, samples: int) -> None:
         epoch, s = divmod(self.steps, self.order.steps_per_epoch)
-        idx = self.order.global_batch(epoch, s)
+        idx = self.order.global_batch(epoch, s)[:max(samples, 1)]
         t0 = time.perf_counter()
         F.cross_entropy(self.model(self.x[idx]), self.y[idx]).backward()
         compute = pad_to_speed(time.perf_counter() - t0, self.speed)
@@ -110,9 +115,11 @@ class SoloRunner:
         if timed:
             self.timed_seconds += compute
             self.timed_steps += 1
+            self.step_rates.append(len(idx) / compute)
 
     def samples_per_s(self) -> float:
-        return self.args.global_batch * self.timed_steps / self.timed_seconds
+        """The median of this rank's per-step rates: a burst of outside load on one step does not decide it."""
+        return statistics.median(self.step_rates)
 
 
 class UniformRunner:
@@ -192,6 +199,7 @@ class Timed:
         self.wall = 0.0
         self.compute = 0.0
         self.steps = 0
+        self.block_rates: list[float] = []   # samples/s of each timed block
 
     def block(self, runner, steps: int, timed: bool, progress) -> None:
         dist.barrier()
@@ -203,34 +211,44 @@ class Timed:
             progress.advance()
         dist.barrier()
         if timed:
-            self.wall += time.perf_counter() - t0
+            wall = time.perf_counter() - t0
+            self.wall += wall
             self.compute += compute
             self.steps += steps
+            self.block_rates.append(steps / wall)
 
 
 def run_schedule(args, runners: dict, solo: SoloRunner | None, progress) -> dict[str, Timed]:
+    rank = dist.get_rank()
+
+    def share() -> int:  # this rank's current balanced share (even split without a balanced mode)
+        shares = runners["balanced"].current_shares() if "balanced" in runners else \
+            Plan.even(dist.get_world_size(), args.global_batch).shares
+        return shares[rank]
+
     """Untimed warm-up of each mode, then the timed steps: all of one mode after the other
     (sequential), or alternating blocks of each mode (interleaved, so drift of the machine's speed
     falls on every mode alike)."""
     timed = {name: Timed() for name in runners}
     measured = args.steps - args.warmup
     if args.schedule == "sequential":
-        if solo is not None:
-            progress.phase("solo rates", args.solo_steps + 1)
-            for i in range(args.solo_steps + 1):
-                solo.step(timed=i > 0)       # the first step pays for allocation
-                progress.advance()
         for name, runner in runners.items():
             progress.phase(LABELS[name], args.steps)
             timed[name].block(runner, args.warmup, False, progress)
             timed[name].block(runner, measured, True, progress)
+        if solo is not None:  # last: on the shares the balancer arrived at
+            steps = min(args.solo_steps, 10)
+            progress.phase("solo rates", steps + 1)
+            for i in range(steps + 1):
+                solo.step(timed=i > 0, samples=share())   # the first step pays for allocation
+                progress.advance()
         return timed
     progress.phase("warm-up", args.warmup * len(runners) + (1 if solo else 0))
-    if solo is not None:
-        solo.step(timed=False)
-        progress.advance()
     for name, runner in runners.items():
         timed[name].block(runner, args.warmup, False, progress)
+    if solo is not None:
+        solo.step(timed=False, samples=share())
+        progress.advance()
     progress.phase("interleaved, timed", measured * len(runners) + (args.solo_steps if solo else 0))
     done, solo_done = 0, 0
     while done < measured:
@@ -238,12 +256,12 @@ def run_schedule(args, runners: dict, solo: SoloRunner | None, progress) -> dict
         for name, runner in runners.items():
             timed[name].block(runner, k, True, progress)
         if solo is not None and solo_done < args.solo_steps:
-            solo.step(timed=True)
+            solo.step(timed=True, samples=share())
             solo_done += 1
             progress.advance()
         done += k
     while solo is not None and solo_done < args.solo_steps:
-        solo.step(timed=True)
+        solo.step(timed=True, samples=share())
         solo_done += 1
         progress.advance()
     return timed
@@ -289,7 +307,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, runner in runners.items():
             t = timed[name]
             result[name] = {
-                "samples_per_s": args.global_batch * t.steps / t.wall,
+                # median over blocks (one block when sequential); the mean over all steps beside it
+                "samples_per_s": args.global_batch * statistics.median(t.block_rates),
+                "mean_samples_per_s": args.global_batch * t.steps / t.wall,
                 "shares": runner.current_shares(),
                 "idle_fraction": gather(max(0.0, 1 - t.compute / t.wall)),
                 "test_accuracy": accuracy(runner.model, test),
