@@ -50,8 +50,8 @@ class BalancePlan(_Strict):
     interval: int = Field(10, ge=1, description="steps between re-splits")
     min_share: int = Field(1, ge=0, description="fewest samples a rank takes per step")
     max_share: int | None = Field(None, ge=1, description="most samples a rank takes per step")
-    hysteresis: float = Field(0.03, ge=0, lt=1, description="re-split only if faster by this fraction")
-    smoothing: float = Field(0.3, gt=0, le=1, description="weight of the newest interval in the speed average")
+    hysteresis: float = Field(0.05, ge=0, lt=1, description="re-split only if faster by this fraction")
+    history: int = Field(8, ge=1, description="intervals each rank's fixed and per-sample cost is fitted on")
 
 
 class CommPlan(_Strict):

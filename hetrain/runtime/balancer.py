@@ -1,9 +1,11 @@
 """Re-split the global batch while the job runs, from every rank's measured speed.
 
-Every ``interval`` steps each rank contributes its mean compute seconds per sample over the
-interval; the ranks all-gather these, average them exponentially with earlier intervals, and each
-computes the same new split with the planner's split function (identical inputs, a pure function: every rank agrees, DESIGN.md invariant 4).
-At the fixed point of repeated re-splits every rank's step takes the same time.
+Every ``interval`` steps each rank contributes its mean samples and compute seconds per step over
+the interval; the ranks all-gather these. From the last few intervals, which ran at different
+shares, each rank's cost is fitted as ``fixed + n * per_sample`` (a step has a fixed part: the
+optimizer, kernel launches, Python), and every rank computes the same new split with the
+planner's exact split function (identical inputs, pure functions: every rank agrees, DESIGN.md
+invariant 4).
 """
 
 from __future__ import annotations
@@ -30,6 +32,30 @@ class SplitChange:
     predicted_new_s: float
 
 
+def fit_rank_cost(history: list[tuple[float, float]], min_spread: float = 1.1) -> RankCost | None:
+    """A rank's step time as ``fixed + n * per_sample`` from (samples per step, seconds per step) pairs.
+
+    Least squares over the intervals when they ran at shares that differ enough to tell the fixed
+    part from the per-sample part; otherwise proportional to the newest interval.
+    """
+    points = [(n, t) for n, t in history if n > 0 and math.isfinite(t) and t > 0]
+    if not points:
+        return None
+    ns = [n for n, _ in points]
+    if len(points) >= 2 and max(ns) >= min_spread * min(ns):
+        mean_n = sum(ns) / len(ns)
+        mean_t = sum(t for _, t in points) / len(points)
+        var = sum((n - mean_n) ** 2 for n in ns)
+        slope = sum((n - mean_n) * (t - mean_t) for n, t in points) / var
+        fixed = mean_t - slope * mean_n
+        if slope > 0 and fixed >= 0:
+            return RankCost(per_sample=slope, fixed=fixed)
+        if slope > 0:  # a negative intercept is noise: no fixed part, the mean rate
+            return RankCost(per_sample=mean_t / mean_n)
+    n, t = points[-1]
+    return RankCost(per_sample=t / n)
+
+
 @dataclass
 class Balancer:
     """Collects (samples, seconds) per step and re-splits every ``config.interval`` steps."""
@@ -39,8 +65,10 @@ class Balancer:
     warmup_steps: int = 1
     _samples: int = 0
     _seconds: float = 0.0
+    _steps: int = 0
     _steps_seen: int = 0
-    per_sample_s: list[float] | None = None   # the last all-gathered figures
+    history: list[list[tuple[float, float]]] = field(default_factory=list)  # per rank, per interval
+    costs: list[RankCost] | None = None        # the last fitted model of every rank
     changes: list[SplitChange] = field(default_factory=list)
 
     def record(self, samples: int, seconds: float) -> None:
@@ -50,36 +78,40 @@ class Balancer:
             return  # the first steps pay for allocation and warm-up, not for samples
         self._samples += samples
         self._seconds += seconds
+        self._steps += 1
 
     def due(self, step: int) -> bool:
         return self.config.enabled and step > 0 and step % self.config.interval == 0
 
-    def exchange(self, device: torch.device, group=None) -> list[float]:
-        """All-gather every rank's mean seconds per sample (nan where a rank has no measurement)."""
-        local = self._seconds / self._samples if self._samples > 0 else math.nan
+    def exchange(self, device: torch.device, group=None) -> list[tuple[float, float]]:
+        """All-gather every rank's (samples per step, compute seconds per step) of this interval."""
+        local = [self._samples / self._steps, self._seconds / self._steps] if self._steps else [math.nan, math.nan]
         world = dist.get_world_size(group)
-        out = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(world)]
-        dist.all_gather(out, torch.tensor([local], dtype=torch.float64, device=device), group=group)
-        self._samples, self._seconds = 0, 0.0
-        return [float(t.item()) for t in out]
+        out = [torch.zeros(2, dtype=torch.float64, device=device) for _ in range(world)]
+        dist.all_gather(out, torch.tensor(local, dtype=torch.float64, device=device), group=group)
+        self._samples, self._seconds, self._steps = 0, 0.0, 0
+        return [(float(t[0]), float(t[1])) for t in out]
 
-    def rebalance(self, step: int, per_sample_s: list[float]) -> bool:
-        """Apply a new split if it is faster by more than the hysteresis; returns whether it changed."""
-        known = [x for x in per_sample_s if math.isfinite(x) and x > 0]
+    def rebalance(self, step: int, observed: list[tuple[float, float]]) -> bool:
+        """Fit each rank's cost, apply the best split if faster by more than the hysteresis."""
+        if len(self.history) != len(observed):
+            self.history = [[] for _ in observed]
+        for hist, point in zip(self.history, observed):
+            if point[0] > 0 and math.isfinite(point[1]):
+                hist.append(point)
+                del hist[: -self.config.history]
+        fitted = [fit_rank_cost(h) for h in self.history]
+        known = [c for c in fitted if c is not None]
         if not known:
             return False
-        fill = sum(known) / len(known)  # a rank without a measurement is assumed average
-        per = [x if (math.isfinite(x) and x > 0) else fill for x in per_sample_s]
-        if self.per_sample_s is not None and len(self.per_sample_s) == len(per):
-            # An exponential average over intervals: one noisy interval does not move samples.
-            a = self.config.smoothing
-            per = [a * new + (1 - a) * old for new, old in zip(per, self.per_sample_s)]
-        self.per_sample_s = per
+        # a rank without a measurement yet is assumed to cost what the average rank costs
+        fill = RankCost(per_sample=sum(c.per_sample for c in known) / len(known),
+                        fixed=sum(c.fixed for c in known) / len(known))
+        costs = [c if c is not None else fill for c in fitted]
+        self.costs = costs
         min_share = min(self.config.min_share, sum(self.shares) // len(self.shares))
-        new, t_old, t_new = rebalance(
-            self.shares, [RankCost(per_sample=p) for p in per],
-            min_share=min_share, max_share=self.config.max_share, hysteresis=self.config.hysteresis,
-        )
+        new, t_old, t_new = rebalance(self.shares, costs, min_share=min_share,
+                                      max_share=self.config.max_share, hysteresis=self.config.hysteresis)
         if new == self.shares:
             return False
         self.changes.append(SplitChange(step, list(self.shares), new, t_old, t_new))
@@ -89,12 +121,15 @@ class Balancer:
         return True
 
     def state_dict(self) -> dict:
-        return {"shares": list(self.shares), "per_sample_s": list(self.per_sample_s or []),
-                "samples": self._samples, "seconds": self._seconds, "steps_seen": self._steps_seen}
+        return {"shares": list(self.shares),
+                "history": [[list(p) for p in h] for h in self.history],
+                "samples": self._samples, "seconds": self._seconds, "steps": self._steps,
+                "steps_seen": self._steps_seen}
 
     def load_state_dict(self, state: dict) -> None:
         self.shares = [int(s) for s in state["shares"]]
-        self.per_sample_s = [float(x) for x in state["per_sample_s"]] or None
+        self.history = [[(float(n), float(t)) for n, t in h] for h in state["history"]]
         self._samples = int(state["samples"])
         self._seconds = float(state["seconds"])
+        self._steps = int(state["steps"])
         self._steps_seen = int(state["steps_seen"])
