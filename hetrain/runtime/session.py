@@ -26,7 +26,6 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from hetrain.errors import HetrainError
-from hetrain.planning.batch_split import split_partial
 from hetrain.planning.plan import Plan
 from hetrain.runtime.balancer import Balancer
 from hetrain.runtime.data import GlobalBatchOrder, HeteroLoader
@@ -410,9 +409,6 @@ class Session:
         t = torch.tensor([v * w if w else 0.0, w], dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         return float(t[0] / t[1]) if t[1] > 0 else float("nan")
-
-    def partial_shares(self, global_n: int) -> list[int]:
-        return split_partial(global_n, self.shares)
 
     def idle_fraction(self, last: int | None = None) -> float:
         """Fraction of this rank's wall time per step spent not computing (waiting on others)."""
