@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import subprocess
 import socket
 import traceback
 from collections.abc import Callable
@@ -74,10 +75,9 @@ def run_ranks(fn: Callable, world: int, *args: Any, env: dict | None = None, tim
     return [results[r] for r in range(world)]
 
 
-def run_cli(cmd: list[str], *, cwd=None, timeout: float = 300, env: dict | None = None) -> "subprocess.CompletedProcess":
+def run_cli(cmd: list[str], *, cwd=None, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run a command in its own process group; on timeout the whole group (agent and ranks) is killed."""
     import signal
-    import subprocess
 
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, env=env)

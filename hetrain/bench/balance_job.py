@@ -58,7 +58,7 @@ def make_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.op
 class _Progress:
     """A rich progress bar on rank 0 (stderr), nothing elsewhere."""
 
-    def __init__(self, enabled: bool, total: int) -> None:
+    def __init__(self, enabled: bool) -> None:
         self.bar = None
         if enabled:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     speed = emulated_speed(rank, world)
     train, test = digits_datasets()
     phases = args.phases.split(",")
-    progress = _Progress(args.progress and rank == 0, 0)
+    progress = _Progress(args.progress and rank == 0)
     result: dict = {"world_size": world, "global_batch_size": args.global_batch, "steps": args.steps,
                     "timed_steps": args.steps - args.warmup, "emulated": speed is not None,
                     "speeds": gather(speed if speed is not None else 1.0)}

@@ -11,8 +11,6 @@ import importlib
 import json
 import sys
 
-from hetrain.errors import HetrainError
-
 BENCHES = {
     "balance": "plain DDP with an even split against hetrain's balanced split, on emulated speeds",
     "plan": "planning time on large clusters",
@@ -56,5 +54,3 @@ def _print_table(name: str, result: dict) -> None:
         table.add_row(key, str(value))
     Console(file=sys.stdout).print(table)
 
-
-__all__ = ["BENCHES", "HetrainError"]

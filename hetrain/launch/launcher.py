@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hetrain.errors import HetrainError
 from hetrain.planning.plan import Plan
-from hetrain.runtime.timing import EMULATE_ENV, parse_speeds
+from hetrain.runtime.timing import EMULATE_ENV
 
 PLAN_ENV = "HETRAIN_PLAN"
 CHECKPOINT_ENV = "HETRAIN_CHECKPOINT_DIR"

@@ -37,7 +37,6 @@ import torch.distributed as dist
 from hetrain.checkpoint.checkpointer import Checkpointer
 from hetrain.checkpoint.rng import capture_rng, restore_rng
 from hetrain.errors import HetrainError
-from hetrain.planning.plan import Plan
 
 if TYPE_CHECKING:
     from hetrain.runtime.session import Session
@@ -267,8 +266,3 @@ class _SigtermWatch:
                         os.environ.get("RANK", "0"), time.monotonic() - started)
             logging.shutdown()
             os._exit(SIGTERM_EXIT)
-
-
-def saved_plan(shared: dict) -> Plan | None:
-    """The plan stored with a checkpoint, if any."""
-    return Plan.from_json(shared["plan"]) if shared.get("plan") else None
