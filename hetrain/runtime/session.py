@@ -425,6 +425,9 @@ class Session:
             self.checkpoints.close()
             self.checkpoints = None
         if self._owns_group and dist.is_initialized():
+            # Every rank reaches this point before the group is torn down: destroying gloo's
+            # group while a peer is still in a collective can abort the process at exit.
+            dist.barrier()
             dist.destroy_process_group()
 
     # -- checkpoints (hetrain.runtime.resume decides what and when) ---------------------------------
