@@ -58,3 +58,51 @@ def test_torchrun_arguments():
     assert "--standalone" in torchrun_argv(LaunchConfig(script="train.py"))
     with pytest.raises(HetrainError, match="MIN:MAX"):
         validate(LaunchConfig(script=str(ROOT / "examples/train_digits.py"), nnodes="3:1"))
+
+
+FAULTS_SNIPPET = """
+import resource, torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Conv2d(1, 32, 3, padding=1), torch.nn.ReLU(),
+                            torch.nn.Conv2d(32, 64, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
+                            torch.nn.Linear(64 * 64, 10))
+x = torch.randn(256, 1, 8, 8)
+def step():
+    model(x).square().mean().backward()
+for _ in range(3):
+    step()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(5):
+    step()   # each step's activations (a few MiB) are allocated and freed again
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc settings")
+def test_workers_reuse_freed_memory_instead_of_faulting_it_in_each_step(monkeypatch):
+    import os
+    import subprocess
+
+    from hetrain.launch import launcher
+
+    if not launcher._glibc():
+        pytest.skip("not glibc")
+    for key in launcher.MALLOC_CACHE_ENV:
+        monkeypatch.delenv(key, raising=False)
+    tuned = launcher.worker_env(LaunchConfig(script="train.py"))
+    assert launcher.worker_env(LaunchConfig(script="train.py", malloc_cache=False)).keys().isdisjoint(
+        launcher.MALLOC_CACHE_ENV)
+
+    def faults(extra: dict) -> int:
+        env = {k: v for k, v in os.environ.items() if k not in launcher.MALLOC_CACHE_ENV}
+        out = subprocess.run([sys.executable, "-c", FAULTS_SNIPPET], env={**env, **extra},
+                             capture_output=True, text=True, check=True, timeout=120)
+        return int(out.stdout.strip())
+
+    default, cached = faults({}), faults(tuned)
+    # glibc's default maps each step's activations afresh (seen: 7,500-12,000 faults in 5 steps);
+    # kept for reuse, next to none (seen: 0-512)
+    assert cached < 2000 < 3000 < default, (cached, default)
+
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")   # the user's own choice wins
+    assert launcher.worker_env(LaunchConfig(script="train.py")).keys().isdisjoint(launcher.MALLOC_CACHE_ENV)
