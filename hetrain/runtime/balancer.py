@@ -1,17 +1,36 @@
 """Re-split the global batch while the job runs, from every rank's measured speed.
 
-Every ``interval`` steps each rank contributes its mean samples and compute seconds per step over
-the interval; the ranks all-gather these. From the last few intervals, which ran at different
-shares, each rank's cost is fitted as ``fixed + n * per_sample`` (a step has a fixed part: the
-optimizer, kernel launches, Python), and every rank computes the same new split with the
-planner's exact split function (identical inputs, pure functions: every rank agrees, DESIGN.md
-invariant 4).
+Every ``interval`` steps the ranks all-gather what each measured, and every rank computes the
+same new split with the planner's exact split function (identical inputs, pure functions: every
+rank agrees, DESIGN.md invariant 4). What a rank contributes:
+
+- its steps since the split last changed (its *window*, up to ``history * interval`` steps): the
+  median compute time at its current share, and how much that time scatters from step to step
+  (pooled with its earlier windows);
+- its median step time and share of each interval, kept for the last ``history`` intervals.
+
+Each rank's cost is modelled as ``fixed + n * per_sample`` (a step has a fixed part: the
+optimizer, kernel launches, Python). The line goes through the window's median, the freshest and
+steadiest figure, so the model decides how far the split moves, not where it settles: where the
+medians are equal. Its slope is fitted on the intervals, which ran at different shares, when they
+determine it well (the last such slope is kept once the split has settled); otherwise the line
+goes through the origin too. That proportional line is steeper than the truth when a step has a
+fixed part, so the split moves most of the way and never past the balance point: it settles in a
+few re-splits without swinging.
+
+Two guards keep noise from moving samples. Medians ignore a step slowed by outside load. And the
+split changes only when the modelled step time falls by more than ``hysteresis`` *and* the gap
+between the slowest and the fastest rank exceeds three standard errors from the windows' own
+scatter: a gap the noise could have made is left alone until more steps confirm it. The first
+step after a change pays for allocating tensors of the new sizes and is not measured.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +40,10 @@ from hetrain.planning.batch_split import RankCost, rebalance
 from hetrain.planning.plan import BalancePlan
 
 log = logging.getLogger("hetrain.balance")
+
+SIGNIFICANCE = 3.0      # standard errors the measured gap between ranks must exceed
+MEDIAN_SE = 1.2533      # standard error of a median of k normal draws: 1.2533 * sd / sqrt(k)
+MIN_SCATTER = 0.01      # the least step-to-step scatter assumed, as a fraction of the median
 
 
 @dataclass
@@ -32,28 +55,81 @@ class SplitChange:
     predicted_new_s: float
 
 
-def fit_rank_cost(history: list[tuple[float, float]], min_spread: float = 1.1) -> RankCost | None:
-    """A rank's step time as ``fixed + n * per_sample`` from (samples per step, seconds per step) pairs.
+@dataclass(frozen=True)
+class RankMeasurement:
+    """What one rank measured, as exchanged at a re-split (NaN where it has no figure).
 
-    Least squares over the intervals when they ran at shares that differ enough to tell the fixed
-    part from the per-sample part; otherwise proportional to the newest interval.
+    ``samples``/``seconds``: its share and median compute seconds per step over the interval;
+    ``window_*``: the same over its steps since the split last changed, with their scatter
+    (a robust standard deviation) and how many steps there were.
     """
+
+    samples: float
+    seconds: float
+    window_samples: float
+    window_seconds: float
+    window_sd: float = 0.0
+    window_steps: float = math.inf
+
+    @classmethod
+    def exact(cls, samples: float, seconds: float) -> "RankMeasurement":
+        """A noise-free figure (planning, tests): one interval, and a window of the same."""
+        return cls(samples, seconds, samples, seconds, 0.0, math.inf)
+
+    def has_interval(self) -> bool:
+        return self.samples > 0 and math.isfinite(self.seconds) and self.seconds > 0
+
+    def has_window(self) -> bool:
+        return self.window_samples > 0 and math.isfinite(self.window_seconds) and self.window_seconds > 0
+
+    def standard_error(self) -> float:
+        if not self.has_window() or not math.isfinite(self.window_sd):
+            return math.inf
+        if math.isinf(self.window_steps):
+            return 0.0
+        return MEDIAN_SE * self.window_sd / math.sqrt(max(self.window_steps, 1.0))
+
+
+def _spread(times: Sequence[float]) -> tuple[float, int]:
+    """(sum of squared relative deviations from the mean, degrees of freedom) of one window's step
+    times. A deviation counts at most 50%: a step stalled by outside load widens the scatter, as it
+    should, without swamping it."""
+    if len(times) < 2:
+        return 0.0, 0
+    mean = sum(times) / len(times)
+    return sum(min(abs(t / mean - 1.0), 0.5) ** 2 for t in times), len(times) - 1
+
+
+def fit_slope(history: Sequence[tuple[float, float]], min_spread: float = 1.1,
+              max_rel_error: float = 0.1) -> float | None:
+    """The per-sample slope of ``fixed + n * per_sample`` by least squares over (samples, seconds)
+    pairs, or None unless it is well determined: four or more points over shares that differ by
+    ``min_spread``, a standard error within ``max_rel_error`` of the slope, and a positive slope and
+    fixed part. (A slope too flat from noise would move the split too far and make it swing.)"""
     points = [(n, t) for n, t in history if n > 0 and math.isfinite(t) and t > 0]
-    if not points:
+    if len(points) < 4:
         return None
     ns = [n for n, _ in points]
-    if len(points) >= 2 and max(ns) >= min_spread * min(ns):
-        mean_n = sum(ns) / len(ns)
-        mean_t = sum(t for _, t in points) / len(points)
-        var = sum((n - mean_n) ** 2 for n in ns)
-        slope = sum((n - mean_n) * (t - mean_t) for n, t in points) / var
-        fixed = mean_t - slope * mean_n
-        if slope > 0 and fixed >= 0:
-            return RankCost(per_sample=slope, fixed=fixed)
-        if slope > 0:  # a negative intercept is noise: no fixed part, the mean rate
-            return RankCost(per_sample=mean_t / mean_n)
-    n, t = points[-1]
-    return RankCost(per_sample=t / n)
+    if max(ns) < min_spread * min(ns):
+        return None
+    mean_n = sum(ns) / len(ns)
+    mean_t = sum(t for _, t in points) / len(points)
+    var = sum((n - mean_n) ** 2 for n in ns)
+    slope = sum((n - mean_n) * (t - mean_t) for n, t in points) / var
+    if slope <= 0 or mean_t - slope * mean_n < 0:
+        return None
+    residual = sum((t - mean_t - slope * (n - mean_n)) ** 2 for n, t in points) / (len(points) - 2)
+    if math.sqrt(residual / var) > max_rel_error * slope:
+        return None
+    return slope
+
+
+def anchored_cost(n: float, t: float, slope: float | None) -> RankCost:
+    """The cost line through the measured point (n samples in t seconds) with the given slope;
+    without a slope, or with one steeper than the point allows, proportional through the origin."""
+    if slope is None or slope * n > t:
+        return RankCost(per_sample=t / n)
+    return RankCost(per_sample=slope, fixed=t - slope * n)
 
 
 @dataclass
@@ -63,44 +139,100 @@ class Balancer:
     config: BalancePlan
     shares: list[int]
     warmup_steps: int = 1
-    _samples: int = 0
-    _seconds: float = 0.0
-    _steps: int = 0
+    rank: int | None = None         # this rank: its window takes only steps at its full share
+    _interval: list[tuple[int, float]] = field(default_factory=list)  # this rank's steps of the interval
+    _window: list[tuple[int, float]] = field(default_factory=list)    # ... since the split last changed
+    _scatter: list[tuple[float, int]] = field(default_factory=list)   # _spread() of past windows
+    _skip: int | None = None                  # steps still to ignore (warm-up, first step at new sizes)
     _steps_seen: int = 0
     history: list[list[tuple[float, float]]] = field(default_factory=list)  # per rank, per interval
-    costs: list[RankCost] | None = None        # the last fitted model of every rank
+    slopes: list[float | None] = field(default_factory=list)   # per rank, the last fitted per-sample cost
+    costs: list[RankCost] | None = None        # the last model of every rank
     changes: list[SplitChange] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self._skip is None:
+            self._skip = self.warmup_steps
+
+    @property
+    def window_cap(self) -> int:
+        return max(self.config.interval, self.config.history * self.config.interval)
 
     def record(self, samples: int, seconds: float) -> None:
         """One step of this rank: how many samples it computed, in how many compute seconds."""
         self._steps_seen += 1
-        if self._steps_seen <= self.warmup_steps or samples <= 0:
+        if self._skip > 0:
+            self._skip -= 1
             return  # the first steps pay for allocation and warm-up, not for samples
-        self._samples += samples
-        self._seconds += seconds
-        self._steps += 1
+        if samples <= 0 or not math.isfinite(seconds):
+            return
+        self._interval.append((samples, seconds))
+        full = self.shares[self.rank] if self.rank is not None else (self._window[0][0] if self._window else samples)
+        if samples != full:
+            return  # a partial last batch: not the share the window measures
+        self._window.append((samples, seconds))
+        del self._window[: -self.window_cap]
 
     def due(self, step: int) -> bool:
         return self.config.enabled and step > 0 and step % self.config.interval == 0
 
-    def exchange(self, device: torch.device, group=None) -> list[tuple[float, float]]:
-        """All-gather every rank's (samples per step, compute seconds per step) of this interval."""
-        local = [self._samples / self._steps, self._seconds / self._steps] if self._steps else [math.nan, math.nan]
-        world = dist.get_world_size(group)
-        out = [torch.zeros(2, dtype=torch.float64, device=device) for _ in range(world)]
-        dist.all_gather(out, torch.tensor(local, dtype=torch.float64, device=device), group=group)
-        self._samples, self._seconds, self._steps = 0, 0.0, 0
-        return [(float(t[0]), float(t[1])) for t in out]
+    def local_measurement(self) -> RankMeasurement:
+        nan = math.nan
+        if self._interval:
+            n = sum(s for s, _ in self._interval) / len(self._interval)
+            t = statistics.median(t for _, t in self._interval)
+        else:
+            n = t = nan
+        if self._window:
+            times = [t for _, t in self._window]
+            med = statistics.median(times)
+            # The scatter is pooled with past windows' (relative to each window's mean): a few steps
+            # can agree by chance. Timings on a shared machine scatter by 1% at least.
+            spreads = [*self._scatter, _spread(times)]
+            ss, dof = sum(x for x, _ in spreads), sum(d for _, d in spreads)
+            sd = max(math.sqrt(ss / dof), MIN_SCATTER) * med if dof else math.nan
+            return RankMeasurement(n, t, float(self._window[0][0]), med, sd, float(len(times)))
+        return RankMeasurement(n, t, nan, nan, nan, 0.0)
 
-    def rebalance(self, step: int, observed: list[tuple[float, float]]) -> bool:
-        """Fit each rank's cost, apply the best split if faster by more than the hysteresis."""
-        if len(self.history) != len(observed):
-            self.history = [[] for _ in observed]
-        for hist, point in zip(self.history, observed):
-            if point[0] > 0 and math.isfinite(point[1]):
-                hist.append(point)
-                del hist[: -self.config.history]
-        fitted = [fit_rank_cost(h) for h in self.history]
+    def take_measurement(self) -> RankMeasurement:
+        """This rank's measurement, ending the interval."""
+        m = self.local_measurement()
+        self._interval = []
+        return m
+
+    def exchange(self, device: torch.device, group=None) -> list[RankMeasurement]:
+        """All-gather every rank's measurement of this interval and of its window."""
+        m = self.take_measurement()
+        local = torch.tensor([m.samples, m.seconds, m.window_samples, m.window_seconds, m.window_sd,
+                              m.window_steps], dtype=torch.float64, device=device)
+        world = dist.get_world_size(group)
+        out = [torch.zeros(6, dtype=torch.float64, device=device) for _ in range(world)]
+        dist.all_gather(out, local, group=group)
+        return [RankMeasurement(*(float(v) for v in t.tolist())) for t in out]
+
+    def rebalance(self, step: int, observed: Sequence[RankMeasurement]) -> bool:
+        """Model each rank's cost, apply the best split if it is faster by more than the hysteresis
+        and the measured gap between ranks is more than noise. Every rank runs this on the same
+        figures and reaches the same split."""
+        ranks = len(observed)
+        if len(self.history) != ranks:
+            self.history = [[] for _ in range(ranks)]
+            self.slopes = [None] * ranks
+        for r, m in enumerate(observed):
+            if m.has_interval():
+                self.history[r].append((m.samples, m.seconds))
+                del self.history[r][: -self.config.history]
+            slope = fit_slope(self.history[r])
+            if slope is not None:
+                self.slopes[r] = slope
+        fitted: list[RankCost | None] = []
+        for r, m in enumerate(observed):
+            if m.has_window():
+                fitted.append(anchored_cost(m.window_samples, m.window_seconds, self.slopes[r]))
+            elif m.has_interval():
+                fitted.append(anchored_cost(m.samples, m.seconds, self.slopes[r]))
+            else:
+                fitted.append(None)
         known = [c for c in fitted if c is not None]
         if not known:
             return False
@@ -114,22 +246,46 @@ class Balancer:
                                       max_share=self.config.max_share, hysteresis=self.config.hysteresis)
         if new == self.shares:
             return False
+        if not self._gap_is_real(observed):
+            log.debug("step %d: kept split %s: the gap between ranks is within their noise (%s)", step,
+                      self.shares, ", ".join(f"{1e3 * m.window_seconds:.1f}±{1e3 * m.standard_error():.1f} ms"
+                                             for m in observed))
+            return False
         self.changes.append(SplitChange(step, list(self.shares), new, t_old, t_new))
         log.info("step %d: split %s -> %s (predicted compute per step %.1f ms -> %.1f ms)",
                  step, self.shares, new, 1e3 * t_old, 1e3 * t_new)
         self.shares = new
+        self._scatter = [*self._scatter, _spread([t for _, t in self._window])][-self.config.history:]
+        self._window = []
+        self._skip = max(self._skip, 1)   # the first step at the new sizes allocates
         return True
+
+    @staticmethod
+    def _gap_is_real(observed: Sequence[RankMeasurement]) -> bool:
+        """True if the slowest rank's window median exceeds the fastest's by more than noise."""
+        timed = [m for m in observed if m.has_window()]
+        if len(timed) < 2:
+            return True   # a rank without figures, or just one: nothing to weigh the gap against
+        slow = max(timed, key=lambda m: m.window_seconds)
+        fast = min(timed, key=lambda m: m.window_seconds)
+        se = math.hypot(slow.standard_error(), fast.standard_error())
+        return slow.window_seconds - fast.window_seconds > SIGNIFICANCE * se
 
     def state_dict(self) -> dict:
         return {"shares": list(self.shares),
                 "history": [[list(p) for p in h] for h in self.history],
-                "samples": self._samples, "seconds": self._seconds, "steps": self._steps,
-                "steps_seen": self._steps_seen}
+                "slopes": list(self.slopes),
+                "interval": [list(p) for p in self._interval],
+                "window": [list(p) for p in self._window],
+                "scatter": [list(x) for x in self._scatter],
+                "skip": self._skip, "steps_seen": self._steps_seen}
 
     def load_state_dict(self, state: dict) -> None:
         self.shares = [int(s) for s in state["shares"]]
         self.history = [[(float(n), float(t)) for n, t in h] for h in state["history"]]
-        self._samples = int(state["samples"])
-        self._seconds = float(state["seconds"])
-        self._steps = int(state["steps"])
+        self.slopes = [None if s is None else float(s) for s in state.get("slopes", [None] * len(self.history))]
+        self._interval = [(int(n), float(t)) for n, t in state.get("interval", [])]
+        self._window = [(int(n), float(t)) for n, t in state.get("window", [])]
+        self._scatter = [(float(ss), int(dof)) for ss, dof in state.get("scatter", [])]
+        self._skip = int(state.get("skip", 0))
         self._steps_seen = int(state["steps_seen"])

@@ -327,7 +327,7 @@ class Session:
             config.enabled = self._balance_override
         if self._interval_override is not None:
             config.interval = self._interval_override
-        self.balancer = Balancer(config=config, shares=list(plan.shares))
+        self.balancer = Balancer(config=config, shares=list(plan.shares), rank=self.rank)
 
     @property
     def shares(self) -> list[int]:
