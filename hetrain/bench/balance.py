@@ -4,7 +4,8 @@ Figures are ratios measured in one run: `speedup` = balanced / uniform samples/s
 `efficiency` = balanced / ideal, where ideal is the sum of each rank's own rate training alone
 (no communication) in the same run. The modes alternate in blocks of a few steps, so a drift of
 the machine's speed during the run falls on each of them alike; each rate is the median over its
-blocks (solo: over its steps), and the mean over all timed steps is reported beside it.
+blocks (solo blocks have the same length), and the mean over all timed steps is reported beside
+it, with the speed-up and efficiency those means give.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ def run(args: argparse.Namespace) -> dict:
         "efficiency": balanced / ideal,
         "uniform_mean_samples_per_s": r["uniform"]["mean_samples_per_s"],
         "balanced_mean_samples_per_s": r["balanced"]["mean_samples_per_s"],
+        "ideal_mean_samples_per_s": sum(r["solo_mean_samples_per_s"]),
+        "mean_speedup": r["balanced"]["mean_samples_per_s"] / r["uniform"]["mean_samples_per_s"],
+        "mean_efficiency": r["balanced"]["mean_samples_per_s"] / sum(r["solo_mean_samples_per_s"]),
         "balanced_shares": r["balanced"]["shares"],
         "split_changes": r["balanced"].get("split_changes", []),
         "uniform_idle_fraction": r["uniform"]["idle_fraction"],

@@ -7,7 +7,7 @@ Three modes in one process group, on the same global batches and the same initia
 - balanced: hetrain's Session, whose balancer re-splits by measured speed.
 The demo runs them one after the other; the benchmark alternates short timed blocks of each, so a
 drift of this shared machine's speed falls on every mode alike, and takes each mode's rate as the
-median over its blocks (solo: over its steps), so a burst of outside load does not decide it. The emulated speed pads every
+median over its blocks, so a burst of outside load does not decide it. The emulated speed pads every
 rank's compute the same way in all modes (it stands for the device, not the framework). Rank 0
 writes the figures as JSON.
 """
@@ -74,9 +74,9 @@ class _Progress:
         if self.bar is not None:
             self.task = self.bar.add_task(name, total=total)
 
-    def advance(self) -> None:
+    def advance(self, steps: int = 1) -> None:
         if self.bar is not None:
-            self.bar.advance(self.task)
+            self.bar.advance(self.task, steps)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -97,11 +97,13 @@ class SoloRunner:
         self.x, self.y = train.tensors
         self.order = GlobalBatchOrder(len(train), args.global_batch, seed=0)
         self.steps = 0
+        self.timed_samples = 0
         self.timed_seconds = 0.0
         self.timed_steps = 0
-        self.step_rates: list[float] = []
+        self.block_rates: list[float] = []   # samples/s of each timed block of steps
 
-    def step(self, timed: bool, samples: int) -> None:
+    def step(self, samples: int) -> tuple[int, float]:
+        """One step on ``samples`` samples; returns (samples, compute seconds, emulation included)."""
         epoch, s = divmod(self.steps, self.order.steps_per_epoch)
         idx = self.order.global_batch(epoch, s)[:max(samples, 1)]
         t0 = time.perf_counter()
@@ -112,14 +114,26 @@ class SoloRunner:
         self.opt.zero_grad(set_to_none=True)
         compute += pad_to_speed(time.perf_counter() - t1, self.speed)
         self.steps += 1
+        return len(idx), compute
+
+    def block(self, steps: int, samples: int, timed: bool = True) -> None:
+        """``steps`` steps, timed as one block like the other modes' blocks."""
+        n, seconds = 0, 0.0
+        for _ in range(steps):
+            k, c = self.step(samples)
+            n, seconds = n + k, seconds + c
         if timed:
-            self.timed_seconds += compute
-            self.timed_steps += 1
-            self.step_rates.append(len(idx) / compute)
+            self.timed_samples += n
+            self.timed_seconds += seconds
+            self.timed_steps += steps
+            self.block_rates.append(n / seconds)
 
     def samples_per_s(self) -> float:
-        """The median of this rank's per-step rates: a burst of outside load on one step does not decide it."""
-        return statistics.median(self.step_rates)
+        """The median over blocks, as for the other modes: a burst of outside load does not decide it."""
+        return statistics.median(self.block_rates)
+
+    def mean_samples_per_s(self) -> float:
+        return self.timed_samples / self.timed_seconds
 
 
 class UniformRunner:
@@ -228,7 +242,8 @@ def run_schedule(args, runners: dict, solo: SoloRunner | None, progress) -> dict
 
     """Untimed warm-up of each mode, then the timed steps: all of one mode after the other
     (sequential), or alternating blocks of each mode (interleaved, so drift of the machine's speed
-    falls on every mode alike)."""
+    falls on every mode alike). Solo blocks have the same length as the others' and are spread
+    evenly over the rounds."""
     timed = {name: Timed() for name in runners}
     measured = args.steps - args.warmup
     if args.schedule == "sequential":
@@ -239,31 +254,29 @@ def run_schedule(args, runners: dict, solo: SoloRunner | None, progress) -> dict
         if solo is not None:  # last: on the shares the balancer arrived at
             steps = min(args.solo_steps, 10)
             progress.phase("solo rates", steps + 1)
-            for i in range(steps + 1):
-                solo.step(timed=i > 0, samples=share())   # the first step pays for allocation
-                progress.advance()
+            solo.block(1, share(), timed=False)   # the first step pays for allocation
+            solo.block(steps, share())
+            progress.advance(steps + 1)
         return timed
     progress.phase("warm-up", args.warmup * len(runners) + (1 if solo else 0))
     for name, runner in runners.items():
         timed[name].block(runner, args.warmup, False, progress)
     if solo is not None:
-        solo.step(timed=False, samples=share())
+        solo.block(1, share(), timed=False)
         progress.advance()
-    progress.phase("interleaved, timed", measured * len(runners) + (args.solo_steps if solo else 0))
-    done, solo_done = 0, 0
-    while done < measured:
+    rounds = -(-measured // args.block)
+    solo_blocks = max(1, -(-args.solo_steps // args.block)) if solo is not None else 0
+    solo_rounds = {round(i * rounds / solo_blocks) for i in range(solo_blocks)}
+    progress.phase("interleaved, timed", measured * len(runners) + len(solo_rounds) * args.block)
+    done = 0
+    for r in range(rounds):
         k = min(args.block, measured - done)
         for name, runner in runners.items():
             timed[name].block(runner, k, True, progress)
-        if solo is not None and solo_done < args.solo_steps:
-            solo.step(timed=True, samples=share())
-            solo_done += 1
-            progress.advance()
+        if r in solo_rounds:
+            solo.block(args.block, share())
+            progress.advance(args.block)
         done += k
-    while solo is not None and solo_done < args.solo_steps:
-        solo.step(timed=True, samples=share())
-        solo_done += 1
-        progress.advance()
     return timed
 
 
@@ -304,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         timed = run_schedule(args, runners, solo, progress)
         if solo is not None:
             result["solo_samples_per_s"] = gather(solo.samples_per_s())
+            result["solo_mean_samples_per_s"] = gather(solo.mean_samples_per_s())
         for name, runner in runners.items():
             t = timed[name]
             result[name] = {
