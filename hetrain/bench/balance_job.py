@@ -99,7 +99,6 @@ class SoloRunner:
         self.steps = 0
         self.timed_samples = 0
         self.timed_seconds = 0.0
-        self.timed_steps = 0
         self.block_rates: list[float] = []   # samples/s of each timed block of steps
 
     def step(self, samples: int) -> tuple[int, float]:
@@ -125,7 +124,6 @@ class SoloRunner:
         if timed:
             self.timed_samples += n
             self.timed_seconds += seconds
-            self.timed_steps += steps
             self.block_rates.append(n / seconds)
 
     def samples_per_s(self) -> float:

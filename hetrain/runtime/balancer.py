@@ -74,7 +74,7 @@ class RankMeasurement:
     @classmethod
     def exact(cls, samples: float, seconds: float) -> "RankMeasurement":
         """A noise-free figure (planning, tests): one interval, and a window of the same."""
-        return cls(samples, seconds, samples, seconds, 0.0, math.inf)
+        return cls(samples, seconds, samples, seconds)
 
     def has_interval(self) -> bool:
         return self.samples > 0 and math.isfinite(self.seconds) and self.seconds > 0
@@ -156,7 +156,7 @@ class Balancer:
 
     @property
     def window_cap(self) -> int:
-        return max(self.config.interval, self.config.history * self.config.interval)
+        return self.config.history * self.config.interval
 
     def record(self, samples: int, seconds: float) -> None:
         """One step of this rank: how many samples it computed, in how many compute seconds."""
