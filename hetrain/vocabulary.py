@@ -1,0 +1,44 @@
+"""The words hetrain uses everywhere: Plan JSON, CLI flags, the Python API and the docs.
+
+Each list is written once here; the Plan's types, the CLI's choices and the runtime's checks are
+built from it. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+PRECISIONS = ("bf16", "fp16", "tf32", "fp32")
+"""Compute precision of one device: autocast dtype (bf16, fp16) or full-width matmuls (tf32, fp32)."""
+
+SHARDINGS = ("none", "zero1", "zero1-proportional", "fsdp")
+"""How parameters and optimizer state are spread over ranks."""
+
+ZERO1_SHARDINGS = ("zero1", "zero1-proportional")
+
+COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "int8", "topk")
+"""Gradient compression of the data-parallel all-reduce."""
+
+STRATEGIES = ("ddp", "balanced", "zero1", "zero3", "pipeline", "hybrid")
+"""What a plan does: plain even DDP, balanced data parallelism, sharded variants, pipeline stages."""
+
+PIPELINE_STRATEGIES = ("pipeline", "hybrid")
+
+SCHEDULES = ("gpipe", "1f1b")
+"""Pipeline schedules."""
+
+CPU_DEVICE = "cpu"
+"""The device name of a CPU rank in a plan."""
+
+
+class Env:
+    """Environment variables the launcher sets for every worker (and a user may set by hand)."""
+
+    PLAN = "HETRAIN_PLAN"
+    CHECKPOINT_DIR = "HETRAIN_CHECKPOINT_DIR"
+    CHECKPOINT_INTERVAL = "HETRAIN_CHECKPOINT_INTERVAL"
+    SIGTERM_GRACE = "HETRAIN_SIGTERM_GRACE"
+    EMULATE_SPEEDS = "HETRAIN_EMULATE_SPEEDS"
+    EMULATE_DEVICES = "HETRAIN_EMULATE_DEVICES"
+    """Comma-separated catalog names, one per local rank: the device each CPU rank stands in for."""
+    METRICS_PORT = "HETRAIN_METRICS_PORT"
+    RUN_DIR = "HETRAIN_RUN_DIR"
+    COLLECTIVE_TIMEOUT = "HETRAIN_COLLECTIVE_TIMEOUT"
