@@ -1,0 +1,69 @@
+"""Per-device-kind rates a run measured, saved beside its checkpoints and metrics.
+
+The balancer measures each rank's cost line (`fixed + n * per_sample` seconds per step). A run
+writes them, grouped by the device kind each rank ran, to `measured-rates.json` in its run
+directory (the checkpoint directory when there is one); `hetrain plan --from-run DIR` re-plans with
+them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from hetrain.errors import HetrainError
+
+RATES_FILE = "measured-rates.json"
+RATES_VERSION = 1
+
+
+class DeviceRate(BaseModel):
+    """What the ranks of one device kind measured (medians over those ranks)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    device: str = Field(description="catalog name of the device (or 'cpu')")
+    precision: str
+    ranks: int = Field(ge=1, description="how many ranks of this kind ran")
+    per_sample_seconds: float = Field(gt=0, description="compute seconds per sample")
+    fixed_seconds: float = Field(ge=0, description="compute seconds per step that do not grow with the share")
+    share: int = Field(ge=0, description="samples per step each rank of this kind took at the end")
+    emulated: bool = Field(False, description="the speed was emulated on CPU ranks")
+
+
+class MeasuredRates(BaseModel):
+    """A run's measured rates, by device kind."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = RATES_VERSION
+    step: int = Field(ge=0, description="the step at which they were measured")
+    global_batch_size: int = Field(ge=1)
+    devices: list[DeviceRate]
+
+    def save(self, directory: str | Path) -> Path:
+        path = Path(directory) / RATES_FILE
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(self.model_dump_json(indent=2) + "\n")
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "MeasuredRates":
+        directory = Path(directory)
+        path = directory / RATES_FILE if directory.is_dir() else directory
+        if not path.is_file():
+            raise HetrainError(
+                f"{path} does not exist; pass the run directory (or checkpoint directory) of a job that ran "
+                "at least one re-split interval"
+            )
+        try:
+            return cls.model_validate(json.loads(path.read_text()))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise HetrainError(f"{path}: not a measured-rates JSON file ({e})") from None
+        except ValidationError as e:
+            from hetrain.planning.plan import format_validation_error
+
+            raise HetrainError(f"{path}: {format_validation_error(e)}") from None
