@@ -13,13 +13,15 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from hetrain.errors import HetrainError
+from hetrain.vocabulary import COMPRESSIONS, PRECISIONS, SCHEDULES, SHARDINGS, STRATEGIES
 
 PLAN_VERSION = 1
 
-Precision = Literal["bf16", "fp16", "tf32", "fp32"]
-Compression = Literal["none", "fp16", "bf16", "powersgd", "int8", "topk"]
-Sharding = Literal["none", "zero1", "zero1-proportional", "fsdp"]
-Strategy = Literal["ddp", "balanced", "zero1", "zero3", "pipeline", "hybrid"]
+Precision = Literal[PRECISIONS]
+Compression = Literal[COMPRESSIONS]
+Sharding = Literal[SHARDINGS]
+Strategy = Literal[STRATEGIES]
+Schedule = Literal[SCHEDULES]
 
 
 class _Strict(BaseModel):
@@ -71,7 +73,7 @@ class PipelinePlan(_Strict):
     """Layer partition for models that fit on no single device."""
 
     stages: list[list[int]] = Field(description="per stage, the [first, last) block indices it holds")
-    schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    schedule: Schedule = "1f1b"
     microbatches: int = Field(4, ge=1)
 
 
