@@ -1,0 +1,90 @@
+"""Token-mean losses give the exact global-batch update: any split, micro-batches, a rank with no tokens."""
+
+import torch
+from torch.utils.data import default_collate
+
+from hetrain.bench.tiny_lm import PaddedTokens, predicted_tokens, tiny_gpt2
+from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+from tests.distributed import run_ranks
+
+GLOBAL = 8
+LR = 0.5
+# Shares per step: uneven, changing between steps; rank 2's only sample of step 0 has no predicted token.
+SPLITS = [[5, 2, 1], [3, 4, 1], [2, 2, 4]]
+
+
+def lm_data() -> PaddedTokens:
+    data = PaddedTokens(n=64, length=12, seed=5)
+    data.attention_mask[7] = 0
+    data.attention_mask[7, 0] = 1       # one real token: nothing to predict
+    data.labels[7] = data.input_ids[7].masked_fill(data.attention_mask[7] == 0, -100)
+    return data
+
+
+def reference(steps: int) -> list[list[torch.Tensor]]:
+    """One process, the whole global batch, the token mean over all of it."""
+    net, data = tiny_gpt2(context=16), lm_data()
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    out = []
+    for step in range(steps):
+        batch = default_collate([data[i] for i in range(step * GLOBAL, (step + 1) * GLOBAL)])
+        net(**batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append([p.detach().clone() for p in net.parameters()])
+    return out
+
+
+def _train(rank, world, sharding, micro_batch, steps):
+    import hetrain
+
+    plan = Plan(global_batch_size=GLOBAL, sharding=sharding, balance=BalancePlan(enabled=False, min_share=0),
+                ranks=[RankPlan(rank=r, share=s, micro_batch=micro_batch.get(r)) for r, s in enumerate(SPLITS[0])])
+    session = hetrain.Session(plan)
+    net = tiny_gpt2(context=16)
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=LR))
+    loader = session.loader(lm_data(), global_batch_size=GLOBAL, shuffle=False)
+    params, losses = [], []
+    for batch in loader:
+        loss = model(**batch).loss                        # mean over this piece's predicted tokens
+        session.backward(loss, num_items=predicted_tokens(batch["labels"]))
+        before = session.step_count
+        session.step()
+        if session.step_count == before:
+            continue                                      # a micro-batch: the step goes on
+        full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
+        params.append([p.detach().clone() for p in full])
+        losses.append(session.loss)
+        if session.step_count == steps:
+            break
+        session.balancer.shares = list(SPLITS[session.step_count])   # re-split between steps
+    session.close()
+    return {"params": params, "losses": losses}
+
+
+def _check(sharding, micro_batch):
+    steps = len(SPLITS)
+    results = run_ranks(_train, 3, sharding, micro_batch, steps)
+    want = reference(steps)
+    net, data = tiny_gpt2(context=16), lm_data()
+    first = default_collate([data[i] for i in range(GLOBAL)])
+    with torch.no_grad():
+        first_loss = net(**first).loss.item()
+    for rank in range(3):
+        assert len(results[rank]["params"]) == steps
+        assert abs(results[rank]["losses"][0] - first_loss) < 1e-5
+        for step in range(steps):
+            worst = max((g - w).abs().max().item() for g, w in zip(results[rank]["params"][step], want[step]))
+            assert worst < 1e-5, (sharding, rank, step, worst)
+
+
+def test_token_mean_ddp_with_changing_split_zero_token_rank_and_micro_batches():
+    _check("none", {0: 2})
+
+
+def test_token_mean_without_micro_batches_equals_with_them():
+    _check("none", {})
+
+
+def test_token_mean_fsdp2():
+    _check("fsdp", {1: 1})
