@@ -240,6 +240,8 @@ class Lease:
 
     def release(self) -> None:
         """Stop the heartbeat and remove the lease if it is still ours."""
+        if os.getpid() != self.me.pid:  # a forked child (a DataLoader worker) never gives back its parent's lease
+            return
         self._stop.set()
         with self._lock:
             self._remove_if_ours()

@@ -236,3 +236,17 @@ def test_a_read_only_checkpoint_dir_is_refused_at_start(tmp_path, where):
         assert list(base.iterdir()) == []
     finally:
         base.chmod(0o755)
+
+
+def test_a_forked_child_never_gives_back_its_parents_lease(tmp_path):
+    ckpt = Checkpointer(tmp_path)
+    pid = os.fork()  # as a DataLoader worker is forked from a rank
+    if pid == 0:
+        try:
+            ckpt.close()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert lease.holder_of(tmp_path).pid == os.getpid()
+    ckpt.close()
+    assert lease.holder_of(tmp_path) is None
