@@ -244,6 +244,7 @@ class Checkpointer:
                                  f"{os_error_fix(e)}")
         chosen, refusal = self._broadcast(outcome)
         if refusal is not None:
+            self._let_go()  # the job stops here: the next launch need not wait for this one's lease
             raise CheckpointError(refusal)
         return None if chosen is None else _info(Path(chosen))
 

@@ -280,6 +280,16 @@ def let_go(key: str) -> None:
     lease.release()
 
 
+def release_all() -> None:
+    """Give back every lease this process holds: for a process about to end with os._exit, which runs no
+    finalizers (a held lease would make a job on another host wait STALE_SECONDS for it)."""
+    with _held_lock:
+        leases = [lease for lease, _ in _held.values()]
+        _held.clear()
+    for lease in leases:
+        lease.release()
+
+
 def lost(key: str) -> str | None:
     """None while this process holds the lease of `key`; else the reason (see `Lease.check`)."""
     with _held_lock:

@@ -154,3 +154,15 @@ def test_start_fresh_env_must_be_a_yes_or_no(tmp_path, monkeypatch):
     monkeypatch.setenv(Env.START_FRESH, "maybe")
     with pytest.raises(CheckpointError, match=f"{Env.START_FRESH}='maybe': expected 1"):
         Checkpointer(tmp_path)
+
+
+def test_a_job_stopped_for_damaged_checkpoints_leaves_the_directory_free(tmp_path, monkeypatch):
+    monkeypatch.delenv(Env.START_FRESH, raising=False)
+    _train(tmp_path, 10, 5)
+    for name in _names(tmp_path, "step-"):
+        _damage(tmp_path / name, "delete the manifest")
+    relaunched = Checkpointer(tmp_path)
+    assert (tmp_path / "lease.json").exists()
+    with pytest.raises(CheckpointError, match="no checkpoint in"):
+        relaunched.latest()
+    assert not (tmp_path / "lease.json").exists(), "a launch that follows (maybe on another node) need not wait"

@@ -250,3 +250,16 @@ def test_a_forked_child_never_gives_back_its_parents_lease(tmp_path):
     assert lease.holder_of(tmp_path).pid == os.getpid()
     ckpt.close()
     assert lease.holder_of(tmp_path) is None
+
+
+def test_release_all_frees_the_directories_before_an_abrupt_exit(tmp_path):
+    code = textwrap.dedent("""
+        import os, sys
+        from hetrain.checkpoint import Checkpointer, lease
+        kept = [Checkpointer(sys.argv[1] + "/a"), Checkpointer(sys.argv[1] + "/b")]
+        lease.release_all()
+        os._exit(2)   # as a worker ends on a user error: no finalizers run
+    """)
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert lease.holder_of(tmp_path / "a") is None and lease.holder_of(tmp_path / "b") is None
