@@ -169,7 +169,11 @@ class Lease:
             if current.token == self.me.token:
                 return
             local = (current.host, current.pidns) == (self.me.host, self.me.pidns)
-            if current.same_job(self.me) or (local and not pid_alive(current.pid)):
+            if current.same_job(self.me):  # a restart of this job: no other job can be taking it at once
+                if self._take_over(current, settle=0.0):
+                    return
+                continue
+            if local and not pid_alive(current.pid):
                 if self._take_over(current):
                     return
                 continue
@@ -191,12 +195,12 @@ class Lease:
                 continue
             time.sleep(HEARTBEAT_SECONDS / 4)
 
-    def _take_over(self, previous: Holder) -> bool:
+    def _take_over(self, previous: Holder, settle: float = _SETTLE_SECONDS) -> bool:
         """Replace `previous`'s lease with ours; False when another taker won at the same moment."""
         if read_holder(self.path) != previous:
             return False
         _overwrite(self.path, self.me)
-        time.sleep(_SETTLE_SECONDS)
+        time.sleep(settle)
         now = read_holder(self.path)
         return now is not None and now.token == self.me.token
 
