@@ -35,6 +35,9 @@ class Env:
     PLAN = "HETRAIN_PLAN"
     CHECKPOINT_DIR = "HETRAIN_CHECKPOINT_DIR"
     CHECKPOINT_INTERVAL = "HETRAIN_CHECKPOINT_INTERVAL"
+    START_FRESH = "HETRAIN_START_FRESH"
+    """1: start from step 0 when the checkpoint directory holds checkpoints and none verifies (they are kept
+    as damaged-step-*); without it such a job stops and names them."""
     SIGTERM_GRACE = "HETRAIN_SIGTERM_GRACE"
     EMULATE_SPEEDS = "HETRAIN_EMULATE_SPEEDS"
     EMULATE_DEVICES = "HETRAIN_EMULATE_DEVICES"

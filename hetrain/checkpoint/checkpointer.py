@@ -10,36 +10,41 @@ All ranks write into `<dir>/.tmp-step-000123/`; once every rank reports success,
 manifest, fsyncs and renames the directory to `step-000123/`. A crash at any point leaves either
 the complete checkpoint or none. Coordination runs on a gloo group of its own, so a background
 save never interleaves with the training's collectives.
+
+The directory is checked when the Checkpointer is created (a directory every rank can write) and
+held by one job at a time (`lease.json`, see lease.py) until `close()`. Damaged checkpoints are set
+aside as `damaged-step-N`, and a directory whose every checkpoint is damaged stops the job (see
+selection.py).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import socket
 import threading
 import time
 import warnings
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
+from hetrain.checkpoint import lease, selection, store
 from hetrain.checkpoint import sharded as sharded_io
-from hetrain.checkpoint import store
-from hetrain.checkpoint.errors import CheckpointError
-from hetrain.checkpoint.manifest import FileEntry, Manifest, read_manifest, verify, write_manifest
+from hetrain.checkpoint.errors import CheckpointError, describe_os_error, os_error_fix
+from hetrain.checkpoint.manifest import (
+    SHARDED_DIR, SHARED_FILE, FileEntry, Manifest, check_layout, rank_file, read_manifest, verify, write_manifest,
+)
 from hetrain.checkpoint.safe_io import fsync_dir, fsync_file, read_torch_file, sha256_file, snapshot, write_torch_file
 
-SHARED_FILE = "shared.pt"
-
-
-def rank_file(rank: int) -> str:
-    """The name of one rank's own file."""
-    return f"rank-{rank:05d}.pt"
+__all__ = ["SHARED_FILE", "CheckpointInfo", "CheckpointWarning", "Checkpointer", "rank_file"]
 
 
 class CheckpointWarning(UserWarning):
-    """A checkpoint was skipped because it is damaged or unfinished."""
+    """A checkpoint was passed over (and, when damaged, set aside) because it is damaged or unfinished."""
 
 
 @dataclass(frozen=True)
@@ -54,19 +59,29 @@ class CheckpointInfo:
 
 
 class Checkpointer:
-    """Saves and loads checkpoints of one job; every rank of the job holds one and calls it together."""
+    """Saves and loads checkpoints of one job; every rank of the job holds one and calls it together.
+
+    Creating one is collective: every rank checks that it can write `directory`, and rank 0 takes the
+    directory's lease (another job holding it is refused with one line naming it). `close()` gives
+    the lease back; a later `save()` takes it again. `start_fresh` (default: HETRAIN_START_FRESH) lets
+    `latest()` return None when checkpoints exist and none verifies, instead of stopping the job.
+    """
 
     def __init__(self, directory: str | Path, *, keep: int | None = 3, async_save: bool = True,
-                 process_group: Any = None) -> None:
+                 process_group: Any = None, start_fresh: bool | None = None) -> None:
         if keep is not None and keep < 1:
             raise CheckpointError(f"keep={keep}: at least one checkpoint must be kept; pass keep>=1 (None keeps all)")
         self.directory = Path(directory)
         self.keep = keep
         self.async_save = async_save
+        self.start_fresh = selection.start_fresh_from_env() if start_fresh is None else bool(start_fresh)
         self._group = _coordination_group(process_group)
         self.rank = dist.get_rank(self._group) if self._group is not None else 0
         self.world_size = dist.get_world_size(self._group) if self._group is not None else 1
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self._holding = False
+        self._lease_key: str | None = None
+        self._release: weakref.finalize | None = None
+        self._hold_directory()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._verified: set[tuple[Path, float]] = set()
@@ -86,6 +101,8 @@ class Checkpointer:
         self.wait()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CheckpointError(f"step={step!r}: a checkpoint step is an integer >= 0")
+        if not self._holding:
+            self._hold_directory()  # given back by close(): take it again
         blocking = (not self.async_save) if blocking is None else blocking
         copy = not blocking
         shared_s = per_rank_s = sharded_s = None
@@ -117,8 +134,11 @@ class Checkpointer:
             raise error
 
     def close(self) -> None:
-        """Finish the pending save."""
-        self.wait()
+        """Finish the pending save and give the directory's lease back."""
+        try:
+            self.wait()
+        finally:
+            self._let_go()
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -140,7 +160,7 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
             except OSError as e:
-                error = CheckpointError(f"cannot create {tmp} ({e}); check the checkpoint directory is writable")
+                error = CheckpointError(f"cannot create {tmp} ({describe_os_error(e)}); {os_error_fix(e)}")
         first = self._agree(None if error is None else str(error))
         if first is not None:
             self._finish_failed(tmp, error, first)
@@ -153,11 +173,9 @@ class Checkpointer:
             name = rank_file(self.rank)
             entries.append(FileEntry(name, *write_torch_file(per_rank, tmp / name)))
             if has_sharded:
-                entries.extend(self._hash_my_share(tmp / sharded_io.SHARDED_DIR))
+                entries.extend(self._hash_my_share(tmp / SHARDED_DIR))
         except Exception as e:  # noqa: BLE001 - reported to every rank, then raised
-            error = e if isinstance(e, CheckpointError) else CheckpointError(
-                f"writing {tmp} failed on rank {self.rank} ({type(e).__name__}: {e}); check free space "
-                f"and that every rank sees the same checkpoint directory")
+            error = e if isinstance(e, CheckpointError) else _write_error(tmp, self.rank, e)
         gathered = self._gather((None if error is None else str(error), entries))
         outcome: tuple[str | None, int, str] = (None, 0, "")
         if self.rank == 0:
@@ -182,7 +200,7 @@ class Checkpointer:
         for i, name in enumerate(names):
             if i % self.world_size == self.rank:
                 fsync_file(sharded_dir / name)
-                out.append(FileEntry(f"{sharded_io.SHARDED_DIR}/{name}", *sha256_file(sharded_dir / name)))
+                out.append(FileEntry(f"{SHARDED_DIR}/{name}", *sha256_file(sharded_dir / name)))
         if self.rank == 0:
             fsync_dir(sharded_dir)
         return out
@@ -194,12 +212,16 @@ class Checkpointer:
             return f"checkpoint of step {step} was not written: " + "; ".join(errors), 0, ""
         files = sorted((e for _, entries in gathered for e in entries), key=lambda e: e.path)
         manifest = Manifest(step=step, world_size=self.world_size, files=files, sharded=has_sharded)
+        taken = lease.lost(self._lease_key) if self._lease_key is not None else None
+        if taken is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            return f"checkpoint of step {step} was not committed: {taken}", 0, ""
         try:
             write_manifest(tmp, manifest)
             final = store.commit(self.directory, tmp, step)
-            store.prune(self.directory, self.keep)
+            store.prune(self.directory, self.keep, newest=final)
         except OSError as e:
-            return f"committing {tmp} failed ({e}); check the checkpoint directory", 0, ""
+            return f"committing {tmp} failed ({describe_os_error(e)}); {os_error_fix(e)}", 0, ""
         self._verified.add((final, manifest.created_unix))
         return None, manifest.total_bytes, str(final)
 
@@ -208,40 +230,43 @@ class Checkpointer:
     def latest(self) -> CheckpointInfo | None:
         """Collective: the newest checkpoint that verifies (rank 0 checks, all ranks get its choice).
 
-        A damaged or unfinished newer checkpoint is reported with a CheckpointWarning naming it.
+        Damaged checkpoints newer than it are set aside as `damaged-step-N` and reported with a
+        CheckpointWarning. When checkpoints exist and none verifies, CheckpointError names them,
+        unless `start_fresh`: then they are set aside and the answer is None (start from step 0).
         """
         self.wait()
-        choice = self._find_latest() if self.rank == 0 else None
-        choice = self._broadcast(choice)
-        if choice is None:
-            return None
-        return _info(Path(choice))
-
-    def _find_latest(self) -> str | None:
-        chosen: Path | None = None
-        chosen_step = -1
-        for step, path in store.committed(self.directory):
+        outcome: tuple[str | None, str | None] = (None, None)
+        if self.rank == 0:
             try:
-                manifest = read_manifest(path)
-                reason = verify(path, manifest)
-                if reason is None and manifest.step != step:
-                    reason = f"manifest says step {manifest.step}, the directory says {step}"
-            except ValueError as e:
-                reason = str(e)
-            if reason is None:
-                self._verified.add((path, manifest.created_unix))
-                chosen, chosen_step = path, step
-                break
-            warnings.warn(f"checkpoint {path} is unusable: {reason}; trying the previous one",
-                          CheckpointWarning, stacklevel=3)
-        for entry in sorted(self.directory.glob(f"{store.TMP_PREFIX}*")):
-            suffix = entry.name[len(store.TMP_PREFIX):]
-            if suffix.isdigit() and int(suffix) > chosen_step:
-                warnings.warn(f"{entry} is an unfinished save of step {int(suffix)} and is ignored",
-                              CheckpointWarning, stacklevel=3)
-        if chosen is None and store.committed(self.directory):
-            warnings.warn(f"no usable checkpoint in {self.directory}", CheckpointWarning, stacklevel=3)
-        return None if chosen is None else str(chosen)
+                outcome = self._find_latest()
+            except OSError as e:
+                outcome = (None, f"cannot look for checkpoints in {self.directory} ({describe_os_error(e)}); "
+                                 f"{os_error_fix(e)}")
+        chosen, refusal = self._broadcast(outcome)
+        if refusal is not None:
+            self._let_go()  # the job stops here: the next launch need not wait for this one's lease
+            raise CheckpointError(refusal)
+        return None if chosen is None else _info(Path(chosen))
+
+    def _find_latest(self) -> tuple[str | None, str | None]:
+        """(path of the chosen checkpoint or None, the refusal or None); rank 0 only."""
+        choice = selection.choose(self.directory)
+        for entry in choice.unfinished:
+            step = int(entry.name[len(store.TMP_PREFIX):])
+            warnings.warn(f"{entry} is an unfinished save of step {step} and is ignored", CheckpointWarning,
+                          stacklevel=4)
+        if choice.chosen is None and choice.damaged and not self.start_fresh:
+            return None, selection.refusal(self.directory, choice.damaged)
+        after = (f"resuming from {choice.chosen.name}" if choice.chosen is not None else
+                 "starting from step 0 as start_fresh asks")
+        for path, reason in choice.damaged:
+            aside = store.set_aside(path)
+            warnings.warn(f"checkpoint {path} is damaged ({reason}); set aside as {aside.name}, {after}",
+                          CheckpointWarning, stacklevel=4)
+        if choice.chosen is None:
+            return None, None
+        self._verified.add((choice.chosen, choice.manifest.created_unix))
+        return str(choice.chosen), None
 
     def load(self, info: CheckpointInfo | None = None, *, rank: int | None = None,
              sharded_template: dict | None = None) -> tuple[dict, dict | None, dict | None]:
@@ -256,26 +281,59 @@ class Checkpointer:
             if info is None:
                 raise CheckpointError(f"no usable checkpoint in {self.directory}; start without resuming")
         rank = self.rank if rank is None else rank
-        manifest = read_manifest(info.path)
+        try:
+            manifest = read_manifest(info.path)
+        except ValueError as e:
+            raise CheckpointError(f"{info.path}: {e}; move it aside to resume from the previous checkpoint") from None
         if sharded_template is not None and not manifest.sharded:
             raise CheckpointError(f"{info.path} holds no sharded state; load it without sharded_template")
+        sharded_files = sorted(f.path for f in manifest.files if f.path.startswith(SHARDED_DIR + "/"))
         mine = {SHARED_FILE} | ({rank_file(rank)} if rank < manifest.world_size else set())
         if sharded_template is not None:
-            sharded_files = sorted(f.path for f in manifest.files if f.path.startswith(sharded_io.SHARDED_DIR + "/"))
             mine |= {p for i, p in enumerate(sharded_files) if i % self.world_size == self.rank}
-        reason = None
-        if (info.path, manifest.created_unix) not in self._verified:
+        reason = check_layout(info.path, manifest, store.step_of(info.path))
+        if reason is None and (info.path, manifest.created_unix) not in self._verified:
             reason = verify(info.path, manifest, only=mine)
         reasons = [r for r in self._gather(reason) if r is not None]
         if reasons:
-            raise CheckpointError(f"{info.path} failed verification: {'; '.join(reasons)}; "
+            raise CheckpointError(f"{info.path} failed verification: {'; '.join(sorted(set(reasons)))}; "
                                   f"move it aside to resume from the previous checkpoint")
         shared = read_torch_file(info.path / SHARED_FILE)
         per_rank = read_torch_file(info.path / rank_file(rank)) if rank < manifest.world_size else None
         loaded = None
         if sharded_template is not None:
-            loaded = sharded_io.load_sharded(sharded_template, info.path, self._group)
+            listed = frozenset(p[len(SHARDED_DIR) + 1:] for p in sharded_files)
+            loaded = sharded_io.load_sharded(sharded_template, info.path, self._group, listed)
         return shared, per_rank, loaded
+
+    # ---- the directory ---------------------------------------------------------------------------
+
+    def _hold_directory(self) -> None:
+        """Collective: every rank checks it can write the directory, then rank 0 takes its lease."""
+        probe = f".probe-{socket.gethostname()}-{os.getpid()}-{self.rank}"
+        problem = self._first_error(store.check_directory(self.directory, probe))
+        if problem is not None:
+            raise CheckpointError(problem)
+        key = problem = None
+        if self.rank == 0:
+            try:
+                key = lease.hold(self.directory)
+            except CheckpointError as e:
+                problem = str(e)
+        problem = self._broadcast(problem)
+        if problem is not None:
+            raise CheckpointError(problem)
+        if key is not None:
+            self._lease_key = key
+            # given back at close(), or when the Checkpointer is dropped or the process exits without close()
+            self._release = weakref.finalize(self, lease.let_go, key)
+        self._holding = True
+
+    def _let_go(self) -> None:
+        if self._release is not None:
+            self._release()
+            self._release = None
+        self._holding = False
 
     # ---- coordination --------------------------------------------------------------------------
 
@@ -283,6 +341,17 @@ class Checkpointer:
         """Every rank's error (or None) gathered: the first one, so all ranks stop together."""
         errors = [e for e in self._gather(error) if e is not None]
         return errors[0] if errors else None
+
+    def _first_error(self, error: str | None) -> str | None:
+        """Like `_agree`, naming the rank (and how many more failed) when several ranks run."""
+        errors = [(r, e) for r, e in enumerate(self._gather(error)) if e is not None]
+        if not errors:
+            return None
+        rank, first = errors[0]
+        if self.world_size == 1:
+            return first
+        more = f" (and {len(errors) - 1} more ranks)" if len(errors) > 1 else ""
+        return f"rank {rank}{more}: {first}"
 
     def _gather(self, obj: Any) -> list:
         if self._group is None:
@@ -310,6 +379,17 @@ def _coordination_group(process_group: Any) -> Any:
         raise CheckpointError("this rank is not in the checkpoint's process group; create the Checkpointer "
                               "only on the ranks that train together")
     return group
+
+
+def _write_error(tmp: Path, rank: int, e: BaseException) -> CheckpointError:
+    """A failed write as one line; the fix follows the OS error behind it (torch wraps some in RuntimeError)."""
+    cause: BaseException | None = e
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    what = describe_os_error(cause) if cause is not None else f"{type(e).__name__}: {e}"
+    fix = os_error_fix(cause) if cause is not None else (
+        "check that the checkpoint directory is writable and that every rank sees the same one")
+    return CheckpointError(f"writing {tmp} failed on rank {rank} ({what}); {fix}")
 
 
 def _info(path: Path) -> CheckpointInfo:

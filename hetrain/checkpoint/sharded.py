@@ -2,8 +2,9 @@
 
 DCP itself reads its `.metadata` with `pickle.load` and non-tensor values with
 `torch.load(weights_only=False)`. hetrain configures DCP with a reader whose unpickler admits only
-DCP's own metadata classes and a planner that reads values with `weights_only=True`, so loading a
-checkpoint never runs code from it.
+the classes DCP's `Metadata` is built of (plain dataclasses and an enum, whose construction does
+nothing else) and a planner that reads values with `weights_only=True`, so loading a checkpoint
+never runs code from it and constructs nothing with side effects.
 """
 
 from __future__ import annotations
@@ -21,15 +22,26 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
 from hetrain.checkpoint.errors import CheckpointError
+from hetrain.checkpoint.manifest import SHARDED_DIR
 
-SHARDED_DIR = "sharded"
-_DCP_MODULES = ("torch.distributed.checkpoint.", "torch.distributed.tensor.")
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+# exactly the classes a DCP Metadata is built of; a class anywhere else in DCP (a writer, a
+# stager) may act when constructed, so no other is admitted
 _ALLOWED = {
+    (_METADATA_MODULE, "Metadata"),
+    (_METADATA_MODULE, "MetadataIndex"),
+    (_METADATA_MODULE, "StorageMeta"),
+    (_METADATA_MODULE, "TensorStorageMetadata"),
+    (_METADATA_MODULE, "BytesStorageMetadata"),
+    (_METADATA_MODULE, "ChunkStorageMetadata"),
+    (_METADATA_MODULE, "TensorProperties"),
+    (_METADATA_MODULE, "_MEM_FORMAT_ENCODING"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),
     ("collections", "OrderedDict"),
@@ -45,7 +57,7 @@ _ALLOWED = {
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Admits DCP's metadata classes, torch dtypes/layouts/sizes and paths; nothing else."""
+    """Admits the classes of DCP's Metadata, torch dtypes/layouts/sizes and paths; nothing else."""
 
     def find_class(self, module: str, name: str) -> Any:
         obj = None
@@ -53,37 +65,52 @@ class _MetadataUnpickler(pickle.Unpickler):
             obj = super().find_class(module, name)
         elif module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)):
             obj = getattr(torch, name)
-        elif module.startswith(_DCP_MODULES):
-            candidate = super().find_class(module, name)
-            # classes only (metadata dataclasses and enums), never functions
-            if isinstance(candidate, type):
-                obj = candidate
         if obj is None:
             raise pickle.UnpicklingError(f"Unsupported global: GLOBAL {module}.{name}")
         return obj
 
 
 def read_metadata_safely(path: Path) -> Any:
-    """Unpickle a DCP `.metadata` file admitting only DCP's metadata classes."""
+    """Unpickle a DCP `.metadata` file admitting only the classes of DCP's Metadata."""
     try:
         with open(path, "rb") as f:
-            return _MetadataUnpickler(f).load()
-    except pickle.UnpicklingError as e:
+            metadata = _MetadataUnpickler(f).load()
+    except (pickle.UnpicklingError, EOFError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(
             f"{path} holds a pickled object that is not checkpoint metadata ({e}); hetrain never runs "
             f"code from a checkpoint: use a checkpoint that hetrain wrote"
         ) from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP checkpoint metadata; use a "
+                              f"checkpoint that hetrain wrote")
+    return metadata
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
-    """A FileSystemReader whose metadata unpickler refuses anything but DCP metadata."""
+    """A FileSystemReader whose metadata unpickler refuses anything but DCP metadata, and which reads only
+    files the checkpoint's manifest lists (`listed`, relative to the sharded directory)."""
+
+    def __init__(self, path: str, listed: frozenset[str]) -> None:
+        super().__init__(path)
+        self.listed = listed
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        metadata = read_metadata_safely(Path(self._get_metadata_path(kwargs.get("rank"))))
+        path = Path(self._get_metadata_path(kwargs.get("rank")))
+        metadata = read_metadata_safely(path)
+        check_storage_files(metadata, self.listed, path)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def check_storage_files(metadata: Metadata, listed: frozenset[str], path: Path) -> None:
+    """Refuse metadata that points DCP at a file the manifest does not list (and so did not hash)."""
+    for info in (metadata.storage_data or {}).values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or name not in listed:
+            raise CheckpointError(f"{path} names the data file {name!r}, which the checkpoint's manifest does not "
+                                  f"list; hetrain reads only files it verified: use a checkpoint that hetrain wrote")
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -133,12 +160,18 @@ def save_sharded(state: dict[str, Any], directory: Path, process_group: Any) -> 
                  no_dist=process_group is None)
 
 
-def load_sharded(template: dict[str, Any], directory: Path, process_group: Any) -> dict[str, Any]:
-    """dcp.load into `template` in place (resharding as DCP does); returns the template."""
+def load_sharded(template: dict[str, Any], directory: Path, process_group: Any,
+                 listed: frozenset[str]) -> dict[str, Any]:
+    """dcp.load into `template` in place (resharding as DCP does); returns the template.
+
+    `listed`: the files of the sharded directory that the manifest lists (relative to it); DCP may read
+    no other.
+    """
     path = directory / SHARDED_DIR
-    read_metadata_safely(path / ".metadata")  # refuse foreign objects before DCP touches the files
+    # refuse foreign objects and unlisted files before DCP touches the files
+    check_storage_files(read_metadata_safely(path / ".metadata"), listed, path / ".metadata")
     with _quiet(process_group), _unwrapped("reading", directory):
-        dcp.load(template, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(),
+        dcp.load(template, storage_reader=SafeFileSystemReader(str(path), listed), planner=SafeLoadPlanner(),
                  process_group=process_group, no_dist=process_group is None)
     return template
 

@@ -1,4 +1,4 @@
-"""The checkpoint directory: names, atomic commit by rename, and keeping the last K."""
+"""The checkpoint directory: checked at start, atomic commit by rename, damaged ones set aside, the last K kept."""
 
 from __future__ import annotations
 
@@ -7,10 +7,12 @@ import re
 import shutil
 from pathlib import Path
 
+from hetrain.checkpoint.errors import describe_os_error, os_error_fix
 from hetrain.checkpoint.safe_io import fsync_dir
 
 _STEP = re.compile(r"^step-(\d{6,})$")
 TMP_PREFIX = ".tmp-step-"
+DAMAGED_PREFIX = "damaged-"
 _REPLACED_PREFIX = ".replaced-step-"
 
 
@@ -19,9 +21,41 @@ def step_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
+def step_of(path: Path) -> int | None:
+    """The step a `step-N` directory name says (None for any other name)."""
+    m = _STEP.match(path.name)
+    return int(m.group(1)) if m else None
+
+
 def tmp_dir(root: Path, step: int) -> Path:
     """Where the ranks write a checkpoint before it is complete."""
     return root / f"{TMP_PREFIX}{step:06d}"
+
+
+def check_directory(root: Path, probe: str) -> str | None:
+    """None when `root` is (or can be made) a directory this process can write; else a one-line reason and fix.
+
+    Checked when a job starts, so that a wrong --checkpoint-dir fails before any training, not at the
+    first save. `probe` is a file name unique to the caller, written and removed.
+    """
+    if root.exists() and not root.is_dir():
+        return (f"checkpoint directory {root} exists and is not a directory; pass a directory path as "
+                f"--checkpoint-dir (checkpoint_dir=)")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        return (f"checkpoint directory {root} cannot be created: a part of its path is a file; pass a directory "
+                f"path as --checkpoint-dir (checkpoint_dir=)")
+    except OSError as e:
+        return f"checkpoint directory {root} cannot be created ({describe_os_error(e)}); {os_error_fix(e)}"
+    path = root / probe
+    try:
+        with open(path, "xb") as f:
+            f.write(b"hetrain")
+        path.unlink()
+    except OSError as e:
+        return f"checkpoint directory {root} is not writable ({describe_os_error(e)}); {os_error_fix(e)}"
+    return None
 
 
 def committed(root: Path) -> list[tuple[int, Path]]:
@@ -30,10 +64,28 @@ def committed(root: Path) -> list[tuple[int, Path]]:
         return []
     found = []
     for entry in root.iterdir():
-        m = _STEP.match(entry.name)
-        if m and entry.is_dir():
-            found.append((int(m.group(1)), entry))
+        step = step_of(entry)
+        if step is not None and entry.is_dir():
+            found.append((step, entry))
     return sorted(found, reverse=True)
+
+
+def damaged(root: Path) -> list[Path]:
+    """Checkpoints set aside as damaged (`damaged-step-N`), by name."""
+    return sorted(p for p in root.glob(f"{DAMAGED_PREFIX}step-*") if p.is_dir()) if root.is_dir() else []
+
+
+def set_aside(path: Path) -> Path:
+    """Rename a damaged `step-N` to `damaged-step-N` (`-2`, `-3`... when taken), so it is kept for inspection
+    but never loaded or counted among the kept checkpoints."""
+    target = path.with_name(DAMAGED_PREFIX + path.name)
+    n = 2
+    while target.exists():
+        target = path.with_name(f"{DAMAGED_PREFIX}{path.name}-{n}")
+        n += 1
+    os.rename(path, target)
+    fsync_dir(path.parent)
+    return target
 
 
 def commit(root: Path, tmp: Path, step: int) -> Path:
@@ -52,11 +104,16 @@ def commit(root: Path, tmp: Path, step: int) -> Path:
     return final
 
 
-def prune(root: Path, keep: int | None) -> list[Path]:
-    """Delete all but the newest `keep` committed checkpoints and any stale partial ones; the deleted."""
+def prune(root: Path, keep: int | None, newest: Path | None = None) -> list[Path]:
+    """Delete all but `keep` committed checkpoints and any stale partial ones; the deleted.
+
+    `newest` (the checkpoint just committed) is always among those kept, with the `keep - 1` highest
+    steps besides it: a checkpoint left from an earlier run with a higher step never outranks it.
+    """
     removed = []
     if keep is not None:
-        for _, path in committed(root)[keep:]:
+        others = [path for _, path in committed(root) if newest is None or path != newest]
+        for path in others[keep - (newest is not None):]:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     for entry in root.iterdir() if root.is_dir() else []:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import textwrap
-import warnings
 
 import pytest
 import torch
@@ -39,7 +39,7 @@ def test_keep_must_be_positive(tmp_path):
 
 
 _CRASH = textwrap.dedent("""
-    import os, sys, torch
+    import os, signal, sys, torch
     from hetrain.checkpoint import Checkpointer
     ckpt = Checkpointer(sys.argv[1], async_save={async_save})
     ckpt.save(1, {{"w": torch.ones(1000)}}, {{}}, blocking=True)
@@ -47,7 +47,7 @@ _CRASH = textwrap.dedent("""
     def dying_save(obj, f, *a, **k):
         real_save(obj, f, *a, **k)
         f.flush()
-        os._exit(9)   # the process dies right after the first file of step 2 is written
+        os.kill(os.getpid(), signal.SIGKILL)   # killed right after the first file of step 2 is written
     torch.save = dying_save
     ckpt.save(2, {{"w": torch.zeros(1000)}}, {{}})
     ckpt.wait()
@@ -58,10 +58,10 @@ _CRASH = textwrap.dedent("""
 def test_a_crash_mid_save_leaves_no_step_directory(tmp_path, async_save):
     proc = subprocess.run([sys.executable, "-c", _CRASH.format(async_save=async_save), str(tmp_path)],
                           capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 9, proc.stderr
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert _steps(tmp_path) == ["step-000001"]
     assert (tmp_path / ".tmp-step-000002").is_dir(), "the crash happened mid-save"
-    ckpt = Checkpointer(tmp_path, async_save=False)
+    ckpt = Checkpointer(tmp_path, async_save=False)  # the killed job's lease names a dead pid: taken over
     with pytest.warns(CheckpointWarning, match=r"\.tmp-step-000002 is an unfinished save of step 2"):
         info = ckpt.latest()
     assert info.step == 1
@@ -112,26 +112,27 @@ def test_same_size_corruption_is_caught_by_checksum(tmp_path):
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
     fresh = Checkpointer(tmp_path, async_save=False)
-    with pytest.warns(CheckpointWarning, match=r"step-000002 .*rank-00000\.pt does not match its sha256"):
+    with pytest.warns(CheckpointWarning, match=r"step-000002 .*rank-00000\.pt does not match its sha256.*"
+                                               r"set aside as damaged-step-000002, resuming from step-000001"):
         assert fresh.latest().step == 1
+    assert _steps(tmp_path) == ["step-000001"] and (tmp_path / "damaged-step-000002").is_dir()
     # asking for the damaged one by name is refused, not silently loaded
     from hetrain.checkpoint.checkpointer import _info
 
     with pytest.raises(CheckpointError, match="failed verification"):
-        fresh.load(_info(tmp_path / "step-000002"))
+        fresh.load(_info(tmp_path / "damaged-step-000002"))
 
 
-def test_missing_manifest_is_reported_and_no_checkpoint_is_none(tmp_path):
+def test_no_checkpoint_is_none_and_a_missing_manifest_stops_the_job(tmp_path):
     ckpt = Checkpointer(tmp_path, async_save=False)
     assert ckpt.latest() is None
     with pytest.raises(CheckpointError, match="no usable checkpoint"):
         ckpt.load()
     ckpt.save(5, _state(5), {})
     (tmp_path / "step-000005" / "manifest.json").unlink()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert ckpt.latest() is None
-    assert any("step-000005" in str(w.message) and "no manifest.json" in str(w.message) for w in caught)
+    with pytest.raises(CheckpointError, match=r"no checkpoint in .* verifies \(1 damaged: step-000005: no manifest"):
+        ckpt.latest()
+    assert _steps(tmp_path) == ["step-000005"], "a refused directory is left as it was"
 
 
 def test_async_save_writes_the_state_of_the_call_not_later_updates(tmp_path):
