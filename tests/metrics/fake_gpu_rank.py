@@ -17,7 +17,9 @@ import torch
 
 from hetrain.metrics import RankMetrics
 from hetrain.runtime.events import StepRecord
-from tests.metrics.fake_nvml import UUID, FakeNvml
+from tests.metrics.fake_nvml import INDEX, UUID, FakeNvml
+
+TENSOR_ACTIVE = 0.42
 
 ALLOCATOR = {"memory_allocated": 20 * 2**30, "memory_reserved": 24 * 2**30,
              "max_memory_allocated": 22 * 2**30, "max_memory_reserved": 26 * 2**30}
@@ -44,14 +46,29 @@ def step_record(step: int, **changes) -> StepRecord:
 def fake_gpu_metrics(port: int | None, run_dir: Path | None = None, nvml: FakeNvml | None = None) -> RankMetrics:
     return RankMetrics(rank=2, local_rank=0, world_size=3, device=torch.device("cuda:0"), device_name="a100-sxm4-80gb",
                        port=port, run_dir=run_dir, job="fake-gpu", predicted_step_seconds=0.45,
-                       flops_per_item=3.0e8, nvml=nvml or FakeNvml())
+                       flops_per_item=1.0e8, nvml=nvml or FakeNvml())
+
+
+def serve_fake_dcgm(port: int) -> None:
+    """One series as dcgm-exporter writes it for this GPU (its labels, its `device` naming)."""
+    from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+    registry = CollectorRegistry()
+    gauge = Gauge("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", "Ratio of cycles the tensor (HMMA) pipe is active.",
+                  ["gpu", "UUID", "device", "modelName", "Hostname"], registry=registry)
+    gauge.labels(gpu=str(INDEX), UUID=UUID, device="nvidia3", modelName="NVIDIA A100-SXM4-80GB",
+                 Hostname="node-a").set(TENSOR_ACTIVE)
+    start_http_server(port, addr="127.0.0.1", registry=registry)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--stop-file", required=True)
+    parser.add_argument("--dcgm-port", type=int, default=None, help="also serve a DCGM exporter's tensor-pipe series")
     args = parser.parse_args()
+    if args.dcgm_port is not None:
+        serve_fake_dcgm(args.dcgm_port)
     patch_cuda()
     metrics = fake_gpu_metrics(args.port)
     for step in range(1, 4):

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import time
 import urllib.parse
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -84,8 +85,11 @@ class Prometheus:
 
     def _api(self, path: str, **params: str | float) -> list[dict]:
         url = f"http://127.0.0.1:{self.port}/api/v1/{path}?{urllib.parse.urlencode(params)}"
-        with urllib.request.urlopen(url, timeout=10) as r:
-            body = json.load(r)
+        try:
+            with urllib.request.urlopen(url, timeout=10) as r:
+                body = json.load(r)
+        except urllib.error.HTTPError as e:   # a bad query: say why
+            raise AssertionError(f"{params.get('query')}: {e.read().decode()}") from None
         assert body["status"] == "success", body
         return body["data"]["result"]
 

@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import pytest
 
 from hetrain.metrics.names import CUDA_LABELS, METRICS, RANK_LABELS
+from tests.metrics.fake_gpu_rank import TENSOR_ACTIVE
 from tests.metrics.prometheus_server import Prometheus, free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,13 +55,13 @@ def _end(proc: subprocess.Popen, timeout: float = 20) -> None:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     work = tmp_path_factory.mktemp("scrape")
-    base = free_ports(3)                   # ranks on base, base + 1; the fake GPU rank on base + 2
-    targets = [f"127.0.0.1:{p}" for p in (base, base + 1, base + 2)]
+    base = free_ports(4)   # ranks on base, base + 1; the fake GPU rank on base + 2, its fake DCGM exporter on base + 3
+    targets = [f"127.0.0.1:{p}" for p in (base, base + 1, base + 2, base + 3)]
     prom = Prometheus(work, targets)
     stop = work / "stop"
     started = time.time()
     gpu = _popen([sys.executable, "-m", "tests.metrics.fake_gpu_rank", "--port", str(base + 2),
-                  "--stop-file", str(stop)], work / "gpu.log")
+                  "--stop-file", str(stop), "--dcgm-port", str(base + 3)], work / "gpu.log")
     job = _popen([sys.executable, "-m", "hetrain.cli.main", "launch", "--nproc-per-node", "2",
                   "--metrics-port", str(base), "tests/metrics/rank_driver.py", "--steps", str(STEPS),
                   "--run-dir", str(work / "run"), "--stop-file", str(stop)], work / "job.log")
@@ -136,6 +137,18 @@ def test_gpu_series_carry_dcgm_labels(run):
     assert kinds == {"allocated", "reserved", "peak_allocated", "peak_reserved"}
 
 
+def test_the_documented_dcgm_joins(run):
+    docs = (ROOT / "docs" / "observe.md").read_text()
+    [by_rank] = [ln for ln in docs.splitlines() if ln.startswith("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE * on (UUID)")]
+    [(joined)] = run.prom.query(by_rank)
+    assert joined["metric"]["rank"] == "2" and joined["metric"]["device"] == "a100-sxm4-80gb", joined
+    assert float(joined["value"][1]) == TENSOR_ACTIVE
+    [per_activity] = [ln for ln in docs.splitlines() if ln.startswith("hetrain_mfu_ratio{UUID!=\"\"} / on (UUID)")]
+    [(ratio)] = run.prom.query(per_activity)
+    [(mfu)] = run.prom.query('hetrain_mfu_ratio{job="fake-gpu"}')
+    assert float(ratio["value"][1]) == pytest.approx(float(mfu["value"][1]) / TENSOR_ACTIVE)
+
+
 def dashboard_queries() -> list[tuple[str, str]]:
     board = json.loads(DASHBOARD.read_text())
     return [(p["title"], t["expr"]) for p in board["panels"] for t in p.get("targets", [])]
@@ -165,6 +178,6 @@ def test_a_stopped_rank_does_not_hang_the_others(run):
         up = lambda: {r["metric"]["instance"]: r["value"][1] for r in run.prom.query('up{job="hetrain"}')}
         _wait(lambda: up().get(f"127.0.0.1:{run.base + 1}") == "0", 5, "rank 1's target down")
         assert up()[f"127.0.0.1:{run.base}"] == "1"
-        assert up()[f"127.0.0.1:{run.base + 2}"] == "1"
+        assert up()[f"127.0.0.1:{run.base + 2}"] == "1" and up()[f"127.0.0.1:{run.base + 3}"] == "1"
     finally:
         os.kill(pid1, signal.SIGCONT)
