@@ -1,16 +1,37 @@
-"""hetrain: train one PyTorch model across GPUs that are not alike, at the sum of their speeds."""
+"""hetrain: train one PyTorch model across GPUs that are not alike, at the sum of their speeds.
+
+What a user imports:
+
+    from hetrain import Session, Plan, plan_job, profile, HetrainError
+"""
 
 from __future__ import annotations
 
+from hetrain.errors import HetrainError
+
 __version__ = "0.1.0"
 
-__all__ = ["Session", "__version__"]
+__all__ = ["HetrainError", "Plan", "Session", "__version__", "plan_job", "profile"]
+
+# Imported on first use, so `hetrain --help` does not pay for torch.distributed.
+_LAZY = {
+    "Session": ("hetrain.runtime.session", "Session"),
+    "Plan": ("hetrain.planning.plan", "Plan"),
+    "plan_job": ("hetrain.planning.planner", "plan_job"),
+    "profile": ("hetrain.workload.profile", "profile"),
+}
 
 
 def __getattr__(name: str):
-    # Session pulls in torch.distributed; import it only when asked for, so the CLI starts fast.
-    if name == "Session":
-        from hetrain.runtime.session import Session
+    if name in _LAZY:
+        import importlib
 
-        return Session
-    raise AttributeError(name)
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'hetrain' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -8,8 +8,11 @@ epoch and shares may change between steps.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, ContextManager
 
 import torch
 from torch.utils._pytree import tree_map
@@ -17,9 +20,11 @@ from torch.utils.data import TensorDataset, default_collate
 
 from hetrain.errors import HetrainError
 from hetrain.planning.batch_split import split_partial
+from hetrain.runtime.batch_transfer import to_device
+from hetrain.runtime.memory import micro_batch_sizes, split_batch
+from hetrain.runtime.step_state import StepState
 
-if TYPE_CHECKING:
-    from hetrain.runtime.session import Session
+log = logging.getLogger("hetrain")
 
 
 class GlobalBatchOrder:
@@ -91,17 +96,28 @@ def _fetch(dataset: Any, indices: list[int], collate_fn: Callable, probe: int = 
 class HeteroLoader:
     """Iterates one epoch of this rank's slices; `len()` is the steps per epoch, equal on all ranks.
 
-    A rank whose share of a step is 0 receives an empty batch and still takes the step.
+    Each batch is on the rank's device. A rank whose share of a step is 0 receives an empty batch
+    and still takes the step. Handing out a batch moves the data position (what a checkpoint
+    saves): a batch drawn and dropped is a step of data skipped.
     """
 
-    def __init__(self, session: "Session", dataset: Any, order: GlobalBatchOrder,
+    def __init__(self, dataset: Any, order: GlobalBatchOrder, *, rank: int, split: Any, step: StepState,
+                 device: torch.device, micro_batch: int | None = None, grad_accum: int = 1,
+                 gradient_sync: Callable[[bool], ContextManager] | None = None,
                  collate_fn: Callable | None = None) -> None:
-        self.session = session
         self.dataset = dataset
         self.order = order
+        self.rank = rank
+        self.split = split              # anything with a `shares` list (the balancer)
+        self.step = step
+        self.device = device
+        self.micro_batch = micro_batch
+        self.grad_accum = grad_accum
+        self.gradient_sync = gradient_sync or (lambda sync: contextlib.nullcontext())
         self.collate_fn = collate_fn or default_collate
         self.epoch = 0
         self.step_in_epoch = 0  # steps of `epoch` already handed out
+        self.last_fetch_seconds = 0.0  # time the last step's batch took to read, collate and move
 
     def __len__(self) -> int:
         return self.order.steps_per_epoch
@@ -111,22 +127,35 @@ class HeteroLoader:
         batch = self.order.global_batch(epoch, step)
         if len(batch) != sum(shares):
             shares = split_partial(len(batch), shares)
-        return rank_slice(batch, shares, self.session.rank), list(shares)
+        return rank_slice(batch, shares, self.rank), list(shares)
 
     def __iter__(self) -> Iterator[Any]:
+        if self.step.active:
+            log.warning("a batch was drawn from the loader and no session.step() followed; iterating the loader "
+                        "moves the data position, so that batch's step of data is skipped (docs/porting.md)")
         if self.step_in_epoch >= len(self):
             self.epoch += 1
             self.step_in_epoch = 0
         while self.step_in_epoch < len(self):
-            local, shares = self.indices_for(self.epoch, self.step_in_epoch, self.session.shares)
-            self.session._begin_step(len(local), sum(shares))
+            local, shares = self.indices_for(self.epoch, self.step_in_epoch, self.split.shares)
+            self.step.begin_step(len(local), sum(shares))
             self.step_in_epoch += 1
+            started = time.perf_counter()
             batch = _fetch(self.dataset, local, self.collate_fn, probe=self.order.permutation(self.epoch)[0].item())
-            # one piece, or micro-batches when the plan caps this rank's micro_batch below its share
-            yield from self.session._micro_batches(batch)
+            self.last_fetch_seconds = time.perf_counter() - started
+            yield from self._pieces(to_device(batch, self.device), len(local))
         # the epoch is complete: the next iteration starts the next one
         self.epoch += 1
         self.step_in_epoch = 0
+
+    def _pieces(self, batch: Any, n: int) -> Iterator[Any]:
+        """The step's batch, or its micro-batches when the plan caps this rank's micro_batch below its share."""
+        sizes = micro_batch_sizes(n, self.micro_batch, self.grad_accum)
+        for i, piece in enumerate(split_batch(batch, sizes, n)):
+            last = i == len(sizes) - 1
+            self.step.begin_micro(sizes[i], last)
+            with self.gradient_sync(last):  # DDP reads it in forward: span the user's whole pass
+                yield piece
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "seed": self.order.seed,

@@ -2,81 +2,59 @@
 
 Master weights and optimizer state stay fp32; `autocast()` enters the rank's autocast. When any
 rank of the job computes in fp16, every rank multiplies its loss by the same job-wide scale, so
-DDP averages gradients that are all at one scale; after the average, gradients are divided by the
-scale. Whether the step overflowed is all-reduced (MAX), so every rank skips the same steps and
-moves the scale identically (DESIGN.md invariants 1 and 4). Ranks in bf16 or fp32 need no scale of
-their own; they share the job's so that the average stays correct.
+DDP averages gradients that are all at one scale, and the gradients are divided by it once,
+before clipping and the optimizer step (`hetrain.runtime.gradients`). Whether a step's gradients
+are finite is all-reduced, so every rank skips the same steps and moves the scale identically
+(DESIGN.md invariants 1 and 4). The scale follows `torch.amp.GradScaler`'s rule (halve on an
+overflow, double after `growth_interval` good steps) with a floor: it never falls below
+`min_scale`, so a run of overflows cannot reach a scale of zero.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class JobLossScaler:
-    """A dynamic loss scale shared by every rank: same value, same skips, same growth."""
+    """A dynamic loss scale shared by every rank: same value, same backoffs, same growth."""
 
     def __init__(self, enabled: bool, *, init_scale: float = 2.0**16, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000, group=None,
-                 device: torch.device | str = "cpu") -> None:
+                 backoff_factor: float = 0.5, growth_interval: int = 2000, min_scale: float = 1.0) -> None:
         self.enabled = enabled
-        self.device = torch.device(device)
         self.scale = float(init_scale) if enabled else 1.0
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
         self.growth_interval = growth_interval
-        self.group = group
+        self.min_scale = min_scale
         self.good_steps = 0
-        self.skipped_steps = 0
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale if self.enabled else loss
 
-    def unscale_and_check(self, params: Iterable[torch.nn.Parameter]) -> bool:
-        """Divide the averaged gradients by the scale; True when every rank's are finite."""
-        if not self.enabled:
-            return True
-        # Sharded (FSDP2) gradients: each rank unscales and checks its own shard; the MAX below joins them.
-        grads = [_local(p.grad) for p in params if p.grad is not None]
-        inv = 1.0 / self.scale
-        local_bad = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else self.device)
-        if grads:
-            torch._foreach_mul_(grads, inv)
-            bad = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any()
-            local_bad = torch.maximum(local_bad, bad.float().reshape(1))
-        dist.all_reduce(local_bad, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(local_bad.item() == 0.0)
-
     def update(self, finite: bool) -> None:
+        """After a step: back off on an overflow (down to the floor), grow after a run of good steps."""
         if not self.enabled:
             return
-        if finite:
+        if not finite:
+            self.good_steps = 0
+            self.scale = max(self.scale * self.backoff_factor, self.min_scale)
+        else:
             self.good_steps += 1
             if self.good_steps % self.growth_interval == 0:
                 self.scale *= self.growth_factor
-        else:
-            self.skipped_steps += 1
-            self.good_steps = 0
-            self.scale *= self.backoff_factor
 
     def state_dict(self) -> dict:
-        return {"enabled": self.enabled, "scale": self.scale, "good_steps": self.good_steps,
-                "skipped_steps": self.skipped_steps}
+        return {"enabled": self.enabled, "scale": self.scale, "good_steps": self.good_steps}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale = float(state["scale"])
+        if self.enabled and state.get("enabled", True):
+            self.scale = max(float(state["scale"]), self.min_scale)
         self.good_steps = int(state["good_steps"])
-        self.skipped_steps = int(state["skipped_steps"])
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 @contextlib.contextmanager

@@ -1,8 +1,7 @@
 """What a Session saves and restores, and when (DESIGN.md, invariant 5).
 
-A checkpoint holds everything needed to continue exactly: model, optimizer, job-wide loss scale,
-data position (epoch, step in epoch, seed), the balancer's split and measurements, the step, the
-plan, and every rank's RNG states. Saves happen every `interval` steps, when any rank received
+What a checkpoint holds is a `TrainState` (hetrain.runtime.train_state): everything needed to
+continue exactly. Saves happen every `interval` steps, when any rank received
 SIGTERM (agreed by all-reduce, so every rank saves the same step), and when the session closes.
 
 A rank that gets SIGTERM while blocked in a collective (a peer is gone but its connection is not
@@ -28,36 +27,39 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from hetrain.checkpoint.checkpointer import Checkpointer
-from hetrain.checkpoint.rng import capture_rng, restore_rng
 from hetrain.errors import HetrainError
-
-if TYPE_CHECKING:
-    from hetrain.runtime.session import Session
+from hetrain.runtime.environment import env_float
+from hetrain.runtime.events import CheckpointRecord
+from hetrain.runtime.train_state import TrainState
+from hetrain.vocabulary import Env
 
 log = logging.getLogger("hetrain.checkpoint")
 
-CHECKPOINT_ENV = "HETRAIN_CHECKPOINT_DIR"
-INTERVAL_ENV = "HETRAIN_CHECKPOINT_INTERVAL"
-GRACE_ENV = "HETRAIN_SIGTERM_GRACE"
 SIGTERM_EXIT = 143
 
 
 class SessionCheckpoints:
-    """Saves a session every `interval` steps, on SIGTERM and at close; resumes it from the newest."""
+    """Saves a run's TrainState every `interval` steps, on SIGTERM and at close; resumes the newest."""
 
-    def __init__(self, session: "Session", directory: str | os.PathLike, *, interval: int = 100,
-                 keep: int = 3, async_save: bool = True) -> None:
+    def __init__(self, state: TrainState, directory: str | os.PathLike, *, interval: int = 100,
+                 keep: int = 3, async_save: bool = True, device: torch.device | None = None,
+                 recent_step_seconds: Callable[[], Sequence[float]] = list,
+                 on_saved: Callable[[CheckpointRecord], None] | None = None) -> None:
         if interval < 1:
             raise HetrainError(f"checkpoint interval {interval} must be >= 1 step; pass checkpoint_interval>=1")
-        self.session = session
+        self.state = state
         self.interval = interval
+        self.device = device or torch.device("cpu")
+        self.recent_step_seconds = recent_step_seconds
+        self.on_saved = on_saved
         self.checkpointer = Checkpointer(Path(directory), keep=keep, async_save=async_save)
         self.last_saved_step: int | None = None
         self.resumed_from: int | None = None
@@ -78,69 +80,45 @@ class SessionCheckpoints:
 
     def _grace_seconds(self) -> float:
         """How long a rank may take to reach the end of its step after SIGTERM before it exits unsaved."""
-        floor = float(os.environ.get(GRACE_ENV) or 5.0)
-        recent = self.session.step_seconds[-20:]
+        floor = env_float(Env.SIGTERM_GRACE, 5.0)
+        recent = list(self.recent_step_seconds())[-20:]
         return max(floor, 3 * max(recent)) if recent else floor
 
-    # -- what is saved -----------------------------------------------------------------------
-
-    def state(self) -> tuple[dict, dict, dict | None]:
-        """(shared, per_rank, sharded): what a checkpoint of the session holds now (collective)."""
-        s = self.session
-        sharded = None
-        if s.sharding == "fsdp":
-            from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-            sharded = {"model": get_model_state_dict(s.model)}
-            if s.optimizer is not None:  # a fresh optimizer's state is initialised first, as a template
-                sharded["optimizer"] = get_optimizer_state_dict(s.model, s.optimizer)
-            model_state = optimizer_state = None
-        else:
-            model_state = s._unwrapped_model().state_dict()
-            optimizer_state = s._optimizer_state_for_checkpoint()
-        shared = {
-            "step": s.step_count,
-            "model": model_state,
-            "optimizer": optimizer_state,
-            "sharding": s.sharding,
-            "scaler": s.scaler.state_dict(),
-            "balancer": s.balancer.state_dict(),
-            "loader": s._loader.state_dict(),
-            "world_size": s.world_size,
-            "plan": s.plan.to_json() if s.plan is not None else "",
-        }
-        return shared, {"rng": capture_rng()}, sharded
+    # -- saving -----------------------------------------------------------------------------------
 
     def save(self, *, blocking: bool | None = None) -> None:
-        """Collective: write a checkpoint of the session's current step."""
-        shared, per_rank, sharded = self.state()
-        self.checkpointer.save(self.session.step_count, shared, per_rank, sharded, blocking=blocking)
-        self.last_saved_step = self.session.step_count
-
-    # -- when -----------------------------------------------------------------------------------
+        """Collective: write a checkpoint of the current step."""
+        shared, per_rank, sharded = self.state.capture()
+        self.checkpointer.save(self.state.step, shared, per_rank, sharded, blocking=blocking)
+        self.last_saved_step = self.state.step
+        if self.on_saved is not None:
+            ck = self.checkpointer
+            self.on_saved(CheckpointRecord(self.state.step, ck.last_blocking_seconds, ck.last_save_seconds,
+                                           ck.last_bytes))
 
     def after_step(self) -> None:
         """Called at the end of every step: save on the interval or when any rank got SIGTERM."""
-        s = self.session
-        flag = torch.tensor([1.0 if self._sigterm else 0.0], device=s.device)
+        flag = torch.tensor([1.0 if self._sigterm else 0.0], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item() > 0:
             self._watch.reached()  # every rank is here: the save can proceed
-            log.warning("SIGTERM: saving step %d and stopping", s.step_count)
+            log.warning("SIGTERM: saving step %d and stopping", self.state.step)
             self.save(blocking=True)
             self.checkpointer.close()
             self._restore_signals()
             raise SystemExit(SIGTERM_EXIT)
-        if s.step_count % self.interval == 0:
+        if self.state.step % self.interval == 0:
             self.save()
 
     def close(self) -> None:
         """Save the last step (unless saved already), finish pending saves, restore the SIGTERM handler."""
         self._watch.reached()
-        if self.last_saved_step != self.session.step_count and self.session.step_count > 0:
-            self.save(blocking=True)
-        self.checkpointer.close()
-        self._restore_signals()
+        try:
+            if self.last_saved_step != self.state.step and self.state.step > 0:
+                self.save(blocking=True)
+            self.checkpointer.close()
+        finally:
+            self._restore_signals()
 
     def _restore_signals(self) -> None:
         self._watch.stop()
@@ -154,44 +132,27 @@ class SessionCheckpoints:
     # -- resume -----------------------------------------------------------------------------------
 
     def resume(self) -> bool:
-        """Restore the newest good checkpoint, if there is one; True when the session resumed."""
+        """Restore the newest good checkpoint, if there is one; True when the run resumed."""
         info = self.checkpointer.latest()
         if info is None:
             return False
-        s = self.session
-        fsdp = s.sharding == "fsdp"
-        if fsdp != info.sharded:
+        st = self.state
+        if st.fsdp != info.sharded:
             saved = "with FSDP2 (sharding 'fsdp')" if info.sharded else "without FSDP2"
             raise HetrainError(
-                f"{info.path} was saved {saved}, this session uses sharding {s.sharding!r}; resume with the "
+                f"{info.path} was saved {saved}, this run uses sharding {st.sharding!r}; resume with the "
                 f"sharding it was saved with, or start in an empty checkpoint directory"
             )
-        template = self.state()[2] if fsdp else None
-        shared, per_rank, loaded = self.checkpointer.load(info, sharded_template=template)
-        if fsdp:
-            from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-            set_model_state_dict(s.model, loaded["model"])
-            if s.optimizer is not None:
-                set_optimizer_state_dict(s.model, s.optimizer, loaded["optimizer"])
-        else:
-            s._unwrapped_model().load_state_dict(shared["model"])
-            if shared["optimizer"] is not None and s.optimizer is not None:
-                s._load_optimizer_state_from_checkpoint(shared["optimizer"])
-        s.scaler.load_state_dict(shared["scaler"])
-        s._loader.load_state_dict(shared["loader"])
-        s.step_count = int(shared["step"])
-        if int(shared["world_size"]) == s.world_size:
-            s.balancer.load_state_dict(shared["balancer"])
-        else:
+        shared, per_rank, loaded = self.checkpointer.load(info, sharded_template=st.sharded_template())
+        saved_world = int(shared["world_size"])
+        st.restore(shared, per_rank, loaded, str(info.path))
+        if saved_world != st.world_size:
             log.warning("resuming a %d-rank checkpoint on %d ranks: the global batches continue in order, "
-                        "the split is recomputed (%s)", shared["world_size"], s.world_size, s.balancer.shares)
-        if per_rank is not None:
-            restore_rng(per_rank["rng"])
-        self.resumed_from = s.step_count
-        self.last_saved_step = s.step_count
-        log.info("resumed from %s (step %d, epoch %d, step in epoch %d)", info.path, s.step_count,
-                 s._loader.epoch, s._loader.step_in_epoch)
+                        "the split is recomputed (%s)", saved_world, st.world_size, st.balancer.shares)
+        self.resumed_from = st.step
+        self.last_saved_step = st.step
+        log.info("resumed from %s (step %d, epoch %d, step in epoch %d)", info.path, st.step,
+                 st.loader.epoch, st.loader.step_in_epoch)
         return True
 
 

@@ -23,7 +23,6 @@ from hetrain.errors import HetrainError
 
 log = logging.getLogger("hetrain")
 
-SHARDINGS = ("none", "zero1", "zero1-proportional", "fsdp")
 
 
 def proportional_partition(sizes: Sequence[int], weights: Sequence[float]) -> list[int]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,7 +22,9 @@ import torch.distributed as dist
 
 from hetrain.errors import HetrainError
 
-EMULATE_ENV = "HETRAIN_EMULATE_SPEEDS"
+from hetrain.vocabulary import Env
+
+EMULATE_ENV = Env.EMULATE_SPEEDS
 
 
 def parse_speeds(text: str) -> list[float]:
@@ -72,7 +74,7 @@ class StepTimer:
     _start: float | None = None
     compute_s: float = 0.0          # forward+backward of the step, set when the last bucket is ready
     optimizer_s: float = 0.0
-    history: list[tuple[int, float]] = field(default_factory=list)  # (samples, compute_s) per step
+    last_optimizer_s: float = 0.0   # the optimizer time of the step that ended last
 
     def forward_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
         if self._start is None:
@@ -94,6 +96,7 @@ class StepTimer:
     def end_step(self) -> float:
         """The step's compute seconds (forward, backward, optimizer); resets for the next step."""
         total = self.compute_s + self.optimizer_s
+        self.last_optimizer_s = self.optimizer_s
         self.compute_s = self.optimizer_s = 0.0
         self._start = None
         return total

@@ -151,6 +151,16 @@ def test_scaler_state_round_trips_and_grows_identically():
         a.update(finite)
     b = JobLossScaler(enabled=True, growth_interval=2)
     b.load_state_dict(a.state_dict())
-    assert (b.scale, b.good_steps, b.skipped_steps) == (2.0**16, 1, 1)
+    assert (b.scale, b.good_steps) == (2.0**16, 1)
     a.update(True), b.update(True)
     assert a.scale == b.scale == 2.0**17
+
+
+def test_loss_scale_has_a_floor():
+    """1,091 overflows in a row once took the scale to 0.0 and a ZeroDivisionError."""
+    scaler = JobLossScaler(enabled=True, min_scale=1.0)
+    for _ in range(1091):
+        scaler.update(False)
+    assert scaler.scale == 1.0
+    scaler.load_state_dict({"enabled": True, "scale": 0.0, "good_steps": 0})
+    assert scaler.scale == 1.0

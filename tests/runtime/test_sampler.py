@@ -6,19 +6,19 @@ from torch.utils.data import TensorDataset
 
 from hetrain.errors import HetrainError
 from hetrain.runtime.data import GlobalBatchOrder, HeteroLoader
+from hetrain.runtime.step_state import StepState
 
 
 class _RankView:
-    """What the loader reads from a Session: this rank, the current shares, the step bookkeeping."""
+    """The split a loader reads (the balancer's `shares`), for one rank."""
 
     def __init__(self, rank, shares):
-        self.rank, self.shares, self.steps = rank, list(shares), []
+        self.rank, self.shares = rank, list(shares)
 
-    def _begin_step(self, local_n, global_n):
-        self.steps.append((local_n, global_n))
 
-    def _micro_batches(self, batch):
-        yield batch
+def _loader(view, dataset, order):
+    return HeteroLoader(dataset, order, rank=view.rank, split=view, step=StepState(len(view.shares)),
+                        device=torch.device("cpu"))
 
 
 def _dataset(n):
@@ -30,7 +30,7 @@ def _epoch_of_all_ranks(n, global_batch, splits, drop_last=True, epochs=1):
     world = len(splits[0])
     views = [_RankView(r, splits[0]) for r in range(world)]
     order = GlobalBatchOrder(n, global_batch, shuffle=True, seed=7, drop_last=drop_last)
-    loaders = [HeteroLoader(v, _dataset(n), order) for v in views]
+    loaders = [_loader(v, _dataset(n), order) for v in views]
     steps = []
     for _ in range(epochs):
         iters = [iter(ld) for ld in loaders]
@@ -70,11 +70,11 @@ def test_epochs_use_different_permutations_and_resume_position():
     assert order.global_batch(0, 0) != order.global_batch(1, 0)
     assert sorted(sum((order.global_batch(1, s) for s in range(5)), [])) == list(range(50))
     view = _RankView(0, [10])
-    loader = HeteroLoader(view, _dataset(50), order)
+    loader = _loader(view, _dataset(50), order)
     it = iter(loader)
     first_two = [next(it)[0].tolist() for _ in range(2)]
     state = loader.state_dict()
-    resumed = HeteroLoader(_RankView(0, [10]), _dataset(50), GlobalBatchOrder(50, 10, seed=1))
+    resumed = _loader(_RankView(0, [10]), _dataset(50), GlobalBatchOrder(50, 10, seed=1))
     resumed.load_state_dict(state)
     assert [b[0].tolist() for b in resumed] == [b[0].tolist() for b in it]
     assert first_two == [order.global_batch(0, 0), order.global_batch(0, 1)]

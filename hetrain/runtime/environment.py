@@ -1,0 +1,151 @@
+"""One rank's environment: who it is (rank, world, restart), its device, its process group, its log.
+
+The launcher (`hetrain launch`, or plain torchrun) sets RANK, WORLD_SIZE, LOCAL_RANK and the
+rendezvous address; a script started by hand runs as a single rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hetrain.errors import HetrainError
+from hetrain.vocabulary import Env
+
+log = logging.getLogger("hetrain")
+
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+
+
+def env_int(name: str, default: int) -> int:
+    """An integer environment variable; a one-line error naming it when it is not one."""
+    value = os.environ.get(name)
+    if value in (None, ""):
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise HetrainError(f"{name}={value!r} is not an integer; set it to a whole number or unset it") from None
+
+
+def env_float(name: str, default: float, *, positive: bool = True) -> float:
+    """A float environment variable (finite, and > 0 when `positive`); one line naming it otherwise."""
+    value = os.environ.get(name)
+    if value in (None, ""):
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        number = float("nan")
+    if not (number == number and abs(number) != float("inf")) or (positive and number <= 0):
+        raise HetrainError(f"{name}={value!r} must be a finite number{' above 0' if positive else ''} "
+                           "(seconds); set it to e.g. 30 or unset it")
+    return number
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    """What the launcher told this process."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    restart_count: int
+    run_id: str
+
+    @classmethod
+    def from_environ(cls) -> "RankEnv":
+        rank, world = env_int("RANK", 0), env_int("WORLD_SIZE", 1)
+        if world < 1 or not 0 <= rank < world:
+            raise HetrainError(f"RANK={rank} and WORLD_SIZE={world} do not describe a rank of a job; "
+                               "start the script with `hetrain launch --nproc-per-node N script.py`")
+        return cls(rank=rank, world_size=world, local_rank=env_int("LOCAL_RANK", 0),
+                   restart_count=env_int("TORCHELASTIC_RESTART_COUNT", 0),
+                   run_id=os.environ.get("TORCHELASTIC_RUN_ID", "local"))
+
+
+def pick_device(local_rank: int, device: str | torch.device | None = None) -> torch.device:
+    """The device given, else this local rank's GPU, else the CPU."""
+    if device is not None:
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def collective_timeout() -> datetime.timedelta:
+    """How long a collective may wait for a peer before the rank gives up (HETRAIN_COLLECTIVE_TIMEOUT)."""
+    return datetime.timedelta(seconds=env_float(Env.COLLECTIVE_TIMEOUT, DEFAULT_COLLECTIVE_TIMEOUT_S))
+
+
+def init_process_group(env: RankEnv, device: torch.device, backend: str | None = None) -> bool:
+    """Join the job's process group (NCCL on CUDA, gloo on CPU); False when one already exists."""
+    if dist.is_initialized():
+        return False
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = collective_timeout()
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # Workers share the elastic agent's store across restarts; keys written by a failed
+        # attempt (a dead rank's address) would be read by the next one. Namespace them.
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              world_size=env.world_size, is_master=False, timeout=timeout)
+        prefix = f"hetrain/{env.run_id}/attempt{env.restart_count}"
+        dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=env.rank,
+                                world_size=env.world_size, timeout=timeout)
+    elif "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timeout)
+    elif env.world_size == 1:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        raise HetrainError(
+            f"WORLD_SIZE is {env.world_size} but no rendezvous address is set; "
+            "start the script with `hetrain launch --nproc-per-node N script.py`"
+        )
+    return True
+
+
+def configure_logging(level: int | None) -> None:
+    """`[hetrain rank R]` lines; INFO on rank 0, warnings elsewhere, unless a level is given."""
+    logger = logging.getLogger("hetrain")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[hetrain rank %(rank)s] %(message)s"))
+        handler.addFilter(_RankFilter())
+        logger.addHandler(handler)
+        logger.propagate = False
+    if level is not None:
+        logger.setLevel(level)
+    elif logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO if env_int("RANK", 0) == 0 else logging.WARNING)
+
+
+def print_user_errors_as_one_line() -> None:
+    """In a worker, a HetrainError (bad input) ends the rank with one line, on every rank, and exit 2."""
+    previous = sys.excepthook
+    if getattr(previous, "_hetrain", False):
+        return
+
+    def hook(kind, value, tb):
+        if isinstance(value, HetrainError):
+            rank = os.environ.get("RANK")
+            where = f" (rank {rank})" if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
+            print(f"hetrain: error{where}: {value}", file=sys.__stderr__, flush=True)  # torch may redirect stderr
+            os._exit(2)  # skip interpreter teardown: peers may be blocked in collectives
+        previous(kind, value, tb)
+
+    hook._hetrain = True
+    sys.excepthook = hook
+
+
+class _RankFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = os.environ.get("RANK", "0")
+        return True

@@ -1,0 +1,88 @@
+"""The step's gradients made final: unscaled, normalised by the global item count, checked, clipped.
+
+After the last backward of a step the gradients hold `sum(items_i * grad_i) * scale / estimate`
+(see `hetrain.runtime.step_state`). One all-reduce of three numbers per step (this rank's items,
+whether its gradients are finite, its loss sum) gives every rank the same global item count, the
+same verdict on overflow and the step's global mean loss; the gradients are then divided by the
+loss scale and by `global_items / estimate` in one fused pass where torch offers it. A non-finite
+gradient on any rank, in any precision, makes every rank skip the step (DESIGN.md invariant 4).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hetrain.runtime.step_state import StepState
+
+
+@dataclass(frozen=True)
+class GradientStatus:
+    """The verdict on one step's gradients (identical on every rank)."""
+
+    found_inf: bool
+    global_items: float
+    loss: float | None
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def gradients(params: Iterable[torch.nn.Parameter]) -> list[torch.Tensor]:
+    return [p.grad for p in params if p.grad is not None]
+
+
+def _unscale_and_check(grads: Sequence[torch.Tensor], inv_scale: float, device: torch.device) -> torch.Tensor:
+    """Multiply local gradients by inv_scale and return 1.0 if any is non-finite (torch's fused AMP kernel)."""
+    found = torch.zeros(1, dtype=torch.float32, device=device)
+    by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        by_device[(g.device, g.dtype)].append(g)
+    for (dev, _), group in by_device.items():
+        here = found if dev == device else torch.zeros(1, dtype=torch.float32, device=dev)
+        torch._amp_foreach_non_finite_check_and_unscale_(group, here, torch.full((), inv_scale, device=dev))
+        if here is not found:
+            found += here.to(device)
+    return found
+
+
+def finish_gradients(params: Iterable[torch.nn.Parameter], state: StepState, loss_scale: float,
+                     device: torch.device, group: dist.ProcessGroup | None = None) -> GradientStatus:
+    """Unscale, all-reduce the step's figures, normalise by the global item count (collective)."""
+    grads = [local_tensor(g) for g in gradients(params)]
+    found = _unscale_and_check(grads, 1.0 / loss_scale, device)
+    has_loss = 1.0 if state.loss_sum is not None else 0.0
+    packet = torch.tensor([state.items, 0.0, 0.0, has_loss], dtype=torch.float64, device=device)
+    packet[1] = found.to(torch.float64)[0]
+    if state.loss_sum is not None:
+        packet[2] = state.loss_sum.to(device=device, dtype=torch.float64)
+    dist.all_reduce(packet, group=group)
+    global_items, bad, loss_sum, losses = packet.tolist()
+    found_inf = bad > 0 or loss_sum != loss_sum
+    if not found_inf and global_items > 0:
+        correction = state.estimate() / global_items
+        if correction != 1.0 and grads:
+            torch._foreach_mul_(grads, correction)
+    loss = loss_sum / global_items if losses > 0 and global_items > 0 else None
+    return GradientStatus(found_inf=found_inf, global_items=global_items, loss=loss)
+
+
+def total_norm(params: Iterable[torch.nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of all gradients together, the same on every rank (sharded FSDP2 gradients included)."""
+    norm = torch.nn.utils.get_total_norm(gradients(params), norm_type, error_if_nonfinite=False)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return norm
+
+
+def clip_gradients(params: Sequence[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """torch's clip_grad_norm_ in two parts, so the norm of DTensor gradients is job-wide."""
+    norm = total_norm(params, norm_type)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm

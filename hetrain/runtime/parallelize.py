@@ -1,0 +1,148 @@
+"""The plan applied to a model, in a fixed order: activation checkpointing, then FSDP2 or DDP with
+its comm hook, then ZeRO-1 on the optimizer. Each part is a function of (model, plan entry, ...)
+that can be called and tested alone; `parallelize` composes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+from hetrain.errors import HetrainError
+from hetrain.planning.plan import CommPlan, RankPlan
+from hetrain.runtime import memory, sharding
+from hetrain.runtime.timing import StepTimer, TimedHookState, timed_hook
+from hetrain.vocabulary import ZERO1_SHARDINGS
+
+log = logging.getLogger("hetrain")
+
+
+@dataclass
+class Prepared:
+    """What `parallelize` returns: the wrapped model, the (maybe sharded) optimizer, the blocks."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer | None
+    blocks: list[nn.Module]
+    comm_state: Any = None      # the comm hook's state (its `stats` count bytes), when one is set
+
+    @property
+    def module(self) -> nn.Module:
+        """The user's model inside its wrapper."""
+        return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
+
+
+def check_master_weights(model: nn.Module) -> None:
+    """Parameters must be fp32: each rank computes in its precision under autocast."""
+    for name, p in model.named_parameters():
+        if p.dtype in (torch.float16, torch.bfloat16):
+            raise HetrainError(
+                f"parameter {name} is {str(p.dtype).removeprefix('torch.')}; hetrain keeps master weights and "
+                "optimizer state in fp32 and computes in each rank's precision under session.autocast(); "
+                "pass the model in fp32 (model.float())"
+            )
+
+
+def sync_batchnorm(model: nn.Module, device: torch.device, world_size: int, warn: bool) -> nn.Module:
+    """SyncBatchNorm on CUDA; on CPU ranks statistics stay local (with a warning)."""
+    has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    if not has_bn or world_size == 1:
+        return model
+    if device.type == "cuda":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if warn:
+        warnings.warn(
+            "BatchNorm statistics stay local to each CPU rank (SyncBatchNorm needs CUDA); with uneven "
+            "shares each rank normalises over its own share. Use GroupNorm/LayerNorm for exact results.",
+            stacklevel=4,
+        )
+    return model
+
+
+def apply_activation_checkpointing(model: nn.Module, entry: RankPlan,
+                                   blocks: Sequence[nn.Module] | None = None) -> list[nn.Module]:
+    """Checkpoint the blocks when the entry asks for it; returns the model's blocks either way."""
+    if entry.activation_checkpointing:
+        return memory.apply_activation_checkpointing(model, blocks)
+    return memory.resolve_blocks(model, blocks)
+
+
+def apply_ddp(model: nn.Module, device: torch.device, comm: CommPlan | None, timer: StepTimer
+              ) -> tuple[DistributedDataParallel, Any]:
+    """DistributedDataParallel with the plan's comm hook, timed (the last bucket ends the compute)."""
+    ddp = DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=comm.bucket_cap_mb if comm else 25.0,
+        gradient_as_bucket_view=comm.gradient_as_bucket_view if comm else True,
+    )
+    inner_state, inner_hook = None, default_hooks.allreduce_hook
+    if comm is not None and (comm.compression != "none" or comm.hierarchical):
+        from hetrain.runtime.comm_hooks import build_comm_hook
+
+        inner_state, inner_hook = build_comm_hook(comm)
+    ddp.register_comm_hook(TimedHookState(timer, inner_state, inner_hook), timed_hook)
+    ddp.register_forward_pre_hook(timer.forward_pre_hook)
+    return ddp, inner_state
+
+
+def apply_fsdp(model: nn.Module, blocks: Sequence[nn.Module], entry: RankPlan, device: torch.device,
+               timer: StepTimer) -> nn.Module:
+    """FSDP2 over each block, then the root; optimizer state offloaded when the entry says so (CUDA)."""
+    offload = entry.offload_optimizer and device.type == "cuda"  # on a CPU rank state is in host memory
+    model = sharding.fully_shard_model(model, blocks, offload=offload)
+    model.register_forward_pre_hook(timer.forward_pre_hook)
+    return model
+
+
+def apply_zero1(optimizer: torch.optim.Optimizer, model: nn.Module, sharding_name: str,
+                entries: Sequence[RankPlan], device: torch.device) -> torch.optim.Optimizer:
+    """ZeroRedundancyOptimizer: even, or by each rank's free memory (zero1-proportional)."""
+    weights = None
+    if sharding_name == "zero1-proportional":
+        weights = sharding.free_memory_weights([e.memory_capacity_bytes for e in entries], model, device)
+        log.info("optimizer state sharded by free memory: %s", ", ".join(f"{w / sum(weights):.3f}" for w in weights))
+    return sharding.zero1_optimizer(optimizer, weights)
+
+
+def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, sharding_name: str,
+                entries: Sequence[RankPlan], rank: int, comm: CommPlan | None, device: torch.device,
+                timer: StepTimer, blocks: Sequence[nn.Module] | None = None) -> Prepared:
+    """The model on this rank's device with every choice of its plan entry applied, in order."""
+    entry = entries[rank]
+    check_master_weights(model)
+    model = sync_batchnorm(model.to(device), device, len(entries), warn=rank == 0)
+    chosen = apply_activation_checkpointing(model, entry, blocks)
+    if sharding_name == "fsdp":
+        names = {id(p): n for n, p in model.named_parameters()}
+        model = apply_fsdp(model, chosen, entry, device, timer)
+        if optimizer is not None:
+            optimizer = sharding.rebuild_optimizer(optimizer, names, model)
+        return Prepared(model, optimizer, chosen)
+    if entry.offload_optimizer and device.type == "cuda":
+        raise HetrainError(
+            f"rank {rank} asks for offload_optimizer with sharding {sharding_name!r}; optimizer state is "
+            "offloaded through FSDP2's CPUOffloadPolicy: set the plan's sharding to 'fsdp'"
+        )
+    ddp, comm_state = apply_ddp(model, device, comm, timer)
+    if optimizer is not None and sharding_name in ZERO1_SHARDINGS:
+        optimizer = apply_zero1(optimizer, model, sharding_name, entries, device)
+    return Prepared(ddp, optimizer, chosen, comm_state)
+
+
+def gradient_sync(prepared: Prepared, sharding_name: str, sync: bool):
+    """DDP's no_sync / FSDP2's requires_gradient_sync(False) for all but a step's last micro-batch."""
+    import contextlib
+
+    if sharding_name == "fsdp":
+        prepared.model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+    return contextlib.nullcontext() if sync else prepared.model.no_sync()

@@ -1,0 +1,121 @@
+"""Which entry of a plan each rank runs: found by the device it has, never by its rank number.
+
+torchrun's rendezvous numbers ranks in arrival order, and an elastic restart may bring more or
+fewer devices, so a rank looks up its device kind (a catalog name) among the plan's entries:
+the first unused entry of that kind is its own. A device of a kind the plan has more of than
+entries takes a copy of that kind's first entry; a kind the plan does not have is an error that
+says how to re-plan. When the job's devices are not exactly the plan's, the shares are re-split
+in proportion to the matched entries' planned shares.
+
+On a machine without GPUs, CPU ranks stand in for the plan's devices: either named per local
+rank (`HETRAIN_EMULATE_DEVICES`, as a test or a rehearsal of the real cluster would), or, when
+every rank is a plain CPU and the plan has no CPU entries, in the plan's order.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from hetrain.errors import HetrainError
+from hetrain.planning.batch_split import split_proportional
+from hetrain.planning.plan import Plan, RankPlan
+from hetrain.vocabulary import CPU_DEVICE, Env
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """Each rank's plan entry (its `rank` field is the actual rank) and how they were found."""
+
+    entries: list[RankPlan]
+    stand_in: bool = False          # CPU ranks stand in for the plan's devices
+    resplit: bool = False           # the shares were re-split for the devices present
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def shares(self) -> list[int]:
+        return [e.share for e in self.entries]
+
+
+def emulated_kinds() -> list[str] | None:
+    """The devices named in HETRAIN_EMULATE_DEVICES (one per local rank), checked against the catalog."""
+    text = os.environ.get(Env.EMULATE_DEVICES)
+    if not text:
+        return None
+    from hetrain.hardware.catalog import get_gpu
+
+    kinds = []
+    for name in text.split(","):
+        name = name.strip()
+        kinds.append(CPU_DEVICE if name.lower() == CPU_DEVICE else get_gpu(name).name)
+    return kinds
+
+
+def local_device_kind(device: torch.device, local_rank: int) -> tuple[str, bool]:
+    """(the device kind this rank runs as, whether a CPU rank stands in for it)."""
+    emulated = emulated_kinds()
+    if emulated is not None:
+        if local_rank >= len(emulated):
+            raise HetrainError(
+                f"{Env.EMULATE_DEVICES} names {len(emulated)} devices but this is local rank {local_rank}; "
+                "name one device per process on the node"
+            )
+        return emulated[local_rank], device.type == "cpu" and emulated[local_rank] != CPU_DEVICE
+    if device.type != "cuda":
+        return CPU_DEVICE, False
+    from hetrain.hardware.catalog import match_device_name
+
+    props = torch.cuda.get_device_properties(device)
+    spec = match_device_name(props.name, int(props.total_memory))
+    return (spec.name if spec is not None else props.name), False
+
+
+def assign_entries(plan: Plan, kinds: Sequence[str], emulated: Sequence[bool] | None = None) -> Assignment:
+    """Each rank's entry of `plan`, given the device kind of every rank (by rank)."""
+    world = len(kinds)
+    if world < 1:
+        raise HetrainError("a job needs at least one rank")
+    plan_kinds = [e.device for e in plan.ranks]
+    kinds = list(kinds)
+    notes: list[str] = []
+    stand_in = bool(emulated) and any(emulated)
+    if all(k == CPU_DEVICE for k in kinds) and CPU_DEVICE not in plan_kinds:
+        kinds = [plan_kinds[r % len(plan_kinds)] for r in range(world)]
+        stand_in = True
+        notes.append("CPU ranks stand in for the plan's devices in its order: "
+                     + ", ".join(f"rank {r} as {k}" for r, k in enumerate(kinds)))
+    unknown = sorted({k for k in kinds if k not in plan_kinds})
+    if unknown:
+        have = ", ".join(sorted(set(plan_kinds)))
+        raise HetrainError(
+            f"this job runs {', '.join(unknown)}, which the plan has no entry for (its devices: {have}); "
+            "re-plan for the devices you have: `hetrain plan --devices KIND:COUNT,... --out plan.json`"
+        )
+    free: dict[str, list[RankPlan]] = defaultdict(list)
+    for entry in plan.ranks:
+        free[entry.device].append(entry)
+    used_each_once = world == plan.world_size
+    picked: list[RankPlan] = []
+    for r, kind in enumerate(kinds):
+        if free[kind]:
+            entry = free[kind].pop(0)
+        else:
+            entry = next(e for e in plan.ranks if e.device == kind)
+            used_each_once = False
+        picked.append(entry.model_copy(update={"rank": r}))
+    shares = [e.share for e in picked]
+    resplit = not used_each_once or sum(shares) != plan.global_batch_size
+    if resplit and plan.pipeline is None:
+        floor = max(plan.global_batch_size * 1e-3, 1e-6)
+        shares = split_proportional(plan.global_batch_size, [max(float(s), floor) for s in shares])
+        notes.append(f"the plan has {plan.world_size} entries for {world} ranks: shares re-split to {shares}")
+    entries = [e.model_copy(update={"share": s}) for e, s in zip(picked, shares)]
+    if [e.device for e in entries] != [e.device for e in sorted(plan.ranks, key=lambda e: e.rank)][:world] \
+            and not resplit:
+        notes.append("ranks found their entries by device: " + ", ".join(
+            f"rank {e.rank} runs {e.device} ({e.precision})" for e in entries))
+    return Assignment(entries=entries, stand_in=stand_in, resplit=resplit, notes=notes)

@@ -1,0 +1,110 @@
+"""The state of one training step that the loader, `backward` and `step` share.
+
+Weighting (DESIGN.md invariant 1). A rank's loss is its mean over its `num_items` items (tokens,
+pixels; by default its samples). `backward` multiplies it by `num_items * world / estimate`,
+where `estimate` is a guess of the global batch's items that every rank computes alike; DDP
+averages over the world, so the summed gradient is `sum(items_i * grad_i) / estimate`. Once the
+last backward of the step is done, the true global item count is all-reduced and the gradients
+are multiplied by `estimate / global_items` (together with the loss scale's division), which
+makes them the gradient of the mean over all items of the global batch, for any split, any
+micro-batching and ranks with no items. For sample means the estimate is exact and the
+correction is 1; for tokens the estimate is the step's samples times the last step's tokens per
+sample, which keeps the loss near its usual magnitude (so fp16 loss scaling behaves as usual).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hetrain.errors import HetrainError
+
+
+@dataclass(frozen=True)
+class StepTotals:
+    """Job-wide figures of a finished step (the same on every rank)."""
+
+    global_samples: int
+    global_items: float
+    loss: float | None
+    local_samples: int
+    local_items: float
+
+
+class StepState:
+    """Counts of the current step on this rank; the figures the loader sets and `backward` reads."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.local_samples: int | None = None   # this rank's samples of the step (None: no step begun)
+        self.global_samples: int | None = None
+        self.micro_samples: int | None = None   # samples of the current micro-batch
+        self.last_micro = True                  # the current micro-batch is the step's last on this rank
+        self.items = 0.0                        # items this rank has passed to backward this step
+        self.loss_sum: torch.Tensor | None = None   # sum of loss * items over this step's backwards
+        self.backwards = 0
+        self.items_per_sample = 1.0             # the last finished step's global items / global samples
+        self.last: StepTotals | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.global_samples is not None
+
+    def begin_step(self, local_samples: int, global_samples: int) -> None:
+        """The loader hands out this rank's part of a new global batch."""
+        self.local_samples, self.global_samples = int(local_samples), int(global_samples)
+        self.micro_samples, self.last_micro = None, True
+        self.items, self.loss_sum, self.backwards = 0.0, None, 0
+
+    def begin_micro(self, samples: int, last: bool) -> None:
+        """The loader hands out one micro-batch of the step."""
+        self.micro_samples, self.last_micro = int(samples), bool(last)
+
+    def current_samples(self) -> int:
+        return self.local_samples if self.micro_samples is None else self.micro_samples
+
+    def estimate(self) -> float:
+        """The global item count the weights divide by before the true one is known (same on all ranks)."""
+        return max(self.global_samples * self.items_per_sample, 1.0)
+
+    def weight(self, num_items: float) -> float:
+        """What this backward's mean loss is multiplied by."""
+        return num_items * self.world_size / self.estimate()
+
+    def record_backward(self, loss: torch.Tensor, num_items: float) -> None:
+        self.items += num_items
+        self.backwards += 1
+        if num_items > 0:
+            value = loss.detach().float() * num_items
+            self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
+
+    def finish(self, global_items: float, loss: float | None) -> StepTotals:
+        """The step's job-wide figures are known: keep them and get ready for the next step."""
+        if global_items > 0 and self.global_samples:
+            self.items_per_sample = global_items / self.global_samples
+        self.last = StepTotals(self.global_samples or 0, global_items, loss, self.local_samples or 0, self.items)
+        self.local_samples = self.global_samples = self.micro_samples = None
+        self.last_micro, self.items, self.loss_sum, self.backwards = True, 0.0, None, 0
+        return self.last
+
+    def require_batch(self, what: str) -> None:
+        if not self.active:
+            raise HetrainError(f"session.{what}() needs a batch from session.loader(); iterate the loader first")
+
+
+def items_as_number(num_items: object) -> float:
+    """`num_items` as a non-negative number (a Python number or a one-element tensor)."""
+    if isinstance(num_items, torch.Tensor):
+        if num_items.numel() != 1:
+            raise HetrainError(f"num_items is a tensor of {num_items.numel()} elements; pass the count of items, "
+                               "e.g. num_items=(labels != -100).sum()")
+        num_items = num_items.item()
+    try:
+        value = float(num_items)
+    except (TypeError, ValueError):
+        raise HetrainError(f"num_items={num_items!r} is not a number; pass how many items the loss averages "
+                           "over (tokens, pixels)") from None
+    if not value >= 0 or value == float("inf"):
+        raise HetrainError(f"num_items={num_items!r} must be a count >= 0 of the items the loss averages over")
+    return value

@@ -1,0 +1,177 @@
+"""The checkpointable state of a session, as one object: what a checkpoint holds and how it returns.
+
+Model, optimizer, job-wide loss scale, balancer (split and measurements), data position, step,
+plan, and every rank's RNG state (DESIGN.md invariant 5). Under ZeRO-1 the optimizer state is
+consolidated on rank 0 and saved whole (it loads on any number of ranks); under FSDP2 model and
+optimizer go through `torch.distributed.checkpoint.state_dict` into the checkpoint's sharded part.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from hetrain.checkpoint.rng import capture_rng, restore_rng
+from hetrain.errors import HetrainError
+from hetrain.planning.plan import Plan
+from hetrain.runtime.balancer import Balancer
+from hetrain.runtime.data import HeteroLoader
+from hetrain.runtime.parallelize import Prepared
+from hetrain.runtime.precision import JobLossScaler
+
+# Optimizer settings that a schedule moves during training: a checkpoint's values are expected to differ.
+SCHEDULED = {"lr", "initial_lr", "momentum", "betas"}
+
+
+@dataclass
+class TrainState:
+    """Everything needed to continue a run exactly; `step` is the number of finished steps."""
+
+    prepared: Prepared
+    sharding: str
+    scaler: JobLossScaler
+    balancer: Balancer
+    loader: HeteroLoader
+    plan: Plan | None
+    world_size: int
+    rank: int
+    step: int = 0
+    skipped_steps: int = 0
+
+    @property
+    def fsdp(self) -> bool:
+        return self.sharding == "fsdp"
+
+    def capture(self) -> tuple[dict, dict, dict | None]:
+        """(shared, per_rank, sharded) as of now (collective under ZeRO-1 and FSDP2)."""
+        model, optimizer = self.prepared.model, self.prepared.optimizer
+        self.check_finite()
+        sharded = None
+        model_state = optimizer_state = None
+        if self.fsdp:
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+            sharded = {"model": get_model_state_dict(model)}
+            if optimizer is not None:  # a fresh optimizer's state is initialised first, as a template
+                sharded["optimizer"] = get_optimizer_state_dict(model, optimizer)
+        else:
+            model_state = self.prepared.module.state_dict()
+            optimizer_state = self._full_optimizer_state()
+        shared = {
+            "step": self.step,
+            "skipped_steps": self.skipped_steps,
+            "model": model_state,
+            "optimizer": optimizer_state,
+            "optimizer_class": _optimizer_class(optimizer),
+            "optimizer_settings": _settings(optimizer),
+            "sharding": self.sharding,
+            "scaler": self.scaler.state_dict(),
+            "balancer": self.balancer.state_dict(),
+            "loader": self.loader.state_dict(),
+            "world_size": self.world_size,
+            "plan": self.plan.to_json() if self.plan is not None else "",
+        }
+        return shared, {"rng": capture_rng()}, sharded
+
+    def sharded_template(self) -> dict | None:
+        """The sharded state's shapes, for DCP to load into (FSDP2 only)."""
+        return self.capture()[2] if self.fsdp else None
+
+    def restore(self, shared: dict, per_rank: dict | None, sharded: dict | None, where: str) -> None:
+        """Load a checkpoint's state into this run (every rank, same checkpoint)."""
+        model, optimizer = self.prepared.model, self.prepared.optimizer
+        self._check_optimizer(shared, where)
+        try:
+            if self.fsdp:
+                from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+                set_model_state_dict(model, sharded["model"])
+                if optimizer is not None:
+                    set_optimizer_state_dict(model, optimizer, sharded["optimizer"])
+            else:
+                self.prepared.module.load_state_dict(shared["model"])
+                if shared["optimizer"] is not None and optimizer is not None:
+                    optimizer.load_state_dict(shared["optimizer"])
+        except (RuntimeError, KeyError, ValueError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise HetrainError(
+                f"{where} was saved from a different model or optimizer ({first[:200]}); resume with the model "
+                "and optimizer it was saved with, or start in an empty checkpoint directory"
+            ) from None
+        self.scaler.load_state_dict(shared["scaler"])
+        self.loader.load_state_dict(shared["loader"])
+        self.step = int(shared["step"])
+        self.skipped_steps = int(shared.get("skipped_steps", 0))
+        if int(shared["world_size"]) == self.world_size:
+            self.balancer.load_state_dict(shared["balancer"])
+        if per_rank is not None:
+            restore_rng(per_rank["rng"])
+
+    def check_finite(self) -> None:
+        """A checkpoint never stores non-finite weights."""
+        for name, p in self.prepared.module.named_parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            if local.numel() and not bool(torch.isfinite(local.detach()).all()):
+                raise HetrainError(
+                    f"parameter {name} holds NaN or inf at step {self.step}; no checkpoint is written with it "
+                    "(the last good checkpoint stays): lower the learning rate or clip gradients"
+                )
+
+    def _full_optimizer_state(self) -> dict | None:
+        optimizer = self.prepared.optimizer
+        if optimizer is None:
+            return None
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            # ZeRO's full state dict is keyed by global parameter index: it loads on any number of ranks
+            optimizer.consolidate_state_dict(to=0)
+            return optimizer.state_dict() if self.rank == 0 else None
+        return optimizer.state_dict()
+
+    def _check_optimizer(self, shared: dict, where: str) -> None:
+        optimizer = self.prepared.optimizer
+        saved = shared.get("optimizer_class")
+        if optimizer is None or saved is None:
+            return
+        mine = _optimizer_class(optimizer)
+        if saved != mine:
+            raise HetrainError(
+                f"{where} holds the state of a {saved} optimizer, this script builds {mine}; resume with the "
+                "optimizer it was saved with, or start in an empty checkpoint directory"
+            )
+        theirs, ours = shared.get("optimizer_settings") or [], _settings(optimizer)
+        for i, (a, b) in enumerate(zip(theirs, ours)):
+            differ = sorted(k for k in set(a) | set(b) if k not in SCHEDULED and not _same(a.get(k), b.get(k)))
+            if differ:
+                detail = ", ".join(f"{k}: checkpoint {a.get(k)!r}, script {b.get(k)!r}" for k in differ)
+                raise HetrainError(
+                    f"{where}: parameter group {i} of the optimizer differs from the checkpoint's ({detail}); "
+                    "build the optimizer with the settings it was saved with, or start in an empty checkpoint directory"
+                )
+
+
+def _optimizer_class(optimizer: Any) -> str | None:
+    if optimizer is None:
+        return None
+    inner = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    return type(inner).__name__
+
+
+def _settings(optimizer: Any) -> list[dict]:
+    """Each parameter group's plain settings (numbers, flags, tuples), for comparison on resume."""
+    if optimizer is None:
+        return []
+    out = []
+    for group in optimizer.param_groups:
+        out.append({k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items()
+                    if k != "params" and isinstance(v, (bool, int, float, str, tuple, list, type(None)))})
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return a == b or (math.isnan(a) and math.isnan(b))
+    return a == b
