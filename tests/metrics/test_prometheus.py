@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import pytest
 
 from hetrain.metrics.names import CUDA_LABELS, METRICS, RANK_LABELS
+from hetrain.metrics.report import load_run, summary_rows
 from tests.metrics.fake_gpu_rank import TENSOR_ACTIVE
 from tests.metrics.prometheus_server import Prometheus, free_ports
 
@@ -55,9 +56,10 @@ def _end(proc: subprocess.Popen, timeout: float = 20) -> None:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     work = tmp_path_factory.mktemp("scrape")
-    base = free_ports(4)   # ranks on base, base + 1; the fake GPU rank on base + 2, its fake DCGM exporter on base + 3
-    targets = [f"127.0.0.1:{p}" for p in (base, base + 1, base + 2, base + 3)]
-    prom = Prometheus(work, targets)
+    # base, base+1: the driver's ranks; base+2: the fake GPU rank; base+3: its fake DCGM exporter;
+    # base+4, base+5: the ranks of examples/train_digits.py under the Session
+    base = free_ports(6)
+    prom = Prometheus(work, [f"127.0.0.1:{p}" for p in range(base, base + 6)])
     stop = work / "stop"
     started = time.time()
     gpu = _popen([sys.executable, "-m", "tests.metrics.fake_gpu_rank", "--port", str(base + 2),
@@ -65,19 +67,26 @@ def run(tmp_path_factory):
     job = _popen([sys.executable, "-m", "hetrain.cli.main", "launch", "--nproc-per-node", "2",
                   "--metrics-port", str(base), "tests/metrics/rank_driver.py", "--steps", str(STEPS),
                   "--run-dir", str(work / "run"), "--stop-file", str(stop)], work / "job.log")
+    digits = _popen([sys.executable, "-m", "hetrain.cli.main", "launch", "--nproc-per-node", "2",
+                     "--emulate-speeds", "1,0.5", "--metrics-port", str(base + 4), "--checkpoint-dir",
+                     str(work / "digits"), "examples/train_digits.py", "--epochs", "2"], work / "digits.log")
+    driver = f'instance=~"127.0.0.1:({base}|{base + 1})"'
     try:
         # both ranks' last step scraped (the ranks keep serving after it until `stop` appears)
         def both_done() -> bool:
             if job.poll() is not None:
                 raise AssertionError("the job ended early:\n" + (work / "job.log").read_text()[-3000:])
-            return len(prom.query(f'hetrain_step{{job!="fake-gpu"}} == {STEPS}')) == 2
+            return len(prom.query(f'hetrain_step{{{driver}}} == {STEPS}')) == 2
 
         _wait(both_done, 60, f"both ranks at step {STEPS} in Prometheus")
-        time.sleep(3 * 0.2)  # a few more scrapes of the final figures
-        yield SimpleNamespace(prom=prom, started=started, base=base, work=work, job=job)
+        _wait(lambda: digits.poll() is not None, 60, "train_digits.py to finish")
+        assert digits.returncode == 0, (work / "digits.log").read_text()[-3000:]
+        time.sleep(3 * 0.2)  # a few more scrapes of the driver's final figures
+        yield SimpleNamespace(prom=prom, started=started, base=base, work=work, job=job, driver=driver,
+                              digits=f'instance=~"127.0.0.1:({base + 4}|{base + 5})"')
     finally:
         stop.touch()
-        for proc in (job, gpu):
+        for proc in (job, gpu, digits):
             _end(proc)
         prom.close()
 
@@ -94,7 +103,7 @@ def test_every_metric_for_both_ranks_with_their_labels(run):
     for m in METRICS:
         if m.source in GPU_ONLY:
             continue
-        results = run.prom.query(f'{_query_name(m.name, m.kind)}{{job!="fake-gpu"}}')
+        results = run.prom.query(f'{_query_name(m.name, m.kind)}{{{run.driver}}}')
         ranks = _by_rank(results)
         assert set(ranks) == {"0", "1"}, (m.name, results)
         for r in results:
@@ -104,25 +113,49 @@ def test_every_metric_for_both_ranks_with_their_labels(run):
             assert not set(CUDA_LABELS) & set(labels), labels   # CPU ranks have no GPU to join on
 
 
-def _value(prom: Prometheus, expr: str) -> dict[str, float]:
-    return {r["metric"]["rank"]: float(r["value"][1]) for r in prom.query(expr)}
+def _value(prom: Prometheus, name: str, selector: str) -> dict[str, float]:
+    return {r["metric"]["rank"]: float(r["value"][1]) for r in prom.query(f"{name}{{{selector}}}")}
 
 
 def test_the_figures_are_the_job_s_own(run):
-    p = run.prom
+    p, d = run.prom, run.driver
     half = STEPS // 2
     # rank 0 computes 48 samples a step, then 40 from the step the split changes
-    assert _value(p, 'hetrain_samples_total{job!="fake-gpu"}') == {"0": (half - 1) * 48 + (STEPS - half + 1) * 40,
-                                                                 "1": (half - 1) * 16 + (STEPS - half + 1) * 24}
-    assert _value(p, 'hetrain_share_ratio{job!="fake-gpu"}') == {"0": 40 / 64, "1": 24 / 64}
-    assert _value(p, 'hetrain_split_changes_total{job!="fake-gpu"}') == {"0": 1, "1": 1}
-    assert _value(p, 'hetrain_checkpoints_written_total{job!="fake-gpu"}') == {"0": STEPS // 5, "1": STEPS // 5}
-    assert _value(p, 'hetrain_step_seconds_count{job!="fake-gpu"}') == {"0": STEPS - 1, "1": STEPS - 1}
+    assert _value(p, "hetrain_samples_total", d) == {"0": (half - 1) * 48 + (STEPS - half + 1) * 40,
+                                                     "1": (half - 1) * 16 + (STEPS - half + 1) * 24}
+    assert _value(p, "hetrain_share_ratio", d) == {"0": 40 / 64, "1": 24 / 64}
+    assert _value(p, "hetrain_split_changes_total", d) == {"0": 1, "1": 1}
+    assert _value(p, "hetrain_checkpoints_written_total", d) == {"0": STEPS // 5, "1": STEPS // 5}
+    assert _value(p, "hetrain_step_seconds_count", d) == {"0": STEPS - 1, "1": STEPS - 1}
     # rank 1 computes twice as long, so rank 0 waits on it and rank 1 hardly waits
-    waits = _value(p, 'hetrain_wait_seconds_total{job!="fake-gpu", cause="ranks"}')
+    waits = _value(p, "hetrain_wait_seconds_total", d + ', cause="ranks"')
     assert waits["0"] > 2 * waits["1"], waits
-    kinds = {r["metric"]["kind"] for r in p.query('hetrain_memory_bytes{job!="fake-gpu", rank="0"}')}
+    kinds = {r["metric"]["kind"] for r in p.query(f'hetrain_memory_bytes{{{d}, rank="0"}}')}
     assert kinds == {"rss", "peak_rss"}   # a CPU rank says which memory it reports
+
+
+# What a Session's step record fills for examples/train_digits.py on CPU ranks. The script does not
+# clip (no grad norm), runs without a plan (no prediction) and its Session passes no model cost (no MFU).
+SESSION_SERIES = ("hetrain_rank_info", "hetrain_step", "hetrain_steps_total", "hetrain_step_seconds_count",
+                  "hetrain_compute_seconds_total", "hetrain_wait_seconds_total", "hetrain_samples_total",
+                  "hetrain_items_total", "hetrain_share_samples", "hetrain_share_ratio", "hetrain_split_changes_total",
+                  "hetrain_loss", "hetrain_loss_scale", "hetrain_skipped_steps_total", "hetrain_memory_bytes",
+                  "hetrain_restarts_total")
+
+
+def test_a_session_run_under_launch_metrics_port(run):
+    """examples/train_digits.py, unchanged, under `hetrain launch --metrics-port`: the Session serves both ranks."""
+    for name in SESSION_SERIES:
+        # the job has ended: its last scraped samples, not the staleness markers after them
+        results = run.prom.query(f"last_over_time({name}{{{run.digits}}}[10m])")
+        assert {r["metric"]["rank"] for r in results} == {"0", "1"}, (name, results)
+        assert all(set(RANK_LABELS) <= set(r["metric"]) for r in results), results
+    # the run is over in well under a second of steps, so Prometheus saw only a few: the run log has them all
+    rows = summary_rows(load_run(run.work / "digits"))
+    assert [r["steps"] for r in rows] == [22, 22]   # 1438 training digits, global batch 128: 11 full steps an epoch
+    assert rows[0]["share"] > rows[1]["share"], rows   # the balancer gave the full-speed rank more
+    logs = sorted((run.work / "digits" / "metrics").glob("rank-*.jsonl"))
+    assert [p.name for p in logs] == ["rank-0.jsonl", "rank-1.jsonl"]   # the run log beside the checkpoints
 
 
 def test_gpu_series_carry_dcgm_labels(run):
