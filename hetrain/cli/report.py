@@ -5,8 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hetrain.errors import HetrainError
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
