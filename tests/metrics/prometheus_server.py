@@ -1,4 +1,4 @@
-"""A real Prometheus server on loopback for the tests: scrapes given targets every 200 ms.
+"""A real Prometheus server on loopback for the tests: scrapes given targets every 250 ms.
 
 The Debian `prometheus` package provides the binary (scripts/install_prometheus.sh installs it
 when missing, as `make test` does).
@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRAPE_INTERVAL = 0.2
+SCRAPE_INTERVAL = 0.25
 
 
 def prometheus_binary() -> str:
@@ -57,7 +57,7 @@ class Prometheus:
     def __init__(self, workdir: Path, targets: list[str]) -> None:
         self.port = free_ports(1)
         config = {
-            "global": {"scrape_interval": f"{int(SCRAPE_INTERVAL * 1000)}ms", "scrape_timeout": "150ms"},
+            "global": {"scrape_interval": f"{int(SCRAPE_INTERVAL * 1000)}ms", "scrape_timeout": f"{int(SCRAPE_INTERVAL * 1000)}ms"},
             "scrape_configs": [{"job_name": "hetrain", "honor_labels": True,
                                 "static_configs": [{"targets": targets}]}],
         }

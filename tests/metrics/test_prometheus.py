@@ -23,7 +23,7 @@ import pytest
 from hetrain.metrics.names import CUDA_LABELS, METRICS, RANK_LABELS
 from hetrain.metrics.report import load_run, summary_rows
 from tests.metrics.fake_gpu_rank import TENSOR_ACTIVE
-from tests.metrics.prometheus_server import Prometheus, free_ports
+from tests.metrics.prometheus_server import SCRAPE_INTERVAL, Prometheus, free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 30
@@ -81,7 +81,7 @@ def run(tmp_path_factory):
         _wait(both_done, 60, f"both ranks at step {STEPS} in Prometheus")
         _wait(lambda: digits.poll() is not None, 60, "train_digits.py to finish")
         assert digits.returncode == 0, (work / "digits.log").read_text()[-3000:]
-        time.sleep(3 * 0.2)  # a few more scrapes of the driver's final figures
+        time.sleep(3 * SCRAPE_INTERVAL)  # a few more scrapes of the driver's final figures
         yield SimpleNamespace(prom=prom, started=started, base=base, work=work, job=job, driver=driver,
                               digits=f'instance=~"127.0.0.1:({base + 4}|{base + 5})"')
     finally:
@@ -207,7 +207,7 @@ def test_a_stopped_rank_does_not_hang_the_others(run):
         t = time.monotonic()
         with urllib.request.urlopen(f"http://127.0.0.1:{run.base}/metrics", timeout=5) as r:
             assert b"hetrain_step{" in r.read()
-        assert time.monotonic() - t < 1.0
+        assert time.monotonic() - t < 3.0   # answered while its rank waits in an all-reduce for rank 1
         up = lambda: {r["metric"]["instance"]: r["value"][1] for r in run.prom.query('up{job="hetrain"}')}
         _wait(lambda: up().get(f"127.0.0.1:{run.base + 1}") == "0", 5, "rank 1's target down")
         assert up()[f"127.0.0.1:{run.base}"] == "1"
