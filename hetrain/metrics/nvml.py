@@ -14,6 +14,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 KIB = 1024
+ALL_LINKS = 0xFFFFFFFF
 
 
 def load_nvml() -> ModuleType | None:
@@ -67,10 +68,11 @@ class NvmlDevice:
     def _nvlink_bytes(self, field_id: int) -> float | None:
         if not self.nvlinks:
             return None
-        values = self._try(self.nvml.nvmlDeviceGetFieldValues, [(field_id, link) for link in self.nvlinks])
-        if values is None or any(v.nvmlReturn != self.nvml.NVML_SUCCESS for v in values):
+        # scopeId UINT_MAX asks NVML for the counter summed over all links (a link id gives that link's)
+        values = self._try(self.nvml.nvmlDeviceGetFieldValues, [(field_id, ALL_LINKS)])
+        if values is None or values[0].nvmlReturn != self.nvml.NVML_SUCCESS:
             return None
-        return float(sum(v.value.ullVal for v in values) * KIB)
+        return float(values[0].value.ullVal * KIB)
 
     def sample(self) -> dict[str, float]:
         """Metric name -> value for every reading this device gives now."""

@@ -19,6 +19,7 @@ NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX = 139
 UUID = "GPU-8f3a5c2e-1111-2222-3333-444455556666"
 INDEX = 3
 ACTIVE_LINKS = (0, 1, 2, 3)
+ALL_LINKS = 0xFFFFFFFF
 
 
 class NVMLError(Exception):
@@ -79,11 +80,14 @@ class FakeNvml:
         return NVML_FEATURE_ENABLED if link in ACTIVE_LINKS else NVML_FEATURE_DISABLED
 
     def nvmlDeviceGetFieldValues(self, handle: str, field_ids: list) -> list:
+        """NVLink data counters in KiB: scopeId UINT_MAX is the total over the links, a link id its part."""
         self._check("nvmlDeviceGetFieldValues")
         self.kib_sent += 1000
         out = []
-        for field_id, link in field_ids:
+        for field_id, scope in field_ids:
             kib = self.kib_sent if field_id == NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX else 2 * self.kib_sent
-            out.append(SimpleNamespace(fieldId=field_id, scopeId=link, nvmlReturn=NVML_SUCCESS,
+            if scope != ALL_LINKS:
+                kib //= len(ACTIVE_LINKS)
+            out.append(SimpleNamespace(fieldId=field_id, scopeId=scope, nvmlReturn=NVML_SUCCESS,
                                        value=SimpleNamespace(ullVal=kib)))
         return out

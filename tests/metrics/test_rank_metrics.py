@@ -89,7 +89,8 @@ def test_mfu_uses_the_catalog_peak_of_the_device_in_its_precision():
 
 def test_cuda_rank_labels_and_nvml_readings(monkeypatch):
     patch_cuda(monkeypatch.setattr)
-    m = fake_gpu_metrics(port=None)
+    m_nvml = FakeNvml()
+    m = fake_gpu_metrics(port=None, nvml=m_nvml)
     m.on_step(step_record(1))
     s = samples(m)
     labels = s["hetrain_gpu_power_watts"][0][0]
@@ -97,9 +98,11 @@ def test_cuda_rank_labels_and_nvml_readings(monkeypatch):
     assert labels["Hostname"] == socket.gethostname() and labels["device"] == "a100-sxm4-80gb"
     assert one(m, "hetrain_gpu_power_watts") == 312.5 and one(m, "hetrain_gpu_utilization_ratio") == 0.87
     assert one(m, "hetrain_gpu_temperature_celsius") == 64
-    # NVLink counters: KiB summed over the four active links, read at scrape time, growing
-    first = one(m, "hetrain_gpu_nvlink_sent_bytes_total")
-    assert one(m, "hetrain_gpu_nvlink_sent_bytes_total") > first
+    # NVLink counters: NVML's all-links total in KiB, read at each scrape
+    before = m_nvml.kib_sent   # the fake's counter grows 1000 KiB a reading; received is twice sent
+    scrape = samples(m)
+    assert scrape["hetrain_gpu_nvlink_sent_bytes_total"][0][1] == (before + 1000) * 1024
+    assert scrape["hetrain_gpu_nvlink_received_bytes_total"][0][1] == 2 * (before + 2000) * 1024
     assert {lab["kind"] for lab, _ in s["hetrain_memory_bytes"]} == {"allocated", "reserved", "peak_allocated",
                                                                     "peak_reserved"}
 
