@@ -56,12 +56,18 @@ class RankMetrics:
             self.state, self._lock, labels, world_size=world_size, predicted_step_seconds=predicted_step_seconds,
             peak_flops=lambda: self._peak, memory=lambda: rank_memory(self.device),
             gpu=gpu.sample if gpu is not None else None))
-        self._server = serve(self.registry, port, local_rank) if port is not None else None
-        self.port = None if port is None else port + local_rank
         start = {**labels, "rank": rank, "local_rank": local_rank, "world_size": world_size,
                  "predicted_step_seconds": predicted_step_seconds, "peak_flops": peak_flops,
                  "flops_per_item": flops_per_item}
         self._log = RunLog(run_dir, rank, start) if run_dir is not None else None
+        self._server = None
+        self.port = None if port is None else port + local_rank
+        if port is not None:
+            try:
+                self._server = serve(self.registry, port, local_rank)
+            except BaseException:
+                self.close()
+                raise
 
     def _open_gpu(self, nvml: ModuleType | None, labels: dict[str, str], node: str) -> NvmlDevice | None:
         nvml = nvml or load_nvml()
