@@ -179,3 +179,24 @@ def test_a_step_costs_microseconds(tmp_path):
     per_step = (time.perf_counter() - t) / n
     m.close()
     assert per_step < 200e-6, per_step   # about 25 us measured; a training step takes milliseconds
+
+
+def test_without_pynvml_or_a_driver_a_cuda_rank_has_no_gpu_series(monkeypatch):
+    from types import SimpleNamespace
+
+    from hetrain.metrics.nvml import load_nvml
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)          # not installed
+    assert load_nvml() is None
+
+    def no_driver():
+        raise RuntimeError("NVML Shared Library Not Found")
+
+    monkeypatch.setitem(sys.modules, "pynvml", SimpleNamespace(nvmlInit=no_driver))
+    assert load_nvml() is None
+    patch_cuda(monkeypatch.setattr)
+    m = RankMetrics(rank=0, local_rank=0, world_size=1, device=torch.device("cuda:0"), device_name="h100-sxm5-80gb",
+                    port=None, run_dir=None, job="unit")
+    names = set(samples(m))
+    assert "hetrain_memory_bytes" in names and not any(n.startswith("hetrain_gpu_") for n in names)
+    assert "UUID" not in samples(m)["hetrain_rank_info"][0][0]
