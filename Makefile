@@ -7,7 +7,7 @@ TORCH_REQ ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.hetrain-installed
 
-.PHONY: demo test install clean
+.PHONY: demo test install prometheus clean
 
 install: $(STAMP)
 
@@ -20,8 +20,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/hetrain demo
 
-test: $(STAMP)
+test: $(STAMP) prometheus
 	$(BIN)/python -m pytest -q
+
+# The metrics tests scrape a real Prometheus server; installed from the distribution when missing.
+prometheus:
+	@sh scripts/install_prometheus.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -25,6 +25,8 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint-pvc", default=None,
                         help="PersistentVolumeClaim (ReadWriteMany) shared by all pods for checkpoints")
     parser.add_argument("--checkpoint-dir", default="/checkpoints", help="where that claim is mounted")
+    parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                        help="each local rank serves Prometheus /metrics on PORT + local_rank (ports metrics-0..)")
     parser.add_argument("--out", default=None, help="write the manifest here (default: stdout)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script, after --")
 
@@ -45,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         max_replicas=args.min_replicas if args.max_replicas is None else args.max_replicas,
         max_restarts=args.max_restarts, gpus_per_node=args.gpus_per_node,
         node_selectors=[parse_node_selector(s) for s in args.node_selector], plan_json=plan_json,
-        checkpoint_pvc=args.checkpoint_pvc, checkpoint_dir=args.checkpoint_dir,
+        checkpoint_pvc=args.checkpoint_pvc, checkpoint_dir=args.checkpoint_dir, metrics_port=args.metrics_port,
     )
     text = to_yaml(manifests(job))
     if args.out is None:

@@ -18,6 +18,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "plan": ("hetrain.cli.plan", "choose per-device shares, precision and memory strategy"),
     "simulate": ("hetrain.cli.simulate", "sweep cluster sizes or mixes and plot predicted speed"),
     "launch": ("hetrain.cli.launch", "run a training script on torch's elastic agent"),
+    "report": ("hetrain.cli.report", "a PNG and a table of a run's per-rank figures from its run log"),
     "bench": ("hetrain.cli.bench", "benchmarks that print ratios measured in one run"),
     "k8s": ("hetrain.cli.k8s", "write a Kubernetes manifest for an elastic PyTorchJob"),
 }

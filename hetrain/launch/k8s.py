@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from hetrain.errors import HetrainError
+from hetrain.metrics.serve import check_port_range
 
 API_VERSION = "kubeflow.org/v1"
 RDZV_PORT = 23456  # the operator's default port name `pytorchjob-port`
@@ -69,6 +70,8 @@ class K8sJob:
     plan_json: str | None = None
     checkpoint_pvc: str | None = None
     checkpoint_dir: str = "/checkpoints"
+    metrics_port: int | None = None
+    """base port of `hetrain launch --metrics-port`: container ports metrics-0.. (one per local rank)"""
 
 
 def validate(job: K8sJob) -> None:
@@ -92,6 +95,12 @@ def validate(job: K8sJob) -> None:
         raise HetrainError(f"--max-restarts must be >= 0, got {job.max_restarts}")
     if job.gpus_per_node < 1:
         raise HetrainError(f"--gpus-per-node must be >= 1, got {job.gpus_per_node}")
+    if job.metrics_port is not None:
+        check_port_range(job.metrics_port, job.gpus_per_node)
+        if job.metrics_port <= RDZV_PORT < job.metrics_port + job.gpus_per_node:
+            raise HetrainError(f"--metrics-port {job.metrics_port}: ports {job.metrics_port}.."
+                               f"{job.metrics_port + job.gpus_per_node - 1} include the rendezvous port {RDZV_PORT}; "
+                               f"choose another, e.g. --metrics-port 9400")
     kinds = [s.kind for s in job.node_selectors]
     if len(set(kinds)) != len(kinds):
         raise HetrainError(f"GPU kinds {kinds} repeat in --node-selector; give each kind once")
@@ -112,7 +121,17 @@ def launch_command(job: K8sJob) -> list[str]:
         cmd += ["--plan", f"{PLAN_MOUNT}/plan.json"]
     if job.checkpoint_pvc is not None:
         cmd += ["--checkpoint-dir", job.checkpoint_dir]
+    if job.metrics_port is not None:
+        cmd += ["--metrics-port", str(job.metrics_port)]
     return cmd + [job.script, *job.script_args]
+
+
+def metrics_ports(job: K8sJob) -> list[dict[str, Any]]:
+    """Container ports `metrics-0`.. of the local ranks' /metrics endpoints (a PodMonitor selects them by name)."""
+    if job.metrics_port is None:
+        return []
+    return [{"name": f"metrics-{i}", "containerPort": job.metrics_port + i, "protocol": "TCP"}
+            for i in range(job.gpus_per_node)]
 
 
 def _scheduling(selectors: list[NodeSelector]) -> dict[str, Any]:
@@ -155,7 +174,7 @@ def manifests(job: K8sJob) -> list[dict[str, Any]]:
         "image": job.image,
         "imagePullPolicy": "IfNotPresent",
         "command": launch_command(job),
-        "ports": [{"name": "pytorchjob-port", "containerPort": RDZV_PORT, "protocol": "TCP"}],
+        "ports": [{"name": "pytorchjob-port", "containerPort": RDZV_PORT, "protocol": "TCP"}, *metrics_ports(job)],
         "resources": {"limits": {"nvidia.com/gpu": job.gpus_per_node}},
         "volumeMounts": mounts,
     }

@@ -22,8 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hetrain.errors import HetrainError
+from hetrain.metrics.serve import check_ports_free
 from hetrain.planning.plan import Plan
 from hetrain.runtime.timing import EMULATE_ENV
+from hetrain.vocabulary import Env
 
 PLAN_ENV = "HETRAIN_PLAN"
 # Largest mmap threshold glibc accepts on 64-bit (32 MiB): blocks below it come from the heap; the
@@ -54,6 +56,7 @@ class LaunchConfig:
     plan: str | None = None
     checkpoint_dir: str | None = None
     malloc_cache: bool = True
+    metrics_port: int | None = None
 
 
 def _max_nodes(nnodes: str) -> tuple[int, int]:
@@ -90,6 +93,8 @@ def validate(cfg: LaunchConfig) -> None:
             raise HetrainError(f"give at least {world_hi} emulated speeds, one per rank the job may have (up to {world_hi}); between {world_lo} and {world_hi} ranks may run")
     if cfg.plan is not None:
         Plan.load(cfg.plan)  # raises a one-line error for a missing or invalid plan
+    if cfg.metrics_port is not None:
+        check_ports_free(cfg.metrics_port, cfg.nproc_per_node)
 
 
 def torchrun_argv(cfg: LaunchConfig) -> list[str]:
@@ -127,6 +132,8 @@ def worker_env(cfg: LaunchConfig) -> dict[str, str]:
         env[PLAN_ENV] = str(Path(cfg.plan).resolve())
     if cfg.checkpoint_dir is not None:
         env[CHECKPOINT_ENV] = str(Path(cfg.checkpoint_dir).resolve())
+    if cfg.metrics_port is not None:
+        env[Env.METRICS_PORT] = str(cfg.metrics_port)
     if "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cfg.nproc_per_node))
     if cfg.malloc_cache and _glibc() and not any(k in os.environ for k in MALLOC_CACHE_ENV):

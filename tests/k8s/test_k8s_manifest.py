@@ -127,3 +127,19 @@ def test_parse_node_selector():
     for bad in ("A100", "A100=nvidia.com/gpu.product", "A100=bad key=x", "A100=k=has space"):
         with pytest.raises(HetrainError, match="--node-selector"):
             parse_node_selector(bad)
+
+
+def test_metrics_ports_one_per_local_rank_and_the_launch_flag():
+    job = _job(gpus_per_node=2, metrics_port=9400)
+    pj = _pytorchjob(job)
+    assert validate(pj, SCHEMA) == []
+    (container,) = pj["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
+    metrics = [p for p in container["ports"] if p["name"].startswith("metrics-")]
+    assert metrics == [{"name": "metrics-0", "containerPort": 9400, "protocol": "TCP"},
+                       {"name": "metrics-1", "containerPort": 9401, "protocol": "TCP"}]
+    i = container["command"].index("--metrics-port")
+    assert container["command"][i + 1] == "9400"
+    with pytest.raises(HetrainError, match="rendezvous port 23456"):
+        manifests(_job(gpus_per_node=2, metrics_port=23455))
+    with pytest.raises(HetrainError, match="--metrics-port 65535"):
+        manifests(_job(gpus_per_node=2, metrics_port=65535))

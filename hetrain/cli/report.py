@@ -1,0 +1,81 @@
+"""`hetrain report RUN_DIR`: a PNG of a run's per-rank figures and a summary table, from its run log."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from hetrain.errors import HetrainError
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+
+def build_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", help="the run directory (HETRAIN_RUN_DIR, or the checkpoint directory)")
+    parser.add_argument("--out", default=None, help="where to write the PNG (default: RUN_DIR/report.png)")
+    parser.add_argument("--json", action="store_true", help="print the summary rows as JSON instead of a table")
+    parser.add_argument("--tensorboard", nargs="?", const="", default=None, metavar="DIR",
+                        help="also write TensorBoard scalars (default DIR: RUN_DIR/tensorboard); needs tensorboard")
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _table(rows: list[dict]) -> "Table":
+    from rich.table import Table
+
+    table = Table(title="hetrain run report")
+    columns = [("rank", "d"), ("device", "s"), ("steps", "d"), ("step s", ".4f"), ("predicted s", ".4f"),
+               ("samples/s", ".1f"), ("share", ".1%"), ("compute", ".1%"), ("wait ranks", ".1%"),
+               ("wait data", ".1%"), ("MFU", ".2%"), ("comm sent", "s"), ("ckpts", "d"), ("restarts", "d")]
+    keys = ["rank", "device", "steps", "step_seconds", "predicted_step_seconds", "samples_per_second", "share",
+            "compute", "waiting on ranks", "waiting for data", "mfu", "comm_bytes", "checkpoints", "restarts"]
+    for name, _ in columns:
+        table.add_column(name, justify="left" if name == "device" else "right")
+    for row in rows:
+        cells = []
+        for key, (_, spec) in zip(keys, columns):
+            value = row[key]
+            cells.append(f"{value / 1e6:.1f} MB" if key == "comm_bytes" else _fmt(value, spec))
+        table.add_row(*cells)
+    return table
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from hetrain.metrics.report import load_run, summary_rows
+    from hetrain.metrics.report_plot import draw
+
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise HetrainError(f"run directory {args.run_dir!r} does not exist; give the directory the job wrote")
+    runs = load_run(run_dir)
+    rows = summary_rows(runs)
+    emulated = any(r["emulated"] for r in rows)
+    out = Path(args.out) if args.out else run_dir / "report.png"
+    title = f"hetrain run {run_dir.resolve().name}: {len(runs)} ranks" + (" (emulated device speeds)" if emulated else "")
+    try:
+        draw(runs, out, title)
+    except OSError as e:
+        raise HetrainError(f"cannot write --out {str(out)!r} ({e.strerror}); choose a writable path") from None
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=150)  # piped: keep the table's columns whole
+        console.print(_table(rows))
+        if emulated:
+            console.print("timings are emulated (--emulate-speeds): CPU ranks standing in for other devices")
+        console.print(f"figure: {out}")
+    if args.tensorboard is not None:
+        from hetrain.metrics.tensorboard import write_scalars
+
+        tb = write_scalars(runs, Path(args.tensorboard) if args.tensorboard else run_dir / "tensorboard")
+        print(f"tensorboard scalars: {tb}")
+    return 0

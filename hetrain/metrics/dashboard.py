@@ -1,0 +1,179 @@
+"""The Grafana dashboard for hetrain's metrics, built with grafana-foundation-sdk.
+
+`python -m hetrain.metrics.dashboard` rewrites dashboards/hetrain.json, the file users import
+(`pip install grafana-foundation-sdk` first; it is in the `dev` extra). Every panel's PromQL uses
+only series from hetrain.metrics.names and the variables $job, $rank and $device.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parents[2] / "dashboards" / "hetrain.json"
+UID = "hetrain-run"
+SEL = 'job=~"$job", rank=~"$rank", device=~"$device"'
+RATE = "[$__rate_interval]"
+
+
+def _rate(name: str) -> str:
+    return f"rate({name}{{{SEL}}}{RATE})"
+
+
+STEP_TIME = f"sum by (rank) ({_rate('hetrain_step_seconds_sum')})"
+
+
+@dataclass(frozen=True)
+class Query:
+    expr: str
+    legend: str
+
+
+@dataclass(frozen=True)
+class PanelSpec:
+    title: str
+    unit: str
+    queries: tuple[Query, ...]
+    stacked: bool = False
+    repeat: str | None = None
+    description: str = ""
+
+
+ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
+    ("Throughput and split", (
+        PanelSpec("Samples/s per rank", "none", (
+            Query(f"sum by (rank, device) ({_rate('hetrain_samples_total')})", "rank {{rank}} {{device}}"),)),
+        PanelSpec("Items/s per rank", "none", (
+            Query(f"sum by (rank, device) ({_rate('hetrain_items_total')})", "rank {{rank}} {{device}}"),)),
+        PanelSpec("Share of the global batch", "percentunit", (
+            Query(f"hetrain_share_ratio{{{SEL}}}", "rank {{rank}} {{device}}"),)),
+        PanelSpec("Split changes", "none", (
+            Query(f"max by (job) (hetrain_split_changes_total{{{SEL}}})", "split changes"),),
+            description="Times the balancer re-split the global batch since the workers started."),
+    )),
+    ("Where the time goes", (
+        PanelSpec("Step time of rank $rank by cause", "percentunit", (
+            Query(f"sum by (rank) ({_rate('hetrain_compute_seconds_total')}) / {STEP_TIME}", "compute"),
+            Query(f"sum by (rank, cause) ({_rate('hetrain_wait_seconds_total')}) / on (rank) group_left {STEP_TIME}",
+                  "waiting on {{cause}}"),
+        ), stacked=True, repeat="rank",
+            description="Fraction of the step spent computing, waiting on other ranks and waiting for data."),
+        PanelSpec("Idle fraction per rank", "percentunit", (
+            Query(f"sum by (rank) ({_rate('hetrain_wait_seconds_total')}) / {STEP_TIME}", "rank {{rank}}"),)),
+        PanelSpec("Step time: predicted and measured", "s", (
+            Query(f"{STEP_TIME} / sum by (rank) ({_rate('hetrain_step_seconds_count')})", "measured rank {{rank}}"),
+            Query(f"hetrain_predicted_step_seconds{{{SEL}}}", "predicted rank {{rank}}"),
+        )),
+        PanelSpec("MFU per rank", "percentunit", (
+            Query(f"hetrain_mfu_ratio{{{SEL}}}", "rank {{rank}} {{device}}"),),
+            description="Model FLOPs over wall time against each device's own datasheet peak in its precision."),
+    )),
+    ("Memory and communication", (
+        PanelSpec("Memory per rank", "bytes", (
+            Query(f"hetrain_memory_bytes{{{SEL}}}", "rank {{rank}} {{kind}}"),),
+            description="CUDA allocator figures on GPU ranks; resident set (rss) of the process on CPU ranks."),
+        PanelSpec("GPU memory used (NVML)", "bytes", (
+            Query(f"hetrain_gpu_memory_used_bytes{{{SEL}}}", "rank {{rank}} gpu {{gpu}}"),)),
+        PanelSpec("Gradient communication sent", "Bps", (
+            Query(f"sum by (rank, level) ({_rate('hetrain_comm_sent_bytes_total')})", "rank {{rank}} {{level}}"),)),
+        PanelSpec("NVLink traffic", "Bps", (
+            Query(f"sum by (rank) ({_rate('hetrain_gpu_nvlink_sent_bytes_total')})", "rank {{rank}} sent"),
+            Query(f"sum by (rank) ({_rate('hetrain_gpu_nvlink_received_bytes_total')})", "rank {{rank}} received"),
+        )),
+    )),
+    ("Training", (
+        PanelSpec("Loss", "none", (Query(f"max by (job) (hetrain_loss{{{SEL}}})", "loss"),)),
+        PanelSpec("Gradient norm", "none", (Query(f"max by (job) (hetrain_grad_norm{{{SEL}}})", "grad norm"),)),
+        PanelSpec("Loss scale and skipped steps", "none", (
+            Query(f"max by (job) (hetrain_loss_scale{{{SEL}}})", "loss scale"),
+            Query(f"max by (job) (hetrain_skipped_steps_total{{{SEL}}})", "skipped steps"),
+        )),
+        PanelSpec("Restarts and checkpoints", "none", (
+            Query(f"max by (job) (hetrain_restarts_total{{{SEL}}})", "restarts"),
+            Query(f"max by (job) (hetrain_checkpoints_written_total{{{SEL}}})", "checkpoints written"),
+        )),
+        PanelSpec("Checkpoint seconds (mean)", "s", (
+            Query(f"max by (job) (hetrain_checkpoint_blocking_seconds_sum{{{SEL}}} / "
+                  f"hetrain_checkpoint_blocking_seconds_count{{{SEL}}})", "blocking"),
+            Query(f"max by (job) (hetrain_checkpoint_save_seconds_sum{{{SEL}}} / "
+                  f"hetrain_checkpoint_save_seconds_count{{{SEL}}})", "until committed"),
+        )),
+    )),
+    ("GPU (NVML)", (
+        PanelSpec("GPU utilisation", "percentunit", (
+            Query(f"hetrain_gpu_utilization_ratio{{{SEL}}}", "rank {{rank}} gpu {{gpu}}"),)),
+        PanelSpec("GPU power", "watt", (Query(f"hetrain_gpu_power_watts{{{SEL}}}", "rank {{rank}} gpu {{gpu}}"),)),
+        PanelSpec("GPU temperature", "celsius", (
+            Query(f"hetrain_gpu_temperature_celsius{{{SEL}}}", "rank {{rank}} gpu {{gpu}}"),)),
+    )),
+)
+
+
+def build() -> dict:
+    """The dashboard as a JSON-ready dict."""
+    import json
+
+    from grafana_foundation_sdk.builders import common as cb
+    from grafana_foundation_sdk.builders.dashboard import Dashboard, DatasourceVariable, QueryVariable, Row
+    from grafana_foundation_sdk.builders.prometheus import Dataquery
+    from grafana_foundation_sdk.builders.timeseries import Panel
+    from grafana_foundation_sdk.cog.encoder import JSONEncoder
+    from grafana_foundation_sdk.models.common import LegendDisplayMode, LegendPlacement, StackingMode, TooltipDisplayMode
+    from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableRefresh
+
+    ds = DataSourceRef(type_val="prometheus", uid="${datasource}")
+
+    def variable(name: str, query: str, multi: bool) -> QueryVariable:
+        v = (QueryVariable(name).label(name).datasource(ds).query(query).refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
+             .multi(multi).include_all(multi))
+        return v.all_value(".*") if multi else v
+
+    board = (
+        Dashboard("hetrain: a mixed-device run").uid(UID).tags(["hetrain", "generated"])
+        .description("Per-rank throughput, split, waiting, memory, communication and training figures of a hetrain job. "
+                     "Generated by `python -m hetrain.metrics.dashboard`.")
+        .refresh("10s").time("now-30m", "now")
+        .with_variable(DatasourceVariable("datasource").label("Prometheus").type("prometheus"))
+        .with_variable(variable("job", "label_values(hetrain_rank_info, job)", False))
+        .with_variable(variable("rank", 'label_values(hetrain_rank_info{job=~"$job"}, rank)', True))
+        .with_variable(variable("device", 'label_values(hetrain_rank_info{job=~"$job"}, device)', True))
+    )
+    legend = cb.VizLegendOptions().show_legend(True).display_mode(LegendDisplayMode.LIST).placement(LegendPlacement.BOTTOM)
+    tooltip = cb.VizTooltipOptions().mode(TooltipDisplayMode.MULTI)
+    ids = iter(range(1, 1000))
+    for row_title, panels in ROWS:
+        board = board.with_row(Row(row_title).id(next(ids)))
+        for spec in panels:
+            panel = (Panel().id(next(ids)).title(spec.title).unit(spec.unit).datasource(ds).height(8).span(12)
+                     .legend(legend).tooltip(tooltip))
+            if spec.description:
+                panel = panel.description(spec.description)
+            if spec.stacked:
+                panel = panel.stacking(cb.StackingConfig().mode(StackingMode.NORMAL)).fill_opacity(60)
+            if spec.repeat:
+                panel = panel.repeat(spec.repeat).repeat_direction("h")
+            for i, q in enumerate(spec.queries):
+                panel = panel.with_target(Dataquery().expr(q.expr).legend_format(q.legend).ref_id(chr(ord("A") + i))
+                                          .datasource(ds))
+            board = board.with_panel(panel)
+    return json.loads(JSONEncoder(sort_keys=True, indent=2).encode(board.build()))
+
+
+def render() -> str:
+    import json
+
+    return json.dumps(build(), indent=2, sort_keys=True) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(render(), encoding="utf-8")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

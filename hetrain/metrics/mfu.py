@@ -1,0 +1,22 @@
+"""Model FLOPs utilisation: the model's FLOPs per second over the device's datasheet peak in its precision."""
+
+from __future__ import annotations
+
+from hetrain.errors import HetrainError
+from hetrain.hardware.catalog import get_gpu
+
+
+def catalog_peak_flops(device_name: str, precision: str) -> float | None:
+    """The catalog's dense peak FLOP/s of `device_name` in `precision`; None when unknown or unsupported."""
+    try:
+        peak = get_gpu(device_name).peak_flops.get(precision, 0.0)
+    except HetrainError:
+        return None
+    return peak or None
+
+
+def mfu(flops_per_item: float | None, items: int, seconds: float | None, peak_flops: float | None) -> float | None:
+    """FLOPs of `items` done in `seconds`, as a fraction of `peak_flops`; None when a figure is missing."""
+    if not flops_per_item or not peak_flops or not seconds or seconds <= 0:
+        return None
+    return flops_per_item * items / seconds / peak_flops

@@ -1,0 +1,114 @@
+"""The one observer a Session creates per rank: Prometheus series on PORT + local_rank and the run log.
+
+The Session calls `on_step` after every step, `on_checkpoint` after every checkpoint, `on_restart`
+once when the elastic agent restarted the workers, and `close` at the end. A step only updates
+numbers in memory and appends one buffered line; Prometheus reads the numbers on its own thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from prometheus_client.registry import CollectorRegistry
+
+from hetrain.metrics.collector import RankCollector
+from hetrain.metrics.memory import rank_memory
+from hetrain.metrics.mfu import catalog_peak_flops, mfu
+from hetrain.metrics.nvml import NvmlDevice, load_nvml
+from hetrain.metrics.run_log import RunLog
+from hetrain.metrics.serve import serve
+from hetrain.metrics.state import RankState
+from hetrain.runtime.events import CheckpointRecord, StepRecord
+
+log = logging.getLogger(__name__)
+
+
+class RankMetrics:
+    """This rank's metrics.
+
+    `port` is the node's BASE port (`--metrics-port`, HETRAIN_METRICS_PORT): this rank serves
+    `/metrics` on port + local_rank; None serves nothing. `run_dir`: where the run log
+    (run_dir/metrics/rank-N.jsonl) goes; None writes none. `peak_flops` defaults to the catalog's
+    figure for `device_name` in the step's precision. `nvml`: an NVML module to use instead of
+    `pynvml` (tests pass a fake).
+    """
+
+    def __init__(self, *, rank: int, local_rank: int, world_size: int, device: torch.device, device_name: str,
+                 port: int | None, run_dir: str | Path | None, job: str,
+                 predicted_step_seconds: float | None = None, peak_flops: float | None = None,
+                 flops_per_item: float | None = None, nvml: ModuleType | None = None) -> None:
+        self.rank, self.device, self.device_name = rank, torch.device(device), device_name
+        self.flops_per_item = flops_per_item
+        self._peak: float | None = peak_flops
+        self._peak_resolved = peak_flops is not None
+        self._lock = threading.Lock()
+        self.state = RankState()
+        node = socket.gethostname()
+        labels = {"job": job, "rank": str(rank), "node": node, "device": device_name}
+        gpu = self._open_gpu(nvml, labels, node) if self.device.type == "cuda" else None
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(RankCollector(
+            self.state, self._lock, labels, world_size=world_size, predicted_step_seconds=predicted_step_seconds,
+            peak_flops=lambda: self._peak, memory=lambda: rank_memory(self.device),
+            gpu=gpu.sample if gpu is not None else None))
+        start = {**labels, "rank": rank, "local_rank": local_rank, "world_size": world_size,
+                 "predicted_step_seconds": predicted_step_seconds, "peak_flops": peak_flops,
+                 "flops_per_item": flops_per_item}
+        self._log = RunLog(run_dir, rank, start) if run_dir is not None else None
+        self._server = None
+        self.port = None if port is None else port + local_rank
+        if port is not None:
+            try:
+                self._server = serve(self.registry, port, local_rank)
+            except BaseException:
+                self.close()
+                raise
+
+    def _open_gpu(self, nvml: ModuleType | None, labels: dict[str, str], node: str) -> NvmlDevice | None:
+        nvml = nvml or load_nvml()
+        if nvml is None:
+            return None
+        try:
+            gpu = NvmlDevice.by_uuid(nvml, str(torch.cuda.get_device_properties(self.device).uuid))
+        except Exception as e:  # no metrics is better than a failed run
+            log.warning("no NVML readings for %s: %s", self.device, e)
+            return None
+        labels.update({"UUID": gpu.uuid, "gpu": str(gpu.index), "Hostname": node})
+        return gpu
+
+    def on_step(self, record: StepRecord) -> None:
+        if not self._peak_resolved:
+            self._peak = catalog_peak_flops(self.device_name, record.precision)
+            self._peak_resolved = True
+        value = mfu(self.flops_per_item, record.items, record.step_seconds, self._peak)
+        with self._lock:
+            self.state.add_step(record, value)
+        if self._log is not None:
+            self._log.step(record, mfu=value)
+
+    def on_checkpoint(self, record: CheckpointRecord) -> None:
+        with self._lock:
+            self.state.add_checkpoint(record)
+        if self._log is not None:
+            self._log.checkpoint(record)
+
+    def on_restart(self, count: int) -> None:
+        """The elastic agent's restart count for this attempt (TORCHELASTIC_RESTART_COUNT)."""
+        with self._lock:
+            self.state.restarts = count
+        if self._log is not None:
+            self._log.write({"kind": "restart", "count": count})
+
+    def close(self) -> None:
+        """Stop serving and flush the run log; safe to call twice."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        if self._log is not None:
+            self._log.close()

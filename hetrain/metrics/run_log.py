@@ -1,0 +1,93 @@
+"""The run log: each rank appends one JSON line per step, checkpoint and restart to RUN_DIR/metrics/.
+
+One file per rank (`rank-N.jsonl`), so ranks never write the same file; a restarted rank appends
+to its file. Writes go to a buffer flushed every few seconds, at each checkpoint and at close, so a
+step pays for one `json.dumps` and a memory copy.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from hetrain.errors import HetrainError
+from hetrain.runtime.events import CheckpointRecord, StepRecord
+from hetrain.vocabulary import Env
+
+SUBDIR = "metrics"
+FLUSH_SECONDS = 5.0
+BUFFER_BYTES = 1 << 16
+
+
+def _flat(record: Any) -> dict[str, Any]:
+    """A record's fields, shallow (dataclasses.asdict deep-copies: ten times slower on the step path)."""
+    return {f.name: getattr(record, f.name) for f in fields(record)}
+
+
+def log_path(run_dir: str | Path, rank: int) -> Path:
+    return Path(run_dir) / SUBDIR / f"rank-{rank}.jsonl"
+
+
+class RunLog:
+    """Appends this rank's records as JSON lines."""
+
+    def __init__(self, run_dir: str | Path, rank: int, start: dict[str, Any]) -> None:
+        path = log_path(run_dir, rank)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "a", encoding="utf-8", buffering=BUFFER_BYTES)
+        except OSError as e:
+            raise HetrainError(f"cannot write the run log {str(path)!r} ({e.strerror}); "
+                               f"set {Env.RUN_DIR} to a writable directory") from None
+        self._flushed = time.monotonic()
+        self.path = path
+        self.write({"kind": "start", **start})
+        self.flush()
+
+    def write(self, line: dict[str, Any]) -> None:
+        self._file.write(json.dumps({"time": time.time(), **line}) + "\n")
+        now = time.monotonic()
+        if now - self._flushed > FLUSH_SECONDS:
+            self.flush()
+
+    def step(self, record: StepRecord, **extra: Any) -> None:
+        self.write({"kind": "step", **_flat(record), "waiting_seconds": record.waiting_seconds, **extra})
+
+    def checkpoint(self, record: CheckpointRecord) -> None:
+        self.write({"kind": "checkpoint", **_flat(record)})
+        self.flush()
+
+    def flush(self) -> None:
+        self._file.flush()
+        self._flushed = time.monotonic()
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+
+def read_lines(path: Path) -> Iterator[dict[str, Any]]:
+    """The records of one rank's log; a torn last line (a rank killed mid-write) is skipped."""
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                continue
+
+
+def find_logs(run_dir: str | Path) -> dict[int, Path]:
+    """rank -> log file under RUN_DIR/metrics (or RUN_DIR itself when it is that folder)."""
+    root = Path(run_dir)
+    folder = root / SUBDIR if (root / SUBDIR).is_dir() else root
+    logs = {}
+    for p in folder.glob("rank-*.jsonl"):
+        try:
+            logs[int(p.stem.split("-", 1)[1])] = p
+        except ValueError:
+            continue
+    return dict(sorted(logs.items()))

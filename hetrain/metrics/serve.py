@@ -1,0 +1,63 @@
+"""Serving `/metrics` on prometheus_client's own thread, and the port checks behind `--metrics-port`.
+
+Each local rank serves on PORT + local_rank, so one node's ranks take PORT..PORT+N-1. A scrape
+runs in the server's daemon thread: it never waits on the training step or on another rank.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+from typing import Any
+
+from prometheus_client import start_http_server
+from prometheus_client.registry import CollectorRegistry
+
+from hetrain.errors import HetrainError
+
+MAX_PORT = 65535
+BIND_ADDR = "0.0.0.0"  # reachable by a Prometheus on another host or pod
+
+
+def check_port_range(base: int, nproc_per_node: int) -> None:
+    """`--metrics-port` must leave room for PORT..PORT+nproc_per_node-1."""
+    last = base + nproc_per_node - 1
+    if base < 1 or last > MAX_PORT:
+        raise HetrainError(
+            f"--metrics-port {base}: local ranks serve ports {base}..{last}, outside 1..{MAX_PORT}; "
+            f"choose a base port between 1024 and {MAX_PORT - nproc_per_node + 1}"
+        )
+
+
+def _in_use(base: int, port: int) -> HetrainError:
+    return HetrainError(
+        f"--metrics-port {base}: port {port} is already in use; choose a base port whose ports "
+        f"{base}.. (one per local rank) are free, e.g. --metrics-port {base + 100}"
+    )
+
+
+def check_ports_free(base: int, nproc_per_node: int, addr: str = BIND_ADDR) -> None:
+    """Raise the one-line error when one of this node's metrics ports is taken now."""
+    check_port_range(base, nproc_per_node)
+    for port in range(base, base + nproc_per_node):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the HTTP server binds
+            try:
+                s.bind((addr, port))
+            except OSError as e:
+                if e.errno in (errno.EADDRINUSE, errno.EACCES):
+                    raise _in_use(base, port) from None
+                raise
+
+
+def serve(registry: CollectorRegistry, base: int, local_rank: int, addr: str = BIND_ADDR) -> Any:
+    """Start serving `registry` on base + local_rank; returns the server (call `.shutdown()`)."""
+    port = base + local_rank
+    check_port_range(base, local_rank + 1)
+    try:
+        server, _ = start_http_server(port, addr=addr, registry=registry)
+    except OSError as e:
+        if e.errno in (errno.EADDRINUSE, errno.EACCES):
+            raise _in_use(base, port) from None
+        raise
+    return server

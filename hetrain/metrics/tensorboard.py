@@ -1,0 +1,31 @@
+"""The run log as TensorBoard scalars (optional: needs the `tensorboard` package)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hetrain.errors import HetrainError
+from hetrain.metrics.report import RankRun
+
+SCALARS = ("loss", "step_seconds", "compute_seconds", "data_wait_seconds", "waiting_seconds", "share", "mfu")
+
+
+def write_scalars(runs: dict[int, RankRun], log_dir: Path) -> Path:
+    """One TensorBoard run per rank under `log_dir` (rank-N), a scalar per figure per step."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise HetrainError("--tensorboard needs the tensorboard package; pip install tensorboard") from None
+    for rank, run in runs.items():
+        writer = SummaryWriter(log_dir=str(log_dir / f"rank-{rank}"))
+        try:
+            for s in run.steps:
+                for name in SCALARS:
+                    if s.get(name) is not None:
+                        writer.add_scalar(f"hetrain/{name}", float(s[name]), global_step=s["step"], walltime=s["time"])
+                if s.get("step_seconds"):
+                    writer.add_scalar("hetrain/samples_per_second", s["samples"] / s["step_seconds"],
+                                      global_step=s["step"], walltime=s["time"])
+        finally:
+            writer.close()
+    return log_dir

@@ -1,0 +1,101 @@
+"""`hetrain report` on run logs written by RankMetrics: the figures, restarts, the PNG and its errors."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hetrain.metrics import RankMetrics
+from hetrain.metrics.report import load_run, split_change_steps, summary_rows
+from hetrain.runtime.events import CheckpointRecord
+from tests.distributed import run_cli
+from tests.metrics.fake_gpu_rank import step_record
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write_run(run_dir: Path) -> None:
+    """Two ranks, six steps; rank 1 takes a quarter of the batch, then a third from step 4; rank 1 restarts at step 5."""
+    for rank, compute in ((0, 0.2), (1, 0.4)):
+        m = RankMetrics(rank=rank, local_rank=rank, world_size=2, device=torch.device("cpu"), device_name="cpu",
+                        port=None, run_dir=run_dir, job="report", predicted_step_seconds=0.45)
+        for step in range(1, 7):
+            shares = (768, 256) if step < 4 else (683, 341)
+            m.on_step(step_record(step, rank=rank, world_size=2, share=shares[rank], samples=shares[rank],
+                                  shares=shares, split_changed=step == 4, step_seconds=None if step == 1 else 0.5,
+                                  compute_seconds=compute, data_wait_seconds=0.05, loss=3.0 - 0.1 * step,
+                                  comm_bytes={"intra": 1e6}))
+            if step == 3:
+                m.on_checkpoint(CheckpointRecord(step=3, blocking_seconds=0.1, total_seconds=0.3, bytes=100))
+        m.close()
+    # rank 1's workers restarted after step 6 and resumed from step 3's checkpoint: steps 4-5 run again
+    m = RankMetrics(rank=1, local_rank=1, world_size=2, device=torch.device("cpu"), device_name="cpu", port=None,
+                    run_dir=run_dir, job="report")
+    m.on_restart(1)
+    for step in (4, 5):
+        m.on_step(step_record(step, rank=1, world_size=2, share=341, samples=341, shares=(683, 341),
+                              step_seconds=None if step == 4 else 1.0, compute_seconds=0.4, data_wait_seconds=0.05,
+                              loss=9.0))
+    m.close()
+
+
+def test_summary_figures(tmp_path):
+    write_run(tmp_path)
+    runs = load_run(tmp_path)
+    assert list(runs) == [0, 1]
+    assert [s["step"] for s in runs[1].steps] == [1, 2, 3, 4, 5, 6]   # each step once, its last run
+    assert runs[1].steps[4]["loss"] == 9.0 and runs[1].restarts == 1
+    assert split_change_steps(runs) == [4]
+    r0, r1 = summary_rows(runs)
+    assert r0["step_seconds"] == pytest.approx(0.5) and r0["predicted_step_seconds"] == 0.45
+    assert r0["samples_per_second"] == pytest.approx((768 * 2 + 683 * 3) / 2.5)
+    assert r0["share"] == pytest.approx(683 / 1024)
+    assert r0["compute"] == pytest.approx(0.4) and r0["waiting for data"] == pytest.approx(0.1)
+    assert r0["waiting on ranks"] == pytest.approx(0.5)
+    assert r0["checkpoints"] == 1 and r0["restarts"] == 0 and r1["restarts"] == 1
+    # after the restart rank 1 re-ran step 4 untimed (a process's first step) and step 5 in 1 s: timed 2, 3, 5, 6
+    assert r1["step_seconds"] == pytest.approx((0.5 * 3 + 1.0) / 4)
+
+
+def hetrain(*args):
+    return run_cli([sys.executable, "-m", "hetrain.cli.main", *args], cwd=ROOT, timeout=120)
+
+
+def test_cli_draws_the_png_and_prints_the_table(tmp_path):
+    write_run(tmp_path)
+    r = hetrain("report", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    png = tmp_path / "report.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    assert "samples/s" in r.stdout and "wait ranks" in r.stdout
+    rows = json.loads(hetrain("report", str(tmp_path), "--json", "--out", str(tmp_path / "x.png")).stdout)
+    assert [row["rank"] for row in rows] == [0, 1]
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda d: d / "missing", "does not exist"),
+    (lambda d: d, "no run log in"),
+])
+def test_cli_errors_are_one_line(tmp_path, make, message):
+    r = hetrain("report", str(make(tmp_path)))
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and message in lines[0], r.stderr
+
+
+def test_tensorboard_scalars(tmp_path):
+    pytest.importorskip("tensorboard", reason="optional: pip install tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from hetrain.metrics.tensorboard import write_scalars
+
+    write_run(tmp_path)
+    write_scalars(load_run(tmp_path), tmp_path / "tb")
+    events = EventAccumulator(str(tmp_path / "tb" / "rank-0")).Reload()
+    loss = events.Scalars("hetrain/loss")
+    assert [e.step for e in loss] == [1, 2, 3, 4, 5, 6]
+    assert loss[-1].value == pytest.approx(2.4)
+    assert [e.step for e in events.Scalars("hetrain/samples_per_second")] == [2, 3, 4, 5, 6]
