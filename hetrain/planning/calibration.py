@@ -3,7 +3,8 @@ rows it never saw: every row of a source predicted by a fit on the other sources
 
 Fitted (see cost_model.sample_seconds): one efficiency per (workload kind, precision class),
 bounded to (0, 1] of peak; memory passes over the activation bytes per workload kind; the
-bandwidth GDDR graphics dies reach relative to HBM datacenter dies; the token fraction of the
+bandwidth GDDR graphics dies reach relative to HBM datacenter dies; the L2 size that halves the
+traffic reaching memory; the token fraction of the
 published BERT-512 recipe (it packs unpadded sequences). Each source's software stack runs a
 workload kind at its own overall speed (NVIDIA's ResNet-50 recipe with DALI and channels-last is
 about 1.5x Lambda's on the same A100), so each (source, kind) gets a level factor, constrained to a
@@ -16,8 +17,9 @@ from __future__ import annotations
 import csv
 import io
 import itertools
+import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from importlib import resources
 
@@ -30,6 +32,7 @@ from hetrain.planning.cost_model import (
     allreduce_cost,
     backward_fraction,
     compute_seconds,
+    data_parallel_efficiency,
     exposed_seconds,
     fixed_seconds_per_microbatch,
     graphics_memory,
@@ -110,6 +113,7 @@ class _Terms:
     flop_s: np.ndarray
     byte_s: np.ndarray
     gddr: np.ndarray
+    l2: np.ndarray
     packed: np.ndarray
     fixed: np.ndarray
     batch: np.ndarray
@@ -131,6 +135,7 @@ def _terms(rows: list[PublishedRow]) -> tuple[_Terms, list[tuple[str, str]]]:
         cols["flop_s"].append(flop_s)
         cols["byte_s"].append(byte_s)
         cols["gddr"].append(graphics_memory(spec))
+        cols["l2"].append(spec.l2_bytes)
         cols["packed"].append(r.packed)
         cols["fixed"].append(fixed_seconds_per_microbatch(profile, spec, p))
         cols["batch"].append(r.batch_per_gpu)
@@ -139,15 +144,16 @@ def _terms(rows: list[PublishedRow]) -> tuple[_Terms, list[tuple[str, str]]]:
     return _Terms(**{k: np.asarray(v) for k, v in cols.items()}), levels
 
 
-def _unpack(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, float, float]:
+def _unpack(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, float, float, float]:
     eff = 1.0 / (1.0 + np.exp(-x[:6]))
     passes = np.exp(x[6:8])
     gddr_eff = float(np.exp(x[8]))
     fraction = float(1.0 / (1.0 + np.exp(-x[9])))
-    return eff, passes, gddr_eff, fraction
+    l2_scale = float(np.exp(x[10])) * 1e6
+    return eff, passes, gddr_eff, fraction, l2_scale
 
 
-_SHARED = 10
+_SHARED = 11
 
 
 def _level_logs(x: np.ndarray, levels: list[tuple[str, str]]) -> np.ndarray:
@@ -170,9 +176,10 @@ def _n_free(levels: list[tuple[str, str]]) -> int:
 
 
 def _residuals(x: np.ndarray, t: _Terms, levels: list[tuple[str, str]]) -> np.ndarray:
-    eff, passes, gddr_eff, fraction = _unpack(x)
+    eff, passes, gddr_eff, fraction, l2_scale = _unpack(x)
     scale = np.where(t.packed, fraction, 1.0) * np.exp(_level_logs(x, levels))[t.level]
-    per_sample = t.flop_s / eff[t.group] + passes[t.kind] * t.byte_s / np.where(t.gddr, gddr_eff, 1.0)
+    bandwidth = np.where(t.gddr, gddr_eff, 1.0) * (1.0 + t.l2 / l2_scale)
+    per_sample = t.flop_s / eff[t.group] + passes[t.kind] * t.byte_s / bandwidth
     predicted = t.batch / (t.batch * per_sample * scale + t.fixed)
     return np.log(predicted / t.observed)
 
@@ -183,9 +190,10 @@ def fit(rows: list[PublishedRow] | tuple[PublishedRow, ...]) -> Calibration:
 
     rows = [r for r in rows if r.gpus == 1]
     t, levels = _terms(rows)
-    x0 = np.concatenate([np.zeros(6), np.log([8.0, 8.0]), [0.0, 1.0], np.zeros(_n_free(levels))])
+    x0 = np.concatenate([np.zeros(6), np.log([8.0, 8.0]), [0.0, 1.0, np.log(100.0)], np.zeros(_n_free(levels))])
     x = least_squares(_residuals, x0, args=(t, levels), loss="soft_l1", f_scale=0.1).x
-    eff, passes, gddr_eff, fraction = _unpack(x)
+    eff, passes, gddr_eff, fraction, l2_scale = _unpack(x)
+    l2_seen = len(set(t.l2.tolist())) > 1
     used = set(t.group.tolist())
     kinds = set(t.kind.tolist())
     return Calibration(
@@ -193,15 +201,39 @@ def fit(rows: list[PublishedRow] | tuple[PublishedRow, ...]) -> Calibration:
         memory_passes={k: float(passes[i]) for i, k in enumerate(KINDS) if i in kinds},
         graphics_memory_efficiency=gddr_eff if t.gddr.any() else 1.0,
         packed_token_fraction=round(fraction, 3) if t.packed.any() else 1.0,
+        l2_scale_bytes=l2_scale if l2_seen else float("inf"),
         rows=len(rows),
-        parameters=len(used) + len(kinds) + int(t.gddr.any()) + int(t.packed.any()) + _n_free(levels),
+        parameters=len(used) + len(kinds) + int(t.gddr.any()) + int(t.packed.any()) + int(l2_seen) + _n_free(levels),
     )
+
+
+def fit_scaling(rows: list[PublishedRow] | tuple[PublishedRow, ...], calib: Calibration) -> float:
+    """Throughput kept per doubling of GPUs beyond the modelled all-reduce: least squares of
+    log((published_n / predicted_n) / (published_1 / predicted_1)) on log2 n, over multi-GPU rows
+    whose single-GPU row (same source, workload, GPU, precision) is published; at most 1."""
+    plain = replace(calib, scaling_per_doubling=1.0)
+    single = {(r.source, r.model_name, r.gpu, r.precision): r for r in rows if r.gpus == 1}
+    xy = []
+    for r in rows:
+        one = single.get((r.source, r.model_name, r.gpu, r.precision))
+        if r.gpus > 1 and one is not None:
+            kept = (r.samples_per_s / predict_row(r, plain)) / (one.samples_per_s / predict_row(one, plain))
+            xy.append((math.log2(r.gpus), math.log(kept)))
+    if not xy:
+        return 1.0
+    return min(1.0, math.exp(sum(x * y for x, y in xy) / sum(x * x for x, _ in xy)))
+
+
+def fit_all(rows: list[PublishedRow] | tuple[PublishedRow, ...]) -> Calibration:
+    """The single-GPU constants (`fit`), then the multi-GPU scaling on top of them."""
+    calib = fit(rows)
+    return replace(calib, scaling_per_doubling=fit_scaling(rows, calib))
 
 
 @lru_cache(maxsize=1)
 def default_calibration() -> Calibration:
-    """Constants fitted on all single-GPU published rows."""
-    return fit(published_rows())
+    """Constants fitted on all published rows (single-GPU constants, then multi-GPU scaling)."""
+    return fit_all(published_rows())
 
 
 def predict_row(row: PublishedRow, calib: Calibration) -> float:
@@ -225,7 +257,7 @@ def predict_row(row: PublishedRow, calib: Calibration) -> float:
         grad_bytes = 4.0 * profile.params
         comm = allreduce_cost(grad_bytes, topo).seconds
         exposed = exposed_seconds(comm, compute * backward_fraction(False), grad_bytes)
-    return row.gpus * mb / (compute + exposed)
+    return row.gpus * mb / (compute + exposed) * data_parallel_efficiency(row.gpus, calib)
 
 
 @dataclass(frozen=True)
@@ -253,7 +285,7 @@ def evaluate() -> tuple[RowResult, ...]:
     rows = published_rows()
     calib = default_calibration()
     sources = sorted({r.source for r in rows})
-    held = {s: fit([r for r in rows if r.source != s]) for s in sources} if len(sources) > 1 else {}
+    held = {s: fit_all([r for r in rows if r.source != s]) for s in sources} if len(sources) > 1 else {}
     return tuple(
         RowResult(r, predict_row(r, calib), predict_row(r, held[r.source]) if r.source in held else None)
         for r in rows

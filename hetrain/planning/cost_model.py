@@ -2,8 +2,8 @@
 
 Compute, per sample: the step's FLOPs at the peak of the precision the math units run in, times a
 fitted efficiency per (workload kind, precision class), plus its memory traffic (fitted passes over
-the activation bytes) at the device's bandwidth, with a fitted factor for graphics-memory (GDDR)
-parts against HBM datacenter parts; per micro-batch, the weights read and gradients written once
+the activation bytes) at the device's bandwidth, less what its L2 cache keeps on chip, with a fitted
+factor for graphics-memory (GDDR) parts against HBM datacenter parts; per micro-batch, the weights read and gradients written once
 plus kernel launches. "fp32" on Ampere and later runs convolutions in TF32 unless TF32 is turned off.
 Memory: weights, gradients, optimizer state (ZeRO stages divide what they shard), activations per
 micro-batch (or only block boundaries with activation checkpointing), framework overhead.
@@ -42,8 +42,13 @@ class Calibration:
     """times each activation byte crosses memory per sample, by workload kind (elementwise traffic)"""
     graphics_memory_efficiency: float = 1.0
     """bandwidth reached by GDDR graphics dies (RTX, A10, L4, T4) relative to HBM datacenter dies"""
+    l2_scale_bytes: float = math.inf
+    """an L2 cache of this size halves the activation traffic reaching memory (traffic / (1 + L2 / this))"""
     packed_token_fraction: float = 1.0
     """tokens per sequence over nominal in the published BERT-512 recipe (unpadded packing)"""
+    scaling_per_doubling: float = 1.0
+    """data-parallel throughput kept per doubling of replicas beyond the modelled all-reduce
+    (synchronisation, stragglers, input pipelines), fitted on published multi-GPU rows"""
     rows: int = 0
     parameters: int = 0
 
@@ -96,6 +101,12 @@ def graphics_memory(spec) -> bool:
     return spec.arch != "cpu" and spec.compute_capability[1] != 0
 
 
+def data_parallel_efficiency(replicas: int, calib: Calibration | None = None) -> float:
+    """Fraction of the modelled data-parallel speed that `replicas` replicas keep (1 for one)."""
+    calib = calib or default_calibration()
+    return calib.scaling_per_doubling ** math.log2(replicas) if replicas > 1 else 1.0
+
+
 # ---------------------------------------------------------------- compute
 
 
@@ -116,7 +127,7 @@ def sample_seconds(profile: WorkloadProfile, spec, precision: str, calib: Calibr
     calib = calib or default_calibration()
     math_p = math_precision(spec, precision, profile.kind, fp32_math)
     flop_s, byte_s = per_sample_terms(profile, spec, math_p)
-    bw = calib.graphics_memory_efficiency if graphics_memory(spec) else 1.0
+    bw = (calib.graphics_memory_efficiency if graphics_memory(spec) else 1.0) * (1.0 + spec.l2_bytes / calib.l2_scale_bytes)
     t = flop_s / calib.efficiency(profile.kind, math_p) + calib.passes(profile.kind) * byte_s / bw
     return t * (CHECKPOINT_COMPUTE_FACTOR if checkpointing else 1.0)
 

@@ -212,7 +212,8 @@ def data_parallel(strategy: str, cluster, profile: WorkloadProfile, kinds: list[
     topo = cm.topology_of(cluster)
     overlap = t_slow if zero >= 3 else t_slow / accum_slow * cm.backward_fraction(per_rank[slow_rank][2])
     exposed, net_exposed = _comm(profile, topo, zero, hook, accum_slow, overlap)
-    step = t_slow + exposed
+    kept = cm.data_parallel_efficiency(world)
+    step = (t_slow + exposed) / kept
     cand.step_seconds, cand.samples_per_s = step, global_batch / step
     cand.exposed_comm_seconds, cand.inter_node_seconds = exposed, net_exposed
     two_level = cm.allreduce_cost(4.0 * profile.params, topo).algorithm == "two-level"
@@ -223,7 +224,8 @@ def data_parallel(strategy: str, cluster, profile: WorkloadProfile, kinds: list[
         predicted_samples_per_s=cand.samples_per_s,
     )
     cand.reason = (f"step {step * 1e3:.1f} ms: compute {t_slow * 1e3:.1f} ms on the slowest rank, "
-                   f"{exposed * 1e3:.1f} ms communication not hidden under backward")
+                   f"{exposed * 1e3:.1f} ms communication not hidden under backward"
+                   + (f", {1 - kept:.0%} lost to {world}-way synchronisation" if world > 1 else ""))
     return cand
 
 

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from hetrain.planning.cost_model import data_parallel_efficiency
 from hetrain.planning.plan import Plan
 
 
@@ -26,7 +27,9 @@ def test_plan_json_and_out(tmp_path):
     for r in d["ranks"]:
         assert {"device", "precision", "micro_batch", "grad_accum", "activation_checkpointing", "memory_bytes",
                 "memory_capacity_bytes"} <= set(r)
-    assert d["predicted_samples_per_s"] >= 0.9 * d["ideal_samples_per_s"]
+    # The ideal has no communication and no synchronisation loss; the plan loses that loss and little else.
+    kept = data_parallel_efficiency(len(d["ranks"]))
+    assert d["predicted_samples_per_s"] >= 0.9 * kept * d["ideal_samples_per_s"]
     assert d["predicted_samples_per_s"] > d["uniform_ddp_samples_per_s"]
     assert Plan.load(out).global_batch_size == 1024
 
