@@ -6,6 +6,9 @@ CPU ranks from that profile, run the plan with `hetrain launch --plan` on N CPU 
 the plan's predicted step time with the measured median step time. A round is profile, plan, run;
 the rounds run back to back so that outside load on a shared machine falls on profile and job
 alike, and `predicted_over_measured` is the median of the rounds' ratios (each round's is listed).
+On a machine others load too, wall time swings with their load; `cpu_predicted_over_measured`
+makes the same comparison in process CPU seconds (the plan from the profile's CPU seconds against
+rank 0's CPU seconds per step), which that load does not change.
 """
 
 from __future__ import annotations
@@ -49,14 +52,15 @@ def _profile(args: argparse.Namespace, directory: Path, threads: int):
 
 
 def _round(args: argparse.Namespace, tmp: Path, threads: int) -> tuple:
-    """Profile, plan and run once: (plan result, profile, measured step seconds)."""
+    """Profile, plan and run once: (plan, plan from CPU seconds, profile, step wall and CPU seconds)."""
     from hetrain.hardware.cluster import cluster_from_devices
     from hetrain.launch.launcher import LaunchConfig, launch
     from hetrain.planning.planner import plan_job
 
     workload, prof = _profile(args, tmp, threads)
-    result = plan_job(cluster_from_devices(f"cpu:{args.ranks}"), workload, args.global_batch_size,
-                      profiles={prof.device: prof})
+    cluster = cluster_from_devices(f"cpu:{args.ranks}")
+    result = plan_job(cluster, workload, args.global_batch_size, profiles={prof.device: prof})
+    cpu_result = plan_job(cluster, workload, args.global_batch_size, profiles={prof.device: prof.cpu_time_view()})
     plan_path = tmp / "plan.json"
     result.plan.save(plan_path)
     out = tmp / "steps.json"
@@ -64,7 +68,8 @@ def _round(args: argparse.Namespace, tmp: Path, threads: int) -> tuple:
                         plan=str(plan_path), script_args=["--steps", str(args.steps), "--global-batch-size",
                                                           str(args.global_batch_size), "--width", str(args.width),
                                                           "--out", str(out)]))
-    return result, prof, json.loads(out.read_text())["step_seconds"][args.warmup:]
+    steps = json.loads(out.read_text())
+    return result, cpu_result, prof, steps["step_seconds"][args.warmup:], steps["step_cpu_seconds"][args.warmup:]
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -75,12 +80,15 @@ def run(args: argparse.Namespace) -> dict:
     rounds = []
     with tempfile.TemporaryDirectory(prefix="hetrain-predict-") as tmp:
         for _ in range(args.rounds):
-            result, prof, timed = _round(args, Path(tmp), threads)
+            result, cpu_result, prof, timed, cpu_timed = _round(args, Path(tmp), threads)
             predicted = args.global_batch_size / result.plan.predicted_samples_per_s
-            rounds.append((predicted, statistics.median(timed), statistics.fmean(timed), result, prof))
+            cpu_predicted = args.global_batch_size / cpu_result.plan.predicted_samples_per_s
+            rounds.append((predicted, statistics.median(timed), statistics.fmean(timed), result, prof,
+                           cpu_predicted / statistics.median(cpu_timed)))
     ratios = [p / m for p, m, *_ in rounds]
+    cpu_ratios = [r[-1] for r in rounds]
     mid = sorted(range(len(rounds)), key=lambda i: ratios[i])[len(rounds) // 2]
-    predicted, measured, mean, result, prof = rounds[mid]
+    predicted, measured, mean, result, prof, _ = rounds[mid]
     return {
         "model": "digits-cnn",
         "device": prof.device,
@@ -101,5 +109,7 @@ def run(args: argparse.Namespace) -> dict:
         "round_predicted_over_measured": [round(r, 4) for r in ratios],
         "load_average_before": round(load_before, 2),
         "load_average_after": round(os.getloadavg()[0], 2),
+        "round_cpu_predicted_over_measured": [round(r, 4) for r in cpu_ratios],
+        "cpu_predicted_over_measured": round(statistics.median(cpu_ratios), 4),
         "predicted_over_measured": round(ratios[mid], 4),
     }

@@ -31,6 +31,8 @@ class StepTiming(_Strict):
     micro_batch: int = Field(ge=1)
     seconds: float = Field(gt=0, description="median seconds of one forward + backward of micro_batch samples")
     peak_memory_bytes: int | None = Field(None, ge=0, description="device memory at the peak (CUDA only)")
+    cpu_seconds: float | None = Field(None, ge=0, description="median process CPU seconds of the same (CPU only): "
+                                      "the work itself, whatever else loads the machine")
 
 
 class BlockTiming(_Strict):
@@ -73,6 +75,11 @@ class DeviceProfile(_Strict):
     def points(self, precision: str) -> list[tuple[int, float]]:
         """(micro_batch, seconds) measured in `precision`, by micro-batch."""
         return sorted((s.micro_batch, s.seconds) for s in self.steps if s.precision == precision)
+
+    def cpu_time_view(self) -> "DeviceProfile":
+        """This profile with CPU seconds in place of wall seconds (where they were measured)."""
+        return self.model_copy(update={"steps": [s.model_copy(update={"seconds": s.cpu_seconds or s.seconds})
+                                                 for s in self.steps]})
 
     def microbatch_seconds(self, precision: str, micro_batch: float) -> float:
         """Seconds of one micro-batch of `micro_batch` samples: linear between measured sizes, the

@@ -56,17 +56,23 @@ class _Clock:
         self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def median(self, fn, repeats: int, budget_s: float, warmup: int = 2) -> float:
+        return self.medians(fn, repeats, budget_s, warmup)[0]
+
+    def medians(self, fn, repeats: int, budget_s: float, warmup: int = 2) -> tuple[float, float]:
+        """Median wall seconds and median process CPU seconds (all threads) per call."""
         for _ in range(warmup):
             fn()
         self.sync()
         times: list[float] = []
+        cpu: list[float] = []
         start = time.perf_counter()
         while len(times) < repeats and (len(times) < 3 or time.perf_counter() - start < budget_s):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
             self.sync()
             times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+            cpu.append(time.process_time() - c0)
+        return statistics.median(times), statistics.median(cpu)
 
 
 def _set_math(precision: str, device) -> None:
@@ -176,12 +182,14 @@ def measure(runnable: RunnableModel, device, precisions: Sequence[str], micro_ba
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
             try:
-                seconds = clock.median(_fwd_bwd(runnable, module, batch, precision, device, scaler), repeats, budget_s)
+                seconds, cpu_s = clock.medians(_fwd_bwd(runnable, module, batch, precision, device, scaler),
+                                               repeats, budget_s)
             except torch.cuda.OutOfMemoryError:
                 module.zero_grad(set_to_none=True)
                 break  # larger micro-batches will not fit either
             peak = int(torch.cuda.max_memory_allocated(device)) if cuda else None
-            steps.append(StepTiming(precision=precision, micro_batch=mb, seconds=seconds, peak_memory_bytes=peak))
+            steps.append(StepTiming(precision=precision, micro_batch=mb, seconds=seconds, peak_memory_bytes=peak,
+                                    cpu_seconds=None if cuda else cpu_s))
             module.zero_grad(set_to_none=True)
     if not steps:
         raise HetrainError(f"no micro-batch of {runnable.name} fits on {device}; try --micro-batches 1")
@@ -285,9 +293,12 @@ def measure_cpu_copies(runnable: RunnableModel, copies: int, threads: int, preci
         raise HetrainError(f"profiling {copies} copies at once failed: {errors[0].removeprefix('error: ')}")
     profs = [DeviceProfile.model_validate_json(r) for r in results]
     steps = [
-        s.model_copy(update={"seconds": statistics.median(
-            q.seconds for p in profs for q in p.steps if (q.precision, q.micro_batch) == (s.precision, s.micro_batch))})
+        s.model_copy(update={
+            "seconds": statistics.median(q.seconds for q in same),
+            "cpu_seconds": statistics.median(q.cpu_seconds for q in same) if all(q.cpu_seconds for q in same) else None,
+        })
         for s in profs[0].steps
+        for same in [[q for p in profs for q in p.steps if (q.precision, q.micro_batch) == (s.precision, s.micro_batch)]]
     ]
     stamp_ = profs[0].stamp.model_copy(update={"concurrent_copies": copies})
     return profs[0].model_copy(update={"steps": steps, "stamp": stamp_,
