@@ -2,7 +2,7 @@
 
     hetrain profile (--model NAME | --script FILE.py:FACTORY | --hf-config NAME_OR_PATH) --out DIR
                     [--precision auto|bf16,fp32,...] [--micro-batches 1,2,4,8] [--device auto|cpu|cuda]
-                    [--threads N] [--repeats 10] [--seconds 5] [--no-blocks] [--json]
+                    [--threads N] [--concurrent N] [--repeats 10] [--seconds 5] [--no-blocks] [--json]
 
 DIR gets `workload.json` (the model's FLOPs, parameters and activation bytes) and `<device>.json`
 per device kind; `hetrain plan --profiles DIR` plans with them.
@@ -34,6 +34,8 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads (default: OMP_NUM_THREADS, else torch's default); match what each "
                         "rank will get under hetrain launch")
+    parser.add_argument("--concurrent", type=int, default=1,
+                        help="CPU only: time this many copies at once, as that many ranks share the CPU")
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per point (the median counts)")
     parser.add_argument("--seconds", type=float, default=5.0, help="time budget per point")
     parser.add_argument("--no-blocks", action="store_true", help="skip the per-block timings")
@@ -90,15 +92,17 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from hetrain.workload.device_profile import WORKLOAD_FILE
-    from hetrain.workload.measure import local_devices, measure, set_cpu_threads
+    from hetrain.workload.measure import local_devices, measure, measure_cpu_copies, set_cpu_threads
 
     micro_batches = _ints(args.micro_batches, "--micro-batches")
-    if args.repeats < 1 or args.seconds <= 0:
-        raise HetrainError("--repeats and --seconds must be positive")
+    if args.repeats < 1 or args.seconds <= 0 or args.concurrent < 1:
+        raise HetrainError("--repeats, --seconds and --concurrent must be positive")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise HetrainError("--device cuda: torch sees no CUDA device here; use --device cpu (or auto)")
     devices = [torch.device("cpu")] if args.device == "cpu" else local_devices()
-    set_cpu_threads(args.threads)
+    threads = set_cpu_threads(args.threads)
+    if args.concurrent > 1 and any(d.type != "cpu" for d in devices):
+        raise HetrainError("--concurrent applies to the CPU only; add --device cpu")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runnable = _runnable(args)
@@ -106,8 +110,13 @@ def run(args: argparse.Namespace) -> int:
     workload.save(out / WORKLOAD_FILE)
     written = []
     for device in devices:
-        prof = measure(runnable, device, _precisions(args.precision, device), micro_batches,
-                       repeats=args.repeats, budget_s=args.seconds, blocks=not args.no_blocks)
+        precisions = _precisions(args.precision, device)
+        if args.concurrent > 1:
+            prof = measure_cpu_copies(runnable, args.concurrent, threads, precisions, micro_batches,
+                                      repeats=args.repeats, budget_s=args.seconds)
+        else:
+            prof = measure(runnable, device, precisions, micro_batches, repeats=args.repeats,
+                           budget_s=args.seconds, blocks=not args.no_blocks)
         prof = prof.model_copy(update={"model": workload.name})
         written.append((prof.save(out), prof))
     if args.json:

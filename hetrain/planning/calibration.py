@@ -351,3 +351,56 @@ def markdown_rows(results: tuple[RowResult, ...] | list[RowResult]) -> str:
         lines.append(f"| {w.source} | {w.workload} | {w.seq_len or ''} | {w.gpu} | {w.gpus} | {w.precision} | "
                      f"{w.batch_per_gpu} | {w.samples_per_s:g} | {r.predicted:.0f} | {r.error:+.1%} | {held or ' | '} |")
     return "\n".join(lines)
+
+
+def markdown_relative_speeds(results: tuple[RowResult, ...] | list[RowResult], reference: str = "a100-sxm4-80gb") -> str:
+    """Single-GPU speed of each GPU kind over `reference` within one source, workload and precision:
+    published, predicted with every source fitted, and predicted by the fit without that source."""
+    lines = ["| source | workload | precision | gpu | published vs " + reference + " | predicted | error "
+             "| held out | held-out error |", "|" + "---|" * 9]
+    single = [r for r in results if r.row.gpus == 1]
+    for r in single:
+        ref = next((x for x in single if x.row.gpu == reference and (x.row.source, x.row.model_name, x.row.precision)
+                    == (r.row.source, r.row.model_name, r.row.precision)), None)
+        if ref is None or r is ref:
+            continue
+        pub = r.row.samples_per_s / ref.row.samples_per_s
+        pred = r.predicted / ref.predicted
+        held = "| |"
+        if r.predicted_held_out is not None:
+            h = r.predicted_held_out / ref.predicted_held_out
+            held = f"| {h:.2f} | {h / pub - 1:+.1%} |"
+        lines.append(f"| {r.row.source} | {r.row.model_name} | {r.row.precision} | {r.row.gpu} | {pub:.2f} | "
+                     f"{pred:.2f} | {pred / pub - 1:+.1%} {held}")
+    return "\n".join(lines)
+
+
+def markdown_summary(results: tuple[RowResult, ...] | list[RowResult]) -> str:
+    """Median and largest absolute errors, single- and multi-GPU, fitted and held out."""
+    lines = ["| rows | count | throughput: fit on all | throughput: source held out | relative speed pairs "
+             "| pairs: fit on all | pairs: source held out |", "|" + "---|" * 7]
+    for label, keep in (("single-GPU", lambda n: n == 1), ("multi-GPU", lambda n: n > 1), ("all", lambda n: True)):
+        rs = [r for r in results if keep(r.row.gpus)]
+        ps = [p for p in pairs(results) if keep(p.a.row.gpus)]
+        fit_t, held_t = _stats([r.error for r in rs]), _stats([r.error_held_out for r in rs if r.error_held_out is not None])
+        fit_p, held_p = _stats([p.error() for p in ps]), _stats([p.error(True) for p in ps if p.a.predicted_held_out])
+        lines.append(f"| {label} | {len(rs)} | {fit_t[0]:.1%} median, {fit_t[1]:.0%} worst | {held_t[0]:.1%} median, "
+                     f"{held_t[1]:.0%} worst | {len(ps)} | {fit_p[0]:.1%} median, {fit_p[1]:.0%} worst | "
+                     f"{held_p[0]:.1%} median, {held_p[1]:.0%} worst |")
+    lines += ["", "| source held out (fit on the others) | rows | throughput | relative speed pairs | pairs |",
+              "|---|---|---|---|---|"]
+    for source in sorted({r.row.source for r in results}):
+        rs = [r for r in results if r.row.source == source and r.error_held_out is not None]
+        ps = [p.error(True) for p in pairs(rs)]
+        t, pp = _stats([r.error_held_out for r in rs]), _stats(ps)
+        pair_text = f"{pp[0]:.1%} median, {pp[1]:.0%} worst" if ps else "-"
+        lines.append(f"| {source} | {len(rs)} | {t[0]:.1%} median, {t[1]:.0%} worst | {len(ps)} | {pair_text} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    _results = evaluate()
+    print(default_calibration(), "\n")
+    print(markdown_summary(_results), "\n")
+    print(markdown_relative_speeds(_results), "\n")
+    print(markdown_rows(_results))
