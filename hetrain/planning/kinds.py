@@ -39,6 +39,10 @@ class Kind:
     def count(self) -> int:
         return len(self.ranks)
 
+    def stage_seconds(self, n_blocks: int, a: int, b: int, micro_batch: int, ckpt: bool) -> float | None:
+        """Measured seconds of a pipeline stage holding blocks [a, b), or None (model it)."""
+        return stage_seconds_of(self, n_blocks, a, b, micro_batch, ckpt)
+
     def time(self, share: int, micro_batch: int, ckpt: bool) -> float:
         if share <= 0:
             return 0.0
@@ -52,6 +56,19 @@ class Kind:
                 t += self.measured.microbatch_seconds(self.precision, rest)
             return t * factor + self.measured.optimizer_seconds
         return math.ceil(share / micro_batch) * self.fixed_s + share * (self.sample_s_ckpt if ckpt else self.sample_s)
+
+
+def stage_seconds_of(kind: Kind, n_blocks: int, a: int, b: int, micro_batch: int, ckpt: bool) -> float | None:
+    """Measured seconds of blocks [a, b) for one micro-batch, scaled linearly from the profiled
+    micro-batch; None without a profile whose blocks line up with the workload's."""
+    m = kind.measured
+    if m is None:
+        return None
+    timed = [x for x in m.blocks if x.precision == kind.precision]
+    if len(timed) != n_blocks:
+        return None
+    seconds = sum(x.seconds * micro_batch / x.micro_batch for x in timed[a:b])
+    return seconds * (cm.CHECKPOINT_COMPUTE_FACTOR if ckpt else 1.0)
 
 
 def kinds_of(cluster, profile: WorkloadProfile, precision: str, calib: cm.Calibration,

@@ -431,7 +431,9 @@ def pipeline_candidates(cluster, profile: WorkloadProfile, kinds: list[Kind], gl
                         "activation_bytes_per_sample": sum(x.activation_bytes_per_sample for x in blocks[sub]),
                         "blocks": [],
                     })
-                    t = cm.compute_seconds(part, kind.spec, kind.precision, mb, mb, ckpt, calib)
+                    t = kind.stage_seconds(len(blocks), a, b, mb, ckpt)
+                    if t is None:
+                        t = cm.compute_seconds(part, kind.spec, kind.precision, mb, mb, ckpt, calib)
                     result = (t, ckpt, mem)
                     break
             memo[key] = result

@@ -140,3 +140,23 @@ def test_plan_explains_why_a_faster_looking_candidate_lost():
     for c in faster:
         note = next(n for n in result.plan.notes if n.startswith(f"not {c.strategy},"))
         assert "only when model state does not fit" in note and f"--strategy {c.strategy}" in note
+
+
+def test_pipeline_stages_use_measured_block_times():
+    from hetrain.workload.device_profile import BlockTiming
+
+    model = get_profile("gpt2-1.5b")
+    names = [b.name for b in model.blocks]
+    cluster = cluster_from_devices("v100-16gb:4")  # 1.5B parameters fit no 16 GB device alone
+    plain = plan_job(cluster, model, 64, strategy="pipeline")
+    # A measured profile in which the last layers are 20x slower than the rest moves the stage cuts.
+    slow = {n: (20.0 if i > len(names) - 8 else 1.0) for i, n in enumerate(names)}
+    prof = DeviceProfile(model=model.name, device="v100-sxm2-16gb", stamp=_stamp(),
+                         steps=[StepTiming(precision="fp16", micro_batch=1, seconds=0.01 * sum(slow.values()))],
+                         blocks=[BlockTiming(name=n, precision="fp16", micro_batch=1, seconds=0.01 * slow[n])
+                                 for n in names])
+    measured = plan_job(cluster, model, 64, strategy="pipeline", profiles={"v100-sxm2-16gb": prof})
+    assert measured.plan.pipeline is not None and plain.plan.pipeline is not None
+    assert measured.plan.pipeline.stages != plain.plan.pipeline.stages
+    last_stage = measured.plan.pipeline.stages[-1]
+    assert last_stage[1] - last_stage[0] < plain.plan.pipeline.stages[-1][1] - plain.plan.pipeline.stages[-1][0]
