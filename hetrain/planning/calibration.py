@@ -353,15 +353,17 @@ def markdown_rows(results: tuple[RowResult, ...] | list[RowResult]) -> str:
     return "\n".join(lines)
 
 
-def markdown_relative_speeds(results: tuple[RowResult, ...] | list[RowResult], reference: str = "a100-sxm4-80gb") -> str:
-    """Single-GPU speed of each GPU kind over `reference` within one source, workload and precision:
-    published, predicted with every source fitted, and predicted by the fit without that source."""
-    lines = ["| source | workload | precision | gpu | published vs " + reference + " | predicted | error "
+def markdown_relative_speeds(results: tuple[RowResult, ...] | list[RowResult],
+                             references: tuple[str, ...] = ("a100-sxm4-80gb", "a100-sxm4-40gb")) -> str:
+    """Single-GPU speed of each GPU kind over the source's A100 SXM in the same workload and
+    precision: published, predicted with every source fitted, and by the fit without that source."""
+    lines = ["| source | workload | precision | gpu | published vs A100 SXM | predicted | error "
              "| held out | held-out error |", "|" + "---|" * 9]
     single = [r for r in results if r.row.gpus == 1]
     for r in single:
-        ref = next((x for x in single if x.row.gpu == reference and (x.row.source, x.row.model_name, x.row.precision)
-                    == (r.row.source, r.row.model_name, r.row.precision)), None)
+        same = [x for x in single if (x.row.source, x.row.model_name, x.row.precision)
+                == (r.row.source, r.row.model_name, r.row.precision)]
+        ref = next((x for name in references for x in same if x.row.gpu == name), None)
         if ref is None or r is ref:
             continue
         pub = r.row.samples_per_s / ref.row.samples_per_s
@@ -370,8 +372,8 @@ def markdown_relative_speeds(results: tuple[RowResult, ...] | list[RowResult], r
         if r.predicted_held_out is not None:
             h = r.predicted_held_out / ref.predicted_held_out
             held = f"| {h:.2f} | {h / pub - 1:+.1%} |"
-        lines.append(f"| {r.row.source} | {r.row.model_name} | {r.row.precision} | {r.row.gpu} | {pub:.2f} | "
-                     f"{pred:.2f} | {pred / pub - 1:+.1%} {held}")
+        lines.append(f"| {r.row.source} | {r.row.model_name} | {r.row.precision} | {r.row.gpu} (/ {ref.row.gpu}) | "
+                     f"{pub:.2f} | {pred:.2f} | {pred / pub - 1:+.1%} {held}")
     return "\n".join(lines)
 
 

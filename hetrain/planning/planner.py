@@ -348,7 +348,7 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
 
 MODEL_ERROR = 0.15
 """Median error of the cost model's relative speed of two GPU kinds on a source it never saw
-(14.6% in docs/cost-model.md): a smaller predicted gain is no reason to switch strategy."""
+(13.8% in docs/cost-model.md, rounded up): a smaller predicted gain is no reason to switch strategy."""
 _WHEN = {
     "zero1": "ZeRO-1 is considered only when model state does not fit every device with plain data parallelism: "
              "it adds a parameter broadcast after every optimizer step that the model hides poorly in practice",
