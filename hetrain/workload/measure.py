@@ -85,15 +85,21 @@ def _set_math(precision: str, device) -> None:
         torch.backends.cudnn.allow_tf32 = allow
 
 
-def _fwd_bwd(runnable: RunnableModel, module, batch, precision: str, device, scaler):
+def _autocast(precision: str, device):
+    """bf16/fp16 autocast as the runtime's, or nothing for fp32/tf32."""
+    import contextlib
+
     import torch
 
+    dtype = _AUTOCAST.get(precision)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=getattr(torch, dtype))
+
+
+def _fwd_bwd(runnable: RunnableModel, module, batch, precision: str, device, scaler):
     def run():
-        dtype = _AUTOCAST.get(precision)
-        if dtype is not None:
-            with torch.autocast(device_type=device.type, dtype=getattr(torch, dtype)):
-                loss = _loss(_call(module, batch))
-        else:
+        with _autocast(precision, device):
             loss = _loss(_call(module, batch))
         (scaler.scale(loss) if scaler is not None else loss).backward()
 
@@ -217,7 +223,7 @@ def _block_times(runnable, module, device, steps, clock, repeats, budget_s) -> l
                for name, b in blocks]
     _set_math(precision, device)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _autocast(precision, device):
             _call(module, _to(runnable.make_input(mb), device))
     finally:
         for h in handles:
@@ -230,7 +236,8 @@ def _block_times(runnable, module, device, steps, clock, repeats, budget_s) -> l
         inputs = tuple(a.detach().requires_grad_(a.is_floating_point()) for a in args)
 
         def run(block=block, inputs=inputs):
-            y = block(*inputs)
+            with _autocast(precision, device):
+                y = block(*inputs)
             if isinstance(y, torch.Tensor) and y.requires_grad:
                 y.float().mean().backward()
 
