@@ -103,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
     threads = set_cpu_threads(args.threads)
     if args.concurrent > 1 and any(d.type != "cpu" for d in devices):
         raise HetrainError("--concurrent applies to the CPU only; add --device cpu")
+    precisions = {str(d): _precisions(args.precision, d) for d in devices}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runnable = _runnable(args)
@@ -110,12 +111,11 @@ def run(args: argparse.Namespace) -> int:
     workload.save(out / WORKLOAD_FILE)
     written = []
     for device in devices:
-        precisions = _precisions(args.precision, device)
         if args.concurrent > 1:
-            prof = measure_cpu_copies(runnable, args.concurrent, threads, precisions, micro_batches,
+            prof = measure_cpu_copies(runnable, args.concurrent, threads, precisions[str(device)], micro_batches,
                                       repeats=args.repeats, budget_s=args.seconds)
         else:
-            prof = measure(runnable, device, precisions, micro_batches, repeats=args.repeats,
+            prof = measure(runnable, device, precisions[str(device)], micro_batches, repeats=args.repeats,
                            budget_s=args.seconds, blocks=not args.no_blocks)
         prof = prof.model_copy(update={"model": workload.name})
         written.append((prof.save(out), prof))

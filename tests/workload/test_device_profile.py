@@ -74,3 +74,28 @@ def test_unreadable_profiles_are_one_line_errors(tmp_path):
         load_profiles(tmp_path)
     with pytest.raises(HetrainError):
         DeviceProfile.load(tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "resnet50", "--device", "cpu", "--precision", "bf16"], "the CPU profiles in fp32 only"),
+    (["--model", "resnet50", "--micro-batches", "0,2"], "write positive integers"),
+    (["--model", "nosuchnet"], "unknown model 'nosuchnet'"),
+])
+def test_profile_cli_errors_are_one_line(tmp_path, args, message):
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "hetrain.cli.main", "profile", *args, "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert p.stderr.startswith("hetrain profile: error:") and message in p.stderr, p.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_profile_cli_without_cuda_says_so(tmp_path):
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "hetrain.cli.main", "profile", "--model", "resnet50", "--device", "cuda",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "torch sees no CUDA device here" in p.stderr
