@@ -5,7 +5,8 @@
 #
 # 1. versions and date (driver, torch, CUDA, cuDNN);
 # 2. `hetrain devices --json` (NVML discovery);
-# 3. `hetrain profile` of ResNet-50 and GPT-2 124M in bf16, tf32 and fp32 (TF32 off);
+# 3. `hetrain profile` of ResNet-50 (bf16, fp16, tf32, fp32) and GPT-2 124M (bf16, tf32, fp32;
+#    fp32 with TF32 off, as hetrain runs it);
 # 4. a one-rank job under `hetrain launch --plan`: NCCL process group, CUDA autocast in fp16 with
 #    loss scaling, the planned step time against the measured one;
 # 5. the measured rows in the format of hetrain/data/published_training.csv, stamped with the date
@@ -53,9 +54,9 @@ PYEOF
 
 step devices 60 "${HETRAIN[@]}" devices --json
 
-step profile-resnet50 200 "${HETRAIN[@]}" profile --model resnet50 --precision bf16,tf32,fp32 \
+step profile-resnet50 180 "${HETRAIN[@]}" profile --model resnet50 --precision bf16,fp16,tf32,fp32 \
     --micro-batches 32,64,128 --repeats 10 --seconds 4 --out "$OUT/profiles-resnet50"
-step profile-gpt2 200 "${HETRAIN[@]}" profile --model gpt2-124m --precision bf16,tf32,fp32 \
+step profile-gpt2 180 "${HETRAIN[@]}" profile --model gpt2-124m --precision bf16,tf32,fp32 \
     --micro-batches 4,8,16 --repeats 10 --seconds 4 --out "$OUT/profiles-gpt2"
 
 KIND="$("$PY" -c "import torch; from hetrain.workload.measure import device_kind; print(device_kind(torch.device('cuda', 0)))")"
@@ -94,7 +95,7 @@ sys.exit(0 if ok else 1)
 PYEOF
 step plan-fp16 60 "${HETRAIN[@]}" plan --devices "$KIND:1" --profiles "$OUT/profiles-resnet50" --model resnet50 \
     --precision fp16 --global-batch-size 128 --json --out "$OUT/plan-fp16.json"
-step train-nccl-fp16 240 "${HETRAIN[@]}" launch --nproc-per-node 1 --plan "$OUT/plan-fp16.json" \
+step train-nccl-fp16 180 "${HETRAIN[@]}" launch --nproc-per-node 1 --plan "$OUT/plan-fp16.json" \
     "$OUT/train_check.py" 128
 
 echo "== predicted against measured, and calibration rows"
