@@ -14,6 +14,7 @@ from hetrain.planning.compression import PREFERENCE, compression_ratio, lossless
 from hetrain.planning.partition import KindLoad, partition_blocks, split_by_kind
 from hetrain.planning.plan import BalancePlan, CommPlan, PipelinePlan, Plan, RankPlan
 from hetrain.planning.precision_policy import needs_loss_scaling
+from hetrain.planning.explain import why_not
 from hetrain.planning.kinds import Kind, figures_notes, kinds_of
 from hetrain.planning.measured_rates import MeasuredRates
 from hetrain.workload.device_profile import DeviceProfile
@@ -344,30 +345,6 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
     return PlanResult(plan=plan, candidates=list(cands.values()), ideal_samples_per_s=ideal,
                       uniform_ddp_samples_per_s=uniform.samples_per_s if uniform.feasible else 0.0, notes=notes,
                       figures={k.spec.name: k.source for k in kinds})
-
-
-MODEL_ERROR = 0.15
-"""Median error of the cost model's relative speed of two GPU kinds on a source it never saw
-(13.8% in docs/cost-model.md, rounded up): a smaller predicted gain is no reason to switch strategy."""
-_WHEN = {
-    "zero1": "ZeRO-1 is considered only when model state does not fit every device with plain data parallelism: "
-             "it adds a parameter broadcast after every optimizer step that the model hides poorly in practice",
-    "zero3": "ZeRO-3 (FSDP) is considered only when model state does not fit every device with plain data "
-             "parallelism: it gathers every block's weights in forward and again in backward",
-    "pipeline": "pipelines are considered only when the model fits on no single device",
-    "hybrid": "pipelines are considered only when the model fits on no single device",
-    "ddp": "uniform DDP is the baseline",
-}
-
-
-def why_not(chosen: Candidate, other: Candidate) -> str:
-    """Why a candidate predicted faster than the chosen one was not chosen."""
-    gain = other.samples_per_s / chosen.samples_per_s - 1.0
-    size = (f"its predicted gain, {gain:.1%}, is within the cost model's error (about {MODEL_ERROR:.0%})"
-            if gain < MODEL_ERROR else f"its predicted gain is {gain:.1%}")
-    reason = _WHEN.get(other.strategy, f"{other.strategy} is not among the strategies auto compares here")
-    return (f"not {other.strategy}, predicted {other.samples_per_s:.1f} samples/s against {chosen.samples_per_s:.1f}: "
-            f"{reason}; {size}; pass --strategy {other.strategy} to use it")
 
 
 def _no_fit_message(profile, kinds, cands, strategy, optimizer, world, worst) -> str:
