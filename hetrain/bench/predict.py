@@ -64,10 +64,13 @@ def _round(args: argparse.Namespace, tmp: Path, threads: int) -> tuple:
     plan_path = tmp / "plan.json"
     result.plan.save(plan_path)
     out = tmp / "steps.json"
-    launch(LaunchConfig(script="hetrain.bench.predict_job", module=True, nproc_per_node=args.ranks,
-                        plan=str(plan_path), script_args=["--steps", str(args.steps), "--global-batch-size",
-                                                          str(args.global_batch_size), "--width", str(args.width),
-                                                          "--out", str(out)]))
+    rc = launch(LaunchConfig(script="hetrain.bench.predict_job", module=True, nproc_per_node=args.ranks,
+                             plan=str(plan_path), script_args=["--steps", str(args.steps), "--global-batch-size",
+                                                               str(args.global_batch_size), "--width", str(args.width),
+                                                               "--out", str(out)]))
+    if rc != 0 or not out.is_file():
+        raise HetrainError(f"the planned job on {args.ranks} CPU ranks failed (exit status {rc}); its ranks' "
+                           "errors are printed above")
     steps = json.loads(out.read_text())
     return result, cpu_result, prof, steps["step_seconds"][args.warmup:], steps["step_cpu_seconds"][args.warmup:]
 
