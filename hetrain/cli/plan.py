@@ -60,7 +60,7 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--model", help="reference model: resnet50, resnet152, bert-base, bert-large, "
                        "bert-large-512, gpt2-124m, gpt2-1.5b, llama-7b, ...")
     model.add_argument("--profile", metavar="FILE", help="profile saved by hetrain.workload.profile(...).save()")
-    add_global_batch_arg(parser, required=True)
+    add_global_batch_arg(parser)
     parser.add_argument("--profiles", metavar="DIR", help="measured device profiles written by hetrain profile --out DIR; "
                         "their figures replace the model's for the device kinds they cover")
     parser.add_argument("--from-run", metavar="DIR", help="re-plan with the per-device-kind rates a run measured "
@@ -78,12 +78,16 @@ def run(args: argparse.Namespace) -> int:
     from hetrain.planning.planner import plan_job
     from hetrain.workload.device_profile import load_profiles
 
+    rates = MeasuredRates.load(args.from_run) if args.from_run else None
+    if args.global_batch_size is None:
+        if rates is None:
+            raise HetrainError("--global-batch-size is required (samples per optimizer step), e.g. --global-batch-size 256")
+        args.global_batch_size = rates.global_batch_size  # re-plan the run's job
     if args.global_batch_size < 1:
         raise HetrainError(f"--global-batch-size must be a positive integer, got {args.global_batch_size}")
     if args.micro_batch is not None and args.micro_batch < 1:
         raise HetrainError(f"--micro-batch must be a positive integer, got {args.micro_batch}")
     profiles = load_profiles(args.profiles) if args.profiles else None
-    rates = MeasuredRates.load(args.from_run) if args.from_run else None
     result = plan_job(cluster_from_args(args), profile_from_args(args), args.global_batch_size,
                       optimizer=args.optimizer, strategy=args.strategy, precision=args.precision,
                       micro_batch=args.micro_batch, profiles=profiles, rates=rates)

@@ -100,6 +100,15 @@ def test_from_run_moves_the_shares_toward_the_rates_the_run_measured(tmp_path):
     assert any("measured in a run (step 200" in n for n in d["notes"])
 
 
+def test_from_run_replans_the_runs_global_batch_size_by_default(tmp_path):
+    _rates(0.8e-3, 1.0e-3).save(tmp_path)
+    p = _plan_cli("--devices", "a100:1,v100:1", "--model", "resnet50", "--from-run", str(tmp_path), "--json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["plan"]["global_batch_size"] == 512
+    bare = _plan_cli("--devices", "a100:1,v100:1", "--model", "resnet50")
+    assert bare.returncode == 2 and "--global-batch-size is required" in bare.stderr
+
+
 def test_from_run_without_a_rates_file_is_a_one_line_error(tmp_path):
     p = _plan_cli("--devices", "a100:1,v100:1", "--model", "resnet50", "--global-batch-size", "512",
                   "--from-run", str(tmp_path))
