@@ -128,7 +128,10 @@ def zoo_module(name: str) -> RunnableModel:
     if f.model in _RESNET_LAYERS:
         module, make = resnet(f.model)
         return RunnableModel(name, module, make, "cnn")
-    causal = f.model.startswith(("gpt", "llama"))
+    if f.model.startswith("llama"):
+        raise HetrainError(f"{name!r} has no runnable module built in (gated MLP, rotary positions); "
+                           "profile it with --hf-config (its Hugging Face config) or --script")
+    causal = f.model.startswith("gpt")
     module, make = transformer(name, f.layers, f.hidden, f.heads, f.vocab, f.seq_len, causal)
     return RunnableModel(name, module, make, "transformer")
 
