@@ -17,6 +17,7 @@ BENCHES = {
     "memory": "optimizer-state and activation bytes per rank for each memory strategy",
     "recover": "a rank killed mid-run and restarted: steps lost, recovery time, checkpoint cost",
     "comm": "bytes per step and accuracy for each gradient compression",
+    "predict": "a plan from a measured CPU profile against the measured step time of the job it plans",
 }
 
 

@@ -15,6 +15,7 @@ from hetrain.errors import HetrainError
 VERBS: dict[str, tuple[str, str]] = {
     "demo": ("hetrain.cli.demo", "train on 2 emulated mixed devices: plain DDP against hetrain"),
     "devices": ("hetrain.cli.devices", "the GPU catalog and the devices on this machine"),
+    "profile": ("hetrain.cli.profile", "time a model on this machine's devices: one profile per device kind"),
     "plan": ("hetrain.cli.plan", "choose per-device shares, precision and memory strategy"),
     "simulate": ("hetrain.cli.simulate", "sweep cluster sizes or mixes and plot predicted speed"),
     "launch": ("hetrain.cli.launch", "run a training script on torch's elastic agent"),

@@ -33,19 +33,38 @@ def cluster_from_args(args: argparse.Namespace):
 
 
 def profile_from_args(args: argparse.Namespace):
-    """The workload profile: a zoo model by name or a saved profile file."""
-    from hetrain.workload import WorkloadProfile, get_profile
+    """The workload profile: a zoo model by name, a saved profile file, or the one beside --profiles."""
+    from pathlib import Path
 
-    return WorkloadProfile.load(args.profile) if args.profile else get_profile(args.model)
+    from hetrain.workload import WorkloadProfile, get_profile
+    from hetrain.workload.device_profile import WORKLOAD_FILE
+
+    if args.profile:
+        return WorkloadProfile.load(args.profile)
+    if args.model:
+        return get_profile(args.model)
+    if getattr(args, "profiles", None):
+        return WorkloadProfile.load(Path(args.profiles) / WORKLOAD_FILE)
+    raise HetrainError("name the model: --model NAME, --profile FILE, or --profiles DIR written by hetrain profile")
+
+
+def add_global_batch_arg(parser: argparse.ArgumentParser, **kwargs) -> None:
+    """--global-batch-size N (--global-batch is the same flag)."""
+    parser.add_argument("--global-batch-size", "--global-batch", dest="global_batch_size", type=int,
+                        help="samples per optimizer step", **kwargs)
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
     add_cluster_args(parser)
-    model = parser.add_mutually_exclusive_group(required=True)
+    model = parser.add_mutually_exclusive_group()
     model.add_argument("--model", help="reference model: resnet50, resnet152, bert-base, bert-large, "
                        "bert-large-512, gpt2-124m, gpt2-1.5b, llama-7b, ...")
     model.add_argument("--profile", metavar="FILE", help="profile saved by hetrain.workload.profile(...).save()")
-    parser.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
+    add_global_batch_arg(parser)
+    parser.add_argument("--profiles", metavar="DIR", help="measured device profiles written by hetrain profile --out DIR; "
+                        "their figures replace the model's for the device kinds they cover")
+    parser.add_argument("--from-run", metavar="DIR", help="re-plan with the per-device-kind rates a run measured "
+                        "(measured-rates.json in its run or checkpoint directory)")
     parser.add_argument("--strategy", default="auto", choices=["auto", "ddp", "balanced", "zero1", "zero3", "pipeline"])
     parser.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "tf32", "fp32"])
     parser.add_argument("--micro-batch", type=int, default=None, help="fix the micro-batch on every device")
@@ -55,15 +74,23 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hetrain.planning.measured_rates import MeasuredRates
     from hetrain.planning.planner import plan_job
+    from hetrain.workload.device_profile import load_profiles
 
-    if args.global_batch < 1:
-        raise HetrainError(f"--global-batch must be a positive integer, got {args.global_batch}")
+    rates = MeasuredRates.load(args.from_run) if args.from_run else None
+    if args.global_batch_size is None:
+        if rates is None:
+            raise HetrainError("--global-batch-size is required (samples per optimizer step), e.g. --global-batch-size 256")
+        args.global_batch_size = rates.global_batch_size  # re-plan the run's job
+    if args.global_batch_size < 1:
+        raise HetrainError(f"--global-batch-size must be a positive integer, got {args.global_batch_size}")
     if args.micro_batch is not None and args.micro_batch < 1:
         raise HetrainError(f"--micro-batch must be a positive integer, got {args.micro_batch}")
-    result = plan_job(cluster_from_args(args), profile_from_args(args), args.global_batch,
+    profiles = load_profiles(args.profiles) if args.profiles else None
+    result = plan_job(cluster_from_args(args), profile_from_args(args), args.global_batch_size,
                       optimizer=args.optimizer, strategy=args.strategy, precision=args.precision,
-                      micro_batch=args.micro_batch)
+                      micro_batch=args.micro_batch, profiles=profiles, rates=rates)
     if args.out:
         result.plan.save(args.out)
     if args.json:
@@ -84,7 +111,7 @@ def print_result(result) -> None:
     plan = result.plan
     table = Table(title=f"hetrain plan: {plan.strategy}, global batch {plan.global_batch_size}")
     for col in ("ranks", "device", "precision", "share", "micro-batch x accum", "memory used / total",
-                "checkpointing", "stage", "step (s)"):
+                "checkpointing", "stage", "step (s)", "figures"):
         table.add_column(col)
     rows: dict[tuple, list[int]] = {}
     for r in plan.ranks:
@@ -95,7 +122,8 @@ def print_result(result) -> None:
         dev, prec, share, mb, acc, mem, cap, ckpt, stage, t = key
         label = str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}..{ranks[-1]} ({len(ranks)})"
         table.add_row(label, dev, prec, str(share), f"{mb} x {acc}", f"{(mem or 0) / 1e9:.1f} / {(cap or 0) / 1e9:.0f} GB",
-                      "yes" if ckpt else "no", str(stage), f"{t:.3f}" if t is not None else "-")
+                      "yes" if ckpt else "no", str(stage), f"{t:.3f}" if t is not None else "-",
+                      result.figures.get(dev, "modelled"))
     console.print(table)
     cands = Table(title="candidates")
     for col in ("strategy", "samples/s", "compression", "why"):

@@ -11,7 +11,8 @@ from hetrain.errors import HetrainError
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="reference model name (see hetrain plan --help)")
+    parser.add_argument("--model", default="resnet152", help="reference model name (see hetrain plan --help); "
+                        "default resnet152")
     parser.add_argument("--mix", default="a100:1,v100:1",
                         help="device mix repeated at each size, MODEL:COUNT,... (default a100:1,v100:1)")
     parser.add_argument("--sizes", default="1,2,4,8,16,32", help="how many copies of the mix, comma-separated")
@@ -97,7 +98,12 @@ def _plot(rows: list[dict], path: str, title: str) -> None:
         ax.set_xlabel("GPUs")
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
-    ax1.legend(fontsize=8)
+    for ax, key in ((ax1, "samples_per_s"), (ax2, "scaling_efficiency")):
+        chosen = [r for r in rows if r["chosen"]]
+        names = ", ".join(dict.fromkeys(r["strategy"] for r in chosen))
+        ax.scatter([r["devices"] for r in chosen], [r[key] for r in chosen], s=160, facecolors="none",
+                   edgecolors="black", linewidths=1.6, zorder=5, label=f"chosen by hetrain plan ({names})")
+        ax.legend(fontsize=8)
     fig.suptitle(title + " (predicted by hetrain's cost model)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

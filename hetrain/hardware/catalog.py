@@ -45,6 +45,8 @@ class GpuSpec:
     pcie_bytes_per_s: float | None
     """PCIe x16 bandwidth, one direction"""
     tdp_w: float | None
+    l2_bytes: float = 0.0
+    """L2 cache (0 where the catalog does not say, and for the CPU)"""
 
     def supports(self, precision: str) -> bool:
         """Whether this device computes in `precision` (fp32, tf32, fp16, bf16)."""
@@ -117,6 +119,7 @@ def _spec_from_row(row: dict[str, str]) -> GpuSpec:
         pcie_gen=_opt_int(row["pcie_gen"]),
         pcie_bytes_per_s=_opt_float(row["pcie_gbps"], 1e9),
         tdp_w=_opt_float(row["tdp_w"]),
+        l2_bytes=_opt_float(row.get("l2_mb") or "", 1e6) or 0.0,
     )
 
 

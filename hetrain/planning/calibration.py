@@ -1,19 +1,25 @@
-"""Fit the compute model's few constants on the single-GPU rows of published_training.csv, and
-predict every row (single- and multi-GPU) against what was published.
+"""Fit the compute model's few constants on published single-GPU rows, and hold the model against
+rows it never saw: every row of a source predicted by a fit on the other sources only.
 
-Fitted: one efficiency per (workload kind, precision class) - cnn|transformer x 16-bit tensor
-core|tf32 tensor core|fp32 - bounded to at most 100% of peak, one count of memory passes over
-activation bytes shared by all, and the token fraction of the published BERT-512 recipe (it packs
-unpadded sequences). Eight constants on fourteen rows.
-The device's own peak FLOP/s and memory bandwidth carry the difference between GPU generations.
+Fitted (see cost_model.sample_seconds): one efficiency per (workload kind, precision class),
+bounded to (0, 1] of peak; memory passes over the activation bytes per workload kind; the
+bandwidth GDDR graphics dies reach relative to HBM datacenter dies; the L2 size that halves the
+traffic reaching memory; the token fraction of the
+published BERT-512 recipe (it packs unpadded sequences). Each source's software stack runs a
+workload kind at its own overall speed (NVIDIA's ResNet-50 recipe with DALI and channels-last is
+about 1.5x Lambda's on the same A100), so each (source, kind) gets a level factor, constrained to a
+geometric mean of 1: the shared constants then describe how GPU kinds differ, and a prediction for
+an unseen stack uses the mean level. The device's own peaks and bandwidth carry the rest.
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import itertools
+import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from importlib import resources
 
@@ -26,12 +32,16 @@ from hetrain.planning.cost_model import (
     allreduce_cost,
     backward_fraction,
     compute_seconds,
+    data_parallel_efficiency,
     exposed_seconds,
     fixed_seconds_per_microbatch,
+    graphics_memory,
+    math_precision,
     per_sample_terms,
 )
 
-GROUPS = tuple(f"{k}/{c}" for k in ("cnn", "transformer") for c in ("16bit", "tf32", "fp32"))
+KINDS = ("cnn", "transformer")
+GROUPS = tuple(f"{k}/{c}" for k in KINDS for c in ("16bit", "tf32", "fp32"))
 _PRECISION = {"amp": "fp16", "tf32": "tf32", "fp32": "fp32", "bf16": "bf16"}
 
 
@@ -47,6 +57,9 @@ class PublishedRow:
     precision: str
     batch_per_gpu: int
     samples_per_s: float
+    source: str = "unknown"
+    fp32_math: str = "default"
+    """what the source's stack does with fp32 on Ampere+ ("default": convolutions in TF32; "tf32": all)"""
 
     @property
     def model_name(self) -> str:
@@ -54,13 +67,11 @@ class PublishedRow:
 
     @property
     def packed(self) -> bool:
-        return self.workload.startswith("bert") and (self.seq_len or 0) >= 512
+        return self.source == "nvidia-dle" and self.workload.startswith("bert") and (self.seq_len or 0) >= 512
 
 
-@lru_cache(maxsize=1)
-def published_rows() -> tuple[PublishedRow, ...]:
-    """Every row of hetrain/data/published_training.csv."""
-    text = resources.files("hetrain").joinpath("data/published_training.csv").read_text()
+def parse_rows(text: str) -> tuple[PublishedRow, ...]:
+    """Rows of a published_training.csv text (lines starting with # are comments)."""
     lines = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
     return tuple(
         PublishedRow(
@@ -72,88 +83,162 @@ def published_rows() -> tuple[PublishedRow, ...]:
             precision=_PRECISION[r["precision"]],
             batch_per_gpu=int(r["batch_per_gpu"]),
             samples_per_s=float(r["samples_per_s"]),
+            source=(r.get("source") or "unknown").strip(),
+            fp32_math=(r.get("fp32_math") or "").strip() or "default",
         )
         for r in csv.DictReader(io.StringIO("\n".join(lines)))
     )
 
 
-def _row_terms(row: PublishedRow) -> tuple[np.ndarray, float, float]:
-    """Design row (coefficients of 1/efficiency per group and of memory passes), fixed and observed seconds."""
+@lru_cache(maxsize=1)
+def published_rows() -> tuple[PublishedRow, ...]:
+    """Every row of hetrain/data/published_training.csv."""
+    return parse_rows(resources.files("hetrain").joinpath("data/published_training.csv").read_text())
+
+
+def _row_model(row: PublishedRow):
     from hetrain.hardware.catalog import get_gpu
     from hetrain.workload.zoo import get_profile
 
     profile, spec = get_profile(row.model_name), get_gpu(row.gpu)
-    flop_s, byte_s = per_sample_terms(profile, spec, row.precision)
-    x = np.zeros(len(GROUPS) + 1)
-    x[GROUPS.index(f"{profile.kind}/{PRECISION_CLASS[row.precision]}")] = row.batch_per_gpu * flop_s
-    x[-1] = row.batch_per_gpu * byte_s
-    fixed = fixed_seconds_per_microbatch(profile, spec, row.precision)
-    return x, fixed, row.batch_per_gpu / row.samples_per_s
+    return profile, spec, math_precision(spec, row.precision, profile.kind, row.fp32_math)
 
 
-def nnls(a: np.ndarray, b: np.ndarray, iters: int = 200) -> np.ndarray:
-    """argmin ||a x - b|| subject to x >= 0 (Lawson-Hanson active set)."""
-    n = a.shape[1]
-    x, passive = np.zeros(n), np.zeros(n, dtype=bool)
-    for _ in range(iters):
-        w = a.T @ (b - a @ x)
-        if passive.all() or (w[~passive] <= 1e-12).all():
-            break
-        passive[np.argmax(np.where(passive, -np.inf, w))] = True
-        while True:
-            z = np.zeros(n)
-            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
-            if (z[passive] > 0).all():
-                x = z
-                break
-            neg = passive & (z <= 0)
-            alpha = np.min(x[neg] / (x[neg] - z[neg]))
-            x = x + alpha * (z - x)
-            passive &= x > 1e-12
-    return x
+@dataclass(frozen=True)
+class _Terms:
+    """Per-row quantities the fit needs, as arrays."""
+
+    group: np.ndarray
+    kind: np.ndarray
+    flop_s: np.ndarray
+    byte_s: np.ndarray
+    gddr: np.ndarray
+    l2: np.ndarray
+    packed: np.ndarray
+    fixed: np.ndarray
+    batch: np.ndarray
+    observed: np.ndarray
+    level: np.ndarray  # index of the row's (source, kind) level factor
 
 
-def _solve(a: np.ndarray, b: np.ndarray, used: np.ndarray) -> tuple[float, np.ndarray]:
-    lower = np.where(np.arange(a.shape[1]) < len(GROUPS), 1.0, 0.0)  # efficiency <= 100% of peak
-    lower[~used] = 0.0
-    coef = np.zeros(a.shape[1])
-    coef[used] = nnls(a[:, used], b - a @ lower)[0 : used.sum()] + lower[used]
-    return float(np.sum((a @ coef - b) ** 2)), coef
+def _terms(rows: list[PublishedRow]) -> tuple[_Terms, list[tuple[str, str]]]:
+    levels: list[tuple[str, str]] = []
+    cols: dict[str, list] = {k: [] for k in _Terms.__dataclass_fields__}
+    for r in rows:
+        profile, spec, p = _row_model(r)
+        flop_s, byte_s = per_sample_terms(profile, spec, p)
+        key = (r.source, profile.kind)
+        if key not in levels:
+            levels.append(key)
+        cols["group"].append(GROUPS.index(f"{profile.kind}/{PRECISION_CLASS[p]}"))
+        cols["kind"].append(KINDS.index(profile.kind))
+        cols["flop_s"].append(flop_s)
+        cols["byte_s"].append(byte_s)
+        cols["gddr"].append(graphics_memory(spec))
+        cols["l2"].append(spec.l2_bytes)
+        cols["packed"].append(r.packed)
+        cols["fixed"].append(fixed_seconds_per_microbatch(profile, spec, p))
+        cols["batch"].append(r.batch_per_gpu)
+        cols["observed"].append(r.samples_per_s / r.gpus)
+        cols["level"].append(levels.index(key))
+    return _Terms(**{k: np.asarray(v) for k, v in cols.items()}), levels
+
+
+def _unpack(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, float, float, float]:
+    eff = 1.0 / (1.0 + np.exp(-x[:6]))
+    passes = np.exp(x[6:8])
+    gddr_eff = float(np.exp(x[8]))
+    fraction = float(1.0 / (1.0 + np.exp(-x[9])))
+    l2_scale = float(np.exp(x[10])) * 1e6
+    return eff, passes, gddr_eff, fraction, l2_scale
+
+
+_SHARED = 11
+
+
+def _level_logs(x: np.ndarray, levels: list[tuple[str, str]]) -> np.ndarray:
+    """Log level per (source, kind); each kind's levels sum to 0 (geometric mean 1)."""
+    out = np.zeros(len(levels))
+    free = x[_SHARED:]
+    i = 0
+    for kind in KINDS:
+        idx = [j for j, (_, k) in enumerate(levels) if k == kind]
+        for j in idx[:-1]:
+            out[j] = free[i]
+            i += 1
+        if idx:
+            out[idx[-1]] = -sum(out[j] for j in idx[:-1])
+    return out
+
+
+def _n_free(levels: list[tuple[str, str]]) -> int:
+    return sum(max(0, sum(1 for _, k in levels if k == kind) - 1) for kind in KINDS)
+
+
+def _residuals(x: np.ndarray, t: _Terms, levels: list[tuple[str, str]]) -> np.ndarray:
+    eff, passes, gddr_eff, fraction, l2_scale = _unpack(x)
+    scale = np.where(t.packed, fraction, 1.0) * np.exp(_level_logs(x, levels))[t.level]
+    bandwidth = np.where(t.gddr, gddr_eff, 1.0) * (1.0 + t.l2 / l2_scale)
+    per_sample = t.flop_s / eff[t.group] + passes[t.kind] * t.byte_s / bandwidth
+    predicted = t.batch / (t.batch * per_sample * scale + t.fixed)
+    return np.log(predicted / t.observed)
 
 
 def fit(rows: list[PublishedRow] | tuple[PublishedRow, ...]) -> Calibration:
-    """Least relative-squared-error fit of the constants on single-GPU rows (efficiency <= 1)."""
+    """Robust least-squares fit (log error) of the constants on the single-GPU rows."""
+    from scipy.optimize import least_squares
+
     rows = [r for r in rows if r.gpus == 1]
-    terms = [_row_terms(r) for r in rows]
-    base = np.array([x / t for x, _, t in terms])
-    b = np.array([1.0 - f / t for _, f, t in terms])
-    packed = np.array([r.packed for r in rows])
-    used = base.any(axis=0)
+    t, levels = _terms(rows)
+    x0 = np.concatenate([np.zeros(6), np.log([8.0, 8.0]), [0.0, 1.0, np.log(100.0)], np.zeros(_n_free(levels))])
+    x = least_squares(_residuals, x0, args=(t, levels), loss="soft_l1", f_scale=0.1).x
+    eff, passes, gddr_eff, fraction, l2_scale = _unpack(x)
+    l2_seen = len(set(t.l2.tolist())) > 1
+    used = set(t.group.tolist())
+    kinds = set(t.kind.tolist())
+    return Calibration(
+        compute_efficiency={g: float(eff[i]) for i, g in enumerate(GROUPS) if i in used},
+        memory_passes={k: float(passes[i]) for i, k in enumerate(KINDS) if i in kinds},
+        graphics_memory_efficiency=gddr_eff if t.gddr.any() else 1.0,
+        packed_token_fraction=round(fraction, 3) if t.packed.any() else 1.0,
+        l2_scale_bytes=l2_scale if l2_seen else float("inf"),
+        rows=len(rows),
+        parameters=len(used) + len(kinds) + int(t.gddr.any()) + int(t.packed.any()) + int(l2_seen) + _n_free(levels),
+    )
 
-    def at(fraction: float) -> tuple[float, np.ndarray]:
-        return _solve(np.where(packed[:, None], base * fraction, base), b, used)
 
-    fraction = 1.0
-    if packed.any():  # coarse grid, then refine around the best
-        grid = np.arange(0.30, 1.0001, 0.05)
-        fraction = float(min(grid, key=lambda f: at(f)[0]))
-        grid = np.arange(max(0.30, fraction - 0.05), min(1.0, fraction + 0.05) + 1e-9, 0.01)
-        fraction = float(min(grid, key=lambda f: at(f)[0]))
-    _, coef = at(fraction)
-    eff = {g: float(1.0 / coef[i]) for i, g in enumerate(GROUPS) if used[i]}
-    params = int(used[: len(GROUPS)].sum()) + 1 + int(packed.any())
-    return Calibration(compute_efficiency=eff, memory_passes=float(coef[-1]),
-                       packed_token_fraction=round(fraction, 2), rows=len(rows), parameters=params)
+def fit_scaling(rows: list[PublishedRow] | tuple[PublishedRow, ...], calib: Calibration) -> float:
+    """Throughput kept per doubling of GPUs beyond the modelled all-reduce: least squares of
+    log((published_n / predicted_n) / (published_1 / predicted_1)) on log2 n, over multi-GPU rows
+    whose single-GPU row (same source, workload, GPU, precision) is published; at most 1."""
+    plain = replace(calib, scaling_per_doubling=1.0)
+    single = {(r.source, r.model_name, r.gpu, r.precision): r for r in rows if r.gpus == 1}
+    xy = []
+    for r in rows:
+        one = single.get((r.source, r.model_name, r.gpu, r.precision))
+        if r.gpus > 1 and one is not None:
+            kept = (r.samples_per_s / predict_row(r, plain)) / (one.samples_per_s / predict_row(one, plain))
+            xy.append((math.log2(r.gpus), math.log(kept)))
+    if not xy:
+        return 1.0
+    return min(1.0, math.exp(sum(x * y for x, y in xy) / sum(x * x for x, _ in xy)))
+
+
+def fit_all(rows: list[PublishedRow] | tuple[PublishedRow, ...]) -> Calibration:
+    """The single-GPU constants (`fit`), then the multi-GPU scaling on top of them."""
+    calib = fit(rows)
+    return replace(calib, scaling_per_doubling=fit_scaling(rows, calib))
 
 
 @lru_cache(maxsize=1)
 def default_calibration() -> Calibration:
-    """Constants fitted on all single-GPU published rows."""
-    return fit(published_rows())
+    """Constants fitted on all published rows (single-GPU constants, then multi-GPU scaling)."""
+    return fit_all(published_rows())
 
 
 def predict_row(row: PublishedRow, calib: Calibration) -> float:
-    """Predicted samples/s of a published configuration (multi-GPU: one DGX node, NVLink ring)."""
+    """Predicted samples/s of a published configuration (multi-GPU: one node, ring all-reduce over
+    NVLink where the part has it, else PCIe)."""
     from hetrain.hardware.catalog import get_gpu
     from hetrain.workload.zoo import get_profile
 
@@ -164,7 +249,7 @@ def predict_row(row: PublishedRow, calib: Calibration) -> float:
             "activation_bytes_per_sample": profile.activation_bytes_per_sample * calib.packed_token_fraction,
         })
     mb = row.batch_per_gpu
-    compute = compute_seconds(profile, spec, row.precision, mb, mb, False, calib)
+    compute = compute_seconds(profile, spec, row.precision, mb, mb, False, calib, row.fp32_math)
     exposed = 0.0
     if row.gpus > 1:
         link = spec.nvlink_bytes_per_s or spec.pcie_bytes_per_s
@@ -172,48 +257,152 @@ def predict_row(row: PublishedRow, calib: Calibration) -> float:
         grad_bytes = 4.0 * profile.params
         comm = allreduce_cost(grad_bytes, topo).seconds
         exposed = exposed_seconds(comm, compute * backward_fraction(False), grad_bytes)
-    return row.gpus * mb / (compute + exposed)
+    return row.gpus * mb / (compute + exposed) * data_parallel_efficiency(row.gpus, calib)
 
 
 @dataclass(frozen=True)
 class RowResult:
-    """A published row with the in-sample and leave-one-out predictions."""
+    """A published row, predicted by the fit on every source and by the fit without its source."""
 
     row: PublishedRow
     predicted: float
-    predicted_loo: float | None
+    predicted_held_out: float | None
 
     @property
     def error(self) -> float:
         return self.predicted / self.row.samples_per_s - 1.0
 
     @property
-    def error_loo(self) -> float | None:
-        return None if self.predicted_loo is None else self.predicted_loo / self.row.samples_per_s - 1.0
+    def error_held_out(self) -> float | None:
+        if self.predicted_held_out is None:
+            return None
+        return self.predicted_held_out / self.row.samples_per_s - 1.0
 
 
-def evaluate() -> list[RowResult]:
-    """Every published row predicted by the full fit and, for single-GPU rows, by a fit without it."""
+@lru_cache(maxsize=1)
+def evaluate() -> tuple[RowResult, ...]:
+    """Every published row: predicted by the full fit, and by a fit that never saw its source."""
     rows = published_rows()
     calib = default_calibration()
-    single = [r for r in rows if r.gpus == 1]
+    sources = sorted({r.source for r in rows})
+    held = {s: fit_all([r for r in rows if r.source != s]) for s in sources} if len(sources) > 1 else {}
+    return tuple(
+        RowResult(r, predict_row(r, calib), predict_row(r, held[r.source]) if r.source in held else None)
+        for r in rows
+    )
+
+
+@dataclass(frozen=True)
+class PairResult:
+    """Two GPU kinds of one source in one configuration: published and predicted speed ratio."""
+
+    a: RowResult
+    b: RowResult
+
+    @property
+    def published(self) -> float:
+        return self.a.row.samples_per_s / self.b.row.samples_per_s
+
+    def error(self, held_out: bool = False) -> float:
+        pa = self.a.predicted_held_out if held_out else self.a.predicted
+        pb = self.b.predicted_held_out if held_out else self.b.predicted
+        return (pa / pb) / self.published - 1.0
+
+
+def pairs(results: tuple[RowResult, ...] | list[RowResult]) -> list[PairResult]:
+    """Every pair of different GPU kinds within one source, workload, precision and GPU count."""
+    def key(r: RowResult):
+        return (r.row.source, r.row.workload, r.row.seq_len or 0, r.row.precision, r.row.gpus)
+
     out = []
-    for r in rows:
-        loo = None
-        if r.gpus == 1:
-            loo = predict_row(r, fit([s for s in single if s is not r]))
-        out.append(RowResult(r, predict_row(r, calib), loo))
+    for _, group in itertools.groupby(sorted(results, key=key), key=key):
+        for a, b in itertools.combinations(list(group), 2):
+            if a.row.gpu != b.row.gpu:
+                out.append(PairResult(a, b))
     return out
 
 
-def summary(results: list[RowResult]) -> dict[str, float]:
-    """Median and largest absolute relative error, over all rows and leave-one-out rows."""
-    errs = [abs(r.error) for r in results]
-    loo = [abs(r.error_loo) for r in results if r.error_loo is not None]
-    return {
-        "rows": len(results),
-        "median_abs_error": statistics.median(errs),
-        "max_abs_error": max(errs),
-        "loo_median_abs_error": statistics.median(loo) if loo else float("nan"),
-        "loo_max_abs_error": max(loo) if loo else float("nan"),
-    }
+def _stats(errors: list[float]) -> tuple[float, float]:
+    if not errors:
+        return float("nan"), float("nan")
+    return statistics.median(abs(e) for e in errors), max(abs(e) for e in errors)
+
+
+def summary(results: tuple[RowResult, ...] | list[RowResult]) -> dict[str, float]:
+    """Median and largest absolute errors: throughput and relative speed, in-sample and held out."""
+    prs = pairs(results)
+    held = [r.error_held_out for r in results if r.error_held_out is not None]
+    out = {"rows": len(results), "pairs": len(prs)}
+    out["median_abs_error"], out["max_abs_error"] = _stats([r.error for r in results])
+    out["held_out_median_abs_error"], out["held_out_max_abs_error"] = _stats(held)
+    out["pair_median_abs_error"], out["pair_max_abs_error"] = _stats([p.error() for p in prs])
+    held_pairs = [p.error(True) for p in prs if p.a.predicted_held_out is not None]
+    out["held_out_pair_median_abs_error"], out["held_out_pair_max_abs_error"] = _stats(held_pairs)
+    return out
+
+
+def markdown_rows(results: tuple[RowResult, ...] | list[RowResult]) -> str:
+    """The docs table: every row, published against predicted (fit on all) and held out."""
+    lines = ["| source | workload | seq | gpu | gpus | precision | batch/GPU | published | predicted | error "
+             "| held-out prediction | held-out error |", "|" + "---|" * 12]
+    for r in results:
+        w = r.row
+        held = "" if r.predicted_held_out is None else f"{r.predicted_held_out:.0f} | {r.error_held_out:+.1%}"
+        lines.append(f"| {w.source} | {w.workload} | {w.seq_len or ''} | {w.gpu} | {w.gpus} | {w.precision} | "
+                     f"{w.batch_per_gpu} | {w.samples_per_s:g} | {r.predicted:.0f} | {r.error:+.1%} | {held or ' | '} |")
+    return "\n".join(lines)
+
+
+def markdown_relative_speeds(results: tuple[RowResult, ...] | list[RowResult],
+                             references: tuple[str, ...] = ("a100-sxm4-80gb", "a100-sxm4-40gb")) -> str:
+    """Single-GPU speed of each GPU kind over the source's A100 SXM in the same workload and
+    precision: published, predicted with every source fitted, and by the fit without that source."""
+    lines = ["| source | workload | precision | gpu | published vs A100 SXM | predicted | error "
+             "| held out | held-out error |", "|" + "---|" * 9]
+    single = [r for r in results if r.row.gpus == 1]
+    for r in single:
+        same = [x for x in single if (x.row.source, x.row.model_name, x.row.precision)
+                == (r.row.source, r.row.model_name, r.row.precision)]
+        ref = next((x for name in references for x in same if x.row.gpu == name), None)
+        if ref is None or r is ref:
+            continue
+        pub = r.row.samples_per_s / ref.row.samples_per_s
+        pred = r.predicted / ref.predicted
+        held = "| |"
+        if r.predicted_held_out is not None:
+            h = r.predicted_held_out / ref.predicted_held_out
+            held = f"| {h:.2f} | {h / pub - 1:+.1%} |"
+        lines.append(f"| {r.row.source} | {r.row.model_name} | {r.row.precision} | {r.row.gpu} (/ {ref.row.gpu}) | "
+                     f"{pub:.2f} | {pred:.2f} | {pred / pub - 1:+.1%} {held}")
+    return "\n".join(lines)
+
+
+def markdown_summary(results: tuple[RowResult, ...] | list[RowResult]) -> str:
+    """Median and largest absolute errors, single- and multi-GPU, fitted and held out."""
+    lines = ["| rows | count | throughput: fit on all | throughput: source held out | relative speed pairs "
+             "| pairs: fit on all | pairs: source held out |", "|" + "---|" * 7]
+    for label, keep in (("single-GPU", lambda n: n == 1), ("multi-GPU", lambda n: n > 1), ("all", lambda n: True)):
+        rs = [r for r in results if keep(r.row.gpus)]
+        ps = [p for p in pairs(results) if keep(p.a.row.gpus)]
+        fit_t, held_t = _stats([r.error for r in rs]), _stats([r.error_held_out for r in rs if r.error_held_out is not None])
+        fit_p, held_p = _stats([p.error() for p in ps]), _stats([p.error(True) for p in ps if p.a.predicted_held_out])
+        lines.append(f"| {label} | {len(rs)} | {fit_t[0]:.1%} median, {fit_t[1]:.0%} worst | {held_t[0]:.1%} median, "
+                     f"{held_t[1]:.0%} worst | {len(ps)} | {fit_p[0]:.1%} median, {fit_p[1]:.0%} worst | "
+                     f"{held_p[0]:.1%} median, {held_p[1]:.0%} worst |")
+    lines += ["", "| source held out (fit on the others) | rows | throughput | relative speed pairs | pairs |",
+              "|---|---|---|---|---|"]
+    for source in sorted({r.row.source for r in results}):
+        rs = [r for r in results if r.row.source == source and r.error_held_out is not None]
+        ps = [p.error(True) for p in pairs(rs)]
+        t, pp = _stats([r.error_held_out for r in rs]), _stats(ps)
+        pair_text = f"{pp[0]:.1%} median, {pp[1]:.0%} worst" if ps else "-"
+        lines.append(f"| {source} | {len(rs)} | {t[0]:.1%} median, {t[1]:.0%} worst | {len(ps)} | {pair_text} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    _results = evaluate()
+    print(default_calibration(), "\n")
+    print(markdown_summary(_results), "\n")
+    print(markdown_relative_speeds(_results), "\n")
+    print(markdown_rows(_results))

@@ -1,8 +1,10 @@
 """Predicted time and memory of one training step: pure functions, no processes.
 
-Compute: a roofline per sample, FLOPs over the device's peak for its precision times a calibrated
-efficiency, plus calibrated passes over the activation bytes at memory bandwidth; each
-micro-batch also reads the weights (forward, backward) and writes gradients once.
+Compute, per sample: the step's FLOPs at the peak of the precision the math units run in, times a
+fitted efficiency per (workload kind, precision class), plus its memory traffic (fitted passes over
+the activation bytes) at the device's bandwidth, less what its L2 cache keeps on chip, with a fitted
+factor for graphics-memory (GDDR) parts against HBM datacenter parts; per micro-batch, the weights read and gradients written once
+plus kernel launches. "fp32" on Ampere and later runs convolutions in TF32 unless TF32 is turned off.
 Memory: weights, gradients, optimizer state (ZeRO stages divide what they shard), activations per
 micro-batch (or only block boundaries with activation checkpointing), framework overhead.
 Communication: ring or two-level all-reduce over the slowest link, partly hidden under backward.
@@ -36,10 +38,17 @@ class Calibration:
 
     compute_efficiency: dict[str, float] = field(hash=False)
     """fraction of peak FLOP/s reached, keyed "kind/class" (cnn|transformer, 16bit|tf32|fp32)"""
-    memory_passes: float
-    """times each activation byte crosses memory bandwidth per sample (elementwise traffic)"""
+    memory_passes: dict[str, float] = field(hash=False)
+    """times each activation byte crosses memory per sample, by workload kind (elementwise traffic)"""
+    graphics_memory_efficiency: float = 1.0
+    """bandwidth reached by GDDR graphics dies (RTX, A10, L4, T4) relative to HBM datacenter dies"""
+    l2_scale_bytes: float = math.inf
+    """an L2 cache of this size halves the activation traffic reaching memory (traffic / (1 + L2 / this))"""
     packed_token_fraction: float = 1.0
     """tokens per sequence over nominal in the published BERT-512 recipe (unpadded packing)"""
+    scaling_per_doubling: float = 1.0
+    """data-parallel throughput kept per doubling of replicas beyond the modelled all-reduce
+    (synchronisation, stragglers, input pipelines), fitted on published multi-GPU rows"""
     rows: int = 0
     parameters: int = 0
 
@@ -52,6 +61,12 @@ class Calibration:
             if f"{kind}/{c}" in self.compute_efficiency:
                 return self.compute_efficiency[f"{kind}/{c}"]
         return min(self.compute_efficiency.values())
+
+    def passes(self, kind: str) -> float:
+        """Memory passes over the activation bytes for a workload kind ("other": geometric mean)."""
+        if kind in self.memory_passes:
+            return self.memory_passes[kind]
+        return math.exp(sum(math.log(v) for v in self.memory_passes.values()) / len(self.memory_passes))
 
 
 def default_calibration() -> Calibration:
@@ -67,11 +82,36 @@ def peak_flops(spec, precision: str) -> float:
     return peak if peak > 0 else spec.peak_flops["fp32"]
 
 
+def math_precision(spec, precision: str, kind: str, fp32_math: str = "fp32") -> str:
+    """The precision the math units run in for a requested `precision`.
+
+    `fp32_math` says what the software stack does with fp32 on Ampere and later: "fp32" (TF32 off,
+    as hetrain's runtime sets it), "default" (PyTorch's default: cuDNN convolutions in TF32, matmuls
+    in fp32) or "tf32" (both in TF32, as NVIDIA's NGC containers do).
+    """
+    if precision != "fp32" or spec.compute_capability < (8, 0) or spec.arch == "cpu":
+        return precision
+    if fp32_math == "tf32" or (fp32_math == "default" and kind == "cnn"):
+        return "tf32"
+    return "fp32"
+
+
+def graphics_memory(spec) -> bool:
+    """GDDR graphics dies (compute capability x.5-x.9: T4, A10, RTX, L4) against HBM x.0 datacenter dies."""
+    return spec.arch != "cpu" and spec.compute_capability[1] != 0
+
+
+def data_parallel_efficiency(replicas: int, calib: Calibration | None = None) -> float:
+    """Fraction of the modelled data-parallel speed that `replicas` replicas keep (1 for one)."""
+    calib = calib or default_calibration()
+    return calib.scaling_per_doubling ** math.log2(replicas) if replicas > 1 else 1.0
+
+
 # ---------------------------------------------------------------- compute
 
 
 def per_sample_terms(profile: WorkloadProfile, spec, precision: str) -> tuple[float, float]:
-    """(FLOP seconds at 100% efficiency, seconds per activation-byte pass) for one sample."""
+    """(FLOP seconds at 100% efficiency, seconds per activation-byte pass at peak bandwidth) for one sample."""
     act = profile.activation_bytes(ELEMENT_BYTES[precision])
     return profile.flops_per_sample / peak_flops(spec, precision), act / spec.mem_bw_bytes_per_s
 
@@ -82,22 +122,24 @@ def fixed_seconds_per_microbatch(profile: WorkloadProfile, spec, precision: str)
 
 
 def sample_seconds(profile: WorkloadProfile, spec, precision: str, calib: Calibration | None = None,
-                   checkpointing: bool = False) -> float:
+                   checkpointing: bool = False, fp32_math: str = "fp32") -> float:
     """Predicted compute seconds per sample (large micro-batch), forward + backward."""
     calib = calib or default_calibration()
-    flop_s, byte_s = per_sample_terms(profile, spec, precision)
-    t = flop_s / calib.efficiency(profile.kind, precision) + calib.memory_passes * byte_s
+    math_p = math_precision(spec, precision, profile.kind, fp32_math)
+    flop_s, byte_s = per_sample_terms(profile, spec, math_p)
+    bw = (calib.graphics_memory_efficiency if graphics_memory(spec) else 1.0) * (1.0 + spec.l2_bytes / calib.l2_scale_bytes)
+    t = flop_s / calib.efficiency(profile.kind, math_p) + calib.passes(profile.kind) * byte_s / bw
     return t * (CHECKPOINT_COMPUTE_FACTOR if checkpointing else 1.0)
 
 
 def compute_seconds(profile: WorkloadProfile, spec, precision: str, share: int, micro_batch: int,
-                    checkpointing: bool = False, calib: Calibration | None = None) -> float:
+                    checkpointing: bool = False, calib: Calibration | None = None, fp32_math: str = "fp32") -> float:
     """Predicted compute seconds of one step: `share` samples in micro-batches of `micro_batch`."""
     if share <= 0:
         return 0.0
     steps = math.ceil(share / max(1, micro_batch))
     return steps * fixed_seconds_per_microbatch(profile, spec, precision) + share * sample_seconds(
-        profile, spec, precision, calib, checkpointing
+        profile, spec, precision, calib, checkpointing, fp32_math
     )
 
 

@@ -13,7 +13,11 @@ from hetrain.planning import cost_model as cm
 from hetrain.planning.compression import PREFERENCE, compression_ratio, lossless_for
 from hetrain.planning.partition import KindLoad, partition_blocks, split_by_kind
 from hetrain.planning.plan import BalancePlan, CommPlan, PipelinePlan, Plan, RankPlan
-from hetrain.planning.precision_policy import choose_precision, needs_loss_scaling
+from hetrain.planning.precision_policy import needs_loss_scaling
+from hetrain.planning.explain import why_not
+from hetrain.planning.kinds import Kind, figures_notes, kinds_of
+from hetrain.planning.measured_rates import MeasuredRates
+from hetrain.workload.device_profile import DeviceProfile
 from hetrain.workload.profile import WorkloadProfile
 
 STRATEGIES = ("auto", "ddp", "balanced", "zero1", "zero3", "pipeline")
@@ -22,28 +26,6 @@ _SHARDING = {"ddp": "none", "balanced": "none", "zero1": "zero1", "zero3": "fsdp
 COMM_BOUND_FRACTION = 0.05  # exposed network time above this share of a step makes the link the bottleneck
 GOOD_ENOUGH = 0.95  # a more preferred (less lossy) hook wins when within this fraction of the best
 GB = 1e9
-
-
-@dataclass
-class Kind:
-    """Devices of one catalog model in the cluster, and their compute figures for this workload."""
-
-    spec: object
-    ranks: list[int]
-    precision: str
-    note: str | None
-    sample_s: float
-    sample_s_ckpt: float
-    fixed_s: float
-
-    @property
-    def count(self) -> int:
-        return len(self.ranks)
-
-    def time(self, share: int, micro_batch: int, ckpt: bool) -> float:
-        if share <= 0:
-            return 0.0
-        return math.ceil(share / micro_batch) * self.fixed_s + share * (self.sample_s_ckpt if ckpt else self.sample_s)
 
 
 @dataclass
@@ -85,6 +67,8 @@ class PlanResult:
     ideal_samples_per_s: float
     uniform_ddp_samples_per_s: float
     notes: list[str] = field(default_factory=list)
+    figures: dict[str, str] = field(default_factory=dict)
+    """device kind -> where its speed figures came from: modelled, measured-profile or measured-run"""
 
     def to_dict(self) -> dict:
         """The `hetrain plan --json` object."""
@@ -106,6 +90,7 @@ class PlanResult:
                     "memory_bytes": r.memory_bytes,
                     "memory_capacity_bytes": r.memory_capacity_bytes,
                     "predicted_step_seconds": r.predicted_step_seconds,
+                    "figures": self.figures.get(r.device, "modelled"),
                 }
                 for r in self.plan.ranks
             ],
@@ -116,25 +101,6 @@ class PlanResult:
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def kinds_of(cluster, profile: WorkloadProfile, precision: str, calib: cm.Calibration) -> list[Kind]:
-    """Group the cluster's devices by catalog model, with precision and per-sample times."""
-    devices = cluster.devices()
-    if not devices:
-        raise HetrainError("the cluster has no devices; list at least one device in the cluster file")
-    kinds: dict[str, Kind] = {}
-    for d in devices:
-        if d.spec.name not in kinds:
-            prec, note = choose_precision(d.spec, precision)
-            kinds[d.spec.name] = Kind(
-                spec=d.spec, ranks=[], precision=prec, note=note,
-                sample_s=cm.sample_seconds(profile, d.spec, prec, calib, False),
-                sample_s_ckpt=cm.sample_seconds(profile, d.spec, prec, calib, True),
-                fixed_s=cm.fixed_seconds_per_microbatch(profile, d.spec, prec),
-            )
-        kinds[d.spec.name].ranks.append(d.rank)
-    return list(kinds.values())
 
 
 def max_micro_batch(profile: WorkloadProfile, kind: Kind, optimizer: str, zero: int, world: int,
@@ -247,7 +213,8 @@ def data_parallel(strategy: str, cluster, profile: WorkloadProfile, kinds: list[
     topo = cm.topology_of(cluster)
     overlap = t_slow if zero >= 3 else t_slow / accum_slow * cm.backward_fraction(per_rank[slow_rank][2])
     exposed, net_exposed = _comm(profile, topo, zero, hook, accum_slow, overlap)
-    step = t_slow + exposed
+    kept = cm.data_parallel_efficiency(world)
+    step = (t_slow + exposed) / kept
     cand.step_seconds, cand.samples_per_s = step, global_batch / step
     cand.exposed_comm_seconds, cand.inter_node_seconds = exposed, net_exposed
     two_level = cm.allreduce_cost(4.0 * profile.params, topo).algorithm == "two-level"
@@ -258,7 +225,8 @@ def data_parallel(strategy: str, cluster, profile: WorkloadProfile, kinds: list[
         predicted_samples_per_s=cand.samples_per_s,
     )
     cand.reason = (f"step {step * 1e3:.1f} ms: compute {t_slow * 1e3:.1f} ms on the slowest rank, "
-                   f"{exposed * 1e3:.1f} ms communication not hidden under backward")
+                   f"{exposed * 1e3:.1f} ms communication not hidden under backward"
+                   + (f", {1 - kept:.0%} lost to {world}-way synchronisation" if world > 1 else ""))
     return cand
 
 
@@ -307,8 +275,13 @@ def ideal_samples_per_s(profile: WorkloadProfile, kinds: list[Kind], global_batc
 
 def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer: str = "adamw",
              strategy: str = "auto", precision: str = "auto", micro_batch: int | None = None,
-             calib: cm.Calibration | None = None) -> PlanResult:
-    """Choose the plan for `profile` on `cluster` at `global_batch` samples per step."""
+             calib: cm.Calibration | None = None, profiles: dict[str, DeviceProfile] | None = None,
+             rates: MeasuredRates | None = None) -> PlanResult:
+    """Choose the plan for `profile` on `cluster` at `global_batch` samples per step.
+
+    `profiles` (device kind -> measured DeviceProfile) and `rates` (a run's MeasuredRates) replace
+    the cost model's speed figures for the kinds they cover; the notes say which figures are which.
+    """
     if global_batch is None or global_batch < 1:
         raise HetrainError(f"global batch must be a positive integer, got {global_batch}; use e.g. --global-batch 256")
     if micro_batch is not None and micro_batch < 1:
@@ -318,12 +291,13 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
     if optimizer not in cm.OPTIMIZER_STATE_BYTES:
         raise HetrainError(f"unknown optimizer {optimizer!r}; choose one of: {', '.join(cm.OPTIMIZER_STATE_BYTES)}")
     calib = calib or cm.default_calibration()
-    kinds = kinds_of(cluster, profile, precision, calib)
+    kinds = kinds_of(cluster, profile, precision, calib, profiles, rates)
     world = sum(k.count for k in kinds)
     if global_batch < world and strategy not in ("pipeline",):
         raise HetrainError(f"global batch {global_batch} is smaller than the {world} devices; "
                            f"use a global batch of at least {world}")
-    notes = [k.note for k in kinds if k.note]
+    notes = figures_notes(kinds, profile, profiles, rates)
+    notes += [k.note for k in kinds if k.note]
     notes += [f"{k.spec.name}: fp16 with dynamic loss scaling (no bf16 on this chip)"
               for k in kinds if needs_loss_scaling(k.precision) and precision == "auto"]
     args = (cluster, profile, kinds, global_batch, optimizer, micro_batch)
@@ -348,6 +322,9 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
             notes.append("the model fits on no single device; pipelines considered")
         feasible = [cands[s] for s in order if cands[s].feasible]
         chosen = max(feasible, key=lambda c: c.samples_per_s) if feasible else None
+        if chosen is not None:
+            notes += [why_not(chosen, c) for c in cands.values()
+                      if c.feasible and c is not chosen and c.samples_per_s > chosen.samples_per_s]
     else:
         pick = cands.get(strategy)
         if strategy == "pipeline":
@@ -366,7 +343,8 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
     plan = chosen.plan.model_copy(update={"notes": chosen.plan.notes + notes})
     ideal = ideal_samples_per_s(profile, kinds, global_batch, optimizer, world)
     return PlanResult(plan=plan, candidates=list(cands.values()), ideal_samples_per_s=ideal,
-                      uniform_ddp_samples_per_s=uniform.samples_per_s if uniform.feasible else 0.0, notes=notes)
+                      uniform_ddp_samples_per_s=uniform.samples_per_s if uniform.feasible else 0.0, notes=notes,
+                      figures={k.spec.name: k.source for k in kinds})
 
 
 def _no_fit_message(profile, kinds, cands, strategy, optimizer, world, worst) -> str:
@@ -430,7 +408,9 @@ def pipeline_candidates(cluster, profile: WorkloadProfile, kinds: list[Kind], gl
                         "activation_bytes_per_sample": sum(x.activation_bytes_per_sample for x in blocks[sub]),
                         "blocks": [],
                     })
-                    t = cm.compute_seconds(part, kind.spec, kind.precision, mb, mb, ckpt, calib)
+                    t = kind.stage_seconds(len(blocks), a, b, mb, ckpt)
+                    if t is None:
+                        t = cm.compute_seconds(part, kind.spec, kind.precision, mb, mb, ckpt, calib)
                     result = (t, ckpt, mem)
                     break
             memo[key] = result

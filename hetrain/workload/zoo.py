@@ -76,6 +76,14 @@ def zoo_names() -> list[str]:
     return sorted(_facts_by_name())
 
 
+def model_facts(name: str) -> ModelFacts:
+    """The models.csv row of a zoo name (its default sequence length when none is given)."""
+    facts = _facts_by_name().get(name.strip().lower())
+    if facts is None:
+        get_profile(name)  # raises the one-line error naming the choices
+    return facts
+
+
 def get_profile(name: str) -> WorkloadProfile:
     """The analytic profile of a reference model by name."""
     key = name.strip().lower()

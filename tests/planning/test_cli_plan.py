@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from hetrain.planning.cost_model import data_parallel_efficiency
 from hetrain.planning.plan import Plan
 
 
@@ -26,7 +27,9 @@ def test_plan_json_and_out(tmp_path):
     for r in d["ranks"]:
         assert {"device", "precision", "micro_batch", "grad_accum", "activation_checkpointing", "memory_bytes",
                 "memory_capacity_bytes"} <= set(r)
-    assert d["predicted_samples_per_s"] >= 0.9 * d["ideal_samples_per_s"]
+    # The ideal has no communication and no synchronisation loss; the plan loses that loss and little else.
+    kept = data_parallel_efficiency(len(d["ranks"]))
+    assert d["predicted_samples_per_s"] >= 0.9 * kept * d["ideal_samples_per_s"]
     assert d["predicted_samples_per_s"] > d["uniform_ddp_samples_per_s"]
     assert Plan.load(out).global_batch_size == 1024
 
@@ -53,3 +56,22 @@ def test_simulate_writes_png_and_csv(tmp_path):
     assert (tmp_path / "sim.png").read_bytes()[:4] == b"\x89PNG"
     rows = (tmp_path / "sim.csv").read_text().splitlines()
     assert rows[0].startswith("devices,strategy") and len(rows) > 3
+
+
+def test_simulate_bare_runs_the_default_example_and_marks_the_chosen_strategy(tmp_path):
+    p = _run("simulate", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "simulate.png").stat().st_size > 10_000
+    import csv
+
+    rows = list(csv.DictReader((tmp_path / "simulate.csv").open()))
+    sizes = {r["devices"] for r in rows}
+    chosen = [r for r in rows if r["chosen"] == "True"]
+    assert len(sizes) >= 4 and sorted(r["devices"] for r in chosen) == sorted(sizes)  # one chosen per size
+
+
+def test_global_batch_size_is_the_flag_and_global_batch_its_alias():
+    a = _run("plan", "--devices", "a100:1,v100:1", "--model", "resnet50", "--global-batch-size", "256", "--json")
+    b = _run("plan", "--devices", "a100:1,v100:1", "--model", "resnet50", "--global-batch", "256", "--json")
+    assert a.returncode == 0 and b.returncode == 0
+    assert json.loads(a.stdout)["plan"] == json.loads(b.stdout)["plan"]

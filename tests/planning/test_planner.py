@@ -7,6 +7,7 @@ import pytest
 
 from hetrain.errors import HetrainError
 from hetrain.hardware.cluster import cluster_from_devices, get_preset
+from hetrain.planning.cost_model import data_parallel_efficiency
 from hetrain.planning.planner import plan_job
 from hetrain.planning.plan import Plan
 from hetrain.workload import get_profile
@@ -15,7 +16,7 @@ from hetrain.workload import get_profile
 def test_resnet152_on_mixed_preset_near_ideal_and_beats_uniform():
     r = plan_job(get_preset("a100x4+v100x4"), get_profile("resnet152"), 1024)
     d = r.to_dict()
-    assert d["predicted_samples_per_s"] >= 0.9 * d["ideal_samples_per_s"]
+    assert d["predicted_samples_per_s"] >= 0.9 * data_parallel_efficiency(8) * d["ideal_samples_per_s"]
     assert d["predicted_samples_per_s"] > d["uniform_ddp_samples_per_s"]
     assert sum(x["share"] for x in d["ranks"]) == 1024
     a100 = [x for x in d["ranks"] if x["device"].startswith("a100")]

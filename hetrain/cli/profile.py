@@ -1,0 +1,146 @@
+"""`hetrain profile`: time a model on this machine's devices and write one profile per device kind.
+
+    hetrain profile (--model NAME | --script FILE.py:FACTORY | --hf-config NAME_OR_PATH) --out DIR
+                    [--precision auto|bf16,fp32,...] [--micro-batches 1,2,4,8] [--device auto|cpu|cuda]
+                    [--threads N] [--concurrent N] [--repeats 10] [--seconds 5] [--no-blocks] [--json]
+
+DIR gets `workload.json` (the model's FLOPs, parameters and activation bytes) and `<device>.json`
+per device kind; `hetrain plan --profiles DIR` plans with them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from hetrain.errors import HetrainError
+
+
+def build_parser(parser: argparse.ArgumentParser) -> None:
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--model", help="reference model by zoo name: resnet50, bert-large, gpt2-124m, ...")
+    what.add_argument("--script", metavar="FILE.py:FACTORY",
+                      help="FACTORY() returns (model, make_input); make_input(n) gives a batch of n samples")
+    what.add_argument("--hf-config", metavar="NAME_OR_PATH", help="a Hugging Face config (needs transformers)")
+    parser.add_argument("--seq-len", type=int, default=None, help="sequence length for --hf-config")
+    parser.add_argument("--out", required=True, metavar="DIR", help="directory for the profiles")
+    parser.add_argument("--precision", default="auto",
+                        help="comma-separated precisions; auto: fp32 on CPU, bf16 (fp16 without bf16) and fp32 on GPUs")
+    parser.add_argument("--micro-batches", default="1,2,4,8", help="micro-batch sizes to time, comma-separated")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="auto: one GPU of each kind, or the CPU without GPUs")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads (default: OMP_NUM_THREADS, else torch's default); match what each "
+                        "rank will get under hetrain launch")
+    parser.add_argument("--concurrent", type=int, default=1,
+                        help="CPU only: time this many copies at once, as that many ranks share the CPU")
+    parser.add_argument("--repeats", type=int, default=10, help="timed runs per point (the median counts)")
+    parser.add_argument("--seconds", type=float, default=5.0, help="time budget per point")
+    parser.add_argument("--no-blocks", action="store_true", help="skip the per-block timings")
+    parser.add_argument("--json", action="store_true", help="print the profiles as one JSON object")
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise HetrainError(f"{flag} {text!r}: write positive integers, e.g. 1,2,4,8")
+    return values
+
+
+def _precisions(text: str, device) -> list[str]:
+    from hetrain.planning.precision_policy import PRECISION_CHOICES
+
+    if text == "auto":
+        if device.type != "cuda":
+            return ["fp32"]
+        import torch
+
+        return ["bf16" if torch.cuda.is_bf16_supported() else "fp16", "fp32"]
+    values = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in values if p not in PRECISION_CHOICES or p == "auto"]
+    if bad or not values:
+        raise HetrainError(f"--precision {text!r}: choose from bf16, fp16, tf32, fp32 (comma-separated) or auto")
+    if device.type != "cuda" and values != ["fp32"]:
+        raise HetrainError(f"--precision {text!r}: the CPU profiles in fp32 only; use --precision fp32")
+    return values
+
+
+def _runnable(args: argparse.Namespace):
+    from hetrain.workload.modules import hf_module, script_module, zoo_module
+
+    if args.model:
+        return zoo_module(args.model)
+    if args.script:
+        return script_module(args.script)
+    return hf_module(args.hf_config, args.seq_len)
+
+
+def _workload(args: argparse.Namespace, runnable):
+    from hetrain.workload import get_profile, profile
+
+    if args.model:
+        return get_profile(args.model)
+    return profile(runnable.module, runnable.make_input(2), name=runnable.name, kind=runnable.kind)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from hetrain.workload.device_profile import WORKLOAD_FILE
+    from hetrain.workload.measure import local_devices, measure, measure_cpu_copies, set_cpu_threads
+
+    micro_batches = _ints(args.micro_batches, "--micro-batches")
+    if args.repeats < 1 or args.seconds <= 0 or args.concurrent < 1:
+        raise HetrainError("--repeats, --seconds and --concurrent must be positive")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise HetrainError("--device cuda: torch sees no CUDA device here; use --device cpu (or auto)")
+    devices = [torch.device("cpu")] if args.device == "cpu" else local_devices()
+    threads = set_cpu_threads(args.threads)
+    if args.concurrent > 1 and any(d.type != "cpu" for d in devices):
+        raise HetrainError("--concurrent applies to the CPU only; add --device cpu")
+    precisions = {str(d): _precisions(args.precision, d) for d in devices}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runnable = _runnable(args)
+    workload = _workload(args, runnable)
+    workload.save(out / WORKLOAD_FILE)
+    written = []
+    for device in devices:
+        if args.concurrent > 1:
+            prof = measure_cpu_copies(runnable, args.concurrent, threads, precisions[str(device)], micro_batches,
+                                      repeats=args.repeats, budget_s=args.seconds)
+        else:
+            prof = measure(runnable, device, precisions[str(device)], micro_batches, repeats=args.repeats,
+                           budget_s=args.seconds, blocks=not args.no_blocks)
+        prof = prof.model_copy(update={"model": workload.name})
+        written.append((prof.save(out), prof))
+    if args.json:
+        print(json.dumps({"workload": str(out / WORKLOAD_FILE),
+                          "profiles": {str(p): prof.model_dump(mode="json") for p, prof in written}}))
+        return 0
+    _print(written)
+    return 0
+
+
+def _print(written) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=sys.stdout)
+    for path, prof in written:
+        s = prof.stamp
+        table = Table(title=f"{prof.model} on {prof.device} ({s.device_name}; torch {s.torch}"
+                      + (f", CUDA {s.cuda}, driver {s.driver}" if s.cuda else f", {s.threads} threads") + f"; {s.date})")
+        for col in ("precision", "micro-batch", "seconds", "samples/s", "peak memory"):
+            table.add_column(col)
+        for t in prof.steps:
+            mem = f"{t.peak_memory_bytes / 1e9:.2f} GB" if t.peak_memory_bytes is not None else "-"
+            table.add_row(t.precision, str(t.micro_batch), f"{t.seconds:.4f}", f"{t.micro_batch / t.seconds:.1f}", mem)
+        console.print(table)
+        console.print(f"optimizer step {prof.optimizer_seconds * 1e3:.1f} ms; {len(prof.blocks)} blocks timed; "
+                      f"written to {path}")

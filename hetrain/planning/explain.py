@@ -1,0 +1,26 @@
+"""Why the planner chose its strategy over a candidate predicted faster: the words of its notes."""
+
+from __future__ import annotations
+
+MODEL_ERROR = 0.15
+"""Median error of the cost model's relative speed of two GPU kinds on a source it never saw
+(13.8% in docs/cost-model.md, rounded up): a smaller predicted gain is no reason to switch strategy."""
+_WHEN = {
+    "zero1": "ZeRO-1 is considered only when model state does not fit every device with plain data parallelism: "
+             "it adds a parameter broadcast after every optimizer step, which nothing hides",
+    "zero3": "ZeRO-3 (FSDP) is considered only when model state does not fit every device with plain data "
+             "parallelism: it gathers every block's weights in forward and again in backward",
+    "pipeline": "pipelines are considered only when the model fits on no single device",
+    "hybrid": "pipelines are considered only when the model fits on no single device",
+    "ddp": "uniform DDP is the baseline",
+}
+
+
+def why_not(chosen, other) -> str:
+    """Why a candidate predicted faster than the chosen one was not chosen."""
+    gain = other.samples_per_s / chosen.samples_per_s - 1.0
+    size = (f"its predicted gain, {gain:.1%}, is within the cost model's error (about {MODEL_ERROR:.0%})"
+            if gain < MODEL_ERROR else f"its predicted gain is {gain:.1%}")
+    reason = _WHEN.get(other.strategy, f"{other.strategy} is not among the strategies auto compares here")
+    return (f"not {other.strategy}, predicted {other.samples_per_s:.1f} samples/s against {chosen.samples_per_s:.1f}: "
+            f"{reason}; {size}; pass --strategy {other.strategy} to use it")

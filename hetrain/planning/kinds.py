@@ -1,0 +1,128 @@
+"""Device kinds of a cluster and their compute figures for one workload: from a run's measured
+rates, a measured device profile, or the cost model, each saying which."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hetrain.errors import HetrainError
+from hetrain.planning import cost_model as cm
+from hetrain.planning.measured_rates import DeviceRate, MeasuredRates
+from hetrain.planning.precision_policy import choose_precision
+from hetrain.workload.device_profile import DeviceProfile
+from hetrain.workload.profile import WorkloadProfile
+
+__all__ = ["Kind", "figures_notes", "kinds_of"]
+
+
+@dataclass
+class Kind:
+    """Devices of one catalog model in the cluster, and their compute figures for this workload.
+
+    Figures come from a run's measured rates (`rate`), else a measured device profile
+    (`measured`), else the cost model (`sample_s`, `fixed_s`); `source` says which.
+    """
+
+    spec: object
+    ranks: list[int]
+    precision: str
+    note: str | None
+    sample_s: float
+    sample_s_ckpt: float
+    fixed_s: float
+    source: str = "modelled"
+    measured: DeviceProfile | None = None
+    rate: DeviceRate | None = None
+
+    @property
+    def count(self) -> int:
+        return len(self.ranks)
+
+    def stage_seconds(self, n_blocks: int, a: int, b: int, micro_batch: int, ckpt: bool) -> float | None:
+        """Measured seconds of a pipeline stage holding blocks [a, b), or None (model it)."""
+        return stage_seconds_of(self, n_blocks, a, b, micro_batch, ckpt)
+
+    def time(self, share: int, micro_batch: int, ckpt: bool) -> float:
+        if share <= 0:
+            return 0.0
+        factor = cm.CHECKPOINT_COMPUTE_FACTOR if ckpt else 1.0
+        if self.rate is not None:  # the balancer's per-step line, as the run measured it
+            return self.rate.fixed_seconds + share * self.rate.per_sample_seconds * factor
+        if self.measured is not None:
+            full, rest = divmod(share, micro_batch)
+            t = full * self.measured.microbatch_seconds(self.precision, micro_batch)
+            if rest:
+                t += self.measured.microbatch_seconds(self.precision, rest)
+            return t * factor + self.measured.optimizer_seconds
+        return math.ceil(share / micro_batch) * self.fixed_s + share * (self.sample_s_ckpt if ckpt else self.sample_s)
+
+
+def stage_seconds_of(kind: Kind, n_blocks: int, a: int, b: int, micro_batch: int, ckpt: bool) -> float | None:
+    """Measured seconds of blocks [a, b) for one micro-batch, scaled linearly from the profiled
+    micro-batch; None without a profile whose blocks line up with the workload's."""
+    m = kind.measured
+    if m is None:
+        return None
+    timed = [x for x in m.blocks if x.precision == kind.precision]
+    if len(timed) != n_blocks:
+        return None
+    seconds = sum(x.seconds * micro_batch / x.micro_batch for x in timed[a:b])
+    return seconds * (cm.CHECKPOINT_COMPUTE_FACTOR if ckpt else 1.0)
+
+
+def kinds_of(cluster, profile: WorkloadProfile, precision: str, calib: cm.Calibration,
+             profiles: dict[str, DeviceProfile] | None = None, rates: MeasuredRates | None = None) -> list[Kind]:
+    """Group the cluster's devices by catalog model, with precision and compute figures: a run's
+    measured rates where they cover the kind and precision, else a measured profile, else the model."""
+    devices = cluster.devices()
+    if not devices:
+        raise HetrainError("the cluster has no devices; list at least one device in the cluster file")
+    kinds: dict[str, Kind] = {}
+    for d in devices:
+        if d.spec.name not in kinds:
+            prec, note = choose_precision(d.spec, precision)
+            kind = Kind(
+                spec=d.spec, ranks=[], precision=prec, note=note,
+                sample_s=cm.sample_seconds(profile, d.spec, prec, calib, False),
+                sample_s_ckpt=cm.sample_seconds(profile, d.spec, prec, calib, True),
+                fixed_s=cm.fixed_seconds_per_microbatch(profile, d.spec, prec),
+            )
+            rate = next((r for r in (rates.devices if rates else []) if r.device == d.spec.name), None)
+            measured = (profiles or {}).get(d.spec.name)
+            if rate is not None and rate.precision == prec:
+                kind.rate, kind.source = rate, "measured-run"
+            elif measured is not None and prec in measured.precisions():
+                kind.measured, kind.source = measured, "measured-profile"
+            kinds[d.spec.name] = kind
+        kinds[d.spec.name].ranks.append(d.rank)
+    return list(kinds.values())
+
+
+def figures_notes(kinds: list[Kind], profile: WorkloadProfile, profiles: dict[str, DeviceProfile] | None,
+                  rates: MeasuredRates | None) -> list[str]:
+    """One note per device kind: where its speed figures come from."""
+    notes = []
+    for k in kinds:
+        name = k.spec.name
+        if k.source == "measured-run":
+            r = k.rate
+            notes.append(f"{name}: measured in a run (step {rates.step}, {r.ranks} rank(s), "
+                         f"{r.per_sample_seconds * 1e3:.3f} ms per sample + {r.fixed_seconds * 1e3:.1f} ms per step"
+                         + (", emulated speed" if r.emulated else "") + ")")
+        elif k.source == "measured-profile":
+            m, s = k.measured, k.measured.stamp
+            sizes = ",".join(str(b) for b, _ in m.points(k.precision))
+            notes.append(f"{name}: measured profile of {m.model} ({k.precision} at micro-batches {sizes}; "
+                         f"{s.device_name}, torch {s.torch}" + (f", CUDA {s.cuda}" if s.cuda else "")
+                         + f", {s.date}); interpolated between measured sizes")
+            if m.model != profile.name:
+                notes.append(f"{name}: the profile measured {m.model!r}, the plan is for {profile.name!r}")
+        else:
+            why = ""
+            if rates is not None and any(r.device == name for r in rates.devices):
+                why = f" (the run measured it in another precision than {k.precision})"
+            elif profiles and name in profiles:
+                why = f" (its profile has no {k.precision} timings)"
+            notes.append(f"{name}: modelled by the cost model{why}")
+    return notes

@@ -1,0 +1,139 @@
+"""A measured device profile: what one model costs on one device kind, timed by `hetrain profile`.
+
+One JSON file per device kind (`<device>.json` in a profile directory, beside `workload.json`, the
+model's WorkloadProfile). It holds step seconds at several micro-batch sizes per precision, the
+peak memory of each, per-block seconds (what a pipeline partition needs), and the stamp of the
+machine that measured it (device, driver, torch and CUDA versions), so a planner can say which of
+its figures were measured and on what.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from hetrain.errors import HetrainError
+
+DEVICE_PROFILE_VERSION = 1
+WORKLOAD_FILE = "workload.json"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StepTiming(_Strict):
+    """One micro-batch size in one precision: forward + backward seconds, and peak memory."""
+
+    precision: str
+    micro_batch: int = Field(ge=1)
+    seconds: float = Field(gt=0, description="median seconds of one forward + backward of micro_batch samples")
+    peak_memory_bytes: int | None = Field(None, ge=0, description="device memory at the peak (CUDA only)")
+    cpu_seconds: float | None = Field(None, ge=0, description="median process CPU seconds of the same (CPU only): "
+                                      "the work itself, whatever else loads the machine")
+
+
+class BlockTiming(_Strict):
+    """One top-level block's forward + backward seconds at a micro-batch size."""
+
+    name: str
+    precision: str
+    micro_batch: int = Field(ge=1)
+    seconds: float = Field(ge=0)
+
+
+class Stamp(_Strict):
+    """Where and with what the profile was measured."""
+
+    device_name: str = Field(description="the device as torch reports it")
+    driver: str | None = None
+    torch: str
+    cuda: str | None = None
+    cudnn: str | None = None
+    threads: int | None = Field(None, description="CPU threads torch used")
+    concurrent_copies: int = Field(1, ge=1, description="copies timed at once on the CPU (as ranks share it)")
+    hostname: str | None = None
+    date: str = Field(description="UTC, ISO 8601")
+
+
+class DeviceProfile(_Strict):
+    """Measured costs of one model on one device kind."""
+
+    version: int = DEVICE_PROFILE_VERSION
+    model: str = Field(description="the workload's name (as in workload.json)")
+    device: str = Field(description="catalog name of the device kind, or 'cpu'")
+    stamp: Stamp
+    steps: list[StepTiming]
+    optimizer_seconds: float = Field(0.0, ge=0, description="one optimizer step (AdamW) over all parameters")
+    blocks: list[BlockTiming] = Field(default_factory=list)
+
+    def precisions(self) -> list[str]:
+        return sorted({s.precision for s in self.steps})
+
+    def points(self, precision: str) -> list[tuple[int, float]]:
+        """(micro_batch, seconds) measured in `precision`, by micro-batch."""
+        return sorted((s.micro_batch, s.seconds) for s in self.steps if s.precision == precision)
+
+    def cpu_time_view(self) -> "DeviceProfile":
+        """This profile with CPU seconds in place of wall seconds (where they were measured)."""
+        return self.model_copy(update={"steps": [s.model_copy(update={"seconds": s.cpu_seconds or s.seconds})
+                                                 for s in self.steps]})
+
+    def microbatch_seconds(self, precision: str, micro_batch: float) -> float:
+        """Seconds of one micro-batch of `micro_batch` samples: linear between measured sizes, the
+        line through the two nearest measured sizes beyond them (never below zero)."""
+        pts = self.points(precision)
+        if not pts:
+            raise HetrainError(f"the {self.device} profile has no {precision} timings; "
+                               f"re-run hetrain profile with --precision {precision}")
+        if micro_batch <= 0:
+            return 0.0
+        if len(pts) == 1:
+            mb, t = pts[0]
+            return t * micro_batch / mb
+        i = 1
+        while i < len(pts) - 1 and pts[i][0] < micro_batch:
+            i += 1
+        (b0, t0), (b1, t1) = pts[i - 1], pts[i]
+        if micro_batch < b0:
+            # Below the smallest measured size: the line to the origin's side, floored at a share of t0.
+            return max(t0 + (t1 - t0) / (b1 - b0) * (micro_batch - b0), t0 * micro_batch / b0)
+        return max(0.0, t0 + (t1 - t0) / (b1 - b0) * (micro_batch - b0))
+
+    def save(self, directory: str | Path) -> Path:
+        path = Path(directory) / f"{self.device}.json"
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(self.model_dump_json(indent=2) + "\n")
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "DeviceProfile":
+        path = Path(path)
+        try:
+            return cls.model_validate(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise HetrainError(f"{path}: not a readable device profile ({e}); write one with hetrain profile") from None
+        except ValidationError as e:
+            from hetrain.planning.plan import format_validation_error
+
+            raise HetrainError(f"{path}: {format_validation_error(e)}") from None
+
+
+def load_profiles(directory: str | Path) -> dict[str, DeviceProfile]:
+    """Every device profile in `directory`, by device kind."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise HetrainError(f"--profiles {str(directory)!r} is not a directory; pass the directory "
+                           "hetrain profile --out wrote")
+    found = {}
+    for path in sorted(directory.glob("*.json")):
+        if path.name == WORKLOAD_FILE:
+            continue
+        prof = DeviceProfile.load(path)
+        found[prof.device] = prof
+    if not found:
+        raise HetrainError(f"{directory} holds no device profiles; run hetrain profile --out {directory}")
+    return found

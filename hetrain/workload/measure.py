@@ -1,0 +1,312 @@
+"""Time a model on this machine's devices: the measurements behind `hetrain profile`.
+
+For each device kind (the CPU, or one GPU of each catalog model), each precision and each
+micro-batch size: the median seconds of a forward + backward, and the peak memory on CUDA. Then
+one AdamW step, and each top-level block's forward + backward (what a pipeline partition needs).
+TF32 and autocast are set as hetrain's runtime sets them for the precision, so the profile times
+what a rank of that precision will run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import time
+from collections.abc import Sequence
+
+from hetrain.errors import HetrainError
+from hetrain.workload.device_profile import BlockTiming, DeviceProfile, Stamp, StepTiming
+from hetrain.workload.modules import RunnableModel
+
+_AUTOCAST = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def _loss(out):
+    import torch
+
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (tuple, list)):
+        out = next((o for o in out if isinstance(o, torch.Tensor) and o.is_floating_point()), None)
+    if not isinstance(out, torch.Tensor):
+        raise HetrainError("the model's output holds no floating-point tensor to take a gradient of")
+    return out.float().mean()
+
+
+def _to(batch, device):
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(b.to(device) for b in batch)
+    return batch.to(device)
+
+
+def _call(module, batch):
+    return module(*batch) if isinstance(batch, (tuple, list)) else module(batch)
+
+
+class _Clock:
+    """Wall seconds of a callable on a device (CUDA work synchronised before reading the clock)."""
+
+    def __init__(self, device):
+        import torch
+
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def median(self, fn, repeats: int, budget_s: float, warmup: int = 2) -> float:
+        return self.medians(fn, repeats, budget_s, warmup)[0]
+
+    def medians(self, fn, repeats: int, budget_s: float, warmup: int = 2) -> tuple[float, float]:
+        """Median wall seconds and median process CPU seconds (all threads) per call."""
+        for _ in range(warmup):
+            fn()
+        self.sync()
+        times: list[float] = []
+        cpu: list[float] = []
+        start = time.perf_counter()
+        while len(times) < repeats and (len(times) < 3 or time.perf_counter() - start < budget_s):
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            self.sync()
+            times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+        return statistics.median(times), statistics.median(cpu)
+
+
+def _set_math(precision: str, device) -> None:
+    """As hetrain's runtime: TF32 off in fp32, on otherwise (CUDA only)."""
+    import torch
+
+    if device.type == "cuda":
+        allow = precision != "fp32"
+        torch.backends.cuda.matmul.allow_tf32 = allow
+        torch.backends.cudnn.allow_tf32 = allow
+
+
+def _autocast(precision: str, device):
+    """bf16/fp16 autocast as the runtime's, or nothing for fp32/tf32."""
+    import contextlib
+
+    import torch
+
+    dtype = _AUTOCAST.get(precision)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=getattr(torch, dtype))
+
+
+def _fwd_bwd(runnable: RunnableModel, module, batch, precision: str, device, scaler):
+    def run():
+        with _autocast(precision, device):
+            loss = _loss(_call(module, batch))
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+
+    return run
+
+
+def _driver_version() -> str | None:
+    try:
+        import pynvml  # type: ignore[import-not-found]
+
+        pynvml.nvmlInit()
+        v = pynvml.nvmlSystemGetDriverVersion()
+        return v.decode() if isinstance(v, bytes) else str(v)
+    except Exception:  # noqa: BLE001 - NVML missing or not loadable: try nvidia-smi
+        pass
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20, check=True).stdout
+        return out.strip().splitlines()[0] if out.strip() else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def stamp(device) -> Stamp:
+    """Device, driver, torch, CUDA and cuDNN versions, threads, host and date of a measurement."""
+    import torch
+
+    cuda = device.type == "cuda"
+    return Stamp(
+        device_name=torch.cuda.get_device_name(device) if cuda else (platform.processor() or platform.machine() or "cpu"),
+        driver=_driver_version() if cuda else None,
+        torch=torch.__version__,
+        cuda=torch.version.cuda if cuda else None,
+        cudnn=str(torch.backends.cudnn.version()) if cuda and torch.backends.cudnn.is_available() else None,
+        threads=torch.get_num_threads(),
+        hostname=platform.node() or None,
+        date=datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat(),
+    )
+
+
+def device_kind(device) -> str:
+    """The catalog name of a torch device ("cpu", or e.g. "a100-sxm4-80gb"; a slug when unknown)."""
+    import torch
+
+    if device.type != "cuda":
+        return "cpu"
+    from hetrain.hardware.catalog import match_device_name
+
+    name = torch.cuda.get_device_name(device)
+    spec = match_device_name(name, torch.cuda.get_device_properties(device).total_memory)
+    return spec.name if spec else "-".join(name.lower().replace("nvidia", "").split())
+
+
+def local_devices() -> list:
+    """The CPU when there is no GPU, else the first GPU of each kind."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return [torch.device("cpu")]
+    seen: dict[str, object] = {}
+    for i in range(torch.cuda.device_count()):
+        dev = torch.device("cuda", i)
+        seen.setdefault(device_kind(dev), dev)
+    return list(seen.values())
+
+
+def measure(runnable: RunnableModel, device, precisions: Sequence[str], micro_batches: Sequence[int], *,
+            repeats: int = 10, budget_s: float = 5.0, blocks: bool = True) -> DeviceProfile:
+    """Time `runnable` on `device` in each precision at each micro-batch size (largest that fit)."""
+    import torch
+
+    module = runnable.module.to(device)
+    module.train()
+    clock = _Clock(device)
+    cuda = device.type == "cuda"
+    steps: list[StepTiming] = []
+    for precision in precisions:
+        _set_math(precision, device)
+        scaler = torch.amp.GradScaler(device.type) if precision == "fp16" and cuda else None
+        for mb in sorted(micro_batches):
+            batch = _to(runnable.make_input(mb), device)
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            try:
+                seconds, cpu_s = clock.medians(_fwd_bwd(runnable, module, batch, precision, device, scaler),
+                                               repeats, budget_s)
+            except torch.cuda.OutOfMemoryError:
+                module.zero_grad(set_to_none=True)
+                break  # larger micro-batches will not fit either
+            peak = int(torch.cuda.max_memory_allocated(device)) if cuda else None
+            steps.append(StepTiming(precision=precision, micro_batch=mb, seconds=seconds, peak_memory_bytes=peak,
+                                    cpu_seconds=None if cuda else cpu_s))
+            module.zero_grad(set_to_none=True)
+    if not steps:
+        raise HetrainError(f"no micro-batch of {runnable.name} fits on {device}; try --micro-batches 1")
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
+    first = steps[0]
+    _fwd_bwd(runnable, module, _to(runnable.make_input(first.micro_batch), device), "fp32", device, None)()
+    opt_s = clock.median(optimizer.step, repeats, budget_s)
+    module.zero_grad(set_to_none=True)
+    timed_blocks = _block_times(runnable, module, device, steps, clock, repeats, budget_s) if blocks else []
+    return DeviceProfile(model=runnable.name, device=device_kind(device), stamp=stamp(device), steps=steps,
+                         optimizer_seconds=opt_s, blocks=timed_blocks)
+
+
+def _block_times(runnable, module, device, steps, clock, repeats, budget_s) -> list[BlockTiming]:
+    """Each top-level block's forward + backward on the inputs it receives in a real forward."""
+    import torch
+
+    from hetrain.workload.profile import top_level_blocks
+
+    precision = steps[0].precision
+    mb = steps[len(steps) // 2].micro_batch if len(steps) > 1 else steps[0].micro_batch
+    blocks = top_level_blocks(module)
+    captured: dict[str, tuple] = {}
+    handles = [b.register_forward_pre_hook(lambda m, args, name=name: captured.setdefault(name, args))
+               for name, b in blocks]
+    _set_math(precision, device)
+    try:
+        with torch.no_grad(), _autocast(precision, device):
+            _call(module, _to(runnable.make_input(mb), device))
+    finally:
+        for h in handles:
+            h.remove()
+    out = []
+    for name, block in blocks:
+        args = captured.get(name)
+        if not args or not all(isinstance(a, torch.Tensor) for a in args):
+            continue
+        inputs = tuple(a.detach().requires_grad_(a.is_floating_point()) for a in args)
+
+        def run(block=block, inputs=inputs):
+            with _autocast(precision, device):
+                y = block(*inputs)
+            if isinstance(y, torch.Tensor) and y.requires_grad:
+                y.float().mean().backward()
+
+        out.append(BlockTiming(name=name, precision=precision, micro_batch=mb,
+                               seconds=clock.median(run, max(3, repeats // 2), budget_s / 4, warmup=1)))
+    module.zero_grad(set_to_none=True)
+    return out
+
+
+def set_cpu_threads(threads: int | None) -> int:
+    """Use `threads` CPU threads (default: what a rank gets under hetrain launch with one rank per core pair)."""
+    import torch
+
+    n = threads or int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or torch.get_num_threads()
+    torch.set_num_threads(max(1, n))
+    return torch.get_num_threads()
+
+
+def _copy_worker(runnable, precisions, micro_batches, threads, repeats, budget_s, barrier, queue) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    barrier.wait()
+    try:
+        prof = measure(runnable, torch.device("cpu"), precisions, micro_batches, repeats=repeats,
+                       budget_s=budget_s, blocks=False)
+        queue.put(prof.model_dump_json())
+    except Exception as e:  # noqa: BLE001 - reported by the parent as one line
+        queue.put(f"error: {e}")
+
+
+def measure_cpu_copies(runnable: RunnableModel, copies: int, threads: int, precisions: Sequence[str],
+                       micro_batches: Sequence[int], *, repeats: int = 10, budget_s: float = 5.0) -> DeviceProfile:
+    """Time `copies` copies of the model at once on the CPU, `threads` threads each, as the ranks of
+    one machine share it under `hetrain launch --nproc-per-node copies`; each point is the median
+    over the copies. One copy is a plain `measure`."""
+    import multiprocessing
+
+    import torch
+
+    if copies <= 1:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return measure(runnable, torch.device("cpu"), precisions, micro_batches, repeats=repeats,
+                           budget_s=budget_s, blocks=False)
+        finally:
+            torch.set_num_threads(before)
+    ctx = multiprocessing.get_context("fork")  # the model and its input maker need not be picklable
+    barrier, queue = ctx.Barrier(copies), ctx.Queue()
+    procs = [ctx.Process(target=_copy_worker, args=(runnable, list(precisions), list(micro_batches), threads,
+                                                    repeats, budget_s, barrier, queue)) for _ in range(copies)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join()
+    errors = [r for r in results if r.startswith("error: ")]
+    if errors:
+        raise HetrainError(f"profiling {copies} copies at once failed: {errors[0].removeprefix('error: ')}")
+    profs = [DeviceProfile.model_validate_json(r) for r in results]
+    steps = [
+        s.model_copy(update={
+            "seconds": statistics.median(q.seconds for q in same),
+            "cpu_seconds": statistics.median(q.cpu_seconds for q in same) if all(q.cpu_seconds for q in same) else None,
+        })
+        for s in profs[0].steps
+        for same in [[q for p in profs for q in p.steps if (q.precision, q.micro_batch) == (s.precision, s.micro_batch)]]
+    ]
+    stamp_ = profs[0].stamp.model_copy(update={"concurrent_copies": copies})
+    return profs[0].model_copy(update={"steps": steps, "stamp": stamp_,
+                                       "optimizer_seconds": statistics.median(p.optimizer_seconds for p in profs)})

@@ -1,0 +1,175 @@
+"""Runnable torch modules for `hetrain profile`: reference models by zoo name, a script's model
+factory, or a Hugging Face config. Each comes with `make_input(n)`, a batch of n samples.
+
+Zoo models are built from torch.nn alone (no torchvision or transformers needed): ResNets in
+torchvision's bottleneck layout, BERT as a post-norm encoder stack, GPT-2 as a pre-norm causal
+stack with a tied vocabulary head, each at the sizes of hetrain/data/models.csv.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hetrain.errors import HetrainError
+
+_RESNET_LAYERS = {"resnet50": (3, 4, 6, 3), "resnet152": (3, 8, 36, 3)}
+_IMAGE = 224
+
+
+@dataclass
+class RunnableModel:
+    """A module, a maker of input batches, and the name and kind its profile is filed under."""
+
+    name: str
+    module: Any
+    make_input: Callable[[int], Any]
+    kind: str | None = None
+
+
+def _bottleneck(nn, c_in: int, mid: int, stride: int):
+    class Bottleneck(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(
+                nn.Conv2d(c_in, mid, 1, bias=False), nn.BatchNorm2d(mid), nn.ReLU(inplace=True),
+                nn.Conv2d(mid, mid, 3, stride=stride, padding=1, bias=False), nn.BatchNorm2d(mid), nn.ReLU(inplace=True),
+                nn.Conv2d(mid, 4 * mid, 1, bias=False), nn.BatchNorm2d(4 * mid),
+            )
+            self.down = None
+            if stride != 1 or c_in != 4 * mid:
+                self.down = nn.Sequential(nn.Conv2d(c_in, 4 * mid, 1, stride=stride, bias=False), nn.BatchNorm2d(4 * mid))
+            self.relu = nn.ReLU(inplace=True)
+
+        def forward(self, x):
+            return self.relu(self.body(x) + (x if self.down is None else self.down(x)))
+
+    return Bottleneck()
+
+
+def resnet(name: str):
+    """ResNet-50/152 (v1.5: stride in the 3x3 convolution), 1000 classes, 224x224 inputs."""
+    import torch
+    from torch import nn
+
+    layers = []
+    c_in = 64
+    for stage, (count, mid) in enumerate(zip(_RESNET_LAYERS[name], (64, 128, 256, 512))):
+        blocks = [_bottleneck(nn, c_in if i == 0 else 4 * mid, mid, (1 if stage == 0 else 2) if i == 0 else 1)
+                  for i in range(count)]
+        layers.append(nn.Sequential(*blocks))
+        c_in = 4 * mid
+    model = nn.Sequential()
+    model.add_module("stem", nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64),
+                                           nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1)))
+    for i, layer in enumerate(layers):
+        model.add_module(f"layer{i + 1}", layer)
+    model.add_module("head", nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2048, 1000)))
+    return model, lambda n: torch.randn(n, 3, _IMAGE, _IMAGE)
+
+
+def transformer(name: str, layers: int, hidden: int, heads: int, vocab: int, seq_len: int, causal: bool):
+    """An embedding, `layers` encoder layers (causal for GPT), and a vocabulary head tied to the embedding."""
+    import torch
+    from torch import nn
+
+    class Embed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tokens, self.positions = nn.Embedding(vocab, hidden), nn.Embedding(seq_len, hidden)
+
+        def forward(self, ids):
+            return self.tokens(ids) + self.positions(torch.arange(ids.shape[1], device=ids.device))
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.TransformerEncoderLayer(hidden, heads, 4 * hidden, dropout=0.0, activation="gelu",
+                                                    batch_first=True, norm_first=causal)
+
+        def forward(self, x):
+            mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], device=x.device) if causal else None
+            return self.inner(x, src_mask=mask, is_causal=causal)
+
+    class Head(nn.Module):
+        def __init__(self, embed: Embed):
+            super().__init__()
+            self.norm, self.embed = nn.LayerNorm(hidden), [embed]  # a list: not a second registration
+
+        def forward(self, x):
+            return self.norm(x) @ self.embed[0].tokens.weight.T
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = Embed()
+            self.layers = nn.ModuleList(Layer() for _ in range(layers))
+            self.head = Head(self.embed)
+
+        def forward(self, ids):
+            x = self.embed(ids)
+            for layer in self.layers:
+                x = layer(x)
+            return self.head(x)
+
+    model = Model()
+    return model, lambda n: torch.randint(0, vocab, (n, seq_len))
+
+
+def zoo_module(name: str) -> RunnableModel:
+    """A runnable module for a zoo name (resnet50, bert-large-512, gpt2-124m, ...)."""
+    from hetrain.workload.zoo import get_profile, model_facts
+
+    get_profile(name)  # a one-line error for an unknown name
+    f = model_facts(name)
+    if f.model in _RESNET_LAYERS:
+        module, make = resnet(f.model)
+        return RunnableModel(name, module, make, "cnn")
+    if f.model.startswith("llama"):
+        raise HetrainError(f"{name!r} has no runnable module built in (gated MLP, rotary positions); "
+                           "profile it with --hf-config (its Hugging Face config) or --script")
+    causal = f.model.startswith("gpt")
+    module, make = transformer(name, f.layers, f.hidden, f.heads, f.vocab, f.seq_len, causal)
+    return RunnableModel(name, module, make, "transformer")
+
+
+def script_module(spec: str) -> RunnableModel:
+    """FILE.py:FACTORY, where FACTORY() returns (model, make_input) and make_input(n) a batch of n."""
+    path, _, factory = spec.partition(":")
+    file = Path(path)
+    if not file.is_file():
+        raise HetrainError(f"--script {spec!r}: {path!r} does not exist; write FILE.py:FACTORY")
+    loader = importlib.util.spec_from_file_location(file.stem, file)
+    mod = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(mod)
+    fn = getattr(mod, factory or "make_model", None)
+    if not callable(fn):
+        raise HetrainError(f"--script {spec!r}: {file.name} defines no function {factory or 'make_model'!r}; "
+                           "define FACTORY() returning (model, make_input)")
+    made = fn()
+    if not (isinstance(made, tuple) and len(made) == 2 and callable(made[1])):
+        raise HetrainError(f"--script {spec!r}: {factory or 'make_model'}() must return (model, make_input), "
+                           "make_input(n) giving a batch of n samples")
+    return RunnableModel(file.stem if not factory else factory, made[0], made[1])
+
+
+def hf_module(config: str, seq_len: int | None = None) -> RunnableModel:
+    """A Hugging Face model from its config (a hub name or a config.json path), random weights."""
+    if importlib.util.find_spec("transformers") is None:
+        raise HetrainError("--hf-config needs the transformers package; pip install transformers, "
+                           "or profile a zoo model (--model) or your own factory (--script)")
+    import torch
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(config)
+    try:
+        model = AutoModelForCausalLM.from_config(cfg)
+    except ValueError:
+        model = AutoModel.from_config(cfg)
+    length = seq_len or min(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 512), 1024)
+    vocab = cfg.vocab_size
+    name = Path(config).parent.name if config.endswith(".json") else config.replace("/", "-")
+    return RunnableModel(name, model, lambda n: torch.randint(0, vocab, (n, length)), "transformer")

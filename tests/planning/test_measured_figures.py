@@ -1,0 +1,171 @@
+"""Plans from measured figures: device profiles and a run's measured rates replace the model's
+figures for the device kinds they cover, and the plan says which figures are which."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hetrain.errors import HetrainError
+from hetrain.hardware.cluster import cluster_from_devices, get_preset
+from hetrain.planning.measured_rates import DeviceRate, MeasuredRates
+from hetrain.planning.planner import plan_job
+from hetrain.workload import get_profile
+from hetrain.workload.device_profile import DeviceProfile, Stamp, StepTiming, load_profiles
+
+A100, V100 = "a100-sxm4-80gb", "v100-sxm2-32gb"
+
+
+def _stamp() -> Stamp:
+    return Stamp(device_name="NVIDIA A100-SXM4-80GB", driver="550.54", torch="2.8.0", cuda="12.4",
+                 date="2026-01-01T00:00:00+00:00")
+
+
+def _profile(device: str, points: list[tuple[int, float]], precision: str = "bf16", model: str = "resnet50"):
+    return DeviceProfile(model=model, device=device, stamp=_stamp(), optimizer_seconds=0.002,
+                         steps=[StepTiming(precision=precision, micro_batch=b, seconds=t) for b, t in points])
+
+
+def _share_fraction(result, device: str) -> float:
+    ranks = result.plan.ranks
+    return sum(r.share for r in ranks if r.device == device) / result.plan.global_batch_size
+
+
+def test_profile_interpolates_between_measured_micro_batches_and_extends_the_last_line():
+    p = _profile(A100, [(8, 0.010), (32, 0.030), (64, 0.050)])
+    assert p.microbatch_seconds("bf16", 8) == pytest.approx(0.010)
+    assert p.microbatch_seconds("bf16", 16) == pytest.approx(0.010 + 8 * 0.020 / 24)
+    assert p.microbatch_seconds("bf16", 48) == pytest.approx(0.040)
+    assert p.microbatch_seconds("bf16", 128) == pytest.approx(0.050 + 64 * 0.020 / 32)
+    assert 0 < p.microbatch_seconds("bf16", 2) < 0.010
+    with pytest.raises(HetrainError, match="no fp32 timings"):
+        p.microbatch_seconds("fp32", 8)
+
+
+def test_plan_uses_a_profile_where_it_exists_and_marks_each_kind():
+    cluster = cluster_from_devices("a100:1,v100:1")
+    model = get_profile("resnet50")
+    plain = plan_job(cluster, model, 512)
+    # The measured A100 is 3x slower than the model says: its share must shrink, and say why.
+    a100_rank = next(r for r in plain.plan.ranks if r.device == A100)
+    t = 3 * a100_rank.predicted_step_seconds / a100_rank.share
+    prof = _profile(A100, [(32, 32 * t), (256, 256 * t)])
+    measured = plan_job(cluster, model, 512, profiles={A100: prof})
+    assert measured.figures == {A100: "measured-profile", V100: "modelled"}
+    assert _share_fraction(measured, A100) < _share_fraction(plain, A100) - 0.1
+    notes = " ".join(measured.plan.notes)
+    assert f"{A100}: measured profile of resnet50" in notes and f"{V100}: modelled" in notes
+    rows = {r["device"]: r["figures"] for r in measured.to_dict()["ranks"]}
+    assert rows == {A100: "measured-profile", V100: "modelled"}
+
+
+def test_a_profile_without_the_chosen_precision_falls_back_to_the_model():
+    cluster = cluster_from_devices("a100:1,v100:1")
+    prof = _profile(A100, [(32, 0.1)], precision="fp32")
+    result = plan_job(cluster, get_profile("resnet50"), 256, profiles={A100: prof})
+    assert result.figures[A100] == "modelled"
+    assert any("has no bf16 timings" in n for n in result.plan.notes)
+
+
+def _rates(a100_per_sample: float, v100_per_sample: float) -> MeasuredRates:
+    return MeasuredRates(step=200, global_batch_size=512, devices=[
+        DeviceRate(device=A100, precision="bf16", ranks=1, per_sample_seconds=a100_per_sample,
+                   fixed_seconds=0.01, share=256),
+        DeviceRate(device=V100, precision="fp16", ranks=1, per_sample_seconds=v100_per_sample,
+                   fixed_seconds=0.01, share=256),
+    ])
+
+
+def _plan_cli(*args):
+    return subprocess.run([sys.executable, "-m", "hetrain.cli.main", "plan", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_from_run_moves_the_shares_toward_the_rates_the_run_measured(tmp_path):
+    modelled = json.loads(_plan_cli("--devices", "a100:1,v100:1", "--model", "resnet50",
+                                    "--global-batch-size", "512", "--json").stdout)
+    before = sum(r["share"] for r in modelled["ranks"] if r["device"] == A100) / 512
+    # The run measured the A100 only 1.25x as fast per sample as the V100: 5/9 of the batch is its due.
+    _rates(0.8e-3, 1.0e-3).save(tmp_path)
+    p = _plan_cli("--devices", "a100:1,v100:1", "--model", "resnet50", "--global-batch-size", "512",
+                  "--from-run", str(tmp_path), "--json")
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    after = sum(r["share"] for r in d["ranks"] if r["device"] == A100) / 512
+    implied = (1 / 0.8) / (1 / 0.8 + 1 / 1.0)
+    assert before > 0.65  # the model's A100 is much faster than what this run measured
+    assert abs(after - implied) < 0.02 < abs(before - implied)
+    assert {r["figures"] for r in d["ranks"]} == {"measured-run"}
+    assert any("measured in a run (step 200" in n for n in d["notes"])
+
+
+def test_from_run_replans_the_runs_global_batch_size_by_default(tmp_path):
+    _rates(0.8e-3, 1.0e-3).save(tmp_path)
+    p = _plan_cli("--devices", "a100:1,v100:1", "--model", "resnet50", "--from-run", str(tmp_path), "--json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["plan"]["global_batch_size"] == 512
+    bare = _plan_cli("--devices", "a100:1,v100:1", "--model", "resnet50")
+    assert bare.returncode == 2 and "--global-batch-size is required" in bare.stderr
+
+
+def test_from_run_without_a_rates_file_is_a_one_line_error(tmp_path):
+    p = _plan_cli("--devices", "a100:1,v100:1", "--model", "resnet50", "--global-batch-size", "512",
+                  "--from-run", str(tmp_path))
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    assert "measured-rates.json does not exist" in p.stderr
+
+
+def test_cpu_profile_then_plan_with_it(tmp_path):
+    script = tmp_path / "tiny.py"
+    script.write_text(
+        "import torch\n"
+        "def make_model():\n"
+        "    m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))\n"
+        "    return m, lambda n: torch.randn(n, 32)\n")
+    out = tmp_path / "profiles"
+    p = subprocess.run([sys.executable, "-m", "hetrain.cli.main", "profile", "--script", f"{script}:make_model",
+                        "--device", "cpu", "--micro-batches", "4,16", "--repeats", "3", "--seconds", "0.5",
+                        "--threads", "1", "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    profiles = load_profiles(out)
+    cpu = profiles["cpu"]
+    assert [s.micro_batch for s in cpu.steps] == [4, 16] and all(s.seconds > 0 for s in cpu.steps)
+    assert cpu.stamp.torch and cpu.stamp.threads == 1 and cpu.stamp.date
+    assert {b.name for b in cpu.blocks} == {"0", "1", "2"}
+    plan = _plan_cli("--devices", "cpu:2", "--profiles", str(out), "--global-batch-size", "64", "--json")
+    assert plan.returncode == 0, plan.stderr
+    d = json.loads(plan.stdout)
+    assert {r["figures"] for r in d["ranks"]} == {"measured-profile"}
+    assert d["ranks"][0]["predicted_step_seconds"] == pytest.approx(
+        cpu.microbatch_seconds("fp32", d["ranks"][0]["micro_batch"]) * d["ranks"][0]["grad_accum"]
+        + cpu.optimizer_seconds, rel=1e-9)
+
+
+def test_plan_explains_why_a_faster_looking_candidate_lost():
+    result = plan_job(get_preset("a100x4+v100x4"), get_profile("resnet152"), 1024)
+    faster = [c for c in result.candidates if c.feasible and c.samples_per_s > result.plan.predicted_samples_per_s]
+    assert faster, "the example needs a candidate predicted faster than the chosen one"
+    for c in faster:
+        note = next(n for n in result.plan.notes if n.startswith(f"not {c.strategy},"))
+        assert "only when model state does not fit" in note and f"--strategy {c.strategy}" in note
+
+
+def test_pipeline_stages_use_measured_block_times():
+    from hetrain.workload.device_profile import BlockTiming
+
+    model = get_profile("gpt2-1.5b")
+    names = [b.name for b in model.blocks]
+    cluster = cluster_from_devices("v100-16gb:4")  # 1.5B parameters fit no 16 GB device alone
+    plain = plan_job(cluster, model, 64, strategy="pipeline")
+    # A measured profile in which the last layers are 20x slower than the rest moves the stage cuts.
+    slow = {n: (20.0 if i > len(names) - 8 else 1.0) for i, n in enumerate(names)}
+    prof = DeviceProfile(model=model.name, device="v100-sxm2-16gb", stamp=_stamp(),
+                         steps=[StepTiming(precision="fp16", micro_batch=1, seconds=0.01 * sum(slow.values()))],
+                         blocks=[BlockTiming(name=n, precision="fp16", micro_batch=1, seconds=0.01 * slow[n])
+                                 for n in names])
+    measured = plan_job(cluster, model, 64, strategy="pipeline", profiles={"v100-sxm2-16gb": prof})
+    assert measured.plan.pipeline is not None and plain.plan.pipeline is not None
+    assert measured.plan.pipeline.stages != plain.plan.pipeline.stages
+    last_stage = measured.plan.pipeline.stages[-1]
+    assert last_stage[1] - last_stage[0] < plain.plan.pipeline.stages[-1][1] - plain.plan.pipeline.stages[-1][0]

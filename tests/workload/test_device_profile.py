@@ -1,0 +1,101 @@
+"""Measured device profiles: runnable reference modules, timing on the CPU, the profile file."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from hetrain.errors import HetrainError
+from hetrain.workload import get_profile
+from hetrain.workload.device_profile import DeviceProfile, load_profiles
+from hetrain.workload.measure import measure, measure_cpu_copies
+from hetrain.workload.modules import RunnableModel, hf_module, script_module, zoo_module
+
+
+@pytest.mark.parametrize("name,tolerance", [("resnet50", 0.001), ("gpt2-124m", 0.01), ("bert-large", 0.02)])
+def test_zoo_modules_have_the_published_parameter_counts(name, tolerance):
+    # BERT's token-type embeddings and pooler are not built: within 2% of the published count.
+    module = zoo_module(name).module
+    params = sum(p.numel() for p in module.parameters())
+    assert params == pytest.approx(get_profile(name).params, rel=tolerance)
+
+
+def test_zoo_modules_run_forward_on_their_inputs():
+    net = zoo_module("resnet50")
+    assert net.module(net.make_input(1)).shape == (1, 1000)
+
+
+def _tiny() -> RunnableModel:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    return RunnableModel("tiny", m, lambda n: torch.randn(n, 16))
+
+
+def test_measure_on_cpu_times_every_micro_batch_and_block():
+    prof = measure(_tiny(), torch.device("cpu"), ["fp32"], [2, 8], repeats=3, budget_s=0.2)
+    assert [(s.precision, s.micro_batch) for s in prof.steps] == [("fp32", 2), ("fp32", 8)]
+    assert all(s.seconds > 0 and s.cpu_seconds is not None and s.peak_memory_bytes is None for s in prof.steps)
+    assert [b.name for b in prof.blocks] == ["0", "1", "2"] and prof.optimizer_seconds > 0
+    assert prof.device == "cpu" and prof.stamp.torch == torch.__version__ and prof.stamp.cuda is None
+
+
+def test_copies_at_once_give_one_profile(tmp_path):
+    prof = measure_cpu_copies(_tiny(), 2, 1, ["fp32"], [4], repeats=3, budget_s=0.2)
+    assert prof.stamp.concurrent_copies == 2 and len(prof.steps) == 1
+    prof.save(tmp_path)
+    assert load_profiles(tmp_path)["cpu"] == prof
+
+
+def test_script_factory_errors_name_the_fix(tmp_path):
+    with pytest.raises(HetrainError, match="does not exist"):
+        script_module(str(tmp_path / "missing.py") + ":make")
+    bad = tmp_path / "bad.py"
+    bad.write_text("def make():\n    return 3\n")
+    with pytest.raises(HetrainError, match=r"must return \(model, make_input\)"):
+        script_module(f"{bad}:make")
+    with pytest.raises(HetrainError, match="defines no function 'other'"):
+        script_module(f"{bad}:other")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is not None, reason="transformers is installed")
+def test_hf_config_without_transformers_says_what_to_install():
+    with pytest.raises(HetrainError, match="pip install transformers"):
+        hf_module("gpt2")
+
+
+def test_unreadable_profiles_are_one_line_errors(tmp_path):
+    (tmp_path / "a100.json").write_text("{not json")
+    with pytest.raises(HetrainError, match="not a readable device profile"):
+        load_profiles(tmp_path)
+    with pytest.raises(HetrainError, match="is not a directory"):
+        load_profiles(tmp_path / "nope")
+    (tmp_path / "a100.json").unlink()
+    with pytest.raises(HetrainError, match="holds no device profiles"):
+        load_profiles(tmp_path)
+    with pytest.raises(HetrainError):
+        DeviceProfile.load(tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "resnet50", "--device", "cpu", "--precision", "bf16"], "the CPU profiles in fp32 only"),
+    (["--model", "resnet50", "--micro-batches", "0,2"], "write positive integers"),
+    (["--model", "nosuchnet"], "unknown model 'nosuchnet'"),
+])
+def test_profile_cli_errors_are_one_line(tmp_path, args, message):
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "hetrain.cli.main", "profile", *args, "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert p.stderr.startswith("hetrain profile: error:") and message in p.stderr, p.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_profile_cli_without_cuda_says_so(tmp_path):
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "hetrain.cli.main", "profile", "--model", "resnet50", "--device", "cuda",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "torch sees no CUDA device here" in p.stderr
