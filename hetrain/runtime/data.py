@@ -157,6 +157,11 @@ class HeteroLoader:
             with self.gradient_sync(last):  # DDP reads it in forward: span the user's whole pass
                 yield piece
 
+    @property
+    def data_wait_seconds(self) -> float:
+        """How long the training loop waited for the last step's batch (all of its reading, here)."""
+        return self.last_fetch_seconds
+
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "seed": self.order.seed,
                 "global_batch_size": self.order.global_batch_size}
@@ -170,3 +175,13 @@ class HeteroLoader:
             )
         self.epoch = int(state["epoch"])
         self.step_in_epoch = int(state["step_in_epoch"])
+
+
+def make_loader(dataset: Any, global_batch_size: int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = True,
+                rank: int, split: Any, step: StepState, device: torch.device, micro_batch: int | None = None,
+                grad_accum: int = 1, gradient_sync: Callable[[bool], ContextManager] | None = None,
+                collate_fn: Callable | None = None) -> HeteroLoader:
+    """The loader `session.loader()` returns: this rank's part of one global-batch order."""
+    order = GlobalBatchOrder(len(dataset), global_batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    return HeteroLoader(dataset, order, rank=rank, split=split, step=step, device=device, micro_batch=micro_batch,
+                        grad_accum=grad_accum, gradient_sync=gradient_sync, collate_fn=collate_fn)

@@ -138,6 +138,9 @@ def print_user_errors_as_one_line() -> None:
             rank = os.environ.get("RANK")
             where = f" (rank {rank})" if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
             print(f"hetrain: error{where}: {value}", file=sys.__stderr__, flush=True)  # torch may redirect stderr
+            from hetrain.checkpoint.lease import release_all
+
+            release_all()  # os._exit runs no finalizer: give back the checkpoint directory now
             os._exit(2)  # skip interpreter teardown: peers may be blocked in collectives
         previous(kind, value, tb)
 

@@ -84,12 +84,16 @@ def apply_ddp(model: nn.Module, device: torch.device, comm: CommPlan | None, tim
         bucket_cap_mb=comm.bucket_cap_mb if comm else 25.0,
         gradient_as_bucket_view=comm.gradient_as_bucket_view if comm else True,
     )
-    inner_state, inner_hook = None, default_hooks.allreduce_hook
     if comm is not None and (comm.compression != "none" or comm.hierarchical):
         from hetrain.runtime.comm_hooks import build_comm_hook
 
         inner_state, inner_hook = build_comm_hook(comm)
-    ddp.register_comm_hook(TimedHookState(timer, inner_state, inner_hook), timed_hook)
+        timed = TimedHookState(timer, inner_state, inner_hook)
+    else:
+        from hetrain.runtime.compression.stats import CommStats
+
+        timed = inner_state = TimedHookState(timer, None, default_hooks.allreduce_hook, stats=CommStats())
+    ddp.register_comm_hook(timed, timed_hook)
     ddp.register_forward_pre_hook(timer.forward_pre_hook)
     return ddp, inner_state
 

@@ -226,4 +226,7 @@ class _SigtermWatch:
                         "with a rank that is gone?); exiting without saving, the last checkpoint stays",
                         os.environ.get("RANK", "0"), time.monotonic() - started)
             logging.shutdown()
+            from hetrain.checkpoint.lease import release_all
+
+            release_all()
             os._exit(SIGTERM_EXIT)

@@ -29,11 +29,12 @@ import torch.distributed as dist
 from hetrain.errors import HetrainError
 from hetrain.planning.plan import BalancePlan, Plan, RankPlan
 from hetrain.runtime.balancer import Balancer
-from hetrain.runtime.data import GlobalBatchOrder, HeteroLoader
+from hetrain.runtime.data import HeteroLoader, make_loader
 from hetrain.runtime.environment import (RankEnv, configure_logging, env_int, init_process_group, pick_device,
                                          print_user_errors_as_one_line)
 from hetrain.runtime.events import CheckpointRecord, StepRecord
 from hetrain.runtime.gradients import GradientStatus, clip_gradients, finish_gradients
+from hetrain.runtime.measured import FlopMeter, rates_by_kind
 from hetrain.runtime.parallelize import Prepared, gradient_sync, parallelize
 from hetrain.runtime.plan_entries import Assignment, assign_entries, local_device_kind
 from hetrain.runtime.precision import JobLossScaler, autocast, configure_tf32
@@ -99,6 +100,8 @@ class Session:
         self._consecutive_skips = 0
         self._skipped_total = 0
         self._last_step_end: float | None = None
+        self._flop_meter: FlopMeter | None = None
+        self._first_items: float | None = None
         if self.is_main:
             for note in self.assignment.notes:
                 log.info("%s", note)
@@ -160,9 +163,9 @@ class Session:
         return self.prepared.model, self.prepared.optimizer
 
     def loader(self, dataset: Any, global_batch_size: int, *, shuffle: bool = True, seed: int = 0,
-               drop_last: bool = True, collate_fn=None) -> HeteroLoader:
+               drop_last: bool = True, **options: Any) -> HeteroLoader:
         """This rank's slices of one sequence of global batches (the same for any world size or split),
-        on this rank's device."""
+        on this rank's device. `options` are the data loader's (see `hetrain.runtime.data.make_loader`)."""
         if global_batch_size < self.world_size:
             raise HetrainError(
                 f"global batch size {global_batch_size} is smaller than the number of ranks "
@@ -172,12 +175,12 @@ class Session:
             raise HetrainError("session.loader() was already called; a session reads one dataset")
         if self.prepared is None:
             raise HetrainError("call session.prepare(model, optimizer) before session.loader()")
-        self.balancer = self._make_balancer(global_batch_size)
-        order = GlobalBatchOrder(len(dataset), global_batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last)
-        loader = HeteroLoader(dataset, order, rank=self.rank, split=self.balancer, step=self.state,
-                              device=self.device, micro_batch=self.entry.micro_batch, grad_accum=self.entry.grad_accum,
-                              gradient_sync=lambda sync: gradient_sync(self.prepared, self.sharding, sync),
-                              collate_fn=collate_fn)
+        balancer = self._make_balancer(global_batch_size)
+        loader = make_loader(dataset, global_batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
+                             rank=self.rank, split=balancer, step=self.state, device=self.device,
+                             micro_batch=self.entry.micro_batch, grad_accum=self.entry.grad_accum,
+                             gradient_sync=lambda sync: gradient_sync(self.prepared, self.sharding, sync), **options)
+        self.balancer = balancer
         self.train = TrainState(self.prepared, self.sharding, self.scaler, self.balancer, loader, self.plan,
                                 self.world_size, self.rank)
         self._start_checkpoints()
@@ -228,6 +231,8 @@ class Session:
             raise HetrainError("call session.prepare(model, optimizer) before session.backward()")
         self.state.require_batch("backward")
         items = self.state.current_samples() if num_items is None else items_as_number(num_items)
+        if self._first_items is None:
+            self._first_items = items   # the items of the forward the FLOP meter counted
         self.state.record_backward(loss, items)
         if items == 0 and self.sharding == "fsdp":
             # No items: exact zeros through the forward's graph, which FSDP2's reduce-scatter needs.
@@ -295,12 +300,15 @@ class Session:
             self.compute_seconds.append(compute)
         self._last_step_end = now
         totals = self.state.finish(status.global_items, status.loss)
-        self.balancer.record(totals.local_samples, compute)
+        data_wait = self.train.loader.data_wait_seconds
+        self.balancer.record(totals.local_samples, compute + data_wait)
         self.train.step += 1
         changed = False
         if self.balancer.due(self.train.step):
             changed = self.balancer.rebalance(self.train.step, self.balancer.exchange(self.device))
-        self._report(totals, wall, compute, applied, changed)
+            self._save_rates()
+        self._count_flops(totals)
+        self._report(totals, wall, compute, data_wait, applied, changed)
         self._status, self._grad_norm = None, None
         if self.checkpoints is not None:
             self.checkpoints.after_step()
@@ -356,20 +364,48 @@ class Session:
         """Something with `on_step(StepRecord)` (and optionally `on_checkpoint`, `close`), called each step."""
         self.observers.append(observer)
 
-    def _report(self, totals, wall: float | None, compute: float, applied: bool, changed: bool) -> None:
+    def _report(self, totals, wall: float | None, compute: float, data_wait: float, applied: bool,
+                changed: bool) -> None:
         if not self.observers:
             return
         record = StepRecord(
             step=self.train.step, rank=self.rank, world_size=self.world_size, device=self.entry.device,
             precision=self.precision, share=self.balancer.shares[self.rank], samples=totals.local_samples,
             items=int(totals.local_items), global_samples=totals.global_samples, global_items=int(totals.global_items),
-            step_seconds=wall, compute_seconds=compute, data_wait_seconds=self.train.loader.last_fetch_seconds,
+            step_seconds=wall, compute_seconds=compute, data_wait_seconds=data_wait,
             optimizer_seconds=self.timer.last_optimizer_s, loss=totals.loss, grad_norm=self._grad_norm,
             loss_scale=self.scaler.scale, skipped=not applied, skipped_total=self._skipped_total,
             shares=tuple(self.balancer.shares), split_changed=changed,
             comm_bytes=_comm_bytes(self.prepared.comm_state), emulated=self.emulated)
         for observer in self.observers:
             observer.on_step(record)
+
+    def _save_rates(self) -> None:
+        """Rank 0 writes the rates measured so far by device kind (for `hetrain plan --from-run`)."""
+        directory = self.run_dir
+        if not self.is_main or directory is None or self.balancer.costs is None:
+            return
+        rates = rates_by_kind(self.assignment.entries, self.balancer.costs, self.balancer.shares,
+                              step=self.train.step, global_batch_size=sum(self.balancer.shares),
+                              emulated=self.emulated)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            rates.save(directory)
+        except OSError as e:
+            log.warning("measured rates not written to %s (%s)", directory, e)
+
+    def _count_flops(self, totals) -> None:
+        """After the first measured forward: the model's FLOPs per item (forward and backward), for MFU."""
+        meter = self._flop_meter
+        if meter is None or meter.flops is None:
+            return
+        self._flop_meter = None
+        items = self._first_items or totals.local_items
+        if meter.flops and items:
+            per_item = 3.0 * meter.flops / items
+            for observer in self.observers:
+                if hasattr(observer, "flops_per_item"):
+                    observer.flops_per_item = per_item
 
     def _on_checkpoint(self, record: CheckpointRecord) -> None:
         for observer in self.observers:
@@ -425,13 +461,26 @@ class Session:
             return
         from hetrain.metrics import RankMetrics
 
-        self.add_observer(RankMetrics(
-            rank=self.rank, local_rank=self.local_rank, world_size=self.world_size, device=self.device,
-            device_name=self.entry.device, port=self._metrics_port, run_dir=self.run_dir,
-            job=os.environ.get("TORCHELASTIC_RUN_ID", "local"),
-            predicted_step_seconds=self.entry.predicted_step_seconds))
+        error = None
+        try:
+            metrics = RankMetrics(
+                rank=self.rank, local_rank=self.local_rank, world_size=self.world_size, device=self.device,
+                device_name=self.entry.device, port=self._metrics_port, run_dir=self.run_dir,
+                job=os.environ.get("TORCHELASTIC_RUN_ID", "local"),
+                predicted_step_seconds=self.entry.predicted_step_seconds)
+        except HetrainError as e:
+            error, metrics = e, None
+        failed = torch.tensor([0.0 if error is None else 1.0 + self.rank], device=self.device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)   # every rank stops with the same line, none hangs
+        if error is not None:
+            raise error
+        if failed.item() > 0:
+            raise HetrainError(f"rank {int(failed.item()) - 1} could not serve its metrics; see its line above "
+                               "(--metrics-port)")
+        self.add_observer(metrics)
         if self.restart_count:
-            self.observers[-1].on_restart(self.restart_count)
+            metrics.on_restart(self.restart_count)
+        self._flop_meter = FlopMeter(self.prepared.module)
 
 
 def _now() -> float:

@@ -109,10 +109,16 @@ class TimedHookState:
     timer: StepTimer
     inner_state: Any
     inner_hook: Callable[[Any, dist.GradBucket], torch.futures.Future]
+    stats: Any = None   # a CommStats counting the bytes of a plain all-reduce (compressing hooks count their own)
 
 
 def timed_hook(state, bucket):
     # No annotations: DDP checks them, and postponed annotations are strings.
     if bucket.is_last():
         state.timer.grads_ready()
+    if state.stats is not None:
+        from hetrain.runtime.compression.stats import allreduce_bytes
+
+        buf = bucket.buffer()
+        state.stats.add(allreduce_bytes(buf.numel() * buf.element_size(), dist.get_world_size()))
     return state.inner_hook(state.inner_state, bucket)

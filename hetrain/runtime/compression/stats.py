@@ -45,6 +45,14 @@ class CommStats:
             self.bytes_sent += nbytes
             self.bytes_by_level[level] = self.bytes_by_level.get(level, 0.0) + nbytes
 
+    def take_step_bytes(self) -> dict[str, float]:
+        """Bytes sent per level since the last call (for per-step reports)."""
+        with self._lock:
+            taken = getattr(self, "_reported", {})
+            delta = {k: v - taken.get(k, 0.0) for k, v in self.bytes_by_level.items()}
+            self._reported = dict(self.bytes_by_level)
+        return {k: v for k, v in delta.items() if v}
+
     def bytes_per_step(self) -> float:
         """Mean bytes this rank sent per step (0 before the first step)."""
         return self.bytes_sent / self.steps if self.steps else 0.0
