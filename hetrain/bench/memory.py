@@ -128,12 +128,12 @@ def _share_errors(strategies: dict, world: int, params_bytes: int) -> dict:
 
 
 def _profile(layers: int, hidden: int = 4096, heads: int = 32, seq: int = 2048, vocab: int = 32000):
-    from hetrain.workload.zoo import ModelFacts, _transformer
+    from hetrain.workload.zoo import ModelFacts, transformer_profile
 
     params = 12 * layers * hidden * hidden + vocab * hidden
     facts = ModelFacts(model="transformer-h4096", params=params, seq_len=seq, forward_flops=2.0 * params * seq,
                        layers=layers, hidden=hidden, heads=heads, vocab=vocab)
-    return _transformer(f"transformer-h{hidden}-l{layers}", facts)
+    return transformer_profile(f"transformer-h{hidden}-l{layers}", facts)
 
 
 def _fits(approach: str, profile, devices: list[tuple[str, int]]) -> bool:

@@ -1,9 +1,11 @@
 """How a global batch is cut into integer per-rank shares.
 
-One function serves the planner (before the job) and the balancer (while it runs), so plan time
-and run time cannot disagree. Each rank's step time is modelled as affine in its share,
-``t_r(n) = fixed_r + n * per_sample_r``; the split minimises the slowest rank's time exactly over
-integer shares within per-rank bounds.
+One function, `split_min_max`, serves the planner (before the job, over device kinds) and the
+balancer (while it runs, over ranks), so plan time and run time cannot disagree. A device's step
+time is a non-decreasing function of its share: affine, ``fixed + n * per_sample`` (`RankCost`),
+as the balancer measures it, or any function (`FunctionCost`: micro-batching, pipeline stages),
+as the planner models it. The split minimises the slowest device's time exactly over integer
+shares within per-device bounds.
 """
 
 from __future__ import annotations
@@ -29,85 +31,128 @@ class RankCost:
         return self.fixed + n * self.per_sample if n > 0 else 0.0
 
 
-def _bounds(total: int, ranks: int, min_share, max_share) -> tuple[np.ndarray, np.ndarray]:
+def _bounds(total: int, costs: Sequence[Cost], counts: Sequence[int], min_share, max_share
+            ) -> tuple[list[int], list[int]]:
+    ranks = len(costs)
     lo = np.broadcast_to(np.asarray(min_share if min_share is not None else 0, dtype=np.int64), (ranks,)).copy()
     if max_share is None:
         hi = np.full(ranks, total, dtype=np.int64)
     else:
         hi = np.broadcast_to(np.asarray(max_share, dtype=np.int64), (ranks,)).copy()
+    hi = np.minimum(hi, total)
+    n = np.asarray(counts, dtype=np.int64)
     if (lo < 0).any():
         raise HetrainError(f"min_share must be >= 0, got {lo.tolist()}")
     if (hi < lo).any():
         raise HetrainError(f"max_share {hi.tolist()} is below min_share {lo.tolist()} for some rank")
-    if lo.sum() > total:
+    if int((lo * n).sum()) > total:
         raise HetrainError(
-            f"global batch {total} is smaller than the minimum shares add up to ({int(lo.sum())} over "
-            f"{ranks} ranks); raise the global batch size to at least {int(lo.sum())} or lower min_share"
+            f"global batch {total} is smaller than the minimum shares add up to ({int((lo * n).sum())} over "
+            f"{int(n.sum())} ranks); raise the global batch size to at least {int((lo * n).sum())} or lower min_share"
         )
-    if hi.sum() < total:
+    if int((hi * n).sum()) < total:
         raise HetrainError(
-            f"global batch {total} does not fit: the ranks take at most {int(hi.sum())} samples together "
+            f"global batch {total} does not fit: the devices take at most {int((hi * n).sum())} samples together "
             f"(max_share {hi.tolist()}); lower the global batch, add devices, or use gradient accumulation"
         )
-    return lo, hi
+    return lo.tolist(), hi.tolist()
+
+
+@dataclass(frozen=True)
+class FunctionCost:
+    """A step time given as any non-decreasing function of the share (micro-batching, pipelines)."""
+
+    fn: Callable[[int], float]
+
+    def time(self, n: int) -> float:
+        return self.fn(n) if n > 0 else 0.0
+
+
+Cost = RankCost | FunctionCost
+
+
+def _capacity(cost: Cost, t: float, lo: int, hi: int) -> int:
+    """The largest share in [lo, hi] whose time is <= t (lo when even lo takes longer)."""
+    if isinstance(cost, RankCost):
+        n = math.floor((t - cost.fixed) / cost.per_sample + 1e-9) if t >= cost.fixed else 0
+        return int(min(max(n, lo), hi))
+    a, b = lo, hi
+    while a < b:
+        mid = (a + b + 1) // 2
+        if cost.time(mid) <= t:
+            a = mid
+        else:
+            b = mid - 1
+    return a
 
 
 def split_min_max(
     total: int,
-    costs: Sequence[RankCost],
+    costs: Sequence[Cost],
     min_share: int | Sequence[int] | None = 0,
     max_share: int | Sequence[int] | None = None,
+    counts: Sequence[int] | None = None,
 ) -> list[int]:
-    """Integer shares summing to ``total`` that minimise ``max_r costs[r].time(share_r)``.
+    """Integer shares summing to ``total`` that minimise the slowest device's time: THE split of
+    hetrain, used by the planner (before the job) and the balancer (while it runs).
 
-    Exact: bisection on the step time finds, for a time just below the optimum, how many samples
-    each rank can take; the few samples left go one at a time to the rank that would finish them
-    first. Cost O(R log R) for R ranks.
+    ``costs[k]`` is the step time of device (or device kind) k as a function of its share; with
+    ``counts``, k stands for ``counts[k]`` identical devices and the result lists every device
+    (kind by kind). Exact for non-decreasing costs: bisection on the step time finds, for a time
+    just below the optimum, how many samples each device can take; the few samples left go one
+    at a time to the device that would finish them first (identical devices move together).
     """
     if total < 0:
         raise HetrainError(f"global batch must be >= 0, got {total}")
-    ranks = len(costs)
-    if ranks == 0:
-        raise HetrainError("cannot split a batch over zero ranks")
+    counts = [1] * len(costs) if counts is None else [int(c) for c in counts]
+    if len(counts) != len(costs):
+        raise HetrainError(f"{len(counts)} device counts for {len(costs)} costs; give one count per cost")
+    if not costs or sum(counts) == 0:
+        raise HetrainError("cannot split a batch over zero devices; add devices")
     for r, c in enumerate(costs):
-        if not (c.per_sample > 0 and math.isfinite(c.per_sample)) or c.fixed < 0:
+        if isinstance(c, RankCost) and (not (c.per_sample > 0 and math.isfinite(c.per_sample)) or c.fixed < 0):
             raise HetrainError(f"rank {r}: per-sample time must be positive and finite, got {c.per_sample}")
-    lo, hi = _bounds(total, ranks, min_share, max_share)
-    per = np.array([c.per_sample for c in costs])
-    fixed = np.array([c.fixed for c in costs])
-
-    def capacity(t: float) -> np.ndarray:
-        n = np.floor((t - fixed) / per + 1e-9)
-        return np.clip(np.nan_to_num(n, nan=0.0, neginf=0.0), lo, hi).astype(np.int64)
-
-    t_lo, t_hi = 0.0, float((fixed + hi * per).max())
-    if capacity(t_lo).sum() >= total:
-        shares = capacity(t_lo)
-    else:
-        for _ in range(100):
+    lo, hi = _bounds(total, costs, counts, min_share, max_share)
+    caps = lambda t: [_capacity(c, t, int(l), int(h)) for c, l, h in zip(costs, lo, hi)]  # noqa: E731
+    taken = lambda shares: sum(n * s for n, s in zip(counts, shares))  # noqa: E731
+    t_lo, t_hi = 0.0, max(c.time(int(h)) for c, h, n in zip(costs, hi, counts) if n)
+    if taken(caps(t_lo)) < total:
+        for _ in range(200):
+            if t_hi - t_lo <= 1e-12 * max(1.0, t_hi):
+                break
             mid = 0.5 * (t_lo + t_hi)
-            if capacity(mid).sum() >= total:
+            if taken(caps(mid)) >= total:
                 t_hi = mid
             else:
                 t_lo = mid
-            if t_hi - t_lo <= 1e-12 * max(1.0, t_hi):
-                break
-        shares = capacity(t_lo)
-    shares = shares.tolist()
-    left = total - sum(shares)
-    heap = [(costs[r].time(shares[r] + 1), r) for r in range(ranks) if shares[r] < hi[r]]
+    base = caps(t_lo)
+    left = total - taken(base)
+    # level[k] maps share -> how many devices of cost k are at that share
+    level = [{b: n} for b, n in zip(base, counts)]
+    heap = [(c.time(b + 1), k, b) for k, (c, b, h, n) in enumerate(zip(costs, base, hi, counts)) if n and b < h]
     heapq.heapify(heap)
     while left > 0:
-        _, r = heapq.heappop(heap)
-        shares[r] += 1
-        left -= 1
-        if shares[r] < hi[r]:
-            heapq.heappush(heap, (costs[r].time(shares[r] + 1), r))
-    while left < 0:  # only when every capacity at t=0 already exceeds total (min shares)
-        r = max((r for r in range(ranks) if shares[r] > lo[r]), key=lambda r: costs[r].time(shares[r]))
-        shares[r] -= 1
+        _, k, n = heapq.heappop(heap)
+        moved = min(left, level[k][n])
+        level[k][n] -= moved
+        level[k][n + 1] = level[k].get(n + 1, 0) + moved
+        left -= moved
+        if level[k][n] > 0:  # the devices not moved stay eligible at this level
+            heapq.heappush(heap, (costs[k].time(n + 1), k, n))
+        if n + 1 < hi[k]:
+            heapq.heappush(heap, (costs[k].time(n + 2), k, n + 1))
+    while left < 0:  # only when the minimum shares alone exceed what bisection started from
+        k = max((k for k in range(len(costs)) if any(v for s, v in level[k].items() if s > lo[k])),
+                key=lambda k: costs[k].time(max(s for s, v in level[k].items() if v)))
+        top = max(s for s, v in level[k].items() if v)
+        level[k][top] -= 1
+        level[k][top - 1] = level[k].get(top - 1, 0) + 1
         left += 1
-    return [int(s) for s in shares]
+    out: list[int] = []
+    for lv in level:
+        for n in sorted(lv, reverse=True):
+            out += [int(n)] * lv[n]
+    return out
 
 
 def split_proportional(
@@ -121,30 +166,6 @@ def split_proportional(
         if not (w > 0 and math.isfinite(w)):
             raise HetrainError(f"rank {r}: speed must be a positive number, got {w}; use a value like 1 or 0.5")
     return split_min_max(total, [RankCost(per_sample=1.0 / w) for w in weights], min_share, max_share)
-
-
-def split_min_max_fn(
-    total: int,
-    time_fns: Sequence[Callable[[int], float]],
-    min_share: int | Sequence[int] | None = 0,
-    max_share: int | Sequence[int] | None = None,
-) -> list[int]:
-    """The same min-max split for any non-decreasing time functions (micro-batching, pipelines).
-
-    Greedy from the minimum shares, one sample at a time to the rank that would finish it first;
-    exact for non-decreasing functions, O(total log R).
-    """
-    ranks = len(time_fns)
-    lo, hi = _bounds(total, ranks, min_share, max_share)
-    shares = lo.tolist()
-    heap = [(time_fns[r](shares[r] + 1), r) for r in range(ranks) if shares[r] < hi[r]]
-    heapq.heapify(heap)
-    for _ in range(total - sum(shares)):
-        _, r = heapq.heappop(heap)
-        shares[r] += 1
-        if shares[r] < hi[r]:
-            heapq.heappush(heap, (time_fns[r](shares[r] + 1), r))
-    return shares
 
 
 def step_time(shares: Sequence[int], costs: Sequence[RankCost]) -> float:

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from hetrain.errors import HetrainError
 from hetrain.planning import cost_model as cm
 from hetrain.planning.compression import PREFERENCE, compression_ratio, lossless_for
-from hetrain.planning.partition import KindLoad, partition_blocks, split_by_kind
+from hetrain.planning.batch_split import FunctionCost, split_min_max
+from hetrain.planning.partition import partition_blocks
 from hetrain.planning.plan import BalancePlan, CommPlan, PipelinePlan, Plan, RankPlan
 from hetrain.planning.precision_policy import needs_loss_scaling
 from hetrain.planning.explain import why_not
@@ -186,12 +187,12 @@ def data_parallel(strategy: str, cluster, profile: WorkloadProfile, kinds: list[
         shares = {r: base + (1 if i < extra else 0) for i, r in enumerate(sorted(r for k in kinds for r in k.ranks))}
         per_rank = {r: (shares[r], mb_all, kc) for k, kc in zip(kinds, ckpts) for r in k.ranks}
     else:
-        loads = [KindLoad(k.count, lambda n, k=k, mb=mb, c=c: k.time(n, mb, c)) for k, mb, c in zip(kinds, limits, ckpts)]
-        split = split_by_kind(global_batch, loads)
+        costs = [FunctionCost(lambda n, k=k, mb=mb, c=c: k.time(n, mb, c)) for k, mb, c in zip(kinds, limits, ckpts)]
+        shares = iter(split_min_max(global_batch, costs, counts=[k.count for k in kinds]))
         per_rank = {}
-        for k, mb, c, sh in zip(kinds, limits, ckpts, split):
-            for r, s in zip(k.ranks, sh):
-                per_rank[r] = (s, mb, c)
+        for k, mb, c in zip(kinds, limits, ckpts):
+            for r in k.ranks:
+                per_rank[r] = (next(shares), mb, c)
     kind_of = {r: k for k in kinds for r in k.ranks}
     ranks, compute, slow_rank = [], {}, None
     for r in range(world):

@@ -42,9 +42,9 @@ class FlopMeter:
     def __init__(self, module: torch.nn.Module) -> None:
         self.flops: int | None = None
         self._mode = None
-        self._handles = [module.register_forward_pre_hook(self._enter), module.register_forward_hook(self._exit)]
+        self._handles = [module.register_forward_pre_hook(self._start), module.register_forward_hook(self._stop)]
 
-    def _enter(self, module: torch.nn.Module, args: object) -> None:
+    def _start(self, module: torch.nn.Module, args: object) -> None:
         from torch.utils.flop_counter import FlopCounterMode
 
         try:
@@ -55,7 +55,7 @@ class FlopMeter:
             self._mode = None
             self.remove()
 
-    def _exit(self, module: torch.nn.Module, args: object, output: object) -> None:
+    def _stop(self, module: torch.nn.Module, args: object, output: object) -> None:
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self.flops = int(self._mode.get_total_flops())

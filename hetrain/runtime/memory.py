@@ -51,6 +51,11 @@ def resolve_blocks(model: nn.Module, blocks: Sequence[nn.Module] | None) -> list
     return blocks
 
 
+def is_checkpointed(block: nn.Module) -> bool:
+    """Whether the block recomputes its activations in backward."""
+    return getattr(block, _CHECKPOINTED, False)
+
+
 def checkpoint_blocks(blocks: Sequence[nn.Module]) -> int:
     """Recompute each block's activations in backward (non-reentrant checkpoint); returns how many."""
     count = 0

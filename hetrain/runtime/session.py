@@ -32,9 +32,9 @@ from hetrain.runtime.balancer import Balancer
 from hetrain.runtime.data import HeteroLoader, make_loader
 from hetrain.runtime.environment import (RankEnv, configure_logging, env_int, init_process_group, pick_device,
                                          print_user_errors_as_one_line)
-from hetrain.runtime.events import CheckpointRecord, StepRecord
+from hetrain.runtime.events import StepRecord
 from hetrain.runtime.gradients import GradientStatus, clip_gradients, finish_gradients
-from hetrain.runtime.measured import FlopMeter, rates_by_kind
+from hetrain.runtime.reporting import Reports, comm_bytes
 from hetrain.runtime.parallelize import Prepared, gradient_sync, parallelize
 from hetrain.runtime.plan_entries import Assignment, assign_entries, local_device_kind
 from hetrain.runtime.precision import JobLossScaler, autocast, configure_tf32
@@ -92,7 +92,7 @@ class Session:
         self.balancer: Balancer | None = None
         self.train: TrainState | None = None
         self.checkpoints: SessionCheckpoints | None = None
-        self.observers: list[Any] = []
+        self.reports = Reports(self.run_dir, is_main=self.is_main)
         self.step_seconds: collections.deque[float] = collections.deque(maxlen=TIMING_HISTORY)
         self.compute_seconds: collections.deque[float] = collections.deque(maxlen=TIMING_HISTORY)
         self._status: GradientStatus | None = None
@@ -100,8 +100,6 @@ class Session:
         self._consecutive_skips = 0
         self._skipped_total = 0
         self._last_step_end: float | None = None
-        self._flop_meter: FlopMeter | None = None
-        self._first_items: float | None = None
         if self.is_main:
             for note in self.assignment.notes:
                 log.info("%s", note)
@@ -231,8 +229,7 @@ class Session:
             raise HetrainError("call session.prepare(model, optimizer) before session.backward()")
         self.state.require_batch("backward")
         items = self.state.current_samples() if num_items is None else items_as_number(num_items)
-        if self._first_items is None:
-            self._first_items = items   # the items of the forward the FLOP meter counted
+        self.reports.saw_items(items)
         self.state.record_backward(loss, items)
         if items == 0 and self.sharding == "fsdp":
             # No items: exact zeros through the forward's graph, which FSDP2's reduce-scatter needs.
@@ -306,9 +303,10 @@ class Session:
         changed = False
         if self.balancer.due(self.train.step):
             changed = self.balancer.rebalance(self.train.step, self.balancer.exchange(self.device))
-            self._save_rates()
-        self._count_flops(totals)
-        self._report(totals, wall, compute, data_wait, applied, changed)
+            self.reports.save_rates(self.assignment.entries, self.balancer, step=self.train.step,
+                                    emulated=self.emulated)
+        if self.reports.observers:
+            self.reports.step(self._record(totals, wall, compute, data_wait, applied, changed))
         self._status, self._grad_norm = None, None
         if self.checkpoints is not None:
             self.checkpoints.after_step()
@@ -362,13 +360,15 @@ class Session:
 
     def add_observer(self, observer: Any) -> None:
         """Something with `on_step(StepRecord)` (and optionally `on_checkpoint`, `close`), called each step."""
-        self.observers.append(observer)
+        self.reports.add(observer)
 
-    def _report(self, totals, wall: float | None, compute: float, data_wait: float, applied: bool,
-                changed: bool) -> None:
-        if not self.observers:
-            return
-        record = StepRecord(
+    @property
+    def observers(self) -> list[Any]:
+        return self.reports.observers
+
+    def _record(self, totals, wall: float | None, compute: float, data_wait: float, applied: bool,
+                changed: bool) -> StepRecord:
+        return StepRecord(
             step=self.train.step, rank=self.rank, world_size=self.world_size, device=self.entry.device,
             precision=self.precision, share=self.balancer.shares[self.rank], samples=totals.local_samples,
             items=int(totals.local_items), global_samples=totals.global_samples, global_items=int(totals.global_items),
@@ -376,42 +376,7 @@ class Session:
             optimizer_seconds=self.timer.last_optimizer_s, loss=totals.loss, grad_norm=self._grad_norm,
             loss_scale=self.scaler.scale, skipped=not applied, skipped_total=self._skipped_total,
             shares=tuple(self.balancer.shares), split_changed=changed,
-            comm_bytes=_comm_bytes(self.prepared.comm_state), emulated=self.emulated)
-        for observer in self.observers:
-            observer.on_step(record)
-
-    def _save_rates(self) -> None:
-        """Rank 0 writes the rates measured so far by device kind (for `hetrain plan --from-run`)."""
-        directory = self.run_dir
-        if not self.is_main or directory is None or self.balancer.costs is None:
-            return
-        rates = rates_by_kind(self.assignment.entries, self.balancer.costs, self.balancer.shares,
-                              step=self.train.step, global_batch_size=sum(self.balancer.shares),
-                              emulated=self.emulated)
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-            rates.save(directory)
-        except OSError as e:
-            log.warning("measured rates not written to %s (%s)", directory, e)
-
-    def _count_flops(self, totals) -> None:
-        """After the first measured forward: the model's FLOPs per item (forward and backward), for MFU."""
-        meter = self._flop_meter
-        if meter is None or meter.flops is None:
-            return
-        self._flop_meter = None
-        items = self._first_items or totals.local_items
-        if meter.flops and items:
-            per_item = 3.0 * meter.flops / items
-            for observer in self.observers:
-                if hasattr(observer, "flops_per_item"):
-                    observer.flops_per_item = per_item
-
-    def _on_checkpoint(self, record: CheckpointRecord) -> None:
-        for observer in self.observers:
-            hook = getattr(observer, "on_checkpoint", None)
-            if hook is not None:
-                hook(record)
+            comm_bytes=comm_bytes(self.prepared.comm_state), emulated=self.emulated)
 
     def barrier(self) -> None:
         dist.barrier()
@@ -421,11 +386,7 @@ class Session:
         if self.checkpoints is not None:
             self.checkpoints.close()
             self.checkpoints = None
-        for observer in self.observers:
-            closer = getattr(observer, "close", None)
-            if closer is not None:
-                closer()
-        self.observers = []
+        self.reports.close()
         if self._owns_group and dist.is_initialized():
             # Every rank reaches this point before the group is torn down: destroying gloo's
             # group while a peer is still in a collective can abort the process at exit.
@@ -453,46 +414,22 @@ class Session:
         self.checkpoints = SessionCheckpoints(self.train, directory, interval=interval, keep=keep,
                                               async_save=async_save, device=self.device,
                                               recent_step_seconds=lambda: list(self.step_seconds)[-20:],
-                                              on_saved=self._on_checkpoint)
+                                              on_saved=self.reports.checkpoint)
         self.checkpoints.resume()
 
     def _start_metrics(self) -> None:
-        if self._metrics_port is None:
-            return
-        from hetrain.metrics import RankMetrics
-
-        error = None
-        try:
-            metrics = RankMetrics(
-                rank=self.rank, local_rank=self.local_rank, world_size=self.world_size, device=self.device,
-                device_name=self.entry.device, port=self._metrics_port, run_dir=self.run_dir,
-                job=os.environ.get("TORCHELASTIC_RUN_ID", "local"),
-                predicted_step_seconds=self.entry.predicted_step_seconds)
-        except HetrainError as e:
-            error, metrics = e, None
-        failed = torch.tensor([0.0 if error is None else 1.0 + self.rank], device=self.device)
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)   # every rank stops with the same line, none hangs
-        if error is not None:
-            raise error
-        if failed.item() > 0:
-            raise HetrainError(f"rank {int(failed.item()) - 1} could not serve its metrics; see its line above "
-                               "(--metrics-port)")
-        self.add_observer(metrics)
-        if self.restart_count:
-            metrics.on_restart(self.restart_count)
-        self._flop_meter = FlopMeter(self.prepared.module)
+        if self._metrics_port is not None:
+            self.reports.start_metrics(
+                port=self._metrics_port, rank=self.rank, local_rank=self.local_rank, world_size=self.world_size,
+                device=self.device, device_name=self.entry.device, job=os.environ.get("TORCHELASTIC_RUN_ID", "local"),
+                predicted_step_seconds=self.entry.predicted_step_seconds, restart_count=self.restart_count,
+                module=self.prepared.module)
 
 
 def _now() -> float:
     import time
 
     return time.perf_counter()
-
-
-def _comm_bytes(comm_state: Any) -> dict[str, float]:
-    stats = getattr(comm_state, "stats", None)
-    take = getattr(stats, "take_step_bytes", None)
-    return take() if callable(take) else {}
 
 
 def _refuse_pipeline(plan: Plan) -> None:

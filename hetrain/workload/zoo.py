@@ -95,7 +95,7 @@ def get_profile(name: str) -> WorkloadProfile:
         )
     if facts.model in _RESNET_LAYERS:
         return _resnet(key, facts)
-    return _transformer(key, facts)
+    return transformer_profile(key, facts)
 
 
 def _resnet(name: str, f: ModelFacts) -> WorkloadProfile:
@@ -149,7 +149,7 @@ def _resnet(name: str, f: ModelFacts) -> WorkloadProfile:
     )
 
 
-def _transformer(name: str, f: ModelFacts) -> WorkloadProfile:
+def transformer_profile(name: str, f: ModelFacts) -> WorkloadProfile:
     assert f.layers and f.hidden and f.heads and f.vocab and f.seq_len
     s, h, a, v, n = f.seq_len, f.hidden, f.heads, f.vocab, f.layers
     elem = 2

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from hetrain.errors import HetrainError
-from hetrain.planning.batch_split import (RankCost, rebalance, split_min_max, split_min_max_fn,
+from hetrain.planning.batch_split import (RankCost, rebalance, FunctionCost, split_min_max,
                                           split_partial, split_proportional, step_time)
 
 
@@ -36,7 +36,7 @@ def test_exact_against_brute_force_with_bounds_and_fixed_costs():
         shares = split_min_max(total, costs, lo, hi)
         assert sum(shares) == total and all(l <= s <= h for s, l, h in zip(shares, lo, hi))
         assert step_time(shares, costs) == pytest.approx(brute_force(total, costs, lo, hi))
-        fn_shares = split_min_max_fn(total, [c.time for c in costs], lo, hi)
+        fn_shares = split_min_max(total, [FunctionCost(c.time) for c in costs], lo, hi)
         assert step_time(fn_shares, costs) == pytest.approx(brute_force(total, costs, lo, hi))
 
 

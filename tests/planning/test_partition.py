@@ -5,9 +5,9 @@ import math
 import random
 
 from hetrain.hardware.cluster import cluster_from_devices
-from hetrain.planning.batch_split import split_min_max_fn
+from hetrain.planning.batch_split import FunctionCost, split_min_max
 from hetrain.planning.cost_model import default_calibration
-from hetrain.planning.partition import KindLoad, partition_blocks, split_by_kind
+from hetrain.planning.partition import partition_blocks
 from hetrain.planning.planner import kinds_of, max_micro_batch
 from hetrain.workload import get_profile
 
@@ -22,7 +22,7 @@ def _brute(total, fns):
     return best
 
 
-def test_split_by_kind_matches_brute_force_on_planner_time_functions():
+def test_one_split_over_device_kinds_matches_brute_force_on_planner_time_functions():
     rng = random.Random(0)
     names = ["a100", "v100", "t4", "l4", "h100", "a10"]
     calib = default_calibration()
@@ -34,30 +34,34 @@ def test_split_by_kind_matches_brute_force_on_planner_time_functions():
         total = rng.randint(sum(counts), 24)
         kinds = kinds_of(cluster, profile, "auto", calib)
         mbs = [max(1, min(rng.randint(1, 6), max_micro_batch(profile, k, "adamw", 0, 1, False, total))) for k in kinds]
-        loads = [KindLoad(k.count, lambda n, k=k, mb=mb: k.time(n, mb, False)) for k, mb in zip(kinds, mbs)]
-        split = split_by_kind(total, loads)
-        fns = [ld.time for ld in loads for _ in range(ld.count)]
-        shares = [s for group in split for s in group]
+        costs = [FunctionCost(lambda n, k=k, mb=mb: k.time(n, mb, False)) for k, mb in zip(kinds, mbs)]
+        shares = split_min_max(total, costs, counts=[k.count for k in kinds])
+        fns = [c.time for c, k in zip(costs, kinds) for _ in range(k.count)]
+        groups, start = [], 0
+        for k in kinds:
+            groups.append(shares[start:start + k.count])
+            start += k.count
         assert sum(shares) == total
-        assert all(max(g) - min(g) <= 1 for g in split), split  # a kind's devices differ by at most one
+        assert all(max(g) - min(g) <= 1 for g in groups), groups  # a kind's devices differ by at most one
         got = max(f(n) for f, n in zip(fns, shares))
         best = _brute(total, fns)
         assert got <= best * 1.01, (trial, got, best)
-        ref = split_min_max_fn(total, fns)
+        # the same split, device by device, without counts
+        ref = split_min_max(total, [FunctionCost(f) for f in fns])
         assert math.isclose(got, max(f(n) for f, n in zip(fns, ref)), rel_tol=1e-9)
 
 
-def test_split_by_kind_exact_on_step_functions():
+def test_one_split_exact_on_step_functions():
     rng = random.Random(1)
     for _ in range(30):
-        loads = []
+        costs, counts = [], []
         for _ in range(rng.randint(1, 3)):
             fixed, per, mb = rng.uniform(0, 2), rng.uniform(0.1, 3), rng.randint(1, 4)
-            loads.append(KindLoad(rng.randint(1, 2), lambda n, f=fixed, p=per, m=mb: math.ceil(n / m) * f + n * p if n else 0.0))
+            costs.append(FunctionCost(lambda n, f=fixed, p=per, m=mb: math.ceil(n / m) * f + n * p if n else 0.0))
+            counts.append(rng.randint(1, 2))
         total = rng.randint(0, 14)
-        split = split_by_kind(total, loads)
-        fns = [ld.time for ld in loads for _ in range(ld.count)]
-        shares = [s for g in split for s in g]
+        shares = split_min_max(total, costs, counts=counts)
+        fns = [c.time for c, n in zip(costs, counts) for _ in range(n)]
         got = max(f(n) for f, n in zip(fns, shares))
         assert sum(shares) == total
         assert got <= _brute(total, fns) * 1.01 + 1e-12

@@ -1,0 +1,116 @@
+"""What a session reports: step records to its observers (metrics exporter, run log), the rates it
+measured by device kind (`measured-rates.json`), and the model's FLOPs per item for MFU.
+
+Observers are objects with `on_step(StepRecord)` and, optionally, `on_checkpoint(CheckpointRecord)`,
+`on_restart(count)` and `close()`; they receive records and never reach into the session.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hetrain.errors import HetrainError
+from hetrain.runtime.events import CheckpointRecord, StepRecord
+from hetrain.runtime.measured import FlopMeter, rates_by_kind
+
+log = logging.getLogger("hetrain")
+
+
+class Reports:
+    """A rank's observers and the files it writes for other tools."""
+
+    def __init__(self, run_dir: Path | None, *, is_main: bool) -> None:
+        self.run_dir = run_dir
+        self.is_main = is_main
+        self.observers: list[Any] = []
+        self._flop_meter: FlopMeter | None = None
+        self._first_items: float | None = None
+
+    def add(self, observer: Any) -> None:
+        self.observers.append(observer)
+
+    def start_metrics(self, *, port: int, rank: int, local_rank: int, world_size: int, device: torch.device,
+                      device_name: str, job: str, predicted_step_seconds: float | None, restart_count: int,
+                      module: torch.nn.Module) -> None:
+        """Serve this rank's Prometheus metrics (collective: every rank stops with one line if any cannot)."""
+        from hetrain.metrics import RankMetrics
+
+        error, metrics = None, None
+        try:
+            metrics = RankMetrics(rank=rank, local_rank=local_rank, world_size=world_size, device=device,
+                                  device_name=device_name, port=port, run_dir=self.run_dir, job=job,
+                                  predicted_step_seconds=predicted_step_seconds)
+        except HetrainError as e:
+            error = e
+        failed = torch.tensor([0.0 if error is None else 1.0 + rank], device=device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)   # no rank waits in a collective for one that stopped
+        if error is not None:
+            raise error
+        if failed.item() > 0:
+            raise HetrainError(f"rank {int(failed.item()) - 1} could not serve its metrics (--metrics-port); "
+                               "see its line above")
+        self.add(metrics)
+        if restart_count:
+            metrics.on_restart(restart_count)
+        self._flop_meter = FlopMeter(module)
+
+    def saw_items(self, items: float) -> None:
+        """The items of a backward: the first one's are those of the forward the FLOP meter counted."""
+        if self._first_items is None:
+            self._first_items = items
+
+    def step(self, record: StepRecord) -> None:
+        if not self.observers:
+            return
+        self._count_flops(record)
+        for observer in self.observers:
+            observer.on_step(record)
+
+    def checkpoint(self, record: CheckpointRecord) -> None:
+        for observer in self.observers:
+            hook = getattr(observer, "on_checkpoint", None)
+            if hook is not None:
+                hook(record)
+
+    def save_rates(self, entries, balancer, *, step: int, emulated: bool) -> None:
+        """Rank 0 writes the rates measured so far by device kind (for `hetrain plan --from-run`)."""
+        if not self.is_main or self.run_dir is None or balancer.costs is None:
+            return
+        rates = rates_by_kind(entries, balancer.costs, balancer.shares, step=step,
+                              global_batch_size=sum(balancer.shares), emulated=emulated)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            rates.save(self.run_dir)
+        except OSError as e:
+            log.warning("measured rates not written to %s (%s)", self.run_dir, e)
+
+    def close(self) -> None:
+        for observer in self.observers:
+            closer = getattr(observer, "close", None)
+            if closer is not None:
+                closer()
+        self.observers = []
+
+    def _count_flops(self, record: StepRecord) -> None:
+        """After the first forward: the model's FLOPs per item (forward and twice that for backward)."""
+        meter = self._flop_meter
+        if meter is None or meter.flops is None:
+            return
+        self._flop_meter = None
+        items = self._first_items or record.items
+        if meter.flops and items:
+            for observer in self.observers:
+                if hasattr(observer, "flops_per_item"):
+                    observer.flops_per_item = 3.0 * meter.flops / items
+
+
+def comm_bytes(comm_state: Any) -> dict[str, float]:
+    """Bytes the comm hook sent since the last step, by level (empty without a counting hook)."""
+    stats = getattr(comm_state, "stats", None)
+    take = getattr(stats, "take_step_bytes", None)
+    return take() if callable(take) else {}
