@@ -1,4 +1,4 @@
-"""The loop of DESIGN.md on scikit-learn's digits. Run it on 2 CPU ranks:
+"""The training loop of docs/design.md on scikit-learn's digits. Run it on 2 CPU ranks:
 
     hetrain launch --nproc-per-node 2 --emulate-speeds 1,0.5 examples/train_digits.py --epochs 5
 """
@@ -13,7 +13,7 @@ from hetrain.bench.digits import accuracy, digits_datasets, digits_mlp
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--epochs", type=int, default=5)
-parser.add_argument("--global-batch", type=int, default=128)
+parser.add_argument("--global-batch-size", "--global-batch", dest="global_batch_size", type=int, default=128)
 parser.add_argument("--lr", type=float, default=1e-3)
 args = parser.parse_args()
 
@@ -21,18 +21,17 @@ session = hetrain.Session()
 train, test = digits_datasets()
 model = digits_mlp(hidden=128)
 model, optimizer = session.prepare(model, torch.optim.Adam(model.parameters(), lr=args.lr))
-loader = session.loader(train, global_batch_size=args.global_batch, shuffle=True, seed=0)
+loader = session.loader(train, global_batch_size=args.global_batch_size, shuffle=True, seed=0)
 
 while loader.epoch < args.epochs:          # resumes mid-epoch after a restart
-    total, samples = 0.0, 0
-    for x, y in loader:                     # this rank's share of one global batch
+    losses = []
+    for x, y in loader:                     # this rank's share of one global batch, on its device
         with session.autocast():            # this device's precision
             loss = F.cross_entropy(model(x), y)
-        session.backward(loss)              # weighted by this rank's share
+        session.backward(loss)              # weighted by this rank's share of the global batch
         session.step()
-        total, samples = total + loss.item() * len(x), samples + len(x)
-    mean = session.global_mean(total / max(samples, 1), weight=samples)
+        losses.append(session.loss)         # the global batch's mean loss, the same on every rank
     if session.is_main:
-        print(f"epoch {loader.epoch} loss {mean:.4f} shares {session.shares} "
+        print(f"epoch {loader.epoch} loss {sum(losses) / len(losses):.4f} shares {session.shares} "
               f"test accuracy {accuracy(model.module, test):.3f}", flush=True)
 session.close()

@@ -24,7 +24,7 @@ def add_job_options(parser: argparse.ArgumentParser, steps: int = 100) -> None:
     parser.add_argument("--speeds", default="1,0.5", help="emulated speed per rank, e.g. 1,0.5")
     parser.add_argument("--steps", type=int, default=steps, help="training steps per mode")
     parser.add_argument("--warmup", type=int, default=10, help="steps per mode not timed")
-    parser.add_argument("--global-batch", type=int, default=512)
+    parser.add_argument("--global-batch-size", "--global-batch", dest="global_batch", type=int, default=512)
     parser.add_argument("--model", choices=["cnn", "mlp"], default="cnn", help="a small CNN, or an MLP")
     parser.add_argument("--hidden", type=int, default=64, help="CNN channels or MLP width")
     parser.add_argument("--interval", type=int, default=5, help="balancer interval in steps")
@@ -42,7 +42,7 @@ def run_job(args: argparse.Namespace, *, progress: bool, schedule: str,
     with tempfile.TemporaryDirectory(prefix="hetrain-bench-") as tmp:
         out = Path(tmp) / "result.json"
         job_args = ["--steps", str(args.steps), "--warmup", str(args.warmup),
-                    "--global-batch", str(args.global_batch), "--model", args.model, "--hidden", str(args.hidden),
+                    "--global-batch-size", str(args.global_batch), "--model", args.model, "--hidden", str(args.hidden),
                     "--interval", str(args.interval), "--phases", phases, "--schedule", schedule,
                     "--out", str(out)]
         if progress:

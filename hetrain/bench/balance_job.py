@@ -35,7 +35,7 @@ from hetrain.runtime.timing import StepTimer, TimedHookState, emulated_speed, pa
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=80)
-    p.add_argument("--global-batch", type=int, default=512)
+    p.add_argument("--global-batch-size", "--global-batch", dest="global_batch", type=int, default=512)
     p.add_argument("--model", choices=["cnn", "mlp"], default="cnn")
     p.add_argument("--hidden", type=int, default=64, help="CNN channels or MLP width")
     p.add_argument("--lr", type=float, default=0.05)

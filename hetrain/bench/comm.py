@@ -23,8 +23,9 @@ import torch.nn as nn
 from hetrain.errors import HetrainError
 from hetrain.planning.plan import CommPlan
 from hetrain.runtime.comm_hooks import build_comm_hook, ddp_kwargs
+from hetrain.vocabulary import COMPRESSIONS
 
-HOOKS = ["none", "fp16", "bf16", "powersgd", "int8", "topk"]
+HOOKS = list(COMPRESSIONS)
 TARGET_RATIO = {"powersgd": 0.10, "int8": 0.27, "topk": 0.03}  # on 2 ranks
 WIDTH = 512
 

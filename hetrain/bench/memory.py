@@ -21,8 +21,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from hetrain.errors import HetrainError
+from hetrain.vocabulary import SHARDINGS
 
-SHARDINGS = ("none", "zero1", "zero1-proportional", "fsdp")
 CAPACITY_PATTERN = (80 * 10**9, 32 * 10**9)  # a100-sxm4-80gb, v100-sxm2-32gb (from the plan, emulated)
 
 
@@ -161,7 +161,7 @@ def largest_models(preset: str = "a100x4+v100x4") -> dict:
     cluster = get_preset(preset)
     devices = [(choose_precision(d.spec)[0], d.spec.memory_bytes) for d in cluster.devices()]
     out = {}
-    for approach in ("none", "zero1", "zero1-proportional", "fsdp"):
+    for approach in SHARDINGS:
         lo, hi = 0, 4096  # layers of a hidden-4096 transformer (seq 2048, vocab 32000)
         while lo < hi:
             mid = (lo + hi + 1) // 2

@@ -36,7 +36,7 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
                         help="rank 1 is killed after this step (default: the step before the third checkpoint)")
     parser.add_argument("--hidden", type=int, default=1024, help="MLP width (state bytes grow with its square)")
     parser.add_argument("--depth", type=int, default=4, help="MLP hidden layers")
-    parser.add_argument("--global-batch", type=int, default=128)
+    parser.add_argument("--global-batch-size", "--global-batch", dest="global_batch", type=int, default=128)
     parser.add_argument("--monitor-interval", type=float, default=0.1,
                         help="seconds between the elastic agent's checks of its workers")
     parser.add_argument("--measure-saves", type=int, default=3, help="timed saves of each kind")
@@ -44,7 +44,7 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
 
 def _job_args(args: argparse.Namespace, events: Path, out: Path) -> list[str]:
     return ["--steps", str(args.steps), "--interval", str(args.interval), "--hidden", str(args.hidden),
-            "--depth", str(args.depth), "--global-batch", str(args.global_batch),
+            "--depth", str(args.depth), "--global-batch-size", str(args.global_batch),
             "--events", str(events), "--out", str(out)]
 
 

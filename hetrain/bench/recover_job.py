@@ -30,7 +30,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--interval", type=int, default=5, help="checkpoint interval (steps)")
     p.add_argument("--hidden", type=int, default=1024, help="MLP width")
     p.add_argument("--depth", type=int, default=4, help="hidden layers")
-    p.add_argument("--global-batch", type=int, default=128)
+    p.add_argument("--global-batch-size", "--global-batch", dest="global_batch", type=int, default=128)
     p.add_argument("--kill-rank", type=int, default=-1)
     p.add_argument("--kill-step", type=int, default=-1, help="SIGKILL --kill-rank after this step (first attempt)")
     p.add_argument("--events", required=True, help="directory for the per-rank event files")

@@ -21,9 +21,11 @@ def tiny_gpt2(vocab: int = 64, context: int = 32, width: int = 32, layers: int =
 
     config = GPT2Config(vocab_size=vocab, n_positions=context, n_embd=width, n_layer=layers, n_head=heads,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-                        pad_token_id=0, loss_type="ForCausalLM")
+                        pad_token_id=0)
     torch.manual_seed(seed)
-    return GPT2LMHeadModel(config)
+    model = GPT2LMHeadModel(config)
+    model.loss_type = "ForCausalLM"   # the token-mean causal LM loss, named so transformers does not warn
+    return model
 
 
 class PaddedTokens(Dataset):

@@ -7,6 +7,8 @@ import json
 import sys
 
 from hetrain.errors import HetrainError
+from hetrain.planning.planner import STRATEGIES
+from hetrain.planning.precision_policy import PRECISION_CHOICES
 
 
 def add_cluster_args(parser: argparse.ArgumentParser) -> None:
@@ -65,8 +67,8 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
                         "their figures replace the model's for the device kinds they cover")
     parser.add_argument("--from-run", metavar="DIR", help="re-plan with the per-device-kind rates a run measured "
                         "(measured-rates.json in its run or checkpoint directory)")
-    parser.add_argument("--strategy", default="auto", choices=["auto", "ddp", "balanced", "zero1", "zero3", "pipeline"])
-    parser.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "tf32", "fp32"])
+    parser.add_argument("--strategy", default="auto", choices=list(STRATEGIES))
+    parser.add_argument("--precision", default="auto", choices=list(PRECISION_CHOICES))
     parser.add_argument("--micro-batch", type=int, default=None, help="fix the micro-batch on every device")
     parser.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "lion", "sgd-nomomentum"])
     parser.add_argument("--json", action="store_true", help="print one JSON object")

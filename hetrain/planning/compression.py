@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from hetrain.errors import HetrainError
 from hetrain.workload.profile import WorkloadProfile
+from hetrain.vocabulary import COMPRESSIONS
 
-HOOKS = ("none", "fp16", "bf16", "powersgd", "int8", "topk")
+HOOKS = COMPRESSIONS
 INT8_CHUNK_ELEMENTS = 1024  # one fp32 scale per chunk of int8 values
 
 # hook name -> bytes sent / bytes an uncompressed all-reduce sends, as measured by

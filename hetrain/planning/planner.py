@@ -20,8 +20,9 @@ from hetrain.planning.kinds import Kind, figures_notes, kinds_of
 from hetrain.planning.measured_rates import MeasuredRates
 from hetrain.workload.device_profile import DeviceProfile
 from hetrain.workload.profile import WorkloadProfile
+from hetrain.vocabulary import STRATEGIES as VOCABULARY_STRATEGIES
 
-STRATEGIES = ("auto", "ddp", "balanced", "zero1", "zero3", "pipeline")
+STRATEGIES = ("auto", *(s for s in VOCABULARY_STRATEGIES if s != "hybrid"))  # hybrid plans come from "pipeline"
 _ZERO = {"ddp": 0, "balanced": 0, "zero1": 1, "zero3": 3}
 _SHARDING = {"ddp": "none", "balanced": "none", "zero1": "zero1", "zero3": "fsdp"}
 COMM_BOUND_FRACTION = 0.05  # exposed network time above this share of a step makes the link the bottleneck
@@ -284,7 +285,7 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
     the cost model's speed figures for the kinds they cover; the notes say which figures are which.
     """
     if global_batch is None or global_batch < 1:
-        raise HetrainError(f"global batch must be a positive integer, got {global_batch}; use e.g. --global-batch 256")
+        raise HetrainError(f"global batch must be a positive integer, got {global_batch}; use e.g. --global-batch-size 256")
     if micro_batch is not None and micro_batch < 1:
         raise HetrainError(f"micro-batch must be a positive integer, got {micro_batch}")
     if strategy not in STRATEGIES:

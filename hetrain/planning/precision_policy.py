@@ -4,8 +4,9 @@ on chips without bf16 (V100, T4), tf32/fp32 when the user asks for them."""
 from __future__ import annotations
 
 from hetrain.errors import HetrainError
+from hetrain.vocabulary import PRECISIONS
 
-PRECISION_CHOICES = ("auto", "bf16", "fp16", "tf32", "fp32")
+PRECISION_CHOICES = ("auto", *PRECISIONS)
 
 
 def choose_precision(spec, requested: str = "auto") -> tuple[str, str | None]:

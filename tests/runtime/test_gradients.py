@@ -42,8 +42,7 @@ def _train_steps(rank, world, splits, steps):
         loss = torch.nn.functional.cross_entropy(model(x), y) if len(x) else model(x).sum()
         session.backward(loss)
         out.append([p.grad.clone() for p in model.parameters()])
-        session.optimizer.zero_grad(set_to_none=True)
-        session._local_n = session._global_n = None
+        session.optimizer.zero_grad(set_to_none=True)   # no step: the next batch begins the next step
         session.balancer.shares = list(splits[(step + 1) % len(splits)])  # re-split between steps
     return out
 

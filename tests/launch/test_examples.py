@@ -1,0 +1,27 @@
+"""The examples run as a user would run them: on 2 CPU ranks under `hetrain launch`."""
+
+import re
+import sys
+from pathlib import Path
+
+from tests.distributed import run_cli
+
+ROOT = Path(__file__).resolve().parents[2]
+HETRAIN = [sys.executable, "-m", "hetrain.cli.main"]
+
+
+def _losses(text: str) -> list[float]:
+    return [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", text)]
+
+
+def test_train_gpt2_learns_clips_checkpoints_and_continues(tmp_path):
+    cmd = [*HETRAIN, "launch", "--nproc-per-node", "2", "--emulate-speeds", "1,0.5", "--checkpoint-dir",
+           str(tmp_path), "examples/train_gpt2.py", "--layers", "1", "--global-batch-size", "16"]
+    first = run_cli([*cmd, "--steps", "30"], cwd=ROOT, timeout=240)
+    assert first.returncode == 0, first.stderr[-3000:]
+    losses = _losses(first.stdout)
+    assert len(losses) == 3 and losses[-1] < 0.8 * losses[0], first.stdout
+    assert (tmp_path / "step-000030").is_dir()
+    more = run_cli([*cmd, "--steps", "40"], cwd=ROOT, timeout=240)   # a restart continues at step 30
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert "resumed from" in more.stderr and re.findall(r"step (\d+) loss", more.stdout) == ["40"]
