@@ -5,7 +5,7 @@ After the last backward of a step the gradients hold `sum(items_i * grad_i) * sc
 whether its gradients are finite, its loss sum) gives every rank the same global item count, the
 same verdict on overflow and the step's global mean loss; the gradients are then divided by the
 loss scale and by `global_items / estimate` in one fused pass where torch offers it. A non-finite
-gradient on any rank, in any precision, makes every rank skip the step (DESIGN.md invariant 4).
+gradient on any rank, in any precision, makes every rank skip the step (docs/design.md, invariant 4).
 """
 
 from __future__ import annotations

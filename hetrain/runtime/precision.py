@@ -5,7 +5,7 @@ rank of the job computes in fp16, every rank multiplies its loss by the same job
 DDP averages gradients that are all at one scale, and the gradients are divided by it once,
 before clipping and the optimizer step (`hetrain.runtime.gradients`). Whether a step's gradients
 are finite is all-reduced, so every rank skips the same steps and moves the scale identically
-(DESIGN.md invariants 1 and 4). The scale follows `torch.amp.GradScaler`'s rule (halve on an
+(docs/design.md, invariants 1 and 4). The scale follows `torch.amp.GradScaler`'s rule (halve on an
 overflow, double after `growth_interval` good steps) with a floor: it never falls below
 `min_scale`, so a run of overflows cannot reach a scale of zero.
 """

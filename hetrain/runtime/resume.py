@@ -1,4 +1,4 @@
-"""What a Session saves and restores, and when (DESIGN.md, invariant 5).
+"""What a Session saves and restores, and when (docs/design.md, invariant 5).
 
 What a checkpoint holds is a `TrainState` (hetrain.runtime.train_state): everything needed to
 continue exactly. Saves happen every `interval` steps, when any rank received

@@ -1,6 +1,6 @@
 """The state of one training step that the loader, `backward` and `step` share.
 
-Weighting (DESIGN.md invariant 1). A rank's loss is its mean over its `num_items` items (tokens,
+Weighting (docs/design.md, invariant 1). A rank's loss is its mean over its `num_items` items (tokens,
 pixels; by default its samples). `backward` multiplies it by `num_items * world / estimate`,
 where `estimate` is a guess of the global batch's items that every rank computes alike; DDP
 averages over the world, so the summed gradient is `sum(items_i * grad_i) / estimate`. Once the

@@ -1,7 +1,7 @@
 """The checkpointable state of a session, as one object: what a checkpoint holds and how it returns.
 
 Model, optimizer, job-wide loss scale, balancer (split and measurements), data position, step,
-plan, and every rank's RNG state (DESIGN.md invariant 5). Under ZeRO-1 the optimizer state is
+plan, and every rank's RNG state (docs/design.md, invariant 5). Under ZeRO-1 the optimizer state is
 consolidated on rank 0 and saved whole (it loads on any number of ranks); under FSDP2 model and
 optimizer go through `torch.distributed.checkpoint.state_dict` into the checkpoint's sharded part.
 """
