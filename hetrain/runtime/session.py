@@ -30,8 +30,8 @@ from hetrain.errors import HetrainError
 from hetrain.planning.plan import BalancePlan, Plan, RankPlan
 from hetrain.runtime.balancer import Balancer
 from hetrain.runtime.data import HeteroLoader, make_loader
-from hetrain.runtime.environment import (RankEnv, configure_logging, env_int, init_process_group, pick_device,
-                                         print_user_errors_as_one_line)
+from hetrain.runtime.environment import (RankEnv, collective_timeout, configure_logging, env_int, init_process_group,
+                                         pick_device, print_user_errors_as_one_line)
 from hetrain.runtime.events import StepRecord
 from hetrain.runtime.gradients import GradientStatus, clip_gradients, finish_gradients
 from hetrain.runtime.reporting import Reports, comm_bytes
@@ -61,6 +61,12 @@ class Session:
         print_user_errors_as_one_line()
         env = RankEnv.from_environ()
         configure_logging(log_level)
+        # Every setting is read and checked before the process group exists: a bad value stops here.
+        self._checkpoint_args = (checkpoint_dir or os.environ.get(Env.CHECKPOINT_DIR) or None,
+                                 checkpoint_interval or env_int(Env.CHECKPOINT_INTERVAL, 100), keep_checkpoints,
+                                 async_checkpoints)
+        self._metrics_port = metrics_port if metrics_port is not None else env_int(Env.METRICS_PORT, 0) or None
+        collective_timeout()
         if plan is None and os.environ.get(Env.PLAN):
             plan = os.environ[Env.PLAN]
         if plan is not None and not isinstance(plan, Plan):
@@ -84,10 +90,6 @@ class Session:
         self.state = StepState(self.world_size)
         self.max_skipped_steps = max_skipped_steps
         self._balance_overrides = (balance, balance_interval)
-        self._checkpoint_args = (checkpoint_dir or os.environ.get(Env.CHECKPOINT_DIR) or None,
-                                 checkpoint_interval or env_int(Env.CHECKPOINT_INTERVAL, 100), keep_checkpoints,
-                                 async_checkpoints)
-        self._metrics_port = metrics_port if metrics_port is not None else env_int(Env.METRICS_PORT, 0) or None
         self.prepared: Prepared | None = None
         self.balancer: Balancer | None = None
         self.train: TrainState | None = None

@@ -1,0 +1,112 @@
+"""Inputs the Session refuses with one line naming the fix, and a run that stops instead of going wrong."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+from hetrain.errors import HetrainError
+from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+from tests.distributed import run_ranks
+
+
+def make_data(n: int = 32) -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
+
+
+def make_net(hidden: int = 8, depth: int = 1) -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(6, hidden), torch.nn.Tanh()]
+    for _ in range(depth - 1):
+        layers += [torch.nn.Linear(hidden, hidden), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(hidden, 3))
+
+
+def _train(directory, steps, net, optimizer_fn, nan_from=None):
+    import hetrain
+
+    session = hetrain.Session(checkpoint_dir=directory, checkpoint_interval=2, async_checkpoints=False)
+    model, _ = session.prepare(net, optimizer_fn(net))
+    loader = session.loader(make_data(), global_batch_size=8, shuffle=True, seed=0)
+    for x, y in loader:
+        loss = F.cross_entropy(model(x), y)
+        if nan_from is not None and session.step_count >= nan_from:
+            loss = loss * float("nan")
+        session.backward(loss)
+        session.step()
+        if session.step_count >= steps:
+            break
+    session.close()
+
+
+def adam(net):
+    return torch.optim.Adam(net.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize("other", [
+    lambda: (make_net(hidden=16), adam),                                   # wider
+    lambda: (make_net(depth=2), adam),                                     # deeper
+    lambda: (make_net(), lambda n: torch.optim.SGD(n.parameters(), lr=0.1, momentum=0.9)),   # another optimizer
+    lambda: (make_net(), lambda n: torch.optim.AdamW(n.parameters(), lr=1e-3, weight_decay=0.1)),
+    lambda: (make_net(), lambda n: torch.optim.Adam(n.parameters(), lr=1e-3, weight_decay=0.1)),  # other settings
+])
+def test_resuming_with_another_model_or_optimizer_is_refused_with_the_fix(tmp_path, other):
+    _train(str(tmp_path), 2, make_net(), adam)
+    net, opt = other()
+    with pytest.raises(HetrainError, match=r"(different model|optimizer).*(start in an empty checkpoint directory)"):
+        _train(str(tmp_path), 4, net, opt)
+
+
+def test_a_changed_learning_rate_resumes(tmp_path):
+    _train(str(tmp_path), 2, make_net(), adam)
+    _train(str(tmp_path), 4, make_net(), lambda n: torch.optim.Adam(n.parameters(), lr=5e-4))   # a schedule's lr
+
+
+def test_consecutive_non_finite_steps_stop_the_run_and_keep_good_checkpoints(tmp_path):
+    import hetrain
+
+    with pytest.raises(HetrainError, match=r"3 steps in a row had non-finite gradients"):
+        with hetrain.Session(checkpoint_dir=str(tmp_path), checkpoint_interval=1, async_checkpoints=False,
+                             max_skipped_steps=3) as session:
+            net = make_net()
+            model, _ = session.prepare(net, adam(net))
+            for x, y in session.loader(make_data(), global_batch_size=8, shuffle=False):
+                loss = F.cross_entropy(model(x), y) * (float("nan") if session.step_count >= 1 else 1.0)
+                session.backward(loss)
+                session.step()
+    saved = torch.load(tmp_path / "step-000001" / "shared.pt", weights_only=False)
+    assert all(bool(torch.isfinite(v).all()) for v in saved["model"].values())
+
+
+@pytest.mark.parametrize("name,value,match", [
+    ("HETRAIN_CHECKPOINT_INTERVAL", "abc", "HETRAIN_CHECKPOINT_INTERVAL='abc' is not an integer"),
+    ("HETRAIN_COLLECTIVE_TIMEOUT", "nan", "HETRAIN_COLLECTIVE_TIMEOUT='nan' must be a finite number"),
+])
+def test_bad_environment_values_are_named(monkeypatch, tmp_path, name, value, match):
+    import hetrain
+
+    monkeypatch.setenv(name, value)
+    monkeypatch.setenv("HETRAIN_CHECKPOINT_DIR", str(tmp_path))
+    with pytest.raises(HetrainError, match=match):
+        hetrain.Session()
+
+
+def _min_share(rank, world):
+    import hetrain
+
+    plan = Plan(global_batch_size=128, balance=BalancePlan(min_share=100),
+                ranks=[RankPlan(rank=r, share=64) for r in range(world)])
+    session = hetrain.Session(plan)
+    net = make_net()
+    session.prepare(net, adam(net))
+    try:
+        session.loader(make_data(256), global_batch_size=128)
+    except HetrainError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_a_min_share_no_split_can_meet_is_refused():
+    for message in run_ranks(_min_share, 2):
+        assert "min_share 100 on 2 ranks needs a global batch of at least 200" in message
