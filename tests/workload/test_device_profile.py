@@ -1,6 +1,5 @@
 """Measured device profiles: runnable reference modules, timing on the CPU, the profile file."""
 
-import importlib.util
 
 import pytest
 import torch
@@ -57,10 +56,15 @@ def test_script_factory_errors_name_the_fix(tmp_path):
         script_module(f"{bad}:other")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("transformers") is not None, reason="transformers is installed")
-def test_hf_config_without_transformers_says_what_to_install():
-    with pytest.raises(HetrainError, match="pip install transformers"):
-        hf_module("gpt2")
+def test_hf_config_from_a_config_json_builds_a_runnable_model(tmp_path):
+    from transformers import GPT2Config
+
+    GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2).save_pretrained(tmp_path)
+    runnable = hf_module(str(tmp_path / "config.json"))
+    batch = runnable.make_input(3)
+    assert tuple(batch.shape) == (3, 16) and int(batch.max()) < 64
+    out = runnable.module(batch)
+    assert out.logits.shape == (3, 16, 64)
 
 
 def test_unreadable_profiles_are_one_line_errors(tmp_path):
