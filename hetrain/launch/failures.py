@@ -57,5 +57,5 @@ def describe(rank: int, failure: Any) -> str:
     record = _record(failure)
     ended = how_it_ended(failure.exitcode)
     if record is not None and record.blame is not None:
-        return f"{record.message} (reported by rank {rank}, which then {ended.replace('was ', '', 1)})"
+        return f"{record.message}; rank {rank} reported it and {ended}"
     return f"rank {rank} {ended}" + (f": {record.message}" if record is not None else "")

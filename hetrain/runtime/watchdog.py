@@ -38,15 +38,16 @@ _PR_SET_PDEATHSIG = 1
 # ---- dying with the parent --------------------------------------------------------------------
 
 
-def die_with_parent(sig: int = signal.SIGTERM, poll_s: float = 1.0) -> None:
+def die_with_parent(sig: int = signal.SIGTERM, poll_s: float = 1.0, *, use_prctl: bool = True) -> None:
     """Have the kernel send `sig` to this process when its parent dies (SIGTERM: a Session saves).
 
     The parent is whoever started this process: under `hetrain launch` or torchrun, the launcher
     process itself (torch's elastic agent runs inside it and starts the workers). Without prctl,
-    a daemon thread checks the parent pid every `poll_s` seconds.
+    a daemon thread checks the parent pid every `poll_s` seconds. prctl's signal comes when the
+    parent's thread that started this process ends; torch's agent starts workers from its main thread.
     """
     parent = os.getppid()
-    if sys.platform.startswith("linux"):
+    if use_prctl and sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
             armed = libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
@@ -129,6 +130,8 @@ def read_failure_record(error_file_data: Any) -> FailureRecord | None:
     if not isinstance(error_file_data, dict):
         return None
     message = error_file_data.get("message")
+    if message == "<NONE>":  # torch's stand-in when the rank wrote no error file
+        return None
     if isinstance(message, str) and message:
         return FailureRecord(message.strip().splitlines()[0], float(error_file_data.get("timestamp", 0) or 0))
     if not isinstance(message, dict) or not message.get("message"):
@@ -176,11 +179,15 @@ def find_stall(before: dict[int, Progress | None], after: dict[int, Progress | N
     known = {r: p for r, p in after.items() if p is not None}
     missing = sorted(r for r, p in after.items() if p is None)
     if missing:
-        culprits, step = missing, min((p.step for p in known.values()), default=0)
+        culprits = missing
     else:
-        step = min(p.step for p in known.values())
-        lowest = sorted(r for r, p in known.items() if p.step == step)
+        low = min(p.step for p in known.values())
+        lowest = sorted(r for r, p in known.items() if p.step == low)
         culprits = [r for r in lowest if known[r].phase != "waiting"] or lowest
+    # A silent rank may have moved on since it last spoke, but not past a step the others wait in.
+    waiting = [p.step for r, p in known.items() if r not in culprits and p.phase == "waiting"]
+    published = [known[r].step for r in culprits if r in known]
+    step = max(published + ([min(waiting)] if waiting else []), default=0)
     speaking = [r for r in sorted(after) if r not in silent]
     reporter = next((r for r in culprits if r in speaking), speaking[0] if speaking else min(after))
     return Stall(culprits, step, reporter, silent)
@@ -268,26 +275,28 @@ class ProgressWatch:
 
     def _run(self) -> None:
         before: dict[int, Progress | None] | None = None
-        reported_at: float | None = None
+        before_at = reported_at = 0.0
         while not self._stop.wait(self.interval_s):
             try:
                 self._publish()
-                stalled = time.monotonic() - self._since
-                if stalled < self.timeout_s - 2 * self.interval_s:
-                    before = None
+                now = time.monotonic()
+                stalled = now - self._since
+                if stalled < self.timeout_s - 3 * self.interval_s:
+                    before, reported_at = None, 0.0
+                    continue
+                if before is None:  # a first read, to tell ranks that still speak from silent ones
+                    before, before_at = self._read_all(), now
+                    continue
+                if stalled < self.timeout_s or now - before_at < 2.5 * self.interval_s:
                     continue
                 after = self._read_all()
-                if before is None or stalled < self.timeout_s:
-                    before = after  # a first read, to tell ranks that still speak from silent ones
-                    continue
                 stall = find_stall(before, after)
-                before = after
                 # Another rank reports; if the job still stands a few intervals later, this one does.
-                late = reported_at is not None and time.monotonic() - reported_at > 5 * self.interval_s
+                late = reported_at and now - reported_at > 5 * self.interval_s
                 if stall.reporter == self.rank or late:
                     self.on_stall(stall_message(stall, after, stalled, self.timeout_s), stall)
                     return
-                reported_at = reported_at or time.monotonic()
+                reported_at = reported_at or now
             except Exception:  # the store went away (the agent is gone): nothing left to watch
                 if self._stop.is_set():
                     return
