@@ -4,6 +4,13 @@ hetrain adds to torchrun the plan (`HETRAIN_PLAN`), on CPU machines emulated dev
 (`HETRAIN_EMULATE_SPEEDS`), and glibc's malloc told to keep freed memory for reuse, all passed to
 every worker through its environment. Processes, rendezvous and restarts are the elastic agent's.
 
+What hetrain adds around them: bad input (a plan naming an unknown device, a port out of range, a
+checkpoint directory that cannot be made) is refused before any worker starts; with
+`--collective-timeout S` a rank that makes no progress for S seconds ends the job, named
+(`HETRAIN_COLLECTIVE_TIMEOUT`, see hetrain.runtime.watchdog); a failed job ends with one line
+naming the rank where it began (hetrain.launch.failures); a signal to the launcher is passed to
+the workers by the agent and ends it with 128 + the signal's number.
+
 Why the malloc setting: by default glibc returns each large freed block (a batch's activations,
 a few MB) to the kernel and maps it again on the next step, so every training step pays for
 thousands of page faults on freshly zeroed pages. On a CPU rank that measured 3,000-20,000 faults

@@ -14,7 +14,8 @@ import pytest
 
 from hetrain.launch.failures import describe, first_failure
 from hetrain.runtime.watchdog import Progress, find_stall, read_failure_record, record_exception, record_failure
-from tests.distributed import free_port, run_cli, run_ranks
+from tests.distributed import free_port, run_ranks
+from tests.faults.jobs import run_job
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,16 +79,16 @@ def test_progress_watch_on_three_ranks_names_the_rank_that_sleeps_once_within_th
 
 
 def _launch_stall(fault: str, timeout: float = 4):
-    start = time.time()
-    r = run_cli([sys.executable, "-m", "hetrain.cli.main", "launch", "--nproc-per-node", "3",
-                 "--collective-timeout", str(timeout), "tests/faults/stall_job.py", fault, "1:5"], cwd=ROOT, timeout=120)
+    r = run_job([sys.executable, "-m", "hetrain.cli.main", "launch", "--nproc-per-node", "3",
+                 "--collective-timeout", str(timeout), "tests/faults/stall_job.py", fault, "1:5"],
+                cwd=ROOT, env=dict(os.environ), timeout=120)
     stalled_at = float(re.search(r"at step 5 at ([0-9.]+)", r.stdout).group(1))
-    return r, time.time() - stalled_at, time.time() - start
+    return r, time.time() - stalled_at
 
 
 @pytest.mark.parametrize("fault, reporter", [("--hang", 1), ("--freeze", 0)])
 def test_hetrain_launch_ends_a_job_with_a_stalled_rank_within_the_timeout_naming_it(fault, reporter):
-    r, after_stall, _ = _launch_stall(fault)
+    r, after_stall = _launch_stall(fault)
     assert r.returncode == 2, r.stderr[-3000:]
     reports = [ln for ln in r.stderr.splitlines() if ln.startswith("hetrain: error:")]
     assert len(reports) == 1 and "rank 1 made no progress at step 5 for 4 s" in reports[0], r.stderr[-3000:]
@@ -95,6 +96,7 @@ def test_hetrain_launch_ends_a_job_with_a_stalled_rank_within_the_timeout_naming
     assert last.startswith("hetrain launch: error: rank 1 made no progress at step 5"), last
     assert f"rank {reporter} reported it and exited with code 124" in last, last
     assert after_stall < 4 + 4, after_stall     # the timeout, a watch interval, the agent's shutdown
+    assert not r.left_behind
 
 
 PARENT = textwrap.dedent("""

@@ -11,7 +11,9 @@ in the first attempt only, so a restarted job can finish. Kinds:
   kill         the rank sends itself SIGKILL
   killlauncher the rank sends SIGKILL to its parent, the `hetrain launch` process
   killckpt     the rank sends itself SIGKILL inside the next checkpoint write
-At the end rank 0 prints `final step N loss L digest D`: D is a hash of the model's parameters.
+  raiseslow    the rank raises, and takes 3 s to exit after closing its connections (a slow teardown)
+At the end rank 0 prints `final step N finite F digest D`: D is a hash of the model's parameters,
+F whether they are all finite.
 """
 
 import argparse
@@ -27,7 +29,7 @@ import hetrain
 from hetrain.bench.digits import digits_datasets, digits_mlp
 
 FAULTS_ENV = "HETRAIN_TEST_FAULTS"
-KINDS = ("nan", "inf", "raise", "hang", "exit", "kill", "killlauncher", "killckpt")
+KINDS = ("nan", "inf", "raise", "hang", "exit", "kill", "killlauncher", "killckpt", "raiseslow")
 
 
 def parse_faults(text: str) -> dict[tuple[int, int], str]:
@@ -55,12 +57,18 @@ def kill_in_next_fsync() -> None:
 
 def inject(kind: str, rank: int, step: int) -> float:
     """Fire one fault; returns the factor the loss is multiplied by."""
-    print(f"injecting {kind} on rank {rank} at step {step}", flush=True)
+    print(f"injecting {kind} on rank {rank} at step {step} at {time.time():.3f}", flush=True)
     if kind == "nan":
         return float("nan")
     if kind == "inf":
         return float("inf")
-    if kind == "raise":
+    if kind == "raiseslow":
+        import atexit
+
+        import torch.distributed as dist
+
+        atexit.register(lambda: (dist.destroy_process_group(), time.sleep(3)))
+    if kind in ("raise", "raiseslow"):
         raise RuntimeError(f"injected fault on rank {rank} at step {step}")
     if kind == "hang":
         while True:
@@ -113,9 +121,9 @@ def main() -> None:
             time.sleep(args.step_sleep)
             if step >= args.steps:
                 break
-    loss = float(session.loss) if hasattr(session, "loss") else float("nan")
+    finite = all(bool(torch.isfinite(p).all()) for p in net.parameters())
     if session.rank == 0:
-        print(f"final step {step} loss {loss:.6f} digest {digest(net)}", flush=True)
+        print(f"final step {step} finite {finite} digest {digest(net)}", flush=True)
     session.close()
 
 
