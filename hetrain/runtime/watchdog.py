@@ -152,7 +152,7 @@ class Progress:
 
     step: int
     phase: str
-    """"computing" (its own work) or "waiting" (on the others)"""
+    """"computing" (its own work), "waiting" (on the others) or "done" (its watch stopped)"""
     seconds: float
     seq: int
     """publish count: a rank whose seq stops moving cannot speak (frozen, or holding the GIL)"""
@@ -175,7 +175,8 @@ def find_stall(before: dict[int, Progress | None], after: dict[int, Progress | N
     on them). A rank whose entry did not change between the reads (or never appeared) is silent.
     The report comes from the lowest culprit that can speak, else the lowest rank that can.
     """
-    silent = sorted(r for r, p in after.items() if p is None or (before.get(r) is not None and before[r].seq == p.seq))
+    silent = sorted(r for r, p in after.items()
+                    if p is None or (p.phase != "done" and before.get(r) is not None and before[r].seq == p.seq))
     known = {r: p for r, p in after.items() if p is not None}
     missing = sorted(r for r, p in after.items() if p is None)
     if missing:
@@ -183,9 +184,9 @@ def find_stall(before: dict[int, Progress | None], after: dict[int, Progress | N
     else:
         low = min(p.step for p in known.values())
         lowest = sorted(r for r, p in known.items() if p.step == low)
-        culprits = [r for r in lowest if known[r].phase != "waiting"] or lowest
+        culprits = [r for r in lowest if known[r].phase == "computing"] or lowest
     # A silent rank may have moved on since it last spoke, but not past a step the others wait in.
-    waiting = [p.step for r, p in known.items() if r not in culprits and p.phase == "waiting"]
+    waiting = [p.step for r, p in known.items() if r not in culprits and p.phase != "computing"]
     published = [known[r].step for r in culprits if r in known]
     step = max(published + ([min(waiting)] if waiting else []), default=0)
     speaking = [r for r in sorted(after) if r not in silent]
@@ -244,10 +245,15 @@ class ProgressWatch:
         self._set(step, "waiting")
 
     def stop(self) -> None:
-        """Stop watching (before the session closes: the last steps need no watch)."""
+        """Stop watching and say so in the store, so that ranks still watching do not take this one for silent."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5 * self.interval_s)
+        self._phase = "done"
+        try:
+            self._publish()
+        except Exception:  # the store is gone: the job is over
+            pass
 
     def _set(self, step: int, phase: str) -> None:
         if (step, phase) != (self._step, self._phase):

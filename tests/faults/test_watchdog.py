@@ -39,6 +39,9 @@ def test_a_silent_culprit_is_named_by_the_lowest_rank_that_can_speak_at_the_step
     # a rank that never published is the culprit; one that is behind by a step is too
     assert find_stall({}, {0: _p(3, "waiting", 4), 1: None}).culprits == [1]
     assert find_stall(before, {0: _p(6, "waiting", 20), 1: _p(5, "waiting", 11), 2: _p(6, "waiting", 13)}).culprits == [1]
+    # a rank whose watch stopped (its loop ended) is neither silent nor a culprit
+    done = find_stall({0: _p(8, "done", 30), 1: _p(7, "computing", 2)}, {0: _p(8, "done", 30), 1: _p(7, "computing", 5)})
+    assert (done.culprits, done.silent, done.reporter) == ([1], [], 1)
 
 
 def _watched_steps(rank, world, store_port, timeout):
