@@ -64,6 +64,7 @@ CASES = [
     ("exit@1:6", 1, "survived, nothing lost", None),
     ("kill@1:6", 1, "survived, nothing lost", None),
     ("killckpt@0:8", 1, "survived, nothing lost", None),
+    ("hang@1:5", 1, "survived, nothing lost", None),
     ("raise@1:7", 0, "ended with report", r"rank 1 (exited with code \d+|was killed by \w+): RuntimeError: injected fault on rank 1 at step 7"),
     ("raiseslow@0:7", 0, "ended with report", r"rank 0 .*: RuntimeError: injected fault on rank 0 at step 7"),
     ("exit@1:6", 0, "ended with report", r"rank 1 exited with code 3"),
