@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from hetrain.errors import HetrainError
 from hetrain.hardware.catalog import ALIASES, GpuSpec, load_catalog
 from hetrain.hardware.cluster import PRESETS, Cluster, cluster_from_devices, get_preset, load_cluster
+from hetrain.userfiles import MAX_TEXT_BYTES, read_text
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.cluster or args.preset or args.devices:
         doc = cluster_doc(_cluster(args))
     elif args.topo:
-        doc = topo_doc(sys.stdin.read() if args.topo == "-" else _read(args.topo))
+        doc = topo_doc(_read_stdin() if args.topo == "-" else read_text(args.topo, "topology file"))
     else:
         doc = local_doc()
     if args.json:
@@ -49,11 +49,14 @@ def _cluster(args: argparse.Namespace) -> Cluster:
     return cluster_from_devices(args.devices)
 
 
-def _read(path: str) -> str:
+def _read_stdin() -> str:
+    data = sys.stdin.buffer.read(MAX_TEXT_BYTES + 1)
+    if len(data) > MAX_TEXT_BYTES or b"\x00" in data:
+        raise HetrainError("the topology text on stdin is binary or too large; fix: pipe `nvidia-smi topo -m` into it")
     try:
-        return Path(path).read_text(encoding="utf-8")
-    except OSError as e:
-        raise HetrainError(f"cannot read topology file {path!r} ({e.strerror}); fix: check the path") from None
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise HetrainError("the topology text on stdin is not UTF-8; fix: pipe `nvidia-smi topo -m` into it") from None
 
 
 # ---- documents (what --json prints, and what the tables show) -------------------------------------

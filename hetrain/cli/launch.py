@@ -1,4 +1,4 @@
-"""`hetrain launch [torchrun flags] [--emulate-speeds 1,0.5] [--plan plan.json] script.py [args]`."""
+"""`hetrain launch [torchrun flags] [--emulate-speeds 1,0.5] [--plan plan.json] [--collective-timeout S] script.py [args]`."""
 
 from __future__ import annotations
 
@@ -26,8 +26,12 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
                         help="CPU ranks only: relative speed per rank (1 = full, 0.5 = half); output is labelled emulated")
     parser.add_argument("--plan", default=None, help="plan.json written by `hetrain plan --out`")
     parser.add_argument("--checkpoint-dir", default=None, help="where sessions save and resume checkpoints")
+    parser.add_argument("--start-fresh", action="store_true",
+                        help="when no checkpoint in --checkpoint-dir verifies, set them aside and start at step 0")
     parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                         help="each local rank serves Prometheus /metrics on PORT + local_rank")
+    parser.add_argument("--collective-timeout", type=float, default=None, metavar="S",
+                        help="end (or restart) the job when a rank makes no progress for S seconds, naming it")
     parser.add_argument("--no-malloc-cache", action="store_true",
                         help="keep glibc's default of returning freed memory to the kernel every step")
     parser.add_argument("-m", "--module", action="store_true", help="run the script as a Python module")
@@ -42,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
         rdzv_backend=args.rdzv_backend, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
         max_restarts=args.max_restarts, monitor_interval=args.monitor_interval,
         master_addr=args.master_addr, master_port=args.master_port, log_dir=args.log_dir,
-        emulate_speeds=parse_speeds(args.emulate_speeds) if args.emulate_speeds else None, plan=args.plan, checkpoint_dir=args.checkpoint_dir,
-        malloc_cache=not args.no_malloc_cache, metrics_port=args.metrics_port,
+        emulate_speeds=parse_speeds(args.emulate_speeds) if args.emulate_speeds else None, plan=args.plan,
+        checkpoint_dir=args.checkpoint_dir, collective_timeout=args.collective_timeout,
+        malloc_cache=not args.no_malloc_cache, metrics_port=args.metrics_port, start_fresh=args.start_fresh,
     )
     return launch(cfg)

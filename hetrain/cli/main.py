@@ -65,11 +65,48 @@ def main(argv: list[str] | None = None) -> int:
         return int(module.run(args) or 0)
     except HetrainError as e:
         print(f"hetrain {verb}: error: {e}", file=sys.stderr)
-        return 2
+        return int(getattr(e, "exit_code", 2))
     except KeyboardInterrupt:
         print(f"hetrain {verb}: interrupted", file=sys.stderr)
         return 130
+    # Safety nets: a file or value a verb did not check itself still ends as one line, not a traceback.
+    except OSError as e:
+        if e.filename is None:
+            raise
+        print(f"hetrain {verb}: error: {_os_error_line(e)}", file=sys.stderr)
+        return 2
+    except UnicodeDecodeError as e:
+        print(f"hetrain {verb}: error: an input file is not UTF-8 text ({e.reason} at byte {e.start}); "
+              "fix: give the JSON or YAML file hetrain wrote, not a binary file", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        from pydantic import ValidationError
+
+        if not isinstance(e, ValidationError):
+            raise
+        print(f"hetrain {verb}: error: {_validation_line(e)}", file=sys.stderr)
+        return 2
+    except MemoryError:
+        print(f"hetrain {verb}: error: ran out of memory; fix: check the sizes and counts given "
+              "(hetrain plans at most 65,536 devices)", file=sys.stderr)
+        return 2
+
+
+def _os_error_line(e: OSError) -> str:
+    """A file the system refused, as one line: which file, why, and the fix."""
+    what = f"{e.filename!r}" + (f" -> {e.filename2!r}" if e.filename2 else "")
+    return f"{what}: {e.strerror or e}; fix: check the path, that its directory exists and can be written"
+
+
+def _validation_line(e: ValueError) -> str:
+    """A pydantic ValidationError that reached the CLI (a value given on the command line) as one line."""
+    err = e.errors()[0]  # type: ignore[attr-defined]
+    where = ".".join(str(p) for p in err["loc"]) or e.title  # type: ignore[attr-defined]
+    count = e.error_count()  # type: ignore[attr-defined]
+    more = f" (and {count - 1} more)" if count > 1 else ""
+    return f"{where}: {err['msg']}, got {err.get('input')!r}{more}; fix: correct that value"
 
 
 if __name__ == "__main__":
     sys.exit(main())
+

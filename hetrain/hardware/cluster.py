@@ -15,6 +15,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from hetrain.errors import HetrainError
 from hetrain.hardware.catalog import GpuSpec, get_gpu
+from hetrain.userfiles import read_text
+
+MAX_DEVICES = 65_536
+"""Most devices a cluster may hold: counts are checked against it before anything is expanded."""
+MAX_CLUSTER_FILE_BYTES = 8 * 2**20
+"""Largest cluster file read (8 MiB): 65,536 one-device nodes, one key a line, take 4.2 MiB."""
 
 
 class _Strict(BaseModel):
@@ -25,7 +31,8 @@ class DeviceGroup(_Strict):
     """`count` devices of one catalog model."""
 
     model: str = Field(description="catalog name or alias (a100, v100-sxm2-32gb, ...); stored as the catalog name")
-    count: int = Field(1, ge=1, description="how many devices of this model the node holds")
+    count: int = Field(1, ge=1, le=MAX_DEVICES, strict=True,
+                       description="how many devices of this model the node holds")
 
     @field_validator("model")
     @classmethod
@@ -100,11 +107,17 @@ class Cluster(_Strict):
     """Nodes of devices and the network between them."""
 
     name: str = "cluster"
-    nodes: list[Node] = Field(min_length=1)
-    inter_node_gbps: float = Field(100.0, gt=0, description="network bandwidth per node, Gb/s")
+    nodes: list[Node] = Field(min_length=1, max_length=MAX_DEVICES)
+    inter_node_gbps: float = Field(100.0, gt=0, strict=True, allow_inf_nan=False,
+                                   description="network bandwidth per node, Gb/s")
 
     @model_validator(mode="after")
     def _unique_node_names(self) -> Cluster:
+        if self.size > MAX_DEVICES:
+            raise ValueError(
+                f"the cluster has {self.size:,} devices; hetrain plans at most {MAX_DEVICES:,}; "
+                "fix: describe fewer devices"
+            )
         seen: set[str] = set()
         for node in self.nodes:
             if node.name in seen:
@@ -207,6 +220,14 @@ def _explain(err: dict[str, Any]) -> str:
         return f"{key} is empty; fix: list at least one entry"
     if kind == "greater_than_equal":
         return f"{key} must be at least {err['ctx']['ge']}, got {got!r}; fix: use {err['ctx']['ge']} or more"
+    if kind == "less_than_equal":
+        return f"{key} must be at most {err['ctx']['le']:,}, got {got!r}; fix: use {err['ctx']['le']:,} or fewer"
+    if kind == "too_long":
+        return f"{key} lists {err['ctx']['actual_length']:,} entries, at most {err['ctx']['max_length']:,} allowed; fix: list fewer"
+    if kind in ("int_type", "int_from_float"):
+        return f"{key} must be a whole number, got {got!r}; fix: write a number such as 4"
+    if kind in ("float_type", "finite_number"):
+        return f"{key} must be a finite number, got {got!r}; fix: write a number such as 100"
     if kind == "greater_than":
         return f"{key} must be more than {err['ctx']['gt']}, got {got!r}; fix: use a positive value"
     if kind == "literal_error":
@@ -239,23 +260,39 @@ def cluster_from_dict(data: Any, source: str = "cluster", root: yaml.Node | None
         raise HetrainError(_validation_message(source, e, root)) from None
 
 
+class _UniqueKeyLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
+    """YAML's safe loader, refusing a key given twice in one mapping (YAML would keep the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise HetrainError(
+                    f"{self.source}:{line}: key {key!r} appears twice in one mapping (first on line "
+                    f"{seen[key]}); fix: keep one of them"
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_cluster(path: str | Path) -> Cluster:
-    """Read and validate a cluster YAML file."""
+    """Read and validate a cluster YAML file (at most MAX_CLUSTER_FILE_BYTES, MAX_DEVICES devices)."""
     path = Path(path)
+    text = read_text(path, "cluster file", MAX_CLUSTER_FILE_BYTES)
+    loader = _UniqueKeyLoader(text)
+    loader.source = str(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise HetrainError(f"cluster file {str(path)!r} not found; fix: check the path") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise HetrainError(f"cluster file {str(path)!r} cannot be read ({e}); fix: check the file") from None
-    try:
-        root = yaml.compose(text)
-        data = yaml.safe_load(text)
+        root = loader.get_single_node()
+        data = loader.construct_document(root) if root is not None else None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         place = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise HetrainError(f"{place}: malformed YAML: {problem}; fix: correct the YAML syntax there") from None
+    finally:
+        loader.dispose()
     return cluster_from_dict(data, str(path), root)
 
 
@@ -277,10 +314,15 @@ def cluster_from_devices(arg: str, name: str = "cluster", inter_node_gbps: float
             continue
         model, _, count = item.partition(":")
         count = count.strip() or "1"
-        if not count.isdigit() or int(count) < 1:
+        if not (count.isascii() and count.isdigit()) or not count.strip("0"):
             raise HetrainError(
                 f"devices {arg!r}: count {count!r} of {model.strip()!r} is not a positive integer; "
                 "fix: write MODEL:COUNT,..., e.g. a100:4,v100:4"
+            )
+        if len(count.lstrip("0")) > len(str(MAX_DEVICES)) or int(count) > MAX_DEVICES:
+            raise HetrainError(
+                f"devices {arg!r}: count {count} of {model.strip()!r} is more than hetrain plans "
+                f"({MAX_DEVICES:,} devices at most); fix: give a smaller count"
             )
         groups.append({"model": model.strip(), "count": int(count)})
     if not groups:

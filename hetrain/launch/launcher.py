@@ -4,6 +4,13 @@ hetrain adds to torchrun the plan (`HETRAIN_PLAN`), on CPU machines emulated dev
 (`HETRAIN_EMULATE_SPEEDS`), and glibc's malloc told to keep freed memory for reuse, all passed to
 every worker through its environment. Processes, rendezvous and restarts are the elastic agent's.
 
+What hetrain adds around them: bad input (a plan naming an unknown device, a port out of range, a
+checkpoint directory that cannot be made) is refused before any worker starts; with
+`--collective-timeout S` a rank that makes no progress for S seconds ends the job, named
+(`HETRAIN_COLLECTIVE_TIMEOUT`, see hetrain.runtime.watchdog); a failed job ends with one line
+naming the rank where it began (hetrain.launch.failures); a signal to the launcher is passed to
+the workers by the agent and ends it with 128 + the signal's number.
+
 Why the malloc setting: by default glibc returns each large freed block (a batch's activations,
 a few MB) to the kernel and maps it again on the next step, so every training step pays for
 thousands of page faults on freshly zeroed pages. On a CPU rank that measured 3,000-20,000 faults
@@ -15,23 +22,35 @@ glibc's defaults.
 
 from __future__ import annotations
 
+import math
 import os
 import platform
+import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from hetrain.errors import HetrainError
+from hetrain.launch.failures import describe, first_failure
 from hetrain.metrics.serve import check_ports_free
 from hetrain.planning.plan import Plan
-from hetrain.runtime.timing import EMULATE_ENV
-from hetrain.vocabulary import Env
+from hetrain.userfiles import ensure_directory, read_text
+from hetrain.vocabulary import CPU_DEVICE, Env
 
-PLAN_ENV = "HETRAIN_PLAN"
+PLAN_ENV = Env.PLAN
 # Largest mmap threshold glibc accepts on 64-bit (32 MiB): blocks below it come from the heap; the
 # trim threshold keeps up to 1 GiB of freed heap for reuse instead of returning it each step.
 MALLOC_CACHE_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**30)}
-CHECKPOINT_ENV = "HETRAIN_CHECKPOINT_DIR"
+CHECKPOINT_ENV = Env.CHECKPOINT_DIR
+
+
+class JobStopped(HetrainError):
+    """The launcher was stopped by a signal; the CLI exits with 128 + its number, as a shell would."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 @dataclass
@@ -55,8 +74,12 @@ class LaunchConfig:
     emulate_speeds: list[float] | None = None
     plan: str | None = None
     checkpoint_dir: str | None = None
+    collective_timeout: float | None = None
+    """seconds a rank may make no progress before the job ends naming it (HETRAIN_COLLECTIVE_TIMEOUT)"""
     malloc_cache: bool = True
     metrics_port: int | None = None
+    start_fresh: bool = False
+    """set damaged checkpoints aside and start at step 0 when none verifies (HETRAIN_START_FRESH)"""
 
 
 def _max_nodes(nnodes: str) -> tuple[int, int]:
@@ -91,10 +114,33 @@ def validate(cfg: LaunchConfig) -> None:
             )
         if len(cfg.emulate_speeds) < world_hi:
             raise HetrainError(f"give at least {world_hi} emulated speeds, one per rank the job may have (up to {world_hi}); between {world_lo} and {world_hi} ranks may run")
+    if cfg.master_port is not None and not 1 <= cfg.master_port <= 65535:
+        raise HetrainError(f"--master-port {cfg.master_port} is not a TCP port; fix: use a port from 1 to 65535, e.g. 29500")
+    if cfg.collective_timeout is not None and not (math.isfinite(cfg.collective_timeout) and cfg.collective_timeout > 0):
+        raise HetrainError(f"--collective-timeout {cfg.collective_timeout} must be a positive number of seconds, e.g. 600")
+    if cfg.checkpoint_dir is not None:
+        ensure_directory(cfg.checkpoint_dir, "--checkpoint-dir")
     if cfg.plan is not None:
-        Plan.load(cfg.plan)  # raises a one-line error for a missing or invalid plan
+        check_plan_devices(load_plan(cfg.plan))
     if cfg.metrics_port is not None:
         check_ports_free(cfg.metrics_port, cfg.nproc_per_node)
+
+
+def load_plan(path: str) -> Plan:
+    """The plan at `path`; a missing, binary or invalid file is a one-line error."""
+    return Plan.from_json(read_text(path, "plan file"), source=path)
+
+
+def check_plan_devices(plan: Plan) -> None:
+    """Every rank's device is 'cpu' or in the GPU catalog (an unknown name lists the closest)."""
+    from hetrain.hardware.catalog import get_gpu
+
+    for rank in plan.ranks:
+        if rank.device != CPU_DEVICE:
+            try:
+                get_gpu(rank.device)
+            except HetrainError as e:
+                raise HetrainError(f"plan rank {rank.rank}: {e}; fix: write a catalog name in its \"device\"") from None
 
 
 def torchrun_argv(cfg: LaunchConfig) -> list[str]:
@@ -127,13 +173,17 @@ def torchrun_argv(cfg: LaunchConfig) -> list[str]:
 def worker_env(cfg: LaunchConfig) -> dict[str, str]:
     env = {}
     if cfg.emulate_speeds is not None:
-        env[EMULATE_ENV] = ",".join(f"{s:g}" for s in cfg.emulate_speeds)
+        env[Env.EMULATE_SPEEDS] = ",".join(f"{s:g}" for s in cfg.emulate_speeds)
     if cfg.plan is not None:
         env[PLAN_ENV] = str(Path(cfg.plan).resolve())
     if cfg.checkpoint_dir is not None:
         env[CHECKPOINT_ENV] = str(Path(cfg.checkpoint_dir).resolve())
     if cfg.metrics_port is not None:
         env[Env.METRICS_PORT] = str(cfg.metrics_port)
+    if cfg.collective_timeout is not None:
+        env[Env.COLLECTIVE_TIMEOUT] = f"{cfg.collective_timeout:g}"
+    if cfg.start_fresh:
+        env[Env.START_FRESH] = "1"
     if "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cfg.nproc_per_node))
     if cfg.malloc_cache and _glibc() and not any(k in os.environ for k in MALLOC_CACHE_ENV):
@@ -148,23 +198,31 @@ def _glibc() -> bool:
 def launch(cfg: LaunchConfig) -> int:
     """Run the job on the elastic agent; returns 0, or raises HetrainError naming the failed rank."""
     validate(cfg)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     os.environ.update(worker_env(cfg))
     if cfg.emulate_speeds is not None:
-        print(f"hetrain launch: emulating device speeds {os.environ[EMULATE_ENV]} on CPU ranks; "
+        print(f"hetrain launch: emulating device speeds {os.environ[Env.EMULATE_SPEEDS]} on CPU ranks; "
               "all timings from this run are emulated", file=sys.stderr, flush=True)
     args = get_args_parser().parse_args(torchrun_argv(cfg))
     try:
         run(args)
     except ChildFailedError as e:
-        first = min(e.failures.items(), key=lambda kv: kv[1].timestamp) if e.failures else None
-        if first is None:
-            raise HetrainError(f"the job {e.name} failed") from None
-        rank, failure = first
-        raise HetrainError(
-            f"rank {rank} failed with exit code {failure.exitcode} after {cfg.max_restarts} restart(s) "
-            f"allowed; its output is above{' and in ' + cfg.log_dir if cfg.log_dir else ''}"
-        ) from None
+        raise HetrainError(failure_line(e.failures, cfg)) from None
+    except SignalException as e:
+        name = signal.Signals(e.sigval).name
+        raise JobStopped(
+            f"the job was stopped by {name}; every worker was sent {name} (a hetrain.Session saves a "
+            "checkpoint then, where checkpoints are on)", 128 + int(e.sigval)) from None
     return 0
+
+
+def failure_line(failures: dict[int, Any], cfg: LaunchConfig) -> str:
+    """The launcher's one line for a failed job: the rank that failed first, and why."""
+    if not failures:
+        return "the job failed before any worker reported"
+    rank, failure = first_failure(failures)
+    where = f"its output is above{' and in ' + cfg.log_dir if cfg.log_dir else ''}"
+    return f"{describe(rank, failure)}; the job ended after {cfg.max_restarts} restart(s) allowed; {where}"

@@ -46,7 +46,7 @@ def test_bad_cluster_file_exits_2_with_one_line(tmp_path: Path) -> None:
         (["--preset", "a100x9"], "hetrain devices: error: unknown preset 'a100x9'; choose one of: a100x8"),
         (["--cluster", "/nonexistent/c.yaml"], "not found; fix: check the path"),
         (["--devices", "a100:zero"], "is not a positive integer"),
-        (["--topo", "/nonexistent/topo.txt"], "cannot read topology file"),
+        (["--topo", "/nonexistent/topo.txt"], "topology file '/nonexistent/topo.txt' not found"),
     ],
 )
 def test_errors_in_process(capsys: pytest.CaptureFixture[str], argv: list[str], text: str) -> None:

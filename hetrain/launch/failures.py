@@ -1,0 +1,61 @@
+"""Which rank failed first, from what torch's elastic agent hands back (ChildFailedError.failures).
+
+The agent stamps each failure with the whole second it noticed it, or with the time in the rank's
+error file. Two ranks that end in the same second tie, and a rank that raised but was slow to exit
+(its interpreter still tearing down) is noticed after the peers its death disconnected. So the
+first failure is chosen by cause before time: a rank's own record (`hetrain.runtime.watchdog`,
+written when the exception happened, to the microsecond) says whether it is a cause or only a
+peer's echo; a rank without a record that the agent itself stopped (SIGTERM) is an echo too.
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+from hetrain.runtime.watchdog import FailureRecord, read_failure_record
+
+STOPPED_BY_AGENT = (-int(signal.SIGTERM), 128 + int(signal.SIGTERM))
+"""Exit codes of a rank the agent stopped after another failed (killed, or saved and exited 143)."""
+
+
+def _record(failure: Any) -> FailureRecord | None:
+    return read_failure_record(getattr(failure, "error_file_data", None))
+
+
+def is_cause(failure: Any) -> bool:
+    """Whether this failure may be where the job's trouble began, not a consequence of another."""
+    record = _record(failure)
+    if record is not None:
+        return not record.secondary
+    return failure.exitcode not in STOPPED_BY_AGENT
+
+
+def first_failure(failures: dict[int, Any]) -> tuple[int, Any]:
+    """(global rank, ProcessFailure) of the rank that failed first: causes before echoes, then by time."""
+    def order(item: tuple[int, Any]) -> tuple[bool, float, int]:
+        rank, failure = item
+        record = _record(failure)
+        when = record.time if record is not None and record.time else float(failure.timestamp)
+        return (not is_cause(failure), when, rank)
+
+    return min(failures.items(), key=order)
+
+
+def how_it_ended(exitcode: int) -> str:
+    """"exited with code 1", or "was killed by SIGKILL" for a negative code."""
+    if exitcode < 0:
+        try:
+            return f"was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"was killed by signal {-exitcode}"
+    return f"exited with code {exitcode}"
+
+
+def describe(rank: int, failure: Any) -> str:
+    """One sentence: the rank, how it ended, and what it recorded (a stall report names its culprit)."""
+    record = _record(failure)
+    ended = how_it_ended(failure.exitcode)
+    if record is not None and record.blame is not None:
+        return f"{record.message}; rank {rank} reported it and {ended}"
+    return f"rank {rank} {ended}" + (f": {record.message}" if record is not None else "")

@@ -1,0 +1,317 @@
+"""Nothing silent: a rank ends with its launcher, a stalled rank is named, and a failure is recorded.
+
+- `die_with_parent()`: a worker gets SIGTERM when the process that started it (the `hetrain launch`
+  process, where torch's elastic agent runs) dies, even by SIGKILL, instead of training on as an
+  orphan. Linux: prctl(PR_SET_PDEATHSIG); elsewhere a thread that watches the parent pid.
+- `record_failure()` / `record_exception()`: one line about why this rank ends, written to the
+  error file torch's elastic agent gives each worker (TORCHELASTIC_ERROR_FILE), with the time to the
+  microsecond and whether it is only the echo of a peer's death (a closed connection). The launcher
+  reads these to name the rank that failed first.
+- `ProgressWatch`: each rank publishes (step, phase) to the job's c10d store; a rank that sees no
+  progress of its own for `timeout_s` reads every rank's entry, finds the rank the others wait on,
+  and one rank prints `hetrain: error: rank R made no progress at step S for T s (...)` and ends
+  its process, so the agent stops (or restarts) the job.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+RECORD_KEY = "hetrain"
+STALL_EXIT = 124
+"""Exit status of a rank that ends a stalled job (as coreutils' `timeout`)."""
+
+_PR_SET_PDEATHSIG = 1
+
+
+# ---- dying with the parent --------------------------------------------------------------------
+
+
+def die_with_parent(sig: int = signal.SIGTERM, poll_s: float = 1.0, *, use_prctl: bool = True) -> None:
+    """Have the kernel send `sig` to this process when its parent dies (SIGTERM: a Session saves).
+
+    The parent is whoever started this process: under `hetrain launch` or torchrun, the launcher
+    process itself (torch's elastic agent runs inside it and starts the workers). Without prctl,
+    a daemon thread checks the parent pid every `poll_s` seconds. prctl's signal comes when the
+    parent's thread that started this process ends; torch's agent starts workers from its main thread.
+    """
+    parent = os.getppid()
+    if use_prctl and sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            armed = libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+        except (OSError, AttributeError):
+            armed = False
+        if armed:
+            if os.getppid() != parent:  # the parent died before the signal was armed
+                os.kill(os.getpid(), sig)
+            return
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), sig)
+
+    threading.Thread(target=watch, name="hetrain-parent-watch", daemon=True).start()
+
+
+# ---- failure records -----------------------------------------------------------------------------
+
+_PEER_LOSS = re.compile(
+    r"connection closed by peer|connection reset by peer|broken pipe|remote process exited|"
+    r"communicator was aborted|timed out waiting|socket timeout|connection refused|"
+    r"ProcessGroup.*(aborted|shut ?down)", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class FailureRecord:
+    """Why one rank ended, as its error file tells."""
+
+    message: str
+    time: float
+    """seconds since the epoch when the rank recorded it"""
+    secondary: bool = False
+    """the echo of a peer's failure (its connection closed), not a cause"""
+    blame: int | None = None
+    """the rank this record names as the cause (a stall report), if not the writer"""
+
+
+def is_peer_loss(exc: BaseException) -> bool:
+    """Whether `exc` only says that a peer rank is gone (a collective lost its connection)."""
+    return bool(_PEER_LOSS.search(f"{type(exc).__name__}: {exc}"))
+
+
+def one_line(exc: BaseException) -> str:
+    """`Type: first line of the message`, at most 300 characters."""
+    text = str(exc).strip().splitlines()
+    line = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+    return line if len(line) <= 300 else line[:297] + "..."
+
+
+def record_failure(message: str, *, secondary: bool = False, blame: int | None = None,
+                   callstack: str = "") -> None:
+    """Write this rank's failure to its elastic error file; the first record of a process stays."""
+    path = os.environ.get(ERROR_FILE_ENV)
+    if not path or os.path.exists(path):
+        return
+    now = time.time()
+    doc = {"message": {"message": message, "extraInfo": {
+        "py_callstack": callstack, "timestamp": str(int(now)),
+        RECORD_KEY: {"time": now, "secondary": secondary, "blame": blame}}}}
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump(doc, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # the record helps the launcher name the rank; the rank's own output still says why
+
+
+def record_exception(exc: BaseException) -> None:
+    """Record an exception that ends this rank (call it from the rank's excepthook)."""
+    record_failure(one_line(exc), secondary=is_peer_loss(exc),
+                   callstack="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+
+
+def read_failure_record(error_file_data: Any) -> FailureRecord | None:
+    """The record in an elastic error file's JSON (hetrain's, or torch's @record), or None."""
+    if not isinstance(error_file_data, dict):
+        return None
+    message = error_file_data.get("message")
+    if message == "<NONE>":  # torch's stand-in when the rank wrote no error file
+        return None
+    if isinstance(message, str) and message:
+        return FailureRecord(message.strip().splitlines()[0], float(error_file_data.get("timestamp", 0) or 0))
+    if not isinstance(message, dict) or not message.get("message"):
+        return None
+    extra = message.get("extraInfo") or {}
+    ours = extra.get(RECORD_KEY) or {}
+    text = str(message["message"]).strip().splitlines()[0]
+    when = float(ours.get("time", extra.get("timestamp", 0)) or 0)
+    return FailureRecord(text, when, bool(ours.get("secondary", False)), ours.get("blame"))
+
+
+# ---- progress watch ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Progress:
+    """One rank's published state: its step, its phase, how long it has been in that phase."""
+
+    step: int
+    phase: str
+    """"computing" (its own work), "waiting" (on the others) or "done" (its watch stopped)"""
+    seconds: float
+    seq: int
+    """publish count: a rank whose seq stops moving cannot speak (frozen, or holding the GIL)"""
+
+
+@dataclass(frozen=True)
+class Stall:
+    """Who made no progress, where, and who reports it."""
+
+    culprits: list[int]
+    step: int
+    reporter: int
+    silent: list[int]
+
+
+def find_stall(before: dict[int, Progress | None], after: dict[int, Progress | None]) -> Stall:
+    """Decide, from two reads of every rank's entry taken a little apart, who holds the job up.
+
+    Culprits: the ranks at the lowest step, those still computing there if any (the others wait
+    on them). A rank whose entry did not change between the reads (or never appeared) is silent.
+    The report comes from the lowest culprit that can speak, else the lowest rank that can.
+    """
+    silent = sorted(r for r, p in after.items()
+                    if p is None or (p.phase != "done" and before.get(r) is not None and before[r].seq == p.seq))
+    known = {r: p for r, p in after.items() if p is not None}
+    missing = sorted(r for r, p in after.items() if p is None)
+    if missing:
+        culprits = missing
+    else:
+        low = min(p.step for p in known.values())
+        lowest = sorted(r for r, p in known.items() if p.step == low)
+        culprits = [r for r in lowest if known[r].phase == "computing"] or lowest
+    # A silent rank may have moved on since it last spoke, but not past a step the others wait in.
+    waiting = [p.step for r, p in known.items() if r not in culprits and p.phase != "computing"]
+    published = [known[r].step for r in culprits if r in known]
+    step = max(published + ([min(waiting)] if waiting else []), default=0)
+    speaking = [r for r in sorted(after) if r not in silent]
+    reporter = next((r for r in culprits if r in speaking), speaking[0] if speaking else min(after))
+    return Stall(culprits, step, reporter, silent)
+
+
+def stall_message(stall: Stall, after: dict[int, Progress | None], own_seconds: float, timeout_s: float) -> str:
+    """The one line a stall report prints (without the `hetrain: error: ` prefix)."""
+    first = stall.culprits[0]
+    entry = after.get(first)
+    seconds = own_seconds if entry is None or first in stall.silent else max(entry.seconds, own_seconds)
+    who = f"rank {first}" if len(stall.culprits) == 1 else "ranks " + ",".join(map(str, stall.culprits))
+    waiting = [r for r, p in after.items() if p is not None and r not in stall.culprits]
+    if entry is None:
+        doing = "it never reported"
+    elif first in stall.silent:
+        doing = f"it stopped responding while {entry.phase}"
+    else:
+        doing = f"{entry.phase}"
+    others = f"; ranks {','.join(map(str, sorted(waiting)))} wait on it" if waiting else ""
+    return (f"{who} made no progress at step {stall.step} for {seconds:.0f} s ({doing}{others}; "
+            f"limit {timeout_s:g} s, hetrain launch --collective-timeout)")
+
+
+class ProgressWatch:
+    """Publishes this rank's progress to the store and ends the job, naming the culprit, on a stall.
+
+    Call `computing(step)` when the rank's own work on `step` begins and `waiting(step)` when it
+    starts waiting on the others (gradients ready, end-of-step sync). Keys are `hetrain/progress/R`
+    of the store given (a PrefixStore per attempt keeps restarts apart).
+    """
+
+    def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float, *, interval_s: float = 1.0,
+                 on_stall: Callable[[str, Stall], None] | None = None) -> None:
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.timeout_s = float(timeout_s)
+        self.interval_s = min(interval_s, self.timeout_s / 4)
+        self.on_stall = on_stall or _report_and_exit
+        self._step, self._phase = 0, "computing"
+        self._since = time.monotonic()
+        self._seq = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Publish the first entry and start the watching thread."""
+        self._publish()
+        self._thread = threading.Thread(target=self._run, name="hetrain-progress-watch", daemon=True)
+        self._thread.start()
+
+    def computing(self, step: int) -> None:
+        self._set(step, "computing")
+
+    def waiting(self, step: int) -> None:
+        self._set(step, "waiting")
+
+    def stop(self) -> None:
+        """Stop watching and say so in the store, so that ranks still watching do not take this one for silent."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5 * self.interval_s)
+        self._phase = "done"
+        try:
+            self._publish()
+        except Exception:  # the store is gone: the job is over
+            pass
+
+    def _set(self, step: int, phase: str) -> None:
+        if (step, phase) != (self._step, self._phase):
+            self._step, self._phase, self._since = step, phase, time.monotonic()
+
+    def _key(self, rank: int) -> str:
+        return f"hetrain/progress/{rank}"
+
+    def _publish(self) -> None:
+        self._seq += 1
+        value = json.dumps({"step": self._step, "phase": self._phase,
+                            "seconds": round(time.monotonic() - self._since, 3), "seq": self._seq})
+        self.store.set(self._key(self.rank), value)
+
+    def _read_all(self) -> dict[int, Progress | None]:
+        out: dict[int, Progress | None] = {}
+        for r in range(self.world_size):
+            key = self._key(r)
+            if not self.store.check([key]):  # get() would block until the key appears
+                out[r] = None
+                continue
+            raw = json.loads(self.store.get(key))
+            out[r] = Progress(int(raw["step"]), str(raw["phase"]), float(raw["seconds"]), int(raw["seq"]))
+        return out
+
+    def _run(self) -> None:
+        before: dict[int, Progress | None] | None = None
+        before_at = reported_at = 0.0
+        while not self._stop.wait(self.interval_s):
+            try:
+                self._publish()
+                now = time.monotonic()
+                stalled = now - self._since
+                if stalled < self.timeout_s - 3 * self.interval_s:
+                    before, reported_at = None, 0.0
+                    continue
+                if before is None:  # a first read, to tell ranks that still speak from silent ones
+                    before, before_at = self._read_all(), now
+                    continue
+                if stalled < self.timeout_s or now - before_at < 2.5 * self.interval_s:
+                    continue
+                after = self._read_all()
+                stall = find_stall(before, after)
+                # Another rank reports; if the job still stands a few intervals later, this one does.
+                late = reported_at and now - reported_at > 5 * self.interval_s
+                if stall.reporter == self.rank or late:
+                    self.on_stall(stall_message(stall, after, stalled, self.timeout_s), stall)
+                    return
+                reported_at = reported_at or now
+            except Exception:  # the store went away (the agent is gone): nothing left to watch
+                if self._stop.is_set():
+                    return
+                time.sleep(self.interval_s)
+
+
+def _report_and_exit(message: str, stall: Stall) -> None:
+    """Print the stall's one line, record it for the launcher, and end this rank at once."""
+    blame = stall.culprits[0] if len(stall.culprits) == 1 else None
+    record_failure(message, blame=blame)
+    print(f"hetrain: error: {message}", file=sys.stderr, flush=True)
+    os._exit(STALL_EXIT)

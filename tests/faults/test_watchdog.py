@@ -1,0 +1,176 @@
+"""A rank dies with its launcher; a stalled rank is named within the timeout; the first failure is named."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from hetrain.launch.failures import describe, first_failure
+from hetrain.runtime.watchdog import Progress, find_stall, read_failure_record, record_exception, record_failure
+from tests.distributed import free_port, run_ranks
+from tests.faults.jobs import run_job
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _p(step, phase, seq):
+    return Progress(step, phase, 1.0, seq)
+
+
+def test_the_rank_still_computing_while_the_others_wait_is_the_culprit_and_reports_itself():
+    before = {0: _p(5, "waiting", 10), 1: _p(5, "computing", 10), 2: _p(5, "waiting", 10)}
+    after = {0: _p(5, "waiting", 13), 1: _p(5, "computing", 13), 2: _p(5, "waiting", 12)}
+    stall = find_stall(before, after)
+    assert (stall.culprits, stall.step, stall.reporter, stall.silent) == ([1], 5, 1, [])
+
+
+def test_a_silent_culprit_is_named_by_the_lowest_rank_that_can_speak_at_the_step_the_others_wait_in():
+    before = {0: _p(5, "waiting", 10), 1: _p(0, "computing", 1), 2: _p(5, "waiting", 10)}
+    after = {0: _p(5, "waiting", 13), 1: _p(0, "computing", 1), 2: _p(5, "waiting", 12)}
+    stall = find_stall(before, after)
+    assert (stall.culprits, stall.step, stall.reporter, stall.silent) == ([1], 5, 0, [1])
+    # a rank that never published is the culprit; one that is behind by a step is too
+    assert find_stall({}, {0: _p(3, "waiting", 4), 1: None}).culprits == [1]
+    assert find_stall(before, {0: _p(6, "waiting", 20), 1: _p(5, "waiting", 11), 2: _p(6, "waiting", 13)}).culprits == [1]
+    # a rank whose watch stopped (its loop ended) is neither silent nor a culprit
+    done = find_stall({0: _p(8, "done", 30), 1: _p(7, "computing", 2)}, {0: _p(8, "done", 30), 1: _p(7, "computing", 5)})
+    assert (done.culprits, done.silent, done.reporter) == ([1], [], 1)
+
+
+def _watched_steps(rank, world, store_port, timeout):
+    """3 ranks step with an all-reduce; rank 1 stops at step 5 until its watch reports the stall."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from hetrain.runtime.watchdog import ProgressWatch
+
+    dist.init_process_group("gloo")
+    store = dist.TCPStore("127.0.0.1", store_port, world_size=world, is_master=rank == 0)
+    reports, reported = [], threading.Event()
+    watch = ProgressWatch(store, rank, world, timeout, interval_s=0.25,
+                          on_stall=lambda message, stall: (reports.append(message), reported.set()))
+    watch.start()
+    start = time.monotonic()
+    x = torch.ones(1)
+    for step in range(1, 9):
+        watch.computing(step)
+        if rank == 1 and step == 5:
+            reported.wait(30)          # "hangs" until its own watch names it
+            stalled = time.monotonic() - start
+        watch.waiting(step)
+        dist.all_reduce(x)
+    watch.stop()
+    dist.barrier()
+    return reports, (stalled if rank == 1 else None)
+
+
+def test_progress_watch_on_three_ranks_names_the_rank_that_sleeps_once_within_the_timeout():
+    results = run_ranks(_watched_steps, 3, free_port(), 2.0, timeout=60)
+    assert results[0][0] == [] and results[2][0] == [], results   # one report, from the culprit itself
+    [message] = results[1][0]
+    assert message.startswith("rank 1 made no progress at step 5 for 2 s (computing; ranks 0,2 wait on it")
+    assert 2.0 <= results[1][1] < 4.0, results[1][1]
+
+
+def _launch_stall(fault: str, timeout: float = 4):
+    r = run_job([sys.executable, "-m", "hetrain.cli.main", "launch", "--nproc-per-node", "3",
+                 "--collective-timeout", str(timeout), "tests/faults/stall_job.py", fault, "1:5"],
+                cwd=ROOT, env=dict(os.environ), timeout=120)
+    stalled_at = float(re.search(r"at step 5 at ([0-9.]+)", r.stdout).group(1))
+    return r, time.time() - stalled_at
+
+
+@pytest.mark.parametrize("fault, reporter", [("--hang", 1), ("--freeze", 0)])
+def test_hetrain_launch_ends_a_job_with_a_stalled_rank_within_the_timeout_naming_it(fault, reporter):
+    r, after_stall = _launch_stall(fault)
+    assert r.returncode == 2, r.stderr[-3000:]
+    reports = [ln for ln in r.stderr.splitlines() if ln.startswith("hetrain: error:")]
+    assert len(reports) == 1 and "rank 1 made no progress at step 5 for 4 s" in reports[0], r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("hetrain launch: error: rank 1 made no progress at step 5"), last
+    assert f"rank {reporter} reported it and exited with code 124" in last, last
+    assert after_stall < 4 + 4, after_stall     # the timeout, a watch interval, the agent's shutdown
+    assert not r.left_behind
+
+
+PARENT = textwrap.dedent("""
+    import subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c", sys.argv[1]])
+    print(child.pid, flush=True)
+    time.sleep(120)
+""")
+CHILD = textwrap.dedent("""
+    import time
+    from hetrain.runtime.watchdog import die_with_parent
+    die_with_parent(poll_s=0.2, use_prctl={use_prctl})
+    time.sleep(120)
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("use_prctl", [True, False])
+def test_a_process_that_called_die_with_parent_ends_when_its_parent_is_killed(use_prctl):
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, CHILD.format(use_prctl=use_prctl)],
+                              cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    try:
+        time.sleep(1.5)        # the child has armed its watch
+        assert _alive(child)
+        parent.kill()
+        parent.wait()
+        deadline = time.time() + 10
+        while _alive(child) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not _alive(child), "the child outlived its killed parent"
+    finally:
+        if _alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def _failure(exitcode, timestamp, data=None):
+    return SimpleNamespace(exitcode=exitcode, timestamp=timestamp, error_file_data=data or {"message": "<NONE>"})
+
+
+def test_the_first_failure_is_the_cause_not_the_peer_that_exited_first(tmp_path, monkeypatch):
+    def record(message, **kw):
+        path = tmp_path / f"{len(list(tmp_path.iterdir()))}.json"
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+        record_failure(message, **kw)
+        import json
+        return json.loads(path.read_text())
+
+    raised = record("RuntimeError: boom")
+    try:
+        raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1234")
+    except RuntimeError as e:
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "echo.json"))
+        record_exception(e)
+    echo = __import__("json").loads((tmp_path / "echo.json").read_text())
+    assert read_failure_record(echo).secondary and not read_failure_record(raised).secondary
+    # rank 1 exited first (its peer's connection closed); rank 0 raised first but was slow to exit
+    # and was stopped by the agent: rank 0 is named
+    failures = {1: _failure(1, 100, echo), 0: _failure(-15, 100, raised)}
+    rank, f = first_failure(failures)
+    assert rank == 0 and describe(rank, f) == "rank 0 was killed by SIGTERM: RuntimeError: boom"
+    # without records: a rank the agent stopped is not the cause, whatever the clock said
+    assert first_failure({0: _failure(-15, 99), 1: _failure(1, 100)})[0] == 1
+    # a rank killed outright (no record) is the cause; the peer's record only echoes it
+    assert first_failure({0: _failure(1, 100, echo), 1: _failure(-9, 101)})[0] == 1
+    assert describe(1, _failure(-9, 101)) == "rank 1 was killed by SIGKILL"
