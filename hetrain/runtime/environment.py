@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,7 +21,8 @@ from hetrain.vocabulary import Env
 
 log = logging.getLogger("hetrain")
 
-DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+DEFAULT_PROGRESS_TIMEOUT_S = 300.0
+"""Seconds a rank may make no progress before the job ends naming it (HETRAIN_COLLECTIVE_TIMEOUT)."""
 
 
 def env_int(name: str, default: int) -> int:
@@ -79,37 +81,43 @@ def pick_device(local_rank: int, device: str | torch.device | None = None) -> to
     return torch.device("cpu")
 
 
+def progress_timeout() -> float:
+    """Seconds without progress after which the job ends, naming the rank (HETRAIN_COLLECTIVE_TIMEOUT)."""
+    return env_float(Env.COLLECTIVE_TIMEOUT, DEFAULT_PROGRESS_TIMEOUT_S)
+
+
 def collective_timeout() -> datetime.timedelta:
-    """How long a collective may wait for a peer before the rank gives up (HETRAIN_COLLECTIVE_TIMEOUT)."""
-    return datetime.timedelta(seconds=env_float(Env.COLLECTIVE_TIMEOUT, DEFAULT_COLLECTIVE_TIMEOUT_S))
+    """How long a collective waits for a peer: past the progress watch's timeout, so that the watch
+    (which names the rank the others wait on) speaks first and the collective's error never does."""
+    t = progress_timeout()
+    return datetime.timedelta(seconds=max(2 * t, t + 30))
 
 
-def init_process_group(env: RankEnv, device: torch.device, backend: str | None = None) -> bool:
-    """Join the job's process group (NCCL on CUDA, gloo on CPU); False when one already exists."""
+def init_process_group(env: RankEnv, device: torch.device, backend: str | None = None) -> tuple[bool, Any]:
+    """Join the job's process group (NCCL on CUDA, gloo on CPU). Returns (whether this call created it,
+    a store of the job that other services may use, or None)."""
     if dist.is_initialized():
-        return False
+        return False, None
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = collective_timeout()
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # Workers share the elastic agent's store across restarts; keys written by a failed
-        # attempt (a dead rank's address) would be read by the next one. Namespace them.
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                              world_size=env.world_size, is_master=False, timeout=timeout)
-        prefix = f"hetrain/{env.run_id}/attempt{env.restart_count}"
-        dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=env.rank,
-                                world_size=env.world_size, timeout=timeout)
-    elif "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timeout)
-    elif env.world_size == 1:
+    if "MASTER_ADDR" in os.environ:
+        # Under the elastic agent, workers share the agent's store across restarts; keys written by
+        # a failed attempt (a dead rank's address) would be read by the next one. Namespace them.
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=env.world_size,
+                              is_master=not agent and env.rank == 0, timeout=timeout)
+        store = dist.PrefixStore(f"hetrain/{env.run_id}/attempt{env.restart_count}", store)
+        dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
+        return True, store
+    if env.world_size == 1:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    else:
-        raise HetrainError(
-            f"WORLD_SIZE is {env.world_size} but no rendezvous address is set; "
-            "start the script with `hetrain launch --nproc-per-node N script.py`"
-        )
-    return True
+        return True, None
+    raise HetrainError(
+        f"WORLD_SIZE is {env.world_size} but no rendezvous address is set; "
+        "start the script with `hetrain launch --nproc-per-node N script.py`"
+    )
 
 
 def configure_logging(level: int | None) -> None:
@@ -134,6 +142,9 @@ def print_user_errors_as_one_line() -> None:
         return
 
     def hook(kind, value, tb):
+        from hetrain.runtime.watchdog import record_exception
+
+        record_exception(value)  # tells the launcher why this rank ended, and when
         if isinstance(value, HetrainError):
             rank = os.environ.get("RANK")
             where = f" (rank {rank})" if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""

@@ -31,7 +31,7 @@ from hetrain.planning.plan import BalancePlan, Plan, RankPlan
 from hetrain.runtime.balancer import Balancer
 from hetrain.runtime.data import HeteroLoader, make_loader
 from hetrain.runtime.environment import (RankEnv, collective_timeout, configure_logging, env_int, init_process_group,
-                                         pick_device, print_user_errors_as_one_line)
+                                         pick_device, print_user_errors_as_one_line, progress_timeout)
 from hetrain.runtime.events import StepRecord
 from hetrain.runtime.gradients import GradientStatus, clip_gradients, finish_gradients
 from hetrain.runtime.reporting import Reports, comm_bytes
@@ -42,6 +42,7 @@ from hetrain.runtime.resume import SessionCheckpoints
 from hetrain.runtime.step_state import StepState, items_as_number
 from hetrain.runtime.timing import StepTimer, emulated_speed
 from hetrain.runtime.train_state import TrainState
+from hetrain.runtime.watchdog import ProgressWatch, die_with_parent
 from hetrain.vocabulary import PIPELINE_STRATEGIES, Env
 
 log = logging.getLogger("hetrain")
@@ -59,6 +60,8 @@ class Session:
                  keep_checkpoints: int = 3, async_checkpoints: bool = True, metrics_port: int | None = None,
                  max_skipped_steps: int = 25) -> None:
         print_user_errors_as_one_line()
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            die_with_parent()   # a worker ends (saving on SIGTERM) when its launcher dies
         env = RankEnv.from_environ()
         configure_logging(log_level)
         # Every setting is read and checked before the process group exists: a bad value stops here.
@@ -75,8 +78,12 @@ class Session:
             _refuse_pipeline(plan)
         self.plan: Plan | None = plan
         self.device = pick_device(env.local_rank, device)
-        self._owns_group = init_process_group(env, self.device, backend)
+        self._owns_group, store = init_process_group(env, self.device, backend)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.watch = None
+        if store is not None and self.world_size > 1:
+            self.watch = ProgressWatch(store, self.rank, self.world_size, progress_timeout())
+            self.watch.start()
         self.local_rank, self.restart_count = env.local_rank, env.restart_count
         self.assignment = self._find_entries(plan)
         self.entry: RankPlan = self.assignment.entries[self.rank]
@@ -86,7 +93,7 @@ class Session:
         self.scaler = JobLossScaler(enabled=any(e.precision == "fp16" for e in self.assignment.entries))
         self.emulated_speed = emulated_speed(self.rank, self.world_size)
         self.emulated = self.emulated_speed is not None or self.assignment.stand_in
-        self.timer = StepTimer(speed=self.emulated_speed)
+        self.timer = StepTimer(speed=self.emulated_speed, on_grads_ready=self._waiting)
         self.state = StepState(self.world_size)
         self.max_skipped_steps = max_skipped_steps
         self._balance_overrides = (balance, balance_interval)
@@ -121,6 +128,10 @@ class Session:
             return Assignment([RankPlan(rank=r, device=k, share=0) for r, k in enumerate(kinds)],
                               stand_in=any(emulated))
         return assign_entries(plan, kinds, emulated)
+
+    def _waiting(self) -> None:
+        if self.watch is not None:
+            self.watch.waiting(self.step_count + 1)
 
     @property
     def is_main(self) -> bool:
@@ -312,6 +323,8 @@ class Session:
         self._status, self._grad_norm = None, None
         if self.checkpoints is not None:
             self.checkpoints.after_step()
+        if self.watch is not None:
+            self.watch.computing(self.train.step + 1)
         return applied
 
     def _count_skips(self, applied: bool) -> None:
@@ -385,6 +398,9 @@ class Session:
 
     def close(self) -> None:
         """Save a final checkpoint (when checkpointing), then leave the process group if this session started it."""
+        if self.watch is not None:
+            self.watch.stop()
+            self.watch = None
         if self.checkpoints is not None:
             self.checkpoints.close()
             self.checkpoints = None

@@ -75,6 +75,7 @@ class StepTimer:
     compute_s: float = 0.0          # forward+backward of the step, set when the last bucket is ready
     optimizer_s: float = 0.0
     last_optimizer_s: float = 0.0   # the optimizer time of the step that ended last
+    on_grads_ready: Callable[[], None] | None = None   # told when this rank starts waiting on the others
 
     def forward_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
         if self._start is None:
@@ -86,6 +87,8 @@ class StepTimer:
             return
         self.compute_s = pad_to_speed(time.perf_counter() - self._start, self.speed)
         self._start = None
+        if self.on_grads_ready is not None:
+            self.on_grads_ready()
 
     def time_optimizer(self, fn: Callable[[], Any]) -> Any:
         t0 = time.perf_counter()
