@@ -7,6 +7,7 @@ import json
 import sys
 
 from hetrain.errors import HetrainError
+from hetrain.userfiles import check_writable_file, read_text
 from hetrain.planning.planner import STRATEGIES
 from hetrain.planning.precision_policy import PRECISION_CHOICES
 
@@ -42,6 +43,7 @@ def profile_from_args(args: argparse.Namespace):
     from hetrain.workload.device_profile import WORKLOAD_FILE
 
     if args.profile:
+        read_text(args.profile, "profile file")   # a missing, binary or oversized file: one line
         return WorkloadProfile.load(args.profile)
     if args.model:
         return get_profile(args.model)
@@ -94,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
                       optimizer=args.optimizer, strategy=args.strategy, precision=args.precision,
                       micro_batch=args.micro_batch, profiles=profiles, rates=rates)
     if args.out:
+        check_writable_file(args.out, "--out")
         result.plan.save(args.out)
     if args.json:
         print(json.dumps(result.to_dict()))

@@ -4,10 +4,12 @@ efficiency per strategy (PNG), and write the figures (CSV)."""
 from __future__ import annotations
 
 import argparse
+import math
 import csv
 import sys
 
 from hetrain.errors import HetrainError
+from hetrain.userfiles import check_writable_file
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
@@ -34,7 +36,7 @@ def _mix(text: str) -> list[tuple[str, int]]:
 
 def sweep_cluster(mix: list[tuple[str, int]], copies: int, per_node: int, gbps: float):
     """`copies` of the mix, packed onto nodes of `per_node` devices of one model each."""
-    from hetrain.hardware.cluster import Cluster
+    from hetrain.hardware.cluster import cluster_from_dict
 
     nodes = []
     for name, count in mix:
@@ -43,7 +45,7 @@ def sweep_cluster(mix: list[tuple[str, int]], copies: int, per_node: int, gbps: 
             n = min(per_node, left)
             nodes.append({"name": f"{name}-{len(nodes)}", "devices": [{"model": name, "count": n}]})
             left -= n
-    return Cluster.model_validate({"name": "sweep", "nodes": nodes, "inter_node_gbps": gbps})
+    return cluster_from_dict({"name": "sweep", "nodes": nodes, "inter_node_gbps": gbps}, source="simulate")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,6 +60,16 @@ def run(args: argparse.Namespace) -> int:
         raise HetrainError(f"--sizes {args.sizes!r}: write positive integers, e.g. 1,2,4,8") from None
     if any(s < 1 for s in sizes) or args.batch_per_device < 1 or args.per_node < 1:
         raise HetrainError("--sizes, --batch-per-device and --per-node must be positive")
+    if not (math.isfinite(args.inter_node_gbps) and args.inter_node_gbps > 0):
+        raise HetrainError(f"--inter-node-gbps {args.inter_node_gbps} must be a positive, finite bandwidth, e.g. 100")
+    from hetrain.hardware.cluster import MAX_DEVICES
+
+    largest = max(sizes) * sum(count for _, count in mix)
+    if largest > MAX_DEVICES:
+        raise HetrainError(f"--sizes {max(sizes)} copies of the mix make {largest} devices, over the limit of "
+                           f"{MAX_DEVICES}; use smaller sizes")
+    check_writable_file(f"{args.out}.csv", "--out")
+    check_writable_file(f"{args.out}.png", "--out")
     rows = []
     for size in sizes:
         cluster = sweep_cluster(mix, size, args.per_node, args.inter_node_gbps)

@@ -139,7 +139,9 @@ class Plan(_Strict):
         path = Path(path)
         if not path.is_file():
             raise HetrainError(f"plan file {str(path)!r} does not exist; write one with `hetrain plan --out {path}`")
-        return cls.from_json(path.read_text(), source=str(path))
+        from hetrain.userfiles import read_text
+
+        return cls.from_json(read_text(path, "plan file"), source=str(path))
 
     @classmethod
     def even(cls, world_size: int, global_batch_size: int, **fields) -> "Plan":
