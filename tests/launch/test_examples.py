@@ -25,3 +25,18 @@ def test_train_gpt2_learns_clips_checkpoints_and_continues(tmp_path):
     more = run_cli([*cmd, "--steps", "40"], cwd=ROOT, timeout=240)   # a restart continues at step 30
     assert more.returncode == 0, more.stderr[-3000:]
     assert "resumed from" in more.stderr and re.findall(r"step (\d+) loss", more.stdout) == ["40"]
+
+
+def test_train_digits_reports_a_finite_loss_when_a_rank_has_no_samples(tmp_path):
+    from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+
+    # rank 1 starts with no samples; the balancer, which has no figure for it, gives it some later
+    plan = Plan(global_batch_size=128, balance=BalancePlan(interval=2, min_share=0),
+                ranks=[RankPlan(rank=0, share=128), RankPlan(rank=1, share=0)])
+    plan.save(tmp_path / "plan.json")
+    r = run_cli([*HETRAIN, "launch", "--nproc-per-node", "2", "--plan", str(tmp_path / "plan.json"),
+                 "examples/train_digits.py", "--epochs", "2"], cwd=ROOT, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    losses = [float(x) for x in re.findall(r"epoch \d+ loss ([0-9.a-z]+)", r.stdout)]
+    assert len(losses) == 2 and all(0 < x < 3 for x in losses), r.stdout
+    assert "split [128, 0] ->" in r.stderr   # the zero share did change within the epoch
