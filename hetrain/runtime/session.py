@@ -21,6 +21,7 @@ import logging
 import math
 import os
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,7 +37,9 @@ from hetrain.runtime.events import CheckpointRecord, StepRecord
 from hetrain.runtime.gradients import GradientStatus, clip_gradients, finish_gradients
 from hetrain.runtime.measured import FlopMeter, rates_by_kind
 from hetrain.runtime.parallelize import Prepared, gradient_sync, parallelize
-from hetrain.runtime.plan_entries import Assignment, assign_entries, local_device_kind
+from hetrain.runtime.pipeline_schedule import PipelineRunner, item_counter, prepare_pipeline
+from hetrain.runtime.pipeline_stages import PipelineLayout
+from hetrain.runtime.plan_entries import Assignment, assign_entries, local_device_kind, pipeline_assignment
 from hetrain.runtime.precision import JobLossScaler, autocast, configure_tf32
 from hetrain.runtime.resume import SessionCheckpoints
 from hetrain.runtime.step_state import StepState, items_as_number
@@ -66,13 +69,17 @@ class Session:
         if plan is not None and not isinstance(plan, Plan):
             plan = Plan.load(plan)
         if plan is not None:
-            _refuse_pipeline(plan)
+            _check_pipeline(plan)
         self.plan: Plan | None = plan
         self.device = pick_device(env.local_rank, device)
         self._owns_group = init_process_group(env, self.device, backend)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.local_rank, self.restart_count = env.local_rank, env.restart_count
         self.assignment = self._find_entries(plan)
+        self.layout: PipelineLayout | None = None
+        self.pipeline: PipelineRunner | None = None
+        if plan is not None and plan.pipeline is not None:
+            self.assignment, self.layout = pipeline_assignment(self.assignment, plan, self.rank)
         self.entry: RankPlan = self.assignment.entries[self.rank]
         self.precision = self.entry.precision
         self.sharding: str = plan.sharding if plan is not None else "none"
@@ -157,6 +164,12 @@ class Session:
         `blocks`, found when not given; FSDP2 or DDP with the plan's comm hook; ZeRO-1)."""
         if self.prepared is not None:
             raise HetrainError("session.prepare() was already called; a session trains one model")
+        if self.layout is not None:
+            replica_share = sum(self.assignment.shares[r] for r in self.layout.replica_ranks())
+            self.prepared, self.pipeline = prepare_pipeline(
+                model, optimizer, self.plan.pipeline, self.layout, replica_share, self.device,
+                self.entry.activation_checkpointing)
+            return self.prepared.model, self.prepared.optimizer
         self.prepared = parallelize(model, optimizer, sharding_name=self.sharding, entries=self.assignment.entries,
                                     rank=self.rank, comm=self.plan.comm if self.plan is not None else None,
                                     device=self.device, timer=self.timer, blocks=blocks)
@@ -199,6 +212,8 @@ class Session:
         balance, interval = self._balance_overrides
         if balance is not None:
             config.enabled = balance
+        if self.layout is not None:
+            config.enabled = False   # a pipeline's replica shares are the plan's
         if interval is not None:
             config.interval = interval
         if config.min_share * self.world_size > global_batch_size:
@@ -224,11 +239,39 @@ class Session:
         """This rank's precision for the forward pass (bf16/fp16 autocast, or none)."""
         return autocast(self.precision, self.device)
 
+    def forward_backward(self, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
+                         num_items: Any = None) -> torch.Tensor:
+        """Forward and backward of this rank's batch under any plan: `loss_fn(model(*inputs), target)` is
+        the mean over a (micro-)batch's items; `num_items(target)` counts them (default: samples).
+
+        Data parallel: one forward under `autocast()` and `backward(loss, num_items)`. Pipeline: the
+        replica's batch runs through every stage on the plan's schedule and micro-batches. Returns the
+        local mean loss (NaN on pipeline stages that hold no loss); `session.loss` after `step()` is the
+        global-batch mean."""
+        if self.prepared is None:
+            raise HetrainError("call session.prepare(model, optimizer) before session.forward_backward()")
+        self.state.require_batch("forward_backward")
+        if self.pipeline is None:
+            with self.autocast():
+                output = self.prepared.model(*(inputs if isinstance(inputs, tuple) else (inputs,)))
+                loss = loss_fn(output, target)
+            items = num_items(target) if callable(num_items) else num_items
+            self.backward(loss, items)
+            return loss.detach()
+        inputs, target = self.pipeline.gather_batch((inputs, target))
+        loss = self.pipeline.run(inputs, target, loss_fn, item_counter(num_items), state=self.state,
+                                 scaler=self.scaler, autocast=self.autocast)
+        self._status = None
+        return loss if loss is not None else torch.tensor(float("nan"), device=self.device)
+
     def backward(self, loss: torch.Tensor, num_items: Any = None) -> None:
         """Backward of this rank's mean loss over `num_items` items (default: its samples), weighted so
         that the update is the gradient of the mean over every item of the global batch."""
         if self.prepared is None:
             raise HetrainError("call session.prepare(model, optimizer) before session.backward()")
+        if self.pipeline is not None:
+            raise HetrainError("under a pipeline plan no rank holds the whole model: run each step with "
+                               "session.forward_backward(inputs, target, loss_fn) instead of model(...) and backward()")
         self.state.require_batch("backward")
         items = self.state.current_samples() if num_items is None else items_as_number(num_items)
         if self._first_items is None:
@@ -250,6 +293,8 @@ class Session:
         if self._status is None:
             if self.sharding == "fsdp":
                 self.timer.grads_ready()  # FSDP2 has no comm hook: backward (and its reduce-scatter) ended here
+            if self.pipeline is not None:
+                self.pipeline.sync_gradients()
             self._status = finish_gradients(self.prepared.model.parameters(), self.state, self.scaler.scale,
                                             self.device)
         return self._status
@@ -270,6 +315,9 @@ class Session:
         params = [p for p in self.prepared.model.parameters() if p.grad is not None]
         if status.found_inf:
             norm = torch.tensor(float("inf"), device=self.device)
+        elif self.pipeline is not None:
+            norm = self.pipeline.total_norm(norm_type)
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         else:
             norm = clip_gradients(params, max_norm, norm_type)
         self._grad_norm = float(norm)
@@ -495,11 +543,10 @@ def _comm_bytes(comm_state: Any) -> dict[str, float]:
     return take() if callable(take) else {}
 
 
-def _refuse_pipeline(plan: Plan) -> None:
-    """Pipeline plans are not run yet: say so with the fix."""
-    if plan.pipeline is not None or plan.strategy in PIPELINE_STRATEGIES or any(r.stage for r in plan.ranks):
-        stages = len(plan.pipeline.stages) if plan.pipeline is not None else 1 + max(r.stage for r in plan.ranks)
+def _check_pipeline(plan: Plan) -> None:
+    """A plan with pipeline stages needs the partition that says which blocks each stage holds."""
+    if plan.pipeline is None and (plan.strategy in PIPELINE_STRATEGIES or any(r.stage for r in plan.ranks)):
         raise HetrainError(
-            f"the plan runs a pipeline of {stages} stages (strategy {plan.strategy}); hetrain's runtime does not "
-            "run pipeline stages yet. Re-plan with `hetrain plan --strategy balanced` (or zero1, zero3)"
+            f"the plan (strategy {plan.strategy}) gives ranks pipeline stages but no pipeline partition "
+            "(pipeline.stages); re-plan with `hetrain plan --strategy pipeline`, or remove the stages"
         )

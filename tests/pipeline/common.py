@@ -1,0 +1,105 @@
+"""A small sequential model, its data and the one-process reference the pipeline tests compare with."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import TensorDataset
+
+from hetrain.planning.plan import BalancePlan, PipelinePlan, Plan, RankPlan
+from hetrain.runtime.data import GlobalBatchOrder
+
+WIDTH, CLASSES, FEATURES, LR = 16, 5, 6, 0.2
+
+
+class Block(nn.Module):
+    """A residual MLP block, as a transformer layer would be."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.fc = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(self.norm(x)))
+
+
+def make_model(layers: int = 6, seed: int = 0) -> nn.Sequential:
+    """embed, `layers` blocks, head: layers + 2 blocks."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(FEATURES, WIDTH), *[Block() for _ in range(layers)], nn.Linear(WIDTH, CLASSES))
+
+
+def make_data(n: int = 96, seed: int = 1) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, FEATURES, generator=g), torch.randint(0, CLASSES, (n,), generator=g))
+
+
+def pipeline_plan(stages: list[list[int]], schedule: str, microbatches: int, global_batch: int,
+                  replica_shares: list[int] | None = None, precisions: list[str] | None = None) -> Plan:
+    """Ranks 0..p-1 are replica 0's stages, p..2p-1 replica 1's, and so on."""
+    shares = replica_shares or [global_batch]
+    p = len(stages)
+    ranks = [RankPlan(rank=i * p + j, share=shares[i], stage=j, precision=(precisions or ["fp32"] * p)[j])
+             for i in range(len(shares)) for j in range(p)]
+    return Plan(global_batch_size=global_batch, strategy="pipeline" if len(shares) == 1 else "hybrid", ranks=ranks,
+                balance=BalancePlan(enabled=False),
+                pipeline=PipelinePlan(stages=stages, schedule=schedule, microbatches=microbatches))
+
+
+def reference(steps: int, global_batch: int, layers: int = 6, bf16_blocks: int = 0) -> list[dict[str, torch.Tensor]]:
+    """One process, the whole global batch, its mean loss; the first `bf16_blocks` blocks under bf16 autocast."""
+    model, data = make_model(layers), make_data()
+    order = GlobalBatchOrder(len(data), global_batch, shuffle=True, seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    out = []
+    for step in range(steps):
+        x, y = data[order.global_batch(0, step)]
+        h = x
+        for i, block in enumerate(model):
+            bf16 = i < bf16_blocks
+            ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+            with ctx:
+                h = block(h)
+            h = h.float()
+        F.cross_entropy(h, y).backward()
+        opt.step()
+        opt.zero_grad()
+        out.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return out
+
+
+def train(rank: int, world: int, plan: Plan, steps: int, layers: int = 6) -> dict:
+    """The user's one script: the same loop for a data-parallel or a pipeline plan."""
+    import hetrain
+
+    session = hetrain.Session(plan)
+    net = make_model(layers)
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=LR))
+    loader = session.loader(make_data(), global_batch_size=plan.global_batch_size, shuffle=True, seed=0)
+    states, losses = [], []
+    for x, y in loader:
+        session.forward_backward(x, y, F.cross_entropy)
+        session.clip_grad_norm_(1e9)
+        session.step()
+        states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        losses.append(session.loss)
+        if session.step_count == steps:
+            break
+    session.close()
+    return {"states": states, "losses": losses}
+
+
+def worst_difference(results: list[dict], want: list[dict[str, torch.Tensor]]) -> float:
+    """The largest |difference| of any parameter after any step, over every rank's stage."""
+    worst = 0.0
+    for result in results:
+        assert len(result["states"]) == len(want)
+        for got, ref in zip(result["states"], want):
+            assert got, "a stage holds no parameters"
+            for name, value in got.items():
+                worst = max(worst, (value - ref[name]).abs().max().item())
+    return worst
