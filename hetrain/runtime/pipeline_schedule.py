@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_leaves
 from hetrain.errors import HetrainError
 from hetrain.planning.plan import PipelinePlan
 from hetrain.runtime.parallelize import Prepared
-from hetrain.runtime.pipeline_stages import PipelineLayout, cast_outputs_to_fp32, microbatches_for
+from hetrain.runtime.pipeline_stages import PipelineLayout, compute_in_precision, microbatches_for
 from hetrain.runtime.precision import JobLossScaler
 from hetrain.runtime.step_state import StepState, items_as_number
 
@@ -73,14 +73,15 @@ class PipelineRunner:
     """This rank's pipeline stage, its schedule and the groups it talks to."""
 
     def __init__(self, module: nn.Module, layout: PipelineLayout, pipeline: PipelinePlan, device: torch.device,
-                 replica_share: int) -> None:
+                 replica_share: int, autocast: Callable[[], ContextManager]) -> None:
         self.module = module
         self.layout = layout
         self.pipeline = pipeline
         self.device = device
         self.replica_share = replica_share
         self.pipe_group, self.stage_group = make_groups(layout)
-        cast_outputs_to_fp32(module)
+        self.autocast = autocast
+        compute_in_precision(module, autocast)
         self.stage = PipelineStage(module, layout.stage, layout.stages, device, group=self.pipe_group)
         # Stage j's peer is the replica's stage-j rank, whatever its place in the group's (sorted) order.
         self.stage.stage_index_to_group_rank = {j: dist.get_group_rank(self.pipe_group, r)
@@ -94,6 +95,8 @@ class PipelineRunner:
     def _schedule(self, m: int) -> Any:
         if m not in self._schedules:
             cls = SCHEDULES[self.pipeline.schedule]
+            if cls is Schedule1F1B and m < self.layout.stages:
+                cls = ScheduleGPipe   # torch's 1F1B needs a micro-batch per stage; GPipe's update is the same
             self._schedules[m] = cls(self.stage, n_microbatches=m, loss_fn=self._call_loss, scale_grads=False)
         return self._schedules[m]
 
@@ -112,7 +115,7 @@ class PipelineRunner:
         return _to(joined, self.device)
 
     def run(self, inputs: Any, target: Any, loss_fn: Callable, count: Callable[[Any], float], *, state: StepState,
-            scaler: JobLossScaler, autocast: Callable) -> torch.Tensor | None:
+            scaler: JobLossScaler) -> torch.Tensor | None:
         """Forward and backward of the replica batch through every stage; on last stages the mean loss."""
         samples = _first_tensor(target if self.layout.is_last else _as_tuple(inputs)[0]).shape[0]
         if samples == 0:
@@ -121,7 +124,8 @@ class PipelineRunner:
         calls: list[tuple[torch.Tensor, float]] = []
 
         def weighted(output: Any, tgt: Any) -> torch.Tensor:
-            value = loss_fn(output, tgt)
+            with self.autocast():
+                value = loss_fn(output, tgt)
             n = count(tgt)
             calls.append((value.detach().float(), n))
             if n == 0:
@@ -132,11 +136,10 @@ class PipelineRunner:
         m = self.microbatches(samples)
         schedule = self._schedule(m)
         args = _as_tuple(inputs) if self.layout.is_first else ()
-        with autocast():
-            if self.layout.is_last:
-                schedule.step(*args, target=target, return_outputs=False)
-            else:
-                schedule.step(*args, return_outputs=False)
+        if self.layout.is_last:
+            schedule.step(*args, target=target, return_outputs=False)
+        else:
+            schedule.step(*args, return_outputs=False)
         self._loss = None
         if not self.layout.is_last:
             return None
@@ -207,7 +210,8 @@ def _concat(parts: list[Any]) -> Any:
 
 def prepare_pipeline(model: nn.Module, optimizer: torch.optim.Optimizer | None, pipeline: PipelinePlan,
                      layout: PipelineLayout, replica_share: int, device: torch.device,
-                     activation_checkpointing: bool) -> tuple[Prepared, PipelineRunner]:
+                     activation_checkpointing: bool, autocast: Callable[[], ContextManager]
+                     ) -> tuple[Prepared, PipelineRunner]:
     """This rank's stage of `model` on its device, with its schedule; the optimizer is the user's
     (parameters of other stages never get a gradient, so it never moves them)."""
     from hetrain.runtime.parallelize import check_master_weights
@@ -221,5 +225,5 @@ def prepare_pipeline(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
 
         for name, block in list(module.named_children()):
             setattr(module, name, checkpoint_wrapper(block))
-    runner = PipelineRunner(module, layout, pipeline, device, replica_share)
+    runner = PipelineRunner(module, layout, pipeline, device, replica_share, autocast)
     return Prepared(module, optimizer, blocks), runner

@@ -16,7 +16,8 @@ model's keys and any partition can load a checkpoint written under another.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import ContextManager
 from dataclasses import dataclass
 
 import torch
@@ -134,12 +135,21 @@ def stage_module(model: nn.Module, pipeline: PipelinePlan, stage: int) -> nn.Seq
     return nn.Sequential(OrderedDict(blocks[a:b]))
 
 
-def cast_outputs_to_fp32(module: nn.Module) -> None:
-    """Stage outputs leave in fp32, so stages of different precisions exchange one dtype."""
+def compute_in_precision(module: nn.Module, autocast: Callable[[], ContextManager]) -> None:
+    """The stage's forward under its rank's autocast (its backward outside it, as torch advises), and
+    its floating outputs in fp32, so stages of different precisions exchange one dtype."""
+    active: list[ContextManager] = []
 
-    def hook(_module: nn.Module, _args: object, output: object) -> object:
+    def enter(_module: nn.Module, _args: object) -> None:
+        ctx = autocast()
+        ctx.__enter__()
+        active.append(ctx)
+
+    def leave(_module: nn.Module, _args: object, output: object) -> object:
+        active.pop().__exit__(None, None, None)
         if isinstance(output, torch.Tensor) and output.is_floating_point() and output.dtype != torch.float32:
             return output.float()
         return output
 
-    module.register_forward_hook(hook)
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True)

@@ -168,7 +168,7 @@ class Session:
             replica_share = sum(self.assignment.shares[r] for r in self.layout.replica_ranks())
             self.prepared, self.pipeline = prepare_pipeline(
                 model, optimizer, self.plan.pipeline, self.layout, replica_share, self.device,
-                self.entry.activation_checkpointing)
+                self.entry.activation_checkpointing, self.autocast)
             return self.prepared.model, self.prepared.optimizer
         self.prepared = parallelize(model, optimizer, sharding_name=self.sharding, entries=self.assignment.entries,
                                     rank=self.rank, comm=self.plan.comm if self.plan is not None else None,
@@ -260,7 +260,7 @@ class Session:
             return loss.detach()
         inputs, target = self.pipeline.gather_batch((inputs, target))
         loss = self.pipeline.run(inputs, target, loss_fn, item_counter(num_items), state=self.state,
-                                 scaler=self.scaler, autocast=self.autocast)
+                                 scaler=self.scaler)
         self._status = None
         return loss if loss is not None else torch.tensor(float("nan"), device=self.device)
 

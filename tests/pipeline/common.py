@@ -33,9 +33,18 @@ def make_model(layers: int = 6, seed: int = 0) -> nn.Sequential:
     return nn.Sequential(nn.Linear(FEATURES, WIDTH), *[Block() for _ in range(layers)], nn.Linear(WIDTH, CLASSES))
 
 
-def make_data(n: int = 96, seed: int = 1) -> TensorDataset:
+def make_data(n: int = 96, seed: int = 1, ignored: bool = False) -> TensorDataset:
+    """Features and classes; with `ignored`, about a third of the labels are -100 (items the loss skips)."""
     g = torch.Generator().manual_seed(seed)
-    return TensorDataset(torch.randn(n, FEATURES, generator=g), torch.randint(0, CLASSES, (n,), generator=g))
+    x, y = torch.randn(n, FEATURES, generator=g), torch.randint(0, CLASSES, (n,), generator=g)
+    if ignored:
+        y[torch.rand(n, generator=g) < 0.35] = -100
+    return TensorDataset(x, y)
+
+
+def count_labels(y: torch.Tensor) -> torch.Tensor:
+    """The items a token-mean loss averages over."""
+    return (y != -100).sum()
 
 
 def pipeline_plan(stages: list[list[int]], schedule: str, microbatches: int, global_batch: int,
@@ -50,21 +59,27 @@ def pipeline_plan(stages: list[list[int]], schedule: str, microbatches: int, glo
                 pipeline=PipelinePlan(stages=stages, schedule=schedule, microbatches=microbatches))
 
 
-def reference(steps: int, global_batch: int, layers: int = 6, bf16_blocks: int = 0) -> list[dict[str, torch.Tensor]]:
-    """One process, the whole global batch, its mean loss; the first `bf16_blocks` blocks under bf16 autocast."""
-    model, data = make_model(layers), make_data()
+def reference(steps: int, global_batch: int, layers: int = 6, bf16_blocks: int = 0, ignored: bool = False) -> list[dict[str, torch.Tensor]]:
+    """One process, the whole global batch, its mean loss; the first `bf16_blocks` blocks under bf16 autocast.
+    One thread, as each rank has: bf16 reductions split over threads round differently."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reference(steps, global_batch, layers, bf16_blocks, ignored)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference(steps: int, global_batch: int, layers: int, bf16_blocks: int, ignored: bool) -> list[dict[str, torch.Tensor]]:
+    model, data = make_model(layers), make_data(ignored=ignored)
     order = GlobalBatchOrder(len(data), global_batch, shuffle=True, seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     out = []
     for step in range(steps):
         x, y = data[order.global_batch(0, step)]
-        h = x
-        for i, block in enumerate(model):
-            bf16 = i < bf16_blocks
-            ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-            with ctx:
-                h = block(h)
-            h = h.float()
+        with torch.autocast("cpu", dtype=torch.bfloat16) if bf16_blocks else contextlib.nullcontext():
+            h = model[:bf16_blocks](x) if bf16_blocks else x
+        h = model[bf16_blocks:](h.float())
         F.cross_entropy(h, y).backward()
         opt.step()
         opt.zero_grad()
@@ -72,20 +87,21 @@ def reference(steps: int, global_batch: int, layers: int = 6, bf16_blocks: int =
     return out
 
 
-def train(rank: int, world: int, plan: Plan, steps: int, layers: int = 6) -> dict:
+def train(rank: int, world: int, plan: Plan, steps: int, layers: int = 6, ignored: bool = False) -> dict:
     """The user's one script: the same loop for a data-parallel or a pipeline plan."""
     import hetrain
 
     session = hetrain.Session(plan)
     net = make_model(layers)
     model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=LR))
-    loader = session.loader(make_data(), global_batch_size=plan.global_batch_size, shuffle=True, seed=0)
+    loader = session.loader(make_data(ignored=ignored), global_batch_size=plan.global_batch_size, shuffle=True, seed=0)
     states, losses = [], []
     for x, y in loader:
-        session.forward_backward(x, y, F.cross_entropy)
+        session.forward_backward(x, y, F.cross_entropy, num_items=count_labels if ignored else None)
         session.clip_grad_norm_(1e9)
         session.step()
-        states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        inner = getattr(model, "module", model)   # DDP wraps the model; a pipeline stage is its own
+        states.append({k: v.detach().clone() for k, v in inner.state_dict().items()})
         losses.append(session.loss)
         if session.step_count == steps:
             break

@@ -2,6 +2,8 @@
 
 import pytest
 
+from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+
 from tests.distributed import run_ranks
 from tests.pipeline.common import pipeline_plan, reference, train, worst_difference
 
@@ -27,3 +29,24 @@ def test_hybrid_two_replicas_unequal_shares():
     plan = pipeline_plan([[0, 5], [5, 8]], "1f1b", microbatches=2, global_batch=GLOBAL, replica_shares=[8, 4])
     results = run_ranks(train, 4, plan, STEPS)
     assert worst_difference(results, reference(STEPS, GLOBAL)) < 1e-5
+
+
+def test_same_script_runs_a_data_parallel_plan():
+    plan = Plan(global_batch_size=GLOBAL, balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=0, share=7), RankPlan(rank=1, share=5)])
+    results = run_ranks(train, 2, plan, STEPS)
+    assert worst_difference(results, reference(STEPS, GLOBAL)) < 1e-5
+
+
+def test_mixed_precisions_per_stage():
+    """Stage 0 in bf16, stage 1 in fp32, against one process running the same blocks in the same precisions."""
+    plan = pipeline_plan([[0, 3], [3, 8]], "1f1b", microbatches=1, global_batch=GLOBAL, precisions=["bf16", "fp32"])
+    results = run_ranks(train, 2, plan, STEPS)
+    assert worst_difference(results, reference(STEPS, GLOBAL, bf16_blocks=3)) < 1e-5
+
+
+def test_hybrid_token_mean_with_ignored_labels():
+    """Micro-batches and replicas with different numbers of counted labels: the global label mean."""
+    plan = pipeline_plan([[0, 4], [4, 8]], "gpipe", microbatches=4, global_batch=GLOBAL, replica_shares=[4, 8])
+    results = run_ranks(train, 4, plan, STEPS, 6, True)
+    assert worst_difference(results, reference(STEPS, GLOBAL, ignored=True)) < 1e-5
