@@ -212,8 +212,8 @@ def prepare_pipeline(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
                      layout: PipelineLayout, replica_share: int, device: torch.device,
                      activation_checkpointing: bool, autocast: Callable[[], ContextManager]
                      ) -> tuple[Prepared, PipelineRunner]:
-    """This rank's stage of `model` on its device, with its schedule; the optimizer is the user's
-    (parameters of other stages never get a gradient, so it never moves them)."""
+    """This rank's stage of `model` on its device, with its schedule; the user's optimizer keeps only
+    this stage's parameters (in each of its groups, with the group's settings)."""
     from hetrain.runtime.parallelize import check_master_weights
     from hetrain.runtime.pipeline_stages import stage_module
 
@@ -225,5 +225,9 @@ def prepare_pipeline(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
 
         for name, block in list(module.named_children()):
             setattr(module, name, checkpoint_wrapper(block))
+    if optimizer is not None:
+        keep = {id(p) for p in module.parameters()}
+        for group in optimizer.param_groups:   # the optimizer steps (and checkpoints) this stage's parameters
+            group["params"] = [p for p in group["params"] if id(p) in keep]
     runner = PipelineRunner(module, layout, pipeline, device, replica_share, autocast)
     return Prepared(module, optimizer, blocks), runner

@@ -87,13 +87,15 @@ def _reference(steps: int, global_batch: int, layers: int, bf16_blocks: int, ign
     return out
 
 
-def train(rank: int, world: int, plan: Plan, steps: int, layers: int = 6, ignored: bool = False) -> dict:
+def train(rank: int, world: int, plan: Plan, steps: int, layers: int = 6, ignored: bool = False,
+          checkpoint_dir: str | None = None, adam: bool = False) -> dict:
     """The user's one script: the same loop for a data-parallel or a pipeline plan."""
     import hetrain
 
-    session = hetrain.Session(plan)
+    session = hetrain.Session(plan, checkpoint_dir=checkpoint_dir, checkpoint_interval=2, async_checkpoints=False)
     net = make_model(layers)
-    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=LR))
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01) if adam else torch.optim.SGD(net.parameters(), lr=LR)
+    model, _ = session.prepare(net, opt)
     loader = session.loader(make_data(ignored=ignored), global_batch_size=plan.global_batch_size, shuffle=True, seed=0)
     states, losses = [], []
     for x, y in loader:
