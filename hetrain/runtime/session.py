@@ -550,3 +550,8 @@ def _check_pipeline(plan: Plan) -> None:
             f"the plan (strategy {plan.strategy}) gives ranks pipeline stages but no pipeline partition "
             "(pipeline.stages); re-plan with `hetrain plan --strategy pipeline`, or remove the stages"
         )
+    if plan.pipeline is not None and plan.sharding != "none":
+        raise HetrainError(
+            f"the plan shards ({plan.sharding!r}) inside pipeline stages, which hetrain does not run yet; set "
+            "\"sharding\": \"none\" in the plan or re-plan with `hetrain plan --strategy pipeline`"
+        )

@@ -1,0 +1,61 @@
+"""The planner's pipeline plans: chosen when the model fits no single device, explained, and run by the runtime."""
+
+import math
+
+import torch
+
+from hetrain.hardware.cluster import cluster_from_devices
+from hetrain.planning.planner import pipeline_bubble, plan_job
+from hetrain.planning.plan import PipelinePlan
+from hetrain.vocabulary import PIPELINE_STRATEGIES
+from tests.distributed import run_ranks
+from tests.pipeline.common import make_model, pipeline_plan, reference, train
+from tests.pipeline.gpt_3b import gpt_3b
+
+CLUSTER = "a100-sxm4-40gb:4,v100-sxm2-32gb:4"
+
+
+def plan_3b():
+    return plan_job(cluster_from_devices(CLUSTER), gpt_3b(), 512, strategy="auto").plan
+
+
+def test_bubble_formula():
+    assert pipeline_bubble(1, 8) == 0.0
+    assert math.isclose(pipeline_bubble(3, 8), 2 / 10)
+
+
+def test_auto_picks_a_pipeline_for_a_3b_model_and_says_why():
+    plan = plan_3b()
+    assert plan.strategy in PIPELINE_STRATEGIES and plan.pipeline is not None
+    assert plan.sharding == "none"
+    p, m = len(plan.pipeline.stages), plan.pipeline.microbatches
+    bubble = f"{pipeline_bubble(p, m):.1%}"
+    assert any("fits on no single device" in n for n in plan.notes), plan.notes
+    assert any(f"predicted bubble (p-1)/(m+p-1) = {bubble}" in n for n in plan.notes), plan.notes
+    # the partition covers the 34 blocks in order, stages of unequal size
+    assert plan.pipeline.stages[0][0] == 0 and plan.pipeline.stages[-1][1] == 34
+    assert len({b - a for a, b in plan.pipeline.stages}) > 1
+
+
+def _scaled(plan, global_batch: int, microbatches: int):
+    """The plan's devices, precisions and partition; a global batch CPU ranks can run."""
+    ranks = [r.model_copy(update={"share": global_batch, "micro_batch": None, "grad_accum": 1}) for r in plan.ranks]
+    return plan.model_copy(update={"global_batch_size": global_batch, "ranks": ranks,
+                                   "pipeline": PipelinePlan(stages=plan.pipeline.stages, schedule=plan.pipeline.schedule,
+                                                            microbatches=microbatches)})
+
+
+def test_the_3b_plan_runs_on_cpu_ranks_scaled_down():
+    """Every rank of the plan (its devices' precisions, bf16 and fp16 with one loss scale) on a 34-block model."""
+    plan = _scaled(plan_3b(), global_batch=16, microbatches=8)
+    results = run_ranks(train, plan.world_size, plan, 1, 32, timeout=240)
+    want = reference(1, 16, layers=32)[0]
+    start = make_model(32).state_dict()
+    losses = [l for r in results for l in r["losses"]]
+    assert all(math.isfinite(l) for l in losses) and len(set(losses)) == 1
+    held = {k for r in results for k in r["states"][0]}
+    assert held == set(want)                                  # every block ran on some stage
+    for r in results:
+        for k, v in r["states"][0].items():
+            moved = (want[k] - start[k]).abs().max().item()
+            assert (v - want[k]).abs().max().item() <= 0.1 * moved + 1e-3   # low precision, same update
