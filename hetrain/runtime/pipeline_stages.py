@@ -25,7 +25,8 @@ from torch import nn
 
 from hetrain.errors import HetrainError
 from hetrain.planning.batch_split import split_proportional
-from hetrain.planning.plan import PipelinePlan, RankPlan
+from hetrain.planning.plan import PipelinePlan, Plan, RankPlan
+from hetrain.vocabulary import PIPELINE_STRATEGIES
 
 
 @dataclass(frozen=True)
@@ -153,3 +154,19 @@ def compute_in_precision(module: nn.Module, autocast: Callable[[], ContextManage
 
     module.register_forward_pre_hook(enter)
     module.register_forward_hook(leave, always_call=True)
+
+
+def check_pipeline_plan(plan: Plan) -> None:
+    """A plan with pipeline stages needs the partition that says which blocks each stage holds."""
+    if plan.pipeline is None and (plan.strategy in PIPELINE_STRATEGIES or any(r.stage for r in plan.ranks)):
+        raise HetrainError(
+            f"the plan (strategy {plan.strategy}) gives ranks pipeline stages but no pipeline partition "
+            "(pipeline.stages); re-plan with `hetrain plan --strategy pipeline`, or remove the stages"
+        )
+    if plan.pipeline is not None and plan.sharding != "none":
+        raise HetrainError(
+            f"the plan shards ({plan.sharding!r}) inside pipeline stages, which hetrain does not run yet; set "
+            "\"sharding\": \"none\" in the plan or re-plan with `hetrain plan --strategy pipeline`"
+        )
+    if plan.pipeline is not None:
+        pipeline_layout(plan.ranks, plan.pipeline, plan.ranks[0].rank)   # every stage has its ranks

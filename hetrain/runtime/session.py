@@ -38,14 +38,14 @@ from hetrain.runtime.gradients import GradientStatus, clip_gradients, finish_gra
 from hetrain.runtime.measured import FlopMeter, rates_by_kind
 from hetrain.runtime.parallelize import Prepared, gradient_sync, parallelize
 from hetrain.runtime.pipeline_schedule import PipelineRunner, item_counter, prepare_pipeline
-from hetrain.runtime.pipeline_stages import PipelineLayout
+from hetrain.runtime.pipeline_stages import PipelineLayout, check_pipeline_plan
 from hetrain.runtime.plan_entries import Assignment, assign_entries, local_device_kind, pipeline_assignment
 from hetrain.runtime.precision import JobLossScaler, autocast, configure_tf32
 from hetrain.runtime.resume import SessionCheckpoints
 from hetrain.runtime.step_state import StepState, items_as_number
 from hetrain.runtime.timing import StepTimer, emulated_speed
 from hetrain.runtime.train_state import TrainState
-from hetrain.vocabulary import PIPELINE_STRATEGIES, Env
+from hetrain.vocabulary import Env
 
 log = logging.getLogger("hetrain")
 
@@ -69,7 +69,7 @@ class Session:
         if plan is not None and not isinstance(plan, Plan):
             plan = Plan.load(plan)
         if plan is not None:
-            _check_pipeline(plan)
+            check_pipeline_plan(plan)
         self.plan: Plan | None = plan
         self.device = pick_device(env.local_rank, device)
         self._owns_group = init_process_group(env, self.device, backend)
@@ -541,17 +541,3 @@ def _comm_bytes(comm_state: Any) -> dict[str, float]:
     stats = getattr(comm_state, "stats", None)
     take = getattr(stats, "take_step_bytes", None)
     return take() if callable(take) else {}
-
-
-def _check_pipeline(plan: Plan) -> None:
-    """A plan with pipeline stages needs the partition that says which blocks each stage holds."""
-    if plan.pipeline is None and (plan.strategy in PIPELINE_STRATEGIES or any(r.stage for r in plan.ranks)):
-        raise HetrainError(
-            f"the plan (strategy {plan.strategy}) gives ranks pipeline stages but no pipeline partition "
-            "(pipeline.stages); re-plan with `hetrain plan --strategy pipeline`, or remove the stages"
-        )
-    if plan.pipeline is not None and plan.sharding != "none":
-        raise HetrainError(
-            f"the plan shards ({plan.sharding!r}) inside pipeline stages, which hetrain does not run yet; set "
-            "\"sharding\": \"none\" in the plan or re-plan with `hetrain plan --strategy pipeline`"
-        )

@@ -59,3 +59,22 @@ def test_the_3b_plan_runs_on_cpu_ranks_scaled_down():
         for k, v in r["states"][0].items():
             moved = (want[k] - start[k]).abs().max().item()
             assert (v - want[k]).abs().max().item() <= 0.1 * moved + 1e-3   # low precision, same update
+
+
+def test_plans_the_runtime_cannot_run_are_refused_with_the_fix():
+    import pytest
+
+    import hetrain
+    from hetrain.errors import HetrainError
+    from hetrain.planning.plan import Plan, RankPlan
+
+    missing = Plan(global_batch_size=8, strategy="pipeline", pipeline=PipelinePlan(stages=[[0, 2], [2, 4]]),
+                   ranks=[RankPlan(rank=0, share=8)])
+    with pytest.raises(HetrainError, match=r"stages have \[1, 0\] ranks.*--strategy pipeline"):
+        hetrain.Session(missing)
+    sharded = pipeline_plan([[0, 2], [2, 8]], "1f1b", 4, 12).model_copy(update={"sharding": "fsdp"})
+    with pytest.raises(HetrainError, match="inside pipeline stages"):
+        hetrain.Session(sharded)
+    no_partition = Plan(global_batch_size=8, strategy="pipeline", ranks=[RankPlan(rank=0, share=8, stage=1)])
+    with pytest.raises(HetrainError, match="no pipeline partition"):
+        hetrain.Session(no_partition)
