@@ -73,13 +73,17 @@ class PipelineRunner:
     """This rank's pipeline stage, its schedule and the groups it talks to."""
 
     def __init__(self, module: nn.Module, layout: PipelineLayout, pipeline: PipelinePlan, device: torch.device,
-                 replica_share: int, autocast: Callable[[], ContextManager]) -> None:
+                 replica_share: int, autocast: Callable[[], ContextManager],
+                 ties: list[tuple[tuple[int, ...], nn.Parameter]] | None = None) -> None:
         self.module = module
         self.layout = layout
         self.pipeline = pipeline
         self.device = device
         self.replica_share = replica_share
         self.pipe_group, self.stage_group = make_groups(layout)
+        held = {id(p) for p in module.parameters()}
+        self.ties = [(stages, p) for stages, p in (ties or []) if id(p) in held]
+        self.tie_groups = make_tie_groups(layout, ties or [])
         self.autocast = autocast
         compute_in_precision(module, autocast)
         self.stage = PipelineStage(module, layout.stage, layout.stages, device, group=self.pipe_group)
@@ -154,18 +158,20 @@ class PipelineRunner:
         return sum(value * n for value, n in calls if n > 0) / items
 
     def sync_gradients(self) -> None:
-        """Sum the stage's gradients over its replicas (each is already weighted by its items)."""
-        if self.stage_group is None:
-            return
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        if grads:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.stage_group)
-            torch._foreach_copy_(grads, [part.view_as(g) for part, g in zip(torch.split(flat, [g.numel() for g in grads]), grads)])
+        """Sum the stage's gradients over its replicas (each is already weighted by its items), then
+        tied parameters' gradients over the stages holding them."""
+        for p in self.module.parameters():
+            if p.grad is None and p.requires_grad:   # a replica without samples still joins the sum
+                p.grad = torch.zeros_like(p)
+        if self.stage_group is not None:
+            _sum_into([p.grad for p in self.module.parameters() if p.grad is not None], self.stage_group)
+        for stages, group in self.tie_groups.items():
+            _sum_into([p.grad for held_by, p in self.ties if held_by == stages], group)
 
     def total_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The norm of the whole model's gradient (every stage), the same on every rank (collective)."""
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        counted_elsewhere = {id(p) for stages, p in self.ties if stages[0] != self.layout.stage}
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None and id(p) not in counted_elsewhere]
         local = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite=False) if grads else \
             torch.zeros((), device=self.device)
         local = local.to(device=self.device, dtype=torch.float64)
@@ -176,6 +182,27 @@ class PipelineRunner:
         powered = local ** norm_type / self.layout.replicas
         dist.all_reduce(powered)
         return (powered ** (1.0 / norm_type)).float()
+
+
+def _sum_into(grads: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    torch._foreach_copy_(grads, [part.view_as(g) for part, g in zip(torch.split(flat, [g.numel() for g in grads]), grads)])
+
+
+def make_tie_groups(layout: PipelineLayout, ties: list[tuple[tuple[int, ...], nn.Parameter]]
+                    ) -> dict[tuple[int, ...], dist.ProcessGroup]:
+    """Per set of stages sharing parameters, this replica's group of those stages' ranks (every rank
+    creates every group in the same order)."""
+    mine = {}
+    for stages in sorted({s for s, _ in ties}):
+        for replica, row in enumerate(layout.grid):
+            g = dist.new_group(ranks=[row[j] for j in stages])
+            if replica == layout.replica and layout.stage in stages:
+                mine[stages] = g
+    return mine
 
 
 def _samples(value: Any) -> int:
@@ -215,9 +242,10 @@ def prepare_pipeline(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
     """This rank's stage of `model` on its device, with its schedule; the user's optimizer keeps only
     this stage's parameters (in each of its groups, with the group's settings)."""
     from hetrain.runtime.parallelize import check_master_weights
-    from hetrain.runtime.pipeline_stages import stage_module
+    from hetrain.runtime.pipeline_stages import stage_module, tied_parameters
 
     check_master_weights(model)
+    ties = tied_parameters(model, pipeline)
     module = stage_module(model, pipeline, layout.stage).to(device)
     blocks = list(module.children())
     if activation_checkpointing:
@@ -229,5 +257,5 @@ def prepare_pipeline(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
         keep = {id(p) for p in module.parameters()}
         for group in optimizer.param_groups:   # the optimizer steps (and checkpoints) this stage's parameters
             group["params"] = [p for p in group["params"] if id(p) in keep]
-    runner = PipelineRunner(module, layout, pipeline, device, replica_share, autocast)
+    runner = PipelineRunner(module, layout, pipeline, device, replica_share, autocast, ties)
     return Prepared(module, optimizer, blocks), runner

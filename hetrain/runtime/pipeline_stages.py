@@ -170,3 +170,19 @@ def check_pipeline_plan(plan: Plan) -> None:
         )
     if plan.pipeline is not None:
         pipeline_layout(plan.ranks, plan.pipeline, plan.ranks[0].rank)   # every stage has its ranks
+
+
+def tied_parameters(model: nn.Module, pipeline: PipelinePlan) -> list[tuple[tuple[int, ...], nn.Parameter]]:
+    """Parameters that several stages hold (tied input and output embeddings), with those stages,
+    in the model's order (the same on every rank)."""
+    blocks = model_blocks(model, pipeline)
+    holders: dict[int, list[int]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for j, (a, b) in enumerate(pipeline.stages):
+        for _, block in blocks[a:b]:
+            for p in block.parameters():
+                stages = holders.setdefault(id(p), [])
+                if j not in stages:
+                    stages.append(j)
+                params[id(p)] = p
+    return [(tuple(h), params[i]) for i, h in holders.items() if len(h) > 1]
