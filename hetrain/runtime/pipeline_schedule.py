@@ -13,6 +13,7 @@ Each rank computes its stage under its own precision's autocast; stage outputs t
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from typing import Any, ContextManager
 
@@ -28,6 +29,7 @@ from hetrain.runtime.parallelize import Prepared
 from hetrain.runtime.pipeline_stages import PipelineLayout, compute_in_precision, microbatches_for
 from hetrain.runtime.precision import JobLossScaler
 from hetrain.runtime.step_state import StepState, items_as_number
+from hetrain.runtime.timing import pad_to_speed
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -74,7 +76,7 @@ class PipelineRunner:
 
     def __init__(self, module: nn.Module, layout: PipelineLayout, pipeline: PipelinePlan, device: torch.device,
                  replica_share: int, autocast: Callable[[], ContextManager],
-                 ties: list[tuple[tuple[int, ...], nn.Parameter]] | None = None) -> None:
+                 ties: list[tuple[tuple[int, ...], nn.Parameter]] | None = None, speed: float | None = None) -> None:
         self.module = module
         self.layout = layout
         self.pipeline = pipeline
@@ -90,8 +92,28 @@ class PipelineRunner:
         # Stage j's peer is the replica's stage-j rank, whatever its place in the group's (sorted) order.
         self.stage.stage_index_to_group_rank = {j: dist.get_group_rank(self.pipe_group, r)
                                                 for j, r in enumerate(layout.replica_ranks())}
+        self.busy_seconds = 0.0   # this step's forward and backward compute (padded when emulating a speed)
+        self.stage.forward_one_chunk = self._timed(self.stage.forward_one_chunk, speed)
+        self.stage.backward_one_chunk = self._timed(self.stage.backward_one_chunk, speed)
         self._schedules: dict[int, Any] = {}
         self._loss: Callable | None = None
+
+    def _timed(self, work: Callable, speed: float | None) -> Callable:
+        """The stage's compute of one micro-batch, timed (transfers are outside it) and, on a CPU rank
+        emulating a slower device, padded to 1/speed of its length."""
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            out = work(*args, **kwargs)
+            self.busy_seconds += pad_to_speed(time.perf_counter() - started, speed)
+            return out
+
+        return timed
+
+    def take_busy_seconds(self) -> float:
+        """This step's compute seconds so far, and start counting the next step's."""
+        busy, self.busy_seconds = self.busy_seconds, 0.0
+        return busy
 
     def microbatches(self, samples: int) -> int:
         return microbatches_for(samples, self.pipeline.microbatches)
@@ -237,8 +259,8 @@ def _concat(parts: list[Any]) -> Any:
 
 def prepare_pipeline(model: nn.Module, optimizer: torch.optim.Optimizer | None, pipeline: PipelinePlan,
                      layout: PipelineLayout, replica_share: int, device: torch.device,
-                     activation_checkpointing: bool, autocast: Callable[[], ContextManager]
-                     ) -> tuple[Prepared, PipelineRunner]:
+                     activation_checkpointing: bool, autocast: Callable[[], ContextManager],
+                     speed: float | None = None) -> tuple[Prepared, PipelineRunner]:
     """This rank's stage of `model` on its device, with its schedule; the user's optimizer keeps only
     this stage's parameters (in each of its groups, with the group's settings)."""
     from hetrain.runtime.parallelize import check_master_weights
@@ -257,5 +279,5 @@ def prepare_pipeline(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
         keep = {id(p) for p in module.parameters()}
         for group in optimizer.param_groups:   # the optimizer steps (and checkpoints) this stage's parameters
             group["params"] = [p for p in group["params"] if id(p) in keep]
-    runner = PipelineRunner(module, layout, pipeline, device, replica_share, autocast, ties)
+    runner = PipelineRunner(module, layout, pipeline, device, replica_share, autocast, ties, speed)
     return Prepared(module, optimizer, blocks), runner

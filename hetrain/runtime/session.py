@@ -168,7 +168,7 @@ class Session:
             replica_share = sum(self.assignment.shares[r] for r in self.layout.replica_ranks())
             self.prepared, self.pipeline = prepare_pipeline(
                 model, optimizer, self.plan.pipeline, self.layout, replica_share, self.device,
-                self.entry.activation_checkpointing, self.autocast)
+                self.entry.activation_checkpointing, self.autocast, self.emulated_speed)
             return self.prepared.model, self.prepared.optimizer
         self.prepared = parallelize(model, optimizer, sharding_name=self.sharding, entries=self.assignment.entries,
                                     rank=self.rank, comm=self.plan.comm if self.plan is not None else None,
@@ -294,6 +294,7 @@ class Session:
             if self.sharding == "fsdp":
                 self.timer.grads_ready()  # FSDP2 has no comm hook: backward (and its reduce-scatter) ended here
             if self.pipeline is not None:
+                self.timer.compute_s = self.pipeline.take_busy_seconds()   # the stage's own compute this step
                 self.pipeline.sync_gradients()
             self._status = finish_gradients(self.prepared.model.parameters(), self.state, self.scaler.scale,
                                             self.device)
