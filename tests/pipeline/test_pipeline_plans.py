@@ -19,6 +19,12 @@ def plan_3b():
     return plan_job(cluster_from_devices(CLUSTER), gpt_3b(), 512, strategy="auto").plan
 
 
+def hybrid_3b():
+    """The planner's best hybrid (replicated pipeline) for the same job."""
+    result = plan_job(cluster_from_devices(CLUSTER), gpt_3b(), 512, strategy="auto")
+    return next(c.plan for c in result.candidates if c.strategy == "hybrid" and c.feasible)
+
+
 def test_bubble_formula():
     assert pipeline_bubble(1, 8) == 0.0
     assert math.isclose(pipeline_bubble(3, 8), 2 / 10)
@@ -38,8 +44,10 @@ def test_auto_picks_a_pipeline_for_a_3b_model_and_says_why():
 
 
 def _scaled(plan, global_batch: int, microbatches: int):
-    """The plan's devices, precisions and partition; a global batch CPU ranks can run."""
-    ranks = [r.model_copy(update={"share": global_batch, "micro_batch": None, "grad_accum": 1}) for r in plan.ranks]
+    """The plan's devices, precisions, partition and replica shares; a global batch CPU ranks can run."""
+    scale = global_batch / plan.global_batch_size
+    ranks = [r.model_copy(update={"share": round(r.share * scale), "micro_batch": None, "grad_accum": 1})
+             for r in plan.ranks]
     return plan.model_copy(update={"global_batch_size": global_batch, "ranks": ranks,
                                    "pipeline": PipelinePlan(stages=plan.pipeline.stages, schedule=plan.pipeline.schedule,
                                                             microbatches=microbatches)})
@@ -59,6 +67,21 @@ def test_the_3b_plan_runs_on_cpu_ranks_scaled_down():
         for k, v in r["states"][0].items():
             moved = (want[k] - start[k]).abs().max().item()
             assert (v - want[k]).abs().max().item() <= 0.1 * moved + 1e-3   # low precision, same update
+
+
+def test_the_3b_hybrid_plan_runs_on_cpu_ranks_scaled_down():
+    """The planner's replicated pipeline: replicas of stages on A100s and V100s, the global-batch update."""
+    plan = _scaled(hybrid_3b(), global_batch=16, microbatches=2)
+    assert plan.strategy == "hybrid" and len(plan.pipeline.stages) < plan.world_size
+    results = run_ranks(train, plan.world_size, plan, 1, 32, timeout=240)
+    want = reference(1, 16, layers=32)[0]
+    start = make_model(32).state_dict()
+    assert len({l for r in results for l in r["losses"]}) == 1
+    assert {k for r in results for k in r["states"][0]} == set(want)
+    for r in results:
+        for k, v in r["states"][0].items():
+            moved = (want[k] - start[k]).abs().max().item()
+            assert (v - want[k]).abs().max().item() <= 0.1 * moved + 1e-3
 
 
 def test_plans_the_runtime_cannot_run_are_refused_with_the_fix():
