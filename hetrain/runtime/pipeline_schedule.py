@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_leaves
 
 from hetrain.errors import HetrainError
 from hetrain.planning.plan import PipelinePlan
+from hetrain.runtime.gradients import local_tensor
 from hetrain.runtime.parallelize import Prepared
 from hetrain.runtime.pipeline_stages import PipelineLayout, compute_in_precision, microbatches_for
 from hetrain.runtime.precision import JobLossScaler
@@ -76,13 +77,15 @@ class PipelineRunner:
 
     def __init__(self, module: nn.Module, layout: PipelineLayout, pipeline: PipelinePlan, device: torch.device,
                  replica_share: int, autocast: Callable[[], ContextManager],
-                 ties: list[tuple[tuple[int, ...], nn.Parameter]] | None = None, speed: float | None = None) -> None:
+                 ties: list[tuple[tuple[int, ...], nn.Parameter]] | None = None, speed: float | None = None,
+                 sharded: bool = False) -> None:
         self.module = module
         self.layout = layout
         self.pipeline = pipeline
         self.device = device
         self.replica_share = replica_share
         self.pipe_group, self.stage_group = make_groups(layout)
+        self.sharded = sharded
         held = {id(p) for p in module.parameters()}
         self.ties = [(stages, p) for stages, p in (ties or []) if id(p) in held]
         self.tie_groups = make_tie_groups(layout, ties or [])
@@ -146,7 +149,8 @@ class PipelineRunner:
         samples = _first_tensor(target if self.layout.is_last else _as_tuple(inputs)[0]).shape[0]
         if samples == 0:
             return None
-        estimate = state.estimate()
+        # FSDP2 averages a stage's gradients over its replicas: weigh by their number to keep the sum.
+        estimate = state.estimate() / (self.layout.replicas if self.sharded else 1)
         calls: list[tuple[torch.Tensor, float]] = []
 
         def weighted(output: Any, tgt: Any) -> torch.Tensor:
@@ -185,7 +189,7 @@ class PipelineRunner:
         for p in self.module.parameters():
             if p.grad is None and p.requires_grad:   # a replica without samples still joins the sum
                 p.grad = torch.zeros_like(p)
-        if self.stage_group is not None:
+        if self.stage_group is not None and not self.sharded:   # FSDP2's reduce-scatter summed them already
             _sum_into([p.grad for p in self.module.parameters() if p.grad is not None], self.stage_group)
         for stages, group in self.tie_groups.items():
             _sum_into([p.grad for held_by, p in self.ties if held_by == stages], group)
@@ -193,15 +197,16 @@ class PipelineRunner:
     def total_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The norm of the whole model's gradient (every stage), the same on every rank (collective)."""
         counted_elsewhere = {id(p) for stages, p in self.ties if stages[0] != self.layout.stage}
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None and id(p) not in counted_elsewhere]
+        grads = [local_tensor(p.grad) for p in self.module.parameters()
+                 if p.grad is not None and id(p) not in counted_elsewhere]
         local = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite=False) if grads else \
             torch.zeros((), device=self.device)
         local = local.to(device=self.device, dtype=torch.float64)
         if math.isinf(norm_type):
             dist.all_reduce(local, op=dist.ReduceOp.MAX)
             return local.float()
-        # Each stage's gradient is held once per replica: count it once.
-        powered = local ** norm_type / self.layout.replicas
+        # Each stage's gradient is held whole by every replica (count it once), or in shards (count all).
+        powered = local ** norm_type / (1 if self.sharded else self.layout.replicas)
         dist.all_reduce(powered)
         return (powered ** (1.0 / norm_type)).float()
 
@@ -209,6 +214,7 @@ class PipelineRunner:
 def _sum_into(grads: list[torch.Tensor], group: dist.ProcessGroup) -> None:
     if not grads:
         return
+    grads = [local_tensor(g) for g in grads]
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=group)
     torch._foreach_copy_(grads, [part.view_as(g) for part, g in zip(torch.split(flat, [g.numel() for g in grads]), grads)])
@@ -260,7 +266,7 @@ def _concat(parts: list[Any]) -> Any:
 def prepare_pipeline(model: nn.Module, optimizer: torch.optim.Optimizer | None, pipeline: PipelinePlan,
                      layout: PipelineLayout, replica_share: int, device: torch.device,
                      activation_checkpointing: bool, autocast: Callable[[], ContextManager],
-                     speed: float | None = None) -> tuple[Prepared, PipelineRunner]:
+                     speed: float | None = None, sharded: bool = False) -> tuple[Prepared, PipelineRunner]:
     """This rank's stage of `model` on its device, with its schedule; the user's optimizer keeps only
     this stage's parameters (in each of its groups, with the group's settings)."""
     from hetrain.runtime.parallelize import check_master_weights
@@ -279,5 +285,18 @@ def prepare_pipeline(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
         keep = {id(p) for p in module.parameters()}
         for group in optimizer.param_groups:   # the optimizer steps (and checkpoints) this stage's parameters
             group["params"] = [p for p in group["params"] if id(p) in keep]
-    runner = PipelineRunner(module, layout, pipeline, device, replica_share, autocast, ties, speed)
+    if sharded:
+        from hetrain.runtime.pipeline_sharding import shard_stage
+
+        if optimizer is not None and optimizer.state:
+            raise HetrainError("the optimizer already holds state; pass a fresh optimizer to session.prepare() "
+                               "(FSDP2 replaces the stage's parameters with sharded ones)")
+        names = {id(p): n for n, p in module.named_parameters()}
+        module = shard_stage(module, layout, device)
+        by_name = dict(module.named_parameters())
+        ties = [(stages, by_name[names[id(p)]] if id(p) in names else p) for stages, p in ties]
+        if optimizer is not None:   # the same optimizer over the sharded parameters (it holds no state yet)
+            for group in optimizer.param_groups:
+                group["params"] = [by_name[names[id(p)]] for p in group["params"]]
+    runner = PipelineRunner(module, layout, pipeline, device, replica_share, autocast, ties, speed, sharded)
     return Prepared(module, optimizer, blocks), runner

@@ -163,10 +163,10 @@ def check_pipeline_plan(plan: Plan) -> None:
             f"the plan (strategy {plan.strategy}) gives ranks pipeline stages but no pipeline partition "
             "(pipeline.stages); re-plan with `hetrain plan --strategy pipeline`, or remove the stages"
         )
-    if plan.pipeline is not None and plan.sharding != "none":
+    if plan.pipeline is not None and plan.sharding not in ("none", "fsdp"):
         raise HetrainError(
-            f"the plan shards ({plan.sharding!r}) inside pipeline stages, which hetrain does not run yet; set "
-            "\"sharding\": \"none\" in the plan or re-plan with `hetrain plan --strategy pipeline`"
+            f"the plan shards ({plan.sharding!r}) inside pipeline stages, where hetrain runs FSDP2 only; set "
+            "\"sharding\" to \"fsdp\" or \"none\" in the plan, or re-plan with `hetrain plan --strategy pipeline`"
         )
     if plan.pipeline is not None:
         pipeline_layout(plan.ranks, plan.pipeline, plan.ranks[0].rank)   # every stage has its ranks

@@ -168,7 +168,7 @@ class Session:
             replica_share = sum(self.assignment.shares[r] for r in self.layout.replica_ranks())
             self.prepared, self.pipeline = prepare_pipeline(
                 model, optimizer, self.plan.pipeline, self.layout, replica_share, self.device,
-                self.entry.activation_checkpointing, self.autocast, self.emulated_speed)
+                self.entry.activation_checkpointing, self.autocast, self.emulated_speed, self.sharding == "fsdp")
             return self.prepared.model, self.prepared.optimizer
         self.prepared = parallelize(model, optimizer, sharding_name=self.sharding, entries=self.assignment.entries,
                                     rank=self.rank, comm=self.plan.comm if self.plan is not None else None,

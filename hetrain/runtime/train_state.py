@@ -190,9 +190,9 @@ def _same(a: Any, b: Any) -> bool:
 def stage_state(module: torch.nn.Module, optimizer: Any) -> dict:
     """A pipeline stage's model and optimizer state under the whole model's parameter names, one key per
     tensor (flattened), so a checkpoint loads into any partition of the blocks (DCP reads the keys asked)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
-    state = {"model": module.state_dict()}
+    state = {"model": get_model_state_dict(module)}
     if optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(module, optimizer,
                                                       options=StateDictOptions(flatten_optimizer_state_dict=True))
@@ -200,9 +200,9 @@ def stage_state(module: torch.nn.Module, optimizer: Any) -> dict:
 
 
 def load_stage_state(module: torch.nn.Module, optimizer: Any, state: dict) -> None:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
-    module.load_state_dict(state["model"])
+    set_model_state_dict(module, state["model"])
     if optimizer is not None and "optimizer" in state:
         set_optimizer_state_dict(module, optimizer, state["optimizer"],
                                  options=StateDictOptions(flatten_optimizer_state_dict=True))

@@ -103,7 +103,8 @@ def train(rank: int, world: int, plan: Plan, steps: int, layers: int = 6, ignore
         session.clip_grad_norm_(1e9)
         session.step()
         inner = getattr(model, "module", model)   # DDP wraps the model; a pipeline stage is its own
-        states.append({k: v.detach().clone() for k, v in inner.state_dict().items()})
+        full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in inner.state_dict().items()}
+        states.append({k: v.detach().clone() for k, v in full.items()})
         losses.append(session.loss)
         if session.step_count == steps:
             break

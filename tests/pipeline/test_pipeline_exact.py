@@ -50,3 +50,11 @@ def test_hybrid_token_mean_with_ignored_labels():
     plan = pipeline_plan([[0, 4], [4, 8]], "gpipe", microbatches=4, global_batch=GLOBAL, replica_shares=[4, 8])
     results = run_ranks(train, 4, plan, STEPS, 6, True)
     assert worst_difference(results, reference(STEPS, GLOBAL, ignored=True)) < 1e-5
+
+
+def test_hybrid_with_fsdp2_inside_stages():
+    """Each stage sharded (FSDP2) over its 2 replicas, replicas with unequal shares."""
+    plan = pipeline_plan([[0, 3], [3, 8]], "1f1b", microbatches=2, global_batch=GLOBAL, replica_shares=[8, 4])
+    plan = plan.model_copy(update={"sharding": "fsdp"})
+    results = run_ranks(train, 4, plan, STEPS)
+    assert worst_difference(results, reference(STEPS, GLOBAL)) < 1e-5

@@ -45,8 +45,9 @@ def _train(rank, world, plan):
         session.step()
         if session.step_count == STEPS:
             break
+    state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
     session.close()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().clone() for k, v in state.items()}
 
 
 def _check(results):
@@ -67,3 +68,8 @@ def test_gpt2_two_stages_with_tied_embeddings():
 def test_gpt2_hybrid_with_unequal_replica_shares():
     plan = pipeline_plan([[0, 2], [2, 6]], "gpipe", microbatches=2, global_batch=GLOBAL, replica_shares=[6, 2])
     _check(run_ranks(_train, 4, plan))
+
+
+def test_gpt2_fsdp2_stages_with_tied_embeddings():
+    plan = pipeline_plan([[0, 3], [3, 6]], "1f1b", microbatches=2, global_batch=GLOBAL, replica_shares=[5, 3])
+    _check(run_ranks(_train, 4, plan.model_copy(update={"sharding": "fsdp"})))

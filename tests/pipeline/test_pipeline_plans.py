@@ -95,8 +95,8 @@ def test_plans_the_runtime_cannot_run_are_refused_with_the_fix():
                    ranks=[RankPlan(rank=0, share=8)])
     with pytest.raises(HetrainError, match=r"stages have \[1, 0\] ranks.*--strategy pipeline"):
         hetrain.Session(missing)
-    sharded = pipeline_plan([[0, 2], [2, 8]], "1f1b", 4, 12).model_copy(update={"sharding": "fsdp"})
-    with pytest.raises(HetrainError, match="inside pipeline stages"):
+    sharded = pipeline_plan([[0, 2], [2, 8]], "1f1b", 4, 12).model_copy(update={"sharding": "zero1"})
+    with pytest.raises(HetrainError, match="inside pipeline stages, where hetrain runs FSDP2 only"):
         hetrain.Session(sharded)
     no_partition = Plan(global_batch_size=8, strategy="pipeline", ranks=[RankPlan(rank=0, share=8, stage=1)])
     with pytest.raises(HetrainError, match="no pipeline partition"):

@@ -37,3 +37,14 @@ def test_resume_on_another_stage_layout(tmp_path):
     assert again.keys() == whole.keys()
     worst = max((again[k] - whole[k]).abs().max().item() for k in whole)
     assert worst < 1e-5
+
+
+def test_resume_fsdp2_stages_on_another_layout(tmp_path):
+    """2 replicas x 2 stages sharded with FSDP2 save; 3 unsharded stages resume from the same checkpoint."""
+    hybrid = pipeline_plan([[0, 3], [3, 8]], "1f1b", microbatches=2, global_batch=GLOBAL, replica_shares=[8, 4])
+    hybrid = hybrid.model_copy(update={"sharding": "fsdp"})
+    whole = final_model(run_ranks(train, 3, THREE, 4, 6, False, None, True))
+    run_ranks(train, 4, hybrid, 2, 6, False, str(tmp_path), True)
+    again = final_model(run_ranks(train, 3, THREE, 4, 6, False, str(tmp_path), True))
+    assert again.keys() == whole.keys()
+    assert max((again[k] - whole[k]).abs().max().item() for k in whole) < 1e-5
