@@ -1,7 +1,8 @@
 """`hetrain bench pipeline`: the planner's uneven layer partition against an even one and against
 data parallelism, on CPU ranks at emulated speeds (default 1, 0.5, 0.5), in one run.
 
-Figures (one JSON object): `uneven_over_even` = even / uneven step time; `dp_over_uneven` = data
+Figures (one JSON object): `uneven_over_even` = even / uneven step time (and `uneven_over_even_ideal`,
+the same ratio for stages with no transfer or overhead); `dp_over_uneven` = data
 parallel / uneven step time; `bubble_measured` = 1 - busy / step of the uneven pipeline's busiest
 stage, against `bubble_predicted` = (p-1)/(m+p-1), and `bubble_error_pp` their difference in
 percentage points; `predicted_over_measured` = the planner's predicted step time of the uneven
@@ -100,6 +101,13 @@ def run(args: argparse.Namespace) -> dict:
     return figures(args, measured)
 
 
+def _fill_drain(bounds: list[tuple[int, int]], args: argparse.Namespace) -> float:
+    """A GPipe/1F1B step with no transfer or overhead: m - 1 micro-batches on the slowest stage, plus
+    one micro-batch through every stage (the cost model's (m + p - 1) slots when stages are equal)."""
+    t = stage_seconds(bounds, args.speeds, args.block_ms, args.global_batch // args.microbatches)
+    return (args.microbatches - 1) * max(t) + sum(t)
+
+
 def figures(args: argparse.Namespace, measured: dict) -> dict:
     """The benchmark's JSON object from the job's measurements."""
     p, m = len(args.speeds), args.microbatches
@@ -118,6 +126,7 @@ def figures(args: argparse.Namespace, measured: dict) -> dict:
         "even_stages": [list(b) for b in even],
         "step_seconds": {name: round(r["step_seconds"], 5) for name, r in measured.items()},
         "uneven_over_even": measured["even"]["step_seconds"] / step,
+        "uneven_over_even_ideal": _fill_drain(even, args) / _fill_drain(uneven, args),
         "dp_over_uneven": measured["data_parallel"]["step_seconds"] / step,
         "bubble_measured": bubble,
         "bubble_predicted": predicted_bubble,

@@ -26,10 +26,19 @@ SPEED = [1.0]       # this rank's emulated speed
 BUSY = [0.0]        # seconds this rank spent computing (emulated) in the current step
 
 
+AHEAD = [0.0]       # seconds the waits so far overshot (a sleep wakes late): taken off the next wait
+
+
 def _wait(seconds: float) -> None:
+    """Wait `seconds` of emulated compute; a late wake-up shortens the next wait, so a stage of many
+    blocks is not slowed by its many wake-ups more than a stage of few."""
+    due = seconds - AHEAD[0]
     started = time.perf_counter()
-    time.sleep(seconds)
-    BUSY[0] += time.perf_counter() - started
+    if due > 0:
+        time.sleep(due)
+    took = time.perf_counter() - started
+    AHEAD[0] = took - due
+    BUSY[0] += took
 
 
 class _Emulated(torch.autograd.Function):

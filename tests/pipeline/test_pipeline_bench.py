@@ -33,6 +33,8 @@ def test_figures_from_measurements():
                 "data_parallel": {"step_seconds": 0.9, "busy_seconds": [0.8, 0.8, 0.8]}}
     out = figures(args, measured)
     assert out["uneven_over_even"] == pytest.approx(1.25)
+    # even: 7 x 144 ms (4 blocks at speed 0.5) + 72 + 144 + 144; uneven: 10 x 108 ms
+    assert out["uneven_over_even_ideal"] == pytest.approx((7 * 0.144 + 0.36) / 1.08)
     assert out["bubble_predicted"] == pytest.approx(0.2)
     assert out["bubble_measured"] == pytest.approx(0.2)
     assert out["bubble_error_pp"] == pytest.approx(0.0, abs=1e-9)
