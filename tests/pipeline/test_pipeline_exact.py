@@ -58,3 +58,11 @@ def test_hybrid_with_fsdp2_inside_stages():
     plan = plan.model_copy(update={"sharding": "fsdp"})
     results = run_ranks(train, 4, plan, STEPS)
     assert worst_difference(results, reference(STEPS, GLOBAL)) < 1e-5
+
+
+def test_activation_checkpointing_on_a_stage():
+    plan = pipeline_plan([[0, 2], [2, 8]], "1f1b", microbatches=4, global_batch=GLOBAL)
+    ranks = [plan.ranks[0], plan.ranks[1].model_copy(update={"activation_checkpointing": True})]
+    results = run_ranks(train, 2, plan.model_copy(update={"ranks": ranks}), STEPS)
+    assert worst_difference(results, reference(STEPS, GLOBAL)) < 1e-5
+    assert set(results[1]["states"][0]) == {k for k in reference(1, GLOBAL)[0] if not k.startswith(("0.", "1."))}
