@@ -217,7 +217,8 @@ def _sum_into(grads: list[torch.Tensor], group: dist.ProcessGroup) -> None:
     grads = [local_tensor(g) for g in grads]
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=group)
-    torch._foreach_copy_(grads, [part.view_as(g) for part, g in zip(torch.split(flat, [g.numel() for g in grads]), grads)])
+    parts = torch.split(flat, [g.numel() for g in grads])
+    torch._foreach_copy_(grads, [part.view_as(g) for part, g in zip(parts, grads)])
 
 
 def make_tie_groups(layout: PipelineLayout, ties: list[tuple[tuple[int, ...], nn.Parameter]]

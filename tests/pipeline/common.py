@@ -59,7 +59,8 @@ def pipeline_plan(stages: list[list[int]], schedule: str, microbatches: int, glo
                 pipeline=PipelinePlan(stages=stages, schedule=schedule, microbatches=microbatches))
 
 
-def reference(steps: int, global_batch: int, layers: int = 6, bf16_blocks: int = 0, ignored: bool = False) -> list[dict[str, torch.Tensor]]:
+def reference(steps: int, global_batch: int, layers: int = 6, bf16_blocks: int = 0,
+              ignored: bool = False) -> list[dict[str, torch.Tensor]]:
     """One process, the whole global batch, its mean loss; the first `bf16_blocks` blocks under bf16 autocast.
     One thread, as each rank has: bf16 reductions split over threads round differently."""
     threads = torch.get_num_threads()
@@ -70,7 +71,8 @@ def reference(steps: int, global_batch: int, layers: int = 6, bf16_blocks: int =
         torch.set_num_threads(threads)
 
 
-def _reference(steps: int, global_batch: int, layers: int, bf16_blocks: int, ignored: bool) -> list[dict[str, torch.Tensor]]:
+def _reference(steps: int, global_batch: int, layers: int, bf16_blocks: int,
+               ignored: bool) -> list[dict[str, torch.Tensor]]:
     model, data = make_model(layers), make_data(ignored=ignored)
     order = GlobalBatchOrder(len(data), global_batch, shuffle=True, seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=LR)

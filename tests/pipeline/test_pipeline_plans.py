@@ -48,9 +48,8 @@ def _scaled(plan, global_batch: int, microbatches: int):
     scale = global_batch / plan.global_batch_size
     ranks = [r.model_copy(update={"share": round(r.share * scale), "micro_batch": None, "grad_accum": 1})
              for r in plan.ranks]
-    return plan.model_copy(update={"global_batch_size": global_batch, "ranks": ranks,
-                                   "pipeline": PipelinePlan(stages=plan.pipeline.stages, schedule=plan.pipeline.schedule,
-                                                            microbatches=microbatches)})
+    pipeline = PipelinePlan(stages=plan.pipeline.stages, schedule=plan.pipeline.schedule, microbatches=microbatches)
+    return plan.model_copy(update={"global_batch_size": global_batch, "ranks": ranks, "pipeline": pipeline})
 
 
 def test_the_3b_plan_runs_on_cpu_ranks_scaled_down():
