@@ -293,7 +293,7 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
     calib = calib or cm.default_calibration()
     kinds = kinds_of(cluster, profile, precision, calib, profiles, rates)
     world = sum(k.count for k in kinds)
-    if global_batch < world and strategy not in ("pipeline",):
+    if global_batch < world:   # every rank reads part of each global batch, pipeline stages too
         raise HetrainError(f"global batch {global_batch} is smaller than the {world} devices; "
                            f"use a global batch of at least {world}")
     notes = figures_notes(kinds, profile, profiles, rates)

@@ -100,3 +100,13 @@ def test_plans_the_runtime_cannot_run_are_refused_with_the_fix():
     no_partition = Plan(global_batch_size=8, strategy="pipeline", ranks=[RankPlan(rank=0, share=8, stage=1)])
     with pytest.raises(HetrainError, match="no pipeline partition"):
         hetrain.Session(no_partition)
+
+
+def test_a_pipeline_needs_a_global_batch_of_at_least_its_ranks():
+    """The session reads part of each global batch on every rank, so the planner asks for it up front."""
+    import pytest
+
+    from hetrain.errors import HetrainError
+
+    with pytest.raises(HetrainError, match="at least 8"):
+        plan_job(cluster_from_devices(CLUSTER), gpt_3b(), 4, strategy="pipeline")
