@@ -3,8 +3,8 @@ data parallelism, on CPU ranks at emulated speeds (default 1, 0.5, 0.5), in one 
 
 Figures (one JSON object): `uneven_over_even` = even / uneven step time (and `uneven_over_even_ideal`,
 the same ratio for stages with no transfer or overhead); `dp_over_uneven` = data
-parallel / uneven step time; `bubble_measured` = 1 - busy / step of the uneven pipeline's busiest
-stage, against `bubble_predicted` = (p-1)/(m+p-1), and `bubble_error_pp` their difference in
+parallel / uneven step time; `bubble_measured` = 1 - busy / schedule time of the uneven pipeline's
+busiest stage (the run of `forward_backward`; the optimizer step and data are outside it), against `bubble_predicted` = (p-1)/(m+p-1), and `bubble_error_pp` their difference in
 percentage points; `predicted_over_measured` = the planner's predicted step time of the uneven
 pipeline ((m+p-1) slots of its slowest stage) over the measured one. Compute is emulated (each
 block waits in proportion to its samples over the rank's speed), so the figures are emulated.
@@ -115,7 +115,9 @@ def figures(args: argparse.Namespace, measured: dict) -> dict:
     micro = args.global_batch // m
     predicted_step = cm.pipeline_step_seconds(stage_seconds(uneven, args.speeds, args.block_ms, micro), m)
     step = measured["uneven"]["step_seconds"]
-    bubble = 1.0 - max(measured["uneven"]["busy_seconds"]) / step
+    busy, passes = measured["uneven"]["busy_seconds"], measured["uneven"]["pass_seconds"]
+    busiest = max(range(p), key=lambda j: busy[j])
+    bubble = 1.0 - busy[busiest] / passes[busiest]   # idle share of the schedule's run on the busiest stage
     predicted_bubble = pipeline_bubble(p, m)
     return {
         "speeds": args.speeds,

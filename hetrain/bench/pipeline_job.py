@@ -73,7 +73,8 @@ def make_model(blocks: int, block_ms: float) -> nn.Sequential:
 
 
 def run_plan(plan, args: argparse.Namespace) -> dict:
-    """Steps of one plan; each rank's median step time and median emulated busy time."""
+    """Steps of one plan: the median step time (slowest rank), and per rank the median emulated busy
+    time and the median time of `forward_backward` (the pipeline schedule's run)."""
     import hetrain
 
     session = hetrain.Session(plan)
@@ -83,12 +84,14 @@ def run_plan(plan, args: argparse.Namespace) -> dict:
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(n, WIDTH, generator=g), torch.randn(n, WIDTH, generator=g))
     loader = session.loader(data, global_batch_size=args.global_batch, shuffle=False)
-    steps, busy = [], []
+    steps, busy, passes = [], [], []
     dist.barrier()
     last = time.perf_counter()
     for x, y in loader:
         BUSY[0] = 0.0
+        started = time.perf_counter()
         session.forward_backward(x, y, F.mse_loss)
+        passes.append(time.perf_counter() - started)
         session.step()
         now = time.perf_counter()
         steps.append(now - last)
@@ -98,10 +101,12 @@ def run_plan(plan, args: argparse.Namespace) -> dict:
             break
     session.close()
     timed = slice(args.warmup, None)
-    mine = torch.tensor([statistics.median(steps[timed]), statistics.median(busy[timed])], dtype=torch.float64)
+    mine = torch.tensor([statistics.median(steps[timed]), statistics.median(busy[timed]),
+                         statistics.median(passes[timed])], dtype=torch.float64)
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
-    return {"step_seconds": max(float(t[0]) for t in every), "busy_seconds": [float(t[1]) for t in every]}
+    return {"step_seconds": max(float(t[0]) for t in every), "busy_seconds": [float(t[1]) for t in every],
+            "pass_seconds": [float(t[2]) for t in every]}
 
 
 def main(argv: list[str] | None = None) -> None:

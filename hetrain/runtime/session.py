@@ -10,8 +10,12 @@
         session.clip_grad_norm_(1.0)                      # optional: the global-batch gradient's norm
         session.step()
 
+For every plan, pipelines included, a step can also be written as one call:
+`session.forward_backward(inputs, target, loss_fn, num_items=...)` (see docs/pipeline.md).
+
 The Session is a facade: the work is done by small parts with one concern each (environment,
-plan_entries, parallelize, precision, step_state, gradients, data, balancer, train_state, resume).
+plan_entries, parallelize, precision, step_state, gradients, data, balancer, train_state, resume,
+pipeline_stages and pipeline_schedule for pipeline plans).
 """
 
 from __future__ import annotations

@@ -28,11 +28,11 @@ def test_the_planner_gives_the_fast_rank_twice_the_blocks():
 
 def test_figures_from_measurements():
     args = _args("--microbatches", "8", "--global-batch", "48", "--block-ms", "1")
-    measured = {"uneven": {"step_seconds": 1.2, "busy_seconds": [0.9, 0.96, 0.95]},
-                "even": {"step_seconds": 1.5, "busy_seconds": [0.4, 1.2, 1.2]},
-                "data_parallel": {"step_seconds": 0.9, "busy_seconds": [0.8, 0.8, 0.8]}}
+    measured = {"uneven": {"step_seconds": 1.3, "busy_seconds": [0.9, 0.96, 0.95], "pass_seconds": [1.2, 1.2, 1.2]},
+                "even": {"step_seconds": 1.5, "busy_seconds": [0.4, 1.2, 1.2], "pass_seconds": [1.4] * 3},
+                "data_parallel": {"step_seconds": 0.9, "busy_seconds": [0.8] * 3, "pass_seconds": [0.85] * 3}}
     out = figures(args, measured)
-    assert out["uneven_over_even"] == pytest.approx(1.25)
+    assert out["uneven_over_even"] == pytest.approx(1.5 / 1.3)
     # even: 7 x 144 ms (4 blocks at speed 0.5) + 72 + 144 + 144; uneven: 10 x 108 ms
     assert out["uneven_over_even_ideal"] == pytest.approx((7 * 0.144 + 0.36) / 1.08)
     assert out["bubble_predicted"] == pytest.approx(0.2)
@@ -40,7 +40,7 @@ def test_figures_from_measurements():
     assert out["bubble_error_pp"] == pytest.approx(0.0, abs=1e-9)
     # (m + p - 1) slots of 6 blocks x 3 x 1 ms x 6 samples
     assert out["predicted_step_seconds"] == pytest.approx(10 * 0.108)
-    assert out["predicted_over_measured"] == pytest.approx(1.08 / 1.2)
+    assert out["predicted_over_measured"] == pytest.approx(1.08 / 1.3)
 
 
 def test_bad_settings_are_one_line_errors():
