@@ -76,14 +76,12 @@ class PipelineRunner:
     """This rank's pipeline stage, its schedule and the groups it talks to."""
 
     def __init__(self, module: nn.Module, layout: PipelineLayout, pipeline: PipelinePlan, device: torch.device,
-                 replica_share: int, autocast: Callable[[], ContextManager],
-                 ties: list[tuple[tuple[int, ...], nn.Parameter]] | None = None, speed: float | None = None,
+                 autocast: Callable[[], ContextManager], ties: list[tuple[tuple[int, ...], nn.Parameter]] | None = None, speed: float | None = None,
                  sharded: bool = False) -> None:
         self.module = module
         self.layout = layout
         self.pipeline = pipeline
         self.device = device
-        self.replica_share = replica_share
         self.pipe_group, self.stage_group = make_groups(layout)
         self.sharded = sharded
         held = {id(p) for p in module.parameters()}
@@ -265,7 +263,7 @@ def _concat(parts: list[Any]) -> Any:
 
 
 def prepare_pipeline(model: nn.Module, optimizer: torch.optim.Optimizer | None, pipeline: PipelinePlan,
-                     layout: PipelineLayout, replica_share: int, device: torch.device,
+                     layout: PipelineLayout, device: torch.device,
                      activation_checkpointing: bool, autocast: Callable[[], ContextManager],
                      speed: float | None = None, sharded: bool = False) -> tuple[Prepared, PipelineRunner]:
     """This rank's stage of `model` on its device, with its schedule; the user's optimizer keeps only
@@ -299,5 +297,5 @@ def prepare_pipeline(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
         if optimizer is not None:   # the same optimizer over the sharded parameters (it holds no state yet)
             for group in optimizer.param_groups:
                 group["params"] = [by_name[names[id(p)]] for p in group["params"]]
-    runner = PipelineRunner(module, layout, pipeline, device, replica_share, autocast, ties, speed, sharded)
+    runner = PipelineRunner(module, layout, pipeline, device, autocast, ties, speed, sharded)
     return Prepared(module, optimizer, blocks), runner

@@ -169,9 +169,8 @@ class Session:
         if self.prepared is not None:
             raise HetrainError("session.prepare() was already called; a session trains one model")
         if self.layout is not None:
-            replica_share = sum(self.assignment.shares[r] for r in self.layout.replica_ranks())
             self.prepared, self.pipeline = prepare_pipeline(
-                model, optimizer, self.plan.pipeline, self.layout, replica_share, self.device,
+                model, optimizer, self.plan.pipeline, self.layout, self.device,
                 self.entry.activation_checkpointing, self.autocast, self.emulated_speed, self.sharding == "fsdp")
             return self.prepared.model, self.prepared.optimizer
         self.prepared = parallelize(model, optimizer, sharding_name=self.sharding, entries=self.assignment.entries,
