@@ -6,7 +6,9 @@ padded token sequences: the token-mean loss, gradient clipping and checkpoints. 
 
 The loss is the mean over this rank's predicted tokens; `num_items` tells hetrain how many, so
 the update is the gradient of the mean over every token of the global batch, however the batch
-is split and whatever the ranks' precisions. Needs `transformers`.
+is split and whatever the ranks' precisions. `session.forward_backward` runs the step under any
+plan: data parallel, or pipeline stages (`hetrain launch --plan` with a pipeline plan; the model
+is GPT-2 as a sequence of blocks a plan can partition). Needs `transformers`.
 """
 
 import argparse
@@ -14,7 +16,8 @@ import argparse
 import torch
 
 import hetrain
-from hetrain.bench.tiny_lm import PaddedTokens, predicted_tokens, tiny_gpt2
+from hetrain.bench.tiny_lm import PaddedTokens, tiny_gpt2
+from hetrain.runtime.pipeline_models import causal_lm_loss, gpt2_blocks, predicted_tokens
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=60)
@@ -25,15 +28,14 @@ parser.add_argument("--layers", type=int, default=2)
 args = parser.parse_args()
 
 session = hetrain.Session()
-model = tiny_gpt2(vocab=64, context=32, width=64, layers=args.layers, heads=4)
+model = gpt2_blocks(tiny_gpt2(vocab=64, context=32, width=64, layers=args.layers, heads=4))
 model, optimizer = session.prepare(model, torch.optim.AdamW(model.parameters(), lr=args.lr))
 loader = session.loader(PaddedTokens(n=2048, length=24), global_batch_size=args.global_batch_size, seed=0)
 
 while session.step_count < args.steps:
     for batch in loader:                                   # a dict of tensors on this rank's device
-        with session.autocast():
-            loss = model(**batch).loss                     # mean over this rank's predicted tokens
-        session.backward(loss, num_items=predicted_tokens(batch["labels"]))
+        # forward under this rank's precision, mean over its predicted tokens, backward weighted by them
+        session.forward_backward(batch["input_ids"], batch["labels"], causal_lm_loss, num_items=predicted_tokens)
         norm = session.clip_grad_norm_(args.max_grad_norm)
         if not session.step():
             continue                                       # a micro-batch, or a skipped step

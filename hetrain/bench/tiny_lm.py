@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset
 
-IGNORE = -100   # the label Hugging Face losses skip
+from hetrain.runtime.pipeline_models import IGNORE, predicted_tokens  # noqa: F401  (the token count of a batch)
 
 
 def tiny_gpt2(vocab: int = 64, context: int = 32, width: int = 32, layers: int = 2, heads: int = 2,
@@ -49,8 +49,3 @@ class PaddedTokens(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {"input_ids": self.input_ids[i], "attention_mask": self.attention_mask[i], "labels": self.labels[i]}
-
-
-def predicted_tokens(labels: torch.Tensor) -> torch.Tensor:
-    """How many tokens a causal LM's loss averages over: labels after the first position that are not -100."""
-    return (labels[:, 1:] != IGNORE).sum()

@@ -295,7 +295,7 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
     calib = calib or cm.default_calibration()
     kinds = kinds_of(cluster, profile, precision, calib, profiles, rates)
     world = sum(k.count for k in kinds)
-    if global_batch < world and strategy not in ("pipeline",):
+    if global_batch < world:   # every rank reads part of each global batch, pipeline stages too
         raise HetrainError(f"global batch {global_batch} is smaller than the {world} devices; "
                            f"use a global batch of at least {world}")
     notes = figures_notes(kinds, profile, profiles, rates)
@@ -483,6 +483,16 @@ def _pipeline_plan(label, profile, kinds, stage_kinds, per, d, bounds, mb, m, gl
                 pipeline=PipelinePlan(stages=[[a, b] for a, b in bounds], schedule="1f1b", microbatches=m),
                 predicted_samples_per_s=global_batch / step)
     c = Candidate(label, samples_per_s=global_batch / step, step_seconds=step, plan=plan)
+    bubble = pipeline_bubble(p, m)
     c.reason = (f"{d} replica(s) of a {p}-stage 1F1B pipeline, {m} micro-batches of {mb}; "
-                f"bubble {(p - 1) / m:.0%}; stages {[list(x) for x in bounds]}")
+                f"predicted bubble {bubble:.1%}; stages {[list(x) for x in bounds]}")
+    kinds_by_stage = ", ".join(f"{j}: {k.spec.name} blocks {a}-{b - 1}" for j, (k, (a, b)) in
+                               enumerate(zip(stage_kinds, bounds)))
+    c.notes.append(f"{label}: the model's {len(profile.blocks)} blocks cut into {p} stages by each stage's speed ({kinds_by_stage}), {d} replica(s); 1F1B with {m} "
+                   f"micro-batches of {mb}: predicted bubble (p-1)/(m+p-1) = {bubble:.1%} of the step")
     return c
+
+
+def pipeline_bubble(stages: int, microbatches: int) -> float:
+    """The idle fraction of a GPipe or 1F1B step with equal stages: (p - 1) / (m + p - 1)."""
+    return (stages - 1) / (microbatches + stages - 1)

@@ -10,6 +10,7 @@ gradient on any rank, in any precision, makes every rank skip the step (docs/des
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -17,7 +18,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hetrain.errors import HetrainError
 from hetrain.runtime.step_state import StepState
+
+log = logging.getLogger("hetrain")
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,32 @@ def finish_gradients(params: Iterable[torch.nn.Parameter], state: StepState, los
             torch._foreach_mul_(grads, correction)
     loss = loss_sum / global_items if losses > 0 and global_items > 0 else None
     return GradientStatus(found_inf=found_inf, global_items=global_items, loss=loss)
+
+
+class SkipCounter:
+    """Steps skipped for non-finite gradients; too many in a row stop the run with one line."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_a_row = 0
+        self.total = 0
+
+    def count(self, applied: bool, step: int, loss_scale: float, report: bool) -> int:
+        """Note whether `step` was applied; returns 1 for a skipped step, 0 otherwise."""
+        if applied:
+            self.in_a_row = 0
+            return 0
+        self.in_a_row += 1
+        self.total += 1
+        if report:
+            log.warning("step %d skipped: non-finite gradients on some rank (loss scale %g; %d skipped so far)",
+                        step, loss_scale, self.total)
+        if self.in_a_row >= self.limit:
+            raise HetrainError(
+                f"{self.in_a_row} steps in a row had non-finite gradients (up to step {step}); the last "
+                "checkpoint holds the last good weights: lower the learning rate, clip gradients, or check the data"
+            )
+        return 1
 
 
 def total_norm(params: Iterable[torch.nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:

@@ -18,6 +18,7 @@ import os
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,9 @@ from hetrain.errors import HetrainError
 from hetrain.planning.batch_split import split_proportional
 from hetrain.planning.plan import Plan, RankPlan
 from hetrain.vocabulary import CPU_DEVICE, Env
+
+if TYPE_CHECKING:
+    from hetrain.runtime.pipeline_stages import PipelineLayout
 
 
 @dataclass(frozen=True)
@@ -119,3 +123,24 @@ def assign_entries(plan: Plan, kinds: Sequence[str], emulated: Sequence[bool] | 
         notes.append("ranks found their entries by device: " + ", ".join(
             f"rank {e.rank} runs {e.device} ({e.precision})" for e in entries))
     return Assignment(entries=entries, stand_in=stand_in, resplit=resplit, notes=notes)
+
+
+def pipeline_assignment(assignment: Assignment, plan: Plan, rank: int) -> tuple[Assignment, "PipelineLayout"]:
+    """A pipeline plan's entries for the loader, and this rank's place in the pipeline grid.
+
+    Each replica's share of the global batch is read spread over its ranks (they gather it), and
+    the pipeline, not the loader, cuts it into the plan's micro-batches: so each entry's `share`
+    becomes the samples its loader reads, with no micro-batching of its own.
+    """
+    from hetrain.runtime.pipeline_stages import loader_shares, pipeline_layout, replica_shares
+
+    layout = pipeline_layout(assignment.entries, plan.pipeline, rank)
+    shares = replica_shares(assignment.entries, layout, plan.global_batch_size)
+    reads = loader_shares(layout, shares, len(assignment.entries))
+    entries = [e.model_copy(update={"share": reads[e.rank], "micro_batch": None, "grad_accum": 1})
+               for e in assignment.entries]
+    notes = assignment.notes + [
+        f"pipeline of {layout.stages} stages {plan.pipeline.stages} ({plan.pipeline.schedule}, "
+        f"{plan.pipeline.microbatches} micro-batches) x {layout.replicas} replica(s) with shares {shares}"]
+    return Assignment(entries=entries, stand_in=assignment.stand_in, resplit=assignment.resplit,
+                      notes=notes), layout

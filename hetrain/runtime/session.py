@@ -10,8 +10,12 @@
         session.clip_grad_norm_(1.0)                      # optional: the global-batch gradient's norm
         session.step()
 
+For every plan, pipelines included, a step can also be written as one call:
+`session.forward_backward(inputs, target, loss_fn, num_items=...)` (see docs/pipeline.md).
+
 The Session is a facade: the work is done by small parts with one concern each (environment,
-plan_entries, parallelize, precision, step_state, gradients, data, balancer, train_state, resume).
+plan_entries, parallelize, precision, step_state, gradients, data, balancer, train_state, resume,
+pipeline_stages and pipeline_schedule for pipeline plans).
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import collections
 import logging
 import math
 import os
+import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,17 +39,19 @@ from hetrain.runtime.data import HeteroLoader, make_loader
 from hetrain.runtime.environment import (RankEnv, collective_timeout, configure_logging, env_int, init_process_group,
                                          pick_device, print_user_errors_as_one_line, progress_timeout)
 from hetrain.runtime.events import StepRecord
-from hetrain.runtime.gradients import GradientStatus, clip_gradients, finish_gradients
+from hetrain.runtime.gradients import GradientStatus, SkipCounter, clip_gradients, finish_gradients
 from hetrain.runtime.reporting import Reports, comm_bytes
 from hetrain.runtime.parallelize import Prepared, gradient_sync, parallelize
-from hetrain.runtime.plan_entries import Assignment, assign_entries, local_device_kind
+from hetrain.runtime.pipeline_schedule import PipelineRunner, item_counter, prepare_pipeline
+from hetrain.runtime.pipeline_stages import PipelineLayout, check_pipeline_plan
+from hetrain.runtime.plan_entries import Assignment, assign_entries, local_device_kind, pipeline_assignment
 from hetrain.runtime.precision import JobLossScaler, autocast, configure_tf32
 from hetrain.runtime.resume import SessionCheckpoints
 from hetrain.runtime.step_state import StepState, items_as_number
 from hetrain.runtime.timing import StepTimer, emulated_speed
 from hetrain.runtime.train_state import TrainState
 from hetrain.runtime.watchdog import ProgressWatch, die_with_parent
-from hetrain.vocabulary import PIPELINE_STRATEGIES, Env
+from hetrain.vocabulary import Env
 
 log = logging.getLogger("hetrain")
 
@@ -75,7 +83,7 @@ class Session:
         if plan is not None and not isinstance(plan, Plan):
             plan = Plan.load(plan)
         if plan is not None:
-            _refuse_pipeline(plan)
+            check_pipeline_plan(plan)
         self.plan: Plan | None = plan
         self.device = pick_device(env.local_rank, device)
         self._owns_group, store = init_process_group(env, self.device, backend)
@@ -86,6 +94,10 @@ class Session:
             self.watch.start()
         self.local_rank, self.restart_count = env.local_rank, env.restart_count
         self.assignment = self._find_entries(plan)
+        self.layout: PipelineLayout | None = None
+        self.pipeline: PipelineRunner | None = None
+        if plan is not None and plan.pipeline is not None:
+            self.assignment, self.layout = pipeline_assignment(self.assignment, plan, self.rank)
         self.entry: RankPlan = self.assignment.entries[self.rank]
         self.precision = self.entry.precision
         self.sharding: str = plan.sharding if plan is not None else "none"
@@ -95,7 +107,6 @@ class Session:
         self.emulated = self.emulated_speed is not None or self.assignment.stand_in
         self.timer = StepTimer(speed=self.emulated_speed, on_grads_ready=self._waiting)
         self.state = StepState(self.world_size)
-        self.max_skipped_steps = max_skipped_steps
         self._balance_overrides = (balance, balance_interval)
         self.prepared: Prepared | None = None
         self.balancer: Balancer | None = None
@@ -106,8 +117,7 @@ class Session:
         self.compute_seconds: collections.deque[float] = collections.deque(maxlen=TIMING_HISTORY)
         self._status: GradientStatus | None = None
         self._grad_norm: float | None = None
-        self._consecutive_skips = 0
-        self._skipped_total = 0
+        self.skips = SkipCounter(max_skipped_steps)
         self._last_step_end: float | None = None
         if self.is_main:
             for note in self.assignment.notes:
@@ -168,6 +178,11 @@ class Session:
         `blocks`, found when not given; FSDP2 or DDP with the plan's comm hook; ZeRO-1)."""
         if self.prepared is not None:
             raise HetrainError("session.prepare() was already called; a session trains one model")
+        if self.layout is not None:
+            self.prepared, self.pipeline = prepare_pipeline(
+                model, optimizer, self.plan.pipeline, self.layout, self.device,
+                self.entry.activation_checkpointing, self.autocast, self.emulated_speed, self.sharding == "fsdp")
+            return self.prepared.model, self.prepared.optimizer
         self.prepared = parallelize(model, optimizer, sharding_name=self.sharding, entries=self.assignment.entries,
                                     rank=self.rank, comm=self.plan.comm if self.plan is not None else None,
                                     device=self.device, timer=self.timer, blocks=blocks)
@@ -210,6 +225,8 @@ class Session:
         balance, interval = self._balance_overrides
         if balance is not None:
             config.enabled = balance
+        if self.layout is not None:
+            config.enabled = False   # a pipeline's replica shares are the plan's
         if interval is not None:
             config.interval = interval
         if config.min_share * self.world_size > global_batch_size:
@@ -235,11 +252,39 @@ class Session:
         """This rank's precision for the forward pass (bf16/fp16 autocast, or none)."""
         return autocast(self.precision, self.device)
 
+    def forward_backward(self, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
+                         num_items: Any = None) -> torch.Tensor:
+        """Forward and backward of this rank's batch under any plan: `loss_fn(model(*inputs), target)` is
+        the mean over a (micro-)batch's items; `num_items(target)` counts them (default: samples).
+
+        Data parallel: one forward under `autocast()` and `backward(loss, num_items)`. Pipeline: the
+        replica's batch runs through every stage on the plan's schedule and micro-batches. Returns the
+        local mean loss (NaN on pipeline stages that hold no loss); `session.loss` after `step()` is the
+        global-batch mean."""
+        if self.prepared is None:
+            raise HetrainError("call session.prepare(model, optimizer) before session.forward_backward()")
+        self.state.require_batch("forward_backward")
+        if self.pipeline is None:
+            with self.autocast():
+                output = self.prepared.model(*(inputs if isinstance(inputs, tuple) else (inputs,)))
+                loss = loss_fn(output, target)
+            items = num_items(target) if callable(num_items) else num_items
+            self.backward(loss, items)
+            return loss.detach()
+        inputs, target = self.pipeline.gather_batch((inputs, target))
+        loss = self.pipeline.run(inputs, target, loss_fn, item_counter(num_items), state=self.state,
+                                 scaler=self.scaler)
+        self._status = None
+        return loss if loss is not None else torch.tensor(float("nan"), device=self.device)
+
     def backward(self, loss: torch.Tensor, num_items: Any = None) -> None:
         """Backward of this rank's mean loss over `num_items` items (default: its samples), weighted so
         that the update is the gradient of the mean over every item of the global batch."""
         if self.prepared is None:
             raise HetrainError("call session.prepare(model, optimizer) before session.backward()")
+        if self.pipeline is not None:
+            raise HetrainError("under a pipeline plan no rank holds the whole model: run each step with "
+                               "session.forward_backward(inputs, target, loss_fn) instead of model(...) and backward()")
         self.state.require_batch("backward")
         items = self.state.current_samples() if num_items is None else items_as_number(num_items)
         self.reports.saw_items(items)
@@ -260,6 +305,9 @@ class Session:
         if self._status is None:
             if self.sharding == "fsdp":
                 self.timer.grads_ready()  # FSDP2 has no comm hook: backward (and its reduce-scatter) ended here
+            if self.pipeline is not None:
+                self.timer.compute_s = self.pipeline.take_busy_seconds()   # the stage's own compute this step
+                self.pipeline.sync_gradients()
             self._status = finish_gradients(self.prepared.model.parameters(), self.state, self.scaler.scale,
                                             self.device)
         return self._status
@@ -280,6 +328,9 @@ class Session:
         params = [p for p in self.prepared.model.parameters() if p.grad is not None]
         if status.found_inf:
             norm = torch.tensor(float("inf"), device=self.device)
+        elif self.pipeline is not None:
+            norm = self.pipeline.total_norm(norm_type)
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         else:
             norm = clip_gradients(params, max_norm, norm_type)
         self._grad_norm = float(norm)
@@ -301,9 +352,9 @@ class Session:
         self.timer.time_optimizer(self.optimizer.step if applied else (lambda: None))
         self.scaler.update(applied)
         self.optimizer.zero_grad(set_to_none=True)
-        self._count_skips(applied)
+        self.train.skipped_steps += self.skips.count(applied, self.train.step + 1, self.scaler.scale, self.is_main)
         compute = self.timer.end_step()
-        now = _now()
+        now = time.perf_counter()
         wall = now - self._last_step_end if self._last_step_end is not None else None
         if wall is not None:
             self.step_seconds.append(wall)
@@ -326,23 +377,6 @@ class Session:
         if self.watch is not None:
             self.watch.computing(self.train.step + 1)
         return applied
-
-    def _count_skips(self, applied: bool) -> None:
-        if applied:
-            self._consecutive_skips = 0
-            return
-        self._consecutive_skips += 1
-        self._skipped_total += 1
-        self.train.skipped_steps += 1
-        step = self.train.step + 1
-        if self.is_main:
-            log.warning("step %d skipped: non-finite gradients on some rank (loss scale %g; %d skipped so far)",
-                        step, self.scaler.scale, self._skipped_total)
-        if self._consecutive_skips >= self.max_skipped_steps:
-            raise HetrainError(
-                f"{self._consecutive_skips} steps in a row had non-finite gradients (up to step {step}); the last "
-                "checkpoint holds the last good weights: lower the learning rate, clip gradients, or check the data"
-            )
 
     # -- figures for users and tools ----------------------------------------------------------------
 
@@ -389,7 +423,7 @@ class Session:
             items=int(totals.local_items), global_samples=totals.global_samples, global_items=int(totals.global_items),
             step_seconds=wall, compute_seconds=compute, data_wait_seconds=data_wait,
             optimizer_seconds=self.timer.last_optimizer_s, loss=totals.loss, grad_norm=self._grad_norm,
-            loss_scale=self.scaler.scale, skipped=not applied, skipped_total=self._skipped_total,
+            loss_scale=self.scaler.scale, skipped=not applied, skipped_total=self.skips.total,
             shares=tuple(self.balancer.shares), split_changed=changed,
             comm_bytes=comm_bytes(self.prepared.comm_state), emulated=self.emulated)
 
@@ -442,19 +476,3 @@ class Session:
                 device=self.device, device_name=self.entry.device, job=os.environ.get("TORCHELASTIC_RUN_ID", "local"),
                 predicted_step_seconds=self.entry.predicted_step_seconds, restart_count=self.restart_count,
                 module=self.prepared.module)
-
-
-def _now() -> float:
-    import time
-
-    return time.perf_counter()
-
-
-def _refuse_pipeline(plan: Plan) -> None:
-    """Pipeline plans are not run yet: say so with the fix."""
-    if plan.pipeline is not None or plan.strategy in PIPELINE_STRATEGIES or any(r.stage for r in plan.ranks):
-        stages = len(plan.pipeline.stages) if plan.pipeline is not None else 1 + max(r.stage for r in plan.ranks)
-        raise HetrainError(
-            f"the plan runs a pipeline of {stages} stages (strategy {plan.strategy}); hetrain's runtime does not "
-            "run pipeline stages yet. Re-plan with `hetrain plan --strategy balanced` (or zero1, zero3)"
-        )

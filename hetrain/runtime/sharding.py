@@ -74,6 +74,16 @@ def _param_groups_for(optimizer: torch.optim.Optimizer, params_by_id: dict[int, 
     return groups
 
 
+def constructor_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's defaults that its class's constructor takes (AdamW keeps one it does not)."""
+    import inspect
+
+    accepted = inspect.signature(type(optimizer)).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        return dict(optimizer.defaults)
+    return {k: v for k, v in optimizer.defaults.items() if k in accepted}
+
+
 def _check_fresh(optimizer: torch.optim.Optimizer, sharding: str) -> None:
     if optimizer.state:
         raise HetrainError(
@@ -88,8 +98,8 @@ def zero1_optimizer(optimizer: torch.optim.Optimizer, weights: Sequence[float] |
     groups = _param_groups_for(optimizer)
     cls = type(optimizer)
     if weights is None:
-        return ZeroRedundancyOptimizer(groups, cls, **optimizer.defaults)
-    return ProportionalZeroRedundancyOptimizer(groups, cls, weights=weights, **optimizer.defaults)
+        return ZeroRedundancyOptimizer(groups, cls, **constructor_settings(optimizer))
+    return ProportionalZeroRedundancyOptimizer(groups, cls, weights=weights, **constructor_settings(optimizer))
 
 
 def free_memory_weights(capacities: Sequence[int | None], model: nn.Module, device: torch.device) -> list[float]:
@@ -143,7 +153,7 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], m
             "model.parameters() before session.prepare()"
         )
     new_by_old = {pid: by_name[name] for pid, name in names.items() if name in by_name}
-    return type(optimizer)(_param_groups_for(optimizer, new_by_old), **optimizer.defaults)
+    return type(optimizer)(_param_groups_for(optimizer, new_by_old), **constructor_settings(optimizer))
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -43,8 +43,14 @@ class TrainState:
     skipped_steps: int = 0
 
     @property
+    def pipelined(self) -> bool:
+        """A pipeline plan: each rank holds one stage's blocks, under the whole model's names."""
+        return self.plan is not None and self.plan.pipeline is not None
+
+    @property
     def fsdp(self) -> bool:
-        return self.sharding == "fsdp"
+        """Model and optimizer state go through the checkpoint's sharded part (DCP): FSDP2 or pipeline stages."""
+        return self.sharding == "fsdp" or self.pipelined
 
     def capture(self) -> tuple[dict, dict, dict | None]:
         """(shared, per_rank, sharded) as of now (collective under ZeRO-1 and FSDP2)."""
@@ -52,7 +58,9 @@ class TrainState:
         self.check_finite()
         sharded = None
         model_state = optimizer_state = None
-        if self.fsdp:
+        if self.pipelined:
+            sharded = stage_state(self.prepared.module, optimizer)
+        elif self.fsdp:
             from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
             sharded = {"model": get_model_state_dict(model)}
@@ -86,7 +94,9 @@ class TrainState:
         model, optimizer = self.prepared.model, self.prepared.optimizer
         self._check_optimizer(shared, where)
         try:
-            if self.fsdp:
+            if self.pipelined:
+                load_stage_state(self.prepared.module, optimizer, sharded)
+            elif self.fsdp:
                 from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
                 set_model_state_dict(model, sharded["model"])
@@ -175,3 +185,24 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, float) and isinstance(b, float):
         return a == b or (math.isnan(a) and math.isnan(b))
     return a == b
+
+
+def stage_state(module: torch.nn.Module, optimizer: Any) -> dict:
+    """A pipeline stage's model and optimizer state under the whole model's parameter names, one key per
+    tensor (flattened), so a checkpoint loads into any partition of the blocks (DCP reads the keys asked)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    state = {"model": get_model_state_dict(module)}
+    if optimizer is not None:
+        state["optimizer"] = get_optimizer_state_dict(module, optimizer,
+                                                      options=StateDictOptions(flatten_optimizer_state_dict=True))
+    return state
+
+
+def load_stage_state(module: torch.nn.Module, optimizer: Any, state: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    set_model_state_dict(module, state["model"])
+    if optimizer is not None and "optimizer" in state:
+        set_optimizer_state_dict(module, optimizer, state["optimizer"],
+                                 options=StateDictOptions(flatten_optimizer_state_dict=True))

@@ -40,3 +40,20 @@ def test_train_digits_reports_a_finite_loss_when_a_rank_has_no_samples(tmp_path)
     losses = [float(x) for x in re.findall(r"epoch \d+ loss ([0-9.a-z]+)", r.stdout)]
     assert len(losses) == 2 and all(0 < x < 3 for x in losses), r.stdout
     assert "split [128, 0] ->" in r.stderr   # the zero share did change within the epoch
+
+
+def test_train_gpt2_runs_unchanged_under_a_pipeline_plan(tmp_path):
+    """The same script under a 2-stage pipeline (embedding + layer | layer + head), stages in their precisions."""
+    from hetrain.planning.plan import BalancePlan, PipelinePlan, Plan, RankPlan
+
+    plan = Plan(global_batch_size=16, strategy="pipeline", balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=0, share=16, stage=0, precision="bf16"),
+                       RankPlan(rank=1, share=16, stage=1, precision="fp32")],
+                pipeline=PipelinePlan(stages=[[0, 2], [2, 4]], schedule="1f1b", microbatches=4))
+    plan.save(tmp_path / "plan.json")
+    r = run_cli([*HETRAIN, "launch", "--nproc-per-node", "2", "--plan", str(tmp_path / "plan.json"),
+                 "examples/train_gpt2.py", "--layers", "2", "--global-batch-size", "16", "--steps", "30"],
+                cwd=ROOT, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    losses = _losses(r.stdout)
+    assert len(losses) == 3 and losses[-1] < 0.8 * losses[0], r.stdout

@@ -129,3 +129,22 @@ def test_a_nan_loss_on_one_rank_skips_the_step_on_every_rank_in_any_precision(pr
         assert applied == [True, True, False, True]
         assert finite
         assert norms[2] == float("inf")
+
+
+def _adamw(rank, world, sharding):
+    import hetrain
+
+    plan = Plan(global_batch_size=4, sharding=sharding, balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=r, share=2) for r in range(world)])
+    session = hetrain.Session(plan)
+    net = Net()
+    model, optimizer = session.prepare(net, torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.1))
+    inner = getattr(optimizer, "optim", optimizer)
+    settings = (type(inner).__name__, optimizer.param_groups[0]["weight_decay"])
+    session.close()
+    return settings
+
+
+@pytest.mark.parametrize("sharding", ["zero1", "fsdp"])
+def test_adamw_is_rebuilt_for_sharded_state_with_its_settings(sharding):
+    assert run_ranks(_adamw, 2, sharding) == [("AdamW", 0.1)] * 2

@@ -1,6 +1,5 @@
 """Heterogeneity changes speed, never the math: weighted gradients equal the global-batch gradient."""
 
-import pytest
 import torch
 from torch.utils.data import TensorDataset
 
@@ -96,14 +95,3 @@ def test_plan_compression_keeps_weighted_gradients_to_its_precision():
     for grads in run_ranks(_compressed_grads, 3, "fp16"):
         for got, want in zip(grads, ref):
             assert (got - want).abs().max().item() < 2e-3 * max(1.0, want.abs().max().item())
-
-
-def test_a_pipeline_plan_is_refused_with_the_fix():
-    import hetrain
-    from hetrain.errors import HetrainError
-    from hetrain.planning.plan import PipelinePlan
-
-    plan = Plan(global_batch_size=8, strategy="pipeline", pipeline=PipelinePlan(stages=[[0, 2], [2, 4]]),
-                ranks=[RankPlan(rank=0, share=8)])
-    with pytest.raises(HetrainError, match="--strategy balanced"):
-        hetrain.Session(plan)

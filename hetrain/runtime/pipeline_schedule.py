@@ -1,0 +1,301 @@
+"""One rank's stage of a pipeline, run by torch.distributed.pipelining's schedules (GPipe, 1F1B).
+
+Exact gradients (DESIGN.md invariant 1). The user's `loss_fn(output, target)` is a mean over a
+micro-batch's items; the schedule runs backward of that mean times `items / estimate` (and the
+job-wide loss scale), so a stage's gradient is `sum(items_i * grad_i) / estimate` over its
+micro-batches. The same stage of every replica sums its gradients (all-reduce in the stage's
+process group), and `hetrain.runtime.gradients.finish_gradients` divides by the true global item
+count, which only last stages report. Replicas with unequal shares therefore stay exact.
+
+Each rank computes its stage under its own precision's autocast; stage outputs travel in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any, ContextManager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.utils._pytree import tree_leaves
+
+from hetrain.errors import HetrainError
+from hetrain.planning.plan import PipelinePlan
+from hetrain.runtime.gradients import local_tensor
+from hetrain.runtime.parallelize import Prepared
+from hetrain.runtime.pipeline_stages import PipelineLayout, compute_in_precision, microbatches_for
+from hetrain.runtime.precision import JobLossScaler
+from hetrain.runtime.step_state import StepState, items_as_number
+from hetrain.runtime.timing import pad_to_speed
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+def make_groups(layout: PipelineLayout) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+    """(this replica's pipeline group, this stage's replica group or None with one replica); every
+    rank creates every group, in the same order, as torch requires."""
+    pipe_group = stage_group = None
+    for row in layout.grid:
+        g = dist.new_group(ranks=row)
+        if row is layout.replica_ranks():
+            pipe_group = g
+    if layout.replicas > 1:
+        for j in range(layout.stages):
+            ranks = layout.stage_ranks(j)
+            g = dist.new_group(ranks=ranks)
+            if j == layout.stage:
+                stage_group = g
+    return pipe_group, stage_group
+
+
+def item_counter(num_items: Any) -> Callable[[Any], float]:
+    """How many items a micro-batch's target holds: `num_items(target)`, or its samples."""
+    if num_items is None:
+        return lambda target: float(_first_tensor(target).shape[0])
+    if callable(num_items):
+        return lambda target: items_as_number(num_items(target))
+    raise HetrainError(
+        f"num_items={num_items!r}: a pipeline cuts the batch into micro-batches, so pass a function of the "
+        "target that counts its items, e.g. num_items=lambda labels: (labels != -100).sum()"
+    )
+
+
+def _first_tensor(value: Any) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+        return value[0]
+    raise HetrainError(f"a pipeline's target must be a tensor (or a tuple of tensors), got {type(value).__name__}")
+
+
+class PipelineRunner:
+    """This rank's pipeline stage, its schedule and the groups it talks to."""
+
+    def __init__(self, module: nn.Module, layout: PipelineLayout, pipeline: PipelinePlan, device: torch.device,
+                 autocast: Callable[[], ContextManager], ties: list[tuple[tuple[int, ...], nn.Parameter]] | None = None, speed: float | None = None,
+                 sharded: bool = False) -> None:
+        self.module = module
+        self.layout = layout
+        self.pipeline = pipeline
+        self.device = device
+        self.pipe_group, self.stage_group = make_groups(layout)
+        self.sharded = sharded
+        held = {id(p) for p in module.parameters()}
+        self.ties = [(stages, p) for stages, p in (ties or []) if id(p) in held]
+        self.tie_groups = make_tie_groups(layout, ties or [])
+        self.autocast = autocast
+        compute_in_precision(module, autocast)
+        self.stage = PipelineStage(module, layout.stage, layout.stages, device, group=self.pipe_group)
+        # Stage j's peer is the replica's stage-j rank, whatever its place in the group's (sorted) order.
+        self.stage.stage_index_to_group_rank = {j: dist.get_group_rank(self.pipe_group, r)
+                                                for j, r in enumerate(layout.replica_ranks())}
+        self.busy_seconds = 0.0   # this step's forward and backward compute (padded when emulating a speed)
+        self.stage.forward_one_chunk = self._timed(self.stage.forward_one_chunk, speed)
+        self.stage.backward_one_chunk = self._timed(self.stage.backward_one_chunk, speed)
+        self._schedules: dict[int, Any] = {}
+        self._loss: Callable | None = None
+
+    def _timed(self, work: Callable, speed: float | None) -> Callable:
+        """The stage's compute of one micro-batch, timed (transfers are outside it) and, on a CPU rank
+        emulating a slower device, padded to 1/speed of its length."""
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            out = work(*args, **kwargs)
+            self.busy_seconds += pad_to_speed(time.perf_counter() - started, speed)
+            return out
+
+        return timed
+
+    def take_busy_seconds(self) -> float:
+        """This step's compute seconds so far, and start counting the next step's."""
+        busy, self.busy_seconds = self.busy_seconds, 0.0
+        return busy
+
+    def microbatches(self, samples: int) -> int:
+        return microbatches_for(samples, self.pipeline.microbatches)
+
+    def _schedule(self, m: int) -> Any:
+        if m not in self._schedules:
+            cls = SCHEDULES[self.pipeline.schedule]
+            if cls is Schedule1F1B and m < self.layout.stages:
+                cls = ScheduleGPipe   # torch's 1F1B needs a micro-batch per stage; GPipe's update is the same
+            self._schedules[m] = cls(self.stage, n_microbatches=m, loss_fn=self._call_loss, scale_grads=False)
+        return self._schedules[m]
+
+    def _call_loss(self, output: Any, target: Any) -> torch.Tensor:
+        return self._loss(output, target)
+
+    def gather_batch(self, batch: Any) -> Any:
+        """The replica's batch from the slices its ranks' loaders read (all-gather in the replica, in rank order)."""
+        parts: list[Any] = [None] * len(self.layout.replica_ranks())
+        cpu = _to(batch, torch.device("cpu"))
+        dist.all_gather_object(parts, cpu, group=self.pipe_group)
+        parts = [p for p in parts if _samples(p) > 0]
+        if not parts:
+            return batch
+        joined = _concat(parts)
+        return _to(joined, self.device)
+
+    def run(self, inputs: Any, target: Any, loss_fn: Callable, count: Callable[[Any], float], *, state: StepState,
+            scaler: JobLossScaler) -> torch.Tensor | None:
+        """Forward and backward of the replica batch through every stage; on last stages the mean loss."""
+        samples = _first_tensor(target if self.layout.is_last else _as_tuple(inputs)[0]).shape[0]
+        if samples == 0:
+            return None
+        # FSDP2 averages a stage's gradients over its replicas: weigh by their number to keep the sum.
+        estimate = state.estimate() / (self.layout.replicas if self.sharded else 1)
+        calls: list[tuple[torch.Tensor, float]] = []
+
+        def weighted(output: Any, tgt: Any) -> torch.Tensor:
+            with self.autocast():
+                value = loss_fn(output, tgt)
+            n = count(tgt)
+            calls.append((value.detach().float(), n))
+            if n == 0:
+                return torch.nan_to_num(value) * 0.0
+            return scaler.scale_loss(value * (n / estimate))
+
+        self._loss = weighted
+        m = self.microbatches(samples)
+        schedule = self._schedule(m)
+        args = _as_tuple(inputs) if self.layout.is_first else ()
+        if self.layout.is_last:
+            schedule.step(*args, target=target, return_outputs=False)
+        else:
+            schedule.step(*args, return_outputs=False)
+        self._loss = None
+        if not self.layout.is_last:
+            return None
+        # The schedule's first step also calls the loss once on placeholder data to learn the
+        # gradients' shapes; the micro-batches' losses are the last m calls.
+        calls = calls[-m:]
+        for value, n in calls:
+            state.record_backward(value, n)
+        items = sum(n for _, n in calls)
+        if items == 0:
+            return None
+        return sum(value * n for value, n in calls if n > 0) / items
+
+    def sync_gradients(self) -> None:
+        """Sum the stage's gradients over its replicas (each is already weighted by its items), then
+        tied parameters' gradients over the stages holding them."""
+        for p in self.module.parameters():
+            if p.grad is None and p.requires_grad:   # a replica without samples still joins the sum
+                p.grad = torch.zeros_like(p)
+        if self.stage_group is not None and not self.sharded:   # FSDP2's reduce-scatter summed them already
+            _sum_into([p.grad for p in self.module.parameters() if p.grad is not None], self.stage_group)
+        for stages, group in self.tie_groups.items():
+            _sum_into([p.grad for held_by, p in self.ties if held_by == stages], group)
+
+    def total_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The norm of the whole model's gradient (every stage), the same on every rank (collective)."""
+        counted_elsewhere = {id(p) for stages, p in self.ties if stages[0] != self.layout.stage}
+        grads = [local_tensor(p.grad) for p in self.module.parameters()
+                 if p.grad is not None and id(p) not in counted_elsewhere]
+        local = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite=False) if grads else \
+            torch.zeros((), device=self.device)
+        local = local.to(device=self.device, dtype=torch.float64)
+        if math.isinf(norm_type):
+            dist.all_reduce(local, op=dist.ReduceOp.MAX)
+            return local.float()
+        # Each stage's gradient is held whole by every replica (count it once), or in shards (count all).
+        powered = local ** norm_type / (1 if self.sharded else self.layout.replicas)
+        dist.all_reduce(powered)
+        return (powered ** (1.0 / norm_type)).float()
+
+
+def _sum_into(grads: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    if not grads:
+        return
+    grads = [local_tensor(g) for g in grads]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    parts = torch.split(flat, [g.numel() for g in grads])
+    torch._foreach_copy_(grads, [part.view_as(g) for part, g in zip(parts, grads)])
+
+
+def make_tie_groups(layout: PipelineLayout, ties: list[tuple[tuple[int, ...], nn.Parameter]]
+                    ) -> dict[tuple[int, ...], dist.ProcessGroup]:
+    """Per set of stages sharing parameters, this replica's group of those stages' ranks (every rank
+    creates every group in the same order)."""
+    mine = {}
+    for stages in sorted({s for s, _ in ties}):
+        for replica, row in enumerate(layout.grid):
+            g = dist.new_group(ranks=[row[j] for j in stages])
+            if replica == layout.replica and layout.stage in stages:
+                mine[stages] = g
+    return mine
+
+
+def _samples(value: Any) -> int:
+    leaves = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor) and t.dim() > 0]
+    return int(leaves[0].shape[0]) if leaves else 0
+
+
+def _as_tuple(value: Any) -> tuple:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
+    return value
+
+
+def _concat(parts: list[Any]) -> Any:
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts)
+    if isinstance(first, (tuple, list)):
+        return type(first)(_concat([p[i] for p in parts]) for i in range(len(first)))
+    if isinstance(first, dict):
+        return {k: _concat([p[k] for p in parts]) for k in first}
+    return first
+
+
+def prepare_pipeline(model: nn.Module, optimizer: torch.optim.Optimizer | None, pipeline: PipelinePlan,
+                     layout: PipelineLayout, device: torch.device,
+                     activation_checkpointing: bool, autocast: Callable[[], ContextManager],
+                     speed: float | None = None, sharded: bool = False) -> tuple[Prepared, PipelineRunner]:
+    """This rank's stage of `model` on its device, with its schedule; the user's optimizer keeps only
+    this stage's parameters (in each of its groups, with the group's settings)."""
+    from hetrain.runtime.parallelize import check_master_weights
+    from hetrain.runtime.pipeline_stages import stage_module, tied_parameters
+
+    check_master_weights(model)
+    ties = tied_parameters(model, pipeline)
+    module = stage_module(model, pipeline, layout.stage).to(device)
+    blocks = list(module.children())
+    if activation_checkpointing:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for name, block in list(module.named_children()):
+            setattr(module, name, checkpoint_wrapper(block))
+    if optimizer is not None:
+        keep = {id(p) for p in module.parameters()}
+        for group in optimizer.param_groups:   # the optimizer steps (and checkpoints) this stage's parameters
+            group["params"] = [p for p in group["params"] if id(p) in keep]
+    if sharded:
+        from hetrain.runtime.pipeline_sharding import shard_stage
+
+        if optimizer is not None and optimizer.state:
+            raise HetrainError("the optimizer already holds state; pass a fresh optimizer to session.prepare() "
+                               "(FSDP2 replaces the stage's parameters with sharded ones)")
+        names = {id(p): n for n, p in module.named_parameters()}
+        module = shard_stage(module, layout, device)
+        by_name = dict(module.named_parameters())
+        ties = [(stages, by_name[names[id(p)]] if id(p) in names else p) for stages, p in ties]
+        if optimizer is not None:   # the same optimizer over the sharded parameters (it holds no state yet)
+            for group in optimizer.param_groups:
+                group["params"] = [by_name[names[id(p)]] for p in group["params"]]
+    runner = PipelineRunner(module, layout, pipeline, device, autocast, ties, speed, sharded)
+    return Prepared(module, optimizer, blocks), runner

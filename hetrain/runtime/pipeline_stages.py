@@ -1,0 +1,188 @@
+"""Pipeline layout and stage modules: which rank runs which stage of which replica, and the
+stage's part of the model, built from the plan's partition of the model's blocks.
+
+A pipeline plan gives each rank a `stage`; the ranks of one stage are that stage's replicas
+(data parallel over pipelines: hybrid). Replica i is the i-th rank (in rank order) of every
+stage. Each replica takes its share of the global batch (the plan's `share` of its ranks); the
+loader reads that share spread over the replica's ranks, and the ranks gather it (see
+`hetrain.runtime.pipeline_schedule`).
+
+The model is an `nn.Sequential` whose children are the blocks the plan partitions (the same
+blocks `hetrain profile` measures: embedding, layers, head). A stage module is an `nn.Sequential`
+of its blocks under their original names ("3", "4", ...), so its `state_dict` keys are the whole
+model's keys and any partition can load a checkpoint written under another.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import ContextManager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hetrain.errors import HetrainError
+from hetrain.planning.batch_split import split_proportional
+from hetrain.planning.plan import PipelinePlan, Plan, RankPlan
+from hetrain.vocabulary import PIPELINE_STRATEGIES
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """Ranks by (replica, stage), and this rank's place in that grid."""
+
+    grid: list[list[int]]        # grid[replica][stage] = global rank
+    replica: int
+    stage: int
+
+    @property
+    def stages(self) -> int:
+        return len(self.grid[0])
+
+    @property
+    def replicas(self) -> int:
+        return len(self.grid)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def replica_ranks(self, replica: int | None = None) -> list[int]:
+        """The ranks of one replica (this rank's by default), in stage order."""
+        return self.grid[self.replica if replica is None else replica]
+
+    def stage_ranks(self, stage: int | None = None) -> list[int]:
+        """The ranks holding one stage (this rank's by default), one per replica."""
+        j = self.stage if stage is None else stage
+        return [row[j] for row in self.grid]
+
+
+def pipeline_layout(entries: Sequence[RankPlan], pipeline: PipelinePlan, rank: int) -> PipelineLayout:
+    """The (replica, stage) grid of a pipeline plan's entries (by actual rank)."""
+    p = len(pipeline.stages)
+    by_stage: list[list[int]] = [[] for _ in range(p)]
+    for e in sorted(entries, key=lambda e: e.rank):
+        if e.stage >= p:
+            raise HetrainError(f"rank {e.rank} runs stage {e.stage}, but the plan's pipeline has {p} stages "
+                               f"(pipeline.stages); give each rank a stage in 0..{p - 1} or re-plan")
+        by_stage[e.stage].append(e.rank)
+    counts = [len(s) for s in by_stage]
+    if len(set(counts)) != 1 or counts[0] == 0:
+        raise HetrainError(f"pipeline stages have {counts} ranks each; every stage needs the same number of ranks "
+                           "(one per replica): re-plan with `hetrain plan --strategy pipeline` for these devices")
+    grid = [[by_stage[j][i] for j in range(p)] for i in range(counts[0])]
+    where = next((i, j) for i, row in enumerate(grid) for j, r in enumerate(row) if r == rank)
+    return PipelineLayout(grid=grid, replica=where[0], stage=where[1])
+
+
+def replica_shares(entries: Sequence[RankPlan], layout: PipelineLayout, global_batch_size: int) -> list[int]:
+    """Samples of each global batch per replica: the plan's share of the replica's first-stage rank,
+    re-split in proportion when they do not add up to the global batch (another device count)."""
+    by_rank = {e.rank: e for e in entries}
+    shares = [by_rank[row[0]].share for row in layout.grid]
+    if sum(shares) != global_batch_size:
+        floor = max(global_batch_size * 1e-3, 1e-6)
+        shares = split_proportional(global_batch_size, [max(float(s), floor) for s in shares])
+    return shares
+
+
+def loader_shares(layout: PipelineLayout, shares: Sequence[int], world_size: int) -> list[int]:
+    """Per rank, the samples the loader reads: each replica's share spread over its stages' ranks."""
+    out = [0] * world_size
+    for row, share in zip(layout.grid, shares):
+        for r, n in zip(row, split_proportional(share, [1.0] * len(row))):
+            out[r] = n
+    return out
+
+
+def microbatches_for(samples: int, planned: int) -> int:
+    """Micro-batches for a replica batch of `samples`: the plan's count, lowered to a divisor of the
+    batch so every micro-batch has one shape (pipeline stages exchange fixed-shape tensors)."""
+    m = max(1, min(planned, samples))
+    while samples % m:
+        m -= 1
+    return m
+
+
+def model_blocks(model: nn.Module, pipeline: PipelinePlan) -> list[tuple[str, nn.Module]]:
+    """The model's blocks by name, checked against the plan's partition."""
+    if not isinstance(model, nn.Sequential):
+        raise HetrainError(
+            f"a pipeline plan needs the model as nn.Sequential of its blocks (embedding, layers, head), got "
+            f"{type(model).__name__}; wrap it, e.g. nn.Sequential(embed, *layers, head)"
+        )
+    blocks = list(model.named_children())
+    ends = [b for _, b in pipeline.stages]
+    starts = [a for a, _ in pipeline.stages]
+    if starts[0] != 0 or ends[-1] != len(blocks) or any(a != b for a, b in zip(starts[1:], ends[:-1])) \
+            or any(a >= b for a, b in pipeline.stages):
+        raise HetrainError(
+            f"the plan's pipeline stages {pipeline.stages} do not cover the model's {len(blocks)} blocks in order; "
+            "re-plan with the profile of this model (`hetrain profile` then `hetrain plan`)"
+        )
+    return blocks
+
+
+def stage_module(model: nn.Module, pipeline: PipelinePlan, stage: int) -> nn.Sequential:
+    """Stage `stage`'s blocks as an nn.Sequential under their original names (the model's own modules)."""
+    blocks = model_blocks(model, pipeline)
+    a, b = pipeline.stages[stage]
+    return nn.Sequential(OrderedDict(blocks[a:b]))
+
+
+def compute_in_precision(module: nn.Module, autocast: Callable[[], ContextManager]) -> None:
+    """The stage's forward under its rank's autocast (its backward outside it, as torch advises), and
+    its floating outputs in fp32, so stages of different precisions exchange one dtype."""
+    active: list[ContextManager] = []
+
+    def enter(_module: nn.Module, _args: object) -> None:
+        ctx = autocast()
+        ctx.__enter__()
+        active.append(ctx)
+
+    def leave(_module: nn.Module, _args: object, output: object) -> object:
+        active.pop().__exit__(None, None, None)
+        if isinstance(output, torch.Tensor) and output.is_floating_point() and output.dtype != torch.float32:
+            return output.float()
+        return output
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True)
+
+
+def check_pipeline_plan(plan: Plan) -> None:
+    """A plan with pipeline stages needs the partition that says which blocks each stage holds."""
+    if plan.pipeline is None and (plan.strategy in PIPELINE_STRATEGIES or any(r.stage for r in plan.ranks)):
+        raise HetrainError(
+            f"the plan (strategy {plan.strategy}) gives ranks pipeline stages but no pipeline partition "
+            "(pipeline.stages); re-plan with `hetrain plan --strategy pipeline`, or remove the stages"
+        )
+    if plan.pipeline is not None and plan.sharding not in ("none", "fsdp"):
+        raise HetrainError(
+            f"the plan shards ({plan.sharding!r}) inside pipeline stages, where hetrain runs FSDP2 only; set "
+            "\"sharding\" to \"fsdp\" or \"none\" in the plan, or re-plan with `hetrain plan --strategy pipeline`"
+        )
+    if plan.pipeline is not None:
+        pipeline_layout(plan.ranks, plan.pipeline, plan.ranks[0].rank)   # every stage has its ranks
+
+
+def tied_parameters(model: nn.Module, pipeline: PipelinePlan) -> list[tuple[tuple[int, ...], nn.Parameter]]:
+    """Parameters that several stages hold (tied input and output embeddings), with those stages,
+    in the model's order (the same on every rank)."""
+    blocks = model_blocks(model, pipeline)
+    holders: dict[int, list[int]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for j, (a, b) in enumerate(pipeline.stages):
+        for _, block in blocks[a:b]:
+            for p in block.parameters():
+                stages = holders.setdefault(id(p), [])
+                if j not in stages:
+                    stages.append(j)
+                params[id(p)] = p
+    return [(tuple(h), params[i]) for i, h in holders.items() if len(h) > 1]

@@ -1,0 +1,50 @@
+"""`hetrain bench pipeline`'s decisions: the partitions it compares and the figures it derives."""
+
+import argparse
+
+import pytest
+
+from hetrain.bench.pipeline import build_parser, even_partition, figures, plans, uneven_partition
+from hetrain.errors import HetrainError
+
+
+def _args(*argv, parsed: bool = True):
+    parser = argparse.ArgumentParser()
+    build_parser(parser)
+    args = parser.parse_args(list(argv))
+    if parsed:
+        args.speeds = [float(s) for s in args.speeds.split(",")]
+    return args
+
+
+def test_the_planner_gives_the_fast_rank_twice_the_blocks():
+    args = _args()
+    assert uneven_partition(args) == [(0, 6), (6, 9), (9, 12)]
+    assert even_partition(12, 3) == [(0, 4), (4, 8), (8, 12)]
+    made = plans(args)
+    assert made["uneven"].pipeline.stages == [[0, 6], [6, 9], [9, 12]]
+    assert made["data_parallel"].shares == [48, 24, 24]
+
+
+def test_figures_from_measurements():
+    args = _args("--microbatches", "8", "--global-batch", "48", "--block-ms", "1")
+    measured = {"uneven": {"step_seconds": 1.3, "busy_seconds": [0.9, 0.96, 0.95], "pass_seconds": [1.2, 1.2, 1.2]},
+                "even": {"step_seconds": 1.5, "busy_seconds": [0.4, 1.2, 1.2], "pass_seconds": [1.4] * 3},
+                "data_parallel": {"step_seconds": 0.9, "busy_seconds": [0.8] * 3, "pass_seconds": [0.85] * 3}}
+    out = figures(args, measured)
+    assert out["uneven_over_even"] == pytest.approx(1.5 / 1.3)
+    # even: 7 x 144 ms (4 blocks at speed 0.5) + 72 + 144 + 144; uneven: 10 x 108 ms
+    assert out["uneven_over_even_ideal"] == pytest.approx((7 * 0.144 + 0.36) / 1.08)
+    assert out["bubble_predicted"] == pytest.approx(0.2)
+    assert out["bubble_measured"] == pytest.approx(0.2)
+    assert out["bubble_error_pp"] == pytest.approx(0.0, abs=1e-9)
+    # (m + p - 1) slots of 6 blocks x 3 x 1 ms x 6 samples
+    assert out["predicted_step_seconds"] == pytest.approx(10 * 0.108)
+    assert out["predicted_over_measured"] == pytest.approx(1.08 / 1.3)
+
+
+def test_bad_settings_are_one_line_errors():
+    from hetrain.bench.pipeline import run
+
+    with pytest.raises(HetrainError, match="multiple of --microbatches"):
+        run(_args("--global-batch", "50", parsed=False))

@@ -1,0 +1,68 @@
+"""Pipeline and hybrid plans give the update of one process on the whole global batch (fp32)."""
+
+import pytest
+
+from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+
+from tests.distributed import run_ranks
+from tests.pipeline.common import pipeline_plan, reference, train, worst_difference
+
+STEPS, GLOBAL = 3, 12
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_two_uneven_stages(schedule):
+    plan = pipeline_plan([[0, 2], [2, 8]], schedule, microbatches=4, global_batch=GLOBAL)
+    results = run_ranks(train, 2, plan, STEPS)
+    assert worst_difference(results, reference(STEPS, GLOBAL)) < 1e-5
+    assert abs(results[0]["losses"][0] - results[1]["losses"][0]) == 0.0
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_three_uneven_stages(schedule):
+    plan = pipeline_plan([[0, 1], [1, 6], [6, 8]], schedule, microbatches=3, global_batch=GLOBAL)
+    results = run_ranks(train, 3, plan, STEPS)
+    assert worst_difference(results, reference(STEPS, GLOBAL)) < 1e-5
+
+
+def test_hybrid_two_replicas_unequal_shares():
+    plan = pipeline_plan([[0, 5], [5, 8]], "1f1b", microbatches=2, global_batch=GLOBAL, replica_shares=[8, 4])
+    results = run_ranks(train, 4, plan, STEPS)
+    assert worst_difference(results, reference(STEPS, GLOBAL)) < 1e-5
+
+
+def test_same_script_runs_a_data_parallel_plan():
+    plan = Plan(global_batch_size=GLOBAL, balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=0, share=7), RankPlan(rank=1, share=5)])
+    results = run_ranks(train, 2, plan, STEPS)
+    assert worst_difference(results, reference(STEPS, GLOBAL)) < 1e-5
+
+
+def test_mixed_precisions_per_stage():
+    """Stage 0 in bf16, stage 1 in fp32, against one process running the same blocks in the same precisions."""
+    plan = pipeline_plan([[0, 3], [3, 8]], "1f1b", microbatches=1, global_batch=GLOBAL, precisions=["bf16", "fp32"])
+    results = run_ranks(train, 2, plan, STEPS)
+    assert worst_difference(results, reference(STEPS, GLOBAL, bf16_blocks=3)) < 1e-5
+
+
+def test_hybrid_token_mean_with_ignored_labels():
+    """Micro-batches and replicas with different numbers of counted labels: the global label mean."""
+    plan = pipeline_plan([[0, 4], [4, 8]], "gpipe", microbatches=4, global_batch=GLOBAL, replica_shares=[4, 8])
+    results = run_ranks(train, 4, plan, STEPS, 6, True)
+    assert worst_difference(results, reference(STEPS, GLOBAL, ignored=True)) < 1e-5
+
+
+def test_hybrid_with_fsdp2_inside_stages():
+    """Each stage sharded (FSDP2) over its 2 replicas, replicas with unequal shares."""
+    plan = pipeline_plan([[0, 3], [3, 8]], "1f1b", microbatches=2, global_batch=GLOBAL, replica_shares=[8, 4])
+    plan = plan.model_copy(update={"sharding": "fsdp"})
+    results = run_ranks(train, 4, plan, STEPS)
+    assert worst_difference(results, reference(STEPS, GLOBAL)) < 1e-5
+
+
+def test_activation_checkpointing_on_a_stage():
+    plan = pipeline_plan([[0, 2], [2, 8]], "1f1b", microbatches=4, global_batch=GLOBAL)
+    ranks = [plan.ranks[0], plan.ranks[1].model_copy(update={"activation_checkpointing": True})]
+    results = run_ranks(train, 2, plan.model_copy(update={"ranks": ranks}), STEPS)
+    assert worst_difference(results, reference(STEPS, GLOBAL)) < 1e-5
+    assert set(results[1]["states"][0]) == {k for k in reference(1, GLOBAL)[0] if not k.startswith(("0.", "1."))}

@@ -1,0 +1,112 @@
+"""The planner's pipeline plans: chosen when the model fits no single device, explained, and run by the runtime."""
+
+import math
+
+import torch
+
+from hetrain.hardware.cluster import cluster_from_devices
+from hetrain.planning.planner import pipeline_bubble, plan_job
+from hetrain.planning.plan import PipelinePlan
+from hetrain.vocabulary import PIPELINE_STRATEGIES
+from tests.distributed import run_ranks
+from tests.pipeline.common import make_model, pipeline_plan, reference, train
+from tests.pipeline.gpt_3b import gpt_3b
+
+CLUSTER = "a100-sxm4-40gb:4,v100-sxm2-32gb:4"
+
+
+def plan_3b():
+    return plan_job(cluster_from_devices(CLUSTER), gpt_3b(), 512, strategy="auto").plan
+
+
+def hybrid_3b():
+    """The planner's best hybrid (replicated pipeline) for the same job."""
+    result = plan_job(cluster_from_devices(CLUSTER), gpt_3b(), 512, strategy="auto")
+    return next(c.plan for c in result.candidates if c.strategy == "hybrid" and c.feasible)
+
+
+def test_bubble_formula():
+    assert pipeline_bubble(1, 8) == 0.0
+    assert math.isclose(pipeline_bubble(3, 8), 2 / 10)
+
+
+def test_auto_picks_a_pipeline_for_a_3b_model_and_says_why():
+    plan = plan_3b()
+    assert plan.strategy in PIPELINE_STRATEGIES and plan.pipeline is not None
+    assert plan.sharding == "none"
+    p, m = len(plan.pipeline.stages), plan.pipeline.microbatches
+    bubble = f"{pipeline_bubble(p, m):.1%}"
+    assert any("fits on no single device" in n for n in plan.notes), plan.notes
+    assert any(f"predicted bubble (p-1)/(m+p-1) = {bubble}" in n for n in plan.notes), plan.notes
+    # the partition covers the 34 blocks in order, stages of unequal size
+    assert plan.pipeline.stages[0][0] == 0 and plan.pipeline.stages[-1][1] == 34
+    assert len({b - a for a, b in plan.pipeline.stages}) > 1
+
+
+def _scaled(plan, global_batch: int, microbatches: int):
+    """The plan's devices, precisions, partition and replica shares; a global batch CPU ranks can run."""
+    scale = global_batch / plan.global_batch_size
+    ranks = [r.model_copy(update={"share": round(r.share * scale), "micro_batch": None, "grad_accum": 1})
+             for r in plan.ranks]
+    pipeline = PipelinePlan(stages=plan.pipeline.stages, schedule=plan.pipeline.schedule, microbatches=microbatches)
+    return plan.model_copy(update={"global_batch_size": global_batch, "ranks": ranks, "pipeline": pipeline})
+
+
+def test_the_3b_plan_runs_on_cpu_ranks_scaled_down():
+    """Every rank of the plan (its devices' precisions, bf16 and fp16 with one loss scale) on a 34-block model."""
+    plan = _scaled(plan_3b(), global_batch=16, microbatches=8)
+    results = run_ranks(train, plan.world_size, plan, 1, 32, timeout=240)
+    want = reference(1, 16, layers=32)[0]
+    start = make_model(32).state_dict()
+    losses = [l for r in results for l in r["losses"]]
+    assert all(math.isfinite(l) for l in losses) and len(set(losses)) == 1
+    held = {k for r in results for k in r["states"][0]}
+    assert held == set(want)                                  # every block ran on some stage
+    for r in results:
+        for k, v in r["states"][0].items():
+            moved = (want[k] - start[k]).abs().max().item()
+            assert (v - want[k]).abs().max().item() <= 0.1 * moved + 1e-3   # low precision, same update
+
+
+def test_the_3b_hybrid_plan_runs_on_cpu_ranks_scaled_down():
+    """The planner's replicated pipeline: replicas of stages on A100s and V100s, the global-batch update."""
+    plan = _scaled(hybrid_3b(), global_batch=16, microbatches=2)
+    assert plan.strategy == "hybrid" and len(plan.pipeline.stages) < plan.world_size
+    results = run_ranks(train, plan.world_size, plan, 1, 32, timeout=240)
+    want = reference(1, 16, layers=32)[0]
+    start = make_model(32).state_dict()
+    assert len({l for r in results for l in r["losses"]}) == 1
+    assert {k for r in results for k in r["states"][0]} == set(want)
+    for r in results:
+        for k, v in r["states"][0].items():
+            moved = (want[k] - start[k]).abs().max().item()
+            assert (v - want[k]).abs().max().item() <= 0.1 * moved + 1e-3
+
+
+def test_plans_the_runtime_cannot_run_are_refused_with_the_fix():
+    import pytest
+
+    import hetrain
+    from hetrain.errors import HetrainError
+    from hetrain.planning.plan import Plan, RankPlan
+
+    missing = Plan(global_batch_size=8, strategy="pipeline", pipeline=PipelinePlan(stages=[[0, 2], [2, 4]]),
+                   ranks=[RankPlan(rank=0, share=8)])
+    with pytest.raises(HetrainError, match=r"stages have \[1, 0\] ranks.*--strategy pipeline"):
+        hetrain.Session(missing)
+    sharded = pipeline_plan([[0, 2], [2, 8]], "1f1b", 4, 12).model_copy(update={"sharding": "zero1"})
+    with pytest.raises(HetrainError, match="inside pipeline stages, where hetrain runs FSDP2 only"):
+        hetrain.Session(sharded)
+    no_partition = Plan(global_batch_size=8, strategy="pipeline", ranks=[RankPlan(rank=0, share=8, stage=1)])
+    with pytest.raises(HetrainError, match="no pipeline partition"):
+        hetrain.Session(no_partition)
+
+
+def test_a_pipeline_needs_a_global_batch_of_at_least_its_ranks():
+    """The session reads part of each global batch on every rank, so the planner asks for it up front."""
+    import pytest
+
+    from hetrain.errors import HetrainError
+
+    with pytest.raises(HetrainError, match="at least 8"):
+        plan_job(cluster_from_devices(CLUSTER), gpt_3b(), 4, strategy="pipeline")
