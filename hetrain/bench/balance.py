@@ -2,7 +2,8 @@
 
 Figures are ratios measured in one run: `speedup` = balanced / uniform samples/s, and
 `efficiency` = balanced / ideal, where ideal is the sum of each rank's own rate training alone
-(no communication) in the same run. The modes alternate in blocks of a few steps, so a drift of
+(no communication) in the same run. With `--metrics`, hetrain also runs blocks with its Prometheus
+metrics on (the same session, the observer attached): `metrics_overhead_ratio` = on / off. The modes alternate in blocks of a few steps, so a drift of
 the machine's speed during the run falls on each of them alike; each rate is the median over its
 blocks (solo blocks have the same length), and the mean over all timed steps is reported beside
 it, with the speed-up and efficiency those means give.
@@ -28,6 +29,8 @@ def add_job_options(parser: argparse.ArgumentParser, steps: int = 100) -> None:
     parser.add_argument("--model", choices=["cnn", "mlp"], default="cnn", help="a small CNN, or an MLP")
     parser.add_argument("--hidden", type=int, default=64, help="CNN channels or MLP width")
     parser.add_argument("--interval", type=int, default=5, help="balancer interval in steps")
+    parser.add_argument("--metrics", action="store_true",
+                        help="also time hetrain with its Prometheus metrics on (metrics_overhead_ratio)")
 
 
 def run_job(args: argparse.Namespace, *, progress: bool, schedule: str,
@@ -47,6 +50,10 @@ def run_job(args: argparse.Namespace, *, progress: bool, schedule: str,
                     "--out", str(out)]
         if progress:
             job_args.append("--progress")
+        if "metrics" in phases.split(","):
+            from hetrain.metrics.serve import free_base_port
+
+            job_args += ["--metrics-port", str(free_base_port(len(speeds)))]
         launch(LaunchConfig(script="hetrain.bench.balance_job", module=True, script_args=job_args,
                             nproc_per_node=len(speeds), emulate_speeds=speeds))
         return json.loads(out.read_text())
@@ -57,7 +64,8 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    r = run_job(args, progress=False, schedule="interleaved")
+    phases = "solo,uniform,balanced" + (",metrics" if args.metrics else "")
+    r = run_job(args, progress=False, schedule="interleaved", phases=phases)
     uniform, balanced = r["uniform"]["samples_per_s"], r["balanced"]["samples_per_s"]
     ideal = sum(r["solo_samples_per_s"])
     return {
@@ -80,4 +88,8 @@ def run(args: argparse.Namespace) -> dict:
         "uniform_idle_fraction": r["uniform"]["idle_fraction"],
         "balanced_idle_fraction": r["balanced"]["idle_fraction"],
         "solo_samples_per_s": r["solo_samples_per_s"],
+        **({"metrics_samples_per_s": r["metrics"]["samples_per_s"],
+            "metrics_overhead_ratio": r["metrics"]["samples_per_s"] / balanced,
+            "metrics_mean_overhead_ratio": r["metrics"]["mean_samples_per_s"] / r["balanced"]["mean_samples_per_s"]}
+           if "metrics" in r else {}),
     }

@@ -47,6 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block", type=int, default=3, help="steps per block when interleaved")
     p.add_argument("--out", required=True)
     p.add_argument("--progress", action="store_true")
+    p.add_argument("--metrics-port", type=int, default=None, help="base port of the metrics phase")
     return p.parse_args(argv)
 
 
@@ -204,6 +205,37 @@ class BalancedRunner:
                                   for c in self.session.balancer.changes]}
 
 
+class MetricsRunner:
+    """hetrain with its Prometheus metrics on: the balanced runner's session, with the metrics
+    observer attached for these steps only (so on and off run on the same split and weights)."""
+
+    name = "metrics"
+
+    def __init__(self, balanced: BalancedRunner, port: int) -> None:
+        s = balanced.session
+        s.reports.start_metrics(port=port, rank=s.rank, local_rank=s.local_rank, world_size=s.world_size,
+                                device=s.device, device_name=s.entry.device, job="bench-balance",
+                                predicted_step_seconds=None, restart_count=0, module=s.prepared.module)
+        self.metrics = s.reports.observers.pop()
+        self.balanced, self.model = balanced, balanced.model
+        self.last_compute = 0.0
+
+    def step(self) -> None:
+        observers = self.balanced.session.reports.observers
+        observers.append(self.metrics)
+        try:
+            self.balanced.step()
+        finally:
+            observers.remove(self.metrics)
+        self.last_compute = self.balanced.last_compute
+
+    def current_shares(self) -> list[int]:
+        return self.balanced.current_shares()
+
+    def extra(self) -> dict:
+        return {}
+
+
 class Timed:
     """Wall and compute seconds of the timed steps of one mode, between barriers."""
 
@@ -278,7 +310,7 @@ def run_schedule(args, runners: dict, solo: SoloRunner | None, progress) -> dict
     return timed
 
 
-LABELS = {"uniform": "plain DDP, even split", "balanced": "hetrain, balanced"}
+LABELS = {"uniform": "plain DDP, even split", "balanced": "hetrain, balanced", "metrics": "hetrain, metrics on"}
 
 
 @torch.no_grad()
@@ -312,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         solo = SoloRunner(args, train, speed) if "solo" in phases else None
         runners = {name: (UniformRunner if name == "uniform" else BalancedRunner)(args, train, speed)
                    for name in ("uniform", "balanced") if name in phases}
+        if "metrics" in phases:
+            runners["metrics"] = MetricsRunner(runners["balanced"], args.metrics_port)
         timed = run_schedule(args, runners, solo, progress)
         if solo is not None:
             result["solo_samples_per_s"] = gather(solo.samples_per_s())

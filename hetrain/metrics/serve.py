@@ -50,6 +50,17 @@ def check_ports_free(base: int, nproc_per_node: int, addr: str = BIND_ADDR) -> N
                 raise
 
 
+def free_base_port(count: int, start: int = 19400, addr: str = BIND_ADDR) -> int:
+    """A base port with `count` free ports after it (for jobs hetrain starts itself, e.g. benchmarks)."""
+    for base in range(start, MAX_PORT - count, count):
+        try:
+            check_ports_free(base, count, addr)
+            return base
+        except HetrainError:
+            continue
+    raise HetrainError(f"no {count} consecutive free ports from {start}; free some, or pass --metrics-port")
+
+
 def serve(registry: CollectorRegistry, base: int, local_rank: int, addr: str = BIND_ADDR) -> Any:
     """Start serving `registry` on base + local_rank; returns the server (call `.shutdown()`)."""
     port = base + local_rank
