@@ -1,10 +1,11 @@
 """The step's gradients made final: unscaled, normalised by the global item count, checked, clipped.
 
 After the last backward of a step the gradients hold `sum(items_i * grad_i) * scale / estimate`
-(see `hetrain.runtime.step_state`). One all-reduce of three numbers per step (this rank's items,
-whether its gradients are finite, its loss sum) gives every rank the same global item count, the
-same verdict on overflow and the step's global mean loss; the gradients are then divided by the
-loss scale and by `global_items / estimate` in one fused pass where torch offers it. A non-finite
+(see `hetrain.runtime.step_state`). One small all-reduce per step (this rank's items, its loss sum
+and, for sharded gradients, whether they are finite) gives every rank the same global item count,
+the same verdict on overflow and the step's global mean loss; under DDP it is launched before the
+last backward and travels while backward computes. The gradients are then divided by the loss
+scale and by `global_items / estimate` in one fused pass where torch offers it. A non-finite
 gradient on any rank, in any precision, makes every rank skip the step (docs/design.md, invariant 4).
 """
 
@@ -14,6 +15,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,18 +58,57 @@ def _unscale_and_check(grads: Sequence[torch.Tensor], inv_scale: float, device: 
     return found
 
 
-def finish_gradients(params: Iterable[torch.nn.Parameter], state: StepState, loss_scale: float,
-                     device: torch.device, group: dist.ProcessGroup | None = None) -> GradientStatus:
-    """Unscale, all-reduce the step's figures, normalise by the global item count (collective)."""
-    grads = [local_tensor(g) for g in gradients(params)]
-    found = _unscale_and_check(grads, 1.0 / loss_scale, device)
+@dataclass
+class StepFigures:
+    """The step's (items, -, loss sum, losses) all-reduce, launched before the last backward so that it
+    travels while backward computes (gradients that end replicated on every rank need no more)."""
+
+    packet: torch.Tensor
+    work: Any = None   # its own all-reduce; None when it travels with the last gradient bucket
+
+
+def _packet(state: StepState, device: torch.device) -> torch.Tensor:
     has_loss = 1.0 if state.loss_sum is not None else 0.0
     packet = torch.tensor([state.items, 0.0, 0.0, has_loss], dtype=torch.float64, device=device)
-    packet[1] = found.to(torch.float64)[0]
     if state.loss_sum is not None:
         packet[2] = state.loss_sum.to(device=device, dtype=torch.float64)
-    dist.all_reduce(packet, group=group)
-    global_items, bad, loss_sum, losses = packet.tolist()
+    return packet
+
+
+def launch_step_figures(state: StepState, device: torch.device, group: dist.ProcessGroup | None = None, *,
+                        with_gradients: Any = None) -> StepFigures:
+    """Start summing the step's item count and loss over the ranks (call it before the last backward):
+    in the last gradient bucket's all-reduce when `with_gradients` (the DDP hook state) takes them,
+    else in an all-reduce of their own."""
+    packet = _packet(state, device)
+    if with_gradients is not None:
+        figures = StepFigures(packet)
+        with_gradients.figures = figures
+        return figures
+    return StepFigures(packet, dist.all_reduce(packet, group=group, async_op=True))
+
+
+def finish_gradients(params: Iterable[torch.nn.Parameter], state: StepState, loss_scale: float,
+                     device: torch.device, group: dist.ProcessGroup | None = None,
+                     launched: StepFigures | None = None) -> GradientStatus:
+    """Unscale, agree on the step's figures, normalise by the global item count (collective).
+
+    With `launched` figures the gradients must be replicated (DDP, ZeRO-1): every rank then holds
+    the same averaged gradients, so its own check for NaN/inf is every rank's verdict. Otherwise
+    (sharded FSDP2 gradients, pipeline stages) the verdict travels in one all-reduce with the figures.
+    """
+    grads = [local_tensor(g) for g in gradients(params)]
+    found = _unscale_and_check(grads, 1.0 / loss_scale, device)
+    if launched is not None:
+        if launched.work is not None:
+            launched.work.wait()
+        global_items, _, loss_sum, losses = launched.packet.tolist()
+        bad = float(found.item())
+    else:
+        packet = _packet(state, device)
+        packet[1] = found.to(torch.float64)[0]
+        dist.all_reduce(packet, group=group)
+        global_items, bad, loss_sum, losses = packet.tolist()
     found_inf = bad > 0 or loss_sum != loss_sum
     if not found_inf and global_items > 0:
         correction = state.estimate() / global_items

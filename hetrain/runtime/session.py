@@ -39,7 +39,8 @@ from hetrain.runtime.data import HeteroLoader, make_loader
 from hetrain.runtime.environment import (RankEnv, collective_timeout, configure_logging, env_int, init_process_group,
                                          pick_device, print_user_errors_as_one_line, progress_timeout)
 from hetrain.runtime.events import StepRecord
-from hetrain.runtime.gradients import GradientStatus, SkipCounter, clip_gradients, finish_gradients
+from hetrain.runtime.gradients import (GradientStatus, SkipCounter, StepFigures, clip_gradients, finish_gradients,
+                                       launch_step_figures)
 from hetrain.runtime.reporting import Reports, comm_bytes
 from hetrain.runtime.parallelize import Prepared, gradient_sync, parallelize
 from hetrain.runtime.pipeline_schedule import PipelineRunner, item_counter, prepare_pipeline
@@ -48,7 +49,7 @@ from hetrain.runtime.plan_entries import Assignment, assign_entries, local_devic
 from hetrain.runtime.precision import JobLossScaler, autocast, configure_tf32
 from hetrain.runtime.resume import SessionCheckpoints
 from hetrain.runtime.step_state import StepState, items_as_number
-from hetrain.runtime.timing import StepTimer, emulated_speed
+from hetrain.runtime.timing import StepTimer, TimedHookState, emulated_speed
 from hetrain.runtime.train_state import TrainState
 from hetrain.runtime.watchdog import ProgressWatch, die_with_parent
 from hetrain.vocabulary import Env
@@ -116,6 +117,8 @@ class Session:
         self.step_seconds: collections.deque[float] = collections.deque(maxlen=TIMING_HISTORY)
         self.compute_seconds: collections.deque[float] = collections.deque(maxlen=TIMING_HISTORY)
         self._status: GradientStatus | None = None
+        self._launched: StepFigures | None = None   # the step's figures, on their way to every rank
+        self._launched_for: tuple | None = None
         self._grad_norm: float | None = None
         self.skips = SkipCounter(max_skipped_steps)
         self._last_step_end: float | None = None
@@ -289,6 +292,7 @@ class Session:
         items = self.state.current_samples() if num_items is None else items_as_number(num_items)
         self.reports.saw_items(items)
         self.state.record_backward(loss, items)
+        self._launch_figures()
         if items == 0 and self.sharding == "fsdp":
             # No items: exact zeros through the forward's graph, which FSDP2's reduce-scatter needs.
             weighted = torch.nan_to_num(loss) * 0.0
@@ -300,6 +304,21 @@ class Session:
         self.scaler.scale_loss(weighted).backward()
         self._status = None
 
+    def _launch_figures(self) -> None:
+        """Before the step's last backward, start the all-reduce of its items and loss (replicated gradients)."""
+        if not self.state.last_micro or self.sharding == "fsdp" or self.pipeline is not None:
+            return
+        if self._launched is not None:
+            if self._launched_for == (self.state.begun, self.state.micro_samples):
+                raise HetrainError("session.backward() was called twice for one batch; add the losses and call it "
+                                   "once (with num_items of the combined loss)")
+            if self._launched.work is not None:   # a step left without step(): its figures are not needed
+                self._launched.work.wait()
+        self._launched_for = (self.state.begun, self.state.micro_samples)
+        # plain DDP: the figures ride in the last gradient bucket's all-reduce, no collective of their own
+        carrier = self.prepared.comm_state if isinstance(self.prepared.comm_state, TimedHookState) else None
+        self._launched = launch_step_figures(self.state, self.device, with_gradients=carrier)
+
     def _finish_gradients(self) -> GradientStatus:
         """Unscale and normalise the step's gradients once, agreeing with every rank (collective)."""
         if self._status is None:
@@ -309,7 +328,8 @@ class Session:
                 self.timer.compute_s = self.pipeline.take_busy_seconds()   # the stage's own compute this step
                 self.pipeline.sync_gradients()
             self._status = finish_gradients(self.prepared.model.parameters(), self.state, self.scaler.scale,
-                                            self.device)
+                                            self.device, launched=self._launched)
+            self._launched = None
         return self._status
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:

@@ -45,6 +45,7 @@ class StepState:
         self.loss_sum: torch.Tensor | None = None   # sum of loss * items over this step's backwards
         self.backwards = 0
         self.items_per_sample = 1.0             # the last finished step's global items / global samples
+        self.begun = 0                          # steps begun (tells one step's batch from the next)
         self.last: StepTotals | None = None
 
     @property
@@ -54,6 +55,7 @@ class StepState:
     def begin_step(self, local_samples: int, global_samples: int) -> None:
         """The loader hands out this rank's part of a new global batch."""
         self.local_samples, self.global_samples = int(local_samples), int(global_samples)
+        self.begun += 1
         self.micro_samples, self.last_micro = None, True
         self.items, self.loss_sum, self.backwards = 0.0, None, 0
 

@@ -113,6 +113,7 @@ class TimedHookState:
     inner_state: Any
     inner_hook: Callable[[Any, dist.GradBucket], torch.futures.Future]
     stats: Any = None   # a CommStats counting the bytes of a plain all-reduce (compressing hooks count their own)
+    figures: Any = None  # a StepFigures to sum with the last bucket (plain all-reduce only), set per step
 
 
 def timed_hook(state, bucket):
@@ -124,4 +125,23 @@ def timed_hook(state, bucket):
 
         buf = bucket.buffer()
         state.stats.add(allreduce_bytes(buf.numel() * buf.element_size(), dist.get_world_size()))
+    figures, state.figures = (state.figures, None) if bucket.is_last() else (None, state.figures)
+    if figures is not None and state.inner_state is None:
+        return _allreduce_with_figures(bucket, figures)
     return state.inner_hook(state.inner_state, bucket)
+
+
+def _allreduce_with_figures(bucket, figures):
+    """The last bucket's average, with the step's few figures summed in the same all-reduce (no
+    collective of their own): the bucket and the figures travel as one tensor."""
+    buf = bucket.buffer()
+    n = figures.packet.numel()
+    flat = torch.cat([buf, figures.packet.to(device=buf.device, dtype=buf.dtype)])
+    world = dist.get_world_size()
+
+    def split(fut):
+        out = fut.value()[0]
+        figures.packet = out[-n:].to(torch.float64)
+        return out[:-n].div_(world)
+
+    return dist.all_reduce(flat, async_op=True).get_future().then(split)
