@@ -18,6 +18,7 @@ BENCHES = {
     "recover": "a rank killed mid-run and restarted: steps lost, recovery time, checkpoint cost",
     "comm": "bytes per step and accuracy for each gradient compression",
     "predict": "a plan from a measured CPU profile against the measured step time of the job it plans",
+    "data": "plain DDP with DataLoader workers against hetrain's loader, on decoded JPEG images",
 }
 
 

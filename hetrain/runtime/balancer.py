@@ -42,6 +42,7 @@ from hetrain.planning.plan import BalancePlan
 log = logging.getLogger("hetrain.balance")
 
 SIGNIFICANCE = 3.0      # standard errors the measured gap between ranks must exceed
+CONTINUE_SIGNIFICANCE = 2.0   # ... to continue the last re-split's move, right after it
 MEDIAN_SE = 1.2533      # standard error of a median of k normal draws: 1.2533 * sd / sqrt(k)
 MIN_SCATTER = 0.01      # the least step-to-step scatter assumed, as a fraction of the median
 LOAD_MEMORY = 3         # intervals of `history` each rank's best recent speed is looked for in
@@ -134,18 +135,22 @@ def _agree(move: Sequence[int], other: Sequence[int]) -> bool:
 
 
 def bounded_move(old: Sequence[int], new: Sequence[int], bound: float | None,
-                 last_move: Sequence[int] | None) -> tuple[list[int], float]:
+                 last_move: Sequence[int] | None, reversed_before: bool = False) -> tuple[list[int], float]:
     """(the split ``new`` approached from ``old`` moving no rank by more than the bound, the bound used).
 
-    The bound is ``FIRST_MOVE`` of an even share for the first re-split; it doubles when a re-split
-    continues the last one's direction and halves when it reverses it. A real speed difference
-    asks for the same direction again and again and is reached in a few re-splits; outside load
-    that comes and goes asks for reversals, and its swings shrink."""
+    The bound is ``FIRST_MOVE`` of an even share for the first re-split; until the direction first
+    turns it doubles with each re-split that continues the last one's direction (a real speed
+    difference asks for the same direction again and again and is reached in a few re-splits).
+    A re-split that reverses the last one halves it, and after a reversal it no longer grows:
+    outside load that comes and goes asks for reversals, and its swings shrink."""
     delta = [b - a for a, b in zip(old, new)]
     if bound is None:
         bound = FIRST_MOVE * sum(old) / len(old)
     elif last_move is not None and len(last_move) == len(delta):
-        bound = bound * (2.0 if _agree(delta, last_move) else 0.5)
+        if not _agree(delta, last_move):
+            bound *= 0.5
+        elif not reversed_before:
+            bound *= 2.0
     bound = max(bound, 1.0)
     scale = min(1.0, bound / max(abs(d) for d in delta))
     if scale >= 1.0:
@@ -187,6 +192,8 @@ class Balancer:
     _move_bound: float | None = None           # samples a rank may move at the next re-split (None: first)
     _last_move: list[int] | None = None        # each rank's change of share at the last re-split
     _asked: list[int] | None = None            # the move the last re-split found and left to confirm
+    _streak: bool = False                      # the last re-split with figures moved the split
+    _reversed: bool = False                    # some re-split turned the direction of the one before
 
     def __post_init__(self) -> None:
         if self._skip is None:
@@ -289,24 +296,28 @@ class Balancer:
         new, t_old, t_new = rebalance(self.shares, costs, min_share=min_share,
                                       max_share=self.config.max_share, hysteresis=self.config.hysteresis)
         asked, self._asked = self._asked, None
+        streak, self._streak = self._streak, False
         if new == self.shares:
             return False
-        new, bound = bounded_move(self.shares, new, self._move_bound, self._last_move)
+        new, bound = bounded_move(self.shares, new, self._move_bound, self._last_move, self._reversed)
         t_new = step_time(new, costs)
-        if not self._gap_is_real(observed, loads):
+        move = [b - a for a, b in zip(self.shares, new)]
+        # a re-split right after one that went the same way continues a confirmed move
+        continues = streak and self._last_move is not None and _agree(move, self._last_move)
+        if not self._gap_is_real(observed, loads, CONTINUE_SIGNIFICANCE if continues else SIGNIFICANCE):
             log.debug("step %d: kept split %s: the gap between ranks is within their noise (%s)", step,
                       self.shares, ", ".join(f"{1e3 * m.window_seconds:.1f}±{1e3 * m.standard_error():.1f} ms"
                                              for m in observed))
             return False
-        move = [b - a for a, b in zip(self.shares, new)]
-        continues = self._last_move is not None and _agree(move, self._last_move)
         if not continues and (asked is None or not _agree(move, asked)):
             self._asked = move   # confirmed at the next re-split, or dropped: a passing load asks once
             log.debug("step %d: split %s -> %s waits for the next interval to confirm it", step, self.shares, new)
             return False
         self.changes.append(SplitChange(step, list(self.shares), new, t_old, t_new))
-        self._last_move = [b - a for a, b in zip(self.shares, new)]
+        self._reversed = self._reversed or (self._last_move is not None and not _agree(move, self._last_move))
+        self._last_move = move
         self._move_bound = bound
+        self._streak = True
         log.info("step %d: split %s -> %s (predicted compute per step %.1f ms -> %.1f ms)",
                  step, self.shares, new, 1e3 * t_old, 1e3 * t_new)
         self.shares = new
@@ -332,7 +343,8 @@ class Balancer:
         return best if best <= LOADED else 1.0   # a smaller difference is noise, not load
 
     @staticmethod
-    def _gap_is_real(observed: Sequence[RankMeasurement], loads: Sequence[float] | None = None) -> bool:
+    def _gap_is_real(observed: Sequence[RankMeasurement], loads: Sequence[float] | None = None,
+                     significance: float = SIGNIFICANCE) -> bool:
         """True if the slowest rank's window median exceeds the fastest's by more than noise
         (each median taken without the outside load its `loads` factor removes)."""
         loads = loads or [1.0] * len(observed)
@@ -340,7 +352,7 @@ class Balancer:
         if len(timed) < 2:
             return True   # a rank without figures, or just one: nothing to weigh the gap against
         slow, fast = max(timed), min(timed)
-        return slow[0] - fast[0] > SIGNIFICANCE * math.hypot(slow[1], fast[1])
+        return slow[0] - fast[0] > significance * math.hypot(slow[1], fast[1])
 
     def state_dict(self) -> dict:
         return {"shares": list(self.shares),
@@ -351,7 +363,8 @@ class Balancer:
                 "window": [list(p) for p in self._window],
                 "scatter": [list(x) for x in self._scatter],
                 "skip": self._skip, "steps_seen": self._steps_seen,
-                "move_bound": self._move_bound, "last_move": self._last_move, "asked": self._asked}
+                "move_bound": self._move_bound, "last_move": self._last_move, "asked": self._asked,
+                "streak": self._streak, "reversed": self._reversed}
 
     def load_state_dict(self, state: dict) -> None:
         self.shares = [int(s) for s in state["shares"]]
@@ -366,3 +379,5 @@ class Balancer:
         self._move_bound = state.get("move_bound")
         self._last_move = state.get("last_move")
         self._asked = state.get("asked")
+        self._streak = bool(state.get("streak", False))
+        self._reversed = bool(state.get("reversed", False))
