@@ -18,11 +18,18 @@ goes through the origin too. That proportional line is steeper than the truth wh
 fixed part, so the split moves most of the way and never past the balance point: it settles in a
 few re-splits without swinging.
 
-Two guards keep noise from moving samples. Medians ignore a step slowed by outside load. And the
-split changes only when the modelled step time falls by more than ``hysteresis`` *and* the gap
-between the slowest and the fastest rank exceeds three standard errors from the windows' own
-scatter: a gap the noise could have made is left alone until more steps confirm it. The first
-step after a change pays for allocating tensors of the new sizes and is not measured.
+Guards keep noise and outside load from moving samples:
+- medians ignore a step slowed by outside load;
+- a rank that ran more than 20% faster, at about its current share, in two of its recent
+  intervals (``LOAD_MEMORY * history``) is modelled at that speed: outside load only adds time;
+- the split changes only when the modelled step time falls by more than ``hysteresis`` *and* the
+  gap between the slowest and the fastest rank exceeds three standard errors from the windows'
+  own scatter, and two consecutive intervals ask for the same direction (the re-split right after
+  one may continue its direction at two standard errors);
+- each re-split moves a rank by a bounded amount (`bounded_move`): 10% of an even share first,
+  doubling while the direction holds until it first turns, halving at each turn.
+A split decided at step t reaches the loop ``lag`` steps later (the loader's prefetch depth); those
+steps, and the first one at the new sizes (it allocates), are not measured.
 """
 
 from __future__ import annotations

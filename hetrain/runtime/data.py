@@ -275,6 +275,11 @@ def make_loader(dataset: Any, global_batch_size: int, *, shuffle: bool = True, s
     common = dict(rank=rank, split=split, step=step, device=device, micro_batch=micro_batch, grad_accum=grad_accum,
                   gradient_sync=gradient_sync, collate_fn=collate_fn, lag=lag, **dataloader_options)
     if isinstance(dataset, IterableDataset):
+        if dataloader_options.get("persistent_workers"):
+            raise HetrainError(
+                "persistent_workers=True with a stream (IterableDataset): persistent workers keep the stream "
+                "position they started with, so a resumed or later pass would read the wrong batches; drop it"
+            )
         if global_batch_size < 1:
             raise HetrainError(f"global_batch_size must be >= 1, got {global_batch_size}")
         if shuffle:
