@@ -3,7 +3,8 @@
 One job on 2 ranks (hetrain/bench/data_job.py) measures, in one run: plain DDP (DistributedSampler
 and DataLoader with W workers) and hetrain's loader with the same workers at speeds 1,1 and at
 emulated speeds 1,0.5; then one rank's input pipeline slowed (fewer workers) with hetrain's split
-held even and balanced. Figures are ratios measured in the same run:
+held even and balanced. The two modes of each comparison alternate timed blocks of steps, and each
+rate is the median over its blocks. Figures are ratios measured in the same run:
 `equal_speed_ratio` = hetrain / plain DDP at 1,1; `speedup` = hetrain / plain DDP at 1,0.5;
 `slow_loader_speedup` = hetrain balanced / even split with one rank's loader slowed.
 """
@@ -24,8 +25,9 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slow-workers", type=int, default=0, help="workers of the rank whose loader is slowed")
     parser.add_argument("--global-batch", type=int, default=64)
     parser.add_argument("--samples", type=int, default=1024, help="images in the dataset")
-    parser.add_argument("--steps", type=int, default=40, help="timed steps per phase")
-    parser.add_argument("--warmup", type=int, default=30, help="untimed steps per phase (the balancer settles)")
+    parser.add_argument("--steps", type=int, default=40, help="timed steps per mode")
+    parser.add_argument("--warmup", type=int, default=40, help="untimed steps per mode (the balancer settles)")
+    parser.add_argument("--block", type=int, default=4, help="steps per timed block; the modes compared alternate")
     parser.add_argument("--width", type=int, default=16, help="CNN channels")
     parser.add_argument("--interval", type=int, default=5, help="balancer interval in steps")
 
@@ -41,7 +43,7 @@ def run(args: argparse.Namespace) -> dict:
         job_args = ["--workers", str(args.workers), "--slow-workers", str(args.slow_workers),
                     "--global-batch", str(args.global_batch), "--samples", str(args.samples),
                     "--steps", str(args.steps), "--warmup", str(args.warmup), "--width", str(args.width),
-                    "--interval", str(args.interval), "--out", str(out)]
+                    "--interval", str(args.interval), "--block", str(args.block), "--out", str(out)]
         launch(LaunchConfig(script="hetrain.bench.data_job", module=True, script_args=job_args, nproc_per_node=2))
         r = json.loads(out.read_text())
     rate = {k: r[k]["samples_per_s"] for k in ("ddp_1_1", "hetrain_1_1", "ddp_1_0.5", "hetrain_1_0.5",

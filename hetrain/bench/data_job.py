@@ -1,9 +1,12 @@
 """The worker of `hetrain bench data` (run under `hetrain launch -m`): reading real images with workers.
 
 A map-style dataset whose `__getitem__` decodes a JPEG (PIL, from bytes in memory) and a small CNN.
-Phases, one after the other in one process group, each timed between barriers after its warm-up:
-- plain DDP: `DistributedSampler` + `DataLoader(num_workers=W)`, even split, at speeds 1,1 and 1,0.5;
-- hetrain: `session.loader(..., num_workers=W)`, balanced, at the same speeds;
+Three comparisons in one process group; in each, both modes are warmed up, then timed in
+alternating blocks of steps between barriers (a drift of the machine's speed falls on both alike),
+and each rate is the median over its blocks:
+- speeds 1,1: plain DDP (`DistributedSampler` + `DataLoader(num_workers=W)`, even split) and
+  hetrain (`session.loader(..., num_workers=W)`, balanced);
+- emulated speeds 1,0.5: the same two;
 - one rank's input pipeline slowed (fewer workers), speeds 1,1: hetrain with an even split, and balanced.
 Speeds are emulated as in every hetrain benchmark (a rank at speed s pads its compute to 1/s).
 Rank 0 writes the figures as JSON.
@@ -15,6 +18,7 @@ import argparse
 import io
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -79,6 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=30, help="steps per phase not timed (the balancer settles)")
     p.add_argument("--width", type=int, default=16)
     p.add_argument("--interval", type=int, default=5)
+    p.add_argument("--block", type=int, default=4, help="steps per timed block; modes alternate blocks")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -88,65 +93,77 @@ def _cycle(make_iter):
         yield from make_iter()
 
 
-def plain_ddp(args, data, speed: float | None) -> dict:
+class PlainDDP:
     """Plain DDP: DistributedSampler + DataLoader with the same workers, even split."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = small_cnn(args.width)
-    ddp = DistributedDataParallel(model)
-    timer = StepTimer(speed=speed)
-    ddp.register_comm_hook(TimedHookState(timer, None, default_hooks.allreduce_hook), timed_hook)
-    ddp.register_forward_pre_hook(timer.forward_pre_hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True)
-    loader = DataLoader(data, batch_size=args.global_batch // world, sampler=sampler, num_workers=args.workers,
-                        drop_last=True, persistent_workers=args.workers > 0)
-    epoch = [0]
 
-    def epoch_iter():
-        sampler.set_epoch(epoch[0])
-        epoch[0] += 1
-        return iter(loader)
+    def __init__(self, args, data, slow: float | None) -> None:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        self.model = small_cnn(args.width)
+        self.ddp = DistributedDataParallel(self.model)
+        self.timer = StepTimer(speed=slow if rank == 1 else None)
+        self.ddp.register_comm_hook(TimedHookState(self.timer, None, default_hooks.allreduce_hook), timed_hook)
+        self.ddp.register_forward_pre_hook(self.timer.forward_pre_hook)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
+        self.sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True)
+        self.loader = DataLoader(data, batch_size=args.global_batch // world, sampler=self.sampler,
+                                 num_workers=args.workers, drop_last=True, persistent_workers=args.workers > 0)
+        self.epoch = 0
+        self.batches = _cycle(self._epoch)
+        self.shares = [args.global_batch // world] * world
 
-    batches = _cycle(epoch_iter)
+    def _epoch(self):
+        self.sampler.set_epoch(self.epoch)
+        self.epoch += 1
+        return iter(self.loader)
 
-    def step() -> None:
-        x, y = next(batches)
-        F.cross_entropy(ddp(x), y).backward()
-        timer.time_optimizer(opt.step)
-        opt.zero_grad(set_to_none=True)
-        timer.end_step()
+    def step(self) -> None:
+        x, y = next(self.batches)
+        F.cross_entropy(self.ddp(x), y).backward()
+        self.timer.time_optimizer(self.opt.step)
+        self.opt.zero_grad(set_to_none=True)
+        self.timer.end_step()
 
-    return _timed(args, step, shares=[args.global_batch // world] * world)
+    def figures(self) -> dict:
+        return {"shares": self.shares}
+
+    def close(self) -> None:
+        del self.batches, self.loader
 
 
-def hetrain_loader(args, data, slow: float | None, *, balance: bool, workers: int) -> dict:
+class Hetrain:
     """hetrain's Session and loader with `workers` workers on this rank; rank 1 at speed `slow`."""
-    import hetrain
 
-    if slow is None:
+    def __init__(self, args, data, slow: float | None, *, balance: bool, workers: int) -> None:
+        import hetrain
+
+        if slow is None:
+            os.environ.pop(Env.EMULATE_SPEEDS, None)
+        else:
+            os.environ[Env.EMULATE_SPEEDS] = _speeds(slow)
+        self.session = hetrain.Session(balance=balance, balance_interval=args.interval)
+        self.model = small_cnn(args.width)
+        self.ddp, _ = self.session.prepare(self.model, torch.optim.SGD(self.model.parameters(), lr=0.05))
+        self.loader = self.session.loader(data, global_batch_size=args.global_batch, shuffle=True, seed=0,
+                                          num_workers=workers, persistent_workers=workers > 0)
+        self.batches = _cycle(lambda: iter(self.loader))
+        self.waits: list[float] = []
         os.environ.pop(Env.EMULATE_SPEEDS, None)
-    else:
-        os.environ[Env.EMULATE_SPEEDS] = _speeds(slow)
-    session = hetrain.Session(balance=balance, balance_interval=args.interval)
-    model = small_cnn(args.width)
-    ddp, opt = session.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05))
-    loader = session.loader(data, global_batch_size=args.global_batch, shuffle=True, seed=0, num_workers=workers,
-                            persistent_workers=workers > 0)
-    batches = _cycle(lambda: iter(loader))
-    waits: list[float] = []
 
-    def step() -> None:
-        x, y = next(batches)
-        waits.append(loader.data_wait_seconds)
-        session.backward(F.cross_entropy(ddp(x), y))
-        session.step()
+    def step(self) -> None:
+        x, y = next(self.batches)
+        self.waits.append(self.loader.data_wait_seconds)
+        self.session.backward(F.cross_entropy(self.ddp(x), y))
+        self.session.step()
 
-    out = _timed(args, step, shares=lambda: list(session.shares))
-    out["split_changes"] = [{"step": c.step, "new": c.new} for c in session.balancer.changes]
-    timed = waits[-args.steps:]
-    out["data_wait_ms_per_step"] = _gather(1e3 * sum(timed) / len(timed))
-    session.close()
-    return out
+    def figures(self) -> dict:
+        timed = self.waits[-40:]
+        return {"shares": list(self.session.shares),
+                "split_changes": [{"step": c.step, "new": c.new} for c in self.session.balancer.changes],
+                "data_wait_ms_per_step": _gather(1e3 * sum(timed) / len(timed))}
+
+    def close(self) -> None:
+        self.session.close()
+        del self.batches, self.loader
 
 
 def _speeds(slow: float) -> str:
@@ -160,17 +177,25 @@ def _gather(value) -> list:
     return out
 
 
-def _timed(args, step, shares) -> dict:
-    for _ in range(args.warmup):
-        step()
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        step()
-    dist.barrier()
-    wall = time.perf_counter() - t0
-    return {"samples_per_s": args.global_batch * args.steps / wall,
-            "shares": shares() if callable(shares) else shares}
+def compare(args, modes: dict) -> dict:
+    """Warm each mode up, then alternate timed blocks of `args.block` steps between them, so a drift
+    of this shared machine's speed falls on each alike; each rate is the median over its blocks."""
+    for mode in modes.values():
+        for _ in range(args.warmup):
+            mode.step()
+    rates: dict[str, list[float]] = {name: [] for name in modes}
+    for _ in range(max(1, args.steps // args.block)):
+        for name, mode in modes.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(args.block):
+                mode.step()
+            dist.barrier()
+            rates[name].append(args.global_batch * args.block / (time.perf_counter() - t0))
+    out = {name: {"samples_per_s": statistics.median(r), **modes[name].figures()} for name, r in rates.items()}
+    for mode in modes.values():
+        mode.close()
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,15 +210,16 @@ def main(argv: list[str] | None = None) -> int:
     decode_ms = 1e3 * (time.perf_counter() - t0) / 32
     slow = 0.5
     result: dict = {"world_size": dist.get_world_size(), "global_batch_size": args.global_batch,
-                    "workers": args.workers, "slow_workers": args.slow_workers, "timed_steps": args.steps,
+                    "workers": args.workers, "slow_workers": args.slow_workers,
+                    "timed_steps": args.block * max(1, args.steps // args.block),
                     "decode_ms_per_sample": _gather(decode_ms)}
-    result["ddp_1_1"] = plain_ddp(args, data, None)
-    result["hetrain_1_1"] = hetrain_loader(args, data, None, balance=True, workers=args.workers)
-    result["ddp_1_0.5"] = plain_ddp(args, data, slow if rank == 1 else None)
-    result["hetrain_1_0.5"] = hetrain_loader(args, data, slow, balance=True, workers=args.workers)
+    result.update(compare(args, {"ddp_1_1": PlainDDP(args, data, None),
+                                 "hetrain_1_1": Hetrain(args, data, None, balance=True, workers=args.workers)}))
+    result.update(compare(args, {"ddp_1_0.5": PlainDDP(args, data, slow),
+                                 "hetrain_1_0.5": Hetrain(args, data, slow, balance=True, workers=args.workers)}))
     fewer = args.slow_workers if rank == 1 else args.workers
-    result["slow_loader_even"] = hetrain_loader(args, data, None, balance=False, workers=fewer)
-    result["slow_loader_hetrain"] = hetrain_loader(args, data, None, balance=True, workers=fewer)
+    result.update(compare(args, {"slow_loader_even": Hetrain(args, data, None, balance=False, workers=fewer),
+                                 "slow_loader_hetrain": Hetrain(args, data, None, balance=True, workers=fewer)}))
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

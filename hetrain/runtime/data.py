@@ -252,6 +252,9 @@ def check_dataset(dataset: Any, options: dict[str, Any]) -> None:
             "loader's options, e.g. session.loader(dl.dataset, global_batch_size, num_workers=dl.num_workers, "
             "collate_fn=dl.collate_fn)"
         )
+    if options.get("in_order") is False:
+        raise HetrainError("session.loader(..., in_order=False) would hand out steps out of order, and each step's "
+                           "batch must be that step's slice; drop in_order=False")
     for name, owner in OWNED.items():
         if name in options:
             raise HetrainError(
