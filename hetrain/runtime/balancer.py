@@ -27,7 +27,8 @@ Guards keep noise and outside load from moving samples:
   own scatter, and two consecutive intervals ask for the same direction (the re-split right after
   one may continue its direction at two standard errors);
 - each re-split moves a rank by a bounded amount (`bounded_move`): 10% of an even share first,
-  doubling while the direction holds until it first turns, halving at each turn.
+  doubling while consecutive re-splits keep the direction (until it first turns), halving at a
+  turn; a re-split that does not directly follow another starts again at 10%.
 A split decided at step t reaches the loop ``lag`` steps later (the loader's prefetch depth); those
 steps, and the first one at the new sizes (it allocates), are not measured.
 """
@@ -306,7 +307,9 @@ class Balancer:
         streak, self._streak = self._streak, False
         if new == self.shares:
             return False
-        new, bound = bounded_move(self.shares, new, self._move_bound, self._last_move, self._reversed)
+        # a move that does not follow the last re-split directly starts again from the first bound
+        new, bound = bounded_move(self.shares, new, self._move_bound if streak else None,
+                                  self._last_move if streak else None, self._reversed)
         t_new = step_time(new, costs)
         move = [b - a for a, b in zip(self.shares, new)]
         # a re-split right after one that went the same way continues a confirmed move

@@ -117,6 +117,11 @@ class HeteroLoader:
         """Steps between a split change seen by the loader and the first step it applies to."""
         return self.schedule.lag
 
+    @property
+    def current_shares(self) -> list[int]:
+        """The split of the step last handed out (a split the balancer decides arrives `lag` steps later)."""
+        return list(self.schedule.at(max(self.run_step - 1, 0)))
+
     def __len__(self) -> int:
         if self.order is None:
             raise TypeError("a loader over a stream (IterableDataset) has no length: the stream decides when "

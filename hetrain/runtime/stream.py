@@ -42,7 +42,3 @@ class GlobalBatchStream(IterableDataset):
     def _mine(self, number: int, worker: int, workers: int) -> bool:
         return number >= self.skip and (number - self.skip) % workers == worker
 
-
-def keep_list(batch: list[Any]) -> list[Any]:
-    """The DataLoader's collate for streams: the global batch stays a list; the loader slices it."""
-    return batch
