@@ -318,7 +318,6 @@ class Balancer:
             log.debug("step %d: kept split %s: the gap between ranks is within their noise (%s)", step,
                       self.shares, ", ".join(f"{1e3 * m.window_seconds:.1f}±{1e3 * m.standard_error():.1f} ms"
                                              for m in observed))
-            self._streak = continues   # the same way, not yet beyond the noise: the next interval may
             return False
         if not continues and (asked is None or not _agree(move, asked)):
             self._asked = move   # confirmed at the next re-split, or dropped: a passing load asks once
