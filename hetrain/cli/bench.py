@@ -19,6 +19,7 @@ BENCHES = {
     "comm": "bytes per step and accuracy for each gradient compression",
     "predict": "a plan from a measured CPU profile against the measured step time of the job it plans",
     "pipeline": "the planner's uneven layer partition against an even one and data parallelism, on emulated speeds",
+    "data": "plain DDP with DataLoader workers against hetrain's loader, on decoded JPEG images",
 }
 
 

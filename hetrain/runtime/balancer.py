@@ -18,11 +18,19 @@ goes through the origin too. That proportional line is steeper than the truth wh
 fixed part, so the split moves most of the way and never past the balance point: it settles in a
 few re-splits without swinging.
 
-Two guards keep noise from moving samples. Medians ignore a step slowed by outside load. And the
-split changes only when the modelled step time falls by more than ``hysteresis`` *and* the gap
-between the slowest and the fastest rank exceeds three standard errors from the windows' own
-scatter: a gap the noise could have made is left alone until more steps confirm it. The first
-step after a change pays for allocating tensors of the new sizes and is not measured.
+Guards keep noise and outside load from moving samples:
+- medians ignore a step slowed by outside load;
+- a rank that ran more than 20% faster, at about its current share, in two of its recent
+  intervals (``LOAD_MEMORY * history``) is modelled at that speed: outside load only adds time;
+- the split changes only when the modelled step time falls by more than ``hysteresis`` *and* the
+  gap between the slowest and the fastest rank exceeds three standard errors from the windows'
+  own scatter, and two consecutive intervals ask for the same direction (the re-split right after
+  one may continue its direction at two standard errors);
+- each re-split moves a rank by a bounded amount (`bounded_move`): 10% of an even share first,
+  doubling while consecutive re-splits keep the direction (until it first turns), halving at a
+  turn; a re-split that does not directly follow another starts again at 10%.
+A split decided at step t reaches the loop ``lag`` steps later (the loader's prefetch depth); those
+steps, and the first one at the new sizes (it allocates), are not measured.
 """
 
 from __future__ import annotations
@@ -36,14 +44,19 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from hetrain.planning.batch_split import RankCost, rebalance
+from hetrain.planning.batch_split import RankCost, rebalance, step_time
 from hetrain.planning.plan import BalancePlan
 
 log = logging.getLogger("hetrain.balance")
 
 SIGNIFICANCE = 3.0      # standard errors the measured gap between ranks must exceed
+CONTINUE_SIGNIFICANCE = 2.0   # ... to continue the last re-split's move, right after it
 MEDIAN_SE = 1.2533      # standard error of a median of k normal draws: 1.2533 * sd / sqrt(k)
 MIN_SCATTER = 0.01      # the least step-to-step scatter assumed, as a fraction of the median
+LOAD_MEMORY = 3         # intervals of `history` each rank's best recent speed is looked for in
+NEAR = 0.15             # intervals within this fraction of the current share show the rank's best speed
+FIRST_MOVE = 0.1        # the first re-split moves a rank by at most this fraction of an even share
+LOADED = 0.8            # a window this much slower than the best recent interval (or more) was loaded
 
 
 @dataclass
@@ -124,6 +137,39 @@ def fit_slope(history: Sequence[tuple[float, float]], min_spread: float = 1.1,
     return slope
 
 
+def _agree(move: Sequence[int], other: Sequence[int]) -> bool:
+    """Two moves of the split go the same way (their changes of share point alike)."""
+    return len(move) == len(other) and sum(d * e for d, e in zip(move, other)) > 0
+
+
+def bounded_move(old: Sequence[int], new: Sequence[int], bound: float | None,
+                 last_move: Sequence[int] | None, reversed_before: bool = False) -> tuple[list[int], float]:
+    """(the split ``new`` approached from ``old`` moving no rank by more than the bound, the bound used).
+
+    The bound is ``FIRST_MOVE`` of an even share for the first re-split; until the direction first
+    turns it doubles with each re-split that continues the last one's direction (a real speed
+    difference asks for the same direction again and again and is reached in a few re-splits).
+    A re-split that reverses the last one halves it, and after a reversal it no longer grows:
+    outside load that comes and goes asks for reversals, and its swings shrink."""
+    delta = [b - a for a, b in zip(old, new)]
+    if bound is None:
+        bound = FIRST_MOVE * sum(old) / len(old)
+    elif last_move is not None and len(last_move) == len(delta):
+        if not _agree(delta, last_move):
+            bound *= 0.5
+        elif not reversed_before:
+            bound *= 2.0
+    bound = max(bound, 1.0)
+    scale = min(1.0, bound / max(abs(d) for d in delta))
+    if scale >= 1.0:
+        return list(new), bound
+    target = [a + scale * d for a, d in zip(old, delta)]   # between old and new: within every bound
+    out = [math.floor(x) for x in target]
+    for i in sorted(range(len(out)), key=lambda i: out[i] - target[i])[: sum(old) - sum(out)]:
+        out[i] += 1
+    return out, bound
+
+
 def anchored_cost(n: float, t: float, slope: float | None) -> RankCost:
     """The cost line through the measured point (n samples in t seconds) with the given slope;
     without a slope, or with one steeper than the point allows, proportional through the origin."""
@@ -145,10 +191,17 @@ class Balancer:
     _scatter: list[tuple[float, int]] = field(default_factory=list)   # _spread() of past windows
     _skip: int | None = None                  # steps still to ignore (warm-up, first step at new sizes)
     _steps_seen: int = 0
+    lag: int = 0                    # steps between a decided split and the first step that uses it
     history: list[list[tuple[float, float]]] = field(default_factory=list)  # per rank, per interval
+    recent: list[list[tuple[float, float]]] = field(default_factory=list)   # ... the last LOAD_MEMORY * history
     slopes: list[float | None] = field(default_factory=list)   # per rank, the last fitted per-sample cost
     costs: list[RankCost] | None = None        # the last model of every rank
     changes: list[SplitChange] = field(default_factory=list)
+    _move_bound: float | None = None           # samples a rank may move at the next re-split (None: first)
+    _last_move: list[int] | None = None        # each rank's change of share at the last re-split
+    _asked: list[int] | None = None            # the move the last re-split found and left to confirm
+    _streak: bool = False                      # the last re-split with figures moved the split
+    _reversed: bool = False                    # some re-split turned the direction of the one before
 
     def __post_init__(self) -> None:
         if self._skip is None:
@@ -218,10 +271,14 @@ class Balancer:
         if len(self.history) != ranks:
             self.history = [[] for _ in range(ranks)]
             self.slopes = [None] * ranks
+        if len(self.recent) != ranks:
+            self.recent = [list(h) for h in self.history]
         for r, m in enumerate(observed):
             if m.has_interval():
                 self.history[r].append((m.samples, m.seconds))
                 del self.history[r][: -self.config.history]
+                self.recent[r].append((m.samples, m.seconds))
+                del self.recent[r][: -LOAD_MEMORY * self.config.history]
             slope = fit_slope(self.history[r])
             if slope is not None:
                 self.slopes[r] = slope
@@ -233,6 +290,8 @@ class Balancer:
                 fitted.append(anchored_cost(m.samples, m.seconds, self.slopes[r]))
             else:
                 fitted.append(None)
+        loads = [self._load_factor(r, c) for r, c in enumerate(fitted)]
+        fitted = [RankCost(c.per_sample * f, c.fixed * f) if c is not None else None for c, f in zip(fitted, loads)]
         known = [c for c in fitted if c is not None]
         if not known:
             return False
@@ -244,48 +303,91 @@ class Balancer:
         min_share = min(self.config.min_share, sum(self.shares) // len(self.shares))
         new, t_old, t_new = rebalance(self.shares, costs, min_share=min_share,
                                       max_share=self.config.max_share, hysteresis=self.config.hysteresis)
+        asked, self._asked = self._asked, None
+        streak, self._streak = self._streak, False
         if new == self.shares:
             return False
-        if not self._gap_is_real(observed):
+        # a move that does not follow the last re-split directly starts again from the first bound
+        new, bound = bounded_move(self.shares, new, self._move_bound if streak else None,
+                                  self._last_move if streak else None, self._reversed)
+        t_new = step_time(new, costs)
+        move = [b - a for a, b in zip(self.shares, new)]
+        # a re-split right after one that went the same way continues a confirmed move
+        continues = streak and self._last_move is not None and _agree(move, self._last_move)
+        if not self._gap_is_real(observed, loads, CONTINUE_SIGNIFICANCE if continues else SIGNIFICANCE):
             log.debug("step %d: kept split %s: the gap between ranks is within their noise (%s)", step,
                       self.shares, ", ".join(f"{1e3 * m.window_seconds:.1f}±{1e3 * m.standard_error():.1f} ms"
                                              for m in observed))
             return False
+        if not continues and (asked is None or not _agree(move, asked)):
+            self._asked = move   # confirmed at the next re-split, or dropped: a passing load asks once
+            log.debug("step %d: split %s -> %s waits for the next interval to confirm it", step, self.shares, new)
+            return False
         self.changes.append(SplitChange(step, list(self.shares), new, t_old, t_new))
+        self._reversed = self._reversed or (self._last_move is not None and not _agree(move, self._last_move))
+        self._last_move = move
+        self._move_bound = bound
+        self._streak = True
         log.info("step %d: split %s -> %s (predicted compute per step %.1f ms -> %.1f ms)",
                  step, self.shares, new, 1e3 * t_old, 1e3 * t_new)
         self.shares = new
         self._scatter = [*self._scatter, _spread([t for _, t in self._window])][-self.config.history:]
         self._window = []
-        self._skip = max(self._skip, 1)   # the first step at the new sizes allocates
+        # the loop reaches the new split `lag` steps later; its first step at the new sizes allocates
+        self._skip = max(self._skip, 1 + self.lag)
         return True
 
+    def _load_factor(self, rank: int, cost: RankCost | None) -> float:
+        """How much of the rank's modelled time is outside load (1: none): the fastest of its recent
+        intervals against the model. Outside load only adds time, so a rank's speed is what its best
+        recent interval shows; a slowdown that lasts ``history`` intervals is the rank's speed."""
+        if cost is None or len(self.recent) <= rank:
+            return 1.0
+        share = self.shares[rank]
+        # intervals near the current share only: the model is not trusted far from where it was measured
+        ratios = [t / cost.time(n) for n, t in self.recent[rank]
+                  if abs(n - share) <= NEAR * share and cost.time(n) > 0]
+        if len(ratios) < 2:
+            return 1.0
+        best = sorted(ratios)[1]   # the second best: one lucky interval is not the rank's speed
+        return best if best <= LOADED else 1.0   # a smaller difference is noise, not load
+
     @staticmethod
-    def _gap_is_real(observed: Sequence[RankMeasurement]) -> bool:
-        """True if the slowest rank's window median exceeds the fastest's by more than noise."""
-        timed = [m for m in observed if m.has_window()]
+    def _gap_is_real(observed: Sequence[RankMeasurement], loads: Sequence[float] | None = None,
+                     significance: float = SIGNIFICANCE) -> bool:
+        """True if the slowest rank's window median exceeds the fastest's by more than noise
+        (each median taken without the outside load its `loads` factor removes)."""
+        loads = loads or [1.0] * len(observed)
+        timed = [(m.window_seconds * f, m.standard_error() * f) for m, f in zip(observed, loads) if m.has_window()]
         if len(timed) < 2:
             return True   # a rank without figures, or just one: nothing to weigh the gap against
-        slow = max(timed, key=lambda m: m.window_seconds)
-        fast = min(timed, key=lambda m: m.window_seconds)
-        se = math.hypot(slow.standard_error(), fast.standard_error())
-        return slow.window_seconds - fast.window_seconds > SIGNIFICANCE * se
+        slow, fast = max(timed), min(timed)
+        return slow[0] - fast[0] > significance * math.hypot(slow[1], fast[1])
 
     def state_dict(self) -> dict:
         return {"shares": list(self.shares),
                 "history": [[list(p) for p in h] for h in self.history],
+                "recent": [[list(p) for p in h] for h in self.recent],
                 "slopes": list(self.slopes),
                 "interval": [list(p) for p in self._interval],
                 "window": [list(p) for p in self._window],
                 "scatter": [list(x) for x in self._scatter],
-                "skip": self._skip, "steps_seen": self._steps_seen}
+                "skip": self._skip, "steps_seen": self._steps_seen,
+                "move_bound": self._move_bound, "last_move": self._last_move, "asked": self._asked,
+                "streak": self._streak, "reversed": self._reversed}
 
     def load_state_dict(self, state: dict) -> None:
         self.shares = [int(s) for s in state["shares"]]
         self.history = [[(float(n), float(t)) for n, t in h] for h in state["history"]]
+        self.recent = [[(float(n), float(t)) for n, t in h] for h in state.get("recent", state["history"])]
         self.slopes = [None if s is None else float(s) for s in state.get("slopes", [None] * len(self.history))]
         self._interval = [(int(n), float(t)) for n, t in state.get("interval", [])]
         self._window = [(int(n), float(t)) for n, t in state.get("window", [])]
         self._scatter = [(float(ss), int(dof)) for ss, dof in state.get("scatter", [])]
         self._skip = int(state.get("skip", 0))
         self._steps_seen = int(state["steps_seen"])
+        self._move_bound = state.get("move_bound")
+        self._last_move = state.get("last_move")
+        self._asked = state.get("asked")
+        self._streak = bool(state.get("streak", False))
+        self._reversed = bool(state.get("reversed", False))

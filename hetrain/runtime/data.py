@@ -1,9 +1,10 @@
-"""Global-batch order and the per-rank loader.
+"""The per-rank loader: this rank's slice of each global batch, read by torch's DataLoader.
 
-One permutation per epoch over the whole dataset, cut into global batches: global batch t of
-epoch e is the same for any world size and any split (DESIGN.md, invariant 1). Each rank takes
-a contiguous slice of it, sized by the current shares, so every sample is seen exactly once per
-epoch and shares may change between steps.
+The order of global batches is `GlobalBatchOrder` (one permutation per epoch; data_order.py).
+A map-style dataset is read through `torch.utils.data.DataLoader` with a `RankBatchSampler`
+(batch_sampler.py), so workers, prefetching, pinned memory and collate functions keep their
+DataLoader meaning. A stream (`IterableDataset`) is cut into global batches in stream order
+(stream.py). Each step's batch is handed out with the step state set and moved to the device.
 """
 
 from __future__ import annotations
@@ -11,86 +12,59 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any, ContextManager
 
 import torch
+import torch.distributed as dist
 from torch.utils._pytree import tree_map
-from torch.utils.data import TensorDataset, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
 
 from hetrain.errors import HetrainError
-from hetrain.planning.batch_split import split_partial
+from hetrain.runtime.batch_sampler import RankBatchSampler, ShareSchedule, step_slice
 from hetrain.runtime.batch_transfer import to_device
+from hetrain.runtime.data_order import GlobalBatchOrder, rank_slice
 from hetrain.runtime.memory import micro_batch_sizes, split_batch
 from hetrain.runtime.step_state import StepState
+from hetrain.planning.batch_split import split_partial
+
+__all__ = ["GlobalBatchOrder", "HeteroLoader", "make_loader", "rank_slice"]
 
 log = logging.getLogger("hetrain")
 
-
-class GlobalBatchOrder:
-    """Which dataset indices form global batch ``step`` of ``epoch``."""
-
-    def __init__(self, dataset_len: int, global_batch_size: int, *, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = True) -> None:
-        if global_batch_size < 1:
-            raise HetrainError(f"global_batch_size must be >= 1, got {global_batch_size}")
-        if dataset_len < 1:
-            raise HetrainError("the dataset is empty")
-        if drop_last and dataset_len < global_batch_size:
-            raise HetrainError(
-                f"the dataset has {dataset_len} samples, fewer than one global batch of {global_batch_size}; "
-                "lower global_batch_size or pass drop_last=False"
-            )
-        self.dataset_len = dataset_len
-        self.global_batch_size = global_batch_size
-        self.shuffle = shuffle
-        self.seed = seed
-        self.drop_last = drop_last
-        self._perm_epoch: int | None = None
-        self._perm: torch.Tensor | None = None
-
-    @property
-    def steps_per_epoch(self) -> int:
-        full, rest = divmod(self.dataset_len, self.global_batch_size)
-        return full if (self.drop_last or rest == 0) else full + 1
-
-    def permutation(self, epoch: int) -> torch.Tensor:
-        if self._perm_epoch != epoch:
-            if self.shuffle:
-                g = torch.Generator()
-                g.manual_seed(self.seed + epoch)
-                self._perm = torch.randperm(self.dataset_len, generator=g)
-            else:
-                self._perm = torch.arange(self.dataset_len)
-            self._perm_epoch = epoch
-        return self._perm
-
-    def global_batch(self, epoch: int, step: int) -> list[int]:
-        if not 0 <= step < self.steps_per_epoch:
-            raise IndexError(f"step {step} outside epoch of {self.steps_per_epoch} steps")
-        start = step * self.global_batch_size
-        return self.permutation(epoch)[start : start + self.global_batch_size].tolist()
+# DataLoader options hetrain decides itself: which samples form a batch and how many.
+OWNED = {"batch_size": "global_batch_size", "shuffle": "shuffle", "sampler": "seed and shuffle",
+         "batch_sampler": "the balancer's split"}
 
 
-def rank_slice(indices: Sequence[int], shares: Sequence[int], rank: int) -> list[int]:
-    """This rank's contiguous part of a global batch."""
-    start = sum(shares[:rank])
-    return list(indices[start : start + shares[rank]])
+class _TensorGather(Dataset):
+    """A TensorDataset read by one gather per tensor instead of a tuple per sample (same batch)."""
 
+    def __init__(self, dataset: TensorDataset) -> None:
+        self.tensors = dataset.tensors
 
-def _fetch(dataset: Any, indices: list[int], collate_fn: Callable, probe: int = 0) -> Any:
-    if isinstance(dataset, TensorDataset) and collate_fn is default_collate:
-        # One gather per tensor instead of collating a tuple per sample; same result.
+    def __len__(self) -> int:
+        return len(self.tensors[0])
+
+    def __getitem__(self, i: int) -> tuple:
+        return tuple(t[i] for t in self.tensors)
+
+    def __getitems__(self, indices: list[int]) -> list[torch.Tensor]:
         index = torch.tensor(indices, dtype=torch.long)
-        return [t[index] for t in dataset.tensors]
-    if not indices:
-        # A rank with no samples this step: a batch of the right structure, every tensor of length 0.
-        one = _fetch(dataset, [probe], collate_fn)
-        return tree_map(lambda t: t[:0] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, one)
-    getitems = getattr(dataset, "__getitems__", None)
-    if getitems is not None:
-        return collate_fn(getitems(indices))
-    return collate_fn([dataset[i] for i in indices])
+        return [t[index] for t in self.tensors]
+
+
+def _gathered(batch: list[torch.Tensor]) -> list[torch.Tensor]:
+    return batch
+
+
+def _empty_like(batch: Any) -> Any:
+    """A batch of the same structure with every tensor cut to length 0 (a rank with no samples)."""
+    return tree_map(lambda t: t[:0] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, batch)
+
+
+def _keep_list(batch: list[Any]) -> list[Any]:
+    return batch
 
 
 class HeteroLoader:
@@ -98,15 +72,18 @@ class HeteroLoader:
 
     Each batch is on the rank's device. A rank whose share of a step is 0 receives an empty batch
     and still takes the step. Handing out a batch moves the data position (what a checkpoint
-    saves): a batch drawn and dropped is a step of data skipped.
+    saves): a batch drawn and dropped is a step of data skipped. Batches prefetched by workers
+    and not handed out are not part of the position: a resumed run reads them again.
     """
 
-    def __init__(self, dataset: Any, order: GlobalBatchOrder, *, rank: int, split: Any, step: StepState,
+    def __init__(self, dataset: Any, order: GlobalBatchOrder | None, *, rank: int, split: Any, step: StepState,
                  device: torch.device, micro_batch: int | None = None, grad_accum: int = 1,
                  gradient_sync: Callable[[bool], ContextManager] | None = None,
-                 collate_fn: Callable | None = None) -> None:
+                 collate_fn: Callable | None = None, lag: int = 0, global_batch_size: int | None = None,
+                 seed: int = 0, drop_last: bool = True, **dataloader_options: Any) -> None:
         self.dataset = dataset
         self.order = order
+        self.stream = order is None
         self.rank = rank
         self.split = split              # anything with a `shares` list (the balancer)
         self.step = step
@@ -115,35 +92,85 @@ class HeteroLoader:
         self.grad_accum = grad_accum
         self.gradient_sync = gradient_sync or (lambda sync: contextlib.nullcontext())
         self.collate_fn = collate_fn or default_collate
+        self.global_batch_size = order.global_batch_size if order is not None else int(global_batch_size)
+        self.seed = order.seed if order is not None else seed
         self.epoch = 0
-        self.step_in_epoch = 0  # steps of `epoch` already handed out
-        self.last_fetch_seconds = 0.0  # time the last step's batch took to read, collate and move
+        self.step_in_epoch = 0   # steps of `epoch` already handed out
+        self.run_step = 0        # steps handed out since the run began (all epochs)
+        self.schedule = ShareSchedule(split.shares, lag=0 if self.stream else lag)
+        self.last_wait_seconds = 0.0   # how long the loop waited for the last step's batch
+        self._generator = torch.Generator()   # workers' base seed, apart from the global RNG
+        if self.stream:
+            self._source = _GlobalBatchSource(dataset, self.global_batch_size, drop_last)
+            self.sampler = None
+            self.dataloader = DataLoader(self._source.stream, batch_size=None, collate_fn=_keep_list,
+                                         generator=self._generator, **dataloader_options)
+        else:
+            self.sampler = RankBatchSampler(order, self.schedule, rank)
+            fast = isinstance(dataset, TensorDataset) and collate_fn in (None, default_collate)
+            self.dataloader = DataLoader(_TensorGather(dataset) if fast else dataset, batch_sampler=self.sampler,
+                                         collate_fn=_gathered if fast else self.collate_fn,
+                                         generator=self._generator, **dataloader_options)
+
+    @property
+    def lag(self) -> int:
+        """Steps between a split change seen by the loader and the first step it applies to."""
+        return self.schedule.lag
+
+    @property
+    def current_shares(self) -> list[int]:
+        """The split of the step last handed out (a split the balancer decides arrives `lag` steps later)."""
+        return list(self.schedule.at(max(self.run_step - 1, 0)))
 
     def __len__(self) -> int:
+        if self.order is None:
+            raise TypeError("a loader over a stream (IterableDataset) has no length: the stream decides when "
+                            "the epoch ends")
         return self.order.steps_per_epoch
 
-    def indices_for(self, epoch: int, step: int, shares: Sequence[int]) -> tuple[list[int], list[int]]:
+    def indices_for(self, epoch: int, step: int, shares: list[int]) -> tuple[list[int], list[int]]:
         """(this rank's indices, the shares used) for a step; partial batches split proportionally."""
-        batch = self.order.global_batch(epoch, step)
-        if len(batch) != sum(shares):
-            shares = split_partial(len(batch), shares)
-        return rank_slice(batch, shares, self.rank), list(shares)
+        return step_slice(self.order, epoch, step, shares, self.rank)
+
+    def _epoch_done(self) -> bool:
+        return self.order is not None and self.step_in_epoch >= self.order.steps_per_epoch
 
     def __iter__(self) -> Iterator[Any]:
         if self.step.active:
             log.warning("a batch was drawn from the loader and no session.step() followed; iterating the loader "
                         "moves the data position, so that batch's step of data is skipped (docs/porting.md)")
-        if self.step_in_epoch >= len(self):
+        if self._epoch_done():
             self.epoch += 1
             self.step_in_epoch = 0
-        while self.step_in_epoch < len(self):
-            local, shares = self.indices_for(self.epoch, self.step_in_epoch, self.split.shares)
-            self.step.begin_step(len(local), sum(shares))
-            self.step_in_epoch += 1
+        self.schedule.observe(self.run_step, self.split.shares)
+        self._generator.manual_seed(self.seed * 1_000_003 + self.epoch)
+        if self.stream:
+            self._source.stream.skip = self.step_in_epoch
+        else:
+            self.sampler.start(self.epoch, self.step_in_epoch, self.run_step)
+        batches = iter(self.dataloader)
+        while not self._epoch_done():
+            self.schedule.observe(self.run_step, self.split.shares)
+            shares = self.schedule.at(self.run_step)
             started = time.perf_counter()
-            batch = _fetch(self.dataset, local, self.collate_fn, probe=self.order.permutation(self.epoch)[0].item())
-            self.last_fetch_seconds = time.perf_counter() - started
-            yield from self._pieces(to_device(batch, self.device), len(local))
+            try:
+                batch = next(batches)
+            except StopIteration:
+                break   # the stream ended (a map-style epoch ends by its length above)
+            if self.stream:
+                batch, local, total = self._source.take(batch, shares, self.rank, self.collate_fn)
+            else:
+                local_indices, used = self.indices_for(self.epoch, self.step_in_epoch, shares)
+                local, total = len(local_indices), sum(used)
+                if local == 0:
+                    batch = _empty_like(batch)
+            batch = to_device(batch, self.device)
+            self.last_wait_seconds = time.perf_counter() - started
+            self.step.begin_step(local, total)
+            self.step_in_epoch += 1
+            self.run_step += 1
+            yield from self._pieces(batch, local)
+        del batches
         # the epoch is complete: the next iteration starts the next one
         self.epoch += 1
         self.step_in_epoch = 0
@@ -159,29 +186,120 @@ class HeteroLoader:
 
     @property
     def data_wait_seconds(self) -> float:
-        """How long the training loop waited for the last step's batch (all of its reading, here)."""
-        return self.last_fetch_seconds
+        """How long the training loop blocked for the last step's batch: the loading that workers did
+        not hide (all of it without workers), collating and moving it to the device included."""
+        return self.last_wait_seconds
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "seed": self.order.seed,
-                "global_batch_size": self.order.global_batch_size}
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "run_step": self.run_step,
+                "seed": self.seed, "global_batch_size": self.global_batch_size,
+                "schedule": self.schedule.state_dict()}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        if state["global_batch_size"] != self.order.global_batch_size or state["seed"] != self.order.seed:
+    def load_state_dict(self, state: dict) -> None:
+        if state["global_batch_size"] != self.global_batch_size or state["seed"] != self.seed:
             raise HetrainError(
                 f"the checkpoint's data order (global batch {state['global_batch_size']}, seed {state['seed']}) "
-                f"differs from this loader's ({self.order.global_batch_size}, {self.order.seed}); "
+                f"differs from this loader's ({self.global_batch_size}, {self.seed}); "
                 "resume with the same global_batch_size and seed"
             )
         self.epoch = int(state["epoch"])
         self.step_in_epoch = int(state["step_in_epoch"])
+        self.run_step = int(state.get("run_step", 0))
+        saved = state.get("schedule")
+        if saved is not None and all(len(s) == len(self.split.shares) for _, s in saved["changes"]):
+            self.schedule.load_state_dict(saved)
+        else:   # another world size: the split starts from this run's
+            self.schedule.changes = [(0, list(self.split.shares))]
+
+
+class _GlobalBatchSource:
+    """A stream's global batches and this rank's slice of each."""
+
+    def __init__(self, dataset: IterableDataset, global_batch_size: int, drop_last: bool) -> None:
+        from hetrain.runtime.stream import GlobalBatchStream
+
+        self.stream = GlobalBatchStream(dataset, global_batch_size, drop_last=drop_last)
+
+    @staticmethod
+    def take(samples: list[Any], shares: list[int], rank: int, collate_fn: Callable) -> tuple[Any, int, int]:
+        """(this rank's collated slice, its samples, the global batch's samples)."""
+        if len(samples) != sum(shares):
+            shares = split_partial(len(samples), shares)
+        mine = rank_slice(samples, shares, rank)
+        if not mine:
+            return _empty_like(collate_fn(samples[:1])), 0, len(samples)
+        return collate_fn(mine), len(mine), len(samples)
+
+
+def prefetch_depth(options: dict[str, Any]) -> int:
+    """Steps a DataLoader with these options reads ahead of the loop (0 without workers)."""
+    workers = int(options.get("num_workers", 0) or 0)
+    if workers <= 0:
+        return 0
+    factor = options.get("prefetch_factor")
+    return workers * (2 if factor is None else int(factor))
+
+
+def agreed_lag(depth: int, device: torch.device) -> int:
+    """The largest prefetch depth of any rank: every rank schedules split changes the same steps ahead."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return depth
+    t = torch.tensor([depth], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def check_dataset(dataset: Any, options: dict[str, Any]) -> None:
+    """One-line errors for what a user coming from a DataLoader passes first."""
+    if isinstance(dataset, DataLoader):
+        raise HetrainError(
+            "session.loader() was given a DataLoader; it reads the dataset itself: pass loader.dataset and the "
+            "loader's options, e.g. session.loader(dl.dataset, global_batch_size, num_workers=dl.num_workers, "
+            "collate_fn=dl.collate_fn)"
+        )
+    if options.get("in_order") is False:
+        raise HetrainError("session.loader(..., in_order=False) would hand out steps out of order, and each step's "
+                           "batch must be that step's slice; drop in_order=False")
+    for name, owner in OWNED.items():
+        if name in options:
+            raise HetrainError(
+                f"session.loader(..., {name}=) is decided by hetrain ({owner}): every rank takes its share of "
+                "one global batch; drop it and pass global_batch_size, shuffle and seed"
+            )
 
 
 def make_loader(dataset: Any, global_batch_size: int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = True,
                 rank: int, split: Any, step: StepState, device: torch.device, micro_batch: int | None = None,
                 grad_accum: int = 1, gradient_sync: Callable[[bool], ContextManager] | None = None,
-                collate_fn: Callable | None = None) -> HeteroLoader:
-    """The loader `session.loader()` returns: this rank's part of one global-batch order."""
-    order = GlobalBatchOrder(len(dataset), global_batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last)
-    return HeteroLoader(dataset, order, rank=rank, split=split, step=step, device=device, micro_batch=micro_batch,
-                        grad_accum=grad_accum, gradient_sync=gradient_sync, collate_fn=collate_fn)
+                collate_fn: Callable | None = None, **dataloader_options: Any) -> HeteroLoader:
+    """The loader `session.loader()` returns: this rank's part of one global-batch order.
+
+    `dataloader_options` are `torch.utils.data.DataLoader`'s (num_workers, pin_memory,
+    prefetch_factor, persistent_workers, worker_init_fn, timeout, multiprocessing_context, ...),
+    with DataLoader's meaning. Collective when ranks are initialised (they agree on the lag).
+    """
+    check_dataset(dataset, dataloader_options)
+    lag = agreed_lag(prefetch_depth(dataloader_options), device)
+    common = dict(rank=rank, split=split, step=step, device=device, micro_batch=micro_batch, grad_accum=grad_accum,
+                  gradient_sync=gradient_sync, collate_fn=collate_fn, lag=lag, **dataloader_options)
+    if isinstance(dataset, IterableDataset):
+        if dataloader_options.get("persistent_workers"):
+            raise HetrainError(
+                "persistent_workers=True with a stream (IterableDataset): persistent workers keep the stream "
+                "position they started with, so a resumed or later pass would read the wrong batches; drop it"
+            )
+        if global_batch_size < 1:
+            raise HetrainError(f"global_batch_size must be >= 1, got {global_batch_size}")
+        if shuffle:
+            log.debug("a stream is read in its own order; shuffle it in the stream (e.g. a shuffle buffer)")
+        return HeteroLoader(dataset, None, global_batch_size=global_batch_size, seed=seed, drop_last=drop_last,
+                            **common)
+    try:
+        size = len(dataset)
+    except TypeError:
+        raise HetrainError(
+            f"the dataset ({type(dataset).__name__}) has no len() and is not an IterableDataset; give it __len__ "
+            "and __getitem__, or make it a torch.utils.data.IterableDataset to read it as a stream"
+        ) from None
+    order = GlobalBatchOrder(size, global_batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    return HeteroLoader(dataset, order, **common)

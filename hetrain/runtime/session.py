@@ -194,7 +194,9 @@ class Session:
     def loader(self, dataset: Any, global_batch_size: int, *, shuffle: bool = True, seed: int = 0,
                drop_last: bool = True, **options: Any) -> HeteroLoader:
         """This rank's slices of one sequence of global batches (the same for any world size or split),
-        on this rank's device. `options` are the data loader's (see `hetrain.runtime.data.make_loader`)."""
+        on this rank's device. `dataset` is map-style or a stream (IterableDataset); `options` are
+        torch DataLoader's (num_workers, pin_memory, prefetch_factor, persistent_workers, collate_fn,
+        worker_init_fn, ...; see `hetrain.runtime.data.make_loader` and docs/data.md)."""
         if global_batch_size < self.world_size:
             raise HetrainError(
                 f"global batch size {global_batch_size} is smaller than the number of ranks "
@@ -209,6 +211,7 @@ class Session:
                              rank=self.rank, split=balancer, step=self.state, device=self.device,
                              micro_batch=self.entry.micro_batch, grad_accum=self.entry.grad_accum,
                              gradient_sync=lambda sync: gradient_sync(self.prepared, self.sharding, sync), **options)
+        balancer.lag = loader.lag   # a new split reaches the loop this many steps after it is decided
         self.balancer = balancer
         self.train = TrainState(self.prepared, self.sharding, self.scaler, self.balancer, loader, self.plan,
                                 self.world_size, self.rank)

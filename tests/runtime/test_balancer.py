@@ -1,10 +1,13 @@
-"""The balancer's arithmetic: fitted costs, proportional re-splits, hysteresis, bounds, missing figures."""
+"""The balancer's arithmetic: fitted costs, proportional re-splits, hysteresis, bounds, missing figures,
+confirmed and bounded moves, outside load."""
+
+import random
 
 import pytest
 
 from hetrain.planning.batch_split import RankCost, split_min_max, step_time
 from hetrain.planning.plan import BalancePlan
-from hetrain.runtime.balancer import Balancer, RankMeasurement, fit_slope
+from hetrain.runtime.balancer import Balancer, RankMeasurement, bounded_move, fit_slope
 
 exact = RankMeasurement.exact
 
@@ -13,11 +16,25 @@ def exacts(*points):
     return [exact(n, t) for n, t in points]
 
 
+def _settle(b, cost_of, checks=12, interval=5):
+    """Re-split on exact figures measured at the current shares; cost_of(rank, share) -> seconds."""
+    for i in range(1, checks + 1):
+        b.rebalance(i * interval, exacts(*[(n, cost_of(r, n)) for r, n in enumerate(b.shares)]))
+    return b
+
+
 def test_resplits_in_proportion_to_measured_speed():
     b = Balancer(BalancePlan(interval=5, hysteresis=0.05), shares=[256, 256])
-    assert b.rebalance(5, exacts((256, 0.256), (256, 0.512)))    # rank 1 takes twice as long per sample
-    assert b.shares in ([341, 171], [342, 170])             # both give the optimal 0.342 s
-    assert b.changes[-1].predicted_new_s < b.changes[-1].predicted_old_s
+    assert not b.rebalance(5, exacts((256, 0.256), (256, 0.512)))   # rank 1 takes twice as long per sample
+    assert b.shares == [256, 256]                                   # asked once: waits for confirmation
+    assert b.rebalance(10, exacts((256, 0.256), (256, 0.512)))
+    assert b.shares == [282, 230]                                   # the first move: 10% of an even share
+    _settle(b, lambda r, n: n * 1e-3 * (r + 1))
+    true = [RankCost(1e-3), RankCost(2e-3)]
+    assert step_time(b.shares, true) <= 1.05 * 0.342                # the optimum, within the hysteresis
+    moves = [c.new[0] for c in b.changes]
+    assert moves == sorted(moves) and len(moves) <= 4               # towards balance, in a few re-splits
+    assert all(c.predicted_new_s < c.predicted_old_s for c in b.changes)
 
 
 def test_small_differences_do_not_move_samples():
@@ -31,9 +48,7 @@ def test_fixed_costs_are_fitted_and_the_split_becomes_exact():
     proportional, move towards balance without passing it; once four intervals at different shares
     determine the slope, the split is the exact optimum."""
     true = [RankCost(per_sample=0.2e-3, fixed=18e-3), RankCost(per_sample=0.4e-3, fixed=36e-3)]
-    b = Balancer(BalancePlan(hysteresis=0.0), shares=[256, 256])
-    for step in (5, 10, 15, 20):
-        b.rebalance(step, [exact(n, c.time(n)) for n, c in zip(b.shares, true)])
+    b = _settle(Balancer(BalancePlan(hysteresis=0.0), shares=[256, 256]), lambda r, n: true[r].time(n), checks=16)
     best = split_min_max(512, true)
     assert step_time(b.shares, true) == pytest.approx(step_time(best, true))
     moves = [c.new[0] for c in b.changes]
@@ -56,8 +71,10 @@ def test_fit_slope_only_when_well_determined():
 
 def test_bounds_and_ranks_without_a_measurement():
     b = Balancer(BalancePlan(min_share=10, max_share=300), shares=[100, 100, 100])
-    b.rebalance(5, exacts((100, 0.1), (float("nan"), float("nan")), (100, 10.0)))   # rank 1: no samples
-    assert sum(b.shares) == 300 and min(b.shares) >= 10 and max(b.shares) <= 300
+    for step in range(5, 80, 5):
+        b.rebalance(step, exacts((b.shares[0], b.shares[0] * 1e-3), (float("nan"), float("nan")),  # rank 1: none
+                                 (b.shares[2], b.shares[2] * 0.1)))
+        assert sum(b.shares) == 300 and min(b.shares) >= 10 and max(b.shares) <= 300
     assert b.shares[2] == 10
 
 
@@ -89,8 +106,10 @@ def test_a_gap_within_the_noise_waits_until_more_steps_confirm_it():
     """Rank 1 looks 10% slower; over 4 steps that scatter by 20% this could be chance, over 400 it is not."""
     b = Balancer(BalancePlan(hysteresis=0.02), shares=[256, 256])
     assert not b.rebalance(5, [_measure(0.100, 0.02, 4), _measure(0.110, 0.02, 4)])
+    assert not b.rebalance(10, [_measure(0.100, 0.02, 4), _measure(0.110, 0.02, 4)])
     assert b.shares == [256, 256]
-    assert b.rebalance(10, [_measure(0.100, 0.02, 400), _measure(0.110, 0.02, 400)])
+    assert not b.rebalance(15, [_measure(0.100, 0.02, 400), _measure(0.110, 0.02, 400)])   # to confirm
+    assert b.rebalance(20, [_measure(0.100, 0.02, 400), _measure(0.110, 0.02, 400)])
     assert b.shares[0] > b.shares[1]
 
 
@@ -127,3 +146,76 @@ def test_settles_near_the_best_split_under_noise(seed):
     best = step_time(split_min_max(512, true), true)
     assert step_time(b.shares, true) < 1.05 * best
     assert len([c for c in b.changes if c.step > 50]) <= 2, b.changes
+
+
+def test_bounded_move_doubles_while_the_direction_holds_and_halves_when_it_turns():
+    first, bound = bounded_move([64, 64], [100, 28], None, None)
+    assert first == [70, 58] and bound == pytest.approx(6.4)          # 10% of an even share
+    more, bound2 = bounded_move(first, [100, 28], bound, [6, -6])
+    assert more == [83, 45] and bound2 == pytest.approx(12.8)         # the same direction: twice as far
+    back, bound3 = bounded_move(more, [40, 88], bound2, [13, -13])
+    assert back == [77, 51] and bound3 == pytest.approx(6.4)          # reversed: half as far
+    assert bounded_move([64, 64], [66, 62], None, None)[0] == [66, 62]   # within the bound: as asked
+    three, _ = bounded_move([100, 100, 100], [10, 145, 145], None, None)
+    assert sum(three) == 300 and max(abs(a - b) for a, b in zip(three, [100, 100, 100])) <= 10
+
+
+def test_lag_skips_the_steps_before_the_new_split_reaches_the_loop():
+    b = Balancer(BalancePlan(interval=5, hysteresis=0.0), shares=[64, 64], warmup_steps=0, rank=0, lag=4)
+    b.rebalance(5, exacts((64, 0.064), (64, 0.128)))
+    assert b.rebalance(10, exacts((64, 0.064), (64, 0.128)))
+    for _ in range(5):          # 4 steps still at the old split, then the first at the new sizes
+        b.record(64, 9.0)
+    b.record(b.shares[0], 0.07)
+    m = b.local_measurement()
+    assert m.window_steps == 1 and m.seconds == pytest.approx(0.07)
+
+
+def _outside_load(seed, steps, busy=10, idle=30):
+    """Steps at which an outside process runs on rank 0's core: bursts of about `busy` steps,
+    about `idle` steps apart (a shared machine's other jobs), each slowing rank 0 by 1.5-2x."""
+    rng = random.Random(seed)
+    on, out = False, []
+    for _ in range(steps):
+        if rng.random() < 1 / (busy if on else idle):
+            on = not on
+        out.append(rng.uniform(1.5, 2.0) if on else 1.0)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_identical_ranks_under_outside_load_keep_an_even_split(seed):
+    """Two identical ranks for 300 steps (interval 10), loading not hidden (data wait grows with the
+    share, and scatters by 20%), rank 0's core busy in bursts: at most two re-splits after the first,
+    each within 10% of even."""
+    rng = random.Random(1000 + seed)
+    load = _outside_load(seed, 300)
+    ranks = [Balancer(BalancePlan(interval=10), shares=[64, 64], rank=r) for r in range(2)]
+    for step in range(1, 301):
+        shares = list(ranks[0].shares)
+        for r, b in enumerate(ranks):
+            slow = load[step - 1] if r == 0 else 1.0
+            compute = (2e-3 + shares[r] * 0.2e-3) * slow * max(0.5, rng.gauss(1, 0.05))
+            data_wait = shares[r] * 0.8e-3 * slow * max(0.3, rng.gauss(1, 0.2))
+            b.record(shares[r], compute + data_wait)
+        if ranks[0].due(step):
+            observed = [b.take_measurement() for b in ranks]
+            moved = [b.rebalance(step, observed) for b in ranks]
+            assert moved[0] == moved[1] and ranks[0].shares == ranks[1].shares
+    later = ranks[0].changes[1:]
+    assert len(later) <= 2 and all(abs(c.new[0] - 64) <= 6.4 for c in later), ranks[0].changes
+
+
+def test_a_rank_slowed_for_a_while_is_measured_by_its_unloaded_intervals():
+    """Rank 0 is loaded for 30 steps after 60 clean ones: its best recent intervals show its speed,
+    so the split does not follow the load."""
+    ranks = [Balancer(BalancePlan(interval=10), shares=[64, 64], rank=r) for r in range(2)]
+    for step in range(1, 121):
+        slow = 2.0 if 60 < step <= 90 else 1.0
+        for r, b in enumerate(ranks):
+            b.record(64, 64e-3 * (slow if r == 0 else 1.0) * (1 + 0.01 * ((step * (r + 3)) % 5)))
+        if ranks[0].due(step):
+            observed = [b.take_measurement() for b in ranks]
+            for b in ranks:
+                b.rebalance(step, observed)
+    assert ranks[0].changes == [] and ranks[0].shares == [64, 64]

@@ -1,0 +1,100 @@
+"""This rank's slice of each global batch, as a torch batch sampler, with split changes scheduled ahead.
+
+A `DataLoader` with workers reads a batch sampler several steps before the training loop uses the
+batches (``num_workers * prefetch_factor`` steps). So the split of a step must be known before the
+step runs: a change of the split seen when the loop asks for step ``s`` takes effect at step
+``s + lag``, where ``lag`` is at least that prefetch depth on every rank (the ranks agree on it).
+Every rank sees the balancer's change at the same step (the balancer decides from all-gathered
+figures), so every rank schedules it for the same step, and nothing is read twice or skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from torch.utils.data import Sampler
+
+from hetrain.planning.batch_split import split_partial
+from hetrain.runtime.data_order import GlobalBatchOrder, rank_slice
+
+
+class ShareSchedule:
+    """The split in effect at each step of the run (steps counted over all epochs from the start)."""
+
+    def __init__(self, shares: Sequence[int], lag: int = 0) -> None:
+        self.lag = int(lag)
+        self.changes: list[tuple[int, list[int]]] = [(0, [int(s) for s in shares])]
+
+    @property
+    def latest(self) -> list[int]:
+        """The last split scheduled (possibly not in effect yet)."""
+        return self.changes[-1][1]
+
+    def at(self, step: int) -> list[int]:
+        """The split of run step ``step``."""
+        current = self.changes[0][1]
+        for start, shares in self.changes:
+            if start > step:
+                break
+            current = shares
+        return current
+
+    def observe(self, step: int, shares: Sequence[int]) -> None:
+        """The split is ``shares`` as the loop asks for run step ``step``: a change takes effect at
+        ``step + lag``. Called before anything of step ``step + lag`` was read."""
+        shares = [int(s) for s in shares]
+        if shares == self.latest:
+            return
+        start = step + self.lag
+        if start <= self.changes[-1][0]:
+            self.changes[-1] = (self.changes[-1][0], shares)
+        else:
+            self.changes.append((start, shares))
+        # keep the entry in effect at `step` and what follows it
+        while len(self.changes) > 1 and self.changes[1][0] <= step:
+            self.changes.pop(0)
+
+    def state_dict(self) -> dict:
+        return {"lag": self.lag, "changes": [[start, list(shares)] for start, shares in self.changes]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.changes = [(int(start), [int(s) for s in shares]) for start, shares in state["changes"]]
+
+
+def step_slice(order: GlobalBatchOrder, epoch: int, step: int, shares: Sequence[int],
+               rank: int) -> tuple[list[int], list[int]]:
+    """(this rank's indices, the shares used) for a step; a partial last batch is split in proportion."""
+    batch = order.global_batch(epoch, step)
+    if len(batch) != sum(shares):
+        shares = split_partial(len(batch), shares)
+    return rank_slice(batch, shares, rank), list(shares)
+
+
+class RankBatchSampler(Sampler[list[int]]):
+    """Per step of one epoch, from ``first_step`` on, this rank's indices of the global batch.
+
+    The split of each step is read from the schedule when that step's indices are drawn. A rank
+    with no samples in a step gets one probe index (the loader cuts the batch to length 0), so a
+    step always has a batch of the right structure.
+    """
+
+    def __init__(self, order: GlobalBatchOrder, schedule: ShareSchedule, rank: int) -> None:
+        self.order = order
+        self.schedule = schedule
+        self.rank = rank
+        self.epoch = 0
+        self.first_step = 0       # step of the epoch the next iteration starts at
+        self.first_run_step = 0   # the run step that is
+
+    def start(self, epoch: int, step_in_epoch: int, run_step: int) -> None:
+        """Where the next iteration starts: the step the training loop consumes next."""
+        self.epoch, self.first_step, self.first_run_step = epoch, step_in_epoch, run_step
+
+    def __len__(self) -> int:
+        return self.order.steps_per_epoch - self.first_step
+
+    def __iter__(self) -> Iterator[list[int]]:
+        epoch, first, run = self.epoch, self.first_step, self.first_run_step
+        for step in range(first, self.order.steps_per_epoch):
+            local, _ = step_slice(self.order, epoch, step, self.schedule.at(run + step - first), self.rank)
+            yield local if local else [int(self.order.permutation(epoch)[0])]

@@ -1,0 +1,116 @@
+"""The loader on torch's DataLoader: invariants with workers and prefetch, split changes scheduled
+ahead, resume mid-epoch with batches in flight, and one-line errors for what a DataLoader user passes."""
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from hetrain.errors import HetrainError
+from hetrain.runtime.data import make_loader
+from hetrain.runtime.data_order import GlobalBatchOrder
+from hetrain.runtime.step_state import StepState
+
+
+class _Split:
+    """What the loader reads of the balancer: its decided `shares`."""
+
+    def __init__(self, shares):
+        self.shares = list(shares)
+
+
+def _loader(rank, split, n=100, global_batch=12, **options):
+    return make_loader(TensorDataset(torch.arange(n)), global_batch, shuffle=True, seed=7, rank=rank, split=split,
+                       step=StepState(len(split.shares)), device=torch.device("cpu"), **options)
+
+
+def _run(loaders, splits, changes, epochs=2):
+    """Every rank's batches per step; `changes[k]` is the split decided after step k-1 (as the balancer does)."""
+    steps = []
+    for _ in range(epochs):
+        iters = [iter(ld) for ld in loaders]
+        while True:
+            if len(steps) in changes:
+                for s in splits:
+                    s.shares = list(changes[len(steps)])
+            batches = [next(it, None) for it in iters]
+            if any(b is None for b in batches):
+                assert all(b is None for b in batches), "ranks took different numbers of steps"
+                break
+            steps.append([b[0].tolist() for b in batches])
+    return steps
+
+
+def test_workers_and_prefetch_keep_the_global_batches_and_apply_a_split_change_a_prefetch_depth_later():
+    splits = [_Split([6, 6]) for _ in range(2)]
+    loaders = [_loader(r, splits[r], num_workers=2, prefetch_factor=2) for r in range(2)]
+    assert loaders[0].lag == 4                      # 2 workers x prefetch 2: indices are read 4 steps ahead
+    steps = _run(loaders, splits, {3: [9, 3], 9: [2, 10]})
+    order = GlobalBatchOrder(100, 12, seed=7)
+    reference = [order.global_batch(e, s) for e in range(2) for s in range(order.steps_per_epoch)]
+    assert [a + b for a, b in steps] == reference   # the same global batches as one process would read
+    sizes = [[len(a), len(b)] for a, b in steps]
+    # decided before step 3 -> used from step 3 + 4; decided before step 9 -> from step 13 (mid-epoch 2)
+    assert sizes == [[6, 6]] * 7 + [[9, 3]] * 6 + [[2, 10]] * 3
+    for epoch in range(2):
+        seen = [i for a, b in steps[8 * epoch: 8 * epoch + 8] for i in a + b]
+        assert len(seen) == len(set(seen)) == 96    # every sample at most once, 96 of 100 (drop_last)
+
+
+def test_without_workers_a_change_applies_at_the_next_step():
+    splits = [_Split([6, 6]) for _ in range(2)]
+    loaders = [_loader(r, splits[r]) for r in range(2)]
+    assert loaders[0].lag == 0
+    sizes = [[len(a), len(b)] for a, b in _run(loaders, splits, {3: [9, 3]}, epochs=1)]
+    assert sizes == [[6, 6]] * 3 + [[9, 3]] * 5
+
+
+def test_a_rank_with_no_samples_gets_an_empty_batch_from_workers():
+    splits = [_Split([12, 0]) for _ in range(2)]
+    loaders = [_loader(r, splits[r], num_workers=1) for r in range(2)]
+    steps = _run(loaders, splits, {}, epochs=1)
+    assert all(len(a) == 12 and b == [] for a, b in steps)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_resume_mid_epoch_with_batches_in_flight_equals_the_uninterrupted_run(persistent):
+    """Stopped after 5 steps, with 4 steps prefetched and a split change scheduled but not yet in
+    effect: the resumed loader hands out exactly what the uninterrupted one does."""
+    def run(stop=None, state=None):
+        split = _Split([6, 6])
+        loader = _loader(1, split, num_workers=2, prefetch_factor=2, persistent_workers=persistent)
+        if state is not None:
+            loader.load_state_dict(state)
+            split.shares = [9, 3]                    # the balancer's state comes back with the checkpoint
+        out = []
+        for _ in range(2):
+            for (batch,) in loader:
+                out.append(batch.tolist())
+                if len(out) == 2 and state is None:
+                    split.shares = [9, 3]           # seen as step 2 is asked for: used from step 2 + 4
+                if stop is not None and len(out) == stop:
+                    return out, loader.state_dict()
+        return out, None
+
+    straight, _ = run()
+    first, state = run(stop=5)
+    rest, _ = run(state=state)
+    assert first + rest[: len(straight) - 5] == straight
+    assert [len(b) for b in straight[4:8]] == [6, 6, 3, 3]   # the change was pending at the save
+
+
+def test_a_dataloader_where_a_dataset_belongs_is_a_one_line_error_naming_the_fix():
+    dl = DataLoader(TensorDataset(torch.arange(8)), batch_size=4, num_workers=0)
+    with pytest.raises(HetrainError) as e:
+        make_loader(dl, 8, rank=0, split=_Split([4, 4]), step=StepState(2), device=torch.device("cpu"))
+    assert "\n" not in str(e.value) and "loader.dataset" in str(e.value) and "num_workers" in str(e.value)
+    with pytest.raises(HetrainError, match="sampler="):
+        _loader(0, _Split([6, 6]), sampler=[0, 1])
+
+
+def test_dataloader_options_keep_their_meaning():
+    seen = []
+    loader = _loader(0, _Split([12]), collate_fn=lambda samples: ("mine", len(samples)),
+                     worker_init_fn=lambda worker: None, num_workers=1)
+    for batch in loader:
+        seen.append(batch)
+    assert seen == [("mine", 12)] * 8               # the user's collate_fn gets this rank's samples
