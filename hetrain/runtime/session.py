@@ -13,9 +13,7 @@
 For every plan, pipelines included, a step can also be written as one call:
 `session.forward_backward(inputs, target, loss_fn, num_items=...)` (see docs/pipeline.md).
 
-The Session is a facade: the work is done by small parts with one concern each (environment,
-plan_entries, parallelize, precision, step_state, gradients, data, balancer, train_state, resume,
-pipeline_stages and pipeline_schedule for pipeline plans).
+The Session is a facade over small parts with one concern each (docs/design.md lists them).
 """
 
 from __future__ import annotations
@@ -442,12 +440,12 @@ class Session:
                 changed: bool) -> StepRecord:
         return StepRecord(
             step=self.train.step, rank=self.rank, world_size=self.world_size, device=self.entry.device,
-            precision=self.precision, share=self.balancer.shares[self.rank], samples=totals.local_samples,
+            precision=self.precision, share=self.train.loader.current_shares[self.rank], samples=totals.local_samples,
             items=int(totals.local_items), global_samples=totals.global_samples, global_items=int(totals.global_items),
             step_seconds=wall, compute_seconds=compute, data_wait_seconds=data_wait,
             optimizer_seconds=self.timer.last_optimizer_s, loss=totals.loss, grad_norm=self._grad_norm,
             loss_scale=self.scaler.scale, skipped=not applied, skipped_total=self.skips.total,
-            shares=tuple(self.balancer.shares), split_changed=changed,
+            shares=tuple(self.train.loader.current_shares), split_changed=changed,
             comm_bytes=comm_bytes(self.prepared.comm_state), emulated=self.emulated)
 
     def barrier(self) -> None:
