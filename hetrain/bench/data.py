@@ -6,7 +6,9 @@ emulated speeds 1,0.5; then one rank's input pipeline slowed (fewer workers) wit
 held even and balanced. The two modes of each comparison alternate timed blocks of steps, and each
 rate is the median over its blocks. Figures are ratios measured in the same run:
 `equal_speed_ratio` = hetrain / plain DDP at 1,1; `speedup` = hetrain / plain DDP at 1,0.5;
-`slow_loader_speedup` = hetrain balanced / even split with one rank's loader slowed.
+`slow_loader_speedup` = hetrain balanced / even split with one rank's loader slowed. The device is
+emulated: the CNN runs on the CPU, and each rank then waits `--device-ms` per sample over its speed,
+leaving the CPU cores to the input pipeline as a GPU host does (hetrain/bench/emulated_device.py).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=40, help="untimed steps per mode (the balancer settles)")
     parser.add_argument("--block", type=int, default=4, help="steps per timed block; the modes compared alternate")
     parser.add_argument("--width", type=int, default=16, help="CNN channels")
+    parser.add_argument("--device-ms", type=float, default=1.0,
+                        help="emulated device milliseconds per sample (forward and backward) at speed 1")
     parser.add_argument("--interval", type=int, default=5, help="balancer interval in steps")
 
 
@@ -42,7 +46,7 @@ def run(args: argparse.Namespace) -> dict:
         out = Path(tmp) / "result.json"
         job_args = ["--workers", str(args.workers), "--slow-workers", str(args.slow_workers),
                     "--global-batch", str(args.global_batch), "--samples", str(args.samples),
-                    "--steps", str(args.steps), "--warmup", str(args.warmup), "--width", str(args.width),
+                    "--steps", str(args.steps), "--warmup", str(args.warmup), "--width", str(args.width), "--device-ms", str(args.device_ms),
                     "--interval", str(args.interval), "--block", str(args.block), "--out", str(out)]
         launch(LaunchConfig(script="hetrain.bench.data_job", module=True, script_args=job_args, nproc_per_node=2))
         r = json.loads(out.read_text())
@@ -56,6 +60,7 @@ def run(args: argparse.Namespace) -> dict:
         "slow_workers": r["slow_workers"],
         "timed_steps": r["timed_steps"],
         "decode_ms_per_sample": r["decode_ms_per_sample"],
+        "device_ms_per_sample": r["device_ms_per_sample"],
         "ddp_samples_per_s_1_1": rate["ddp_1_1"],
         "hetrain_samples_per_s_1_1": rate["hetrain_1_1"],
         "ddp_samples_per_s_1_0.5": rate["ddp_1_0.5"],

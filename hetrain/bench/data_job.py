@@ -8,8 +8,10 @@ and each rate is the median over its blocks:
   hetrain (`session.loader(..., num_workers=W)`, balanced);
 - emulated speeds 1,0.5: the same two;
 - one rank's input pipeline slowed (fewer workers), speeds 1,1: hetrain with an even split, and balanced.
-Speeds are emulated as in every hetrain benchmark (a rank at speed s pads its compute to 1/s).
-Rank 0 writes the figures as JSON.
+The device is emulated (hetrain/bench/emulated_device.py): the small CNN runs for real, and a
+`DeviceTime` layer after it waits ``--device-ms`` per sample, leaving the CPU cores to the input
+pipeline as an accelerator would. A rank at emulated speed s pads its compute (CNN and wait) to 1/s
+of its time, as in every hetrain benchmark. Rank 0 writes the figures as JSON.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from hetrain.bench.emulated_device import DeviceTime
 from hetrain.runtime.timing import StepTimer, TimedHookState, timed_hook
 from hetrain.vocabulary import Env
 
@@ -65,12 +68,14 @@ class JpegImages(Dataset):
         return x.permute(2, 0, 1).float().div_(255), self.labels[i]
 
 
-def small_cnn(width: int = 16, seed: int = 0) -> torch.nn.Module:
+def small_cnn(width: int = 16, seed: int = 0, device_ms: float = 0.0) -> torch.nn.Module:
+    """A small CNN; with ``device_ms``, followed by the emulated device's time for the batch at speed 1
+    (a slower rank's timer pads it with the rest of its compute)."""
     torch.manual_seed(seed)
     return torch.nn.Sequential(
         torch.nn.Conv2d(3, width, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
         torch.nn.Conv2d(width, 2 * width, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-        torch.nn.Flatten(), torch.nn.Linear(2 * width * 64, 10))
+        torch.nn.Flatten(), torch.nn.Linear(2 * width * 64, 10), DeviceTime(device_ms))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -82,6 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=40, help="timed steps per phase")
     p.add_argument("--warmup", type=int, default=30, help="steps per phase not timed (the balancer settles)")
     p.add_argument("--width", type=int, default=16)
+    p.add_argument("--device-ms", type=float, default=1.0, help="emulated device ms per sample at speed 1")
     p.add_argument("--interval", type=int, default=5)
     p.add_argument("--block", type=int, default=4, help="steps per timed block; modes alternate blocks")
     p.add_argument("--out", required=True)
@@ -98,9 +104,9 @@ class PlainDDP:
 
     def __init__(self, args, data, slow: float | None) -> None:
         rank, world = dist.get_rank(), dist.get_world_size()
-        self.model = small_cnn(args.width)
+        self.model = small_cnn(args.width, device_ms=args.device_ms)
         self.ddp = DistributedDataParallel(self.model)
-        self.timer = StepTimer(speed=slow if rank == 1 else None)
+        self.timer = StepTimer(speed=_speed(slow))   # pads the compute (CNN and device wait) to the speed
         self.ddp.register_comm_hook(TimedHookState(self.timer, None, default_hooks.allreduce_hook), timed_hook)
         self.ddp.register_forward_pre_hook(self.timer.forward_pre_hook)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
@@ -138,10 +144,10 @@ class Hetrain:
 
         if slow is None:
             os.environ.pop(Env.EMULATE_SPEEDS, None)
-        else:
-            os.environ[Env.EMULATE_SPEEDS] = _speeds(slow)
+        else:   # the Session pads the CNN's own compute to the rank's speed, as PlainDDP's timer does
+            os.environ[Env.EMULATE_SPEEDS] = ",".join("1" if r != 1 else str(slow) for r in range(dist.get_world_size()))
         self.session = hetrain.Session(balance=balance, balance_interval=args.interval)
-        self.model = small_cnn(args.width)
+        self.model = small_cnn(args.width, device_ms=args.device_ms)
         self.ddp, _ = self.session.prepare(self.model, torch.optim.SGD(self.model.parameters(), lr=0.05))
         self.loader = self.session.loader(data, global_batch_size=args.global_batch, shuffle=True, seed=0,
                                           num_workers=workers, persistent_workers=workers > 0)
@@ -166,9 +172,9 @@ class Hetrain:
         del self.batches, self.loader
 
 
-def _speeds(slow: float) -> str:
-    """This job's speed per rank: rank 1 at `slow`, the others at 1."""
-    return ",".join("1" if r != 1 else str(slow) for r in range(dist.get_world_size()))
+def _speed(slow: float | None) -> float:
+    """This rank's emulated speed: rank 1 at `slow` (when given), the others at 1."""
+    return slow if slow is not None and dist.get_rank() == 1 else 1.0
 
 
 def _gather(value) -> list:
@@ -210,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     decode_ms = 1e3 * (time.perf_counter() - t0) / 32
     slow = 0.5
     result: dict = {"world_size": dist.get_world_size(), "global_batch_size": args.global_batch,
-                    "workers": args.workers, "slow_workers": args.slow_workers,
+                    "workers": args.workers, "slow_workers": args.slow_workers, "device_ms_per_sample": args.device_ms,
                     "timed_steps": args.block * max(1, args.steps // args.block),
                     "decode_ms_per_sample": _gather(decode_ms)}
     result.update(compare(args, {"ddp_1_1": PlainDDP(args, data, None),

@@ -29,3 +29,24 @@ def test_bench_data_refuses_a_slowed_loader_that_is_not_slower():
     r = run_cli([sys.executable, "-m", "hetrain.cli.main", "bench", "data", "--workers", "1", "--slow-workers", "1"],
                 cwd=ROOT, timeout=60)
     assert r.returncode != 0 and "--slow-workers" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_emulated_device_time_is_an_identity_that_waits_per_sample():
+    import time
+
+    import torch
+
+    from hetrain.bench.emulated_device import DeviceTime
+
+    layer = DeviceTime(ms_per_sample=3.0)          # 1 ms per sample forward, 2 ms backward
+    x = torch.randn(20, 4, requires_grad=True)
+    t0 = time.perf_counter()
+    y = layer(x)
+    forward = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    (y * torch.arange(4.0)).sum().backward()
+    backward = time.perf_counter() - t0
+    assert torch.equal(y, x) and torch.equal(x.grad, torch.arange(4.0).expand(20, 4))
+    assert forward >= 0.015 and backward >= 0.030      # 20 ms and 40 ms, less a late wake-up before
+    with torch.no_grad():
+        assert torch.equal(layer(x), x)
