@@ -50,6 +50,8 @@ def run_job(args: argparse.Namespace, *, progress: bool, schedule: str,
                     "--out", str(out)]
         if progress:
             job_args.append("--progress")
+        if getattr(args, "outside_load", None) is not None:
+            job_args += ["--outside-load", str(args.outside_load)]
         if "metrics" in phases.split(","):
             from hetrain.metrics.serve import free_base_port
 
@@ -61,9 +63,37 @@ def run_job(args: argparse.Namespace, *, progress: bool, schedule: str,
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
     add_job_options(parser)
+    parser.add_argument("--outside-load", type=int, default=None, metavar="SEED",
+                        help="hetrain alone, ranks pinned one per core, seeded bursts of outside load on "
+                             "rank 0's core: how often the split follows load that is not the device "
+                             "(use with --speeds 1,1 --steps 300 --interval 10)")
+
+
+def outside_load(args: argparse.Namespace) -> dict:
+    """hetrain alone under bursts of outside load: its split changes, and how far each later one
+    lies from an even split."""
+    r = run_job(args, progress=False, schedule="sequential", phases="balanced")
+    changes = r["balanced"].get("split_changes", [])
+    even = args.global_batch / len(r["speeds"])
+    later = changes[1:]
+    return {
+        "speeds": r["speeds"],
+        "emulated": r["emulated"],
+        "outside_load_seed": args.outside_load,
+        "pinned": r.get("pinned"),
+        "steps": args.steps,
+        "interval": args.interval,
+        "split_changes": changes,
+        "changes_after_first": len(later),
+        "max_off_even_after_first": max((max(abs(n - even) for n in c["new"]) / even for c in later), default=0.0),
+        "final_shares": r["balanced"]["shares"],
+        "compute_ms_median_p90": r["balanced"]["compute_ms_median_p90"],
+    }
 
 
 def run(args: argparse.Namespace) -> dict:
+    if args.outside_load is not None:
+        return outside_load(args)
     phases = "solo,uniform,balanced" + (",metrics" if args.metrics else "")
     r = run_job(args, progress=False, schedule="interleaved", phases=phases)
     uniform, balanced = r["uniform"]["samples_per_s"], r["balanced"]["samples_per_s"]

@@ -48,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", required=True)
     p.add_argument("--progress", action="store_true")
     p.add_argument("--metrics-port", type=int, default=None, help="base port of the metrics phase")
+    p.add_argument("--outside-load", type=int, default=None, metavar="SEED",
+                   help="pin ranks one per core and run seeded bursts of outside load on rank 0's core")
     return p.parse_args(argv)
 
 
@@ -201,8 +203,11 @@ class BalancedRunner:
         return list(self.session.shares)
 
     def extra(self) -> dict:
+        compute = sorted(self.session.compute_seconds) or [0.0]
         return {"split_changes": [{"step": c.step, "old": c.old, "new": c.new}
-                                  for c in self.session.balancer.changes]}
+                                  for c in self.session.balancer.changes],
+                "compute_ms_median_p90": gather([round(1e3 * compute[len(compute) // 2], 2),
+                                                 round(1e3 * compute[(9 * len(compute)) // 10], 2)])}
 
 
 class MetricsRunner:
@@ -340,6 +345,13 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"world_size": world, "global_batch_size": args.global_batch, "steps": args.steps,
                     "timed_steps": args.steps - args.warmup, "emulated": speed is not None,
                     "speeds": gather(speed if speed is not None else 1.0)}
+    load = None
+    if args.outside_load is not None:
+        from hetrain.bench.outside_load import OutsideLoad, pin_to_core
+
+        result["pinned"] = gather(pin_to_core(rank))
+        if rank == 0:
+            load = OutsideLoad(core=0, seed=args.outside_load).start()
     try:
         solo = SoloRunner(args, train, speed) if "solo" in phases else None
         runners = {name: (UniformRunner if name == "uniform" else BalancedRunner)(args, train, speed)
@@ -365,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
             }
     finally:
         progress.close()
+        if load is not None:
+            load.stop()
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

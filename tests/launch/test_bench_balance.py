@@ -21,3 +21,14 @@ def test_bench_balance_prints_the_figures_as_one_json_object():
     assert sum(d["balanced_shares"]) == 128 and d["emulated"] is True and d["speeds"] == [1.0, 0.5]
     assert d["balanced_shares"][0] > d["balanced_shares"][1]    # the faster rank took more
     assert abs(d["metrics_overhead_ratio"] - d["metrics_samples_per_s"] / d["balanced_samples_per_s"]) < 1e-9
+
+
+def test_bench_balance_under_outside_load_reports_the_split_changes():
+    r = run_cli([sys.executable, "-m", "hetrain.cli.main", "bench", "balance", "--speeds", "1,1", "--steps", "12",
+                 "--warmup", "2", "--global-batch-size", "64", "--interval", "5", "--outside-load", "0", "--json"],
+                cwd=ROOT, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads(r.stdout)
+    assert d["outside_load_seed"] == 0 and d["steps"] == 12 and sum(d["final_shares"]) == 64
+    assert d["changes_after_first"] == max(0, len(d["split_changes"]) - 1)
+    assert len(d["compute_ms_median_p90"]) == 2 and all(p90 >= med > 0 for med, p90 in d["compute_ms_median_p90"])
