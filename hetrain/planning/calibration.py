@@ -28,12 +28,13 @@ import numpy as np
 from hetrain.planning.cost_model import (
     PRECISION_CLASS,
     Calibration,
+    DEFAULT_BUCKET_BYTES,
     CommTopology,
+    exposed_seconds,
     allreduce_cost,
     backward_fraction,
     compute_seconds,
     data_parallel_efficiency,
-    exposed_seconds,
     fixed_seconds_per_microbatch,
     graphics_memory,
     math_precision,
@@ -207,27 +208,45 @@ def fit(rows: list[PublishedRow] | tuple[PublishedRow, ...]) -> Calibration:
     )
 
 
-def fit_scaling(rows: list[PublishedRow] | tuple[PublishedRow, ...], calib: Calibration) -> float:
-    """Throughput kept per doubling of GPUs beyond the modelled all-reduce: least squares of
-    log((published_n / predicted_n) / (published_1 / predicted_1)) on log2 n, over multi-GPU rows
-    whose single-GPU row (same source, workload, GPU, precision) is published; at most 1."""
-    plain = replace(calib, scaling_per_doubling=1.0)
+def _scaling_pairs(rows) -> list[tuple[PublishedRow, PublishedRow]]:
+    """(multi-GPU row, its source's single-GPU row of the same workload, GPU and precision)."""
     single = {(r.source, r.model_name, r.gpu, r.precision): r for r in rows if r.gpus == 1}
-    xy = []
-    for r in rows:
-        one = single.get((r.source, r.model_name, r.gpu, r.precision))
-        if r.gpus > 1 and one is not None:
-            kept = (r.samples_per_s / predict_row(r, plain)) / (one.samples_per_s / predict_row(one, plain))
-            xy.append((math.log2(r.gpus), math.log(kept)))
+    return [(r, single[(r.source, r.model_name, r.gpu, r.precision)]) for r in rows
+            if r.gpus > 1 and (r.source, r.model_name, r.gpu, r.precision) in single]
+
+
+def fit_scaling(rows: list[PublishedRow] | tuple[PublishedRow, ...], calib: Calibration) -> Calibration:
+    """The multi-GPU constants on top of the single-GPU ones: the fraction of backward under which
+    the all-reduce hides, and the throughput kept per doubling of GPUs beyond it. Robust least
+    squares of log((published_n / predicted_n) / (published_1 / predicted_1)) over the multi-GPU
+    rows whose single-GPU row (same source, workload, GPU, precision) is published: the single-GPU
+    constants cancel, what is left is how a system scales."""
+    from scipy.optimize import least_squares
+
+    xy = _scaling_pairs(rows)
     if not xy:
-        return 1.0
-    return min(1.0, math.exp(sum(x * y for x, y in xy) / sum(x * x for x, _ in xy)))
+        return calib
+    compute, comm, grad_bytes = np.array([_row_seconds(r, calib) for r, _ in xy]).T
+    last = comm * np.minimum(1.0, DEFAULT_BUCKET_BYTES / grad_bytes)  # as cost_model.exposed_seconds
+    one = np.array([_row_seconds(o, calib)[0] / o.batch_per_gpu for _, o in xy])
+    batch = np.array([r.batch_per_gpu for r, _ in xy], dtype=float)
+    doublings = np.log2([r.gpus for r, _ in xy])
+    kept = np.log([(r.samples_per_s / r.gpus) / o.samples_per_s for r, o in xy])
+
+    def residuals(x):
+        s, h = 1.0 / (1.0 + np.exp(-x))
+        exposed = np.where(comm > 0, np.maximum(comm - h * compute * backward_fraction(False), last), 0.0)
+        predicted = batch / (compute + exposed) * one * s ** doublings  # per GPU, over one GPU
+        return np.log(predicted) - kept
+
+    s, h = 1.0 / (1.0 + np.exp(-least_squares(residuals, np.array([3.0, 0.0]), loss="soft_l1", f_scale=0.1).x))
+    return replace(calib, scaling_per_doubling=float(s), comm_hidden_fraction=float(h),
+                   parameters=calib.parameters + 2)
 
 
 def fit_all(rows: list[PublishedRow] | tuple[PublishedRow, ...]) -> Calibration:
-    """The single-GPU constants (`fit`), then the multi-GPU scaling on top of them."""
-    calib = fit(rows)
-    return replace(calib, scaling_per_doubling=fit_scaling(rows, calib))
+    """The single-GPU constants (`fit`), then the multi-GPU constants on top of them."""
+    return fit_scaling(rows, fit(rows))
 
 
 @lru_cache(maxsize=1)
@@ -236,9 +255,9 @@ def default_calibration() -> Calibration:
     return fit_all(published_rows())
 
 
-def predict_row(row: PublishedRow, calib: Calibration) -> float:
-    """Predicted samples/s of a published configuration (multi-GPU: one node, ring all-reduce over
-    NVLink where the part has it, else PCIe)."""
+def _row_seconds(row: PublishedRow, calib: Calibration) -> tuple[float, float, float]:
+    """(compute seconds of one micro-batch, its all-reduce seconds, the gradient bytes) of a
+    published configuration: one node, ring all-reduce over NVLink where the part has it, else PCIe."""
     from hetrain.hardware.catalog import get_gpu
     from hetrain.workload.zoo import get_profile
 
@@ -250,14 +269,21 @@ def predict_row(row: PublishedRow, calib: Calibration) -> float:
         })
     mb = row.batch_per_gpu
     compute = compute_seconds(profile, spec, row.precision, mb, mb, False, calib, row.fp32_math)
-    exposed = 0.0
-    if row.gpus > 1:
-        link = spec.nvlink_bytes_per_s or spec.pcie_bytes_per_s
-        topo = CommTopology(node_sizes=(row.gpus,), intra_bytes_per_s=link, inter_bytes_per_s=link)
-        grad_bytes = 4.0 * profile.params
-        comm = allreduce_cost(grad_bytes, topo).seconds
-        exposed = exposed_seconds(comm, compute * backward_fraction(False), grad_bytes)
-    return row.gpus * mb / (compute + exposed) * data_parallel_efficiency(row.gpus, calib)
+    if row.gpus <= 1:
+        return compute, 0.0, 0.0
+    link = spec.nvlink_bytes_per_s or spec.pcie_bytes_per_s
+    topo = CommTopology(node_sizes=(row.gpus,), intra_bytes_per_s=link, inter_bytes_per_s=link)
+    grad_bytes = 4.0 * profile.params
+    comm = allreduce_cost(grad_bytes, topo).seconds
+    return compute, comm, grad_bytes
+
+
+def predict_row(row: PublishedRow, calib: Calibration) -> float:
+    """Predicted samples/s of a published configuration (multi-GPU: one node, ring all-reduce over
+    NVLink where the part has it, else PCIe, partly hidden under backward)."""
+    compute, comm, grad_bytes = _row_seconds(row, calib)
+    exposed = exposed_seconds(comm, compute * backward_fraction(False), grad_bytes, calib=calib)
+    return row.gpus * row.batch_per_gpu / (compute + exposed) * data_parallel_efficiency(row.gpus, calib)
 
 
 @dataclass(frozen=True)

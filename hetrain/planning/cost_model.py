@@ -49,6 +49,9 @@ class Calibration:
     scaling_per_doubling: float = 1.0
     """data-parallel throughput kept per doubling of replicas beyond the modelled all-reduce
     (synchronisation, stragglers, input pipelines), fitted on published multi-GPU rows"""
+    comm_hidden_fraction: float = 1.0
+    """fraction of backward's time under which the gradient all-reduce hides (1: all of backward;
+    0: none, the all-reduce runs after it), fitted on published multi-GPU rows"""
     rows: int = 0
     parameters: int = 0
 
@@ -285,12 +288,15 @@ def allreduce_cost(nbytes: float, topo: CommTopology, factor: float = 2.0) -> Al
 
 
 def exposed_seconds(comm_seconds: float, backward_seconds: float, total_bytes: float,
-                    bucket_bytes: float = DEFAULT_BUCKET_BYTES) -> float:
-    """Communication left after overlapping with backward: all but the last bucket can hide."""
+                    bucket_bytes: float = DEFAULT_BUCKET_BYTES, calib: Calibration | None = None) -> float:
+    """Communication left after overlapping with backward: all but the last bucket can hide, under
+    the fitted fraction of backward (buckets become ready as backward goes, and the all-reduce's
+    kernels take SMs and memory bandwidth from it)."""
     if comm_seconds <= 0:
         return 0.0
+    hidden = (calib or default_calibration()).comm_hidden_fraction
     last_bucket = comm_seconds * min(1.0, bucket_bytes / max(total_bytes, 1.0))
-    return max(comm_seconds - backward_seconds, last_bucket)
+    return max(comm_seconds - hidden * backward_seconds, last_bucket)
 
 
 def backward_fraction(checkpointing: bool) -> float:
