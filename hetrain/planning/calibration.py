@@ -318,6 +318,35 @@ def evaluate() -> tuple[RowResult, ...]:
     )
 
 
+@lru_cache(maxsize=1)
+def evaluate_gpu_held_out() -> tuple[tuple[str, tuple[RowResult, ...]], ...]:
+    """Per GPU kind: every row, predicted by the full fit and (`predicted_held_out`) by a fit that
+    never saw that kind, in any source: what to expect on a GPU kind with no published row."""
+    rows = published_rows()
+    calib = default_calibration()
+    out = []
+    for gpu in sorted({r.gpu for r in rows}):
+        held = fit_all([r for r in rows if r.gpu != gpu])
+        out.append((gpu, tuple(RowResult(r, predict_row(r, calib), predict_row(r, held)) for r in rows)))
+    return tuple(out)
+
+
+def gpu_held_out_errors(multi_gpu: bool | None = None) -> tuple[list[float], list[float]]:
+    """(throughput errors of each GPU kind's rows, relative-speed errors of every pair with that
+    kind), each predicted by the fit without that kind; `multi_gpu` keeps only multi- (True) or
+    single-GPU (False) rows and pairs."""
+    def keep(n: int) -> bool:
+        return multi_gpu is None or (n > 1) == multi_gpu
+
+    row_errors: list[float] = []
+    pair_errors: list[float] = []
+    for gpu, results in evaluate_gpu_held_out():
+        row_errors += [r.error_held_out for r in results if r.row.gpu == gpu and keep(r.row.gpus)]
+        pair_errors += [p.error(True) for p in pairs(results)
+                        if gpu in (p.a.row.gpu, p.b.row.gpu) and keep(p.a.row.gpus)]
+    return row_errors, pair_errors
+
+
 @dataclass(frozen=True)
 class PairResult:
     """Two GPU kinds of one source in one configuration: published and predicted speed ratio."""
@@ -348,7 +377,8 @@ def pairs(results: tuple[RowResult, ...] | list[RowResult]) -> list[PairResult]:
     return out
 
 
-def _stats(errors: list[float]) -> tuple[float, float]:
+def abs_error_stats(errors: list[float]) -> tuple[float, float]:
+    """(median, largest) absolute error; NaN for none."""
     if not errors:
         return float("nan"), float("nan")
     return statistics.median(abs(e) for e in errors), max(abs(e) for e in errors)
@@ -359,76 +389,18 @@ def summary(results: tuple[RowResult, ...] | list[RowResult]) -> dict[str, float
     prs = pairs(results)
     held = [r.error_held_out for r in results if r.error_held_out is not None]
     out = {"rows": len(results), "pairs": len(prs)}
-    out["median_abs_error"], out["max_abs_error"] = _stats([r.error for r in results])
-    out["held_out_median_abs_error"], out["held_out_max_abs_error"] = _stats(held)
-    out["pair_median_abs_error"], out["pair_max_abs_error"] = _stats([p.error() for p in prs])
+    out["median_abs_error"], out["max_abs_error"] = abs_error_stats([r.error for r in results])
+    out["held_out_median_abs_error"], out["held_out_max_abs_error"] = abs_error_stats(held)
+    out["pair_median_abs_error"], out["pair_max_abs_error"] = abs_error_stats([p.error() for p in prs])
     held_pairs = [p.error(True) for p in prs if p.a.predicted_held_out is not None]
-    out["held_out_pair_median_abs_error"], out["held_out_pair_max_abs_error"] = _stats(held_pairs)
+    out["held_out_pair_median_abs_error"], out["held_out_pair_max_abs_error"] = abs_error_stats(held_pairs)
     return out
 
 
-def markdown_rows(results: tuple[RowResult, ...] | list[RowResult]) -> str:
-    """The docs table: every row, published against predicted (fit on all) and held out."""
-    lines = ["| source | workload | seq | gpu | gpus | precision | batch/GPU | published | predicted | error "
-             "| held-out prediction | held-out error |", "|" + "---|" * 12]
-    for r in results:
-        w = r.row
-        held = "" if r.predicted_held_out is None else f"{r.predicted_held_out:.0f} | {r.error_held_out:+.1%}"
-        lines.append(f"| {w.source} | {w.workload} | {w.seq_len or ''} | {w.gpu} | {w.gpus} | {w.precision} | "
-                     f"{w.batch_per_gpu} | {w.samples_per_s:g} | {r.predicted:.0f} | {r.error:+.1%} | {held or ' | '} |")
-    return "\n".join(lines)
-
-
-def markdown_relative_speeds(results: tuple[RowResult, ...] | list[RowResult],
-                             references: tuple[str, ...] = ("a100-sxm4-80gb", "a100-sxm4-40gb")) -> str:
-    """Single-GPU speed of each GPU kind over the source's A100 SXM in the same workload and
-    precision: published, predicted with every source fitted, and by the fit without that source."""
-    lines = ["| source | workload | precision | gpu | published vs A100 SXM | predicted | error "
-             "| held out | held-out error |", "|" + "---|" * 9]
-    single = [r for r in results if r.row.gpus == 1]
-    for r in single:
-        same = [x for x in single if (x.row.source, x.row.model_name, x.row.precision)
-                == (r.row.source, r.row.model_name, r.row.precision)]
-        ref = next((x for name in references for x in same if x.row.gpu == name), None)
-        if ref is None or r is ref:
-            continue
-        pub = r.row.samples_per_s / ref.row.samples_per_s
-        pred = r.predicted / ref.predicted
-        held = "| |"
-        if r.predicted_held_out is not None:
-            h = r.predicted_held_out / ref.predicted_held_out
-            held = f"| {h:.2f} | {h / pub - 1:+.1%} |"
-        lines.append(f"| {r.row.source} | {r.row.model_name} | {r.row.precision} | {r.row.gpu} (/ {ref.row.gpu}) | "
-                     f"{pub:.2f} | {pred:.2f} | {pred / pub - 1:+.1%} {held}")
-    return "\n".join(lines)
-
-
-def markdown_summary(results: tuple[RowResult, ...] | list[RowResult]) -> str:
-    """Median and largest absolute errors, single- and multi-GPU, fitted and held out."""
-    lines = ["| rows | count | throughput: fit on all | throughput: source held out | relative speed pairs "
-             "| pairs: fit on all | pairs: source held out |", "|" + "---|" * 7]
-    for label, keep in (("single-GPU", lambda n: n == 1), ("multi-GPU", lambda n: n > 1), ("all", lambda n: True)):
-        rs = [r for r in results if keep(r.row.gpus)]
-        ps = [p for p in pairs(results) if keep(p.a.row.gpus)]
-        fit_t, held_t = _stats([r.error for r in rs]), _stats([r.error_held_out for r in rs if r.error_held_out is not None])
-        fit_p, held_p = _stats([p.error() for p in ps]), _stats([p.error(True) for p in ps if p.a.predicted_held_out])
-        lines.append(f"| {label} | {len(rs)} | {fit_t[0]:.1%} median, {fit_t[1]:.0%} worst | {held_t[0]:.1%} median, "
-                     f"{held_t[1]:.0%} worst | {len(ps)} | {fit_p[0]:.1%} median, {fit_p[1]:.0%} worst | "
-                     f"{held_p[0]:.1%} median, {held_p[1]:.0%} worst |")
-    lines += ["", "| source held out (fit on the others) | rows | throughput | relative speed pairs | pairs |",
-              "|---|---|---|---|---|"]
-    for source in sorted({r.row.source for r in results}):
-        rs = [r for r in results if r.row.source == source and r.error_held_out is not None]
-        ps = [p.error(True) for p in pairs(rs)]
-        t, pp = _stats([r.error_held_out for r in rs]), _stats(ps)
-        pair_text = f"{pp[0]:.1%} median, {pp[1]:.0%} worst" if ps else "-"
-        lines.append(f"| {source} | {len(rs)} | {t[0]:.1%} median, {t[1]:.0%} worst | {len(ps)} | {pair_text} |")
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    _results = evaluate()
-    print(default_calibration(), "\n")
-    print(markdown_summary(_results), "\n")
-    print(markdown_relative_speeds(_results), "\n")
-    print(markdown_rows(_results))
+def summary_gpu_held_out() -> dict[str, float]:
+    """Median and largest absolute errors with each GPU kind held out (see gpu_held_out_errors)."""
+    row_errors, pair_errors = gpu_held_out_errors()
+    out = {"rows": len(row_errors), "pairs": len(pair_errors)}
+    out["median_abs_error"], out["max_abs_error"] = abs_error_stats(row_errors)
+    out["pair_median_abs_error"], out["pair_max_abs_error"] = abs_error_stats(pair_errors)
+    return out
