@@ -28,7 +28,6 @@ import numpy as np
 from hetrain.planning.cost_model import (
     PRECISION_CLASS,
     Calibration,
-    DEFAULT_BUCKET_BYTES,
     CommTopology,
     exposed_seconds,
     allreduce_cost,
@@ -39,6 +38,7 @@ from hetrain.planning.cost_model import (
     graphics_memory,
     math_precision,
     per_sample_terms,
+    power_fraction,
 )
 
 KINDS = ("cnn", "transformer")
@@ -120,6 +120,7 @@ class _Terms:
     batch: np.ndarray
     observed: np.ndarray
     level: np.ndarray  # index of the row's (source, kind) level factor
+    power: np.ndarray  # -log(power_fraction)
 
 
 def _terms(rows: list[PublishedRow]) -> tuple[_Terms, list[tuple[str, str]]]:
@@ -142,19 +143,27 @@ def _terms(rows: list[PublishedRow]) -> tuple[_Terms, list[tuple[str, str]]]:
         cols["batch"].append(r.batch_per_gpu)
         cols["observed"].append(r.samples_per_s / r.gpus)
         cols["level"].append(levels.index(key))
+        cols["power"].append(-math.log(power_fraction(spec)))
     return _Terms(**{k: np.asarray(v) for k, v in cols.items()}), levels
 
 
-def _unpack(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, float, float, float]:
-    eff = 1.0 / (1.0 + np.exp(-x[:6]))
-    passes = np.exp(x[6:8])
-    gddr_eff = float(np.exp(x[8]))
-    fraction = float(1.0 / (1.0 + np.exp(-x[9])))
-    l2_scale = float(np.exp(x[10])) * 1e6
-    return eff, passes, gddr_eff, fraction, l2_scale
+# Efficiencies the fit leaves free: the others sit at 1 (peak), where free fits put them anyway;
+# the memory traffic, the host term and the power limit carry what those parts lose.
+FREE_EFFICIENCIES = ("transformer/tf32", "transformer/fp32")
+_FREE = [GROUPS.index(g) for g in FREE_EFFICIENCIES]
+_SHARED = len(_FREE) + 7
 
 
-_SHARED = 11
+def _unpack(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, float, float, float, float, float]:
+    eff = np.ones(len(GROUPS))
+    eff[_FREE] = 1.0 / (1.0 + np.exp(-x[:len(_FREE)]))
+    passes = np.exp(x[2:4])
+    gddr_eff = float(np.exp(x[4]))
+    fraction = float(1.0 / (1.0 + np.exp(-x[5])))
+    l2_scale = float(np.exp(x[6])) * 1e6
+    host = float(np.exp(x[7])) * 1e-6
+    power = float(np.exp(x[8]))
+    return eff, passes, gddr_eff, fraction, l2_scale, host, power
 
 
 def _level_logs(x: np.ndarray, levels: list[tuple[str, str]]) -> np.ndarray:
@@ -177,10 +186,11 @@ def _n_free(levels: list[tuple[str, str]]) -> int:
 
 
 def _residuals(x: np.ndarray, t: _Terms, levels: list[tuple[str, str]]) -> np.ndarray:
-    eff, passes, gddr_eff, fraction, l2_scale = _unpack(x)
+    eff, passes, gddr_eff, fraction, l2_scale, host, power = _unpack(x)
     scale = np.where(t.packed, fraction, 1.0) * np.exp(_level_logs(x, levels))[t.level]
     bandwidth = np.where(t.gddr, gddr_eff, 1.0) * (1.0 + t.l2 / l2_scale)
-    per_sample = t.flop_s / eff[t.group] + passes[t.kind] * t.byte_s / bandwidth
+    per_sample = (t.flop_s * np.exp(power * t.power) / eff[t.group] + passes[t.kind] * t.byte_s / bandwidth
+                  + np.where(t.kind == KINDS.index("cnn"), host, 0.0))
     predicted = t.batch / (t.batch * per_sample * scale + t.fixed)
     return np.log(predicted / t.observed)
 
@@ -191,62 +201,49 @@ def fit(rows: list[PublishedRow] | tuple[PublishedRow, ...]) -> Calibration:
 
     rows = [r for r in rows if r.gpus == 1]
     t, levels = _terms(rows)
-    x0 = np.concatenate([np.zeros(6), np.log([8.0, 8.0]), [0.0, 1.0, np.log(100.0)], np.zeros(_n_free(levels))])
+    x0 = np.concatenate([np.zeros(len(_FREE)), np.log([8.0, 8.0]), [0.0, 1.0, np.log(100.0), np.log(10.0), np.log(0.3)],
+                         np.zeros(_n_free(levels))])
     x = least_squares(_residuals, x0, args=(t, levels), loss="soft_l1", f_scale=0.1).x
-    eff, passes, gddr_eff, fraction, l2_scale = _unpack(x)
+    eff, passes, gddr_eff, fraction, l2_scale, host, power = _unpack(x)
     l2_seen = len(set(t.l2.tolist())) > 1
     used = set(t.group.tolist())
     kinds = set(t.kind.tolist())
+    cnn = KINDS.index("cnn") in kinds
     return Calibration(
-        compute_efficiency={g: float(eff[i]) for i, g in enumerate(GROUPS) if i in used},
+        compute_efficiency={g: float(eff[i]) for i, g in enumerate(GROUPS) if i in used or i not in _FREE},
         memory_passes={k: float(passes[i]) for i, k in enumerate(KINDS) if i in kinds},
         graphics_memory_efficiency=gddr_eff if t.gddr.any() else 1.0,
         packed_token_fraction=round(fraction, 3) if t.packed.any() else 1.0,
         l2_scale_bytes=l2_scale if l2_seen else float("inf"),
+        power_exponent=power if t.power.any() else 0.0,
+        host_seconds_per_sample={"cnn": host} if cnn else {},
         rows=len(rows),
-        parameters=len(used) + len(kinds) + int(t.gddr.any()) + int(t.packed.any()) + int(l2_seen) + _n_free(levels),
+        parameters=len(used & set(_FREE)) + len(kinds) + int(t.gddr.any()) + int(t.packed.any()) + int(l2_seen)
+        + int(cnn) + int(t.power.any()) + _n_free(levels),
     )
 
 
-def _scaling_pairs(rows) -> list[tuple[PublishedRow, PublishedRow]]:
-    """(multi-GPU row, its source's single-GPU row of the same workload, GPU and precision)."""
+def fit_scaling(rows: list[PublishedRow] | tuple[PublishedRow, ...], calib: Calibration) -> float:
+    """Throughput kept per doubling of GPUs beyond the modelled all-reduce: least squares of
+    log((published_n / predicted_n) / (published_1 / predicted_1)) on log2 n, over multi-GPU rows
+    whose single-GPU row (same source, workload, GPU, precision) is published; at most 1."""
+    plain = replace(calib, scaling_per_doubling=1.0)
     single = {(r.source, r.model_name, r.gpu, r.precision): r for r in rows if r.gpus == 1}
-    return [(r, single[(r.source, r.model_name, r.gpu, r.precision)]) for r in rows
-            if r.gpus > 1 and (r.source, r.model_name, r.gpu, r.precision) in single]
-
-
-def fit_scaling(rows: list[PublishedRow] | tuple[PublishedRow, ...], calib: Calibration) -> Calibration:
-    """The multi-GPU constants on top of the single-GPU ones: the fraction of backward under which
-    the all-reduce hides, and the throughput kept per doubling of GPUs beyond it. Robust least
-    squares of log((published_n / predicted_n) / (published_1 / predicted_1)) over the multi-GPU
-    rows whose single-GPU row (same source, workload, GPU, precision) is published: the single-GPU
-    constants cancel, what is left is how a system scales."""
-    from scipy.optimize import least_squares
-
-    xy = _scaling_pairs(rows)
+    xy = []
+    for r in rows:
+        one = single.get((r.source, r.model_name, r.gpu, r.precision))
+        if r.gpus > 1 and one is not None:
+            kept = (r.samples_per_s / predict_row(r, plain)) / (one.samples_per_s / predict_row(one, plain))
+            xy.append((math.log2(r.gpus), math.log(kept)))
     if not xy:
-        return calib
-    compute, comm, grad_bytes = np.array([_row_seconds(r, calib) for r, _ in xy]).T
-    last = comm * np.minimum(1.0, DEFAULT_BUCKET_BYTES / grad_bytes)  # as cost_model.exposed_seconds
-    one = np.array([_row_seconds(o, calib)[0] / o.batch_per_gpu for _, o in xy])
-    batch = np.array([r.batch_per_gpu for r, _ in xy], dtype=float)
-    doublings = np.log2([r.gpus for r, _ in xy])
-    kept = np.log([(r.samples_per_s / r.gpus) / o.samples_per_s for r, o in xy])
-
-    def residuals(x):
-        s, h = 1.0 / (1.0 + np.exp(-x))
-        exposed = np.where(comm > 0, np.maximum(comm - h * compute * backward_fraction(False), last), 0.0)
-        predicted = batch / (compute + exposed) * one * s ** doublings  # per GPU, over one GPU
-        return np.log(predicted) - kept
-
-    s, h = 1.0 / (1.0 + np.exp(-least_squares(residuals, np.array([3.0, 0.0]), loss="soft_l1", f_scale=0.1).x))
-    return replace(calib, scaling_per_doubling=float(s), comm_hidden_fraction=float(h),
-                   parameters=calib.parameters + 2)
+        return 1.0
+    return min(1.0, math.exp(sum(x * y for x, y in xy) / sum(x * x for x, _ in xy)))
 
 
 def fit_all(rows: list[PublishedRow] | tuple[PublishedRow, ...]) -> Calibration:
-    """The single-GPU constants (`fit`), then the multi-GPU constants on top of them."""
-    return fit_scaling(rows, fit(rows))
+    """The single-GPU constants (`fit`), then the multi-GPU scaling on top of them."""
+    calib = fit(rows)
+    return replace(calib, scaling_per_doubling=fit_scaling(rows, calib))
 
 
 @lru_cache(maxsize=1)
@@ -255,9 +252,9 @@ def default_calibration() -> Calibration:
     return fit_all(published_rows())
 
 
-def _row_seconds(row: PublishedRow, calib: Calibration) -> tuple[float, float, float]:
-    """(compute seconds of one micro-batch, its all-reduce seconds, the gradient bytes) of a
-    published configuration: one node, ring all-reduce over NVLink where the part has it, else PCIe."""
+def predict_row(row: PublishedRow, calib: Calibration) -> float:
+    """Predicted samples/s of a published configuration (multi-GPU: one node, ring all-reduce over
+    NVLink where the part has it, else PCIe)."""
     from hetrain.hardware.catalog import get_gpu
     from hetrain.workload.zoo import get_profile
 
@@ -269,21 +266,14 @@ def _row_seconds(row: PublishedRow, calib: Calibration) -> tuple[float, float, f
         })
     mb = row.batch_per_gpu
     compute = compute_seconds(profile, spec, row.precision, mb, mb, False, calib, row.fp32_math)
-    if row.gpus <= 1:
-        return compute, 0.0, 0.0
-    link = spec.nvlink_bytes_per_s or spec.pcie_bytes_per_s
-    topo = CommTopology(node_sizes=(row.gpus,), intra_bytes_per_s=link, inter_bytes_per_s=link)
-    grad_bytes = 4.0 * profile.params
-    comm = allreduce_cost(grad_bytes, topo).seconds
-    return compute, comm, grad_bytes
-
-
-def predict_row(row: PublishedRow, calib: Calibration) -> float:
-    """Predicted samples/s of a published configuration (multi-GPU: one node, ring all-reduce over
-    NVLink where the part has it, else PCIe, partly hidden under backward)."""
-    compute, comm, grad_bytes = _row_seconds(row, calib)
-    exposed = exposed_seconds(comm, compute * backward_fraction(False), grad_bytes, calib=calib)
-    return row.gpus * row.batch_per_gpu / (compute + exposed) * data_parallel_efficiency(row.gpus, calib)
+    exposed = 0.0
+    if row.gpus > 1:
+        link = spec.nvlink_bytes_per_s or spec.pcie_bytes_per_s
+        topo = CommTopology(node_sizes=(row.gpus,), intra_bytes_per_s=link, inter_bytes_per_s=link)
+        grad_bytes = 4.0 * profile.params
+        comm = allreduce_cost(grad_bytes, topo).seconds
+        exposed = exposed_seconds(comm, compute * backward_fraction(False), grad_bytes)
+    return row.gpus * mb / (compute + exposed) * data_parallel_efficiency(row.gpus, calib)
 
 
 @dataclass(frozen=True)

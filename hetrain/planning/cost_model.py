@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from hetrain.workload.profile import WorkloadProfile
 
@@ -44,14 +45,16 @@ class Calibration:
     """bandwidth reached by GDDR graphics dies (RTX, A10, L4, T4) relative to HBM datacenter dies"""
     l2_scale_bytes: float = math.inf
     """an L2 cache of this size halves the activation traffic reaching memory (traffic / (1 + L2 / this))"""
+    power_exponent: float = 0.0
+    """a part with less power per peak FLOP than its die family's best runs its arithmetic at
+    (its power / the best's) ** this of its quoted peak (see power_fraction)"""
+    host_seconds_per_sample: dict[str, float] = field(default_factory=dict, hash=False)
+    """per-sample time that does not depend on the device, by workload kind (input pipeline)"""
     packed_token_fraction: float = 1.0
     """tokens per sequence over nominal in the published BERT-512 recipe (unpadded packing)"""
     scaling_per_doubling: float = 1.0
     """data-parallel throughput kept per doubling of replicas beyond the modelled all-reduce
     (synchronisation, stragglers, input pipelines), fitted on published multi-GPU rows"""
-    comm_hidden_fraction: float = 1.0
-    """fraction of backward's time under which the gradient all-reduce hides (1: all of backward;
-    0: none, the all-reduce runs after it), fitted on published multi-GPU rows"""
     rows: int = 0
     parameters: int = 0
 
@@ -104,6 +107,28 @@ def graphics_memory(spec) -> bool:
     return spec.arch != "cpu" and spec.compute_capability[1] != 0
 
 
+@lru_cache(maxsize=1)
+def _family_watts_per_flop() -> dict[tuple[str, bool], float]:
+    from hetrain.hardware.catalog import load_catalog
+
+    best: dict[tuple[str, bool], float] = {}
+    for spec in load_catalog().values():
+        if spec.tdp_w and spec.arch != "cpu":
+            key = (spec.arch, graphics_memory(spec))
+            best[key] = max(best.get(key, 0.0), spec.tdp_w / spec.peak_flops["fp32"])
+    return best
+
+
+def power_fraction(spec) -> float:
+    """The part's power limit per peak fp32 FLOP/s over the highest in its die family (same
+    architecture and memory kind: A10 against RTX 3090, A100 PCIe against A100 SXM): below 1 the
+    part cannot hold the clock its peaks are quoted at under sustained load (1 where unknown)."""
+    if not spec.tdp_w or spec.arch == "cpu":
+        return 1.0
+    best = _family_watts_per_flop().get((spec.arch, graphics_memory(spec)))
+    return min(1.0, spec.tdp_w / spec.peak_flops["fp32"] / best) if best else 1.0
+
+
 def data_parallel_efficiency(replicas: int, calib: Calibration | None = None) -> float:
     """Fraction of the modelled data-parallel speed that `replicas` replicas keep (1 for one)."""
     calib = calib or default_calibration()
@@ -131,8 +156,9 @@ def sample_seconds(profile: WorkloadProfile, spec, precision: str, calib: Calibr
     math_p = math_precision(spec, precision, profile.kind, fp32_math)
     flop_s, byte_s = per_sample_terms(profile, spec, math_p)
     bw = (calib.graphics_memory_efficiency if graphics_memory(spec) else 1.0) * (1.0 + spec.l2_bytes / calib.l2_scale_bytes)
+    flop_s *= power_fraction(spec) ** -calib.power_exponent
     t = flop_s / calib.efficiency(profile.kind, math_p) + calib.passes(profile.kind) * byte_s / bw
-    return t * (CHECKPOINT_COMPUTE_FACTOR if checkpointing else 1.0)
+    return t * (CHECKPOINT_COMPUTE_FACTOR if checkpointing else 1.0) + calib.host_seconds_per_sample.get(profile.kind, 0.0)
 
 
 def compute_seconds(profile: WorkloadProfile, spec, precision: str, share: int, micro_batch: int,
@@ -288,15 +314,12 @@ def allreduce_cost(nbytes: float, topo: CommTopology, factor: float = 2.0) -> Al
 
 
 def exposed_seconds(comm_seconds: float, backward_seconds: float, total_bytes: float,
-                    bucket_bytes: float = DEFAULT_BUCKET_BYTES, calib: Calibration | None = None) -> float:
-    """Communication left after overlapping with backward: all but the last bucket can hide, under
-    the fitted fraction of backward (buckets become ready as backward goes, and the all-reduce's
-    kernels take SMs and memory bandwidth from it)."""
+                    bucket_bytes: float = DEFAULT_BUCKET_BYTES) -> float:
+    """Communication left after overlapping with backward: all but the last bucket can hide."""
     if comm_seconds <= 0:
         return 0.0
-    hidden = (calib or default_calibration()).comm_hidden_fraction
     last_bucket = comm_seconds * min(1.0, bucket_bytes / max(total_bytes, 1.0))
-    return max(comm_seconds - hidden * backward_seconds, last_bucket)
+    return max(comm_seconds - backward_seconds, last_bucket)
 
 
 def backward_fraction(checkpointing: bool) -> float:
