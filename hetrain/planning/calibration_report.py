@@ -9,6 +9,7 @@ from hetrain.planning.calibration import (
     abs_error_stats,
     default_calibration,
     evaluate,
+    evaluate_gpu_held_out,
     gpu_held_out_errors,
     pairs,
 )
@@ -77,6 +78,12 @@ def markdown_summary(results: tuple[RowResult, ...] | list[RowResult]) -> str:
         t, pp = abs_error_stats(row_errors), abs_error_stats(pair_errors)
         lines.append(f"| {label} | {len(row_errors)} | {t[0]:.1%} median, {t[1]:.0%} worst | {len(pair_errors)} | "
                      f"{pp[0]:.1%} median, {pp[1]:.0%} worst |")
+    for gpu, results in evaluate_gpu_held_out():
+        rs = [r.error_held_out for r in results if r.row.gpu == gpu]
+        ps = [p.error(True) for p in pairs(results) if gpu in (p.a.row.gpu, p.b.row.gpu)]
+        t, pp = abs_error_stats(rs), abs_error_stats(ps)
+        pair_text = f"{pp[0]:.1%} median, {pp[1]:.0%} worst" if ps else "-"
+        lines.append(f"| {gpu} | {len(rs)} | {t[0]:.1%} median, {t[1]:.0%} worst | {len(ps)} | {pair_text} |")
     return "\n".join(lines)
 
 
