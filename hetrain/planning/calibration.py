@@ -1,11 +1,13 @@
 """Fit the compute model's few constants on published single-GPU rows, and hold the model against
-rows it never saw: every row of a source predicted by a fit on the other sources only.
+rows it never saw: every row of a source predicted by a fit on the other sources only, and every
+row of a GPU kind by a fit without that kind.
 
-Fitted (see cost_model.sample_seconds): one efficiency per (workload kind, precision class),
-bounded to (0, 1] of peak; memory passes over the activation bytes per workload kind; the
-bandwidth GDDR graphics dies reach relative to HBM datacenter dies; the L2 size that halves the
-traffic reaching memory; the token fraction of the
-published BERT-512 recipe (it packs unpadded sequences). Each source's software stack runs a
+Fitted (see cost_model.sample_seconds): the efficiencies of transformers in TF32 and fp32, bounded
+to (0, 1] of peak (the others sit at peak); memory passes over the activation bytes per workload
+kind; the bandwidth GDDR graphics dies reach relative to HBM datacenter dies; the L2 size that
+halves the traffic reaching memory; the exponent of power-limited parts (cost_model.power_fraction);
+the per-image host time of CNNs; the token fraction of the published BERT-512 recipe (it packs
+unpadded sequences). Each source's software stack runs a
 workload kind at its own overall speed (NVIDIA's ResNet-50 recipe with DALI and channels-last is
 about 1.5x Lambda's on the same A100), so each (source, kind) gets a level factor, constrained to a
 geometric mean of 1: the shared constants then describe how GPU kinds differ, and a prediction for

@@ -1,10 +1,11 @@
 """Predicted time and memory of one training step: pure functions, no processes.
 
-Compute, per sample: the step's FLOPs at the peak of the precision the math units run in, times a
-fitted efficiency per (workload kind, precision class), plus its memory traffic (fitted passes over
-the activation bytes) at the device's bandwidth, less what its L2 cache keeps on chip, with a fitted
-factor for graphics-memory (GDDR) parts against HBM datacenter parts; per micro-batch, the weights read and gradients written once
-plus kernel launches. "fp32" on Ampere and later runs convolutions in TF32 unless TF32 is turned off.
+Compute, per sample: the step's FLOPs at the peak of the precision the math units run in (lower on
+power-limited parts, and by a fitted efficiency for transformers in TF32 and fp32), plus its memory
+traffic (fitted passes over the activation bytes) at the device's bandwidth, less what its L2 cache
+keeps on chip, with a fitted factor for graphics-memory (GDDR) parts against HBM datacenter parts,
+plus a fitted per-image host time for CNNs; per micro-batch, the weights read and gradients written
+once plus kernel launches. "fp32" on Ampere and later runs convolutions in TF32 unless TF32 is turned off.
 Memory: weights, gradients, optimizer state (ZeRO stages divide what they shard), activations per
 micro-batch (or only block boundaries with activation checkpointing), framework overhead.
 Communication: ring or two-level all-reduce over the slowest link, partly hidden under backward.
