@@ -31,11 +31,11 @@ from hetrain.planning.cost_model import (
     PRECISION_CLASS,
     Calibration,
     CommTopology,
-    exposed_seconds,
     allreduce_cost,
     backward_fraction,
     compute_seconds,
     data_parallel_efficiency,
+    exposed_seconds,
     fixed_seconds_per_microbatch,
     graphics_memory,
     math_precision,
@@ -157,14 +157,15 @@ _SHARED = len(_FREE) + 7
 
 
 def _unpack(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, float, float, float, float, float]:
+    n = len(_FREE)
     eff = np.ones(len(GROUPS))
-    eff[_FREE] = 1.0 / (1.0 + np.exp(-x[:len(_FREE)]))
-    passes = np.exp(x[2:4])
-    gddr_eff = float(np.exp(x[4]))
-    fraction = float(1.0 / (1.0 + np.exp(-x[5])))
-    l2_scale = float(np.exp(x[6])) * 1e6
-    host = float(np.exp(x[7])) * 1e-6
-    power = float(np.exp(x[8]))
+    eff[_FREE] = 1.0 / (1.0 + np.exp(-x[:n]))
+    passes = np.exp(x[n:n + 2])
+    gddr_eff = float(np.exp(x[n + 2]))
+    fraction = float(1.0 / (1.0 + np.exp(-x[n + 3])))
+    l2_scale = float(np.exp(x[n + 4])) * 1e6
+    host = float(np.exp(x[n + 5])) * 1e-6  # per image, CNNs only
+    power = float(np.exp(x[n + 6]))
     return eff, passes, gddr_eff, fraction, l2_scale, host, power
 
 
