@@ -1,11 +1,13 @@
 """Fit the compute model's few constants on published single-GPU rows, and hold the model against
-rows it never saw: every row of a source predicted by a fit on the other sources only.
+rows it never saw: every row of a source predicted by a fit on the other sources only, and every
+row of a GPU kind by a fit without that kind.
 
-Fitted (see cost_model.sample_seconds): one efficiency per (workload kind, precision class),
-bounded to (0, 1] of peak; memory passes over the activation bytes per workload kind; the
-bandwidth GDDR graphics dies reach relative to HBM datacenter dies; the L2 size that halves the
-traffic reaching memory; the token fraction of the
-published BERT-512 recipe (it packs unpadded sequences). Each source's software stack runs a
+Fitted (see cost_model.sample_seconds): the efficiencies of transformers in TF32 and fp32, bounded
+to (0, 1] of peak (the others sit at peak); memory passes over the activation bytes per workload
+kind; the bandwidth GDDR graphics dies reach relative to HBM datacenter dies; the L2 size that
+halves the traffic reaching memory; the exponent of power-limited parts (cost_model.power_fraction);
+the per-image host time of CNNs; the token fraction of the published BERT-512 recipe (it packs
+unpadded sequences). Each source's software stack runs a
 workload kind at its own overall speed (NVIDIA's ResNet-50 recipe with DALI and channels-last is
 about 1.5x Lambda's on the same A100), so each (source, kind) gets a level factor, constrained to a
 geometric mean of 1: the shared constants then describe how GPU kinds differ, and a prediction for
@@ -38,6 +40,7 @@ from hetrain.planning.cost_model import (
     graphics_memory,
     math_precision,
     per_sample_terms,
+    power_fraction,
 )
 
 KINDS = ("cnn", "transformer")
@@ -119,6 +122,7 @@ class _Terms:
     batch: np.ndarray
     observed: np.ndarray
     level: np.ndarray  # index of the row's (source, kind) level factor
+    power: np.ndarray  # -log(power_fraction)
 
 
 def _terms(rows: list[PublishedRow]) -> tuple[_Terms, list[tuple[str, str]]]:
@@ -141,19 +145,28 @@ def _terms(rows: list[PublishedRow]) -> tuple[_Terms, list[tuple[str, str]]]:
         cols["batch"].append(r.batch_per_gpu)
         cols["observed"].append(r.samples_per_s / r.gpus)
         cols["level"].append(levels.index(key))
+        cols["power"].append(-math.log(power_fraction(spec)))
     return _Terms(**{k: np.asarray(v) for k, v in cols.items()}), levels
 
 
-def _unpack(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, float, float, float]:
-    eff = 1.0 / (1.0 + np.exp(-x[:6]))
-    passes = np.exp(x[6:8])
-    gddr_eff = float(np.exp(x[8]))
-    fraction = float(1.0 / (1.0 + np.exp(-x[9])))
-    l2_scale = float(np.exp(x[10])) * 1e6
-    return eff, passes, gddr_eff, fraction, l2_scale
+# Efficiencies the fit leaves free: the others sit at 1 (peak), where free fits put them anyway;
+# the memory traffic, the host term and the power limit carry what those parts lose.
+FREE_EFFICIENCIES = ("transformer/tf32", "transformer/fp32")
+_FREE = [GROUPS.index(g) for g in FREE_EFFICIENCIES]
+_SHARED = len(_FREE) + 7
 
 
-_SHARED = 11
+def _unpack(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, float, float, float, float, float]:
+    n = len(_FREE)
+    eff = np.ones(len(GROUPS))
+    eff[_FREE] = 1.0 / (1.0 + np.exp(-x[:n]))
+    passes = np.exp(x[n:n + 2])
+    gddr_eff = float(np.exp(x[n + 2]))
+    fraction = float(1.0 / (1.0 + np.exp(-x[n + 3])))
+    l2_scale = float(np.exp(x[n + 4])) * 1e6
+    host = float(np.exp(x[n + 5])) * 1e-6  # per image, CNNs only
+    power = float(np.exp(x[n + 6]))
+    return eff, passes, gddr_eff, fraction, l2_scale, host, power
 
 
 def _level_logs(x: np.ndarray, levels: list[tuple[str, str]]) -> np.ndarray:
@@ -176,10 +189,11 @@ def _n_free(levels: list[tuple[str, str]]) -> int:
 
 
 def _residuals(x: np.ndarray, t: _Terms, levels: list[tuple[str, str]]) -> np.ndarray:
-    eff, passes, gddr_eff, fraction, l2_scale = _unpack(x)
+    eff, passes, gddr_eff, fraction, l2_scale, host, power = _unpack(x)
     scale = np.where(t.packed, fraction, 1.0) * np.exp(_level_logs(x, levels))[t.level]
     bandwidth = np.where(t.gddr, gddr_eff, 1.0) * (1.0 + t.l2 / l2_scale)
-    per_sample = t.flop_s / eff[t.group] + passes[t.kind] * t.byte_s / bandwidth
+    per_sample = (t.flop_s * np.exp(power * t.power) / eff[t.group] + passes[t.kind] * t.byte_s / bandwidth
+                  + np.where(t.kind == KINDS.index("cnn"), host, 0.0))
     predicted = t.batch / (t.batch * per_sample * scale + t.fixed)
     return np.log(predicted / t.observed)
 
@@ -190,20 +204,25 @@ def fit(rows: list[PublishedRow] | tuple[PublishedRow, ...]) -> Calibration:
 
     rows = [r for r in rows if r.gpus == 1]
     t, levels = _terms(rows)
-    x0 = np.concatenate([np.zeros(6), np.log([8.0, 8.0]), [0.0, 1.0, np.log(100.0)], np.zeros(_n_free(levels))])
+    x0 = np.concatenate([np.zeros(len(_FREE)), np.log([8.0, 8.0]), [0.0, 1.0, np.log(100.0), np.log(10.0), np.log(0.3)],
+                         np.zeros(_n_free(levels))])
     x = least_squares(_residuals, x0, args=(t, levels), loss="soft_l1", f_scale=0.1).x
-    eff, passes, gddr_eff, fraction, l2_scale = _unpack(x)
+    eff, passes, gddr_eff, fraction, l2_scale, host, power = _unpack(x)
     l2_seen = len(set(t.l2.tolist())) > 1
     used = set(t.group.tolist())
     kinds = set(t.kind.tolist())
+    cnn = KINDS.index("cnn") in kinds
     return Calibration(
-        compute_efficiency={g: float(eff[i]) for i, g in enumerate(GROUPS) if i in used},
+        compute_efficiency={g: float(eff[i]) for i, g in enumerate(GROUPS) if i in used or i not in _FREE},
         memory_passes={k: float(passes[i]) for i, k in enumerate(KINDS) if i in kinds},
         graphics_memory_efficiency=gddr_eff if t.gddr.any() else 1.0,
         packed_token_fraction=round(fraction, 3) if t.packed.any() else 1.0,
         l2_scale_bytes=l2_scale if l2_seen else float("inf"),
+        power_exponent=power if t.power.any() else 0.0,
+        host_seconds_per_sample={"cnn": host} if cnn else {},
         rows=len(rows),
-        parameters=len(used) + len(kinds) + int(t.gddr.any()) + int(t.packed.any()) + int(l2_seen) + _n_free(levels),
+        parameters=len(used & set(_FREE)) + len(kinds) + int(t.gddr.any()) + int(t.packed.any()) + int(l2_seen)
+        + int(cnn) + int(t.power.any()) + _n_free(levels),
     )
 
 
@@ -292,6 +311,35 @@ def evaluate() -> tuple[RowResult, ...]:
     )
 
 
+@lru_cache(maxsize=1)
+def evaluate_gpu_held_out() -> tuple[tuple[str, tuple[RowResult, ...]], ...]:
+    """Per GPU kind: every row, predicted by the full fit and (`predicted_held_out`) by a fit that
+    never saw that kind, in any source: what to expect on a GPU kind with no published row."""
+    rows = published_rows()
+    calib = default_calibration()
+    out = []
+    for gpu in sorted({r.gpu for r in rows}):
+        held = fit_all([r for r in rows if r.gpu != gpu])
+        out.append((gpu, tuple(RowResult(r, predict_row(r, calib), predict_row(r, held)) for r in rows)))
+    return tuple(out)
+
+
+def gpu_held_out_errors(multi_gpu: bool | None = None) -> tuple[list[float], list[float]]:
+    """(throughput errors of each GPU kind's rows, relative-speed errors of every pair with that
+    kind), each predicted by the fit without that kind; `multi_gpu` keeps only multi- (True) or
+    single-GPU (False) rows and pairs."""
+    def keep(n: int) -> bool:
+        return multi_gpu is None or (n > 1) == multi_gpu
+
+    row_errors: list[float] = []
+    pair_errors: list[float] = []
+    for gpu, results in evaluate_gpu_held_out():
+        row_errors += [r.error_held_out for r in results if r.row.gpu == gpu and keep(r.row.gpus)]
+        pair_errors += [p.error(True) for p in pairs(results)
+                        if gpu in (p.a.row.gpu, p.b.row.gpu) and keep(p.a.row.gpus)]
+    return row_errors, pair_errors
+
+
 @dataclass(frozen=True)
 class PairResult:
     """Two GPU kinds of one source in one configuration: published and predicted speed ratio."""
@@ -322,7 +370,8 @@ def pairs(results: tuple[RowResult, ...] | list[RowResult]) -> list[PairResult]:
     return out
 
 
-def _stats(errors: list[float]) -> tuple[float, float]:
+def abs_error_stats(errors: list[float]) -> tuple[float, float]:
+    """(median, largest) absolute error; NaN for none."""
     if not errors:
         return float("nan"), float("nan")
     return statistics.median(abs(e) for e in errors), max(abs(e) for e in errors)
@@ -333,76 +382,18 @@ def summary(results: tuple[RowResult, ...] | list[RowResult]) -> dict[str, float
     prs = pairs(results)
     held = [r.error_held_out for r in results if r.error_held_out is not None]
     out = {"rows": len(results), "pairs": len(prs)}
-    out["median_abs_error"], out["max_abs_error"] = _stats([r.error for r in results])
-    out["held_out_median_abs_error"], out["held_out_max_abs_error"] = _stats(held)
-    out["pair_median_abs_error"], out["pair_max_abs_error"] = _stats([p.error() for p in prs])
+    out["median_abs_error"], out["max_abs_error"] = abs_error_stats([r.error for r in results])
+    out["held_out_median_abs_error"], out["held_out_max_abs_error"] = abs_error_stats(held)
+    out["pair_median_abs_error"], out["pair_max_abs_error"] = abs_error_stats([p.error() for p in prs])
     held_pairs = [p.error(True) for p in prs if p.a.predicted_held_out is not None]
-    out["held_out_pair_median_abs_error"], out["held_out_pair_max_abs_error"] = _stats(held_pairs)
+    out["held_out_pair_median_abs_error"], out["held_out_pair_max_abs_error"] = abs_error_stats(held_pairs)
     return out
 
 
-def markdown_rows(results: tuple[RowResult, ...] | list[RowResult]) -> str:
-    """The docs table: every row, published against predicted (fit on all) and held out."""
-    lines = ["| source | workload | seq | gpu | gpus | precision | batch/GPU | published | predicted | error "
-             "| held-out prediction | held-out error |", "|" + "---|" * 12]
-    for r in results:
-        w = r.row
-        held = "" if r.predicted_held_out is None else f"{r.predicted_held_out:.0f} | {r.error_held_out:+.1%}"
-        lines.append(f"| {w.source} | {w.workload} | {w.seq_len or ''} | {w.gpu} | {w.gpus} | {w.precision} | "
-                     f"{w.batch_per_gpu} | {w.samples_per_s:g} | {r.predicted:.0f} | {r.error:+.1%} | {held or ' | '} |")
-    return "\n".join(lines)
-
-
-def markdown_relative_speeds(results: tuple[RowResult, ...] | list[RowResult],
-                             references: tuple[str, ...] = ("a100-sxm4-80gb", "a100-sxm4-40gb")) -> str:
-    """Single-GPU speed of each GPU kind over the source's A100 SXM in the same workload and
-    precision: published, predicted with every source fitted, and by the fit without that source."""
-    lines = ["| source | workload | precision | gpu | published vs A100 SXM | predicted | error "
-             "| held out | held-out error |", "|" + "---|" * 9]
-    single = [r for r in results if r.row.gpus == 1]
-    for r in single:
-        same = [x for x in single if (x.row.source, x.row.model_name, x.row.precision)
-                == (r.row.source, r.row.model_name, r.row.precision)]
-        ref = next((x for name in references for x in same if x.row.gpu == name), None)
-        if ref is None or r is ref:
-            continue
-        pub = r.row.samples_per_s / ref.row.samples_per_s
-        pred = r.predicted / ref.predicted
-        held = "| |"
-        if r.predicted_held_out is not None:
-            h = r.predicted_held_out / ref.predicted_held_out
-            held = f"| {h:.2f} | {h / pub - 1:+.1%} |"
-        lines.append(f"| {r.row.source} | {r.row.model_name} | {r.row.precision} | {r.row.gpu} (/ {ref.row.gpu}) | "
-                     f"{pub:.2f} | {pred:.2f} | {pred / pub - 1:+.1%} {held}")
-    return "\n".join(lines)
-
-
-def markdown_summary(results: tuple[RowResult, ...] | list[RowResult]) -> str:
-    """Median and largest absolute errors, single- and multi-GPU, fitted and held out."""
-    lines = ["| rows | count | throughput: fit on all | throughput: source held out | relative speed pairs "
-             "| pairs: fit on all | pairs: source held out |", "|" + "---|" * 7]
-    for label, keep in (("single-GPU", lambda n: n == 1), ("multi-GPU", lambda n: n > 1), ("all", lambda n: True)):
-        rs = [r for r in results if keep(r.row.gpus)]
-        ps = [p for p in pairs(results) if keep(p.a.row.gpus)]
-        fit_t, held_t = _stats([r.error for r in rs]), _stats([r.error_held_out for r in rs if r.error_held_out is not None])
-        fit_p, held_p = _stats([p.error() for p in ps]), _stats([p.error(True) for p in ps if p.a.predicted_held_out])
-        lines.append(f"| {label} | {len(rs)} | {fit_t[0]:.1%} median, {fit_t[1]:.0%} worst | {held_t[0]:.1%} median, "
-                     f"{held_t[1]:.0%} worst | {len(ps)} | {fit_p[0]:.1%} median, {fit_p[1]:.0%} worst | "
-                     f"{held_p[0]:.1%} median, {held_p[1]:.0%} worst |")
-    lines += ["", "| source held out (fit on the others) | rows | throughput | relative speed pairs | pairs |",
-              "|---|---|---|---|---|"]
-    for source in sorted({r.row.source for r in results}):
-        rs = [r for r in results if r.row.source == source and r.error_held_out is not None]
-        ps = [p.error(True) for p in pairs(rs)]
-        t, pp = _stats([r.error_held_out for r in rs]), _stats(ps)
-        pair_text = f"{pp[0]:.1%} median, {pp[1]:.0%} worst" if ps else "-"
-        lines.append(f"| {source} | {len(rs)} | {t[0]:.1%} median, {t[1]:.0%} worst | {len(ps)} | {pair_text} |")
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    _results = evaluate()
-    print(default_calibration(), "\n")
-    print(markdown_summary(_results), "\n")
-    print(markdown_relative_speeds(_results), "\n")
-    print(markdown_rows(_results))
+def summary_gpu_held_out() -> dict[str, float]:
+    """Median and largest absolute errors with each GPU kind held out (see gpu_held_out_errors)."""
+    row_errors, pair_errors = gpu_held_out_errors()
+    out = {"rows": len(row_errors), "pairs": len(pair_errors)}
+    out["median_abs_error"], out["max_abs_error"] = abs_error_stats(row_errors)
+    out["pair_median_abs_error"], out["pair_max_abs_error"] = abs_error_stats(pair_errors)
+    return out

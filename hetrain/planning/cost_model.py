@@ -1,10 +1,11 @@
 """Predicted time and memory of one training step: pure functions, no processes.
 
-Compute, per sample: the step's FLOPs at the peak of the precision the math units run in, times a
-fitted efficiency per (workload kind, precision class), plus its memory traffic (fitted passes over
-the activation bytes) at the device's bandwidth, less what its L2 cache keeps on chip, with a fitted
-factor for graphics-memory (GDDR) parts against HBM datacenter parts; per micro-batch, the weights read and gradients written once
-plus kernel launches. "fp32" on Ampere and later runs convolutions in TF32 unless TF32 is turned off.
+Compute, per sample: the step's FLOPs at the peak of the precision the math units run in (lower on
+power-limited parts, and by a fitted efficiency for transformers in TF32 and fp32), plus its memory
+traffic (fitted passes over the activation bytes) at the device's bandwidth, less what its L2 cache
+keeps on chip, with a fitted factor for graphics-memory (GDDR) parts against HBM datacenter parts,
+plus a fitted per-image host time for CNNs; per micro-batch, the weights read and gradients written
+once plus kernel launches. "fp32" on Ampere and later runs convolutions in TF32 unless TF32 is turned off.
 Memory: weights, gradients, optimizer state (ZeRO stages divide what they shard), activations per
 micro-batch (or only block boundaries with activation checkpointing), framework overhead.
 Communication: ring or two-level all-reduce over the slowest link, partly hidden under backward.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from hetrain.workload.profile import WorkloadProfile
 
@@ -44,6 +46,11 @@ class Calibration:
     """bandwidth reached by GDDR graphics dies (RTX, A10, L4, T4) relative to HBM datacenter dies"""
     l2_scale_bytes: float = math.inf
     """an L2 cache of this size halves the activation traffic reaching memory (traffic / (1 + L2 / this))"""
+    power_exponent: float = 0.0
+    """a part with less power per peak FLOP than its die family's best runs its arithmetic at
+    (its power / the best's) ** this of its quoted peak (see power_fraction)"""
+    host_seconds_per_sample: dict[str, float] = field(default_factory=dict, hash=False)
+    """per-sample time that does not depend on the device, by workload kind (input pipeline)"""
     packed_token_fraction: float = 1.0
     """tokens per sequence over nominal in the published BERT-512 recipe (unpadded packing)"""
     scaling_per_doubling: float = 1.0
@@ -101,6 +108,28 @@ def graphics_memory(spec) -> bool:
     return spec.arch != "cpu" and spec.compute_capability[1] != 0
 
 
+@lru_cache(maxsize=1)
+def _family_watts_per_flop() -> dict[tuple[str, bool], float]:
+    from hetrain.hardware.catalog import load_catalog
+
+    best: dict[tuple[str, bool], float] = {}
+    for spec in load_catalog().values():
+        if spec.tdp_w and spec.arch != "cpu":
+            key = (spec.arch, graphics_memory(spec))
+            best[key] = max(best.get(key, 0.0), spec.tdp_w / spec.peak_flops["fp32"])
+    return best
+
+
+def power_fraction(spec) -> float:
+    """The part's power limit per peak fp32 FLOP/s over the highest in its die family (same
+    architecture and memory kind: A10 against RTX 3090, A100 PCIe against A100 SXM): below 1 the
+    part cannot hold the clock its peaks are quoted at under sustained load (1 where unknown)."""
+    if not spec.tdp_w or spec.arch == "cpu":
+        return 1.0
+    best = _family_watts_per_flop().get((spec.arch, graphics_memory(spec)))
+    return min(1.0, spec.tdp_w / spec.peak_flops["fp32"] / best) if best else 1.0
+
+
 def data_parallel_efficiency(replicas: int, calib: Calibration | None = None) -> float:
     """Fraction of the modelled data-parallel speed that `replicas` replicas keep (1 for one)."""
     calib = calib or default_calibration()
@@ -128,8 +157,9 @@ def sample_seconds(profile: WorkloadProfile, spec, precision: str, calib: Calibr
     math_p = math_precision(spec, precision, profile.kind, fp32_math)
     flop_s, byte_s = per_sample_terms(profile, spec, math_p)
     bw = (calib.graphics_memory_efficiency if graphics_memory(spec) else 1.0) * (1.0 + spec.l2_bytes / calib.l2_scale_bytes)
+    flop_s *= power_fraction(spec) ** -calib.power_exponent
     t = flop_s / calib.efficiency(profile.kind, math_p) + calib.passes(profile.kind) * byte_s / bw
-    return t * (CHECKPOINT_COMPUTE_FACTOR if checkpointing else 1.0)
+    return t * (CHECKPOINT_COMPUTE_FACTOR if checkpointing else 1.0) + calib.host_seconds_per_sample.get(profile.kind, 0.0)
 
 
 def compute_seconds(profile: WorkloadProfile, spec, precision: str, share: int, micro_batch: int,

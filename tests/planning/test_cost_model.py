@@ -1,11 +1,9 @@
-"""Cost model: calibration error targets, memory accounting, collectives, compression ratios."""
+"""Cost model: precision rules, memory accounting, collectives, compression ratios (calibration: test_calibration.py)."""
 
 import math
-import statistics
 
 from hetrain.hardware.catalog import get_gpu
 from hetrain.planning import compression
-from hetrain.planning.calibration import evaluate, fit, pairs, published_rows, summary
 from hetrain.planning.cost_model import (
     math_precision,
     sample_seconds,
@@ -17,27 +15,6 @@ from hetrain.planning.cost_model import (
     LINK_EFFICIENCY,
 )
 from hetrain.workload import get_profile
-
-
-def test_held_out_sources_stay_within_the_measured_error():
-    """Each source predicted by a fit on the others: the figures docs/cost-model.md reports."""
-    s = summary(evaluate())
-    assert s["rows"] == len(published_rows()) and s["rows"] >= 200
-    assert len({r.source for r in published_rows()}) >= 4
-    assert s["held_out_median_abs_error"] <= 0.18
-    assert s["held_out_pair_median_abs_error"] <= 0.15
-    assert s["median_abs_error"] <= 0.13 and s["pair_median_abs_error"] <= 0.14
-    single = [p.error(True) for p in pairs(evaluate()) if p.a.row.gpus == 1]
-    assert statistics.median(abs(e) for e in single) <= 0.125
-
-
-def test_calibration_fits_few_constants_within_physical_bounds():
-    c = fit(published_rows())
-    sources = len({r.source for r in published_rows()})
-    # 11 shared constants, and one level per (source, workload kind) less one per kind (geometric mean 1)
-    assert c.parameters <= 11 + 2 * (sources - 1) and c.rows == sum(1 for r in published_rows() if r.gpus == 1)
-    assert all(0 < e <= 1.0 + 1e-9 for e in c.compute_efficiency.values())
-    assert all(1 <= p <= 40 for p in c.memory_passes.values())
 
 
 def test_fp32_convolutions_run_in_tf32_on_ampere_unless_turned_off():
