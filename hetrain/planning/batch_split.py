@@ -184,12 +184,13 @@ def rebalance(
     """The split to use next, with the modelled step times of the current and the next one.
 
     The current split is kept unless the best split is faster by more than ``hysteresis`` (a
-    fraction), so measurement noise does not move samples back and forth every interval.
+    fraction), so measurement noise does not move samples back and forth every interval. Even at
+    hysteresis 0 a split that only ties the current one (within float rounding) is not taken.
     """
     total = int(sum(current))
     best = split_min_max(total, costs, min_share, max_share)
     t_now, t_best = step_time(current, costs), step_time(best, costs)
-    if t_best < t_now * (1.0 - hysteresis):
+    if t_best < t_now * (1.0 - max(hysteresis, 1e-9)):
         return best, t_now, t_best
     return list(current), t_now, t_now
 

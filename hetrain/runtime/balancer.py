@@ -28,7 +28,10 @@ Guards keep noise and outside load from moving samples:
   one may continue its direction at two standard errors);
 - each re-split moves a rank by a bounded amount (`bounded_move`): 10% of an even share first,
   doubling while consecutive re-splits keep the direction (until it first turns), halving at a
-  turn; a re-split that does not directly follow another starts again at 10%.
+  turn; a re-split that does not directly follow another starts again at 10%. The job's first
+  re-split may open with 30% when the gap is wide (the slowest rank's modelled step 1.3x the
+  fastest's or more) and beyond six standard errors: a device difference, reached in two re-splits
+  instead of three or four. Outside load later in a run never opens wide.
 A split decided at step t reaches the loop ``lag`` steps later (the loader's prefetch depth); those
 steps, and the first one at the new sizes (it allocates), are not measured.
 """
@@ -56,6 +59,8 @@ MIN_SCATTER = 0.01      # the least step-to-step scatter assumed, as a fraction 
 LOAD_MEMORY = 3         # intervals of `history` each rank's best recent speed is looked for in
 NEAR = 0.15             # intervals within this fraction of the current share show the rank's best speed
 FIRST_MOVE = 0.1        # the first re-split moves a rank by at most this fraction of an even share
+OPENING_MOVE = 0.3      # ... the job's first re-split, when the gap is wide and far beyond the noise
+WIDE_GAP = 1.3          # slowest over fastest modelled step time that counts as wide
 LOADED = 0.8            # a window this much slower than the best recent interval (or more) was loaded
 
 
@@ -143,7 +148,8 @@ def _agree(move: Sequence[int], other: Sequence[int]) -> bool:
 
 
 def bounded_move(old: Sequence[int], new: Sequence[int], bound: float | None,
-                 last_move: Sequence[int] | None, reversed_before: bool = False) -> tuple[list[int], float]:
+                 last_move: Sequence[int] | None, reversed_before: bool = False,
+                 first: float = FIRST_MOVE) -> tuple[list[int], float]:
     """(the split ``new`` approached from ``old`` moving no rank by more than the bound, the bound used).
 
     The bound is ``FIRST_MOVE`` of an even share for the first re-split; until the direction first
@@ -153,7 +159,7 @@ def bounded_move(old: Sequence[int], new: Sequence[int], bound: float | None,
     outside load that comes and goes asks for reversals, and its swings shrink."""
     delta = [b - a for a, b in zip(old, new)]
     if bound is None:
-        bound = FIRST_MOVE * sum(old) / len(old)
+        bound = first * sum(old) / len(old)
     elif last_move is not None and len(last_move) == len(delta):
         if not _agree(delta, last_move):
             bound *= 0.5
@@ -309,7 +315,8 @@ class Balancer:
             return False
         # a move that does not follow the last re-split directly starts again from the first bound
         new, bound = bounded_move(self.shares, new, self._move_bound if streak else None,
-                                  self._last_move if streak else None, self._reversed)
+                                  self._last_move if streak else None, self._reversed,
+                                  first=OPENING_MOVE if self._opening(observed, loads, costs) else FIRST_MOVE)
         t_new = step_time(new, costs)
         move = [b - a for a, b in zip(self.shares, new)]
         # a re-split right after one that went the same way continues a confirmed move
@@ -336,6 +343,15 @@ class Balancer:
         # the loop reaches the new split `lag` steps later; its first step at the new sizes allocates
         self._skip = max(self._skip, 1 + self.lag)
         return True
+
+    def _opening(self, observed: Sequence[RankMeasurement], loads: Sequence[float], costs: Sequence[RankCost]) -> bool:
+        """The job's first re-split, on a gap between ranks that is wide and far beyond their noise: a
+        device difference, which the opening move covers in fewer re-splits."""
+        if self.changes:
+            return False
+        times = [c.time(n) for c, n in zip(costs, self.shares)]
+        return (min(times) > 0 and max(times) >= WIDE_GAP * min(times)
+                and self._gap_is_real(observed, loads, 2 * SIGNIFICANCE))
 
     def _load_factor(self, rank: int, cost: RankCost | None) -> float:
         """How much of the rank's modelled time is outside load (1: none): the fastest of its recent
