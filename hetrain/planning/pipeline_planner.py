@@ -59,14 +59,17 @@ def pipeline_candidates(cluster, profile: WorkloadProfile, kinds: list[Kind], gl
     counts = [k.count for k in kinds]
     memo: dict = {}
 
-    def stage_cost(kind: Kind, a: int, b: int, mb: int, in_flight: int) -> tuple[float, bool, int] | None:
-        key = (kind.spec.name, a, b, mb, in_flight)
+    def stage_cost(kind: Kind, a: int, b: int, mb: int, in_flight: int, zero: int = 0
+                   ) -> tuple[float, bool, int] | None:
+        """(seconds of one micro-batch, activation checkpointing, peak bytes) of a stage holding blocks
+        [a, b), or None when it fits in no way; `zero` 3: sharded (FSDP2) over the stage's replicas."""
+        key = (kind.spec.name, a, b, mb, in_flight, zero, replicas[0] if zero else 1)
         if key not in memo:
             sub = slice(a, b)
             result = None
             for ckpt in (False, True):
                 mem = cm.memory_estimate(profile, kind.precision, mb, optimizer=optimizer, checkpointing=ckpt,
-                                         blocks=sub, in_flight=in_flight).total
+                                         blocks=sub, in_flight=in_flight, zero=zero, world=replicas[0]).total
                 if mem <= kind.spec.memory_bytes:
                     part = profile.model_copy(update={
                         "params": max(1, sum(x.params for x in blocks[sub])),
@@ -83,12 +86,16 @@ def pipeline_candidates(cluster, profile: WorkloadProfile, kinds: list[Kind], gl
         return memo[key]
 
     speed = sorted(kinds, key=lambda k: k.sample_s)
-    for d in _divisors_desc(math.gcd(*counts)):
+    replicas = [1]   # the replica count stage_cost shards over (set per search)
+
+    def search(d: int, zero: int) -> None:
+        """The best plan of d replicas (stages sharded over them when `zero` is 3) into out[label]."""
+        replicas[0] = d
         per = [c // d for c in counts]
         p = sum(per)
         label = "pipeline" if d == 1 else "hybrid"
         if p < 2 or p > n_blocks or out[label].feasible:
-            continue
+            return
         b_max = math.ceil(global_batch / d)
         sizes = [micro_batch] if micro_batch else sorted({min(b_max, 2**i) for i in range(0, 7)})
         for order in (speed, speed[::-1]):
@@ -101,10 +108,10 @@ def pipeline_candidates(cluster, profile: WorkloadProfile, kinds: list[Kind], gl
                         continue   # torch's interleaved 1F1B needs each replica's stages on increasing ranks
 
                     def fits(j, a, b, mb=mb, m=m, v=v, sk=stage_kinds):
-                        return b - a >= v and stage_cost(sk[j], a, b, mb, in_flight(p, j, m, v)) is not None
+                        return b - a >= v and stage_cost(sk[j], a, b, mb, in_flight(p, j, m, v), zero) is not None
 
                     def time(j, a, b, mb=mb, m=m, v=v, sk=stage_kinds):
-                        return stage_cost(sk[j], a, b, mb, in_flight(p, j, m, v))[0]
+                        return stage_cost(sk[j], a, b, mb, in_flight(p, j, m, v), zero)[0]
 
                     # Interleaved, a rank's chunks are not one range of blocks, but hold as many: the
                     # contiguous partition stands for their count (exact for alike layers).
@@ -115,14 +122,30 @@ def pipeline_candidates(cluster, profile: WorkloadProfile, kinds: list[Kind], gl
                     scale = cm.ELEMENT_BYTES[stage_kinds[0].precision] / profile.activation_dtype_bytes
                     p2p = max(mb * blocks[b - 1].output_bytes_per_sample * scale for _, b in bounds[:-1]) / (
                         link * cm.LINK_EFFICIENCY)
-                    grads = max(4.0 * sum(x.params for x in blocks[a:b]) for a, b in bounds)
-                    topo = cm.CommTopology((1,) * d if multi_node else (d,), link, cluster.inter_node_bytes_per_s)
-                    comm = cm.allreduce_cost(grads, topo).seconds
-                    exposed = cm.exposed_seconds(comm, slot * cm.backward_fraction(False), grads)
-                    step = cm.pipeline_step_seconds([slot] * p, m, p2p, chunks=v) + exposed
+                    step = cm.pipeline_step_seconds([slot] * p, m, p2p, chunks=v) + \
+                        replica_sync_seconds(bounds, d, m, zero, slot)
                     if step < out[label].step_seconds:
                         out[label] = _pipeline_plan(label, profile, kinds, stage_kinds, per, d, bounds, mb, m, v,
-                                                    global_batch, step, stage_cost, p)
+                                                    global_batch, step, stage_cost, p, zero)
+
+    def replica_sync_seconds(bounds: list[tuple[int, int]], d: int, m: int, zero: int, slot: float) -> float:
+        """Exposed time of the replicas' gradient sum (all-reduce, partly under the last backward);
+        sharded, a reduce-scatter plus the weights gathered in each micro-batch's forward and backward."""
+        weights = max(4.0 * sum(x.params for x in blocks[a:b]) for a, b in bounds)
+        topo = cm.CommTopology((1,) * d if multi_node else (d,), link, cluster.inter_node_bytes_per_s)
+        if zero == 0:
+            comm = cm.allreduce_cost(weights, topo).seconds
+            return cm.exposed_seconds(comm, slot * cm.backward_fraction(False), weights)
+        gathers = 2 * m * cm.allreduce_cost(weights, topo, factor=1.0).seconds
+        return gathers + cm.allreduce_cost(weights, topo, factor=1.0).seconds
+
+    divisors = _divisors_desc(math.gcd(*counts))
+    for d in divisors:
+        search(d, 0)
+    if not out["hybrid"].feasible:   # shard a stage over its replicas only where unsharded stages fit nowhere
+        for d in divisors:
+            if d > 1:
+                search(d, 3)
     for label, c in out.items():
         if not c.feasible:
             c.reason = c.reason or ("no partition fits: the stages lack memory" if label == "pipeline" or
@@ -151,7 +174,7 @@ def replica_grid(kinds: list[Kind], stage_kinds: list[Kind], per: list[int]) -> 
 
 
 def _pipeline_plan(label, profile, kinds, stage_kinds, per, d, bounds, mb, m, chunks, global_batch, step,
-                   stage_cost, p) -> Candidate:
+                   stage_cost, p, zero=0) -> Candidate:
     base, extra = divmod(global_batch, d)
     rank_stage = rank_places(kinds, stage_kinds, per)
     ranks = []
@@ -159,7 +182,7 @@ def _pipeline_plan(label, profile, kinds, stage_kinds, per, d, bounds, mb, m, ch
         replica, j = rank_stage[r]
         k = stage_kinds[j]
         a, b = bounds[j]
-        t, ckpt, mem = stage_cost(k, a, b, mb, in_flight(p, j, m, chunks))
+        t, ckpt, mem = stage_cost(k, a, b, mb, in_flight(p, j, m, chunks), zero)
         ranks.append(RankPlan(rank=r, device=k.spec.name, share=base + (1 if replica < extra else 0),
                               precision=k.precision, micro_batch=mb, grad_accum=m, activation_checkpointing=ckpt,
                               stage=j, memory_bytes=mem, memory_capacity_bytes=k.spec.memory_bytes,
@@ -171,7 +194,7 @@ def _pipeline_plan(label, profile, kinds, stage_kinds, per, d, bounds, mb, m, ch
         stages = interleaved_stages([b - a for a, b in bounds], chunks)
         schedule, name = "interleaved-1f1b", f"interleaved 1F1B ({chunks} chunks per device)"
         formula = "(p-1)/(v*m+p-1)"
-    plan = Plan(global_batch_size=global_batch, strategy=label, sharding="none", ranks=ranks,
+    plan = Plan(global_batch_size=global_batch, strategy=label, sharding="fsdp" if zero else "none", ranks=ranks,
                 balance=BalancePlan(enabled=False),
                 pipeline=PipelinePlan(stages=[[a, b] for a, b in stages], schedule=schedule, microbatches=m,
                                       chunks=chunks),
@@ -186,4 +209,8 @@ def _pipeline_plan(label, profile, kinds, stage_kinds, per, d, bounds, mb, m, ch
     c.notes.append(f"{label}: the model's {len(profile.blocks)} blocks cut into {p} stages by each stage's speed "
                    f"({kinds_by_stage}), {d} replica(s); {name} with {m} micro-batches of {mb}: predicted bubble "
                    f"{formula} = {bubble:.1%} of the step")
+    if zero:
+        c.notes.append(f"{label}: unsharded, no stage layout fits the devices' memory; each stage is sharded with "
+                       f"FSDP2 (ZeRO-3) over its {d} replicas (sharding fsdp), its weights gathered for each "
+                       "micro-batch")
     return c

@@ -146,3 +146,26 @@ def test_interleaving_pays_where_the_bubble_outweighs_the_transfers():
         for k, v in r["states"][0].items():
             moved = (want[k] - start[k]).abs().max().item()
             assert (v - want[k]).abs().max().item() <= 0.1 * moved + 1e-3   # low precision, same update
+
+
+def test_stages_too_big_for_their_replicas_are_sharded_with_fsdp2():
+    """A 4.5B model on 2 A100s and 2 V100s: a 2-stage pipeline replicated twice fits only with each stage
+    sharded (FSDP2, ZeRO-3) over its 2 replicas; the planner says so, and the plan runs on CPU ranks."""
+    model = gpt_3b(layers=40, hidden=3072)
+    result = plan_job(cluster_from_devices("a100-sxm4-40gb:2,v100-sxm2-32gb:2"), model, 64, strategy="pipeline")
+    hybrid = next(c for c in result.candidates if c.strategy == "hybrid")
+    assert hybrid.feasible and hybrid.plan.sharding == "fsdp"
+    assert any("sharded with FSDP2 (ZeRO-3) over its 2 replicas" in n for n in hybrid.notes)
+    assert all(r.memory_bytes <= r.memory_capacity_bytes for r in hybrid.plan.ranks)
+    pipe = next(c for c in result.candidates if c.strategy == "pipeline")
+    assert pipe.plan.sharding == "none"                    # one replica: nothing to shard over
+    plan = _scaled(hybrid.plan, global_batch=16, microbatches=2)
+    results = run_ranks(train, 4, plan, 1, 40, timeout=240)
+    want = reference(1, 16, layers=40)[0]
+    start = make_model(40).state_dict()
+    assert len({l for r in results for l in r["losses"]}) == 1
+    assert {k for r in results for k in r["states"][0]} == set(want)
+    for r in results:
+        for k, v in r["states"][0].items():
+            moved = (want[k] - start[k]).abs().max().item()
+            assert (v - want[k]).abs().max().item() <= 0.1 * moved + 1e-3   # low precision, same update
