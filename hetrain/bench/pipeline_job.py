@@ -30,16 +30,21 @@ BUSY = [0.0]        # seconds this rank spent computing (emulated) in the curren
 
 
 AHEAD = [0.0]       # seconds the waits so far overshot (a sleep wakes late): taken off the next wait
+LATE = [0.0]        # how late a sleep wakes, on average: asked for that much less
 
 
 def _wait(seconds: float) -> None:
     """Wait `seconds` of emulated compute; a late wake-up shortens the next wait, so a stage of many
-    blocks is not slowed by its many wake-ups more than a stage of few."""
+    blocks is not slowed by its many wake-ups more than a stage of few, and each sleep asks for its
+    usual lateness less, so a stage's last wait before it sends ends on time too."""
     due = seconds - AHEAD[0]
+    asked = due - LATE[0]
     started = time.perf_counter()
-    if due > 0:
-        time.sleep(due)
+    if asked > 0:
+        time.sleep(asked)
     took = time.perf_counter() - started
+    if asked > 0:
+        LATE[0] += 0.1 * (took - asked - LATE[0])
     AHEAD[0] = took - due
     BUSY[0] += took
 
