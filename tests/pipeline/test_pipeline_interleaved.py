@@ -84,3 +84,13 @@ def test_hybrid_with_fsdp2_inside_interleaved_stages():
     plan = interleaved([5, 3], chunks=2, microbatches=2, replica_shares=[8, 4])
     results = run_ranks(train, 4, plan.model_copy(update={"sharding": "fsdp"}), STEPS)
     assert worst_difference(results, reference(STEPS, GLOBAL)) < 1e-5
+
+
+def test_interleaved_stages_on_decreasing_ranks_are_refused_with_the_fix():
+    from hetrain.runtime.pipeline_stages import pipeline_layout
+
+    plan = interleaved([5, 3], chunks=2, microbatches=4)
+    swapped = [r.model_copy(update={"stage": 1 - r.stage}) for r in plan.ranks]
+    with pytest.raises(HetrainError, match="increasing ranks.*schedule 1f1b"):
+        pipeline_layout(swapped, plan.pipeline, 0)
+    assert pipeline_layout(plan.ranks, plan.pipeline, 1).stage == 1
