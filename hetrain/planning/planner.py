@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 
 from hetrain.errors import HetrainError
 from hetrain.planning import cost_model as cm
-from hetrain.planning.cost_model import pipeline_bubble  # noqa: F401  (the planner's bubble, also used by callers)
 from hetrain.planning.compression import PREFERENCE, compression_ratio, lossless_for
 from hetrain.planning.batch_split import FunctionCost, split_min_max
 from hetrain.planning.plan import BalancePlan, CommPlan, Plan, RankPlan

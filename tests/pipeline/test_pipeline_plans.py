@@ -2,10 +2,10 @@
 
 import math
 
-import torch
 
 from hetrain.hardware.cluster import cluster_from_devices
-from hetrain.planning.planner import pipeline_bubble, plan_job
+from hetrain.planning.cost_model import pipeline_bubble
+from hetrain.planning.planner import plan_job
 from hetrain.planning.plan import PipelinePlan
 from hetrain.vocabulary import PIPELINE_STRATEGIES
 from tests.distributed import run_ranks
