@@ -5,7 +5,8 @@ A pipeline plan gives each rank a `stage`; the ranks of one stage are that stage
 (data parallel over pipelines: hybrid). Replica i is the i-th rank (in rank order) of every
 stage. Each replica takes its share of the global batch (the plan's `share` of its ranks); the
 loader reads that share spread over the replica's ranks, and the ranks gather it (see
-`hetrain.runtime.pipeline_schedule`).
+`hetrain.runtime.pipeline_schedule`). Under interleaved 1F1B the rank of stage j holds the
+pipeline's stages j, j + p, ... (one per chunk); elsewhere its stage is one of the plan's stages.
 
 The model is an `nn.Sequential` whose children are the blocks the plan partitions (the same
 blocks `hetrain profile` measures: embedding, layers, head). A stage module is an `nn.Sequential`
@@ -146,12 +147,6 @@ def stage_modules(model: nn.Module, pipeline: PipelinePlan, position: int) -> li
     (the model's own modules)."""
     blocks = model_blocks(model, pipeline)
     return [nn.Sequential(OrderedDict(blocks[slice(*pipeline.stages[s])])) for s in rank_stages(pipeline, position)]
-
-
-def stage_module(model: nn.Module, pipeline: PipelinePlan, position: int) -> nn.Sequential:
-    """Every block the rank at `position` holds, as one nn.Sequential under their original names."""
-    return nn.Sequential(OrderedDict(b for chunk in stage_modules(model, pipeline, position)
-                                     for b in chunk.named_children()))
 
 
 def compute_in_precision(module: nn.Module, autocast: Callable[[], ContextManager]) -> None:
