@@ -22,12 +22,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-from torch.utils._pytree import tree_leaves
 
 from hetrain.errors import HetrainError
 from hetrain.planning.plan import PipelinePlan
 from hetrain.runtime.gradients import local_tensor
 from hetrain.runtime.parallelize import Prepared
+from hetrain.runtime.pipeline_batch import gather_replica_batch
 from hetrain.runtime.pipeline_stages import PipelineLayout, compute_in_precision, microbatches_for, rank_stages
 from hetrain.runtime.precision import JobLossScaler
 from hetrain.runtime.step_state import StepState, items_as_number
@@ -143,14 +143,7 @@ class PipelineRunner:
 
     def gather_batch(self, batch: Any) -> Any:
         """The replica's batch from the slices its ranks' loaders read (all-gather in the replica, in rank order)."""
-        parts: list[Any] = [None] * len(self.layout.replica_ranks())
-        cpu = _to(batch, torch.device("cpu"))
-        dist.all_gather_object(parts, cpu, group=self.pipe_group)
-        parts = [p for p in parts if _samples(p) > 0]
-        if not parts:
-            return batch
-        joined = _concat(parts)
-        return _to(joined, self.device)
+        return gather_replica_batch(batch, self.pipe_group, self.device)
 
     def run(self, inputs: Any, target: Any, loss_fn: Callable, count: Callable[[Any], float], *, state: StepState,
             scaler: JobLossScaler) -> torch.Tensor | None:
@@ -243,34 +236,8 @@ def make_tie_groups(layout: PipelineLayout, ties: list[tuple[tuple[int, ...], nn
     return mine
 
 
-def _samples(value: Any) -> int:
-    leaves = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor) and t.dim() > 0]
-    return int(leaves[0].shape[0]) if leaves else 0
-
-
 def _as_tuple(value: Any) -> tuple:
     return tuple(value) if isinstance(value, (tuple, list)) else (value,)
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _to(v, device) for k, v in value.items()}
-    return value
-
-
-def _concat(parts: list[Any]) -> Any:
-    first = parts[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat(parts)
-    if isinstance(first, (tuple, list)):
-        return type(first)(_concat([p[i] for p in parts]) for i in range(len(first)))
-    if isinstance(first, dict):
-        return {k: _concat([p[k] for p in parts]) for k in first}
-    return first
 
 
 def prepare_pipeline(model: nn.Module, optimizer: torch.optim.Optimizer | None, pipeline: PipelinePlan,
