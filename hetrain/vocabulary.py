@@ -22,8 +22,8 @@ STRATEGIES = ("ddp", "balanced", "zero1", "zero3", "pipeline", "hybrid")
 
 PIPELINE_STRATEGIES = ("pipeline", "hybrid")
 
-SCHEDULES = ("gpipe", "1f1b")
-"""Pipeline schedules."""
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+"""Pipeline schedules (torch.distributed.pipelining's); interleaved-1f1b runs several stages per rank."""
 
 CPU_DEVICE = "cpu"
 """The device name of a CPU rank in a plan."""

@@ -2,12 +2,15 @@
 data parallelism, on CPU ranks at emulated speeds (default 1, 0.5, 0.5), in one run.
 
 Figures (one JSON object): `uneven_over_even` = even / uneven step time (and `uneven_over_even_ideal`,
-the same ratio for stages with no transfer or overhead); `dp_over_uneven` = data
-parallel / uneven step time; `bubble_measured` = 1 - busy / schedule time of the uneven pipeline's
-busiest stage (the run of `forward_backward`; the optimizer step and data are outside it), against `bubble_predicted` = (p-1)/(m+p-1), and `bubble_error_pp` their difference in
-percentage points; `predicted_over_measured` = the planner's predicted step time of the uneven
-pipeline ((m+p-1) slots of its slowest stage) over the measured one. Compute is emulated (each
-block waits in proportion to its samples over the rank's speed), so the figures are emulated.
+the same ratio for stages with no transfer or overhead, in the order the schedule runs them);
+`dp_over_uneven` = data parallel / uneven step time; `bubble_measured` = 1 - busy / schedule time
+of the uneven pipeline's busiest stage (the schedule's time: the longest run of `forward_backward`;
+the optimizer step and data are outside it), against `bubble_predicted` = (p-1)/(m+p-1), or (p-1)/(v*m+p-1) for interleaved
+1F1B with v chunks per rank, and `bubble_error_pp` their difference in percentage points;
+`predicted_over_measured` = the cost model's predicted step time of the uneven pipeline
+((m+p-1) slots of its slowest stage, m+(p-1)/v interleaved) over the measured one. Compute is
+emulated (each block waits in proportion to its samples over the rank's speed, and its own
+compute is slowed as much), so the figures are emulated.
 """
 
 from __future__ import annotations
@@ -20,10 +23,13 @@ from pathlib import Path
 from hetrain.errors import HetrainError
 from hetrain.planning import cost_model as cm
 from hetrain.planning.batch_split import split_proportional
-from hetrain.planning.partition import partition_blocks
+from hetrain.bench.pipeline_ideal import ideal_step_seconds
+from hetrain.planning.cost_model import pipeline_bubble
+from hetrain.planning.partition import interleaved_stages, partition_blocks
 from hetrain.planning.plan import BalancePlan, PipelinePlan, Plan, RankPlan
-from hetrain.planning.planner import pipeline_bubble
+from hetrain.planning.pipeline_planner import interleaved_rounds_fit
 from hetrain.runtime.timing import parse_speeds
+from hetrain.vocabulary import SCHEDULES
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
@@ -34,7 +40,10 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--global-batch", type=int, default=96)
     parser.add_argument("--microbatches", type=int, default=24,
                         help="micro-batches per step (the bubble (p-1)/(m+p-1) shrinks as they grow)")
-    parser.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    parser.add_argument("--chunks", type=int, default=3,
+                        help="stages per rank under interleaved-1f1b (3 cuts the planner's 6, 3, 3 blocks into "
+                             "chunks of 2, 1, 1 and the even 4, 4, 4 into 2, 1, 1)")
     parser.add_argument("--steps", type=int, default=5, help="steps per plan")
     parser.add_argument("--warmup", type=int, default=2, help="steps per plan not timed")
 
@@ -58,12 +67,22 @@ def even_partition(blocks: int, stages: int) -> list[tuple[int, int]]:
     return list(zip(cuts[:-1], cuts[1:]))
 
 
+def chunks_of(args: argparse.Namespace) -> int:
+    return args.chunks if args.schedule == "interleaved-1f1b" else 1
+
+
+def pipeline_stages(bounds: list[tuple[int, int]], args: argparse.Namespace) -> list[tuple[int, int]]:
+    """The stages in pipeline order: the partition itself, or each rank's blocks in chunks (interleaved)."""
+    v = chunks_of(args)
+    return bounds if v == 1 else interleaved_stages([b - a for a, b in bounds], v)
+
+
 def _pipeline(bounds: list[tuple[int, int]], args: argparse.Namespace) -> Plan:
     ranks = [RankPlan(rank=j, share=args.global_batch, stage=j) for j in range(len(bounds))]
     return Plan(global_batch_size=args.global_batch, strategy="pipeline", ranks=ranks,
                 balance=BalancePlan(enabled=False),
-                pipeline=PipelinePlan(stages=[list(b) for b in bounds], schedule=args.schedule,
-                                      microbatches=args.microbatches))
+                pipeline=PipelinePlan(stages=[list(b) for b in pipeline_stages(bounds, args)], schedule=args.schedule,
+                                      microbatches=args.microbatches, chunks=chunks_of(args)))
 
 
 def plans(args: argparse.Namespace) -> dict[str, Plan]:
@@ -85,6 +104,14 @@ def _check(args: argparse.Namespace) -> None:
                            f"{args.microbatches}; pick e.g. {args.microbatches * 6}")
     if args.steps <= args.warmup:
         raise HetrainError(f"--steps {args.steps} must be larger than --warmup {args.warmup}")
+    if args.schedule == "interleaved-1f1b":
+        if args.chunks < 2 or args.blocks < p * args.chunks:
+            raise HetrainError(f"--chunks {args.chunks}: interleaved-1f1b needs at least 2 chunks per rank and "
+                               f"{p} ranks x {args.chunks} chunks <= --blocks {args.blocks}; use e.g. --chunks 2")
+        if not interleaved_rounds_fit(args.microbatches, p):
+            raise HetrainError(f"--microbatches {args.microbatches}: torch's interleaved 1F1B runs them in rounds of "
+                               f"{p} ranks and needs a multiple of {args.microbatches // p}; use e.g. {p * 8}")
+        pipeline_stages(uneven_partition(args), args)   # every rank holds at least a block per chunk
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -101,34 +128,37 @@ def run(args: argparse.Namespace) -> dict:
     return figures(args, measured)
 
 
-def _fill_drain(bounds: list[tuple[int, int]], args: argparse.Namespace) -> float:
-    """A GPipe/1F1B step with no transfer or overhead: m - 1 micro-batches on the slowest stage, plus
-    one micro-batch through every stage (the cost model's (m + p - 1) slots when stages are equal)."""
-    t = stage_seconds(bounds, args.speeds, args.block_ms, args.global_batch // args.microbatches)
-    return (args.microbatches - 1) * max(t) + sum(t)
+def _ideal(bounds: list[tuple[int, int]], args: argparse.Namespace) -> float:
+    """The partition's step on this schedule with no transfer or overhead (see pipeline_ideal)."""
+    stages, p = pipeline_stages(bounds, args), len(args.speeds)
+    speeds = [args.speeds[s % p] for s in range(len(stages))]
+    t = stage_seconds(stages, speeds, args.block_ms, args.global_batch // args.microbatches)
+    return ideal_step_seconds(args.schedule, t, args.microbatches, chunks_of(args))
 
 
 def figures(args: argparse.Namespace, measured: dict) -> dict:
     """The benchmark's JSON object from the job's measurements."""
-    p, m = len(args.speeds), args.microbatches
+    p, m, v = len(args.speeds), args.microbatches, chunks_of(args)
     uneven, even = uneven_partition(args), even_partition(args.blocks, p)
     micro = args.global_batch // m
-    predicted_step = cm.pipeline_step_seconds(stage_seconds(uneven, args.speeds, args.block_ms, micro), m)
+    predicted_step = cm.pipeline_step_seconds(stage_seconds(uneven, args.speeds, args.block_ms, micro), m, chunks=v)
     step = measured["uneven"]["step_seconds"]
     busy, passes = measured["uneven"]["busy_seconds"], measured["uneven"]["pass_seconds"]
-    busiest = max(range(p), key=lambda j: busy[j])
-    bubble = 1.0 - busy[busiest] / passes[busiest]   # idle share of the schedule's run on the busiest stage
-    predicted_bubble = pipeline_bubble(p, m)
+    # The idle share of the busiest stage over the schedule's whole run (the longest `forward_backward`:
+    # the first stage's, which spans the fill and the drain; later stages return before the drain ends).
+    bubble = 1.0 - max(busy) / max(passes)
+    predicted_bubble = pipeline_bubble(p, m, v)
     return {
         "speeds": args.speeds,
         "blocks": args.blocks,
         "microbatches": m,
         "schedule": args.schedule,
-        "uneven_stages": [list(b) for b in uneven],
-        "even_stages": [list(b) for b in even],
+        "chunks": v,
+        "uneven_stages": [list(b) for b in pipeline_stages(uneven, args)],
+        "even_stages": [list(b) for b in pipeline_stages(even, args)],
         "step_seconds": {name: round(r["step_seconds"], 5) for name, r in measured.items()},
         "uneven_over_even": measured["even"]["step_seconds"] / step,
-        "uneven_over_even_ideal": _fill_drain(even, args) / _fill_drain(uneven, args),
+        "uneven_over_even_ideal": _ideal(even, args) / _ideal(uneven, args),
         "dp_over_uneven": measured["data_parallel"]["step_seconds"] / step,
         "bubble_measured": bubble,
         "bubble_predicted": predicted_bubble,

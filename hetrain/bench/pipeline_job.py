@@ -2,7 +2,10 @@
 
 Each block computes a small residual layer and then waits `block_ms * samples / speed`
 milliseconds in forward and twice that in backward, so a rank at speed 0.5 takes twice as long
-per block as one at speed 1 (emulated compute: the figures say so). The same script runs every
+per block as one at speed 1 (emulated compute: the figures say so). The layer's own compute is
+slowed by the same factor (a wait of `(1/speed - 1)` times its measured time, forward and
+backward), as a slower device would: otherwise the slow ranks' real compute would run at full
+speed and favour partitions that give them more blocks. The same script runs every
 plan through `session.forward_backward`: the planner's uneven partition, an even partition, and
 data parallelism with shares by speed. Rank 0 writes the figures as JSON.
 """
@@ -27,33 +30,60 @@ BUSY = [0.0]        # seconds this rank spent computing (emulated) in the curren
 
 
 AHEAD = [0.0]       # seconds the waits so far overshot (a sleep wakes late): taken off the next wait
+LATE = [0.0]        # how late a sleep wakes, on average: asked for that much less
 
 
 def _wait(seconds: float) -> None:
     """Wait `seconds` of emulated compute; a late wake-up shortens the next wait, so a stage of many
-    blocks is not slowed by its many wake-ups more than a stage of few."""
+    blocks is not slowed by its many wake-ups more than a stage of few, and each sleep asks for its
+    usual lateness less, so a stage's last wait before it sends ends on time too."""
     due = seconds - AHEAD[0]
+    asked = due - LATE[0]
     started = time.perf_counter()
-    if due > 0:
-        time.sleep(due)
+    if asked > 0:
+        time.sleep(asked)
     took = time.perf_counter() - started
+    if asked > 0:
+        LATE[0] += 0.1 * (took - asked - LATE[0])
     AHEAD[0] = took - due
     BUSY[0] += took
 
 
-class _Emulated(torch.autograd.Function):
-    """Identity that takes `seconds` in forward and twice that in backward."""
+def _slowed(real: float) -> None:
+    """Count `real` seconds of the layer's own compute, and wait so it takes 1/speed as long."""
+    BUSY[0] += real
+    _wait(real * (1.0 / SPEED[0] - 1.0))
+
+
+class _Start(torch.autograd.Function):
+    """Identity at a block's input; in backward (the block's last node) it slows the layer's backward
+    compute that ran since `_Emulated`'s backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, seconds: float) -> torch.Tensor:  # type: ignore[override]
-        ctx.seconds = seconds
+    def forward(ctx, x: torch.Tensor, clock: list) -> torch.Tensor:  # type: ignore[override]
+        ctx.clock = clock
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        _slowed(time.perf_counter() - ctx.clock[0])
+        return grad, None
+
+
+class _Emulated(torch.autograd.Function):
+    """Identity at a block's output that takes `seconds` in forward and twice that in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, seconds: float, clock: list) -> torch.Tensor:  # type: ignore[override]
+        ctx.seconds, ctx.clock = seconds, clock
         _wait(seconds)
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         _wait(2.0 * ctx.seconds)
-        return grad, None
+        ctx.clock[0] = time.perf_counter()   # the layer's backward starts now
+        return grad, None, None
 
 
 class Block(nn.Module):
@@ -63,8 +93,14 @@ class Block(nn.Module):
         self.seconds_per_sample = block_ms / 1000.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        clock = [0.0]
+        started = time.perf_counter()
+        if not x.requires_grad:   # the model's input: let `_Start` see the layer's backward all the same
+            x = x.detach().requires_grad_()
+        x = _Start.apply(x, clock)
         x = x + torch.tanh(self.fc(x))
-        return _Emulated.apply(x, self.seconds_per_sample * x.shape[0] / SPEED[0])
+        _slowed(time.perf_counter() - started)
+        return _Emulated.apply(x, self.seconds_per_sample * x.shape[0] / SPEED[0], clock)
 
 
 def make_model(blocks: int, block_ms: float) -> nn.Sequential:

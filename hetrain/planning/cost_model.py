@@ -9,7 +9,8 @@ once plus kernel launches. "fp32" on Ampere and later runs convolutions in TF32 
 Memory: weights, gradients, optimizer state (ZeRO stages divide what they shard), activations per
 micro-batch (or only block boundaries with activation checkpointing), framework overhead.
 Communication: ring or two-level all-reduce over the slowest link, partly hidden under backward.
-Pipelines: the slowest stage times (m + p - 1) micro-batches (the (p-1)/m bubble of GPipe/1F1B).
+Pipelines: the slowest stage times (m + p - 1) micro-batches (the (p-1)/m bubble of GPipe/1F1B), or
+m + (p-1)/v with v chunks per rank (interleaved 1F1B).
 """
 
 from __future__ import annotations
@@ -328,8 +329,18 @@ def backward_fraction(checkpointing: bool) -> float:
     return (2.0 + (1.0 if checkpointing else 0.0)) / (3.0 + (1.0 if checkpointing else 0.0))
 
 
-def pipeline_step_seconds(stage_seconds: list[float], microbatches: int, p2p_seconds: float = 0.0) -> float:
-    """GPipe/1F1B step: (m + p - 1) slots of the slowest stage (bubble (p-1)/m), plus transfers."""
+def pipeline_step_seconds(stage_seconds: list[float], microbatches: int, p2p_seconds: float = 0.0,
+                          chunks: int = 1) -> float:
+    """GPipe/1F1B step over p ranks (`stage_seconds`: each rank's compute of one micro-batch): (m + p - 1)
+    slots of the slowest rank, plus one transfer per slot (bubble (p-1)/(m+p-1)). Interleaved 1F1B
+    with `chunks` = v stages per rank fills and drains in chunk-sized slots: m + (p-1)/v slots, each
+    with v transfers (bubble (p-1)/(v*m + p-1))."""
     p = len(stage_seconds)
-    slot = max(stage_seconds) + p2p_seconds
-    return (microbatches + p - 1) * slot
+    slot = max(stage_seconds) + chunks * p2p_seconds
+    return (microbatches + (p - 1) / chunks) * slot
+
+
+def pipeline_bubble(stages: int, microbatches: int, chunks: int = 1) -> float:
+    """The idle fraction of a GPipe or 1F1B step over p ranks with equal stages, (p - 1) / (m + p - 1);
+    of interleaved 1F1B with v chunks per rank, (p - 1) / (v * m + p - 1)."""
+    return (stages - 1) / (chunks * microbatches + stages - 1)

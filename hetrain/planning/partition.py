@@ -45,3 +45,22 @@ def partition_blocks(
         bounds.append((a, b))
         b = a
     return bounds[::-1], best[n_stages][n_blocks]
+
+
+def interleaved_stages(blocks_per_rank: list[int], chunks: int) -> list[tuple[int, int]]:
+    """The stages of an interleaved pipeline: each rank's blocks cut into `chunks` near-equal chunks,
+    laid out in pipeline order (chunk c of the rank at position j is stage c * p + j), so the
+    blocks of a rank's chunks add up to its share of the partition.
+
+    [6, 3, 3] blocks in 3 chunks: stages of 2, 1, 1 blocks, three times over.
+    """
+    if chunks < 1 or any(n < chunks for n in blocks_per_rank):
+        raise HetrainError(f"cannot cut ranks holding {blocks_per_rank} blocks into {chunks} chunks each; "
+                           f"every rank needs at least {chunks} blocks (use fewer chunks)")
+    sizes = [[n // chunks + (1 if c < n % chunks else 0) for c in range(chunks)] for n in blocks_per_rank]
+    bounds, start = [], 0
+    for c in range(chunks):
+        for per_rank in sizes:
+            bounds.append((start, start + per_rank[c]))
+            start += per_rank[c]
+    return bounds

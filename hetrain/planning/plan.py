@@ -72,9 +72,26 @@ class CommPlan(_Strict):
 class PipelinePlan(_Strict):
     """Layer partition for models that fit on no single device."""
 
-    stages: list[list[int]] = Field(description="per stage, the [first, last) block indices it holds")
+    stages: list[list[int]] = Field(description="per stage in pipeline order, the [first, last) block indices it holds")
     schedule: Schedule = "1f1b"
     microbatches: int = Field(4, ge=1)
+    chunks: int = Field(1, ge=1, description="stages per rank (interleaved-1f1b): with p = len(stages) / chunks "
+                                             "ranks per pipeline, the rank of stage j holds stages j, j + p, j + 2p, ...")
+
+    @model_validator(mode="after")
+    def _chunked(self) -> "PipelinePlan":
+        if self.chunks > 1 and self.schedule != "interleaved-1f1b":
+            raise ValueError(f"chunks {self.chunks}: only the interleaved-1f1b schedule runs several stages per rank; "
+                             "set \"schedule\": \"interleaved-1f1b\" or \"chunks\": 1")
+        if len(self.stages) % self.chunks:
+            raise ValueError(f"{len(self.stages)} stages are not {self.chunks} chunks per rank; list chunks x ranks "
+                             "stages (rank j holds stages j, j + p, ...)")
+        return self
+
+    @property
+    def ranks_per_pipeline(self) -> int:
+        """p: the ranks one pipeline replica spans (stages over chunks)."""
+        return len(self.stages) // self.chunks
 
 
 class Plan(_Strict):

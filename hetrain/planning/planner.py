@@ -12,8 +12,7 @@ from hetrain.errors import HetrainError
 from hetrain.planning import cost_model as cm
 from hetrain.planning.compression import PREFERENCE, compression_ratio, lossless_for
 from hetrain.planning.batch_split import FunctionCost, split_min_max
-from hetrain.planning.partition import partition_blocks
-from hetrain.planning.plan import BalancePlan, CommPlan, PipelinePlan, Plan, RankPlan
+from hetrain.planning.plan import BalancePlan, CommPlan, Plan, RankPlan
 from hetrain.planning.precision_policy import needs_loss_scaling
 from hetrain.planning.explain import why_not
 from hetrain.planning.kinds import Kind, figures_notes, kinds_of
@@ -309,6 +308,8 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
         cands[s] = with_compression(s, *args) if strategy in ("auto", s) else data_parallel(s, *args)
     fits_one = any(max_micro_batch(profile, k, optimizer, 0, 1, True, 1) >= 1 for k in kinds)
     if strategy == "pipeline" or (strategy == "auto" and not fits_one):
+        from hetrain.planning.pipeline_planner import pipeline_candidates   # it builds this module's Candidates
+
         for c in pipeline_candidates(cluster, profile, kinds, global_batch, optimizer, micro_batch):
             cands[c.strategy] = c
     else:
@@ -365,134 +366,3 @@ def _no_fit_message(profile, kinds, cands, strategy, optimizer, world, worst) ->
                 f"memory, or a smaller model or sequence length")
     return (f"model {profile.name!r} does not fit with {what}{detail}; try --strategy auto (ZeRO-3 or a "
             f"pipeline fits), a smaller --micro-batch, or devices with more memory")
-
-
-# ---------------------------------------------------------------- pipelines
-
-
-def _divisors_desc(n: int) -> list[int]:
-    return sorted((d for d in range(1, n + 1) if n % d == 0), reverse=True)
-
-
-def pipeline_candidates(cluster, profile: WorkloadProfile, kinds: list[Kind], global_batch: int,
-                        optimizer: str, micro_batch: int | None) -> list[Candidate]:
-    """Pipelines of contiguous blocks (layer DP) replicated d times for data parallelism.
-
-    Each of the d replicas holds the same mix of device kinds (counts divisible by d), one device
-    per stage; stage j of every replica is the same kind, so the partition is shared.
-    """
-    out = {"pipeline": Candidate("pipeline"), "hybrid": Candidate("hybrid")}
-    blocks = profile.blocks
-    n_blocks = len(blocks)
-    if n_blocks < 2:
-        for c in out.values():
-            c.reason = "the profile has fewer than 2 blocks to place on stages"
-        return list(out.values())
-    calib = cm.default_calibration()
-    multi_node = len(cluster.nodes) > 1
-    devices = cluster.devices()
-    link = cluster.inter_node_bytes_per_s if multi_node else min(d.intra_bytes_per_s for d in devices)
-    counts = [k.count for k in kinds]
-    memo: dict = {}
-
-    def stage_cost(kind: Kind, a: int, b: int, mb: int, in_flight: int) -> tuple[float, bool, int] | None:
-        key = (kind.spec.name, a, b, mb, in_flight)
-        if key not in memo:
-            sub = slice(a, b)
-            result = None
-            for ckpt in (False, True):
-                mem = cm.memory_estimate(profile, kind.precision, mb, optimizer=optimizer, checkpointing=ckpt,
-                                         blocks=sub, in_flight=in_flight).total
-                if mem <= kind.spec.memory_bytes:
-                    part = profile.model_copy(update={
-                        "params": max(1, sum(x.params for x in blocks[sub])),
-                        "flops_per_sample": max(1.0, sum(x.flops_per_sample for x in blocks[sub])),
-                        "activation_bytes_per_sample": sum(x.activation_bytes_per_sample for x in blocks[sub]),
-                        "blocks": [],
-                    })
-                    t = kind.stage_seconds(len(blocks), a, b, mb, ckpt)
-                    if t is None:
-                        t = cm.compute_seconds(part, kind.spec, kind.precision, mb, mb, ckpt, calib)
-                    result = (t, ckpt, mem)
-                    break
-            memo[key] = result
-        return memo[key]
-
-    speed = sorted(kinds, key=lambda k: k.sample_s)
-    for d in _divisors_desc(math.gcd(*counts)):
-        per = [c // d for c in counts]
-        p = sum(per)
-        label = "pipeline" if d == 1 else "hybrid"
-        if p < 2 or p > n_blocks or out[label].feasible:
-            continue
-        b_max = math.ceil(global_batch / d)
-        sizes = [micro_batch] if micro_batch else sorted({min(b_max, 2**i) for i in range(0, 7)})
-        for order in (speed, speed[::-1]):
-            stage_kinds = [k for k in order for _ in range(per[kinds.index(k)])]
-            for mb in sizes:
-                m = math.ceil(b_max / mb)
-
-                def fits(j, a, b, mb=mb, m=m, sk=stage_kinds):
-                    return stage_cost(sk[j], a, b, mb, min(p - j, m)) is not None
-
-                def time(j, a, b, mb=mb, m=m, sk=stage_kinds):
-                    return stage_cost(sk[j], a, b, mb, min(p - j, m))[0]
-
-                found = partition_blocks(n_blocks, p, time, fits)
-                if found is None:
-                    continue
-                bounds, slot = found
-                scale = cm.ELEMENT_BYTES[stage_kinds[0].precision] / profile.activation_dtype_bytes
-                p2p = max(mb * blocks[b - 1].output_bytes_per_sample * scale for _, b in bounds[:-1]) / (
-                    link * cm.LINK_EFFICIENCY)
-                grads = max(4.0 * sum(x.params for x in blocks[a:b]) for a, b in bounds)
-                topo = cm.CommTopology((1,) * d if multi_node else (d,), link, cluster.inter_node_bytes_per_s)
-                comm = cm.allreduce_cost(grads, topo).seconds
-                exposed = cm.exposed_seconds(comm, slot * cm.backward_fraction(False), grads)
-                step = cm.pipeline_step_seconds([slot], m, p2p) + exposed
-                if step < out[label].step_seconds:
-                    out[label] = _pipeline_plan(label, profile, kinds, stage_kinds, per, d, bounds, mb, m,
-                                                global_batch, optimizer, step, stage_cost, p)
-    for label, c in out.items():
-        if not c.feasible:
-            c.reason = c.reason or ("no partition fits: the stages lack memory" if label == "pipeline" or
-                                    math.gcd(*counts) > 1 else "device counts share no divisor > 1 for replicas")
-    return list(out.values())
-
-
-def _pipeline_plan(label, profile, kinds, stage_kinds, per, d, bounds, mb, m, global_batch, optimizer, step,
-                   stage_cost, p) -> Candidate:
-    base, extra = divmod(global_batch, d)
-    rank_stage: dict[int, tuple[int, int]] = {}
-    for k, n in zip(kinds, per):
-        stages = [j for j, sk in enumerate(stage_kinds) if sk is k]
-        for i, r in enumerate(k.ranks):
-            rank_stage[r] = (i // n, stages[i % n])  # (replica, stage)
-    ranks = []
-    for r in sorted(rank_stage):
-        replica, j = rank_stage[r]
-        k = stage_kinds[j]
-        a, b = bounds[j]
-        t, ckpt, mem = stage_cost(k, a, b, mb, min(p - j, m))
-        ranks.append(RankPlan(rank=r, device=k.spec.name, share=base + (1 if replica < extra else 0),
-                              precision=k.precision, micro_batch=mb, grad_accum=m, activation_checkpointing=ckpt,
-                              stage=j, memory_bytes=mem, memory_capacity_bytes=k.spec.memory_bytes,
-                              predicted_step_seconds=t * m))
-    plan = Plan(global_batch_size=global_batch, strategy=label, sharding="none", ranks=ranks,
-                balance=BalancePlan(enabled=False),
-                pipeline=PipelinePlan(stages=[[a, b] for a, b in bounds], schedule="1f1b", microbatches=m),
-                predicted_samples_per_s=global_batch / step)
-    c = Candidate(label, samples_per_s=global_batch / step, step_seconds=step, plan=plan)
-    bubble = pipeline_bubble(p, m)
-    c.reason = (f"{d} replica(s) of a {p}-stage 1F1B pipeline, {m} micro-batches of {mb}; "
-                f"predicted bubble {bubble:.1%}; stages {[list(x) for x in bounds]}")
-    kinds_by_stage = ", ".join(f"{j}: {k.spec.name} blocks {a}-{b - 1}" for j, (k, (a, b)) in
-                               enumerate(zip(stage_kinds, bounds)))
-    c.notes.append(f"{label}: the model's {len(profile.blocks)} blocks cut into {p} stages by each stage's speed ({kinds_by_stage}), {d} replica(s); 1F1B with {m} "
-                   f"micro-batches of {mb}: predicted bubble (p-1)/(m+p-1) = {bubble:.1%} of the step")
-    return c
-
-
-def pipeline_bubble(stages: int, microbatches: int) -> float:
-    """The idle fraction of a GPipe or 1F1B step with equal stages: (p - 1) / (m + p - 1)."""
-    return (stages - 1) / (microbatches + stages - 1)

@@ -1,4 +1,5 @@
-"""One rank's stage of a pipeline, run by torch.distributed.pipelining's schedules (GPipe, 1F1B).
+"""One rank's stages of a pipeline, run by torch.distributed.pipelining's schedules (GPipe, 1F1B, and
+interleaved 1F1B, where a rank holds one stage per chunk: `ScheduleInterleaved1F1B`).
 
 Exact gradients (DESIGN.md invariant 1). The user's `loss_fn(output, target)` is a mean over a
 micro-batch's items; the schedule runs backward of that mean times `items / estimate` (and the
@@ -20,19 +21,20 @@ from typing import Any, ContextManager
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.utils._pytree import tree_leaves
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from hetrain.errors import HetrainError
 from hetrain.planning.plan import PipelinePlan
 from hetrain.runtime.gradients import local_tensor
 from hetrain.runtime.parallelize import Prepared
-from hetrain.runtime.pipeline_stages import PipelineLayout, compute_in_precision, microbatches_for
+from hetrain.runtime.pipeline_batch import gather_replica_batch
+from hetrain.runtime.pipeline_stages import PipelineLayout, compute_in_precision, microbatches_for, rank_stages
 from hetrain.runtime.precision import JobLossScaler
 from hetrain.runtime.step_state import StepState, items_as_number
 from hetrain.runtime.timing import pad_to_speed
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
+MULTI_STAGE = (ScheduleInterleaved1F1B,)   # schedules that take a list of this rank's stages
 
 
 def make_groups(layout: PipelineLayout) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
@@ -73,12 +75,12 @@ def _first_tensor(value: Any) -> torch.Tensor:
 
 
 class PipelineRunner:
-    """This rank's pipeline stage, its schedule and the groups it talks to."""
+    """This rank's pipeline stages (one per chunk), their schedule and the groups they talk to."""
 
     def __init__(self, module: nn.Module, layout: PipelineLayout, pipeline: PipelinePlan, device: torch.device,
                  autocast: Callable[[], ContextManager], ties: list[tuple[tuple[int, ...], nn.Parameter]] | None = None, speed: float | None = None,
-                 sharded: bool = False) -> None:
-        self.module = module
+                 sharded: bool = False, chunks: list[nn.Module] | None = None) -> None:
+        self.module = module   # every block this rank holds (its chunks' blocks)
         self.layout = layout
         self.pipeline = pipeline
         self.device = device
@@ -88,14 +90,20 @@ class PipelineRunner:
         self.ties = [(stages, p) for stages, p in (ties or []) if id(p) in held]
         self.tie_groups = make_tie_groups(layout, ties or [])
         self.autocast = autocast
-        compute_in_precision(module, autocast)
-        self.stage = PipelineStage(module, layout.stage, layout.stages, device, group=self.pipe_group)
-        # Stage j's peer is the replica's stage-j rank, whatever its place in the group's (sorted) order.
-        self.stage.stage_index_to_group_rank = {j: dist.get_group_rank(self.pipe_group, r)
-                                                for j, r in enumerate(layout.replica_ranks())}
+        chunks = chunks or [module]
+        self.stages = []
+        for chunk, index in zip(chunks, rank_stages(pipeline, layout.stage)):
+            compute_in_precision(chunk, autocast)
+            self.stages.append(PipelineStage(chunk, index, len(pipeline.stages), device, group=self.pipe_group))
+        if len(self.stages) == 1:
+            # Stage j's peer is the replica's stage-j rank, whatever its place in the group's (sorted) order
+            # (multi-stage schedules map stage s to group rank s % p themselves: the layout keeps ranks in order).
+            self.stages[0].stage_index_to_group_rank = {j: dist.get_group_rank(self.pipe_group, r)
+                                                        for j, r in enumerate(layout.replica_ranks())}
         self.busy_seconds = 0.0   # this step's forward and backward compute (padded when emulating a speed)
-        self.stage.forward_one_chunk = self._timed(self.stage.forward_one_chunk, speed)
-        self.stage.backward_one_chunk = self._timed(self.stage.backward_one_chunk, speed)
+        for stage in self.stages:
+            stage.forward_one_chunk = self._timed(stage.forward_one_chunk, speed)
+            stage.backward_one_chunk = self._timed(stage.backward_one_chunk, speed)
         self._schedules: dict[int, Any] = {}
         self._loss: Callable | None = None
 
@@ -117,14 +125,17 @@ class PipelineRunner:
         return busy
 
     def microbatches(self, samples: int) -> int:
-        return microbatches_for(samples, self.pipeline.microbatches)
+        cls = SCHEDULES[self.pipeline.schedule]
+        return microbatches_for(samples, self.pipeline.microbatches,
+                                self.layout.stages if cls in MULTI_STAGE else None)
 
     def _schedule(self, m: int) -> Any:
         if m not in self._schedules:
             cls = SCHEDULES[self.pipeline.schedule]
             if cls is Schedule1F1B and m < self.layout.stages:
                 cls = ScheduleGPipe   # torch's 1F1B needs a micro-batch per stage; GPipe's update is the same
-            self._schedules[m] = cls(self.stage, n_microbatches=m, loss_fn=self._call_loss, scale_grads=False)
+            stages = self.stages if cls in MULTI_STAGE else self.stages[0]
+            self._schedules[m] = cls(stages, n_microbatches=m, loss_fn=self._call_loss, scale_grads=False)
         return self._schedules[m]
 
     def _call_loss(self, output: Any, target: Any) -> torch.Tensor:
@@ -132,14 +143,7 @@ class PipelineRunner:
 
     def gather_batch(self, batch: Any) -> Any:
         """The replica's batch from the slices its ranks' loaders read (all-gather in the replica, in rank order)."""
-        parts: list[Any] = [None] * len(self.layout.replica_ranks())
-        cpu = _to(batch, torch.device("cpu"))
-        dist.all_gather_object(parts, cpu, group=self.pipe_group)
-        parts = [p for p in parts if _samples(p) > 0]
-        if not parts:
-            return batch
-        joined = _concat(parts)
-        return _to(joined, self.device)
+        return gather_replica_batch(batch, self.pipe_group, self.device)
 
     def run(self, inputs: Any, target: Any, loss_fn: Callable, count: Callable[[Any], float], *, state: StepState,
             scaler: JobLossScaler) -> torch.Tensor | None:
@@ -232,70 +236,53 @@ def make_tie_groups(layout: PipelineLayout, ties: list[tuple[tuple[int, ...], nn
     return mine
 
 
-def _samples(value: Any) -> int:
-    leaves = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor) and t.dim() > 0]
-    return int(leaves[0].shape[0]) if leaves else 0
-
-
 def _as_tuple(value: Any) -> tuple:
     return tuple(value) if isinstance(value, (tuple, list)) else (value,)
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _to(v, device) for k, v in value.items()}
-    return value
-
-
-def _concat(parts: list[Any]) -> Any:
-    first = parts[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat(parts)
-    if isinstance(first, (tuple, list)):
-        return type(first)(_concat([p[i] for p in parts]) for i in range(len(first)))
-    if isinstance(first, dict):
-        return {k: _concat([p[k] for p in parts]) for k in first}
-    return first
 
 
 def prepare_pipeline(model: nn.Module, optimizer: torch.optim.Optimizer | None, pipeline: PipelinePlan,
                      layout: PipelineLayout, device: torch.device,
                      activation_checkpointing: bool, autocast: Callable[[], ContextManager],
                      speed: float | None = None, sharded: bool = False) -> tuple[Prepared, PipelineRunner]:
-    """This rank's stage of `model` on its device, with its schedule; the user's optimizer keeps only
-    this stage's parameters (in each of its groups, with the group's settings)."""
+    """This rank's stages of `model` on its device (one, or one per chunk), with their schedule; the
+    user's optimizer keeps only these stages' parameters (in each of its groups, with the group's settings)."""
+    from collections import OrderedDict
+
     from hetrain.runtime.parallelize import check_master_weights
-    from hetrain.runtime.pipeline_stages import stage_module, tied_parameters
+    from hetrain.runtime.pipeline_stages import stage_modules, tied_parameters
 
     check_master_weights(model)
     ties = tied_parameters(model, pipeline)
-    module = stage_module(model, pipeline, layout.stage).to(device)
-    blocks = list(module.children())
+    chunks = [chunk.to(device) for chunk in stage_modules(model, pipeline, layout.stage)]
+    blocks = [block for chunk in chunks for block in chunk.children()]
     if activation_checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-        for name, block in list(module.named_children()):
-            setattr(module, name, checkpoint_wrapper(block))
+        for chunk in chunks:
+            for name, block in list(chunk.named_children()):
+                setattr(chunk, name, checkpoint_wrapper(block))
+    # One chunk is the rank's module; several are gathered in one (blocks under their own names) for the
+    # optimizer, the checkpoint and the gradient sums.
+    module = chunks[0] if len(chunks) == 1 else \
+        nn.Sequential(OrderedDict(b for chunk in chunks for b in chunk.named_children()))
     if optimizer is not None:
         keep = {id(p) for p in module.parameters()}
         for group in optimizer.param_groups:   # the optimizer steps (and checkpoints) this stage's parameters
             group["params"] = [p for p in group["params"] if id(p) in keep]
     if sharded:
-        from hetrain.runtime.pipeline_sharding import shard_stage
+        from hetrain.runtime.pipeline_sharding import ShardedChunks, shard_stage
 
         if optimizer is not None and optimizer.state:
             raise HetrainError("the optimizer already holds state; pass a fresh optimizer to session.prepare() "
                                "(FSDP2 replaces the stage's parameters with sharded ones)")
         names = {id(p): n for n, p in module.named_parameters()}
-        module = shard_stage(module, layout, device)
+        shard_stage(chunks, layout, device)
+        if len(chunks) > 1:
+            module = ShardedChunks(chunks)
         by_name = dict(module.named_parameters())
         ties = [(stages, by_name[names[id(p)]] if id(p) in names else p) for stages, p in ties]
         if optimizer is not None:   # the same optimizer over the sharded parameters (it holds no state yet)
             for group in optimizer.param_groups:
                 group["params"] = [by_name[names[id(p)]] for p in group["params"]]
-    runner = PipelineRunner(module, layout, pipeline, device, autocast, ties, speed, sharded)
+    runner = PipelineRunner(module, layout, pipeline, device, autocast, ties, speed, sharded, chunks)
     return Prepared(module, optimizer, blocks), runner

@@ -5,7 +5,8 @@ A pipeline plan gives each rank a `stage`; the ranks of one stage are that stage
 (data parallel over pipelines: hybrid). Replica i is the i-th rank (in rank order) of every
 stage. Each replica takes its share of the global batch (the plan's `share` of its ranks); the
 loader reads that share spread over the replica's ranks, and the ranks gather it (see
-`hetrain.runtime.pipeline_schedule`).
+`hetrain.runtime.pipeline_schedule`). Under interleaved 1F1B the rank of stage j holds the
+pipeline's stages j, j + p, ... (one per chunk); elsewhere its stage is one of the plan's stages.
 
 The model is an `nn.Sequential` whose children are the blocks the plan partitions (the same
 blocks `hetrain profile` measures: embedding, layers, head). A stage module is an `nn.Sequential`
@@ -65,18 +66,22 @@ class PipelineLayout:
 
 def pipeline_layout(entries: Sequence[RankPlan], pipeline: PipelinePlan, rank: int) -> PipelineLayout:
     """The (replica, stage) grid of a pipeline plan's entries (by actual rank)."""
-    p = len(pipeline.stages)
+    p = pipeline.ranks_per_pipeline
     by_stage: list[list[int]] = [[] for _ in range(p)]
     for e in sorted(entries, key=lambda e: e.rank):
         if e.stage >= p:
-            raise HetrainError(f"rank {e.rank} runs stage {e.stage}, but the plan's pipeline has {p} stages "
-                               f"(pipeline.stages); give each rank a stage in 0..{p - 1} or re-plan")
+            raise HetrainError(f"rank {e.rank} runs stage {e.stage}, but the plan's pipeline spans {p} ranks "
+                               f"(pipeline.stages over pipeline.chunks); give each rank a stage in 0..{p - 1} or re-plan")
         by_stage[e.stage].append(e.rank)
     counts = [len(s) for s in by_stage]
     if len(set(counts)) != 1 or counts[0] == 0:
         raise HetrainError(f"pipeline stages have {counts} ranks each; every stage needs the same number of ranks "
                            "(one per replica): re-plan with `hetrain plan --strategy pipeline` for these devices")
     grid = [[by_stage[j][i] for j in range(p)] for i in range(counts[0])]
+    if pipeline.schedule == "interleaved-1f1b" and any(row != sorted(row) for row in grid):
+        # torch's multi-stage schedules place stage s on group rank s % p, and a group orders its ranks.
+        raise HetrainError(f"interleaved-1f1b needs each pipeline's stages on increasing ranks, got {grid}; "
+                           "renumber the ranks' stages in rank order, or use schedule 1f1b")
     where = next((i, j) for i, row in enumerate(grid) for j, r in enumerate(row) if r == rank)
     return PipelineLayout(grid=grid, replica=where[0], stage=where[1])
 
@@ -101,11 +106,13 @@ def loader_shares(layout: PipelineLayout, shares: Sequence[int], world_size: int
     return out
 
 
-def microbatches_for(samples: int, planned: int) -> int:
+def microbatches_for(samples: int, planned: int, interleaved_ranks: int | None = None) -> int:
     """Micro-batches for a replica batch of `samples`: the plan's count, lowered to a divisor of the
-    batch so every micro-batch has one shape (pipeline stages exchange fixed-shape tensors)."""
+    batch so every micro-batch has one shape (pipeline stages exchange fixed-shape tensors). Over
+    `interleaved_ranks` ranks, also a multiple of its rounds (m // ranks), as torch's interleaved
+    1F1B requires."""
     m = max(1, min(planned, samples))
-    while samples % m:
+    while samples % m or (interleaved_ranks and m % max(1, m // interleaved_ranks)):
         m -= 1
     return m
 
@@ -129,11 +136,17 @@ def model_blocks(model: nn.Module, pipeline: PipelinePlan) -> list[tuple[str, nn
     return blocks
 
 
-def stage_module(model: nn.Module, pipeline: PipelinePlan, stage: int) -> nn.Sequential:
-    """Stage `stage`'s blocks as an nn.Sequential under their original names (the model's own modules)."""
+def rank_stages(pipeline: PipelinePlan, position: int) -> list[int]:
+    """The pipeline stages the rank at `position` (its plan entry's `stage`) holds: one, or one per chunk."""
+    p = pipeline.ranks_per_pipeline
+    return [position + c * p for c in range(pipeline.chunks)]
+
+
+def stage_modules(model: nn.Module, pipeline: PipelinePlan, position: int) -> list[nn.Sequential]:
+    """Each stage's blocks the rank at `position` holds, as an nn.Sequential under their original names
+    (the model's own modules)."""
     blocks = model_blocks(model, pipeline)
-    a, b = pipeline.stages[stage]
-    return nn.Sequential(OrderedDict(blocks[a:b]))
+    return [nn.Sequential(OrderedDict(blocks[slice(*pipeline.stages[s])])) for s in rank_stages(pipeline, position)]
 
 
 def compute_in_precision(module: nn.Module, autocast: Callable[[], ContextManager]) -> None:
@@ -173,12 +186,13 @@ def check_pipeline_plan(plan: Plan) -> None:
 
 
 def tied_parameters(model: nn.Module, pipeline: PipelinePlan) -> list[tuple[tuple[int, ...], nn.Parameter]]:
-    """Parameters that several stages hold (tied input and output embeddings), with those stages,
-    in the model's order (the same on every rank)."""
+    """Parameters that the ranks of several stages hold (tied input and output embeddings), with
+    those ranks' positions in the pipeline, in the model's order (the same on every rank)."""
     blocks = model_blocks(model, pipeline)
     holders: dict[int, list[int]] = {}
     params: dict[int, nn.Parameter] = {}
-    for j, (a, b) in enumerate(pipeline.stages):
+    for s, (a, b) in enumerate(pipeline.stages):
+        j = s % pipeline.ranks_per_pipeline
         for _, block in blocks[a:b]:
             for p in block.parameters():
                 stages = holders.setdefault(id(p), [])

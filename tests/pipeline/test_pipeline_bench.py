@@ -48,3 +48,34 @@ def test_bad_settings_are_one_line_errors():
 
     with pytest.raises(HetrainError, match="multiple of --microbatches"):
         run(_args("--global-batch", "50", parsed=False))
+
+
+def test_interleaved_plans_keep_each_ranks_share_in_chunks():
+    args = _args("--schedule", "interleaved-1f1b", "--chunks", "3")
+    made = plans(args)
+    uneven = made["uneven"].pipeline
+    assert uneven.schedule == "interleaved-1f1b" and uneven.chunks == 3
+    assert [sum(b - a for a, b in uneven.stages[j::3]) for j in range(3)] == [6, 3, 3]
+    assert [sum(b - a for a, b in made["even"].pipeline.stages[j::3]) for j in range(3)] == [4, 4, 4]
+    with pytest.raises(HetrainError, match="at least 2 chunks"):
+        from hetrain.bench.pipeline import run
+
+        run(_args("--schedule", "interleaved-1f1b", "--chunks", "1", parsed=False))
+
+
+def test_the_ideal_replays_torchs_schedule():
+    """Equal stages: the replayed interleaved schedule idles exactly (p-1)/(v*m+p-1); the planner's
+    partition in 3 chunks gains on 1F1B's fill and drain."""
+    from hetrain.bench.pipeline_ideal import fill_drain_seconds, ideal_step_seconds
+    from hetrain.planning.cost_model import pipeline_bubble
+
+    for p, m, v in [(3, 24, 3), (4, 8, 2), (3, 6, 2)]:
+        step = ideal_step_seconds("interleaved-1f1b", [1.0] * (p * v), m, v)
+        assert 1 - m * v / step == pytest.approx(pipeline_bubble(p, m, v))
+    assert fill_drain_seconds([1.0, 2.0, 2.0], 8) == 7 * 2.0 + 5.0
+    args = _args("--schedule", "interleaved-1f1b")
+    out = figures(args, {name: {"step_seconds": 1.0, "busy_seconds": [0.9] * 3, "pass_seconds": [1.0] * 3}
+                         for name in ("uneven", "even", "data_parallel")})
+    assert out["bubble_predicted"] == pytest.approx(2 / 74)
+    assert out["predicted_step_seconds"] == pytest.approx((24 + 2 / 3) * 0.072)
+    assert 1.33 < out["uneven_over_even_ideal"] < 1.34

@@ -2,10 +2,10 @@
 
 import math
 
-import torch
 
 from hetrain.hardware.cluster import cluster_from_devices
-from hetrain.planning.planner import pipeline_bubble, plan_job
+from hetrain.planning.cost_model import pipeline_bubble
+from hetrain.planning.planner import plan_job
 from hetrain.planning.plan import PipelinePlan
 from hetrain.vocabulary import PIPELINE_STRATEGIES
 from tests.distributed import run_ranks
@@ -16,12 +16,13 @@ CLUSTER = "a100-sxm4-40gb:4,v100-sxm2-32gb:4"
 
 
 def plan_3b():
-    return plan_job(cluster_from_devices(CLUSTER), gpt_3b(), 512, strategy="auto").plan
+    """The planner's pipeline for a 3B model on 4 A100s and 4 V100s at 512 samples per step."""
+    return plan_job(cluster_from_devices(CLUSTER), gpt_3b(), 512, strategy="pipeline").plan
 
 
 def hybrid_3b():
     """The planner's best hybrid (replicated pipeline) for the same job."""
-    result = plan_job(cluster_from_devices(CLUSTER), gpt_3b(), 512, strategy="auto")
+    result = plan_job(cluster_from_devices(CLUSTER), gpt_3b(), 512, strategy="pipeline")
     return next(c.plan for c in result.candidates if c.strategy == "hybrid" and c.feasible)
 
 
@@ -30,14 +31,25 @@ def test_bubble_formula():
     assert math.isclose(pipeline_bubble(3, 8), 2 / 10)
 
 
-def test_auto_picks_a_pipeline_for_a_3b_model_and_says_why():
+def test_auto_weighs_pipelines_for_a_3b_model():
+    """The model fits on no single device: auto weighs pipelines (bubble included) against ZeRO-3 and
+    keeps the faster; either is a plan the runtime runs."""
+    result = plan_job(cluster_from_devices(CLUSTER), gpt_3b(), 512, strategy="auto")
+    assert any("fits on no single device; pipelines considered" in n for n in result.plan.notes)
+    cands = {c.strategy: c for c in result.candidates}
+    assert cands["pipeline"].feasible and cands["zero3"].feasible
+    assert result.plan.strategy == max((cands[s] for s in ("zero3", "pipeline", "hybrid")),
+                                       key=lambda c: c.samples_per_s).strategy
+
+
+def test_a_pipeline_plan_for_a_3b_model_says_why():
     plan = plan_3b()
     assert plan.strategy in PIPELINE_STRATEGIES and plan.pipeline is not None
     assert plan.sharding == "none"
-    p, m = len(plan.pipeline.stages), plan.pipeline.microbatches
-    bubble = f"{pipeline_bubble(p, m):.1%}"
-    assert any("fits on no single device" in n for n in plan.notes), plan.notes
-    assert any(f"predicted bubble (p-1)/(m+p-1) = {bubble}" in n for n in plan.notes), plan.notes
+    p, m, v = plan.pipeline.ranks_per_pipeline, plan.pipeline.microbatches, plan.pipeline.chunks
+    bubble = f"{pipeline_bubble(p, m, v):.1%}"
+    formula = "(p-1)/(m+p-1)" if v == 1 else "(p-1)/(v*m+p-1)"
+    assert any(f"predicted bubble {formula} = {bubble}" in n for n in plan.notes), plan.notes
     # the partition covers the 34 blocks in order, stages of unequal size
     assert plan.pipeline.stages[0][0] == 0 and plan.pipeline.stages[-1][1] == 34
     assert len({b - a for a, b in plan.pipeline.stages}) > 1
@@ -48,7 +60,7 @@ def _scaled(plan, global_batch: int, microbatches: int):
     scale = global_batch / plan.global_batch_size
     ranks = [r.model_copy(update={"share": round(r.share * scale), "micro_batch": None, "grad_accum": 1})
              for r in plan.ranks]
-    pipeline = PipelinePlan(stages=plan.pipeline.stages, schedule=plan.pipeline.schedule, microbatches=microbatches)
+    pipeline = plan.pipeline.model_copy(update={"microbatches": microbatches})
     return plan.model_copy(update={"global_batch_size": global_batch, "ranks": ranks, "pipeline": pipeline})
 
 
@@ -110,3 +122,50 @@ def test_a_pipeline_needs_a_global_batch_of_at_least_its_ranks():
 
     with pytest.raises(HetrainError, match="at least 8"):
         plan_job(cluster_from_devices(CLUSTER), gpt_3b(), 4, strategy="pipeline")
+
+
+def test_interleaving_pays_where_the_bubble_outweighs_the_transfers():
+    """Few micro-batches over 4 stages: the planner cuts each device's blocks into chunks (interleaved
+    1F1B), and the plan it writes runs on CPU ranks, scaled down, with the global-batch update."""
+    result = plan_job(cluster_from_devices("a100-sxm4-80gb:2,v100-sxm2-32gb:2"), gpt_3b(), 16, strategy="pipeline")
+    pipe = next(c for c in result.candidates if c.strategy == "pipeline" and c.feasible)
+    pipeline = pipe.plan.pipeline
+    assert pipeline.schedule == "interleaved-1f1b" and pipeline.chunks > 1
+    assert any(f"(p-1)/(v*m+p-1) = {pipeline_bubble(4, pipeline.microbatches, pipeline.chunks):.1%}" in n
+               for n in pipe.notes)
+    # each device's chunks hold its share of the speed-sized partition: the A100s more than the V100s
+    held = [sum(b - a for a, b in pipeline.stages[j::4]) for j in range(4)]
+    assert sum(held) == 34 and min(held[:2]) > max(held[2:])
+    plan = _scaled(pipe.plan, global_batch=16, microbatches=8)
+    results = run_ranks(train, 4, plan, 1, 32, timeout=240)
+    want = reference(1, 16, layers=32)[0]
+    start = make_model(32).state_dict()
+    assert len({l for r in results for l in r["losses"]}) == 1
+    assert {k for r in results for k in r["states"][0]} == set(want)
+    for r in results:
+        for k, v in r["states"][0].items():
+            moved = (want[k] - start[k]).abs().max().item()
+            assert (v - want[k]).abs().max().item() <= 0.1 * moved + 1e-3   # low precision, same update
+
+
+def test_stages_too_big_for_their_replicas_are_sharded_with_fsdp2():
+    """A 4.5B model on 2 A100s and 2 V100s: a 2-stage pipeline replicated twice fits only with each stage
+    sharded (FSDP2, ZeRO-3) over its 2 replicas; the planner says so, and the plan runs on CPU ranks."""
+    model = gpt_3b(layers=40, hidden=3072)
+    result = plan_job(cluster_from_devices("a100-sxm4-40gb:2,v100-sxm2-32gb:2"), model, 64, strategy="pipeline")
+    hybrid = next(c for c in result.candidates if c.strategy == "hybrid")
+    assert hybrid.feasible and hybrid.plan.sharding == "fsdp"
+    assert any("sharded with FSDP2 (ZeRO-3) over its 2 replicas" in n for n in hybrid.notes)
+    assert all(r.memory_bytes <= r.memory_capacity_bytes for r in hybrid.plan.ranks)
+    pipe = next(c for c in result.candidates if c.strategy == "pipeline")
+    assert pipe.plan.sharding == "none"                    # one replica: nothing to shard over
+    plan = _scaled(hybrid.plan, global_batch=16, microbatches=2)
+    results = run_ranks(train, 4, plan, 1, 40, timeout=240)
+    want = reference(1, 16, layers=40)[0]
+    start = make_model(40).state_dict()
+    assert len({l for r in results for l in r["losses"]}) == 1
+    assert {k for r in results for k in r["states"][0]} == set(want)
+    for r in results:
+        for k, v in r["states"][0].items():
+            moved = (want[k] - start[k]).abs().max().item()
+            assert (v - want[k]).abs().max().item() <= 0.1 * moved + 1e-3   # low precision, same update

@@ -1,0 +1,34 @@
+"""The cost model's pipeline step and bubble, for 1F1B and interleaved 1F1B, agree with each other."""
+
+import math
+
+import pytest
+
+from hetrain.planning.cost_model import pipeline_bubble, pipeline_step_seconds
+from hetrain.planning.pipeline_planner import in_flight, interleaved_rounds_fit
+
+
+@pytest.mark.parametrize("p,m,v", [(3, 24, 1), (3, 24, 3), (4, 8, 2), (8, 128, 4)])
+def test_the_step_is_the_busy_time_over_one_minus_the_bubble(p, m, v):
+    step = pipeline_step_seconds([0.1] * p, m, chunks=v)
+    assert math.isclose(1 - m * 0.1 / step, pipeline_bubble(p, m, v))
+
+
+def test_interleaving_shrinks_the_bubble_and_pays_per_transfer():
+    assert math.isclose(pipeline_bubble(3, 24), 2 / 26)
+    assert math.isclose(pipeline_bubble(3, 24, 3), 2 / 74)
+    # slowest rank 1 s, transfers 0.01 s: (m + (p-1)/v) slots of (slowest + v transfers)
+    assert math.isclose(pipeline_step_seconds([1.0, 0.5, 0.8], 8, 0.01, chunks=2), (8 + 1) * 1.02)
+    assert math.isclose(pipeline_step_seconds([1.0, 0.5, 0.8], 8, 0.01), 10 * 1.01)
+
+
+def test_activations_in_flight_follow_torchs_warm_up():
+    assert [in_flight(4, j, 16, 1) for j in range(4)] == [4, 3, 2, 1]
+    # torch's interleaved warm-up: (v-1) * rounds' micro-batches + 2 per hop from the last rank, in chunks
+    assert [in_flight(4, j, 16, 2) for j in range(4)] == [6, 5, 4, 3]   # (4 + 2*(3-j) + 1) / 2, rounded up
+    assert in_flight(2, 0, 1, 4) == 1
+
+
+def test_torchs_rounds_rule():
+    assert interleaved_rounds_fit(24, 3) and interleaved_rounds_fit(3, 4) and interleaved_rounds_fit(10, 4)
+    assert not interleaved_rounds_fit(5, 2)
