@@ -140,7 +140,9 @@ def pipeline_assignment(assignment: Assignment, plan: Plan, rank: int) -> tuple[
     entries = [e.model_copy(update={"share": reads[e.rank], "micro_batch": None, "grad_accum": 1})
                for e in assignment.entries]
     notes = assignment.notes + [
-        f"pipeline of {layout.stages} stages {plan.pipeline.stages} ({plan.pipeline.schedule}, "
-        f"{plan.pipeline.microbatches} micro-batches) x {layout.replicas} replica(s) with shares {shares}"]
+        f"pipeline over {layout.stages} ranks, {len(plan.pipeline.stages)} stages {plan.pipeline.stages}"
+        + (f" in {plan.pipeline.chunks} chunks per rank" if plan.pipeline.chunks > 1 else "")
+        + f" ({plan.pipeline.schedule}, {plan.pipeline.microbatches} micro-batches) x {layout.replicas} replica(s) "
+        f"with shares {shares}"]
     return Assignment(entries=entries, stand_in=assignment.stand_in, resplit=assignment.resplit,
                       notes=notes), layout
