@@ -44,7 +44,7 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunks", type=int, default=3,
                         help="stages per rank under interleaved-1f1b (3 cuts the planner's 6, 3, 3 blocks into "
                              "chunks of 2, 1, 1 and the even 4, 4, 4 into 2, 1, 1)")
-    parser.add_argument("--steps", type=int, default=5, help="steps per plan")
+    parser.add_argument("--steps", type=int, default=8, help="steps per plan (the median of the timed ones counts)")
     parser.add_argument("--warmup", type=int, default=2, help="steps per plan not timed")
 
 
