@@ -62,7 +62,7 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     add_cluster_args(parser)
     model = parser.add_mutually_exclusive_group()
     model.add_argument("--model", help="reference model: resnet50, resnet152, bert-base, bert-large, "
-                       "bert-large-512, gpt2-124m, gpt2-1.5b, llama-7b, ...")
+                       "bert-large-512, gpt2-124m, gpt2-1.5b, gpt3-2.7b, llama-7b, ...")
     model.add_argument("--profile", metavar="FILE", help="profile saved by hetrain.workload.profile(...).save()")
     add_global_batch_arg(parser)
     parser.add_argument("--profiles", metavar="DIR", help="measured device profiles written by hetrain profile --out DIR; "

@@ -17,10 +17,10 @@ from hetrain.errors import HetrainError
 from hetrain.workload.profile import BlockProfile, WorkloadProfile
 
 _RESNET_LAYERS = {"resnet50": (3, 4, 6, 3), "resnet152": (3, 8, 36, 3)}
-_CAUSAL_LM = {"gpt2-124m", "gpt2-1.5b", "llama-7b"}  # their forward FLOPs include the vocabulary projection
+_CAUSAL_LM = {"gpt2-124m", "gpt2-1.5b", "gpt3-2.7b", "llama-7b"}  # their forward FLOPs include the vocabulary projection
 _UNTIED_HEAD = {"llama-7b"}
 _GATED_MLP = {"llama-7b"}
-_POSITIONS = {"gpt2-124m": 1024, "gpt2-1.5b": 1024, "bert-base": 512, "bert-large": 512}
+_POSITIONS = {"gpt2-124m": 1024, "gpt2-1.5b": 1024, "gpt3-2.7b": 2048, "bert-base": 512, "bert-large": 512}
 
 
 @dataclass(frozen=True)

@@ -64,35 +64,31 @@ def _scaled(plan, global_batch: int, microbatches: int):
     return plan.model_copy(update={"global_batch_size": global_batch, "ranks": ranks, "pipeline": pipeline})
 
 
-def test_the_3b_plan_runs_on_cpu_ranks_scaled_down():
-    """Every rank of the plan (its devices' precisions, bf16 and fp16 with one loss scale) on a 34-block model."""
-    plan = _scaled(plan_3b(), global_batch=16, microbatches=8)
-    results = run_ranks(train, plan.world_size, plan, 1, 32, timeout=240)
-    want = reference(1, 16, layers=32)[0]
-    start = make_model(32).state_dict()
+def _runs_with_the_global_update(plan, layers: int) -> None:
+    """The plan on CPU ranks: one global loss on every rank, every block held by some stage, and each
+    parameter's update that of one process on the whole batch (within low-precision rounding)."""
+    results = run_ranks(train, plan.world_size, plan, 1, layers, timeout=240)
+    want = reference(1, plan.global_batch_size, layers=layers)[0]
+    start = make_model(layers).state_dict()
     losses = [l for r in results for l in r["losses"]]
     assert all(math.isfinite(l) for l in losses) and len(set(losses)) == 1
-    held = {k for r in results for k in r["states"][0]}
-    assert held == set(want)                                  # every block ran on some stage
+    assert {k for r in results for k in r["states"][0]} == set(want)     # every block ran on some stage
     for r in results:
         for k, v in r["states"][0].items():
             moved = (want[k] - start[k]).abs().max().item()
             assert (v - want[k]).abs().max().item() <= 0.1 * moved + 1e-3   # low precision, same update
 
 
+def test_the_3b_plan_runs_on_cpu_ranks_scaled_down():
+    """Every rank of the plan (its devices' precisions, bf16 and fp16 with one loss scale) on a 34-block model."""
+    _runs_with_the_global_update(_scaled(plan_3b(), global_batch=16, microbatches=8), layers=32)
+
+
 def test_the_3b_hybrid_plan_runs_on_cpu_ranks_scaled_down():
     """The planner's replicated pipeline: replicas of stages on A100s and V100s, the global-batch update."""
     plan = _scaled(hybrid_3b(), global_batch=16, microbatches=2)
     assert plan.strategy == "hybrid" and len(plan.pipeline.stages) < plan.world_size
-    results = run_ranks(train, plan.world_size, plan, 1, 32, timeout=240)
-    want = reference(1, 16, layers=32)[0]
-    start = make_model(32).state_dict()
-    assert len({l for r in results for l in r["losses"]}) == 1
-    assert {k for r in results for k in r["states"][0]} == set(want)
-    for r in results:
-        for k, v in r["states"][0].items():
-            moved = (want[k] - start[k]).abs().max().item()
-            assert (v - want[k]).abs().max().item() <= 0.1 * moved + 1e-3
+    _runs_with_the_global_update(plan, layers=32)
 
 
 def test_plans_the_runtime_cannot_run_are_refused_with_the_fix():
@@ -136,16 +132,7 @@ def test_interleaving_pays_where_the_bubble_outweighs_the_transfers():
     # each device's chunks hold its share of the speed-sized partition: the A100s more than the V100s
     held = [sum(b - a for a, b in pipeline.stages[j::4]) for j in range(4)]
     assert sum(held) == 34 and min(held[:2]) > max(held[2:])
-    plan = _scaled(pipe.plan, global_batch=16, microbatches=8)
-    results = run_ranks(train, 4, plan, 1, 32, timeout=240)
-    want = reference(1, 16, layers=32)[0]
-    start = make_model(32).state_dict()
-    assert len({l for r in results for l in r["losses"]}) == 1
-    assert {k for r in results for k in r["states"][0]} == set(want)
-    for r in results:
-        for k, v in r["states"][0].items():
-            moved = (want[k] - start[k]).abs().max().item()
-            assert (v - want[k]).abs().max().item() <= 0.1 * moved + 1e-3   # low precision, same update
+    _runs_with_the_global_update(_scaled(pipe.plan, global_batch=16, microbatches=8), layers=32)
 
 
 def test_stages_too_big_for_their_replicas_are_sharded_with_fsdp2():
@@ -159,13 +146,24 @@ def test_stages_too_big_for_their_replicas_are_sharded_with_fsdp2():
     assert all(r.memory_bytes <= r.memory_capacity_bytes for r in hybrid.plan.ranks)
     pipe = next(c for c in result.candidates if c.strategy == "pipeline")
     assert pipe.plan.sharding == "none"                    # one replica: nothing to shard over
-    plan = _scaled(hybrid.plan, global_batch=16, microbatches=2)
-    results = run_ranks(train, 4, plan, 1, 40, timeout=240)
-    want = reference(1, 16, layers=40)[0]
-    start = make_model(40).state_dict()
-    assert len({l for r in results for l in r["losses"]}) == 1
-    assert {k for r in results for k in r["states"][0]} == set(want)
-    for r in results:
-        for k, v in r["states"][0].items():
-            moved = (want[k] - start[k]).abs().max().item()
-            assert (v - want[k]).abs().max().item() <= 0.1 * moved + 1e-3   # low precision, same update
+    _runs_with_the_global_update(_scaled(hybrid.plan, global_batch=16, microbatches=2), layers=40)
+
+
+def test_the_cli_plan_for_gpt3_2_7b_is_accepted_and_runs_scaled_down(tmp_path):
+    """`hetrain plan --devices a100-sxm4-40gb:4,v100-sxm2-32gb:4 --model gpt3-2.7b --global-batch-size 512`
+    (auto): the plan it writes validates, and its devices, precisions and partition of the 34 blocks
+    run on 8 CPU ranks with the global-batch update."""
+    import subprocess
+    import sys
+
+    from hetrain.planning.plan import Plan
+
+    out = tmp_path / "plan.json"
+    r = subprocess.run([sys.executable, "-m", "hetrain.cli.main", "plan", "--devices", CLUSTER, "--model", "gpt3-2.7b",
+                        "--global-batch-size", "512", "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    plan = Plan.model_validate_json(out.read_text())
+    assert plan.world_size == 8 and plan.global_batch_size == 512
+    assert plan.strategy in PIPELINE_STRATEGIES, f"auto chose {plan.strategy}: {plan.notes}"   # (pipeline today)
+    assert plan.pipeline.stages[0][0] == 0 and plan.pipeline.stages[-1][1] == 34
+    _runs_with_the_global_update(_scaled(plan, global_batch=16, microbatches=8), layers=32)
