@@ -37,9 +37,9 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--blocks", type=int, default=12, help="blocks of the model (>= ranks)")
     parser.add_argument("--block-ms", type=float, default=1.0,
                         help="forward milliseconds per sample per block at speed 1 (backward takes twice that)")
-    parser.add_argument("--global-batch", type=int, default=96)
-    parser.add_argument("--microbatches", type=int, default=24,
-                        help="micro-batches per step (the bubble (p-1)/(m+p-1) shrinks as they grow)")
+    parser.add_argument("--global-batch", type=int, default=192, help="samples per step (micro-batches of 4 by default)")
+    parser.add_argument("--microbatches", type=int, default=48,
+                        help="micro-batches per step (m = 16p: the bubble (p-1)/(m+p-1) is 4%%; it shrinks as m grows)")
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     parser.add_argument("--chunks", type=int, default=3,
                         help="stages per rank under interleaved-1f1b (3 cuts the planner's 6, 3, 3 blocks into "

@@ -23,7 +23,7 @@ def test_the_planner_gives_the_fast_rank_twice_the_blocks():
     assert even_partition(12, 3) == [(0, 4), (4, 8), (8, 12)]
     made = plans(args)
     assert made["uneven"].pipeline.stages == [[0, 6], [6, 9], [9, 12]]
-    assert made["data_parallel"].shares == [48, 24, 24]
+    assert made["data_parallel"].shares == [96, 48, 48]
 
 
 def test_figures_from_measurements():
@@ -73,7 +73,7 @@ def test_the_ideal_replays_torchs_schedule():
         step = ideal_step_seconds("interleaved-1f1b", [1.0] * (p * v), m, v)
         assert 1 - m * v / step == pytest.approx(pipeline_bubble(p, m, v))
     assert fill_drain_seconds([1.0, 2.0, 2.0], 8) == 7 * 2.0 + 5.0
-    args = _args("--schedule", "interleaved-1f1b")
+    args = _args("--schedule", "interleaved-1f1b", "--global-batch", "96", "--microbatches", "24")
     out = figures(args, {name: {"step_seconds": 1.0, "busy_seconds": [0.9] * 3, "pass_seconds": [1.0] * 3}
                          for name in ("uneven", "even", "data_parallel")})
     assert out["bubble_predicted"] == pytest.approx(2 / 74)
