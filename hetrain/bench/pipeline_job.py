@@ -24,29 +24,16 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
+from hetrain.bench.emulated_device import CLOCK
+
 WIDTH = 16
 SPEED = [1.0]       # this rank's emulated speed
 BUSY = [0.0]        # seconds this rank spent computing (emulated) in the current step
 
 
-AHEAD = [0.0]       # seconds the waits so far overshot (a sleep wakes late): taken off the next wait
-LATE = [0.0]        # how late a sleep wakes, on average: asked for that much less
-
-
 def _wait(seconds: float) -> None:
-    """Wait `seconds` of emulated compute; a late wake-up shortens the next wait, so a stage of many
-    blocks is not slowed by its many wake-ups more than a stage of few, and each sleep asks for its
-    usual lateness less, so a stage's last wait before it sends ends on time too."""
-    due = seconds - AHEAD[0]
-    asked = due - LATE[0]
-    started = time.perf_counter()
-    if asked > 0:
-        time.sleep(asked)
-    took = time.perf_counter() - started
-    if asked > 0:
-        LATE[0] += 0.1 * (took - asked - LATE[0])
-    AHEAD[0] = took - due
-    BUSY[0] += took
+    """Wait `seconds` of emulated compute on the benchmarks' drift-free clock, counted as busy."""
+    BUSY[0] += CLOCK.wait(seconds)
 
 
 def _slowed(real: float) -> None:
