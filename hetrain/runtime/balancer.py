@@ -1,7 +1,7 @@
 """Re-split the global batch while the job runs, from every rank's measured speed.
 
-Every ``interval`` steps the ranks all-gather what each measured, and every rank computes the
-same new split with the planner's exact split function (identical inputs, pure functions: every
+Every ``interval`` steps the ranks all-gather what each measured, without waiting: the figures
+travel while the next step computes, and at that step's end every rank computes the same new split with the planner's exact split function (identical inputs, pure functions: every
 rank agrees, DESIGN.md invariant 4). What a rank contributes:
 
 - its steps since the split last changed (its *window*, up to ``history * interval`` steps): the
@@ -38,11 +38,13 @@ steps, and the first one at the new sizes (it allocates), are not measured.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -208,6 +210,8 @@ class Balancer:
     _asked: list[int] | None = None            # the move the last re-split found and left to confirm
     _streak: bool = False                      # the last re-split with figures moved the split
     _reversed: bool = False                    # some re-split turned the direction of the one before
+    _in_flight: Any = field(default=None, repr=False)   # (work, tensors) of an exchange still on its way
+    _arrived: list[RankMeasurement] | None = None        # its figures, until `settle` re-splits on them
 
     def __post_init__(self) -> None:
         if self._skip is None:
@@ -259,15 +263,34 @@ class Balancer:
         self._interval = []
         return m
 
-    def exchange(self, device: torch.device, group=None) -> list[RankMeasurement]:
-        """All-gather every rank's measurement of this interval and of its window."""
+    def begin_exchange(self, device: torch.device, group=None) -> None:
+        """Start the all-gather of every rank's measurement of this interval and of its window, and
+        return at once: it completes while the next step computes, and `settle` re-splits on it
+        then. No step stops for it, so the exchange adds no wait for the slowest rank of its own."""
         m = self.take_measurement()
         local = torch.tensor([m.samples, m.seconds, m.window_samples, m.window_seconds, m.window_sd,
                               m.window_steps], dtype=torch.float64, device=device)
-        world = dist.get_world_size(group)
-        out = [torch.zeros(6, dtype=torch.float64, device=device) for _ in range(world)]
-        dist.all_gather(out, local, group=group)
-        return [RankMeasurement(*(float(v) for v in t.tolist())) for t in out]
+        out = [torch.zeros(6, dtype=torch.float64, device=device) for _ in range(dist.get_world_size(group))]
+        self._in_flight = (dist.all_gather(out, local, group=group, async_op=True), out)
+
+    def arrived(self) -> list[RankMeasurement] | None:
+        """The figures of the exchange begun last (waiting for them if they are still on their way),
+        until `settle` uses them; None when no exchange is pending."""
+        if self._in_flight is not None:
+            work, out = self._in_flight
+            work.wait()
+            self._in_flight = None
+            self._arrived = [RankMeasurement(*(float(v) for v in t.tolist())) for t in out]
+        return self._arrived
+
+    def settle(self, step: int) -> bool | None:
+        """Re-split on the exchange begun at the end of the last interval (one step ago): True when
+        the split changed, False when it was kept, None when no exchange was pending."""
+        observed = self.arrived()
+        if observed is None:
+            return None
+        self._arrived = None
+        return self.rebalance(step, observed)
 
     def rebalance(self, step: int, observed: Sequence[RankMeasurement]) -> bool:
         """Model each rank's cost, apply the best split if it is faster by more than the hysteresis
@@ -390,7 +413,9 @@ class Balancer:
                 "scatter": [list(x) for x in self._scatter],
                 "skip": self._skip, "steps_seen": self._steps_seen,
                 "move_bound": self._move_bound, "last_move": self._last_move, "asked": self._asked,
-                "streak": self._streak, "reversed": self._reversed}
+                "streak": self._streak, "reversed": self._reversed,
+                # an exchange begun at the saved step: a resumed run re-splits on it where this run does
+                "arrived": [dataclasses.astuple(m) for m in self.arrived() or []]}
 
     def load_state_dict(self, state: dict) -> None:
         self.shares = [int(s) for s in state["shares"]]
@@ -407,3 +432,5 @@ class Balancer:
         self._asked = state.get("asked")
         self._streak = bool(state.get("streak", False))
         self._reversed = bool(state.get("reversed", False))
+        self._in_flight = None
+        self._arrived = [RankMeasurement(*(float(v) for v in m)) for m in state.get("arrived", [])] or None

@@ -3,6 +3,8 @@ confirmed and bounded moves, outside load."""
 
 import random
 
+import torch
+
 import pytest
 
 from hetrain.planning.batch_split import RankCost, split_min_max, step_time
@@ -227,3 +229,37 @@ def test_a_rank_slowed_for_a_while_is_measured_by_its_unloaded_intervals():
             for b in ranks:
                 b.rebalance(step, observed)
     assert ranks[0].changes == [] and ranks[0].shares == [64, 64]
+
+
+def _exchange_then_resplit(rank, world, resume):
+    """Two ranks measure intervals (rank 1 twice as slow), begin each exchange without waiting, and
+    re-split one step later; the second time directly, or after a save and a load (a resume)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    cfg = BalancePlan(interval=5, hysteresis=0.0)
+    b = Balancer(cfg, shares=[256, 256], warmup_steps=0, rank=rank)
+    nothing = b.settle(5)
+    settled = []
+    for end in (5, 10):
+        for i in range(5):
+            b.record(256, (0.10 if rank == 0 else 0.20) + 0.001 * i)
+        b.begin_exchange(torch.device("cpu"))
+        if resume and end == 10:
+            saved = b.state_dict()
+            b = Balancer(cfg, shares=[256, 256], warmup_steps=0, rank=rank)
+            b.load_state_dict(saved)
+        settled.append(b.settle(end + 1))
+    return nothing, settled, list(b.shares), b.settle(12)
+
+
+def test_the_exchange_does_not_stop_the_step_and_a_resume_resplits_on_it_alike():
+    from tests.distributed import run_ranks
+
+    direct = run_ranks(_exchange_then_resplit, 2, False)
+    resumed = run_ranks(_exchange_then_resplit, 2, True)
+    for nothing, settled, shares, after in direct + resumed:
+        assert nothing is None and after is None   # no exchange pending: no re-split
+        assert settled == [False, True]            # asked once, confirmed at the next interval
+        assert shares[0] > shares[1] and sum(shares) == 512
+    assert [r[2] for r in direct] == [r[2] for r in resumed]
