@@ -5,6 +5,7 @@ that can be called and tested alone; `parallelize` composes them.
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from collections.abc import Sequence
@@ -38,6 +39,11 @@ class Prepared:
     def module(self) -> nn.Module:
         """The user's model inside its wrapper."""
         return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
+
+    @functools.cached_property
+    def parameters(self) -> tuple[nn.Parameter, ...]:
+        """The model's parameters, listed once: every step reads their gradients."""
+        return tuple(self.model.parameters())
 
 
 def check_master_weights(model: nn.Module) -> None:

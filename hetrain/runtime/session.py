@@ -299,7 +299,7 @@ class Session:
             weighted = torch.nan_to_num(loss) * 0.0
         elif items == 0:
             # No items: contribute exact zeros to every gradient, still joining every collective.
-            weighted = sum((p.sum() * 0.0) for p in self.prepared.model.parameters() if p.requires_grad)
+            weighted = sum((p.sum() * 0.0) for p in self.prepared.parameters if p.requires_grad)
         else:
             weighted = loss * self.state.weight(items)
         self.scaler.scale_loss(weighted).backward()
@@ -328,7 +328,7 @@ class Session:
             if self.pipeline is not None:
                 self.timer.compute_s = self.pipeline.take_busy_seconds()   # the stage's own compute this step
                 self.pipeline.sync_gradients()
-            self._status = finish_gradients(self.prepared.model.parameters(), self.state, self.scaler.scale,
+            self._status = finish_gradients(self.prepared.parameters, self.state, self.scaler.scale,
                                             self.device, launched=self._launched)
             self._launched = None
         return self._status
@@ -346,7 +346,7 @@ class Session:
         if not self.state.last_micro:
             return None
         status = self._finish_gradients()
-        params = [p for p in self.prepared.model.parameters() if p.grad is not None]
+        params = [p for p in self.prepared.parameters if p.grad is not None]
         if status.found_inf:
             norm = torch.tensor(float("inf"), device=self.device)
         elif self.pipeline is not None:
