@@ -263,10 +263,13 @@ class Balancer:
         self._interval = []
         return m
 
-    def begin_exchange(self, device: torch.device, group=None) -> None:
+    def begin_exchange(self, device: torch.device, group=None, *, step: int | None = None) -> None:
         """Start the all-gather of every rank's measurement of this interval and of its window, and
         return at once: it completes while the next step computes, and `settle` re-splits on it
-        then. No step stops for it, so the exchange adds no wait for the slowest rank of its own."""
+        then. No step stops for it, so the exchange adds no wait for the slowest rank of its own.
+        With `step`, only when an interval ends at that step."""
+        if step is not None and not self.due(step):
+            return
         m = self.take_measurement()
         local = torch.tensor([m.samples, m.seconds, m.window_samples, m.window_seconds, m.window_sd,
                               m.window_steps], dtype=torch.float64, device=device)

@@ -385,15 +385,12 @@ class Session:
         data_wait = self.train.loader.data_wait_seconds
         self.balancer.record(totals.local_samples, compute + data_wait)
         self.train.step += 1
-        settled = self.balancer.settle(self.train.step)   # on the figures exchanged one step ago
-        changed = bool(settled)
-        if settled is not None:
-            self.reports.save_rates(self.assignment.entries, self.balancer, step=self.train.step,
-                                    emulated=self.emulated)
-        if self.balancer.due(self.train.step):
-            self.balancer.begin_exchange(self.device)
+        changed = self.balancer.settle(self.train.step)   # on the figures exchanged one step ago, if any
+        if changed is not None:
+            self.reports.save_rates(self.assignment.entries, self.balancer, step=self.train.step, emulated=self.emulated)
+        self.balancer.begin_exchange(self.device, step=self.train.step)   # when an interval ends here
         if self.reports.observers:
-            self.reports.step(self._record(totals, wall, compute, data_wait, applied, changed))
+            self.reports.step(self._record(totals, wall, compute, data_wait, applied, bool(changed)))
         self._status, self._grad_norm = None, None
         if self.checkpoints is not None:
             self.checkpoints.after_step()
@@ -463,10 +460,10 @@ class Session:
             self.checkpoints = None
         self.reports.close()
         if self._owns_group and dist.is_initialized():
+            # Every rank reaches this point, its last balancer exchange landed, before the group is torn
+            # down: destroying gloo's group while a peer is still in a collective can abort at exit.
             if self.balancer is not None:
-                self.balancer.arrived()   # the last interval's exchange, begun by every rank, has landed
-            # Every rank reaches this point before the group is torn down: destroying gloo's
-            # group while a peer is still in a collective can abort the process at exit.
+                self.balancer.arrived()
             dist.barrier()
             dist.destroy_process_group()
 
