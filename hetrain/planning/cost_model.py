@@ -234,16 +234,21 @@ def state_bytes(params: float, precision: str, optimizer: str, zero: int = 0, wo
 
 def memory_estimate(profile: WorkloadProfile, precision: str, micro_batch: int, *, optimizer: str = "adamw",
                     zero: int = 0, world: int = 1, checkpointing: bool = False,
-                    blocks: slice | None = None, in_flight: int = 1) -> MemoryEstimate:
+                    blocks: slice | None = None, in_flight: int = 1,
+                    activations: float | None = None) -> MemoryEstimate:
     """Predicted peak memory of one device training `blocks` (all by default) at `micro_batch`.
 
     `in_flight` micro-batches keep their activations at once (pipeline stages under 1F1B).
+    `activations`: the bytes one micro-batch holds for backward as a device profile measured them,
+    in place of the modelled ones.
     """
     chosen = profile.blocks[blocks] if blocks is not None else profile.blocks
     params = sum(b.params for b in chosen) if blocks is not None else profile.params
     largest = max((b.params for b in chosen), default=params)
     w, g, o = state_bytes(params, precision, optimizer, zero, world, largest)
-    act = activation_bytes_per_sample(profile, precision, checkpointing, blocks) * micro_batch * in_flight
+    if activations is None:
+        activations = activation_bytes_per_sample(profile, precision, checkpointing, blocks) * micro_batch
+    act = activations * in_flight
     return MemoryEstimate(w, g, o, act, CONTEXT_BYTES + FRAGMENTATION * (w + g + o + act))
 
 

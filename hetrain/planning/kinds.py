@@ -10,7 +10,7 @@ from hetrain.errors import HetrainError
 from hetrain.planning import cost_model as cm
 from hetrain.planning.measured_rates import DeviceRate, MeasuredRates
 from hetrain.planning.precision_policy import choose_precision
-from hetrain.workload.device_profile import DeviceProfile
+from hetrain.workload.device_profile import DeviceProfile, interpolate
 from hetrain.workload.profile import WorkloadProfile
 
 __all__ = ["Kind", "figures_notes", "kinds_of"]
@@ -34,6 +34,30 @@ class Kind:
     source: str = "modelled"
     measured: DeviceProfile | None = None
     rate: DeviceRate | None = None
+    peaks: list[tuple[int, int]] | None = None   # (micro_batch, peak bytes) a device profile measured
+
+    def activations(self, profile: WorkloadProfile, micro_batch: int, ckpt: bool) -> float | None:
+        """Bytes one micro-batch holds for backward, from the profile's measured peaks; None: model them.
+
+        A profile's peak is a forward + backward of the whole model without an optimizer: fp32
+        weights, their 16-bit copies under autocast, fp32 gradients and the activations. The
+        activations are the peak less the first three, linear in the micro-batch through the
+        measured sizes; under activation checkpointing they shrink by the model's own ratio."""
+        if not self.peaks:
+            return None
+        weights, grads, _ = cm.state_bytes(profile.params, self.precision, "sgd-nomomentum")
+        points = [(mb, max(0.0, peak - weights - grads)) for mb, peak in self.peaks]
+        act = interpolate(points, micro_batch)
+        if ckpt:
+            full = cm.activation_bytes_per_sample(profile, self.precision, False)
+            act *= cm.activation_bytes_per_sample(profile, self.precision, True) / full if full > 0 else 1.0
+        return act
+
+    def memory(self, profile: WorkloadProfile, micro_batch: int, *, optimizer: str, zero: int, world: int,
+               ckpt: bool) -> cm.MemoryEstimate:
+        """Predicted peak memory of one device of this kind: measured activations where a profile has them."""
+        return cm.memory_estimate(profile, self.precision, micro_batch, optimizer=optimizer, zero=zero, world=world,
+                                  checkpointing=ckpt, activations=self.activations(profile, micro_batch, ckpt))
 
     @property
     def count(self) -> int:
@@ -94,6 +118,8 @@ def kinds_of(cluster, profile: WorkloadProfile, precision: str, calib: cm.Calibr
                 kind.rate, kind.source = rate, "measured-run"
             elif measured is not None and prec in measured.precisions():
                 kind.measured, kind.source = measured, "measured-profile"
+            if measured is not None:
+                kind.peaks = measured.peak_points(prec) or None
             kinds[d.spec.name] = kind
         kinds[d.spec.name].ranks.append(d.rank)
     return list(kinds.values())
@@ -125,4 +151,10 @@ def figures_notes(kinds: list[Kind], profile: WorkloadProfile, profiles: dict[st
             elif profiles and name in profiles:
                 why = f" (its profile has no {k.precision} timings)"
             notes.append(f"{name}: modelled by the cost model{why}")
+        if k.peaks:
+            notes.append(f"{name}: activation memory measured (peaks at micro-batches "
+                         f"{','.join(str(b) for b, _ in k.peaks)}), weights, gradients and optimizer state modelled")
+        elif profiles and name in profiles:
+            notes.append(f"{name}: memory modelled (its profile has no {k.precision} peak memory; "
+                         "peaks are measured on CUDA devices)")
     return notes

@@ -110,8 +110,7 @@ def max_micro_batch(profile: WorkloadProfile, kind: Kind, optimizer: str, zero: 
     cap = kind.spec.memory_bytes
 
     def fits(mb: int) -> bool:
-        return cm.memory_estimate(profile, kind.precision, mb, optimizer=optimizer, zero=zero, world=world,
-                                  checkpointing=ckpt).total <= cap
+        return kind.memory(profile, mb, optimizer=optimizer, zero=zero, world=world, ckpt=ckpt).total <= cap
 
     if not fits(1):
         return 0
@@ -151,8 +150,7 @@ def _comm(profile: WorkloadProfile, topo: cm.CommTopology, zero: int, hook: str,
 
 
 def _memory_note(profile, kind, optimizer, zero, world) -> tuple[float, str]:
-    need = cm.memory_estimate(profile, kind.precision, 1, optimizer=optimizer, zero=zero, world=world,
-                              checkpointing=True).total
+    need = kind.memory(profile, 1, optimizer=optimizer, zero=zero, world=world, ckpt=True).total
     short = need - kind.spec.memory_bytes
     return short, (f"{kind.spec.name} needs {need / GB:.1f} GB at micro-batch 1 with activation checkpointing, "
                    f"has {kind.spec.memory_bytes / GB:.1f} GB ({short / GB:.1f} GB missing)")
@@ -202,8 +200,8 @@ def data_parallel(strategy: str, cluster, profile: WorkloadProfile, kinds: list[
         mb_even = max(1, math.ceil(share / accum)) if share else 1
         t = k.time(share, mb_even, ckpt)
         compute[r] = (t, accum)
-        mem = cm.memory_estimate(profile, k.precision, mb_even if share else 0, optimizer=optimizer, zero=zero,
-                                 world=world, checkpointing=ckpt).total
+        mem = k.memory(profile, mb_even if share else 0, optimizer=optimizer, zero=zero, world=world,
+                       ckpt=ckpt).total
         ranks.append(RankPlan(rank=r, device=k.spec.name, share=share, precision=k.precision,
                               micro_batch=mb_even, grad_accum=accum, activation_checkpointing=ckpt,
                               memory_bytes=mem, memory_capacity_bytes=k.spec.memory_bytes,
@@ -351,8 +349,8 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
 
 
 def _no_fit_message(profile, kinds, cands, strategy, optimizer, world, worst) -> str:
-    need = {k.spec.name: cm.memory_estimate(profile, k.precision, 1, optimizer=optimizer, zero=3, world=world,
-                                            checkpointing=True).total for k in kinds}
+    need = {k.spec.name: k.memory(profile, 1, optimizer=optimizer, zero=3, world=world, ckpt=True).total
+            for k in kinds}
     best = max(kinds, key=lambda k: k.spec.memory_bytes - need[k.spec.name])
     missing = need[best.spec.name] - best.spec.memory_bytes
     state = 16.0 * profile.params

@@ -81,6 +81,11 @@ class DeviceProfile(_Strict):
         return self.model_copy(update={"steps": [s.model_copy(update={"seconds": s.cpu_seconds or s.seconds})
                                                  for s in self.steps]})
 
+    def peak_points(self, precision: str) -> list[tuple[int, int]]:
+        """(micro_batch, peak device bytes) measured in `precision` (CUDA profiles), by micro-batch."""
+        return sorted((s.micro_batch, s.peak_memory_bytes) for s in self.steps
+                      if s.precision == precision and s.peak_memory_bytes is not None)
+
     def microbatch_seconds(self, precision: str, micro_batch: float) -> float:
         """Seconds of one micro-batch of `micro_batch` samples: linear between measured sizes, the
         line through the two nearest measured sizes beyond them (never below zero)."""
@@ -88,19 +93,7 @@ class DeviceProfile(_Strict):
         if not pts:
             raise HetrainError(f"the {self.device} profile has no {precision} timings; "
                                f"re-run hetrain profile with --precision {precision}")
-        if micro_batch <= 0:
-            return 0.0
-        if len(pts) == 1:
-            mb, t = pts[0]
-            return t * micro_batch / mb
-        i = 1
-        while i < len(pts) - 1 and pts[i][0] < micro_batch:
-            i += 1
-        (b0, t0), (b1, t1) = pts[i - 1], pts[i]
-        if micro_batch < b0:
-            # Below the smallest measured size: the line to the origin's side, floored at a share of t0.
-            return max(t0 + (t1 - t0) / (b1 - b0) * (micro_batch - b0), t0 * micro_batch / b0)
-        return max(0.0, t0 + (t1 - t0) / (b1 - b0) * (micro_batch - b0))
+        return interpolate(pts, micro_batch)
 
     def save(self, directory: str | Path) -> Path:
         path = Path(directory) / f"{self.device}.json"
@@ -120,6 +113,24 @@ class DeviceProfile(_Strict):
             from hetrain.planning.plan import format_validation_error
 
             raise HetrainError(f"{path}: {format_validation_error(e)}") from None
+
+
+def interpolate(points: list[tuple[int, float]], micro_batch: float) -> float:
+    """A figure at `micro_batch` from figures measured at sorted micro-batch sizes: linear between
+    them, the line through the two nearest beyond them (never below zero; below the smallest size,
+    never below the proportional share of its figure); one point scales in proportion."""
+    if micro_batch <= 0:
+        return 0.0
+    if len(points) == 1:
+        mb, v = points[0]
+        return v * micro_batch / mb
+    i = 1
+    while i < len(points) - 1 and points[i][0] < micro_batch:
+        i += 1
+    (b0, v0), (b1, v1) = points[i - 1], points[i]
+    if micro_batch < b0:
+        return max(v0 + (v1 - v0) / (b1 - b0) * (micro_batch - b0), v0 * micro_batch / b0)
+    return max(0.0, v0 + (v1 - v0) / (b1 - b0) * (micro_batch - b0))
 
 
 def load_profiles(directory: str | Path) -> dict[str, DeviceProfile]:

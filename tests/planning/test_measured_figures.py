@@ -169,3 +169,47 @@ def test_pipeline_stages_use_measured_block_times():
     assert measured.plan.pipeline.stages != plain.plan.pipeline.stages
     last_stage = measured.plan.pipeline.stages[-1]
     assert last_stage[1] - last_stage[0] < plain.plan.pipeline.stages[-1][1] - plain.plan.pipeline.stages[-1][0]
+
+
+def test_measured_peak_memory_sets_the_micro_batch_and_the_predicted_memory():
+    """A CUDA profile's peaks replace the modelled activations: here they say each sample holds 2 GB
+    (far more than the model's figure), so the A100's micro-batch drops to what 2 GB a sample allows,
+    and the plan's memory is the modelled states plus the measured activations."""
+    from hetrain.planning import cost_model as cm
+
+    cluster = cluster_from_devices("a100:1,v100:1")
+    model = get_profile("resnet50")
+    plain = plan_job(cluster, model, 512, strategy="balanced")
+    weights, grads, _ = cm.state_bytes(model.params, "bf16", "sgd-nomomentum")
+    per_sample = 2e9
+    timed = [(b, 0.001 * b) for b in (8, 32)]
+    prof = DeviceProfile(model="resnet50", device=A100, stamp=_stamp(), optimizer_seconds=0.002, steps=[
+        StepTiming(precision="bf16", micro_batch=b, seconds=t, peak_memory_bytes=int(weights + grads + per_sample * b))
+        for b, t in timed])
+    measured = plan_job(cluster, model, 512, strategy="balanced", profiles={A100: prof})
+    before = next(r for r in plain.plan.ranks if r.device == A100)
+    after = next(r for r in measured.plan.ranks if r.device == A100)
+    assert after.micro_batch < before.micro_batch
+    expected = cm.memory_estimate(model, "bf16", after.micro_batch, optimizer="adamw", zero=0, world=2,
+                                  checkpointing=after.activation_checkpointing,
+                                  activations=per_sample * after.micro_batch * (
+                                      cm.activation_bytes_per_sample(model, "bf16", True)
+                                      / cm.activation_bytes_per_sample(model, "bf16", False)
+                                      if after.activation_checkpointing else 1.0)).total
+    assert after.memory_bytes == pytest.approx(expected, rel=1e-6)
+    assert after.memory_bytes <= after.memory_capacity_bytes
+    assert not after.activation_checkpointing
+    # the largest micro-batch the measured activations allow, and as few micro-batches as it permits
+    fit = max(mb for mb in range(1, 200) if cm.memory_estimate(
+        model, "bf16", mb, optimizer="adamw", zero=0, world=2, activations=per_sample * mb).total
+        <= after.memory_capacity_bytes)
+    assert after.micro_batch <= fit and after.grad_accum == -(-after.share // fit)
+    notes = " ".join(measured.plan.notes)
+    assert f"{A100}: activation memory measured (peaks at micro-batches 8,32)" in notes
+    # a profile without peaks (measured on a CPU) leaves memory to the model, and says so
+    cpu_like = _profile(A100, timed)
+    modelled = plan_job(cluster, model, 512, strategy="balanced", profiles={A100: cpu_like})
+    rank = next(r for r in modelled.plan.ranks if r.device == A100)
+    assert rank.memory_bytes == cm.memory_estimate(model, "bf16", rank.micro_batch, optimizer="adamw", zero=0,
+                                                   world=2, checkpointing=rank.activation_checkpointing).total
+    assert any(f"{A100}: memory modelled" in n for n in modelled.plan.notes)
