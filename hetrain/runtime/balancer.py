@@ -332,6 +332,10 @@ class Balancer:
                         fixed=sum(c.fixed for c in known) / len(known))
         costs = [c if c is not None else fill for c in fitted]
         self.costs = costs
+        if not self._gap_is_real(observed, loads, min(SIGNIFICANCE, CONTINUE_SIGNIFICANCE)):
+            # within the noise at the loosest threshold: no move can pass, the split search is not run
+            self._asked, self._streak = None, False
+            return False
         min_share = min(self.config.min_share, sum(self.shares) // len(self.shares))
         new, t_old, t_new = rebalance(self.shares, costs, min_share=min_share,
                                       max_share=self.config.max_share, hysteresis=self.config.hysteresis)

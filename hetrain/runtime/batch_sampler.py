@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 from torch.utils.data import Sampler
 
 from hetrain.planning.batch_split import split_partial
-from hetrain.runtime.data_order import GlobalBatchOrder, rank_slice
+from hetrain.runtime.data_order import GlobalBatchOrder
 
 
 class ShareSchedule:
@@ -61,13 +61,18 @@ class ShareSchedule:
         self.changes = [(int(start), [int(s) for s in shares]) for start, shares in state["changes"]]
 
 
+def step_shares(order: GlobalBatchOrder, step: int, shares: Sequence[int]) -> list[int]:
+    """The shares a step uses: `shares`, or a partial last batch split in their proportion."""
+    size = order.batch_size(step)
+    return split_partial(size, shares) if size != sum(shares) else list(shares)
+
+
 def step_slice(order: GlobalBatchOrder, epoch: int, step: int, shares: Sequence[int],
                rank: int) -> tuple[list[int], list[int]]:
     """(this rank's indices, the shares used) for a step; a partial last batch is split in proportion."""
-    batch = order.global_batch(epoch, step)
-    if len(batch) != sum(shares):
-        shares = split_partial(len(batch), shares)
-    return rank_slice(batch, shares, rank), list(shares)
+    used = step_shares(order, step, shares)
+    start = step * order.global_batch_size + sum(used[:rank])
+    return order.permutation(epoch)[start:start + used[rank]].tolist(), used
 
 
 class RankBatchSampler(Sampler[list[int]]):

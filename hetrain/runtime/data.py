@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
 
 from hetrain.errors import HetrainError
-from hetrain.runtime.batch_sampler import RankBatchSampler, ShareSchedule, step_slice
+from hetrain.runtime.batch_sampler import RankBatchSampler, ShareSchedule, step_shares, step_slice
 from hetrain.runtime.batch_transfer import to_device
 from hetrain.runtime.data_order import GlobalBatchOrder, rank_slice
 from hetrain.runtime.memory import micro_batch_sizes, split_batch
@@ -160,8 +160,8 @@ class HeteroLoader:
             if self.stream:
                 batch, local, total = self._source.take(batch, shares, self.rank, self.collate_fn)
             else:
-                local_indices, used = self.indices_for(self.epoch, self.step_in_epoch, shares)
-                local, total = len(local_indices), sum(used)
+                used = step_shares(self.order, self.step_in_epoch, shares)
+                local, total = used[self.rank], sum(used)
                 if local == 0:
                     batch = _empty_like(batch)
             batch = to_device(batch, self.device)

@@ -52,6 +52,12 @@ class GlobalBatchOrder:
             self._perm_epoch = epoch
         return self._perm
 
+    def batch_size(self, step: int) -> int:
+        """Samples in the step's global batch (fewer in a partial last batch)."""
+        if not 0 <= step < self.steps_per_epoch:
+            raise IndexError(f"step {step} outside epoch of {self.steps_per_epoch} steps")
+        return min(self.global_batch_size, self.dataset_len - step * self.global_batch_size)
+
     def global_batch(self, epoch: int, step: int) -> list[int]:
         if not 0 <= step < self.steps_per_epoch:
             raise IndexError(f"step {step} outside epoch of {self.steps_per_epoch} steps")
