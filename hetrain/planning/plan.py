@@ -52,7 +52,7 @@ class BalancePlan(_Strict):
     interval: int = Field(10, ge=1, description="steps between re-splits")
     min_share: int = Field(1, ge=0, description="fewest samples a rank takes per step")
     max_share: int | None = Field(None, ge=1, description="most samples a rank takes per step")
-    hysteresis: float = Field(0.02, ge=0, lt=1, description="re-split only if faster by this fraction")
+    hysteresis: float = Field(0.01, ge=0, lt=1, description="re-split only if faster by this fraction")
     history: int = Field(8, ge=1, description="intervals each rank's fixed and per-sample cost is fitted on")
 
 
