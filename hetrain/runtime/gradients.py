@@ -33,6 +33,7 @@ class GradientStatus:
     found_inf: bool
     global_items: float
     loss: float | None
+    stop: bool = False   # some rank asked the job to stop (SIGTERM) before this step's figures left it
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -60,27 +61,28 @@ def _unscale_and_check(grads: Sequence[torch.Tensor], inv_scale: float, device: 
 
 @dataclass
 class StepFigures:
-    """The step's (items, -, loss sum, losses) all-reduce, launched before the last backward so that it
+    """The step's (items, -, loss sum, losses, stop) all-reduce, launched before the last backward so that it
     travels while backward computes (gradients that end replicated on every rank need no more)."""
 
     packet: torch.Tensor
     work: Any = None   # its own all-reduce; None when it travels with the last gradient bucket
 
 
-def _packet(state: StepState, device: torch.device) -> torch.Tensor:
+def _packet(state: StepState, device: torch.device, stop: bool) -> torch.Tensor:
     has_loss = 1.0 if state.loss_sum is not None else 0.0
-    packet = torch.tensor([state.items, 0.0, 0.0, has_loss], dtype=torch.float64, device=device)
+    packet = torch.tensor([state.items, 0.0, 0.0, has_loss, float(stop)], dtype=torch.float64, device=device)
     if state.loss_sum is not None:
         packet[2] = state.loss_sum.to(device=device, dtype=torch.float64)
     return packet
 
 
 def launch_step_figures(state: StepState, device: torch.device, group: dist.ProcessGroup | None = None, *,
-                        with_gradients: Any = None) -> StepFigures:
+                        with_gradients: Any = None, stop: bool = False) -> StepFigures:
     """Start summing the step's item count and loss over the ranks (call it before the last backward):
     in the last gradient bucket's all-reduce when `with_gradients` (the DDP hook state) takes them,
-    else in an all-reduce of their own."""
-    packet = _packet(state, device)
+    else in an all-reduce of their own. `stop`: this rank was asked to stop (the job saves and ends
+    at this step's end when any rank was)."""
+    packet = _packet(state, device, stop)
     if with_gradients is not None:
         figures = StepFigures(packet)
         with_gradients.figures = figures
@@ -90,7 +92,7 @@ def launch_step_figures(state: StepState, device: torch.device, group: dist.Proc
 
 def finish_gradients(params: Iterable[torch.nn.Parameter], state: StepState, loss_scale: float,
                      device: torch.device, group: dist.ProcessGroup | None = None,
-                     launched: StepFigures | None = None) -> GradientStatus:
+                     launched: StepFigures | None = None, stop: bool = False) -> GradientStatus:
     """Unscale, agree on the step's figures, normalise by the global item count (collective).
 
     With `launched` figures the gradients must be replicated (DDP, ZeRO-1): every rank then holds
@@ -102,20 +104,20 @@ def finish_gradients(params: Iterable[torch.nn.Parameter], state: StepState, los
     if launched is not None:
         if launched.work is not None:
             launched.work.wait()
-        global_items, _, loss_sum, losses = launched.packet.tolist()
+        global_items, _, loss_sum, losses, stops = launched.packet.tolist()
         bad = float(found.item())
     else:
-        packet = _packet(state, device)
+        packet = _packet(state, device, stop)
         packet[1] = found.to(torch.float64)[0]
         dist.all_reduce(packet, group=group)
-        global_items, bad, loss_sum, losses = packet.tolist()
+        global_items, bad, loss_sum, losses, stops = packet.tolist()
     found_inf = bad > 0 or loss_sum != loss_sum
     if not found_inf and global_items > 0:
         correction = state.estimate() / global_items
         if correction != 1.0 and grads:
             torch._foreach_mul_(grads, correction)
     loss = loss_sum / global_items if losses > 0 and global_items > 0 else None
-    return GradientStatus(found_inf=found_inf, global_items=global_items, loss=loss)
+    return GradientStatus(found_inf=found_inf, global_items=global_items, loss=loss, stop=stops > 0)
 
 
 class SkipCounter:

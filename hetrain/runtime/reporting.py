@@ -8,6 +8,7 @@ Observers are objects with `on_step(StepRecord)` and, optionally, `on_checkpoint
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ from hetrain.runtime.measured import FlopMeter, rates_by_kind
 
 log = logging.getLogger("hetrain")
 
+RATES_EVERY_S = 30.0   # measured-rates.json is rewritten at most this often, and at each checkpoint and close
+
 
 class Reports:
     """A rank's observers and the files it writes for other tools."""
@@ -30,6 +33,8 @@ class Reports:
         self.observers: list[Any] = []
         self._flop_meter: FlopMeter | None = None
         self._first_items: float | None = None
+        self._rates: tuple | None = None             # the newest rates not yet written
+        self._rates_written: float | None = None     # when they were last written (monotonic seconds)
 
     def add(self, observer: Any) -> None:
         self.observers.append(observer)
@@ -72,15 +77,27 @@ class Reports:
             observer.on_step(record)
 
     def checkpoint(self, record: CheckpointRecord) -> None:
+        self._write_rates()   # a run's rates are saved with its checkpoints
         for observer in self.observers:
             hook = getattr(observer, "on_checkpoint", None)
             if hook is not None:
                 hook(record)
 
     def save_rates(self, entries, balancer, *, step: int, emulated: bool) -> None:
-        """Rank 0 writes the rates measured so far by device kind (for `hetrain plan --from-run`)."""
+        """Rank 0 keeps the rates measured so far by device kind for `hetrain plan --from-run`: written
+        at once the first time, then at most every RATES_EVERY_S seconds, at each checkpoint and at
+        close (a write every re-split would stall rank 0, and every rank waiting for it, each time)."""
         if not self.is_main or self.run_dir is None or balancer.costs is None:
             return
+        self._rates = (entries, balancer, step, emulated)
+        if self._rates_written is None or time.monotonic() - self._rates_written >= RATES_EVERY_S:
+            self._write_rates()
+
+    def _write_rates(self) -> None:
+        if self._rates is None:
+            return
+        entries, balancer, step, emulated = self._rates
+        self._rates, self._rates_written = None, time.monotonic()
         rates = rates_by_kind(entries, balancer.costs, balancer.shares, step=step,
                               global_batch_size=sum(balancer.shares), emulated=emulated)
         try:
@@ -90,6 +107,7 @@ class Reports:
             log.warning("measured rates not written to %s (%s)", self.run_dir, e)
 
     def close(self) -> None:
+        self._write_rates()
         for observer in self.observers:
             closer = getattr(observer, "close", None)
             if closer is not None:

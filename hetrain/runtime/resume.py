@@ -2,7 +2,9 @@
 
 What a checkpoint holds is a `TrainState` (hetrain.runtime.train_state): everything needed to
 continue exactly. Saves happen every `interval` steps, when any rank received
-SIGTERM (agreed by all-reduce, so every rank saves the same step), and when the session closes.
+SIGTERM, and when the session closes. A rank's SIGTERM rides in the figures every step sums over
+the ranks anyway (items, loss; `hetrain.runtime.gradients`), so every rank sees it at the end of the
+same step, the one in flight or the next, and saves that step: no collective of its own per step.
 
 A rank that gets SIGTERM while blocked in a collective (a peer is gone but its connection is not
 reset, as when a node drops off the network) cannot run a Python signal handler. A watcher thread,
@@ -96,11 +98,16 @@ class SessionCheckpoints:
             self.on_saved(CheckpointRecord(self.state.step, ck.last_blocking_seconds, ck.last_save_seconds,
                                            ck.last_bytes))
 
-    def after_step(self) -> None:
-        """Called at the end of every step: save on the interval or when any rank got SIGTERM."""
-        flag = torch.tensor([1.0 if self._sigterm else 0.0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() > 0:
+    @property
+    def stop_requested(self) -> bool:
+        """This rank received SIGTERM: the next step's figures carry it to every rank."""
+        return self._sigterm
+
+    def after_step(self, stop: bool = False) -> None:
+        """Called at the end of every step: save on the interval, or save and stop when `stop` (the
+        step's figures, summed over the ranks, say some rank received SIGTERM before they left it;
+        every rank has the same figures, so every rank saves this step)."""
+        if stop:
             self._watch.reached()  # every rank is here: the save can proceed
             log.warning("SIGTERM: saving step %d and stopping", self.state.step)
             self.save(blocking=True)

@@ -140,6 +140,8 @@ class Session:
                               stand_in=any(emulated))
         return assign_entries(plan, kinds, emulated)
 
+    _stopping = property(lambda self: bool(self.checkpoints and self.checkpoints.stop_requested))  # SIGTERM here
+
     def _waiting(self) -> None:
         if self.watch is not None:
             self.watch.waiting(self.step_count + 1)
@@ -318,7 +320,7 @@ class Session:
         self._launched_for = (self.state.begun, self.state.micro_samples)
         # plain DDP: the figures ride in the last gradient bucket's all-reduce, no collective of their own
         carrier = self.prepared.comm_state if isinstance(self.prepared.comm_state, TimedHookState) else None
-        self._launched = launch_step_figures(self.state, self.device, with_gradients=carrier)
+        self._launched = launch_step_figures(self.state, self.device, with_gradients=carrier, stop=self._stopping)
 
     def _finish_gradients(self) -> GradientStatus:
         """Unscale and normalise the step's gradients once, agreeing with every rank (collective)."""
@@ -329,7 +331,7 @@ class Session:
                 self.timer.compute_s = self.pipeline.take_busy_seconds()   # the stage's own compute this step
                 self.pipeline.sync_gradients()
             self._status = finish_gradients(self.prepared.parameters, self.state, self.scaler.scale,
-                                            self.device, launched=self._launched)
+                                            self.device, launched=self._launched, stop=self._stopping)
             self._launched = None
         return self._status
 
@@ -356,7 +358,7 @@ class Session:
             norm = clip_gradients(params, max_norm, norm_type)
         self._grad_norm = float(norm)
         if not math.isfinite(self._grad_norm):
-            self._status = GradientStatus(True, status.global_items, status.loss)
+            self._status = GradientStatus(True, status.global_items, status.loss, status.stop)
         return norm
 
     def step(self) -> bool:
@@ -393,7 +395,7 @@ class Session:
             self.reports.step(self._record(totals, wall, compute, data_wait, applied, bool(changed)))
         self._status, self._grad_norm = None, None
         if self.checkpoints is not None:
-            self.checkpoints.after_step()
+            self.checkpoints.after_step(stop=status.stop)
         if self.watch is not None:
             self.watch.computing(self.train.step + 1)
         return applied
@@ -435,8 +437,7 @@ class Session:
     def observers(self) -> list[Any]:
         return self.reports.observers
 
-    def _record(self, totals, wall: float | None, compute: float, data_wait: float, applied: bool,
-                changed: bool) -> StepRecord:
+    def _record(self, totals, wall: float | None, compute: float, data_wait: float, applied: bool, changed: bool):
         return StepRecord(
             step=self.train.step, rank=self.rank, world_size=self.world_size, device=self.entry.device,
             precision=self.precision, share=self.train.loader.current_shares[self.rank], samples=totals.local_samples,
@@ -460,11 +461,10 @@ class Session:
             self.checkpoints = None
         self.reports.close()
         if self._owns_group and dist.is_initialized():
-            # Every rank reaches this point, its last balancer exchange landed, before the group is torn
-            # down: destroying gloo's group while a peer is still in a collective can abort at exit.
+            # Every rank gets here (its last balancer exchange landed) before the group is torn down:
             if self.balancer is not None:
                 self.balancer.arrived()
-            dist.barrier()
+            dist.barrier()   # destroying gloo's group while a peer is still in a collective can abort at exit
             dist.destroy_process_group()
 
     def __enter__(self) -> "Session":

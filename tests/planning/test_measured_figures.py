@@ -213,3 +213,37 @@ def test_measured_peak_memory_sets_the_micro_batch_and_the_predicted_memory():
     assert rank.memory_bytes == cm.memory_estimate(model, "bf16", rank.micro_batch, optimizer="adamw", zero=0,
                                                    world=2, checkpointing=rank.activation_checkpointing).total
     assert any(f"{A100}: memory modelled" in n for n in modelled.plan.notes)
+
+
+def _run_with_rates(rank, world, root):
+    """A balanced 2-rank run (rank 1 at emulated half speed) that checkpoints into `root`."""
+    import torch
+    import torch.nn.functional as F
+
+    import hetrain
+    from tests.memory.models import make_data, make_model
+
+    session = hetrain.Session(balance=True, balance_interval=2, checkpoint_dir=root, checkpoint_interval=1000)
+    net = make_model()
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    loader = session.loader(make_data(96), global_batch_size=16)
+    while session.step_count < 12:
+        for x, y in loader:
+            session.backward(F.cross_entropy(model(x), y))
+            session.step()
+            if session.step_count >= 12:
+                break
+    session.close()
+    return session.step_count
+
+
+def test_a_run_leaves_its_measured_rates_for_from_run(tmp_path):
+    """The rates a balanced run measured are in its run directory when it ends (written at the first
+    re-split, then at most every 30 s, at checkpoints and at close)."""
+    from hetrain.planning.measured_rates import MeasuredRates
+    from tests.distributed import run_ranks
+
+    run_ranks(_run_with_rates, 2, str(tmp_path), env={"HETRAIN_EMULATE_SPEEDS": "1,0.5"})
+    rates = MeasuredRates.load(tmp_path)
+    assert rates.step >= 10 and rates.global_batch_size == 16   # the last re-split's figures, not the first's
+    assert rates.devices and all(d.per_sample_seconds > 0 for d in rates.devices)
