@@ -136,7 +136,8 @@ def print_result(result) -> None:
     for c in result.candidates:
         cands.add_row(c.strategy, f"{c.samples_per_s:.1f}" if c.feasible else "-", c.compression, c.reason)
     console.print(cands)
-    console.print(f"predicted {plan.predicted_samples_per_s:.1f} samples/s; uniform DDP "
-                  f"{result.uniform_ddp_samples_per_s:.1f}; ideal (sum of devices alone) {result.ideal_samples_per_s:.1f}")
+    uniform = f"{result.uniform_ddp_samples_per_s:.1f}" if result.uniform_ddp_samples_per_s else "does not fit"
+    console.print(f"predicted {plan.predicted_samples_per_s:.1f} samples/s; uniform DDP {uniform}; "
+                  f"ideal (sum of devices alone) {result.ideal_samples_per_s:.1f}")
     for note in plan.notes:
         console.print(f"- {note}")

@@ -258,17 +258,15 @@ def with_compression(strategy: str, cluster, profile, kinds, global_batch, optim
 
 def ideal_samples_per_s(profile: WorkloadProfile, kinds: list[Kind], global_batch: int, optimizer: str,
                         world: int) -> float:
-    """Sum of each device's own best rate with no communication (its largest micro-batch that fits)."""
+    """Sum of each device's own best rate: no communication and no recomputation, at its largest
+    micro-batch that fits with the least sharding that lets one fit (plain, ZeRO-1, ZeRO-3); a
+    device that fits none counts at micro-batch 1, as a pipeline stage holding part of the model
+    computes. An upper bound for every candidate, pipelines included."""
     total = 0.0
     for k in kinds:
-        for zero in (0, 1, 3):
-            mb = max_micro_batch(profile, k, optimizer, zero, world, False, global_batch)
-            ckpt = False
-            if mb == 0:
-                mb, ckpt = max_micro_batch(profile, k, optimizer, zero, world, True, global_batch), True
-            if mb:
-                total += k.count * mb / k.time(mb, mb, ckpt)
-                break
+        mb = next((m for zero in (0, 1, 3) if (m := max_micro_batch(profile, k, optimizer, zero, world, False,
+                                                                     global_batch))), 1)
+        total += k.count * mb / k.time(mb, mb, False)
     return total
 
 
