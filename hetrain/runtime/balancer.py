@@ -332,9 +332,12 @@ class Balancer:
                         fixed=sum(c.fixed for c in known) / len(known))
         costs = [c if c is not None else fill for c in fitted]
         self.costs = costs
+        # Windows shorter than an interval (just after a re-split) are too short to weigh a gap: a move
+        # in flight keeps its streak while they grow, instead of starting over from a confirmation.
+        young = any(m.has_window() and m.window_steps < self.config.interval for m in observed)
         if not self._gap_is_real(observed, loads, min(SIGNIFICANCE, CONTINUE_SIGNIFICANCE)):
             # within the noise at the loosest threshold: no move can pass, the split search is not run
-            self._asked, self._streak = None, False
+            self._asked, self._streak = None, self._streak and young
             return False
         min_share = min(self.config.min_share, sum(self.shares) // len(self.shares))
         new, t_old, t_new = rebalance(self.shares, costs, min_share=min_share,
@@ -355,6 +358,7 @@ class Balancer:
             log.debug("step %d: kept split %s: the gap between ranks is within their noise (%s)", step,
                       self.shares, ", ".join(f"{1e3 * m.window_seconds:.1f}±{1e3 * m.standard_error():.1f} ms"
                                              for m in observed))
+            self._streak = continues and young
             return False
         if not continues and (asked is None or not _agree(move, asked)):
             self._asked = move   # confirmed at the next re-split, or dropped: a passing load asks once

@@ -263,3 +263,26 @@ def test_the_exchange_does_not_stop_the_step_and_a_resume_resplits_on_it_alike()
         assert settled == [False, True]            # asked once, confirmed at the next interval
         assert shares[0] > shares[1] and sum(shares) == 512
     assert [r[2] for r in direct] == [r[2] for r in resumed]
+
+
+def test_a_move_in_flight_waits_for_a_young_window_instead_of_starting_over():
+    """Right after a re-split the windows hold a few steps: a gap they cannot weigh keeps the move's
+    streak, and the next interval continues the move at two standard errors without asking twice."""
+    def seen(n0, n1, sd, steps):   # rank 1 twice as slow per sample as rank 0
+        return [RankMeasurement(n0, 0.1 * n0 / 256, n0, 0.1 * n0 / 256, sd, steps),
+                RankMeasurement(n1, 0.2 * n1 / 256, n1, 0.2 * n1 / 256, sd, steps)]
+
+    b = Balancer(BalancePlan(interval=5, hysteresis=0.0), shares=[256, 256], warmup_steps=0)
+    assert not b.rebalance(5, seen(256, 256, 0.001, 4))     # asks
+    assert b.rebalance(10, seen(256, 256, 0.001, 4))        # confirmed: the opening move
+    n0, n1 = b.shares
+    assert not b.rebalance(15, seen(n0, n1, 0.03, 3))       # three scattered steps: not weighable yet
+    assert b.rebalance(20, seen(n0, n1, 0.001, 8))          # the move continues at once
+    assert b.shares[0] > n0
+    # a window of a full interval that finds no gap ends the streak: a later move asks twice again
+    c = Balancer(BalancePlan(interval=5, hysteresis=0.0), shares=[256, 256], warmup_steps=0)
+    c.rebalance(5, seen(256, 256, 0.001, 4))
+    c.rebalance(10, seen(256, 256, 0.001, 4))
+    n0, n1 = c.shares
+    assert not c.rebalance(15, seen(n0, n1, 0.03, 5))
+    assert not c.rebalance(20, seen(n0, n1, 0.001, 8))      # asks first
