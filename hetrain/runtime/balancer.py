@@ -1,8 +1,9 @@
 """Re-split the global batch while the job runs, from every rank's measured speed.
 
 Every ``interval`` steps the ranks all-gather what each measured, without waiting: the figures
-travel while the next step computes, and at that step's end every rank computes the same new split with the planner's exact split function (identical inputs, pure functions: every
-rank agrees, DESIGN.md invariant 4). What a rank contributes:
+travel while the next step computes, and at that step's end every rank computes the same new
+split with the planner's exact split function (identical inputs, pure functions: every rank
+agrees, DESIGN.md invariant 4). What a rank contributes:
 
 - its steps since the split last changed (its *window*, up to ``history * interval`` steps): the
   median compute time at its current share, and how much that time scatters from step to step

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
 
 from hetrain.errors import HetrainError
-from hetrain.runtime.batch_sampler import RankBatchSampler, ShareSchedule, step_shares, step_slice
+from hetrain.runtime.batch_sampler import RankBatchSampler, ShareSchedule, step_shares
 from hetrain.runtime.batch_transfer import to_device
 from hetrain.runtime.data_order import GlobalBatchOrder, rank_slice
 from hetrain.runtime.memory import micro_batch_sizes, split_batch
@@ -127,10 +127,6 @@ class HeteroLoader:
             raise TypeError("a loader over a stream (IterableDataset) has no length: the stream decides when "
                             "the epoch ends")
         return self.order.steps_per_epoch
-
-    def indices_for(self, epoch: int, step: int, shares: list[int]) -> tuple[list[int], list[int]]:
-        """(this rank's indices, the shares used) for a step; partial batches split proportionally."""
-        return step_slice(self.order, epoch, step, shares, self.rank)
 
     def _epoch_done(self) -> bool:
         return self.order is not None and self.step_in_epoch >= self.order.steps_per_epoch

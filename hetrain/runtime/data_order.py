@@ -59,10 +59,8 @@ class GlobalBatchOrder:
         return min(self.global_batch_size, self.dataset_len - step * self.global_batch_size)
 
     def global_batch(self, epoch: int, step: int) -> list[int]:
-        if not 0 <= step < self.steps_per_epoch:
-            raise IndexError(f"step {step} outside epoch of {self.steps_per_epoch} steps")
         start = step * self.global_batch_size
-        return self.permutation(epoch)[start : start + self.global_batch_size].tolist()
+        return self.permutation(epoch)[start : start + self.batch_size(step)].tolist()
 
 
 def rank_slice(indices: Sequence, shares: Sequence[int], rank: int) -> list:

@@ -33,9 +33,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from hetrain.checkpoint.checkpointer import Checkpointer
 from hetrain.errors import HetrainError
 from hetrain.runtime.environment import env_float
@@ -52,14 +49,13 @@ class SessionCheckpoints:
     """Saves a run's TrainState every `interval` steps, on SIGTERM and at close; resumes the newest."""
 
     def __init__(self, state: TrainState, directory: str | os.PathLike, *, interval: int = 100,
-                 keep: int = 3, async_save: bool = True, device: torch.device | None = None,
+                 keep: int = 3, async_save: bool = True,
                  recent_step_seconds: Callable[[], Sequence[float]] = list,
                  on_saved: Callable[[CheckpointRecord], None] | None = None) -> None:
         if interval < 1:
             raise HetrainError(f"checkpoint interval {interval} must be >= 1 step; pass checkpoint_interval>=1")
         self.state = state
         self.interval = interval
-        self.device = device or torch.device("cpu")
         self.recent_step_seconds = recent_step_seconds
         self.on_saved = on_saved
         self.checkpointer = Checkpointer(Path(directory), keep=keep, async_save=async_save)

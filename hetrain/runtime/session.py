@@ -486,7 +486,7 @@ class Session:
         if directory is None:
             return
         self.checkpoints = SessionCheckpoints(self.train, directory, interval=interval, keep=keep,
-                                              async_save=async_save, device=self.device,
+                                              async_save=async_save,
                                               recent_step_seconds=lambda: list(self.step_seconds)[-20:],
                                               on_saved=self.reports.checkpoint)
         self.checkpoints.resume()
