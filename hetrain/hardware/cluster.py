@@ -21,6 +21,10 @@ MAX_DEVICES = 65_536
 """Most devices a cluster may hold: counts are checked against it before anything is expanded."""
 MAX_CLUSTER_FILE_BYTES = 8 * 2**20
 """Largest cluster file read (8 MiB): 65,536 one-device nodes, one key a line, take 4.2 MiB."""
+MAX_YAML_VALUES = 2_000_000
+"""Most values a cluster file may hold once its YAML aliases (``*name``) are expanded: 65,536
+written-out nodes hold under a million, and a few kilobytes of nested aliases can stand for
+billions."""
 
 
 class _Strict(BaseModel):
@@ -205,8 +209,28 @@ def _line_of(root: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
     return line
 
 
+class _Shown:
+    """A value as an error line shows it: its repr, cut to `limit` characters."""
+
+    def __init__(self, value: Any, limit: int = 60) -> None:
+        self.value, self.limit = value, limit
+
+    def __repr__(self) -> str:
+        text = repr(self.value) if not isinstance(self.value, (list, dict)) else _repr_prefix(self.value, self.limit)
+        return text if len(text) <= self.limit else text[: self.limit - 3] + "..."
+
+
+def _repr_prefix(value: list | dict, limit: int) -> str:
+    """The start of a container's repr without building all of it (it may be huge)."""
+    import reprlib
+
+    r = reprlib.Repr()
+    r.maxlevel, r.maxlist, r.maxdict, r.maxstring, r.maxother = 3, 4, 4, limit, limit
+    return r.repr(value)
+
+
 def _explain(err: dict[str, Any]) -> str:
-    kind, loc, got = err["type"], err["loc"], err.get("input")
+    kind, loc, got = err["type"], err["loc"], _Shown(err.get("input"))
     key = loc[-1] if loc else ""
     if kind == "extra_forbidden":
         return f"unknown key {key!r}; fix: remove it or use one of: {', '.join(_keys_at(loc))}"
@@ -277,6 +301,25 @@ class _UniqueKeyLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: 
         return super().construct_mapping(node, deep=deep)
 
 
+def _check_expanded_size(root: yaml.Node | None, source: str, limit: int = MAX_YAML_VALUES) -> None:
+    """Refuse a document whose aliases expand to more than `limit` values, before building it."""
+    stack, seen = [root] if root is not None else [], 0
+    while stack:
+        node = stack.pop()
+        seen += 1
+        if seen > limit:
+            raise HetrainError(
+                f"{source}: its YAML aliases (*name) expand to more than {limit:,} values; hetrain reads "
+                f"clusters of at most {MAX_DEVICES:,} devices; fix: write the nodes out, or give a group's "
+                "size with 'count' instead of repeating it"
+            )
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                stack += (key, value)
+        elif isinstance(node, yaml.SequenceNode):
+            stack += node.value
+
+
 def load_cluster(path: str | Path) -> Cluster:
     """Read and validate a cluster YAML file (at most MAX_CLUSTER_FILE_BYTES, MAX_DEVICES devices)."""
     path = Path(path)
@@ -285,6 +328,7 @@ def load_cluster(path: str | Path) -> Cluster:
     loader.source = str(path)
     try:
         root = loader.get_single_node()
+        _check_expanded_size(root, str(path))
         data = loader.construct_document(root) if root is not None else None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)

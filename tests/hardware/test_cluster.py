@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -191,3 +192,28 @@ def test_unknown_preset_names_the_presets() -> None:
 def test_python_construction_validates() -> None:
     with pytest.raises(ValidationError, match="unknown GPU model 'nope'"):
         Cluster(nodes=[{"name": "n", "devices": [{"model": "nope"}]}])
+
+
+def test_yaml_aliases_are_read_but_cannot_expand_without_bound(tmp_path: Path) -> None:
+    # an anchor reused for a second node is an ordinary way to write a cluster file
+    f = tmp_path / "ok.yaml"
+    f.write_text("nodes:\n  - name: a\n    devices: &gpus [{model: a100, count: 2}]\n  - name: b\n    devices: *gpus\n")
+    assert load_cluster(f).size == 4
+    # nine levels of nine aliases stand for 9**9 values in a few hundred bytes
+    levels = ['l0: &l0 ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    levels += [f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]" for i in range(1, 9)]
+    f = tmp_path / "bomb.yaml"
+    f.write_text("\n".join(levels) + "\nnodes: [*l8]\n")
+    started = time.perf_counter()
+    with pytest.raises(HetrainError, match=r"aliases \(\*name\) expand to more than 2,000,000 values; .*fix: write the nodes out"):
+        load_cluster(f)
+    assert time.perf_counter() - started < 10
+
+
+def test_an_error_shows_a_short_part_of_a_large_value(tmp_path: Path) -> None:
+    levels = ['l0: &l0 ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    levels += [f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]" for i in range(1, 4)]
+    msg = _error(tmp_path, "\n".join(levels) + "\nnodes: [*l3]\n")
+    assert "nodes[0]: input should be a valid dictionary" in msg and len(msg) < 400
+    msg = _error(tmp_path, f'nodes:\n  - name: n\n    devices:\n      - model: a100\n        count: "{"9" * 300}"\n')
+    assert "count must be a whole number, got '999" in msg and len(msg) < 300
