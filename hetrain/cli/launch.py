@@ -10,7 +10,7 @@ from hetrain.runtime.timing import parse_speeds
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1,
-                        help="worker processes on this node (one per GPU)")
+                        help="worker processes on this node (one per GPU), 1 to 1,024")
     parser.add_argument("--nnodes", default="1", help="nodes, or MIN:MAX for an elastic job")
     parser.add_argument("--node-rank", "--node_rank", type=int, default=None)
     parser.add_argument("--rdzv-backend", "--rdzv_backend", default="c10d")

@@ -43,6 +43,8 @@ PLAN_ENV = Env.PLAN
 # trim threshold keeps up to 1 GiB of freed heap for reuse instead of returning it each step.
 MALLOC_CACHE_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**30)}
 CHECKPOINT_ENV = Env.CHECKPOINT_DIR
+MAX_NPROC_PER_NODE = 1024
+"""Most ranks one node may start: one process per device, each with its own copy of torch."""
 
 
 class JobStopped(HetrainError):
@@ -97,8 +99,9 @@ def validate(cfg: LaunchConfig) -> None:
     """User errors, each as one line that names the fix."""
     if not cfg.module and not Path(cfg.script).is_file():
         raise HetrainError(f"script {cfg.script!r} does not exist; give the path of a training script")
-    if cfg.nproc_per_node < 1:
-        raise HetrainError(f"--nproc-per-node must be >= 1, got {cfg.nproc_per_node}")
+    if not 1 <= cfg.nproc_per_node <= MAX_NPROC_PER_NODE:
+        raise HetrainError(f"--nproc-per-node must be from 1 to {MAX_NPROC_PER_NODE:,} (one rank per device on "
+                           f"this node), got {cfg.nproc_per_node:,}")
     if cfg.max_restarts < 0:
         raise HetrainError(f"--max-restarts must be >= 0, got {cfg.max_restarts}")
     lo, hi = _max_nodes(cfg.nnodes)

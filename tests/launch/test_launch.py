@@ -29,6 +29,8 @@ def test_two_ranks_train_and_the_loss_falls():
 
 @pytest.mark.parametrize("args, message", [
     (["launch", "missing.py"], "script 'missing.py' does not exist"),
+    (["launch", "--nproc-per-node", "100000", "examples/train_digits.py"], "must be from 1 to 1,024"),
+    (["launch", "--nproc-per-node", "0", "examples/train_digits.py"], "must be from 1 to 1,024"),
     (["launch", "--nproc-per-node", "2", "--emulate-speeds", "1,0", "examples/train_digits.py"], "must be above 0"),
     (["launch", "--nproc-per-node", "2", "--emulate-speeds", "1,-2", "examples/train_digits.py"], "must be above 0"),
     (["launch", "--nproc-per-node", "2", "--emulate-speeds", "1,x", "examples/train_digits.py"], "is not a number"),
