@@ -36,7 +36,9 @@ def parse_speeds(text: str) -> list[float]:
             value = float(part)
         except ValueError:
             raise HetrainError(f"speed {part!r} is not a number; write speeds like --emulate-speeds 1,0.5") from None
-        if not value > 0 or value == float("inf"):
+        if value != value or value == float("inf"):
+            raise HetrainError(f"speed {part} must be a finite number above 0 (1 = full speed, 0.5 = half); got {value}")
+        if not value > 0:
             raise HetrainError(f"speed {part} must be above 0 (1 = full speed, 0.5 = half); got {value}")
         speeds.append(value)
     if not speeds:

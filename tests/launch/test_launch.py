@@ -34,6 +34,8 @@ def test_two_ranks_train_and_the_loss_falls():
     (["launch", "--nproc-per-node", "2", "--emulate-speeds", "1,0", "examples/train_digits.py"], "must be above 0"),
     (["launch", "--nproc-per-node", "2", "--emulate-speeds", "1,-2", "examples/train_digits.py"], "must be above 0"),
     (["launch", "--nproc-per-node", "2", "--emulate-speeds", "1,x", "examples/train_digits.py"], "is not a number"),
+    (["launch", "--nproc-per-node", "2", "--emulate-speeds", "1,nan", "examples/train_digits.py"], "must be a finite number above 0"),
+    (["bench", "balance", "--speeds", "1,inf"], "speed inf must be a finite number above 0"),
     (["bench", "balance", "--speeds", "1,0.5", "--global-batch", "1"], "smaller than the number of ranks"),
 ])
 def test_bad_input_is_one_line_and_nonzero(args, message):
