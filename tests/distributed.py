@@ -75,16 +75,41 @@ def run_ranks(fn: Callable, world: int, *args: Any, env: dict | None = None, tim
     return [results[r] for r in range(world)]
 
 
+PIPE_GRACE_S = 10.0
+"""How long run_cli reads a command's output after the command exited (its own output is complete then)."""
+
+
 def run_cli(cmd: list[str], *, cwd=None, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run a command in its own process group; on timeout the whole group (agent and ranks) is killed."""
+    """Run a command in its own process group and return when it exits; on timeout the whole group
+    (agent and ranks) is killed. Its output is read by threads, so a process the command left running
+    with its stdout open fails the test within PIPE_GRACE_S instead of holding it forever."""
     import signal
+    import threading
 
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, env=env)
+    parts: dict[str, list[str]] = {"out": [], "err": []}
+
+    def read(stream, key: str) -> None:
+        for line in stream:
+            parts[key].append(line)
+
+    readers = [threading.Thread(target=read, args=(proc.stdout, "out"), daemon=True),
+               threading.Thread(target=read, args=(proc.stderr, "err"), daemon=True)]
+    for t in readers:
+        t.start()
     try:
-        out, err = proc.communicate(timeout=timeout)
+        proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
+        proc.wait()
+        for t in readers:
+            t.join(PIPE_GRACE_S)
+        raise subprocess.TimeoutExpired(cmd, timeout, "".join(parts["out"]), "".join(parts["err"])) from None
+    for t in readers:
+        t.join(PIPE_GRACE_S)
+    out, err = "".join(parts["out"]), "".join(parts["err"])
+    if any(t.is_alive() for t in readers):
+        raise AssertionError(f"{cmd[:4]} exited with {proc.returncode} but a process it started still holds its "
+                             f"output open {PIPE_GRACE_S:g} s later (a leftover process); stderr:\n{err[-2000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

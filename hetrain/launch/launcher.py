@@ -33,6 +33,7 @@ from typing import Any
 
 from hetrain.errors import HetrainError
 from hetrain.launch.failures import describe, first_failure
+from hetrain.launch.leftovers import adopt_orphans, end_leftovers
 from hetrain.metrics.serve import check_ports_free
 from hetrain.planning.plan import Plan
 from hetrain.userfiles import ensure_directory, read_text
@@ -210,6 +211,7 @@ def launch(cfg: LaunchConfig) -> int:
         print(f"hetrain launch: emulating device speeds {os.environ[Env.EMULATE_SPEEDS]} on CPU ranks; "
               "all timings from this run are emulated", file=sys.stderr, flush=True)
     args = get_args_parser().parse_args(torchrun_argv(cfg))
+    launch_id = adopt_orphans()
     try:
         run(args)
     except ChildFailedError as e:
@@ -219,6 +221,11 @@ def launch(cfg: LaunchConfig) -> int:
         raise JobStopped(
             f"the job was stopped by {name}; every worker was sent {name} (a hetrain.Session saves a "
             "checkpoint then, where checkpoints are on)", 128 + int(e.sigval)) from None
+    finally:
+        ended = end_leftovers(launch_id)
+        if ended:
+            print(f"hetrain launch: ended {len(ended)} process(es) the workers left running (pids "
+                  f"{', '.join(map(str, ended))}); a worker's children should end with it", file=sys.stderr, flush=True)
     return 0
 
 

@@ -1,0 +1,104 @@
+"""Nothing left behind: processes a job's workers started and left running end with the launcher.
+
+A worker's children (DataLoader workers, helpers a training script starts) normally end with it.
+One that cannot, such as a child stuck in `fork()` (CPython before 3.12 can deadlock a child forked
+while another thread of the parent creates a Python thread state, python/cpython#112275), would
+otherwise outlive the job, and keep its output pipe open: `hetrain launch ... | tee log` would never
+return. The launcher adopts such orphans (Linux's child subreaper), and when the job ends it
+kills every process that carries this launch's id in its environment and is still its child.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+import uuid
+
+from hetrain.vocabulary import Env
+
+log = logging.getLogger("hetrain")
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _prctl_subreaper(on: bool) -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1 if on else 0, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def adopt_orphans() -> str:
+    """Mark this launch's workers (through their environment) and adopt their orphans; returns the id."""
+    launch_id = uuid.uuid4().hex
+    os.environ[Env.LAUNCH_ID] = launch_id
+    _prctl_subreaper(True)
+    return launch_id
+
+
+def _children_of_launch(launch_id: str) -> list[int]:
+    """Live children of this process whose environment carries `launch_id`."""
+    me, found = os.getpid(), []
+    marker = f"{Env.LAUNCH_ID}={launch_id}".encode()
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+            # the command name may hold spaces and parentheses: the fields after the last ')' are fixed
+            state, ppid = stat[stat.rindex(b")") + 2:].split()[:2]
+            if int(ppid) != me or state == b"Z":
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if marker not in f.read().split(b"\0"):
+                    continue
+        except (OSError, ValueError):
+            continue
+        found.append(int(entry))
+    return found
+
+
+def _reap(pid: int, timeout_s: float = 5.0) -> None:
+    """Collect a killed child's exit status (only its own: other children of this process are not ours)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return
+        except ChildProcessError:
+            return
+        time.sleep(0.01)
+
+
+def end_leftovers(launch_id: str, rounds: int = 5) -> list[int]:
+    """Kill and reap the processes this launch's workers left running; returns their pids. Killing
+    one may orphan its own children onto this process, so it looks again a few times."""
+    ended: list[int] = []
+    for _ in range(rounds):
+        pids = _children_of_launch(launch_id)
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                ended.append(pid)
+            except ProcessLookupError:
+                pass
+        for pid in pids:
+            _reap(pid)
+    _prctl_subreaper(False)
+    if os.environ.get(Env.LAUNCH_ID) == launch_id:
+        del os.environ[Env.LAUNCH_ID]
+    return ended
