@@ -11,7 +11,6 @@ kills every process that carries this launch's id in its environment and is stil
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import signal
 import sys
@@ -19,8 +18,6 @@ import time
 import uuid
 
 from hetrain.vocabulary import Env
-
-log = logging.getLogger("hetrain")
 
 _PR_SET_CHILD_SUBREAPER = 36
 
