@@ -10,33 +10,22 @@ kills every process that carries this launch's id in its environment and is stil
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
-import sys
 import time
 import uuid
 
+from hetrain.runtime.watchdog import prctl
 from hetrain.vocabulary import Env
 
 _PR_SET_CHILD_SUBREAPER = 36
-
-
-def _prctl_subreaper(on: bool) -> bool:
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1 if on else 0, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
 
 
 def adopt_orphans() -> str:
     """Mark this launch's workers (through their environment) and adopt their orphans; returns the id."""
     launch_id = uuid.uuid4().hex
     os.environ[Env.LAUNCH_ID] = launch_id
-    _prctl_subreaper(True)
+    prctl(_PR_SET_CHILD_SUBREAPER, 1)
     return launch_id
 
 
@@ -95,7 +84,7 @@ def end_leftovers(launch_id: str, rounds: int = 5) -> list[int]:
                 pass
         for pid in pids:
             _reap(pid)
-    _prctl_subreaper(False)
+    prctl(_PR_SET_CHILD_SUBREAPER, 0)
     if os.environ.get(Env.LAUNCH_ID) == launch_id:
         del os.environ[Env.LAUNCH_ID]
     return ended

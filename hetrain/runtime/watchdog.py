@@ -38,6 +38,16 @@ _PR_SET_PDEATHSIG = 1
 # ---- dying with the parent --------------------------------------------------------------------
 
 
+def prctl(option: int, value: int) -> bool:
+    """Linux's prctl(option, value); False where it is not available or fails."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 def die_with_parent(sig: int = signal.SIGTERM, poll_s: float = 1.0, *, use_prctl: bool = True) -> None:
     """Have the kernel send `sig` to this process when its parent dies (SIGTERM: a Session saves).
 
@@ -47,16 +57,10 @@ def die_with_parent(sig: int = signal.SIGTERM, poll_s: float = 1.0, *, use_prctl
     parent's thread that started this process ends; torch's agent starts workers from its main thread.
     """
     parent = os.getppid()
-    if use_prctl and sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            armed = libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
-        except (OSError, AttributeError):
-            armed = False
-        if armed:
-            if os.getppid() != parent:  # the parent died before the signal was armed
-                os.kill(os.getpid(), sig)
-            return
+    if use_prctl and prctl(_PR_SET_PDEATHSIG, int(sig)):
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os.kill(os.getpid(), sig)
+        return
 
     def watch() -> None:
         while os.getppid() == parent:
