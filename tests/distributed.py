@@ -6,6 +6,7 @@ import io
 import os
 import subprocess
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -79,10 +80,11 @@ PIPE_GRACE_S = 10.0
 """How long run_cli reads a command's output after the command exited (its own output is complete then)."""
 
 
-def run_cli(cmd: list[str], *, cwd=None, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_cli(cmd: list[str], *, cwd=None, timeout: float = 300, env: dict | None = None,
+            grace: float = PIPE_GRACE_S) -> subprocess.CompletedProcess:
     """Run a command in its own process group and return when it exits; on timeout the whole group
     (agent and ranks) is killed. Its output is read by threads, so a process the command left running
-    with its stdout open fails the test within PIPE_GRACE_S instead of holding it forever."""
+    with its stdout open fails the test within `grace` seconds instead of holding it forever."""
     import signal
     import threading
 
@@ -103,13 +105,18 @@ def run_cli(cmd: list[str], *, cwd=None, timeout: float = 300, env: dict | None 
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-        for t in readers:
-            t.join(PIPE_GRACE_S)
+        _join_all(readers, grace)
         raise subprocess.TimeoutExpired(cmd, timeout, "".join(parts["out"]), "".join(parts["err"])) from None
-    for t in readers:
-        t.join(PIPE_GRACE_S)
+    _join_all(readers, grace)
     out, err = "".join(parts["out"]), "".join(parts["err"])
     if any(t.is_alive() for t in readers):
         raise AssertionError(f"{cmd[:4]} exited with {proc.returncode} but a process it started still holds its "
-                             f"output open {PIPE_GRACE_S:g} s later (a leftover process); stderr:\n{err[-2000:]}")
+                             f"output open {grace:g} s later (a leftover process); stderr:\n{err[-2000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _join_all(threads, seconds: float) -> None:
+    """Join every thread within one deadline of `seconds` in all (not `seconds` each)."""
+    deadline = time.monotonic() + seconds
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
