@@ -33,7 +33,6 @@ from typing import Any
 import torch.distributed as dist
 
 from hetrain.checkpoint import lease, selection, store
-from hetrain.checkpoint import sharded as sharded_io
 from hetrain.checkpoint.errors import CheckpointError, describe_os_error, os_error_fix
 from hetrain.checkpoint.manifest import (
     SHARDED_DIR, SHARED_FILE, FileEntry, Manifest, check_layout, rank_file, read_manifest, verify, write_manifest,
@@ -45,6 +44,14 @@ __all__ = ["SHARED_FILE", "CheckpointInfo", "CheckpointWarning", "Checkpointer",
 
 class CheckpointWarning(UserWarning):
     """A checkpoint was passed over (and, when damaged, set aside) because it is damaged or unfinished."""
+
+
+def sharded_io() -> Any:
+    """hetrain.checkpoint.sharded, imported with the first sharded save or load: torch.distributed.checkpoint
+    adds over half a second to each rank's start-up, which a job without sharded state does not need."""
+    from hetrain.checkpoint import sharded
+
+    return sharded
 
 
 @dataclass(frozen=True)
@@ -86,7 +93,7 @@ class Checkpointer:
         self._error: BaseException | None = None
         self._verified: set[tuple[Path, float]] = set()
         self._buffers: dict[str, Any] = {}  # host copies reused by background saves
-        self._stager = sharded_io.Stager()
+        self._stager: Any = None   # DCP's stager, made with the first background save of sharded state
         self.last_save_seconds = 0.0
         self.last_blocking_seconds = 0.0
         self.last_bytes = 0
@@ -112,6 +119,8 @@ class Checkpointer:
                 shared_s = snapshot(shared, copy=copy, where="shared", buffers=self._buffers if copy else None)
             per_rank_s = snapshot(per_rank, copy=copy, where="per_rank", buffers=self._buffers if copy else None)
             if sharded is not None:
+                if copy and self._stager is None:
+                    self._stager = sharded_io().Stager()
                 sharded_s = self._stager.stage(sharded) if copy else sharded
         except CheckpointError as e:
             error = e
@@ -167,7 +176,7 @@ class Checkpointer:
         entries: list[FileEntry] = []
         try:
             if has_sharded:
-                sharded_io.save_sharded(sharded, tmp, self._group)
+                sharded_io().save_sharded(sharded, tmp, self._group)
             if self.rank == 0:
                 entries.append(FileEntry(SHARED_FILE, *write_torch_file(shared, tmp / SHARED_FILE)))
             name = rank_file(self.rank)
@@ -303,7 +312,7 @@ class Checkpointer:
         loaded = None
         if sharded_template is not None:
             listed = frozenset(p[len(SHARDED_DIR) + 1:] for p in sharded_files)
-            loaded = sharded_io.load_sharded(sharded_template, info.path, self._group, listed)
+            loaded = sharded_io().load_sharded(sharded_template, info.path, self._group, listed)
         return shared, per_rank, loaded
 
     # ---- the directory ---------------------------------------------------------------------------

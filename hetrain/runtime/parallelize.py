@@ -120,7 +120,9 @@ def apply_zero1(optimizer: torch.optim.Optimizer, model: nn.Module, sharding_nam
     if sharding_name == "zero1-proportional":
         weights = sharding.free_memory_weights([e.memory_capacity_bytes for e in entries], model, device)
         log.info("optimizer state sharded by free memory: %s", ", ".join(f"{w / sum(weights):.3f}" for w in weights))
-    return sharding.zero1_optimizer(optimizer, weights)
+    from hetrain.runtime.zero1 import zero1_optimizer   # torch's ZeRO module, only for a ZeRO-1 plan
+
+    return zero1_optimizer(optimizer, weights)
 
 
 def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, sharding_name: str,

@@ -21,7 +21,6 @@ from typing import Any, ContextManager
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from hetrain.errors import HetrainError
 from hetrain.planning.plan import PipelinePlan
@@ -33,8 +32,16 @@ from hetrain.runtime.precision import JobLossScaler
 from hetrain.runtime.step_state import StepState, items_as_number
 from hetrain.runtime.timing import pad_to_speed
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
-MULTI_STAGE = (ScheduleInterleaved1F1B,)   # schedules that take a list of this rank's stages
+MULTI_STAGE = ("interleaved-1f1b",)   # schedules that take a list of this rank's stages
+
+
+def schedule_class(name: str) -> type:
+    """torch's schedule for a plan's schedule name. torch.distributed.pipelining is imported here, when
+    a pipeline plan runs, not with every session: it adds half a second to each rank's start-up."""
+    from torch.distributed import pipelining
+
+    return {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B,
+            "interleaved-1f1b": pipelining.ScheduleInterleaved1F1B}[name]
 
 
 def make_groups(layout: PipelineLayout) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
@@ -90,6 +97,8 @@ class PipelineRunner:
         self.ties = [(stages, p) for stages, p in (ties or []) if id(p) in held]
         self.tie_groups = make_tie_groups(layout, ties or [])
         self.autocast = autocast
+        from torch.distributed.pipelining import PipelineStage
+
         chunks = chunks or [module]
         self.stages = []
         for chunk, index in zip(chunks, rank_stages(pipeline, layout.stage)):
@@ -125,17 +134,16 @@ class PipelineRunner:
         return busy
 
     def microbatches(self, samples: int) -> int:
-        cls = SCHEDULES[self.pipeline.schedule]
         return microbatches_for(samples, self.pipeline.microbatches,
-                                self.layout.stages if cls in MULTI_STAGE else None)
+                                self.layout.stages if self.pipeline.schedule in MULTI_STAGE else None)
 
     def _schedule(self, m: int) -> Any:
         if m not in self._schedules:
-            cls = SCHEDULES[self.pipeline.schedule]
-            if cls is Schedule1F1B and m < self.layout.stages:
-                cls = ScheduleGPipe   # torch's 1F1B needs a micro-batch per stage; GPipe's update is the same
-            stages = self.stages if cls in MULTI_STAGE else self.stages[0]
-            self._schedules[m] = cls(stages, n_microbatches=m, loss_fn=self._call_loss, scale_grads=False)
+            name = self.pipeline.schedule
+            if name == "1f1b" and m < self.layout.stages:
+                name = "gpipe"   # torch's 1F1B needs a micro-batch per stage; GPipe's update is the same
+            stages = self.stages if name in MULTI_STAGE else self.stages[0]
+            self._schedules[m] = schedule_class(name)(stages, n_microbatches=m, loss_fn=self._call_loss, scale_grads=False)
         return self._schedules[m]
 
     def _call_loss(self, output: Any, target: Any) -> torch.Tensor:

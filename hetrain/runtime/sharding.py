@@ -1,9 +1,8 @@
 """Sharded optimizer state and parameters: ZeRO-1 (even or by free memory) and FSDP2, from the plan.
 
-ZeRO-1 is torch's ZeroRedundancyOptimizer. Its own partition balances parameter sizes evenly;
-`ProportionalZeroRedundancyOptimizer` gives it an uneven partition instead (each rank's share of
-parameters, hence of optimizer state, in proportion to a weight such as its free memory) and
-leaves everything else to torch: the local optimizer, the broadcasts after each step, state dicts.
+ZeRO-1 is torch's ZeroRedundancyOptimizer, built in hetrain.runtime.zero1 (imported only when a
+plan asks for it): even, or with an uneven partition (`proportional_partition`, here: each rank's
+share of parameters, hence of optimizer state, in proportion to a weight such as its free memory).
 FSDP2 is `fully_shard` on each block, then on the root. Gradients stay exact under uneven shares
 because the loss weighting (`local_n * world / global_n`) is the same whatever reduces them.
 """
@@ -11,18 +10,25 @@ because the loss weighting (`local_n * world / global_n`) is the same whatever r
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from hetrain.errors import HetrainError
 
 log = logging.getLogger("hetrain")
 
+
+def is_zero1(optimizer: Any) -> bool:
+    """Whether `optimizer` is torch's ZeroRedundancyOptimizer. Its module (which brings FSDP and DTensor
+    with it) is imported only when a ZeRO-1 plan is applied (hetrain.runtime.zero1), so a job without
+    ZeRO-1 does not pay for the import; an optimizer of that class cannot exist before it."""
+    module = sys.modules.get("torch.distributed.optim")
+    return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)
 
 
 def proportional_partition(sizes: Sequence[int], weights: Sequence[float]) -> list[int]:
@@ -38,32 +44,7 @@ def proportional_partition(sizes: Sequence[int], weights: Sequence[float]) -> li
     return owner
 
 
-class ProportionalZeroRedundancyOptimizer(ZeroRedundancyOptimizer):
-    """ZeroRedundancyOptimizer whose partition follows per-rank weights instead of an even balance."""
-
-    def __init__(self, params: Any, optimizer_class: type[torch.optim.Optimizer], *, weights: Sequence[float],
-                 process_group: Any | None = None, **defaults: Any) -> None:
-        self._weights = [float(w) for w in weights]
-        super().__init__(params, optimizer_class, process_group=process_group, **defaults)
-
-    def _partition_parameters(self, params_per_rank: list[list[torch.Tensor]] | None = None) -> list[list[dict]]:
-        if params_per_rank is not None or self._partition_parameters_cache:
-            return super()._partition_parameters(params_per_rank)
-        if len(self._weights) != self.world_size:
-            raise HetrainError(f"{len(self._weights)} sharding weights for {self.world_size} ranks; give one per rank")
-        # Same shape of cache torch builds: per rank, one group per parameter group (maybe empty).
-        self._partition_parameters_cache = [[] for _ in range(self.world_size)]
-        all_params = [p for g in self.param_groups for p in g["params"]]
-        owner = dict(zip(map(id, all_params), proportional_partition([p.numel() for p in all_params], self._weights)))
-        for group in self.param_groups:
-            per_rank: list[list[torch.Tensor]] = [[] for _ in range(self.world_size)]
-            for p in group["params"]:
-                per_rank[owner[id(p)]].append(p)
-            self._partition_param_group(group, per_rank)
-        return self._partition_parameters_cache
-
-
-def _param_groups_for(optimizer: torch.optim.Optimizer, params_by_id: dict[int, nn.Parameter] | None = None
+def param_groups_for(optimizer: torch.optim.Optimizer, params_by_id: dict[int, nn.Parameter] | None = None
                       ) -> list[dict[str, Any]]:
     groups = []
     for group in optimizer.param_groups:
@@ -84,22 +65,12 @@ def constructor_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return {k: v for k, v in optimizer.defaults.items() if k in accepted}
 
 
-def _check_fresh(optimizer: torch.optim.Optimizer, sharding: str) -> None:
+def check_fresh(optimizer: torch.optim.Optimizer, sharding: str) -> None:
     if optimizer.state:
         raise HetrainError(
             f"the optimizer already holds state, which sharding {sharding!r} would drop; pass a freshly built "
             "optimizer to session.prepare() and load optimizer state through the session's checkpoints"
         )
-
-
-def zero1_optimizer(optimizer: torch.optim.Optimizer, weights: Sequence[float] | None = None) -> ZeroRedundancyOptimizer:
-    """The user's optimizer (class, groups, hyper-parameters) as ZeRO-1: even, or by `weights`."""
-    _check_fresh(optimizer, "zero1")
-    groups = _param_groups_for(optimizer)
-    cls = type(optimizer)
-    if weights is None:
-        return ZeroRedundancyOptimizer(groups, cls, **constructor_settings(optimizer))
-    return ProportionalZeroRedundancyOptimizer(groups, cls, weights=weights, **constructor_settings(optimizer))
 
 
 def free_memory_weights(capacities: Sequence[int | None], model: nn.Module, device: torch.device) -> list[float]:
@@ -143,7 +114,7 @@ def fully_shard_model(model: nn.Module, blocks: Sequence[nn.Module], *, offload:
 def rebuild_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], model: nn.Module
                       ) -> torch.optim.Optimizer:
     """The user's optimizer re-created over the model's new (sharded) parameters, matched by name."""
-    _check_fresh(optimizer, "fsdp")
+    check_fresh(optimizer, "fsdp")
     by_name = dict(model.named_parameters())
     missing = [names.get(id(p), "?") for g in optimizer.param_groups for p in g["params"]
                if names.get(id(p)) not in by_name]
@@ -153,12 +124,12 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], m
             "model.parameters() before session.prepare()"
         )
     new_by_old = {pid: by_name[name] for pid, name in names.items() if name in by_name}
-    return type(optimizer)(_param_groups_for(optimizer, new_by_old), **constructor_settings(optimizer))
+    return type(optimizer)(param_groups_for(optimizer, new_by_old), **constructor_settings(optimizer))
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of optimizer state this rank holds (its shard under ZeRO-1 and FSDP2)."""
-    local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    local = optimizer.optim if is_zero1(optimizer) else optimizer
     total = 0
     for state in local.state.values():
         for value in state.values():

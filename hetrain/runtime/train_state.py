@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from hetrain.checkpoint.rng import capture_rng, restore_rng
 from hetrain.errors import HetrainError
@@ -22,6 +21,7 @@ from hetrain.runtime.balancer import Balancer
 from hetrain.runtime.data import HeteroLoader
 from hetrain.runtime.parallelize import Prepared
 from hetrain.runtime.precision import JobLossScaler
+from hetrain.runtime.sharding import is_zero1
 
 # Optimizer settings that a schedule moves during training: a checkpoint's values are expected to differ.
 SCHEDULED = {"lr", "initial_lr", "momentum", "betas"}
@@ -135,7 +135,7 @@ class TrainState:
         optimizer = self.prepared.optimizer
         if optimizer is None:
             return None
-        if isinstance(optimizer, ZeroRedundancyOptimizer):
+        if is_zero1(optimizer):
             # ZeRO's full state dict is keyed by global parameter index: it loads on any number of ranks
             optimizer.consolidate_state_dict(to=0)
             return optimizer.state_dict() if self.rank == 0 else None
@@ -166,7 +166,7 @@ class TrainState:
 def _optimizer_class(optimizer: Any) -> str | None:
     if optimizer is None:
         return None
-    inner = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    inner = optimizer.optim if is_zero1(optimizer) else optimizer
     return type(inner).__name__
 
 
