@@ -43,11 +43,16 @@ _CONTEXT = None
 
 
 def _context():
-    """A forkserver that has imported torch once: each rank forks from it instead of importing anew."""
+    """A forkserver that has imported torch once: each rank forks from it instead of importing anew.
+    hetrain imports torch's ZeRO, pipelining and checkpoint modules only when a plan needs them, and
+    torch's optimizers import torch._dynamo when the first is built; the tests' ranks use all of
+    them, so the forkserver imports them once too."""
     global _CONTEXT
     if _CONTEXT is None:
         _CONTEXT = mp.get_context("forkserver")
         _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch.nn.parallel", "hetrain.runtime.session",
+                                         "hetrain.runtime.zero1", "hetrain.checkpoint.sharded",
+                                         "torch.distributed.pipelining", "torch._dynamo",
                                          "hetrain.bench.digits", "sklearn.datasets"])
     return _CONTEXT
 
