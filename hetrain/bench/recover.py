@@ -39,7 +39,7 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--global-batch-size", "--global-batch", dest="global_batch", type=int, default=128)
     parser.add_argument("--monitor-interval", type=float, default=0.1,
                         help="seconds between the elastic agent's checks of its workers")
-    parser.add_argument("--measure-saves", type=int, default=3, help="timed saves of each kind")
+    parser.add_argument("--measure-saves", type=int, default=3, help="timed saves of each kind (0: none, and no checkpoint_* figures)")
 
 
 def _job_args(args: argparse.Namespace, events: Path, out: Path) -> list[str]:
@@ -108,6 +108,8 @@ def run(args: argparse.Namespace) -> dict:
     kill_step = args.kill_step if args.kill_step is not None else 3 * args.interval - 1
     if args.interval < 1:
         raise HetrainError(f"--interval {args.interval} must be >= 1")
+    if args.measure_saves < 0:
+        raise HetrainError(f"--measure-saves {args.measure_saves} must be >= 0 (0: no timed saves)")
     if not 0 < kill_step < args.steps:
         raise HetrainError(f"--kill-step {kill_step} must be between 1 and --steps - 1 ({args.steps - 1})")
     with tempfile.TemporaryDirectory(prefix="hetrain-bench-recover-") as tmp:
@@ -123,10 +125,18 @@ def run(args: argparse.Namespace) -> dict:
         _launch(args, [*killed, "--kill-rank", "1", "--kill-step", str(kill_step)], root / "killed-ckpt", restarts=1)
         killed_seconds = time.perf_counter() - t0
         recovery = recovery_figures(read_events(root / "killed-events"))
-        saves = json.loads((root / "clean" / "params.saves.json").read_text())
+        saves = json.loads((root / "clean" / "params.saves.json").read_text()) if args.measure_saves > 0 else None
         equal = _params_equal(root / "clean" / "params.pt", root / "killed" / "params.pt")
         clean_steps = [e for e in read_events(root / "clean-events") if e["event"] == "step" and e["rank"] == 0]
     step_seconds = (clean_steps[-1]["t"] - clean_steps[0]["t"]) / max(1, len(clean_steps) - 1)
+    timed_saves = {} if saves is None else {
+        "checkpoint_save_seconds": saves["sync_save_seconds"],
+        "checkpoint_blocking_seconds": saves["blocking_seconds"],
+        "blocking_ratio": saves["blocking_seconds"] / saves["sync_save_seconds"],
+        "checkpoint_background_save_seconds": saves["background_save_seconds"],
+        "checkpoint_first_blocking_seconds": saves["first_blocking_seconds"],
+        "checkpoint_bytes": saves["bytes"],
+    }
     return {
         "world_size": 2,
         "steps": args.steps,
@@ -134,12 +144,7 @@ def run(args: argparse.Namespace) -> dict:
         **recovery,
         "steps_lost_within_interval": recovery["steps_lost"] <= args.interval,
         "final_params_equal": equal,
-        "checkpoint_save_seconds": saves["sync_save_seconds"],
-        "checkpoint_blocking_seconds": saves["blocking_seconds"],
-        "blocking_ratio": saves["blocking_seconds"] / saves["sync_save_seconds"],
-        "checkpoint_background_save_seconds": saves["background_save_seconds"],
-        "checkpoint_first_blocking_seconds": saves["first_blocking_seconds"],
-        "checkpoint_bytes": saves["bytes"],
+        **timed_saves,
         "step_seconds": step_seconds,
         "monitor_interval": args.monitor_interval,
         "uninterrupted_run_seconds": clean_seconds,

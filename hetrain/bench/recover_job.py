@@ -60,7 +60,7 @@ def measure_saves(session, directory: Path, repeats: int) -> dict:
     """Median seconds of a synchronous save, and of a background save's blocking part, of the session's state."""
     from hetrain.checkpoint.checkpointer import Checkpointer
 
-    shared, per_rank, sharded = session.checkpoints.state()
+    shared, per_rank, sharded = session.checkpoints.state.capture()
     sync = Checkpointer(directory / "sync", keep=1, async_save=False)
     background = Checkpointer(directory / "background", keep=1, async_save=True)
     sync_s, blocking_s, background_total_s = [], [], []

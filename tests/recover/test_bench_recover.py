@@ -40,3 +40,62 @@ def test_a_run_without_a_restart_is_reported(tmp_path):
     _write(tmp_path, 1, [_ev("death", 1.5, 0, step=1)])
     with pytest.raises(HetrainError, match="restart"):
         recovery_figures(read_events(tmp_path))
+
+
+def _measure_saves(rank, world, directory):
+    from pathlib import Path
+
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import TensorDataset
+
+    import hetrain
+    from hetrain.bench.recover_job import measure_saves
+
+    torch.manual_seed(0)
+    session = hetrain.Session(balance=False, checkpoint_dir=directory, checkpoint_interval=100)
+    net = torch.nn.Linear(64, 32)
+    model, _ = session.prepare(net, torch.optim.Adam(net.parameters(), lr=1e-3))
+    loader = session.loader(TensorDataset(torch.randn(32, 64), torch.randint(0, 32, (32,))), global_batch_size=8)
+    for x, y in loader:
+        session.backward(F.cross_entropy(model(x), y))
+        session.step()
+        break
+    figures = measure_saves(session, Path(directory) / "measure", 2)
+    session.close()
+    return figures
+
+
+def test_the_save_costs_are_measured_on_the_session_s_own_state(tmp_path):
+    """The job's `--measure-saves` part: the session's state saved synchronously and in the background."""
+    from tests.distributed import run_ranks
+
+    figures = run_ranks(_measure_saves, 2, str(tmp_path))
+    for f in figures:
+        # the weights and Adam's two moments of 64*32+32 floats each, besides the job's records
+        assert f["bytes"] > 3 * (64 * 32 + 32) * 4, f
+        assert f["repeats"] == 2 and f["sync_save_seconds"] > 0 and f["background_save_seconds"] > 0
+        assert 0 <= f["blocking_seconds"] <= f["background_save_seconds"], f
+    assert (tmp_path / "measure" / "sync").is_dir() and (tmp_path / "measure" / "background").is_dir()
+
+
+def test_bench_recover_end_to_end_loses_at_most_the_interval_and_ends_on_the_same_parameters():
+    """The whole command, small: a rank killed after step 8 under the elastic agent, checkpoints every 3."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.distributed import run_cli
+
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "hetrain.cli.main", "bench", "recover", "--json", "--steps", "12", "--interval", "3",
+           "--hidden", "64", "--depth", "1", "--measure-saves", "1"]
+    r = run_cli(cmd, cwd=root, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout)
+    assert got["kill_step"] == 8 and got["final_params_equal"] is True, got
+    # the step-6 checkpoint, or step 3 when the step-6 save was still being written at the kill
+    assert got["resumed_from_step"] in (3, 6) and got["steps_lost"] == 8 - got["resumed_from_step"], got
+    assert got["recovery_seconds"] > 0 and got["checkpoint_bytes"] > 0 and got["checkpoint_save_seconds"] > 0, got
+    bad = subprocess.run([*cmd[:5], "--measure-saves", "-1"], cwd=root, capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "--measure-saves -1 must be >= 0" in bad.stderr, bad.stderr
