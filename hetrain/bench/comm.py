@@ -133,6 +133,11 @@ def run(args: argparse.Namespace) -> dict:
             f"--ranks {args.ranks} with --global-batch-size {args.global_batch_size}: the batch must split evenly; "
             "pick a batch size divisible by the rank count"
         )
+    if args.powersgd_warmup_steps < 0 or args.steps <= args.powersgd_warmup_steps:
+        raise HetrainError(
+            f"--steps {args.steps} must be larger than --powersgd-warmup-steps {args.powersgd_warmup_steps} "
+            "(>= 0): the figures after warm-up are taken on the steps after it"
+        )
     with tempfile.TemporaryDirectory() as tmp:
         store, out = os.path.join(tmp, "store"), os.path.join(tmp, "out.json")
         t0 = time.perf_counter()

@@ -37,6 +37,8 @@ def test_two_ranks_train_and_the_loss_falls():
     (["launch", "--nproc-per-node", "2", "--emulate-speeds", "1,nan", "examples/train_digits.py"], "must be a finite number above 0"),
     (["bench", "balance", "--speeds", "1,inf"], "speed inf must be a finite number above 0"),
     (["bench", "balance", "--speeds", "1,0.5", "--global-batch", "1"], "smaller than the number of ranks"),
+    (["bench", "comm", "--steps", "6"], "--steps 6 must be larger than --powersgd-warmup-steps 10"),
+    (["bench", "recover", "--measure-saves", "-1"], "--measure-saves -1 must be >= 0"),
 ])
 def test_bad_input_is_one_line_and_nonzero(args, message):
     r = hetrain(*args)

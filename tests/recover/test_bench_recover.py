@@ -81,7 +81,6 @@ def test_the_save_costs_are_measured_on_the_session_s_own_state(tmp_path):
 
 def test_bench_recover_end_to_end_loses_at_most_the_interval_and_ends_on_the_same_parameters():
     """The whole command, small: a rank killed after step 8 under the elastic agent, checkpoints every 3."""
-    import subprocess
     import sys
     from pathlib import Path
 
@@ -97,5 +96,3 @@ def test_bench_recover_end_to_end_loses_at_most_the_interval_and_ends_on_the_sam
     # the step-6 checkpoint, or step 3 when the step-6 save was still being written at the kill
     assert got["resumed_from_step"] in (3, 6) and got["steps_lost"] == 8 - got["resumed_from_step"], got
     assert got["recovery_seconds"] > 0 and got["checkpoint_bytes"] > 0 and got["checkpoint_save_seconds"] > 0, got
-    bad = subprocess.run([*cmd[:5], "--measure-saves", "-1"], cwd=root, capture_output=True, text=True, timeout=60)
-    assert bad.returncode != 0 and "--measure-saves -1 must be >= 0" in bad.stderr, bad.stderr
