@@ -21,7 +21,8 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--per-node", type=int, default=8, help="devices per node (NVLink inside, network between)")
     parser.add_argument("--inter-node-gbps", type=float, default=100.0, help="network bandwidth per node, Gb/s")
     parser.add_argument("--batch-per-device", type=int, default=64, help="global batch = this x devices")
-    parser.add_argument("--out", default="simulate", help="output prefix: PREFIX.png and PREFIX.csv")
+    parser.add_argument("--out", default="simulate", help="output prefix: PREFIX.png and PREFIX.csv (a .png or .csv ending is dropped: "
+                             "--out sweep.png writes sweep.png and sweep.csv)")
 
 
 def _mix(text: str) -> list[tuple[str, int]]:
@@ -68,8 +69,9 @@ def run(args: argparse.Namespace) -> int:
     if largest > MAX_DEVICES:
         raise HetrainError(f"--sizes {max(sizes)} copies of the mix make {largest} devices, over the limit of "
                            f"{MAX_DEVICES}; use smaller sizes")
-    check_writable_file(f"{args.out}.csv", "--out")
-    check_writable_file(f"{args.out}.png", "--out")
+    prefix = args.out[:-4] if args.out.lower().endswith((".png", ".csv")) else args.out
+    check_writable_file(f"{prefix}.csv", "--out")
+    check_writable_file(f"{prefix}.png", "--out")
     rows = []
     for size in sizes:
         cluster = sweep_cluster(mix, size, args.per_node, args.inter_node_gbps)
@@ -82,12 +84,12 @@ def run(args: argparse.Namespace) -> int:
                              "chosen": c.strategy == result.plan.strategy})
     if not rows:
         raise HetrainError(f"no feasible plan for {args.model} at any size; try a larger mix or another model")
-    with open(f"{args.out}.csv", "w", newline="") as f:
+    with open(f"{prefix}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    _plot(rows, f"{args.out}.png", f"{args.model} on copies of {args.mix}")
-    print(f"wrote {args.out}.csv and {args.out}.png ({len(rows)} points)", file=sys.stdout)
+    _plot(rows, f"{prefix}.png", f"{args.model} on copies of {args.mix}")
+    print(f"wrote {prefix}.csv and {prefix}.png ({len(rows)} points)", file=sys.stdout)
     return 0
 
 

@@ -58,6 +58,12 @@ def test_simulate_writes_png_and_csv(tmp_path):
     assert rows[0].startswith("devices,strategy") and len(rows) > 3
 
 
+def test_simulate_out_may_name_the_png(tmp_path):
+    p = _run("simulate", "--model", "resnet50", "--sizes", "1,2", "--out", str(tmp_path / "sweep.png"))
+    assert p.returncode == 0, p.stderr
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["sweep.csv", "sweep.png"]
+
+
 def test_simulate_bare_runs_the_default_example_and_marks_the_chosen_strategy(tmp_path):
     p = _run("simulate", cwd=tmp_path)
     assert p.returncode == 0, p.stderr
