@@ -1,7 +1,7 @@
 """Sharded optimizer state and parameters: ZeRO-1 (even or by free memory) and FSDP2, from the plan.
 
 ZeRO-1 is torch's ZeroRedundancyOptimizer, built in hetrain.runtime.zero1 (imported only when a
-plan asks for it): even, or with an uneven partition (`proportional_partition`, here: each rank's
+plan asks for it): even, or with the uneven partition `proportional_partition` computes (each rank's
 share of parameters, hence of optimizer state, in proportion to a weight such as its free memory).
 FSDP2 is `fully_shard` on each block, then on the root. Gradients stay exact under uneven shares
 because the loss weighting (`local_n * world / global_n`) is the same whatever reduces them.
@@ -45,7 +45,9 @@ def proportional_partition(sizes: Sequence[int], weights: Sequence[float]) -> li
 
 
 def param_groups_for(optimizer: torch.optim.Optimizer, params_by_id: dict[int, nn.Parameter] | None = None
-                      ) -> list[dict[str, Any]]:
+                     ) -> list[dict[str, Any]]:
+    """The optimizer's parameter groups (settings and parameters), with each parameter replaced by
+    `params_by_id[id(p)]` when given (the model's new, sharded parameters)."""
     groups = []
     for group in optimizer.param_groups:
         g = {k: v for k, v in group.items() if k != "params"}
