@@ -79,3 +79,25 @@ def test_the_ideal_replays_torchs_schedule():
     assert out["bubble_predicted"] == pytest.approx(2 / 74)
     assert out["predicted_step_seconds"] == pytest.approx((24 + 2 / 3) * 0.072)
     assert 1.33 < out["uneven_over_even_ideal"] < 1.34
+
+
+def test_bench_pipeline_end_to_end_small():
+    """The whole command on 3 CPU ranks, small: both partitions and data parallelism run and are timed."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from tests.distributed import run_cli
+
+    root = Path(__file__).resolve().parents[2]
+    r = run_cli([sys.executable, "-m", "hetrain.cli.main", "bench", "pipeline", "--json", "--blocks", "6",
+                 "--block-ms", "0.2", "--global-batch", "24", "--microbatches", "6", "--steps", "3", "--warmup", "1"],
+                cwd=root, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout)
+    assert got["speeds"] == [1.0, 0.5, 0.5] and got["emulated"] is True
+    # the planner gives the full-speed rank more blocks; both partitions cover the 6 blocks in order
+    assert got["uneven_stages"] == [[0, 3], [3, 4], [4, 6]] and got["even_stages"] == [[0, 2], [2, 4], [4, 6]]
+    assert set(got["step_seconds"]) == {"uneven", "even", "data_parallel"}
+    assert all(s > 0 for s in got["step_seconds"].values())
+    assert got["bubble_predicted"] == pytest.approx(2 / 8)   # (p - 1) / (m + p - 1), p = 3, m = 6
