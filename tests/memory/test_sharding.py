@@ -107,3 +107,22 @@ def test_fsdp_gradients_equal_the_global_batch_gradient_under_uneven_shares():
 def global_grads_for(model, indices):
     x, y = make_data()[indices]
     return torch.autograd.grad(torch.nn.functional.cross_entropy(model(x), y), list(model.parameters()))
+
+
+def test_a_session_imports_torch_s_zero_pipelining_and_checkpoint_modules_only_when_needed():
+    """Every rank imports hetrain.runtime.session; torch's ZeRO (with FSDP and DTensor), pipelining and
+    DCP modules add over a second to its start-up and come only with a plan or checkpoint that needs them."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import hetrain.runtime.session\n"
+        "heavy = ('torch.distributed.optim', 'torch.distributed.pipelining', 'torch.distributed.checkpoint')\n"
+        "print(sorted(m for m in heavy if m in sys.modules))\n"
+        "from hetrain.runtime.sharding import ProportionalZeroRedundancyOptimizer, zero1_optimizer\n"
+        "print(ProportionalZeroRedundancyOptimizer.__module__, 'torch.distributed.optim' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines() == ["[]", "hetrain.runtime.zero1 True"], out.stdout
