@@ -39,7 +39,8 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--global-batch-size", "--global-batch", dest="global_batch", type=int, default=128)
     parser.add_argument("--monitor-interval", type=float, default=0.1,
                         help="seconds between the elastic agent's checks of its workers")
-    parser.add_argument("--measure-saves", type=int, default=3, help="timed saves of each kind (0: none, and no checkpoint_* figures)")
+    parser.add_argument("--measure-saves", type=int, default=3,
+                        help="timed saves of each kind (0: none, and no checkpoint_* figures)")
 
 
 def _job_args(args: argparse.Namespace, events: Path, out: Path) -> list[str]:

@@ -21,7 +21,8 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--per-node", type=int, default=8, help="devices per node (NVLink inside, network between)")
     parser.add_argument("--inter-node-gbps", type=float, default=100.0, help="network bandwidth per node, Gb/s")
     parser.add_argument("--batch-per-device", type=int, default=64, help="global batch = this x devices")
-    parser.add_argument("--out", default="simulate", help="output prefix: PREFIX.png and PREFIX.csv (a .png or .csv ending is dropped: "
+    parser.add_argument("--out", default="simulate",
+                        help="output prefix: PREFIX.png and PREFIX.csv (a .png or .csv ending is dropped: "
                              "--out sweep.png writes sweep.png and sweep.csv)")
 
 

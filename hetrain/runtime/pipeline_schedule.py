@@ -143,7 +143,8 @@ class PipelineRunner:
             if name == "1f1b" and m < self.layout.stages:
                 name = "gpipe"   # torch's 1F1B needs a micro-batch per stage; GPipe's update is the same
             stages = self.stages if name in MULTI_STAGE else self.stages[0]
-            self._schedules[m] = schedule_class(name)(stages, n_microbatches=m, loss_fn=self._call_loss, scale_grads=False)
+            self._schedules[m] = schedule_class(name)(stages, n_microbatches=m, loss_fn=self._call_loss,
+                                                      scale_grads=False)
         return self._schedules[m]
 
     def _call_loss(self, output: Any, target: Any) -> torch.Tensor:
