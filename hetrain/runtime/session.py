@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from hetrain.errors import HetrainError
-from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+from hetrain.planning.plan import Plan, RankPlan
+from hetrain.runtime.balance_config import balance_setup
 from hetrain.runtime.balancer import Balancer
 from hetrain.runtime.data import HeteroLoader, make_loader
 from hetrain.runtime.environment import (RankEnv, collective_timeout, configure_logging, env_int, init_process_group,
@@ -47,7 +48,7 @@ from hetrain.runtime.plan_entries import Assignment, assign_entries, local_devic
 from hetrain.runtime.precision import JobLossScaler, autocast, configure_tf32
 from hetrain.runtime.resume import SessionCheckpoints
 from hetrain.runtime.step_state import StepState, items_as_number
-from hetrain.runtime.timing import StepTimer, TimedHookState, emulated_speed
+from hetrain.runtime.timing import StepTimer, TimedHookState, emulated_speed, idle_fraction
 from hetrain.runtime.train_state import TrainState
 from hetrain.runtime.watchdog import ProgressWatch, die_with_parent
 from hetrain.vocabulary import Env
@@ -220,27 +221,10 @@ class Session:
         return loader
 
     def _make_balancer(self, global_batch_size: int) -> Balancer:
-        plan = self.plan
-        if plan is not None and plan.global_batch_size != global_batch_size:
-            raise HetrainError(
-                f"the plan is for a global batch of {plan.global_batch_size}, the loader asks for "
-                f"{global_batch_size}; use the same global_batch_size or re-plan"
-            )
-        shares = self.assignment.shares if plan is not None else Plan.even(self.world_size, global_batch_size).shares
-        config = (plan.balance if plan is not None else BalancePlan()).model_copy()
         balance, interval = self._balance_overrides
-        if balance is not None:
-            config.enabled = balance
-        if self.layout is not None:
-            config.enabled = False   # a pipeline's replica shares are the plan's
-        if interval is not None:
-            config.interval = interval
-        if config.min_share * self.world_size > global_batch_size:
-            raise HetrainError(
-                f"balance.min_share {config.min_share} on {self.world_size} ranks needs a global batch of at least "
-                f"{config.min_share * self.world_size}, not {global_batch_size}; lower min_share or raise the global batch"
-            )
-        return Balancer(config=config, shares=list(shares), rank=self.rank)
+        setup = balance_setup(self.plan, self.assignment.shares, self.world_size, global_batch_size,
+                              balance=balance, interval=interval, pipeline=self.layout is not None)
+        return Balancer(config=setup.config, shares=setup.shares, rank=self.rank)
 
     @property
     def shares(self) -> list[int]:
@@ -411,12 +395,7 @@ class Session:
         """The mean over all ranks of per-rank means, weighted by each rank's items: by default this
         step's items so far, or the last finished step's after `step()` (collective)."""
         if weight is None:
-            if self.state.active:
-                weight = self.state.items or self.state.current_samples()
-            elif self.state.last is not None:
-                weight = self.state.last.local_items
-            else:
-                weight = 0.0
+            weight = self.state.mean_weight()
         w = float(weight)
         v = float(value.detach().float().item() if isinstance(value, torch.Tensor) else value)
         t = torch.tensor([v * w if w else 0.0, w], dtype=torch.float64, device=self.device)
@@ -425,9 +404,7 @@ class Session:
 
     def idle_fraction(self, last: int | None = None) -> float:
         """Fraction of this rank's wall time per step spent not computing (waiting on others or data)."""
-        wall = list(self.step_seconds)[-last:] if last else list(self.step_seconds)
-        comp = list(self.compute_seconds)[-last:] if last else list(self.compute_seconds)
-        return max(0.0, 1.0 - sum(comp) / sum(wall)) if wall and sum(wall) > 0 else 0.0
+        return idle_fraction(self.step_seconds, self.compute_seconds, last)
 
     def add_observer(self, observer: Any) -> None:
         """Something with `on_step(StepRecord)` (and optionally `on_checkpoint`, `close`), called each step."""

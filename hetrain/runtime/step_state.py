@@ -90,6 +90,13 @@ class StepState:
         self.last_micro, self.items, self.loss_sum, self.backwards = True, 0.0, None, 0
         return self.last
 
+    def mean_weight(self) -> float:
+        """This rank's weight in a mean over ranks: the current step's items so far (its samples before
+        any backward), else the last finished step's items, else 0."""
+        if self.active:
+            return self.items or self.current_samples()
+        return self.last.local_items if self.last is not None else 0.0
+
     def require_batch(self, what: str) -> None:
         if not self.active:
             raise HetrainError(f"session.{what}() needs a batch from session.loader(); iterate the loader first")

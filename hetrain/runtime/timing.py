@@ -36,7 +36,7 @@ def parse_speeds(text: str) -> list[float]:
             value = float(part)
         except ValueError:
             raise HetrainError(f"speed {part!r} is not a number; write speeds like --emulate-speeds 1,0.5") from None
-        if value != value or value == float("inf"):
+        if value != value or value in (float("inf"), float("-inf")):
             raise HetrainError(f"speed {part} must be a finite number above 0 (1 = full speed, 0.5 = half); got {value}")
         if not value > 0:
             raise HetrainError(f"speed {part} must be above 0 (1 = full speed, 0.5 = half); got {value}")
@@ -66,6 +66,13 @@ def pad_to_speed(elapsed: float, speed: float | None) -> float:
     pad = elapsed * (1.0 / speed - 1.0)
     time.sleep(pad)
     return elapsed + pad
+
+
+def idle_fraction(wall_seconds, compute_seconds, last: int | None = None) -> float:
+    """Fraction of the wall time of the last `last` steps (all when None) spent not computing."""
+    wall = list(wall_seconds)[-last:] if last else list(wall_seconds)
+    comp = list(compute_seconds)[-last:] if last else list(compute_seconds)
+    return max(0.0, 1.0 - sum(comp) / sum(wall)) if wall and sum(wall) > 0 else 0.0
 
 
 @dataclass

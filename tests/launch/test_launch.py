@@ -36,6 +36,7 @@ def test_two_ranks_train_and_the_loss_falls():
     (["launch", "--nproc-per-node", "2", "--emulate-speeds", "1,x", "examples/train_digits.py"], "is not a number"),
     (["launch", "--nproc-per-node", "2", "--emulate-speeds", "1,nan", "examples/train_digits.py"], "must be a finite number above 0"),
     (["bench", "balance", "--speeds", "1,inf"], "speed inf must be a finite number above 0"),
+    (["bench", "balance", "--speeds", "1,-inf"], "speed -inf must be a finite number above 0"),
     (["bench", "balance", "--speeds", "1,0.5", "--global-batch", "1"], "smaller than the number of ranks"),
     (["bench", "comm", "--steps", "6"], "--steps 6 must be larger than --powersgd-warmup-steps 10"),
     (["bench", "recover", "--measure-saves", "-1"], "--measure-saves -1 must be >= 0"),

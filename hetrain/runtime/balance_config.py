@@ -1,0 +1,44 @@
+"""What a session's balancer runs with: the plan's split and balance settings, the session's
+overrides, and the checks that a global batch can hold them. Pure decisions, no process group."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetrain.errors import HetrainError
+from hetrain.planning.plan import BalancePlan, Plan
+
+
+@dataclass(frozen=True)
+class BalanceSetup:
+    """The starting split by rank and the balance settings the session's `Balancer` takes."""
+
+    shares: list[int]
+    config: BalancePlan
+
+
+def balance_setup(plan: Plan | None, plan_shares: list[int], world_size: int, global_batch_size: int, *,
+                  balance: bool | None = None, interval: int | None = None, pipeline: bool = False) -> BalanceSetup:
+    """The plan's shares (`plan_shares`, by rank; an even split without a plan) and its balance
+    settings, with `Session(balance=, balance_interval=)` applied. A pipeline's replica shares are
+    the plan's, so its balancer stays off. Raises one line when the loader's global batch differs
+    from the plan's or cannot give every rank `min_share` samples."""
+    if plan is not None and plan.global_batch_size != global_batch_size:
+        raise HetrainError(
+            f"the plan is for a global batch of {plan.global_batch_size}, the loader asks for "
+            f"{global_batch_size}; use the same global_batch_size or re-plan"
+        )
+    shares = list(plan_shares) if plan is not None else Plan.even(world_size, global_batch_size).shares
+    config = (plan.balance if plan is not None else BalancePlan()).model_copy()
+    if balance is not None:
+        config.enabled = balance
+    if pipeline:
+        config.enabled = False
+    if interval is not None:
+        config.interval = interval
+    if config.min_share * world_size > global_batch_size:
+        raise HetrainError(
+            f"balance.min_share {config.min_share} on {world_size} ranks needs a global batch of at least "
+            f"{config.min_share * world_size}, not {global_batch_size}; lower min_share or raise the global batch"
+        )
+    return BalanceSetup(shares, config)

@@ -1,0 +1,45 @@
+"""`session.global_mean` weights each rank by its items, at any point of the loop."""
+
+import math
+
+import torch
+from torch.utils.data import TensorDataset
+
+from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+from tests.distributed import run_ranks
+
+ITEMS = [2, 6]          # items each rank's loss averages over (rank 0 has 3 samples, rank 1 has 1)
+
+
+def _loop(rank, world):
+    import hetrain
+
+    plan = Plan(global_batch_size=4, balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=0, share=3), RankPlan(rank=1, share=1)])
+    session = hetrain.Session(plan)
+    net = torch.nn.Linear(2, 1)
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    loader = session.loader(TensorDataset(torch.randn(8, 2)), global_batch_size=4, shuffle=False)
+    value = float(rank + 1)
+    seen = {"before_any_batch": session.global_mean(value)}
+    for (x,) in loader:
+        seen["after_the_batch"] = session.global_mean(value)          # weighted by samples: 3 and 1
+        session.backward(model(x).mean(), num_items=ITEMS[rank])
+        seen["after_backward"] = session.global_mean(value)           # by items: 2 and 6
+        session.step()
+        seen["after_step"] = session.global_mean(value)               # the finished step's items
+        seen["loss"] = session.loss
+        break
+    session.close()
+    return seen
+
+
+def test_global_mean_is_weighted_by_items_before_and_after_backward_and_after_step():
+    seen = run_ranks(_loop, 2)
+    for rank in range(2):
+        assert math.isnan(seen[rank]["before_any_batch"])
+        assert seen[rank]["after_the_batch"] == (1 * 3 + 2 * 1) / 4
+        assert seen[rank]["after_backward"] == (1 * 2 + 2 * 6) / 8
+        assert seen[rank]["after_step"] == (1 * 2 + 2 * 6) / 8
+        assert math.isfinite(seen[rank]["loss"])
+    assert seen[0]["loss"] == seen[1]["loss"]
