@@ -11,35 +11,12 @@ the cores to the workers as a GPU would. Every figure it shapes is labelled emul
 
 from __future__ import annotations
 
-import time
-
 import torch
 from torch import nn
 
+from hetrain.runtime.timing import EMULATION_CLOCK
 
-class _Clock:
-    """Sleeps that do not drift: a sleep that wakes late shortens the next one, and each sleep asks
-    for its usual lateness less, so a run of many short waits is not slowed by its wake-ups."""
-
-    def __init__(self) -> None:
-        self.ahead = 0.0   # seconds the waits so far overshot
-        self.late = 0.0    # how late a sleep wakes, on average
-
-    def wait(self, seconds: float) -> float:
-        """Wait about `seconds`; returns the seconds actually taken."""
-        due = seconds - self.ahead
-        asked = due - self.late
-        started = time.perf_counter()
-        if asked > 0:
-            time.sleep(asked)
-        took = time.perf_counter() - started
-        if asked > 0:
-            self.late += 0.1 * (took - asked - self.late)
-        self.ahead = took - due
-        return took
-
-
-CLOCK = _Clock()
+CLOCK = EMULATION_CLOCK   # the rank's one emulation clock (hetrain.runtime.timing)
 
 
 class _DeviceWait(torch.autograd.Function):

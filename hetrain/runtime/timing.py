@@ -59,13 +59,39 @@ def emulated_speed(rank: int, world_size: int) -> float | None:
     return speeds[rank]
 
 
+class SleepClock:
+    """Sleeps that do not drift: a sleep that wakes late shortens the next one, and each sleep asks
+    for its usual lateness less, so an emulated device keeps its speed over many short waits
+    (a plain sleep wakes about 0.1 ms late, which would slow an emulated device a little more
+    than its speed says)."""
+
+    def __init__(self) -> None:
+        self.ahead = 0.0   # seconds the waits so far overshot
+        self.late = 0.0    # how late a sleep wakes, on average
+
+    def wait(self, seconds: float) -> float:
+        """Wait about `seconds`; returns the seconds actually taken."""
+        due = seconds - self.ahead
+        asked = due - self.late
+        started = time.perf_counter()
+        if asked > 0:
+            time.sleep(asked)
+        took = time.perf_counter() - started
+        if asked > 0:
+            self.late += 0.1 * (took - asked - self.late)
+        self.ahead = took - due
+        return took
+
+
+EMULATION_CLOCK = SleepClock()   # one per process: every emulated wait of a rank shares its carry
+
+
 def pad_to_speed(elapsed: float, speed: float | None) -> float:
-    """Sleep so that ``elapsed`` seconds of work take ``elapsed / speed``; returns the padded time."""
+    """Wait so that ``elapsed`` seconds of work take ``elapsed / speed``; returns the seconds taken,
+    the wait included."""
     if speed is None or speed >= 1.0 or elapsed <= 0:
         return elapsed
-    pad = elapsed * (1.0 / speed - 1.0)
-    time.sleep(pad)
-    return elapsed + pad
+    return elapsed + EMULATION_CLOCK.wait(elapsed * (1.0 / speed - 1.0))
 
 
 def idle_fraction(wall_seconds, compute_seconds, last: int | None = None) -> float:
