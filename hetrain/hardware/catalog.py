@@ -47,6 +47,8 @@ class GpuSpec:
     tdp_w: float | None
     l2_bytes: float = 0.0
     """L2 cache (0 where the catalog does not say, and for the CPU)"""
+    power_reference: bool = False
+    """whether this part's power per peak FLOP stands for its die family (see gpus.csv)"""
 
     def supports(self, precision: str) -> bool:
         """Whether this device computes in `precision` (fp32, tf32, fp16, bf16)."""
@@ -120,6 +122,7 @@ def _spec_from_row(row: dict[str, str]) -> GpuSpec:
         pcie_bytes_per_s=_opt_float(row["pcie_gbps"], 1e9),
         tdp_w=_opt_float(row["tdp_w"]),
         l2_bytes=_opt_float(row.get("l2_mb") or "", 1e6) or 0.0,
+        power_reference=(row.get("power_reference") or "").strip().lower() == "yes",
     )
 
 
@@ -217,6 +220,12 @@ def get_gpu(name: str) -> GpuSpec:
 _FAMILIES = (
     ("a100", r"\ba100\b"),
     ("a10", r"\ba10\b"),
+    ("a30", r"\ba30\b"),
+    ("a40", r"\ba40\b"),
+    ("rtx-a6000", r"\ba6000\b"),
+    ("rtx-6000-ada", r"\brtx 6000 ada\b"),
+    ("l40s", r"\bl40s\b"),
+    ("l40", r"\bl40\b"),
     ("v100", r"\bv100\b"),
     ("h100", r"\bh100\b"),
     ("h200", r"\bh200\b"),
@@ -224,6 +233,9 @@ _FAMILIES = (
     ("l4", r"\bl4\b"),
     ("rtx-3090", r"\b3090\b"),
     ("rtx-4090", r"\b4090\b"),
+    ("rtx-3080", r"\b3080\b"),
+    ("rtx-3060", r"\b3060\b"),
+    ("rtx-4080", r"\b4080\b"),
 )
 _FAMILY_DEFAULT = {"a100": "a100-sxm4-80gb", "v100": "v100-sxm2-32gb", "h100": "h100-sxm5-80gb"}
 _GIB = 1024**3
@@ -238,8 +250,8 @@ def match_device_name(torch_name: str, memory_bytes: int | None = None) -> GpuSp
     text = re.sub(r"[_\s]+", " ", torch_name.lower()).replace("-", " ")
     words = text.split()
     family = next((fam for fam, pattern in _FAMILIES if re.search(pattern, text)), None)
-    if family is None or "nvl" in words or "ti" in words:
-        return None  # NVL boards and Ti cards are different products than the catalog's entries
+    if family is None or {"nvl", "ti", "super"} & set(words):
+        return None  # NVL boards, Ti and Super cards are different products than the catalog's entries
     catalog = load_catalog()
     candidates = [s for s in catalog.values() if s.name == family or s.name.startswith(family + "-")]
     if "pcie" in words:

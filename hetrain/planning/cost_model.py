@@ -111,20 +111,22 @@ def graphics_memory(spec) -> bool:
 
 @lru_cache(maxsize=1)
 def _family_watts_per_flop() -> dict[tuple[str, bool], float]:
+    """Power per peak fp32 FLOP/s of each die family's reference parts (gpus.csv's power_reference)."""
     from hetrain.hardware.catalog import load_catalog
 
     best: dict[tuple[str, bool], float] = {}
     for spec in load_catalog().values():
-        if spec.tdp_w and spec.arch != "cpu":
+        if spec.tdp_w and spec.arch != "cpu" and spec.power_reference:
             key = (spec.arch, graphics_memory(spec))
             best[key] = max(best.get(key, 0.0), spec.tdp_w / spec.peak_flops["fp32"])
     return best
 
 
 def power_fraction(spec) -> float:
-    """The part's power limit per peak fp32 FLOP/s over the highest in its die family (same
+    """The part's power limit per peak fp32 FLOP/s over its die family's reference part (same
     architecture and memory kind: A10 against RTX 3090, A100 PCIe against A100 SXM): below 1 the
-    part cannot hold the clock its peaks are quoted at under sustained load (1 where unknown)."""
+    part cannot hold the clock its peaks are quoted at under sustained load. 1 where unknown, for a
+    family without a reference part, and for lower bins that draw more per FLOP than the reference."""
     if not spec.tdp_w or spec.arch == "cpu":
         return 1.0
     best = _family_watts_per_flop().get((spec.arch, graphics_memory(spec)))

@@ -125,6 +125,29 @@ def test_cpu_memory_matches_proc_meminfo() -> None:
     assert CPU_SPEC.memory_bytes == kib * 1024
 
 
+@pytest.mark.parametrize("name, memory_gb, bandwidth, fp32, tensor_fp16, tdp", [
+    ("a30", 24, 933, 10.3, 165, 165),                # NVIDIA A30 datasheet
+    ("a40", 48, 696, 37.4, 149.7, 300),              # NVIDIA A40 datasheet
+    ("rtx-a6000", 48, 768, 38.7, 154.8, 300),        # RTX A6000: 309.7 TFLOPS with sparsity, halved
+    ("l40", 48, 864, 90.5, 181, 300),                # NVIDIA L40 datasheet
+    ("l40s", 48, 864, 91.6, 362, 350),               # NVIDIA L40S datasheet
+    ("rtx-6000-ada", 48, 960, 91.1, 364.2, 300),
+    ("rtx-3080", 10, 760, 29.8, 59.5, 320),          # GeForce: FP32-accumulate tensor rate at half
+    ("rtx-3060", 12, 360, 12.7, 25.4, 170),
+    ("rtx-4080", 16, 716.8, 48.7, 97.5, 320),
+    ("v100-pcie-16gb", 16, 900, 14.0, 112, 250),
+])
+def test_the_catalog_has_the_cards_mixed_clusters_are_made_of(name, memory_gb, bandwidth, fp32, tensor_fp16, tdp):
+    spec = get_gpu(name)
+    assert spec.memory_bytes == memory_gb * 1_000_000_000
+    assert spec.mem_bw_bytes_per_s == pytest.approx(bandwidth * 1e9)
+    assert spec.peak_flops["fp32"] == pytest.approx(fp32 * 1e12)
+    assert spec.peak_flops["fp16"] == pytest.approx(tensor_fp16 * 1e12)
+    assert spec.tdp_w == tdp
+    assert spec.bf16 == (spec.arch != "volta")
+    assert not spec.has_nvlink            # bridged pairs at most: a node of them is a PCIe node
+
+
 def test_parse_catalog_csv_skips_comments_and_fills_tf32() -> None:
     text = (
         "# a comment\n"
@@ -136,6 +159,7 @@ def test_parse_catalog_csv_skips_comments_and_fills_tf32() -> None:
     spec = parse_catalog_csv(text)["x1"]
     assert spec.peak_flops == {"fp32": 10e12, "tf32": 10e12, "fp16": 40e12, "bf16": 0.0}
     assert spec.tdp_w is None and spec.memory_bytes == 8_000_000_000
+    assert not spec.power_reference        # the column is optional
 
 
 @pytest.mark.parametrize(
@@ -156,6 +180,16 @@ def test_parse_catalog_csv_skips_comments_and_fills_tf32() -> None:
         ("NVIDIA A10", "a10"),
         ("NVIDIA GeForce RTX 3090", "rtx-3090"),
         ("NVIDIA GeForce RTX 4090", "rtx-4090"),
+        ("Tesla V100-PCIE-16GB", "v100-pcie-16gb"),
+        ("NVIDIA A30", "a30"),
+        ("NVIDIA A40", "a40"),
+        ("NVIDIA RTX A6000", "rtx-a6000"),
+        ("NVIDIA L40", "l40"),
+        ("NVIDIA L40S", "l40s"),
+        ("NVIDIA RTX 6000 Ada Generation", "rtx-6000-ada"),
+        ("NVIDIA GeForce RTX 3080", "rtx-3080"),
+        ("NVIDIA GeForce RTX 3060", "rtx-3060"),
+        ("NVIDIA GeForce RTX 4080", "rtx-4080"),
     ],
 )
 def test_match_real_device_names(torch_name: str, name: str) -> None:
@@ -165,8 +199,9 @@ def test_match_real_device_names(torch_name: str, name: str) -> None:
 
 @pytest.mark.parametrize(
     "torch_name",
-    ["NVIDIA A10G", "Tesla V100S-PCIE-32GB", "NVIDIA H100 NVL", "Tesla V100-PCIE-16GB",
-     "NVIDIA GeForce RTX 3090 Ti", "AMD Instinct MI250X", "cpu"],
+    ["NVIDIA A10G", "Tesla V100S-PCIE-32GB", "NVIDIA H100 NVL", "NVIDIA GeForce RTX 3090 Ti",
+     "NVIDIA GeForce RTX 3080 Ti", "NVIDIA GeForce RTX 4080 SUPER", "Quadro RTX 6000", "NVIDIA RTX A4000",
+     "AMD Instinct MI250X", "cpu"],
 )
 def test_products_outside_the_catalog_match_nothing(torch_name: str) -> None:
     assert match_device_name(torch_name) is None

@@ -4,6 +4,8 @@ the model generalise worse fails here."""
 
 import statistics
 
+import pytest
+
 from hetrain.hardware.catalog import get_gpu
 from hetrain.planning.calibration import (
     abs_error_stats,
@@ -67,6 +69,16 @@ def test_power_limited_parts_run_below_their_quoted_peaks():
     a10, rtx3090 = get_gpu("a10"), get_gpu("rtx-3090")
     assert a10.peak_flops["fp16"] > rtx3090.peak_flops["fp16"]
     assert sample_seconds(bert, a10, "fp16") > sample_seconds(bert, rtx3090, "fp16")
+
+
+def test_the_power_limit_is_measured_against_the_family_reference_not_its_lowest_bin():
+    """A lower bin of a die (RTX 3080, 3060 on GA10x; RTX 4080 on Ada) draws more power per peak FLOP
+    than the family's reference part: it is not power-limited, and it does not make the reference so."""
+    for name in ("rtx-3080", "rtx-3060", "rtx-4080", "rtx-3090", "rtx-4090", "a100-sxm4-80gb", "h100-sxm5-80gb"):
+        assert power_fraction(get_gpu(name)) == 1.0, name
+    for name in ("a30", "a40", "rtx-a6000", "l40", "l40s", "rtx-6000-ada", "l4"):
+        assert power_fraction(get_gpu(name)) < 1.0, name
+    assert power_fraction(get_gpu("a10")) == pytest.approx((150 / 31.2) / (350 / 35.6))
 
 
 def test_single_gpu_relative_speed_against_a100_sxm_holds_held_out():
