@@ -92,4 +92,8 @@ if __name__ == "__main__":
     print(default_calibration(), "\n")
     print(markdown_summary(_results), "\n")
     print(markdown_relative_speeds(_results), "\n")
-    print(markdown_rows(_results))
+    print(markdown_rows(_results), "\n")
+    from hetrain.planning.unseen_check import markdown_unseen, unseen_summary
+
+    print(unseen_summary(), "\n")
+    print(markdown_unseen())
