@@ -145,7 +145,7 @@ def _terms(rows: list[PublishedRow]) -> tuple[_Terms, list[tuple[str, str]]]:
         cols["batch"].append(r.batch_per_gpu)
         cols["observed"].append(r.samples_per_s / r.gpus)
         cols["level"].append(levels.index(key))
-        cols["power"].append(-math.log(power_fraction(spec)))
+        cols["power"].append(-math.log(power_fraction(spec, p)))
     return _Terms(**{k: np.asarray(v) for k, v in cols.items()}), levels
 
 

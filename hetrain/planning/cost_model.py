@@ -109,28 +109,34 @@ def graphics_memory(spec) -> bool:
     return spec.arch != "cpu" and spec.compute_capability[1] != 0
 
 
-@lru_cache(maxsize=1)
-def _family_watts_per_flop() -> dict[tuple[str, bool], float]:
-    """Power per peak fp32 FLOP/s of each die family's reference parts (gpus.csv's power_reference)."""
+@lru_cache(maxsize=None)
+def _family_watts_per_flop(precision: str) -> dict[tuple[str, bool], float]:
+    """Power per peak FLOP/s at `precision` of each die family's reference parts (gpus.csv's
+    power_reference)."""
     from hetrain.hardware.catalog import load_catalog
 
     best: dict[tuple[str, bool], float] = {}
     for spec in load_catalog().values():
-        if spec.tdp_w and spec.arch != "cpu" and spec.power_reference:
+        if spec.tdp_w and spec.arch != "cpu" and spec.power_reference and spec.peak_flops.get(precision):
             key = (spec.arch, graphics_memory(spec))
-            best[key] = max(best.get(key, 0.0), spec.tdp_w / spec.peak_flops["fp32"])
+            best[key] = max(best.get(key, 0.0), spec.tdp_w / spec.peak_flops[precision])
     return best
 
 
-def power_fraction(spec) -> float:
-    """The part's power limit per peak fp32 FLOP/s over its die family's reference part (same
-    architecture and memory kind: A10 against RTX 3090, A100 PCIe against A100 SXM): below 1 the
-    part cannot hold the clock its peaks are quoted at under sustained load. 1 where unknown, for a
-    family without a reference part, and for lower bins that draw more per FLOP than the reference."""
+def power_fraction(spec, precision: str = "fp32") -> float:
+    """The part's power limit per peak FLOP/s of the units a step at `precision` (its math precision)
+    runs on, over that of its die family's reference part (same architecture and memory kind: A10
+    against RTX 3090, A100 PCIe against A100 SXM): below 1 the part cannot hold the clock its peaks
+    are quoted at under sustained load. A professional part whose tensor cores run FP32 accumulation
+    at full rate has twice a GeForce part's tensor peak on the same power, and is that much further
+    from holding it. 1 where unknown, for a family without a reference part, and for lower bins that
+    draw more per FLOP than the reference."""
     if not spec.tdp_w or spec.arch == "cpu":
         return 1.0
-    best = _family_watts_per_flop().get((spec.arch, graphics_memory(spec)))
-    return min(1.0, spec.tdp_w / spec.peak_flops["fp32"] / best) if best else 1.0
+    peak = spec.peak_flops.get(precision) or spec.peak_flops["fp32"]
+    best = _family_watts_per_flop(precision if spec.peak_flops.get(precision) else "fp32").get(
+        (spec.arch, graphics_memory(spec)))
+    return min(1.0, spec.tdp_w / peak / best) if best else 1.0
 
 
 def data_parallel_efficiency(replicas: int, calib: Calibration | None = None) -> float:
@@ -160,7 +166,7 @@ def sample_seconds(profile: WorkloadProfile, spec, precision: str, calib: Calibr
     math_p = math_precision(spec, precision, profile.kind, fp32_math)
     flop_s, byte_s = per_sample_terms(profile, spec, math_p)
     bw = (calib.graphics_memory_efficiency if graphics_memory(spec) else 1.0) * (1.0 + spec.l2_bytes / calib.l2_scale_bytes)
-    flop_s *= power_fraction(spec) ** -calib.power_exponent
+    flop_s *= power_fraction(spec, math_p) ** -calib.power_exponent
     t = flop_s / calib.efficiency(profile.kind, math_p) + calib.passes(profile.kind) * byte_s / bw
     return t * (CHECKPOINT_COMPUTE_FACTOR if checkpointing else 1.0) + calib.host_seconds_per_sample.get(profile.kind, 0.0)
 

@@ -43,9 +43,15 @@ def evaluate_unseen() -> tuple[RowResult, ...]:
 
 
 def unseen_pairs() -> list[PairResult]:
-    """Relative-speed pairs with at least one unseen card."""
-    unseen = set(evaluate_unseen())
-    return [p for p in pairs(list(evaluate()) + list(unseen)) if p.a in unseen or p.b in unseen]
+    """Relative-speed pairs with at least one unseen card, the unseen card first (its speed over the
+    other's), in file order: the same pairs, the same way round, on every run."""
+    unseen = evaluate_unseen()
+    ids = {id(r) for r in unseen}
+    out = []
+    for p in pairs(list(unseen) + list(evaluate())):
+        if id(p.a) in ids or id(p.b) in ids:
+            out.append(p if id(p.a) in ids else PairResult(p.b, p.a))
+    return out
 
 
 def unseen_summary() -> dict[str, tuple[float, float]]:
