@@ -148,12 +148,23 @@ class Lease:
         self._lock = threading.RLock()
 
     def acquire(self) -> None:
+        """Take the lease and start its heartbeat."""
+        self.take()
+        self.start_heartbeat()
+
+    def take(self) -> None:
         """Take the lease, waiting only to tell a dead holder elsewhere from a live one; refuse a live one."""
         try:
             self._take()
         except OSError as e:
             raise CheckpointError(f"cannot write the lease {self.path} ({describe_os_error(e)}); "
                                   f"{os_error_fix(e)}") from None
+
+    def start_heartbeat(self) -> None:
+        """Refresh the lease from a daemon thread until released (a lease released before this stays released).
+
+        Call it holding no lock a finalizer may need: a thread's start can run garbage collection in the new
+        thread, and a finalizer there (another Checkpointer's `let_go`) must not wait on the starting thread."""
         self._thread = threading.Thread(target=self._beat, name="hetrain-ckpt-lease", daemon=True)
         self._thread.start()
 
@@ -254,7 +265,9 @@ class Lease:
 
 
 _held: dict[str, tuple[Lease, int]] = {}
-_held_lock = threading.RLock()  # reentrant: a finalizer calling let_go may run while hold() holds it
+# Reentrant: a finalizer calling let_go may run in this thread while hold() holds it. No thread is started
+# while it is held: a finalizer run by the new thread's start would wait on it, and the start on that thread.
+_held_lock = threading.RLock()
 
 
 def hold(directory: Path) -> str:
@@ -266,9 +279,10 @@ def hold(directory: Path) -> str:
             _held[key] = (lease, count + 1)
             return key
         lease = Lease(Path(key))
-        lease.acquire()
+        lease.take()
         _held[key] = (lease, 1)
-        return key
+    lease.start_heartbeat()
+    return key
 
 
 def let_go(key: str) -> None:

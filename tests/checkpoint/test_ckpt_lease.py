@@ -263,3 +263,27 @@ def test_release_all_frees_the_directories_before_an_abrupt_exit(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert lease.holder_of(tmp_path / "a") is None and lease.holder_of(tmp_path / "b") is None
+
+
+def test_a_lease_given_back_by_another_thread_while_a_new_heartbeat_starts_does_not_deadlock(tmp_path, monkeypatch):
+    """A thread's start may run garbage collection in the new thread, and a collected Checkpointer's
+    finalizer gives its lease back there. The suite once hung for good that way: `hold` started the
+    heartbeat holding the lock `let_go` takes, and the start waited on the thread that waited on it."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = lease.hold(tmp_path / "a")
+    start = lease.Lease.start_heartbeat
+    done = []
+
+    def start_while_another_thread_lets_go(self):
+        helper = threading.Thread(target=lambda: (lease.let_go(first), done.append(True)), daemon=True)
+        helper.start()
+        helper.join(timeout=5)
+        start(self)
+
+    monkeypatch.setattr(lease.Lease, "start_heartbeat", start_while_another_thread_lets_go)
+    second = lease.hold(tmp_path / "b")
+    assert done == [True]                                  # let_go ran to its end while the heartbeat started
+    assert not (tmp_path / "a" / lease.LEASE_NAME).exists() and (tmp_path / "b" / lease.LEASE_NAME).exists()
+    lease.let_go(second)
+    assert not (tmp_path / "b" / lease.LEASE_NAME).exists()
