@@ -37,6 +37,7 @@ from hetrain.planning.cost_model import (
     data_parallel_efficiency,
     exposed_seconds,
     fixed_seconds_per_microbatch,
+    optimizer_seconds,
     graphics_memory,
     math_precision,
     per_sample_terms,
@@ -99,6 +100,11 @@ def published_rows() -> tuple[PublishedRow, ...]:
     return parse_rows(resources.files("hetrain").joinpath("data/published_training.csv").read_text())
 
 
+def _optimizer(row: PublishedRow) -> str:
+    """The optimizer of a published recipe: SGD with momentum for ResNet-50, Adam for BERT-large."""
+    return "sgd" if row.workload == "resnet50" else "adam"
+
+
 def _row_model(row: PublishedRow):
     from hetrain.hardware.catalog import get_gpu
     from hetrain.workload.zoo import get_profile
@@ -141,7 +147,8 @@ def _terms(rows: list[PublishedRow]) -> tuple[_Terms, list[tuple[str, str]]]:
         cols["gddr"].append(graphics_memory(spec))
         cols["l2"].append(spec.l2_bytes)
         cols["packed"].append(r.packed)
-        cols["fixed"].append(fixed_seconds_per_microbatch(profile, spec, p))
+        cols["fixed"].append(fixed_seconds_per_microbatch(profile, spec, p)   # one micro-batch a step
+                             + optimizer_seconds(profile, spec, _optimizer(r)))
         cols["batch"].append(r.batch_per_gpu)
         cols["observed"].append(r.samples_per_s / r.gpus)
         cols["level"].append(levels.index(key))
@@ -268,7 +275,7 @@ def predict_row(row: PublishedRow, calib: Calibration) -> float:
             "activation_bytes_per_sample": profile.activation_bytes_per_sample * calib.packed_token_fraction,
         })
     mb = row.batch_per_gpu
-    compute = compute_seconds(profile, spec, row.precision, mb, mb, False, calib, row.fp32_math)
+    compute = compute_seconds(profile, spec, row.precision, mb, mb, False, calib, row.fp32_math, _optimizer(row))
     exposed = 0.0
     if row.gpus > 1:
         link = spec.nvlink_bytes_per_s or spec.pcie_bytes_per_s

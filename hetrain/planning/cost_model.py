@@ -5,7 +5,8 @@ power-limited parts, and by a fitted efficiency for transformers in TF32 and fp3
 traffic (fitted passes over the activation bytes) at the device's bandwidth, less what its L2 cache
 keeps on chip, with a fitted factor for graphics-memory (GDDR) parts against HBM datacenter parts,
 plus a fitted per-image host time for CNNs; per micro-batch, the weights read and gradients written
-once plus kernel launches. "fp32" on Ampere and later runs convolutions in TF32 unless TF32 is turned off.
+once plus kernel launches; per step, the optimizer's pass over weights, gradients and state. "fp32"
+on Ampere and later runs convolutions in TF32 unless TF32 is turned off.
 Memory: weights, gradients, optimizer state (ZeRO stages divide what they shard), activations per
 micro-batch (or only block boundaries with activation checkpointing), framework overhead.
 Communication: ring or two-level all-reduce over the slowest link, partly hidden under backward.
@@ -25,6 +26,10 @@ ELEMENT_BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2}
 PRECISION_CLASS = {"fp32": "fp32", "tf32": "tf32", "fp16": "16bit", "bf16": "16bit"}
 _CLASS_FALLBACK = {"tf32": "16bit", "16bit": "tf32", "fp32": "tf32"}  # a group without rows
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 4, "lion": 4, "sgd-nomomentum": 0}
+# Bytes per parameter an optimizer step moves through memory, once per step: fp32 weights, gradients and
+# state read, weights and state written (Adam: w, g, m, v in, w, m, v out; SGD with momentum or Lion: w, g,
+# buffer in, w, buffer out; plain SGD: w, g in, w out).
+OPTIMIZER_STEP_BYTES = {"adamw": 28, "adam": 28, "sgd": 20, "lion": 20, "sgd-nomomentum": 12}
 CHECKPOINT_COMPUTE_FACTOR = 4.0 / 3.0  # recomputing the forward adds a third of forward+backward
 LAUNCH_SECONDS_PER_MICROBATCH = 0.5e-3
 CONTEXT_BYTES = 1 << 30  # CUDA context, cuBLAS/cuDNN workspaces
@@ -159,6 +164,14 @@ def fixed_seconds_per_microbatch(profile: WorkloadProfile, spec, precision: str)
     return 3 * 4 * profile.params / spec.mem_bw_bytes_per_s + LAUNCH_SECONDS_PER_MICROBATCH
 
 
+def optimizer_seconds(profile: WorkloadProfile, spec, optimizer: str | None) -> float:
+    """Per step: the optimizer's pass over weights, gradients and state at the device's memory bandwidth
+    (0 without an optimizer named). The same on every rank of a kind, whatever its share."""
+    if optimizer is None:
+        return 0.0
+    return OPTIMIZER_STEP_BYTES[optimizer] * profile.params / spec.mem_bw_bytes_per_s
+
+
 def sample_seconds(profile: WorkloadProfile, spec, precision: str, calib: Calibration | None = None,
                    checkpointing: bool = False, fp32_math: str = "fp32") -> float:
     """Predicted compute seconds per sample (large micro-batch), forward + backward."""
@@ -172,14 +185,16 @@ def sample_seconds(profile: WorkloadProfile, spec, precision: str, calib: Calibr
 
 
 def compute_seconds(profile: WorkloadProfile, spec, precision: str, share: int, micro_batch: int,
-                    checkpointing: bool = False, calib: Calibration | None = None, fp32_math: str = "fp32") -> float:
-    """Predicted compute seconds of one step: `share` samples in micro-batches of `micro_batch`."""
+                    checkpointing: bool = False, calib: Calibration | None = None, fp32_math: str = "fp32",
+                    optimizer: str | None = None) -> float:
+    """Predicted compute seconds of one step: `share` samples in micro-batches of `micro_batch`, then the
+    step of `optimizer` (none when not named)."""
     if share <= 0:
         return 0.0
     steps = math.ceil(share / max(1, micro_batch))
     return steps * fixed_seconds_per_microbatch(profile, spec, precision) + share * sample_seconds(
         profile, spec, precision, calib, checkpointing, fp32_math
-    )
+    ) + optimizer_seconds(profile, spec, optimizer)
 
 
 def best_rate(profile: WorkloadProfile, spec, precision: str, micro_batch: int,

@@ -31,6 +31,7 @@ class Kind:
     sample_s: float
     sample_s_ckpt: float
     fixed_s: float
+    optimizer_s: float = 0.0   # the modelled optimizer step, once per step
     source: str = "modelled"
     measured: DeviceProfile | None = None
     rate: DeviceRate | None = None
@@ -79,7 +80,8 @@ class Kind:
             if rest:
                 t += self.measured.microbatch_seconds(self.precision, rest)
             return t * factor + self.measured.optimizer_seconds
-        return math.ceil(share / micro_batch) * self.fixed_s + share * (self.sample_s_ckpt if ckpt else self.sample_s)
+        return (math.ceil(share / micro_batch) * self.fixed_s + share * (self.sample_s_ckpt if ckpt else self.sample_s)
+                + self.optimizer_s)
 
 
 def stage_seconds_of(kind: Kind, n_blocks: int, a: int, b: int, micro_batch: int, ckpt: bool) -> float | None:
@@ -96,9 +98,11 @@ def stage_seconds_of(kind: Kind, n_blocks: int, a: int, b: int, micro_batch: int
 
 
 def kinds_of(cluster, profile: WorkloadProfile, precision: str, calib: cm.Calibration,
-             profiles: dict[str, DeviceProfile] | None = None, rates: MeasuredRates | None = None) -> list[Kind]:
+             profiles: dict[str, DeviceProfile] | None = None, rates: MeasuredRates | None = None,
+             optimizer: str | None = None) -> list[Kind]:
     """Group the cluster's devices by catalog model, with precision and compute figures: a run's
-    measured rates where they cover the kind and precision, else a measured profile, else the model."""
+    measured rates where they cover the kind and precision, else a measured profile, else the model
+    (with `optimizer`'s step, as a measured profile has its own)."""
     devices = cluster.devices()
     if not devices:
         raise HetrainError("the cluster has no devices; list at least one device in the cluster file")
@@ -111,6 +115,7 @@ def kinds_of(cluster, profile: WorkloadProfile, precision: str, calib: cm.Calibr
                 sample_s=cm.sample_seconds(profile, d.spec, prec, calib, False),
                 sample_s_ckpt=cm.sample_seconds(profile, d.spec, prec, calib, True),
                 fixed_s=cm.fixed_seconds_per_microbatch(profile, d.spec, prec),
+                optimizer_s=cm.optimizer_seconds(profile, d.spec, optimizer),
             )
             rate = next((r for r in (rates.devices if rates else []) if r.device == d.spec.name), None)
             measured = (profiles or {}).get(d.spec.name)

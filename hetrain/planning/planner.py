@@ -288,7 +288,7 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
     if optimizer not in cm.OPTIMIZER_STATE_BYTES:
         raise HetrainError(f"unknown optimizer {optimizer!r}; choose one of: {', '.join(cm.OPTIMIZER_STATE_BYTES)}")
     calib = calib or cm.default_calibration()
-    kinds = kinds_of(cluster, profile, precision, calib, profiles, rates)
+    kinds = kinds_of(cluster, profile, precision, calib, profiles, rates, optimizer)
     world = sum(k.count for k in kinds)
     if global_batch < world:   # every rank reads part of each global batch, pipeline stages too
         raise HetrainError(f"global batch {global_batch} is smaller than the {world} devices; "

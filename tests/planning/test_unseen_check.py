@@ -24,11 +24,11 @@ def test_every_unseen_row_is_predicted_and_paired_within_its_source():
 
 
 def test_the_check_stays_where_the_docs_report_it():
-    """docs/cost-model.md, "Cards the fit never saw": throughput 13.0% median, relative speed 15.5%
-    (fit on every source; 12.6% with the source held out); the RTX A6000's throughput 6.1%
-    (BERT-large) and 8.6% (ResNet-50)."""
+    """docs/cost-model.md, "Cards the fit never saw": throughput 13.3% median, relative speed 14.2%
+    (fit on every source; 11.0% with the source held out); the RTX A6000's throughput 5.3%
+    (BERT-large) and 9.6% (ResNet-50)."""
     s = unseen_summary()
-    assert s["throughput"][0] <= 0.14 and s["pairs"][0] <= 0.16 and s["pairs_source_held_out"][0] <= 0.13
+    assert s["throughput"][0] <= 0.14 and s["pairs"][0] <= 0.15 and s["pairs_source_held_out"][0] <= 0.12
     a6000 = [r.error for r in evaluate_unseen() if r.row.gpu == "rtx-a6000"]
     assert sorted(abs(e) for e in a6000)[len(a6000) // 2] <= 0.10
     text = markdown_unseen()
