@@ -1,0 +1,31 @@
+"""A rank collects its unreachable objects at exit, while the interpreter is whole: a process group
+freed in the interpreter's own teardown can end a finished rank with SIGABRT."""
+
+import gc
+
+from hetrain.runtime import environment
+
+
+def test_collect_at_exit_registers_one_collection_per_process(monkeypatch):
+    registered = []
+    monkeypatch.setattr(environment.atexit, "register", registered.append)
+    monkeypatch.setattr(environment, "_collecting_at_exit", False)
+    environment.collect_at_exit()
+    environment.collect_at_exit()
+    assert registered == [gc.collect]
+
+
+def test_a_session_that_starts_the_process_group_collects_at_exit(monkeypatch):
+    import hetrain
+
+    registered = []
+    monkeypatch.setattr(environment.atexit, "register", registered.append)
+    monkeypatch.setattr(environment, "_collecting_at_exit", False)
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    session = hetrain.Session()
+    try:
+        assert gc.collect in registered
+    finally:
+        session.close()
