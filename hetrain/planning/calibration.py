@@ -305,15 +305,20 @@ class RowResult:
         return self.predicted_held_out / self.row.samples_per_s - 1.0
 
 
+@lru_cache(maxsize=None)
+def fit_without_source(source: str) -> Calibration:
+    """The constants fitted on every published row but `source`'s."""
+    return fit_all([r for r in published_rows() if r.source != source])
+
+
 @lru_cache(maxsize=1)
 def evaluate() -> tuple[RowResult, ...]:
     """Every published row: predicted by the full fit, and by a fit that never saw its source."""
     rows = published_rows()
     calib = default_calibration()
-    sources = sorted({r.source for r in rows})
-    held = {s: fit_all([r for r in rows if r.source != s]) for s in sources} if len(sources) > 1 else {}
+    several = len({r.source for r in rows}) > 1
     return tuple(
-        RowResult(r, predict_row(r, calib), predict_row(r, held[r.source]) if r.source in held else None)
+        RowResult(r, predict_row(r, calib), predict_row(r, fit_without_source(r.source)) if several else None)
         for r in rows
     )
 

@@ -138,10 +138,9 @@ def power_fraction(spec, precision: str = "fp32") -> float:
     draw more per FLOP than the reference."""
     if not spec.tdp_w or spec.arch == "cpu":
         return 1.0
-    peak = spec.peak_flops.get(precision) or spec.peak_flops["fp32"]
-    best = _family_watts_per_flop(precision if spec.peak_flops.get(precision) else "fp32").get(
-        (spec.arch, graphics_memory(spec)))
-    return min(1.0, spec.tdp_w / peak / best) if best else 1.0
+    basis = precision if spec.peak_flops.get(precision) else "fp32"   # no such units: the fp32 ones
+    best = _family_watts_per_flop(basis).get((spec.arch, graphics_memory(spec)))
+    return min(1.0, spec.tdp_w / spec.peak_flops[basis] / best) if best else 1.0
 
 
 def data_parallel_efficiency(replicas: int, calib: Calibration | None = None) -> float:

@@ -3,8 +3,8 @@ what the planner predicts for a GPU kind from its datasheet alone, against what 
 
 Each row is predicted by the model as shipped (fitted on every row of published_training.csv) and by
 the fit without the row's source (the source's own rows then unseen too). A relative-speed pair sets
-an unseen card against a fitted one of the same source, workload, precision and GPU count (or two
-unseen cards), both predicted by the same fit.
+an unseen card (first) against another card of the same source, workload, precision and GPU count,
+both predicted by the same fit.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from hetrain.planning.calibration import (
     abs_error_stats,
     default_calibration,
     evaluate,
-    fit_all,
+    fit_without_source,
     pairs,
     parse_rows,
     predict_row,
-    published_rows,
 )
+from hetrain.planning.calibration_report import markdown_rows
 
 
 @lru_cache(maxsize=1)
@@ -36,10 +36,9 @@ def unseen_rows() -> tuple[PublishedRow, ...]:
 @lru_cache(maxsize=1)
 def evaluate_unseen() -> tuple[RowResult, ...]:
     """Each unseen row, predicted by the full fit and by the fit without its source."""
-    fitted = published_rows()
     calib = default_calibration()
-    held = {s: fit_all([r for r in fitted if r.source != s]) for s in {r.source for r in unseen_rows()}}
-    return tuple(RowResult(r, predict_row(r, calib), predict_row(r, held[r.source])) for r in unseen_rows())
+    return tuple(RowResult(r, predict_row(r, calib), predict_row(r, fit_without_source(r.source)))
+                 for r in unseen_rows())
 
 
 def unseen_pairs() -> list[PairResult]:
@@ -65,15 +64,13 @@ def unseen_summary() -> dict[str, tuple[float, float]]:
     }
 
 
-def markdown_unseen(workloads: tuple[str, ...] | None = None) -> str:
+def markdown_unseen() -> str:
     """The docs tables: per GPU kind and workload, then every unseen row."""
     rows, prs = evaluate_unseen(), unseen_pairs()
     lines = ["| gpu | workload | rows | throughput: fit on all | source held out | relative speed pairs "
              "| pairs: fit on all | pairs: source held out |", "|" + "---|" * 8]
     for gpu in sorted({r.row.gpu for r in rows}):
         for workload in sorted({r.row.workload for r in rows if r.row.gpu == gpu}):
-            if workloads is not None and workload not in workloads:
-                continue
             rs = [r for r in rows if (r.row.gpu, r.row.workload) == (gpu, workload)]
             ps = [p for p in prs if p.a.row.workload == workload and gpu in (p.a.row.gpu, p.b.row.gpu)]
             t, th = abs_error_stats([r.error for r in rs]), abs_error_stats([r.error_held_out for r in rs])
@@ -81,11 +78,4 @@ def markdown_unseen(workloads: tuple[str, ...] | None = None) -> str:
             lines.append(f"| {gpu} | {workload} | {len(rs)} | {t[0]:.1%} median, {t[1]:.0%} worst | {th[0]:.1%} "
                          f"median, {th[1]:.0%} worst | {len(ps)} | {q[0]:.1%} median, {q[1]:.0%} worst | "
                          f"{qh[0]:.1%} median, {qh[1]:.0%} worst |")
-    lines += ["", "| source | workload | seq | gpu | gpus | precision | batch/GPU | published | predicted | error "
-              "| source held out | error |", "|" + "---|" * 12]
-    for r in rows:
-        w = r.row
-        lines.append(f"| {w.source} | {w.workload} | {w.seq_len or ''} | {w.gpu} | {w.gpus} | {w.precision} | "
-                     f"{w.batch_per_gpu} | {w.samples_per_s:g} | {r.predicted:.0f} | {r.error:+.1%} | "
-                     f"{r.predicted_held_out:.0f} | {r.error_held_out:+.1%} |")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n\n" + markdown_rows(rows)
