@@ -11,6 +11,7 @@ would wait for a slower device. Whatever it produces is labelled as emulated.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable
@@ -36,7 +37,7 @@ def parse_speeds(text: str) -> list[float]:
             value = float(part)
         except ValueError:
             raise HetrainError(f"speed {part!r} is not a number; write speeds like --emulate-speeds 1,0.5") from None
-        if value != value or value in (float("inf"), float("-inf")):
+        if not math.isfinite(value):
             raise HetrainError(f"speed {part} must be a finite number above 0 (1 = full speed, 0.5 = half); got {value}")
         if not value > 0:
             raise HetrainError(f"speed {part} must be above 0 (1 = full speed, 0.5 = half); got {value}")
