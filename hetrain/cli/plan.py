@@ -82,6 +82,9 @@ def run(args: argparse.Namespace) -> int:
     from hetrain.planning.planner import plan_job
     from hetrain.workload.device_profile import load_profiles
 
+    # what the user named first is checked first: an unknown preset or model is reported as such,
+    # not hidden behind a missing batch size
+    cluster, profile = cluster_from_args(args), profile_from_args(args)
     rates = MeasuredRates.load(args.from_run) if args.from_run else None
     if args.global_batch_size is None:
         if rates is None:
@@ -92,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     if args.micro_batch is not None and args.micro_batch < 1:
         raise HetrainError(f"--micro-batch must be a positive integer, got {args.micro_batch}")
     profiles = load_profiles(args.profiles) if args.profiles else None
-    result = plan_job(cluster_from_args(args), profile_from_args(args), args.global_batch_size,
+    result = plan_job(cluster, profile, args.global_batch_size,
                       optimizer=args.optimizer, strategy=args.strategy, precision=args.precision,
                       micro_batch=args.micro_batch, profiles=profiles, rates=rates)
     if args.out:

@@ -49,6 +49,18 @@ def test_bad_input_is_one_line_exit_2(args):
     assert len(lines) == 1 and lines[0].startswith("hetrain plan: error:"), p.stderr
 
 
+@pytest.mark.parametrize("args, named", [
+    (("--preset", "nope", "--model", "resnet50"), "unknown preset 'nope'"),
+    (("--devices", "a100:1,v100:1", "--model", "nope"), "unknown model 'nope'"),
+    (("--devices", "a100:1,v100:1", "--model", "resnet50"), "--global-batch-size is required"),
+])
+def test_the_first_mistake_is_the_one_reported(args, named):
+    """Without a batch size, an unknown preset or model is still what the error names."""
+    p = _run("plan", *args)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert named in p.stderr, p.stderr
+
+
 def test_simulate_writes_png_and_csv(tmp_path):
     prefix = tmp_path / "sim"
     p = _run("simulate", "--model", "resnet50", "--sizes", "1,2,4", "--out", str(prefix))
