@@ -68,6 +68,12 @@ class Kind:
         """Measured seconds of a pipeline stage holding blocks [a, b), or None (model it)."""
         return stage_seconds_of(self, n_blocks, a, b, micro_batch, ckpt)
 
+    def optimizer_seconds(self, params: float, total_params: float) -> float:
+        """One optimizer step over `params` of the model's `total_params` (a pipeline stage, a shard):
+        the kind's whole-model step, measured where a profile has it, in proportion."""
+        whole = self.measured.optimizer_seconds if self.measured is not None else self.optimizer_s
+        return whole * params / total_params if total_params > 0 else 0.0
+
     def time(self, share: int, micro_batch: int, ckpt: bool) -> float:
         if share <= 0:
             return 0.0

@@ -85,6 +85,13 @@ def pipeline_candidates(cluster, profile: WorkloadProfile, kinds: list[Kind], gl
             memo[key] = result
         return memo[key]
 
+    def stage_optimizer_seconds(kind: Kind, ranges: list[tuple[int, int]], shards: int) -> float:
+        """The optimizer step over the parameters of the blocks in `ranges` (a 1/shards slice when
+        sharded): it runs once per step after the last backward, on every rank at once, so the slowest
+        rank's sets the step's."""
+        params = sum(x.params for a, b in ranges for x in blocks[a:b])
+        return kind.optimizer_seconds(params / shards, profile.params)
+
     speed = sorted(kinds, key=lambda k: k.sample_s)
     replicas = [1]   # the replica count stage_cost shards over (set per search)
 
@@ -123,10 +130,13 @@ def pipeline_candidates(cluster, profile: WorkloadProfile, kinds: list[Kind], gl
                     p2p = max(mb * blocks[b - 1].output_bytes_per_sample * scale for _, b in bounds[:-1]) / (
                         link * cm.LINK_EFFICIENCY)
                     step = cm.pipeline_step_seconds([slot] * p, m, p2p, chunks=v) + \
-                        replica_sync_seconds(bounds, d, m, zero, slot)
+                        replica_sync_seconds(bounds, d, m, zero, slot) + \
+                        max(stage_optimizer_seconds(k, held_blocks(bounds, v, j), d if zero else 1)
+                            for j, k in enumerate(stage_kinds))
                     if step < out[label].step_seconds:
                         out[label] = _pipeline_plan(label, profile, kinds, stage_kinds, per, d, bounds, mb, m, v,
-                                                    global_batch, step, stage_cost, p, zero)
+                                                    global_batch, step, stage_cost, p, zero,
+                                                    stage_optimizer_seconds)
 
     def replica_sync_seconds(bounds: list[tuple[int, int]], d: int, m: int, zero: int, slot: float) -> float:
         """Exposed time of the replicas' gradient sum (all-reduce, partly under the last backward);
@@ -153,6 +163,14 @@ def pipeline_candidates(cluster, profile: WorkloadProfile, kinds: list[Kind], gl
     return list(out.values())
 
 
+def held_blocks(bounds: list[tuple[int, int]], chunks: int, j: int) -> list[tuple[int, int]]:
+    """The block ranges the rank at pipeline position j holds: its stage, or under interleaved 1F1B
+    its chunks (stages j, j + p, ...)."""
+    if chunks == 1:
+        return [bounds[j]]
+    return interleaved_stages([b - a for a, b in bounds], chunks)[j::len(bounds)]
+
+
 def rank_places(kinds: list[Kind], stage_kinds: list[Kind], per: list[int]) -> dict[int, tuple[int, int]]:
     """Each rank's (replica, stage): the i-th rank of a kind holding n stages per replica is in replica
     i // n, at that kind's (i % n)-th stage."""
@@ -174,7 +192,7 @@ def replica_grid(kinds: list[Kind], stage_kinds: list[Kind], per: list[int]) -> 
 
 
 def _pipeline_plan(label, profile, kinds, stage_kinds, per, d, bounds, mb, m, chunks, global_batch, step,
-                   stage_cost, p, zero=0) -> Candidate:
+                   stage_cost, p, zero, stage_optimizer_seconds) -> Candidate:
     base, extra = divmod(global_batch, d)
     rank_stage = rank_places(kinds, stage_kinds, per)
     ranks = []
@@ -186,7 +204,8 @@ def _pipeline_plan(label, profile, kinds, stage_kinds, per, d, bounds, mb, m, ch
         ranks.append(RankPlan(rank=r, device=k.spec.name, share=base + (1 if replica < extra else 0),
                               precision=k.precision, micro_batch=mb, grad_accum=m, activation_checkpointing=ckpt,
                               stage=j, memory_bytes=mem, memory_capacity_bytes=k.spec.memory_bytes,
-                              predicted_step_seconds=t * m))
+                              predicted_step_seconds=t * m + stage_optimizer_seconds(k, held_blocks(bounds, chunks, j),
+                                                                                     d if zero else 1)))
     if chunks == 1:
         stages, schedule, name = bounds, "1f1b", "1F1B"
         formula = "(p-1)/(m+p-1)"

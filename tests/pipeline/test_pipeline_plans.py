@@ -2,6 +2,8 @@
 
 import math
 
+import pytest
+
 
 from hetrain.hardware.cluster import cluster_from_devices
 from hetrain.planning.cost_model import pipeline_bubble
@@ -167,3 +169,28 @@ def test_the_cli_plan_for_gpt3_2_7b_is_accepted_and_runs_scaled_down(tmp_path):
     assert plan.strategy in PIPELINE_STRATEGIES, f"auto chose {plan.strategy}: {plan.notes}"   # (pipeline today)
     assert plan.pipeline.stages[0][0] == 0 and plan.pipeline.stages[-1][1] == 34
     _runs_with_the_global_update(_scaled(plan, global_batch=16, microbatches=8), layers=32)
+
+
+def test_a_pipeline_step_includes_each_stage_optimizer_step():
+    """After the last backward every stage steps its optimizer over its own blocks: a rank's predicted
+    step grows by its stage's optimizer pass (as a data-parallel rank's grows by the whole model's),
+    and the job's by the slowest stage's."""
+    from hetrain.hardware.catalog import get_gpu
+    from hetrain.planning.cost_model import OPTIMIZER_STEP_BYTES
+
+    from hetrain.workload import get_profile
+
+    # a model every stage holds with room to spare: the optimizer's state does not change the partition
+    profile, cluster = get_profile("gpt2-124m"), cluster_from_devices("a100-sxm4-80gb:2,v100-sxm2-32gb:2")
+    adam = plan_job(cluster, profile, 64, strategy="pipeline", optimizer="adamw").plan
+    sgd = plan_job(cluster, profile, 64, strategy="pipeline", optimizer="sgd-nomomentum").plan
+    assert adam.pipeline == sgd.pipeline and [r.micro_batch for r in adam.ranks] == [r.micro_batch for r in sgd.ranks]
+    extra = OPTIMIZER_STEP_BYTES["adamw"] - OPTIMIZER_STEP_BYTES["sgd-nomomentum"]
+    added = []
+    for a, s in zip(adam.ranks, sgd.ranks):
+        p = adam.pipeline.ranks_per_pipeline   # a rank holds stages j, j + p, ... (interleaved 1F1B)
+        params = sum(b.params for first, last in adam.pipeline.stages[a.stage::p] for b in profile.blocks[first:last])
+        added.append(extra * params / get_gpu(a.device).mem_bw_bytes_per_s)
+        assert a.predicted_step_seconds - s.predicted_step_seconds == pytest.approx(added[-1], rel=1e-6)
+    assert min(added) > 0
+    assert 64 / adam.predicted_samples_per_s - 64 / sgd.predicted_samples_per_s == pytest.approx(max(added), rel=1e-6)
