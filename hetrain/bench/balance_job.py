@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from hetrain.bench.digits import accuracy, digits_datasets, digits_model
 from hetrain.planning.plan import Plan
 from hetrain.runtime.data import GlobalBatchOrder, rank_slice
+from hetrain.runtime.environment import collect_at_exit
 from hetrain.runtime.timing import StepTimer, TimedHookState, emulated_speed, pad_to_speed, timed_hook
 
 
@@ -343,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    collect_at_exit()   # the group is freed while the interpreter is whole, not in its teardown
     rank, world = dist.get_rank(), dist.get_world_size()
     speed = emulated_speed(rank, world)
     train, test = digits_datasets()

@@ -23,6 +23,7 @@ import torch.nn as nn
 from hetrain.errors import HetrainError
 from hetrain.planning.plan import CommPlan
 from hetrain.runtime.comm_hooks import build_comm_hook, ddp_kwargs
+from hetrain.runtime.environment import collect_at_exit
 from hetrain.vocabulary import COMPRESSIONS
 
 HOOKS = list(COMPRESSIONS)
@@ -107,6 +108,7 @@ def _train(rank: int, world: int, args: argparse.Namespace, comm: CommPlan, data
 def _rank_main(rank: int, world: int, args: argparse.Namespace, store_path: str, out_path: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    collect_at_exit()   # the group is freed while the interpreter is whole, not in its teardown
     islands = [[int(r) for r in part.split(",")] for part in args.islands.split(";")] if args.islands else None
     data = _digits(args.seed)
     results = {}

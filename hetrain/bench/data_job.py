@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from hetrain.bench.emulated_device import DeviceTime
+from hetrain.runtime.environment import collect_at_exit
 from hetrain.runtime.timing import StepTimer, TimedHookState, timed_hook
 from hetrain.vocabulary import Env
 
@@ -208,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    collect_at_exit()   # the group is freed while the interpreter is whole, not in its teardown
     rank = dist.get_rank()
     data = JpegImages(args.samples)
     t0 = time.perf_counter()

@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from hetrain.errors import HetrainError
+from hetrain.runtime.environment import collect_at_exit
 from hetrain.vocabulary import SHARDINGS
 
 CAPACITY_PATTERN = (80 * 10**9, 32 * 10**9)  # a100-sxm4-80gb, v100-sxm2-32gb (from the plan, emulated)
@@ -87,6 +88,7 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, store_path: str,
     torch.set_num_threads(1)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    collect_at_exit()   # the group is freed while the interpreter is whole, not in its teardown
     results = {f"{s}{'+ckpt' if c else ''}": _measure(rank, world, args, s, c) for s in SHARDINGS for c in (False, True)}
     gathered = [None] * world
     dist.all_gather_object(gathered, results)

@@ -25,6 +25,7 @@ from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
 from hetrain.bench.emulated_device import CLOCK
+from hetrain.runtime.environment import collect_at_exit
 
 WIDTH = 16
 SPEED = [1.0]       # this rank's emulated speed
@@ -141,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     cli = parser.parse_args(argv)
     args = argparse.Namespace(**json.loads(cli.config))
     dist.init_process_group("gloo")
+    collect_at_exit()   # the group is freed while the interpreter is whole, not in its teardown
     torch.set_num_threads(1)
     SPEED[0] = args.speeds[dist.get_rank()]
     results = {name: run_plan(plan, args) for name, plan in plans(args).items()}

@@ -115,7 +115,9 @@ def collect_at_exit() -> None:
 
 def init_process_group(env: RankEnv, device: torch.device, backend: str | None = None) -> tuple[bool, Any]:
     """Join the job's process group (NCCL on CUDA, gloo on CPU). Returns (whether this call created it,
-    a store of the job that other services may use, or None)."""
+    a store of the job that other services may use, or None). A group the script started itself
+    is used as it is; either way the rank collects at exit (`collect_at_exit`)."""
+    collect_at_exit()
     if dist.is_initialized():
         return False, None
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
@@ -130,11 +132,9 @@ def init_process_group(env: RankEnv, device: torch.device, backend: str | None =
                               is_master=not agent and env.rank == 0, timeout=timeout)
         store = dist.PrefixStore(f"hetrain/{env.run_id}/attempt{env.restart_count}", store)
         dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
-        collect_at_exit()
         return True, store
     if env.world_size == 1:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-        collect_at_exit()
         return True, None
     raise HetrainError(
         f"WORLD_SIZE is {env.world_size} but no rendezvous address is set; "
