@@ -14,9 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hetrain.runtime.timing import EMULATION_CLOCK
-
-CLOCK = EMULATION_CLOCK   # the rank's one emulation clock (hetrain.runtime.timing)
+from hetrain.runtime.timing import EMULATION_CLOCK   # the rank's one emulation clock
 
 
 class _DeviceWait(torch.autograd.Function):
@@ -25,12 +23,12 @@ class _DeviceWait(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, seconds: float) -> torch.Tensor:  # type: ignore[override]
         ctx.seconds = seconds
-        CLOCK.wait(seconds)
+        EMULATION_CLOCK.wait(seconds)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        CLOCK.wait(2.0 * ctx.seconds)
+        EMULATION_CLOCK.wait(2.0 * ctx.seconds)
         return grad, None
 
 
@@ -47,6 +45,6 @@ class DeviceTime(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled() or not x.requires_grad:
-            CLOCK.wait(self.seconds_per_sample * x.shape[0])
+            EMULATION_CLOCK.wait(self.seconds_per_sample * x.shape[0])
             return x
         return _DeviceWait.apply(x, self.seconds_per_sample * x.shape[0])

@@ -24,8 +24,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
-from hetrain.bench.emulated_device import CLOCK
 from hetrain.runtime.environment import collect_at_exit
+from hetrain.runtime.timing import EMULATION_CLOCK
 
 WIDTH = 16
 SPEED = [1.0]       # this rank's emulated speed
@@ -34,7 +34,7 @@ BUSY = [0.0]        # seconds this rank spent computing (emulated) in the curren
 
 def _wait(seconds: float) -> None:
     """Wait `seconds` of emulated compute on the benchmarks' drift-free clock, counted as busy."""
-    BUSY[0] += CLOCK.wait(seconds)
+    BUSY[0] += EMULATION_CLOCK.wait(seconds)
 
 
 def _slowed(real: float) -> None:
