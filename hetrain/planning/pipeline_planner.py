@@ -129,14 +129,13 @@ def pipeline_candidates(cluster, profile: WorkloadProfile, kinds: list[Kind], gl
                     scale = cm.ELEMENT_BYTES[stage_kinds[0].precision] / profile.activation_dtype_bytes
                     p2p = max(mb * blocks[b - 1].output_bytes_per_sample * scale for _, b in bounds[:-1]) / (
                         link * cm.LINK_EFFICIENCY)
+                    optimizer_s = [stage_optimizer_seconds(k, ranges, d if zero else 1)
+                                   for k, ranges in zip(stage_kinds, held_blocks(bounds, v))]
                     step = cm.pipeline_step_seconds([slot] * p, m, p2p, chunks=v) + \
-                        replica_sync_seconds(bounds, d, m, zero, slot) + \
-                        max(stage_optimizer_seconds(k, held_blocks(bounds, v, j), d if zero else 1)
-                            for j, k in enumerate(stage_kinds))
+                        replica_sync_seconds(bounds, d, m, zero, slot) + max(optimizer_s)
                     if step < out[label].step_seconds:
                         out[label] = _pipeline_plan(label, profile, kinds, stage_kinds, per, d, bounds, mb, m, v,
-                                                    global_batch, step, stage_cost, p, zero,
-                                                    stage_optimizer_seconds)
+                                                    global_batch, step, stage_cost, p, zero, optimizer_s)
 
     def replica_sync_seconds(bounds: list[tuple[int, int]], d: int, m: int, zero: int, slot: float) -> float:
         """Exposed time of the replicas' gradient sum (all-reduce, partly under the last backward);
@@ -163,12 +162,13 @@ def pipeline_candidates(cluster, profile: WorkloadProfile, kinds: list[Kind], gl
     return list(out.values())
 
 
-def held_blocks(bounds: list[tuple[int, int]], chunks: int, j: int) -> list[tuple[int, int]]:
-    """The block ranges the rank at pipeline position j holds: its stage, or under interleaved 1F1B
-    its chunks (stages j, j + p, ...)."""
+def held_blocks(bounds: list[tuple[int, int]], chunks: int) -> list[list[tuple[int, int]]]:
+    """Per pipeline position j, the block ranges its rank holds: its stage, or under interleaved
+    1F1B its chunks (stages j, j + p, ...)."""
     if chunks == 1:
-        return [bounds[j]]
-    return interleaved_stages([b - a for a, b in bounds], chunks)[j::len(bounds)]
+        return [[bound] for bound in bounds]
+    stages = interleaved_stages([b - a for a, b in bounds], chunks)
+    return [stages[j::len(bounds)] for j in range(len(bounds))]
 
 
 def rank_places(kinds: list[Kind], stage_kinds: list[Kind], per: list[int]) -> dict[int, tuple[int, int]]:
@@ -192,7 +192,7 @@ def replica_grid(kinds: list[Kind], stage_kinds: list[Kind], per: list[int]) -> 
 
 
 def _pipeline_plan(label, profile, kinds, stage_kinds, per, d, bounds, mb, m, chunks, global_batch, step,
-                   stage_cost, p, zero, stage_optimizer_seconds) -> Candidate:
+                   stage_cost, p, zero, optimizer_s) -> Candidate:
     base, extra = divmod(global_batch, d)
     rank_stage = rank_places(kinds, stage_kinds, per)
     ranks = []
@@ -204,8 +204,7 @@ def _pipeline_plan(label, profile, kinds, stage_kinds, per, d, bounds, mb, m, ch
         ranks.append(RankPlan(rank=r, device=k.spec.name, share=base + (1 if replica < extra else 0),
                               precision=k.precision, micro_batch=mb, grad_accum=m, activation_checkpointing=ckpt,
                               stage=j, memory_bytes=mem, memory_capacity_bytes=k.spec.memory_bytes,
-                              predicted_step_seconds=t * m + stage_optimizer_seconds(k, held_blocks(bounds, chunks, j),
-                                                                                     d if zero else 1)))
+                              predicted_step_seconds=t * m + optimizer_s[j]))
     if chunks == 1:
         stages, schedule, name = bounds, "1f1b", "1F1B"
         formula = "(p-1)/(m+p-1)"

@@ -3,6 +3,8 @@ freed in the interpreter's own teardown can end a finished rank with SIGABRT."""
 
 import gc
 
+import pytest
+
 from hetrain.runtime import environment
 
 
@@ -15,15 +17,21 @@ def test_collect_at_exit_registers_one_collection_per_process(monkeypatch):
     assert registered == [gc.collect]
 
 
-def test_a_session_that_starts_the_process_group_collects_at_exit(monkeypatch):
-    import hetrain
-
-    registered = []
-    monkeypatch.setattr(environment.atexit, "register", registered.append)
+@pytest.fixture
+def registered(monkeypatch):
+    """What a one-rank session registers at exit, in a process that has registered nothing yet."""
+    calls = []
+    monkeypatch.setattr(environment.atexit, "register", calls.append)
     monkeypatch.setattr(environment, "_collecting_at_exit", False)
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("MASTER_ADDR", raising=False)
+    return calls
+
+
+def test_a_session_that_starts_the_process_group_collects_at_exit(registered):
+    import hetrain
+
     session = hetrain.Session()
     try:
         assert gc.collect in registered
@@ -31,18 +39,12 @@ def test_a_session_that_starts_the_process_group_collects_at_exit(monkeypatch):
         session.close()
 
 
-def test_a_session_on_a_group_the_script_started_collects_at_exit(monkeypatch):
+def test_a_session_on_a_group_the_script_started_collects_at_exit(registered):
     """A ported DDP script starts its own process group before the session: its ranks are covered too."""
     import torch.distributed as dist
 
     import hetrain
 
-    registered = []
-    monkeypatch.setattr(environment.atexit, "register", registered.append)
-    monkeypatch.setattr(environment, "_collecting_at_exit", False)
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.delenv("MASTER_ADDR", raising=False)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         session = hetrain.Session()
