@@ -77,6 +77,7 @@ def spec_doc(spec: GpuSpec) -> dict[str, Any]:
         "nvlink_bytes_per_s": spec.nvlink_bytes_per_s,
         "pcie_gen": spec.pcie_gen,
         "pcie_bytes_per_s": spec.pcie_bytes_per_s,
+        "pcie_p2p": spec.pcie_p2p,
         "tdp_w": spec.tdp_w,
         "estimate": spec.arch == "cpu",
     }

@@ -49,6 +49,8 @@ class GpuSpec:
     """L2 cache (0 where the catalog does not say, and for the CPU)"""
     power_reference: bool = False
     """whether this part's power per peak FLOP stands for its die family (see gpus.csv)"""
+    pcie_p2p: bool = True
+    """whether the driver gives peer-to-peer access over PCIe (not on GeForce parts: see gpus.csv)"""
 
     def supports(self, precision: str) -> bool:
         """Whether this device computes in `precision` (fp32, tf32, fp16, bf16)."""
@@ -123,6 +125,7 @@ def _spec_from_row(row: dict[str, str]) -> GpuSpec:
         tdp_w=_opt_float(row["tdp_w"]),
         l2_bytes=_opt_float(row.get("l2_mb") or "", 1e6) or 0.0,
         power_reference=(row.get("power_reference") or "").strip().lower() == "yes",
+        pcie_p2p=(row.get("pcie_p2p") or "").strip().lower() != "no",
     )
 
 

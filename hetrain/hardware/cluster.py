@@ -1,7 +1,9 @@
 """The cluster file: which devices, on which nodes, joined by which links.
 
 A cluster is nodes of device groups; ranks are numbered node by node, group by group.
-Each node is one island (its devices share NVLink or PCIe); nodes talk over the network.
+Each node is one island (its devices share NVLink or PCIe); nodes talk over the network. Devices
+without peer-to-peer access over PCIe (GeForce parts, see gpus.csv) exchange data through host
+memory: their node's link is "host".
 """
 
 from __future__ import annotations
@@ -25,6 +27,30 @@ MAX_YAML_VALUES = 2_000_000
 """Most values a cluster file may hold once its YAML aliases (``*name``) are expanded: 65,536
 written-out nodes hold under a million, and a few kilobytes of nested aliases can stand for
 billions."""
+
+
+Link = Literal["nvlink", "pcie", "host"]
+"""How a node's devices reach each other: NVLink; PCIe peer to peer; PCIe staged through host memory."""
+HOST_STAGED_SHARE = 0.5
+"""Share of PCIe bandwidth a host-staged transfer gets: each byte crosses PCIe twice, into host memory
+and out of it."""
+
+
+def default_link(specs: list[GpuSpec]) -> Link:
+    """The link between these devices when a cluster file does not say: NVLink if every one has it,
+    else PCIe peer to peer if every one allows it, else host-staged."""
+    if all(s.has_nvlink for s in specs):
+        return "nvlink"
+    return "pcie" if all(s.pcie_p2p for s in specs) else "host"
+
+
+def link_bytes_per_s(specs: list[GpuSpec], link: Link) -> float:
+    """Per-device bandwidth of `link` between these devices, one direction: the slowest device's rate.
+    CPU devices, which have neither link, talk through host memory."""
+    if link == "nvlink":
+        return min(s.nvlink_bytes_per_s or 0.0 for s in specs)
+    share = HOST_STAGED_SHARE if link == "host" else 1.0
+    return min(s.pcie_bytes_per_s * share if s.pcie_bytes_per_s else s.mem_bw_bytes_per_s for s in specs)
 
 
 class _Strict(BaseModel):
@@ -54,8 +80,9 @@ class Node(_Strict):
 
     name: str = Field(min_length=1)
     devices: list[DeviceGroup] = Field(min_length=1)
-    intra_link: Literal["nvlink", "pcie"] | None = Field(
-        None, description="None: nvlink if every device of the node has NVLink, else pcie"
+    intra_link: Link | None = Field(
+        None, description="None: nvlink if every device of the node has NVLink, else pcie if every one "
+                          "allows PCIe peer-to-peer access, else host (staged through host memory)"
     )
 
     @model_validator(mode="after")
@@ -70,22 +97,16 @@ class Node(_Strict):
         return self
 
     @property
-    def link(self) -> Literal["nvlink", "pcie"]:
-        """The link between this node's devices, with the default resolved."""
+    def link(self) -> Link:
+        """The link between this node's devices, with the default resolved (`default_link`)."""
         if self.intra_link is not None:
             return self.intra_link
-        return "nvlink" if all(g.spec.has_nvlink for g in self.devices) else "pcie"
+        return default_link([g.spec for g in self.devices])
 
     @property
     def link_bytes_per_s(self) -> float:
-        """Per-device bandwidth of the node's link, one direction: the slowest device's rate.
-
-        CPU devices, which have neither link, talk through host memory.
-        """
-        specs = [g.spec for g in self.devices]
-        if self.link == "nvlink":
-            return min(s.nvlink_bytes_per_s or 0.0 for s in specs)
-        return min(s.pcie_bytes_per_s or s.mem_bw_bytes_per_s for s in specs)
+        """Per-device bandwidth of the node's link, one direction: the slowest device's rate."""
+        return link_bytes_per_s([g.spec for g in self.devices], self.link)
 
     @property
     def size(self) -> int:
@@ -105,6 +126,8 @@ class ClusterDevice:
     """index into Cluster.islands()"""
     intra_bytes_per_s: float
     """bandwidth of its node's link (NVLink or PCIe), one direction"""
+    host_staged: bool = False
+    """whether its node's link is staged through host memory (no peer-to-peer access)"""
 
 
 class Cluster(_Strict):
@@ -133,12 +156,12 @@ class Cluster(_Strict):
         """Every device, flattened in rank order (node by node, group by group)."""
         out: list[ClusterDevice] = []
         for n, node in enumerate(self.nodes):
-            bw = node.link_bytes_per_s
+            bw, staged = node.link_bytes_per_s, node.link == "host"
             local = 0
             for group in node.devices:
                 spec = group.spec
                 for _ in range(group.count):
-                    out.append(ClusterDevice(len(out), n, local, spec, n, bw))
+                    out.append(ClusterDevice(len(out), n, local, spec, n, bw, staged))
                     local += 1
         return out
 

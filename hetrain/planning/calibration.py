@@ -37,6 +37,7 @@ from hetrain.planning.cost_model import (
     data_parallel_efficiency,
     exposed_seconds,
     fixed_seconds_per_microbatch,
+    hidden_seconds,
     optimizer_seconds,
     graphics_memory,
     math_precision,
@@ -264,8 +265,10 @@ def default_calibration() -> Calibration:
 
 def predict_row(row: PublishedRow, calib: Calibration) -> float:
     """Predicted samples/s of a published configuration (multi-GPU: one node, ring all-reduce over
-    NVLink where the part has it, else PCIe)."""
+    NVLink where the part has it, else PCIe, staged through host memory on parts without peer access,
+    as a cluster file's node of them defaults to: `hetrain.hardware.cluster.default_link`)."""
     from hetrain.hardware.catalog import get_gpu
+    from hetrain.hardware.cluster import default_link, link_bytes_per_s
     from hetrain.workload.zoo import get_profile
 
     profile, spec = get_profile(row.model_name), get_gpu(row.gpu)
@@ -278,11 +281,13 @@ def predict_row(row: PublishedRow, calib: Calibration) -> float:
     compute = compute_seconds(profile, spec, row.precision, mb, mb, False, calib, row.fp32_math, _optimizer(row))
     exposed = 0.0
     if row.gpus > 1:
-        link = spec.nvlink_bytes_per_s or spec.pcie_bytes_per_s
-        topo = CommTopology(node_sizes=(row.gpus,), intra_bytes_per_s=link, inter_bytes_per_s=link)
+        kind = default_link([spec])
+        link = link_bytes_per_s([spec], kind)
+        topo = CommTopology(node_sizes=(row.gpus,), intra_bytes_per_s=link, inter_bytes_per_s=link,
+                            host_staged=kind == "host")
         grad_bytes = 4.0 * profile.params
         comm = allreduce_cost(grad_bytes, topo).seconds
-        exposed = exposed_seconds(comm, compute * backward_fraction(False), grad_bytes)
+        exposed = exposed_seconds(comm, hidden_seconds(topo, compute * backward_fraction(False)), grad_bytes)
     return row.gpus * mb / (compute + exposed) * data_parallel_efficiency(row.gpus, calib)
 
 

@@ -284,6 +284,8 @@ class CommTopology:
     node_sizes: tuple[int, ...]
     intra_bytes_per_s: float
     inter_bytes_per_s: float
+    host_staged: bool = False
+    """a node's devices exchange data through host memory (no peer-to-peer access): see `hidden_seconds`"""
 
     @property
     def world(self) -> int:
@@ -299,13 +301,13 @@ def topology_of(cluster, ranks: list[int] | None = None) -> CommTopology:
     nodes: dict[object, list] = {}
     for d in devices:
         nodes.setdefault(d.node, []).append(d)
-    intra = [
-        d.intra_bytes_per_s or d.spec.pcie_bytes_per_s or 16e9 for group in nodes.values() if len(group) > 1 for d in group
-    ]
+    shared = [d for group in nodes.values() if len(group) > 1 for d in group]
+    intra = [d.intra_bytes_per_s or d.spec.pcie_bytes_per_s or 16e9 for d in shared]
     return CommTopology(
         node_sizes=tuple(len(g) for g in nodes.values()),
         intra_bytes_per_s=min(intra) if intra else float("inf"),
         inter_bytes_per_s=float(cluster.inter_node_bytes_per_s or 12.5e9),
+        host_staged=any(d.host_staged for d in shared),
     )
 
 
@@ -340,6 +342,15 @@ def allreduce_cost(nbytes: float, topo: CommTopology, factor: float = 2.0) -> Al
     if inside + across < flat_inter:
         return AllReduceCost(inside + across, "two-level", across)
     return AllReduceCost(flat_inter, "ring", flat_inter)
+
+
+def hidden_seconds(topo: CommTopology, compute_seconds: float) -> float:
+    """The compute a collective over `topo` can hide under: all of it, except where a node's devices
+    exchange data through host memory. There the collective is modelled as exposed: the published
+    2-GPU BERT-large rows of the RTX 3090 and 4090 (hetrain/data/published_training.csv, lambda-2023)
+    keep 63-80% of twice their single GPU's speed, where an all-reduce hidden under backward, even at
+    half of PCIe's bandwidth, would leave over 95% (docs/cost-model.md)."""
+    return 0.0 if topo.host_staged else compute_seconds
 
 
 def exposed_seconds(comm_seconds: float, backward_seconds: float, total_bytes: float,

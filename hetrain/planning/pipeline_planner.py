@@ -56,6 +56,7 @@ def pipeline_candidates(cluster, profile: WorkloadProfile, kinds: list[Kind], gl
     multi_node = len(cluster.nodes) > 1
     devices = cluster.devices()
     link = cluster.inter_node_bytes_per_s if multi_node else min(d.intra_bytes_per_s for d in devices)
+    staged = not multi_node and any(d.host_staged for d in devices)
     counts = [k.count for k in kinds]
     memo: dict = {}
 
@@ -141,10 +142,10 @@ def pipeline_candidates(cluster, profile: WorkloadProfile, kinds: list[Kind], gl
         """Exposed time of the replicas' gradient sum (all-reduce, partly under the last backward);
         sharded, a reduce-scatter plus the weights gathered in each micro-batch's forward and backward."""
         weights = max(4.0 * sum(x.params for x in blocks[a:b]) for a, b in bounds)
-        topo = cm.CommTopology((1,) * d if multi_node else (d,), link, cluster.inter_node_bytes_per_s)
+        topo = cm.CommTopology((1,) * d if multi_node else (d,), link, cluster.inter_node_bytes_per_s, staged)
         if zero == 0:
             comm = cm.allreduce_cost(weights, topo).seconds
-            return cm.exposed_seconds(comm, slot * cm.backward_fraction(False), weights)
+            return cm.exposed_seconds(comm, cm.hidden_seconds(topo, slot * cm.backward_fraction(False)), weights)
         gathers = 2 * m * cm.allreduce_cost(weights, topo, factor=1.0).seconds
         return gathers + cm.allreduce_cost(weights, topo, factor=1.0).seconds
 

@@ -130,9 +130,11 @@ def _comm(profile: WorkloadProfile, topo: cm.CommTopology, zero: int, hook: str,
 
     DDP hides all but the last bucket of its all-reduce under backward; ZeRO-1's parameter
     broadcast after the optimizer step hides under nothing; FSDP's gathers and reduce-scatters
-    (per micro-batch) hide under forward and backward except the first block's gather.
+    (per micro-batch) hide under forward and backward except the first block's gather. Over devices
+    that exchange data through host memory nothing hides (`cost_model.hidden_seconds`).
     """
     grad = 4.0 * profile.params
+    overlap_seconds = cm.hidden_seconds(topo, overlap_seconds)
     if zero >= 3:
         c = cm.allreduce_cost(grad, topo, factor=1.0)
         total = 3 * accum * c.seconds
@@ -295,6 +297,10 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
                            f"use a global batch of at least {world}")
     notes = figures_notes(kinds, profile, profiles, rates)
     notes += [k.note for k in kinds if k.note]
+    notes += [f"node {n.name}: no peer-to-peer access over PCIe between its devices, so collectives go "
+              "through host memory, at half of PCIe and not hidden under compute; if its driver gives peer "
+              "access (nvidia-smi topo -p2p r shows OK), write intra_link: pcie in the cluster file"
+              for n in cluster.nodes if n.link == "host" and n.size > 1]
     notes += [f"{k.spec.name}: fp16 with dynamic loss scaling (no bf16 on this chip)"
               for k in kinds if needs_loss_scaling(k.precision) and precision == "auto"]
     args = (cluster, profile, kinds, global_batch, optimizer, micro_batch)

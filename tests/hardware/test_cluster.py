@@ -64,6 +64,27 @@ def test_explicit_pcie_on_nvlink_devices(tmp_path: Path) -> None:
     assert {d.intra_bytes_per_s for d in cluster.devices()} == {get_gpu("a100").pcie_bytes_per_s}
 
 
+def test_geforce_nodes_talk_through_host_memory_unless_the_file_says_pcie(tmp_path: Path) -> None:
+    """GeForce parts have no peer-to-peer access over PCIe with the stock driver: their node's link
+    is host-staged, at half of PCIe (every byte crosses it twice). One such device makes the whole
+    node host-staged; a node whose driver allows peer access says intra_link: pcie."""
+    assert not get_gpu("rtx-4090").pcie_p2p and not get_gpu("rtx-3090").pcie_p2p
+    assert get_gpu("rtx-a6000").pcie_p2p and get_gpu("a100-pcie-80gb").pcie_p2p and get_gpu("l4").pcie_p2p
+
+    def node(devices: str, link: str = "") -> Cluster:
+        return load_cluster(_write(tmp_path, f"nodes:\n  - name: n\n{link}    devices:\n{devices}"))
+
+    geforce = node("      - {model: rtx-4090, count: 2}\n")
+    assert geforce.nodes[0].link == "host"
+    assert [(d.intra_bytes_per_s, d.host_staged) for d in geforce.devices()] == [(0.5 * 31.5e9, True)] * 2
+    mixed = node("      - model: rtx-a6000\n      - model: rtx-3090\n")
+    assert mixed.nodes[0].link == "host" and all(d.host_staged for d in mixed.devices())
+    pro = node("      - {model: rtx-a6000, count: 2}\n")
+    assert pro.nodes[0].link == "pcie" and not any(d.host_staged for d in pro.devices())
+    declared = node("      - {model: rtx-4090, count: 2}\n", "    intra_link: pcie\n")
+    assert [(d.intra_bytes_per_s, d.host_staged) for d in declared.devices()] == [(31.5e9, False)] * 2
+
+
 def test_yaml_round_trip(tmp_path: Path) -> None:
     cluster = load_cluster(_write(tmp_path, LAB))
     out = tmp_path / "out.yaml"
@@ -126,7 +147,7 @@ def test_malformed_yaml(tmp_path: Path) -> None:
 
 def test_bad_link_and_duplicates(tmp_path: Path) -> None:
     msg = _error(tmp_path, "nodes:\n  - name: n\n    intra_link: infiniband\n    devices:\n      - model: l4\n")
-    assert "nodes[0].intra_link: intra_link must be 'nvlink' or 'pcie', got 'infiniband'" in msg
+    assert "nodes[0].intra_link: intra_link must be 'nvlink', 'pcie' or 'host', got 'infiniband'" in msg
     msg = _error(tmp_path, "nodes:\n  - name: n\n    intra_link: nvlink\n    devices:\n      - model: l4\n")
     assert "the catalog lists no NVLink for l4" in msg
     msg = _error(tmp_path, "nodes:\n  - {name: n, devices: [{model: l4}]}\n  - {name: n, devices: [{model: t4}]}\n")

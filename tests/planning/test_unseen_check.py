@@ -24,11 +24,13 @@ def test_every_unseen_row_is_predicted_and_paired_within_its_source():
 
 
 def test_the_check_stays_where_the_docs_report_it():
-    """docs/cost-model.md, "Cards the fit never saw": throughput 13.3% median, relative speed 14.2%
-    (fit on every source; 11.0% with the source held out); the RTX A6000's throughput 5.3%
-    (BERT-large) and 9.6% (ResNet-50)."""
+    """docs/cost-model.md, "Cards the fit never saw": throughput 13.2% median, 146% worst, relative
+    speed 13.6% (fit on every source; 9.8% with the source held out), 151% worst; the RTX A6000's
+    throughput 5.1% (BERT-large) and 10.3% (ResNet-50)."""
     s = unseen_summary()
-    assert s["throughput"][0] <= 0.14 and s["pairs"][0] <= 0.15 and s["pairs_source_held_out"][0] <= 0.12
+    assert s["throughput"][0] <= 0.14 and s["pairs"][0] <= 0.145 and s["pairs_source_held_out"][0] <= 0.105
+    # host-staged GeForce all-reduce: the RTX 3080's 2-GPU BERT-large rows were 362% too fast without it
+    assert s["throughput"][1] <= 1.5 and s["pairs"][1] <= 1.55
     a6000 = [r.error for r in evaluate_unseen() if r.row.gpu == "rtx-a6000"]
     assert sorted(abs(e) for e in a6000)[len(a6000) // 2] <= 0.10
     text = markdown_unseen()
