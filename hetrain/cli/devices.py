@@ -202,11 +202,14 @@ def _render(doc: dict[str, Any]) -> None:
                 "-" if s["arch"] == "cpu" else ".".join(map(str, s["compute_capability"])),
                 _num(s["memory_bytes"], 1e9, 0), _num(s["mem_bw_bytes_per_s"], 1e9, 0),
                 *(_num(flops[p], 1e12) for p in ("fp32", "tf32", "fp16", "bf16")),
-                _num(s["nvlink_bytes_per_s"], 1e9, 0), _num(s["pcie_bytes_per_s"], 1e9, 2),
+                _num(s["nvlink_bytes_per_s"], 1e9, 0),
+                _num(s["pcie_bytes_per_s"], 1e9, 2) + ("" if s["pcie_p2p"] else " h"),
                 _num(s["tdp_w"], 1, 0),
             )
         console.print(table)
         console.print("* cpu: this host's RAM; flops and bandwidth are estimates, not measurements")
+        console.print("h: no peer-to-peer access over PCIe; a node of these talks through host memory "
+                      "(intra_link: host, docs/cluster-file.md)")
     elif "local" in doc:
         table = Table(title="devices on this machine")
         for col in ("index", "name", "kind", "memory GB", "cc", "catalog", "source"):

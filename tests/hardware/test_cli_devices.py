@@ -74,9 +74,13 @@ def test_catalog(capsys: pytest.CaptureFixture[str]) -> None:
     assert by_name["a100-sxm4-80gb"]["peak_flops"]["bf16"] == 312e12
     assert by_name["a100-sxm4-80gb"]["aliases"] == ["a100", "a100-80gb"]
     assert by_name["v100-sxm2-32gb"]["bf16"] is False and by_name["cpu"]["estimate"] is True
+    assert by_name["rtx-4090"]["pcie_p2p"] is False and by_name["rtx-a6000"]["pcie_p2p"] is True
     assert main(["devices", "--catalog"]) == 0
     table = capsys.readouterr().out
     assert "h200-sxm-141gb" in table and "989.4" in table  # h100 sxm fp16 TFLOP/s
+    # GeForce parts are marked: no peer access, so a node of them talks through host memory
+    assert "31.50 h" in next(line for line in table.splitlines() if "rtx-4090" in line)
+    assert "h: no peer-to-peer access over PCIe" in table
 
 
 def test_preset_json(capsys: pytest.CaptureFixture[str]) -> None:
