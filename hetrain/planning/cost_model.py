@@ -348,7 +348,7 @@ def hidden_seconds(topo: CommTopology, compute_seconds: float) -> float:
     """The compute a collective over `topo` can hide under: all of it, except where a node's devices
     exchange data through host memory. There the collective is modelled as exposed: the published
     2-GPU BERT-large rows of the RTX 3090 and 4090 (hetrain/data/published_training.csv, lambda-2023)
-    keep 63-80% of twice their single GPU's speed, where an all-reduce hidden under backward, even at
+    keep 63-86% of twice their single GPU's speed, where an all-reduce hidden under backward, even at
     half of PCIe's bandwidth, would leave over 95% (docs/cost-model.md)."""
     return 0.0 if topo.host_staged else compute_seconds
 
