@@ -56,7 +56,7 @@ def pipeline_candidates(cluster, profile: WorkloadProfile, kinds: list[Kind], gl
     multi_node = len(cluster.nodes) > 1
     devices = cluster.devices()
     link = cluster.inter_node_bytes_per_s if multi_node else min(d.intra_bytes_per_s for d in devices)
-    staged = not multi_node and any(d.host_staged for d in devices)
+    staged = not multi_node and cm.topology_of(cluster).host_staged
     counts = [k.count for k in kinds]
     memo: dict = {}
 

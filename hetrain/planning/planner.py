@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, field
 
 from hetrain.errors import HetrainError
+from hetrain.hardware.cluster import HOST_STAGED_SHARE
 from hetrain.planning import cost_model as cm
 from hetrain.planning.compression import PREFERENCE, compression_ratio, lossless_for
 from hetrain.planning.batch_split import FunctionCost, split_min_max
@@ -298,8 +299,8 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
     notes = figures_notes(kinds, profile, profiles, rates)
     notes += [k.note for k in kinds if k.note]
     notes += [f"node {n.name}: no peer-to-peer access over PCIe between its devices, so collectives go "
-              "through host memory, at half of PCIe and not hidden under compute; if its driver gives peer "
-              "access (nvidia-smi topo -p2p r shows OK), write intra_link: pcie in the cluster file"
+              f"through host memory, at {HOST_STAGED_SHARE:.0%} of PCIe and not hidden under compute; "
+              "if its driver gives peer access (nvidia-smi topo -p2p r shows OK), write intra_link: pcie in the cluster file"
               for n in cluster.nodes if n.link == "host" and n.size > 1]
     notes += [f"{k.spec.name}: fp16 with dynamic loss scaling (no bf16 on this chip)"
               for k in kinds if needs_loss_scaling(k.precision) and precision == "auto"]
