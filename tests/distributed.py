@@ -53,7 +53,7 @@ def _context():
         _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch.nn.parallel", "hetrain.runtime.session",
                                          "hetrain.runtime.zero1", "hetrain.checkpoint.sharded",
                                          "torch.distributed.pipelining", "torch._dynamo",
-                                         "hetrain.bench.digits", "sklearn.datasets"])
+                                         "hetrain.bench.digits"])
     return _CONTEXT
 
 
