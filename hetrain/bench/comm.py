@@ -46,10 +46,11 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def _digits(seed: int) -> tuple[torch.Tensor, ...]:
-    from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
-    x, y = load_digits(return_X_y=True)
+    from hetrain.bench.digits import load_digits_arrays
+
+    x, y = load_digits_arrays()
     xtr, xte, ytr, yte = train_test_split(x / 16.0, y, test_size=0.2, random_state=seed, stratify=y)
     return (torch.tensor(xtr, dtype=torch.float32), torch.tensor(ytr), torch.tensor(xte, dtype=torch.float32),
             torch.tensor(yte))
