@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    collect_at_exit()   # the group is freed while the interpreter is whole, not in its teardown
+    collect_at_exit()   # at exit: collect, and let gloo's workers free their last tensors (settle_at_exit)
     rank, world = dist.get_rank(), dist.get_world_size()
     speed = emulated_speed(rank, world)
     train, test = digits_datasets()

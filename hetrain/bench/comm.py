@@ -109,7 +109,7 @@ def _train(rank: int, world: int, args: argparse.Namespace, comm: CommPlan, data
 def _rank_main(rank: int, world: int, args: argparse.Namespace, store_path: str, out_path: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
-    collect_at_exit()   # the group is freed while the interpreter is whole, not in its teardown
+    collect_at_exit()   # at exit: collect, and let gloo's workers free their last tensors (settle_at_exit)
     islands = [[int(r) for r in part.split(",")] for part in args.islands.split(";")] if args.islands else None
     data = _digits(args.seed)
     results = {}

@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    collect_at_exit()   # the group is freed while the interpreter is whole, not in its teardown
+    collect_at_exit()   # at exit: collect, and let gloo's workers free their last tensors (settle_at_exit)
     rank = dist.get_rank()
     data = JpegImages(args.samples)
     t0 = time.perf_counter()

@@ -88,7 +88,7 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, store_path: str,
     torch.set_num_threads(1)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
-    collect_at_exit()   # the group is freed while the interpreter is whole, not in its teardown
+    collect_at_exit()   # at exit: collect, and let gloo's workers free their last tensors (settle_at_exit)
     results = {f"{s}{'+ckpt' if c else ''}": _measure(rank, world, args, s, c) for s in SHARDINGS for c in (False, True)}
     gathered = [None] * world
     dist.all_gather_object(gathered, results)

@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     cli = parser.parse_args(argv)
     args = argparse.Namespace(**json.loads(cli.config))
     dist.init_process_group("gloo")
-    collect_at_exit()   # the group is freed while the interpreter is whole, not in its teardown
+    collect_at_exit()   # at exit: collect, and let gloo's workers free their last tensors (settle_at_exit)
     torch.set_num_threads(1)
     SPEED[0] = args.speeds[dist.get_rank()]
     results = {name: run_plan(plan, args) for name, plan in plans(args).items()}

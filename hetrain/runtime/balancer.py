@@ -213,6 +213,7 @@ class Balancer:
     _reversed: bool = False                    # some re-split turned the direction of the one before
     _in_flight: Any = field(default=None, repr=False)   # (work, tensors) of an exchange still on its way
     _arrived: list[RankMeasurement] | None = None        # its figures, until `settle` re-splits on them
+    _exchanged: Any = field(default=None, repr=False)   # the last exchange's tensors, until the next
 
     def __post_init__(self) -> None:
         if self._skip is None:
@@ -276,6 +277,9 @@ class Balancer:
                               m.window_steps], dtype=torch.float64, device=device)
         out = [torch.zeros(6, dtype=torch.float64, device=device) for _ in range(dist.get_world_size(group))]
         self._in_flight = (dist.all_gather(out, local, group=group, async_op=True), out)
+        # held until the next exchange: gloo's worker frees the finished gather after `arrived` returns,
+        # and tensors still held here are then freed without the interpreter lock (see settle_at_exit)
+        self._exchanged = (local, out)
 
     def arrived(self) -> list[RankMeasurement] | None:
         """The figures of the exchange begun last (waiting for them if they are still on their way),

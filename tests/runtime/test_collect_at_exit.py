@@ -1,20 +1,49 @@
-"""A rank collects its unreachable objects at exit, while the interpreter is whole: a process group
-freed in the interpreter's own teardown can end a finished rank with SIGABRT."""
+"""A rank settles at exit, while the interpreter is whole: it collects its unreachable objects and
+leaves the interpreter lock to gloo's worker threads for a moment. A finished collective's tensors
+freed by a gloo worker once the interpreter is finalizing end a finished rank with SIGABRT."""
 
-import gc
+import time
 
 import pytest
+import torch
 
 from hetrain.runtime import environment
+from hetrain.planning.plan import BalancePlan
+from hetrain.runtime.balancer import Balancer
+from tests.distributed import run_ranks
 
 
-def test_collect_at_exit_registers_one_collection_per_process(monkeypatch):
+def test_collect_at_exit_registers_one_settling_per_process(monkeypatch):
     registered = []
     monkeypatch.setattr(environment.atexit, "register", registered.append)
     monkeypatch.setattr(environment, "_collecting_at_exit", False)
     environment.collect_at_exit()
     environment.collect_at_exit()
-    assert registered == [gc.collect]
+    assert registered == [environment.settle_at_exit]
+
+
+def test_settling_collects_and_gives_a_waiting_thread_the_interpreter_lock(monkeypatch):
+    """A thread that wants the interpreter lock (as a gloo worker freeing a finished collective's
+    tensors does) gets it while the exiting rank settles, not after."""
+    import sys
+    import threading
+
+    collected, ran = [], []
+    monkeypatch.setattr(environment.gc, "collect", lambda: collected.append(True))
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(30.0)   # the main thread keeps the lock unless it lets go of it itself
+    try:
+        go = threading.Event()
+        worker = threading.Thread(target=lambda: go.wait() and ran.append(time.monotonic()))
+        worker.start()
+        go.set()                  # the worker now waits for the lock only
+        environment.settle_at_exit()
+        settled = time.monotonic()
+    finally:
+        sys.setswitchinterval(switch)
+    worker.join()
+    assert collected == [True]
+    assert ran and ran[0] <= settled
 
 
 @pytest.fixture
@@ -29,17 +58,17 @@ def registered(monkeypatch):
     return calls
 
 
-def test_a_session_that_starts_the_process_group_collects_at_exit(registered):
+def test_a_session_that_starts_the_process_group_settles_at_exit(registered):
     import hetrain
 
     session = hetrain.Session()
     try:
-        assert gc.collect in registered
+        assert environment.settle_at_exit in registered
     finally:
         session.close()
 
 
-def test_a_session_on_a_group_the_script_started_collects_at_exit(registered):
+def test_a_session_on_a_group_the_script_started_settles_at_exit(registered):
     """A ported DDP script starts its own process group before the session: its ranks are covered too."""
     import torch.distributed as dist
 
@@ -49,9 +78,38 @@ def test_a_session_on_a_group_the_script_started_collects_at_exit(registered):
     try:
         session = hetrain.Session()
         try:
-            assert gc.collect in registered
+            assert environment.settle_at_exit in registered
         finally:
             session.close()
         assert dist.is_initialized()   # the script's group is left to the script
     finally:
         dist.destroy_process_group()
+
+
+def _exchange_then_read(rank: int, world: int) -> bool:
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    given = []
+    gather = dist.all_gather
+
+    def watched(out, local, **kw):
+        given.extend(weakref.ref(t) for t in [local, *out])
+        return gather(out, local, **kw)
+
+    dist.all_gather = watched
+    balancer = Balancer(BalancePlan(interval=1), [32, 32], rank=rank)
+    balancer.record(32, 0.01)
+    balancer.begin_exchange(torch.device("cpu"))
+    balancer.arrived()
+    gc.collect()
+    # the tensors live on in Python after their collective finished: the gloo worker that frees the
+    # finished work drops only its own reference to them and never needs the interpreter lock for it
+    return len(given) == 1 + world and all(ref() is not None for ref in given)
+
+
+def test_the_balancer_holds_its_exchange_tensors_past_the_gather():
+    assert run_ranks(_exchange_then_read, 2) == [True, True]
