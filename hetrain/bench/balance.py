@@ -18,7 +18,7 @@ from pathlib import Path
 
 from hetrain.errors import HetrainError
 from hetrain.launch.launcher import LaunchConfig, launch
-from hetrain.runtime.timing import parse_speeds
+from hetrain.runtime.speeds import parse_speeds
 
 
 def add_job_options(parser: argparse.ArgumentParser, steps: int = 100) -> None:

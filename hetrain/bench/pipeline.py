@@ -28,7 +28,7 @@ from hetrain.planning.cost_model import pipeline_bubble
 from hetrain.planning.partition import interleaved_stages, partition_blocks
 from hetrain.planning.plan import BalancePlan, PipelinePlan, Plan, RankPlan
 from hetrain.planning.pipeline_planner import interleaved_rounds_fit
-from hetrain.runtime.timing import parse_speeds
+from hetrain.runtime.speeds import parse_speeds
 from hetrain.vocabulary import SCHEDULES
 
 

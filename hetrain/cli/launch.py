@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from hetrain.launch.launcher import LaunchConfig, launch
-from hetrain.runtime.timing import parse_speeds
+from hetrain.runtime.speeds import parse_speeds
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
