@@ -29,7 +29,8 @@ def test_settling_collects_and_gives_a_waiting_thread_the_interpreter_lock(monke
     import threading
 
     collected, ran = [], []
-    monkeypatch.setattr(environment.gc, "collect", lambda: collected.append(True))
+    monkeypatch.setattr(environment.gc, "collect", lambda: collected.append("collect"))
+    monkeypatch.setattr(environment.gc, "freeze", lambda: collected.append("freeze"))
     switch = sys.getswitchinterval()
     sys.setswitchinterval(30.0)   # the main thread keeps the lock unless it lets go of it itself
     try:
@@ -42,7 +43,7 @@ def test_settling_collects_and_gives_a_waiting_thread_the_interpreter_lock(monke
     finally:
         sys.setswitchinterval(switch)
     worker.join()
-    assert collected == [True]
+    assert collected == ["collect", "freeze"]   # what is left is frozen: the teardown does not walk it again
     assert ran and ran[0] <= settled
 
 
