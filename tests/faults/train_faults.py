@@ -12,6 +12,8 @@ in the first attempt only, so a restarted job can finish. Kinds:
   killlauncher the rank sends SIGKILL to its parent, the `hetrain launch` process
   killckpt     the rank sends itself SIGKILL inside the next checkpoint write
   raiseslow    the rank raises, and takes 3 s to exit after closing its connections (a slow teardown)
+The loop draws random numbers and trains with Adam, so a restart that ends on the uninterrupted
+job's parameters restored the RNG and the optimizer's state exactly.
 At the end rank 0 prints `final step N finite F digest D`: D is a hash of the model's parameters,
 F whether they are all finite.
 """
@@ -102,10 +104,11 @@ def main() -> None:
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         faults = {}
 
+    torch.manual_seed(1234)   # the same on every start; a resumed run restores its own RNG state
     session = hetrain.Session()
     train, _ = digits_datasets()
     net = digits_mlp(hidden=32)
-    model, optimizer = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.05))
+    model, optimizer = session.prepare(net, torch.optim.Adam(net.parameters(), lr=1e-3))
     loader = session.loader(train, global_batch_size=args.global_batch, shuffle=True, seed=0)
     step = getattr(session, "step_count", 0)   # a restart resumes from the last checkpoint
     print(f"rank {session.rank} starts at step {step} pid {os.getpid()} parent {os.getppid()}", flush=True)
@@ -114,6 +117,7 @@ def main() -> None:
             step += 1
             scale = inject(faults[(session.rank, step)], session.rank, step) \
                 if (session.rank, step) in faults else 1.0
+            x = x + 0.01 * torch.randn_like(x)    # RNG in the loop: a resume must restore it exactly
             with session.autocast():
                 loss = F.cross_entropy(model(x), y) * scale
             session.backward(loss)
