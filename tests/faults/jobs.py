@@ -50,6 +50,8 @@ class Job:
     stderr: str
     left_behind: list[int]
     """processes of the job still alive after its launcher ended (killed since)"""
+    ended: float = 0.0
+    """when the launcher ended (time.time())"""
 
 
 def run_job(cmd: list[str], *, cwd: Path, env: dict, timeout: float, grace: float = 5.0) -> Job:
@@ -68,6 +70,7 @@ def run_job(cmd: list[str], *, cwd: Path, env: dict, timeout: float, grace: floa
                 if time.monotonic() > deadline:
                     raise subprocess.TimeoutExpired(cmd, timeout)
                 time.sleep(0.2)
+            ended = time.time()
             end = time.monotonic() + grace
             while time.monotonic() < end and any(_start_time(p) == t for p, t in seen.items()):
                 time.sleep(0.1)
@@ -81,4 +84,4 @@ def run_job(cmd: list[str], *, cwd: Path, env: dict, timeout: float, grace: floa
             proc.wait()
         out.seek(0)
         err.seek(0)
-        return Job(proc.pid, proc.returncode, out.read(), err.read(), left)
+        return Job(proc.pid, proc.returncode, out.read(), err.read(), left, ended)
