@@ -67,7 +67,12 @@ def run_ranks(fn: Callable, world: int, *args: Any, env: dict | None = None, tim
         p.start()
     results: dict[int, Any] = {}
     errors = []
-    for _ in range(world):
+    deadline = time.monotonic() + timeout
+    while len(results) < world:
+        if queue.empty():
+            _check_alive(procs, results, queue, deadline)
+            time.sleep(0.05)
+            continue
         rank, status, value = queue.get()
         if status == "error":
             errors.append(f"rank {rank}:\n{value}")
@@ -79,6 +84,24 @@ def run_ranks(fn: Callable, world: int, *args: Any, env: dict | None = None, tim
     if errors:
         raise AssertionError("\n".join(errors))
     return [results[r] for r in range(world)]
+
+
+def _check_alive(procs, results: dict, queue, deadline: float) -> None:
+    """Fail (killing every rank) when a rank ended without reporting, or the ranks ran past the deadline."""
+    ended = [(r, p.exitcode) for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
+    late = time.monotonic() > deadline
+    if not ended and not late:
+        return
+    if ended and not late:
+        time.sleep(0.5)          # its report may still be on its way through the pipe
+        if not queue.empty():
+            return
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    if late:
+        raise AssertionError(f"ranks {sorted(set(range(len(procs))) - set(results))} did not report within the timeout")
+    raise AssertionError("ranks ended without reporting: " + ", ".join(f"rank {r} exit code {c}" for r, c in ended))
 
 
 PIPE_GRACE_S = 10.0

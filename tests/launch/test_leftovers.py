@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import run_cli
+from tests.distributed import run_cli, run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,3 +65,19 @@ def test_run_cli_does_not_wait_for_a_leftover_holding_the_output(tmp_path):
     with pytest.raises(subprocess.TimeoutExpired):
         run_cli(["sh", "-c", "sleep 60"], timeout=1, grace=2)
     assert time.monotonic() - started < 15
+
+
+def _one_rank_dies(rank: int, world: int) -> int:
+    import os
+
+    if rank == 1:
+        os._exit(5)
+    return rank
+
+
+def test_run_ranks_fails_at_once_when_a_rank_ends_without_reporting():
+    """A rank that dies hard (no exception to report) fails the test with its exit code, not a hang."""
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match="rank 1 exit code 5"):
+        run_ranks(_one_rank_dies, 2, timeout=60)
+    assert time.monotonic() - start < 30
