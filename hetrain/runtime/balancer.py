@@ -211,9 +211,9 @@ class Balancer:
     _asked: list[int] | None = None            # the move the last re-split found and left to confirm
     _streak: bool = False                      # the last re-split with figures moved the split
     _reversed: bool = False                    # some re-split turned the direction of the one before
-    _in_flight: Any = field(default=None, repr=False)   # (work, tensors) of an exchange still on its way
+    _in_flight: Any = field(default=None, repr=False)   # the work of an exchange still on its way
     _arrived: list[RankMeasurement] | None = None        # its figures, until `settle` re-splits on them
-    _exchanged: Any = field(default=None, repr=False)   # the last exchange's tensors, until the next
+    _exchanged: Any = field(default=None, repr=False)   # (local, gathered) of the last exchange, until the next
 
     def __post_init__(self) -> None:
         if self._skip is None:
@@ -276,7 +276,7 @@ class Balancer:
         local = torch.tensor([m.samples, m.seconds, m.window_samples, m.window_seconds, m.window_sd,
                               m.window_steps], dtype=torch.float64, device=device)
         out = [torch.zeros(6, dtype=torch.float64, device=device) for _ in range(dist.get_world_size(group))]
-        self._in_flight = (dist.all_gather(out, local, group=group, async_op=True), out)
+        self._in_flight = dist.all_gather(out, local, group=group, async_op=True)
         # held until the next exchange: gloo's worker frees the finished gather after `arrived` returns,
         # and tensors still held here are then freed without the interpreter lock (see settle_at_exit)
         self._exchanged = (local, out)
@@ -285,10 +285,9 @@ class Balancer:
         """The figures of the exchange begun last (waiting for them if they are still on their way),
         until `settle` uses them; None when no exchange is pending."""
         if self._in_flight is not None:
-            work, out = self._in_flight
-            work.wait()
+            self._in_flight.wait()
             self._in_flight = None
-            self._arrived = [RankMeasurement(*(float(v) for v in t.tolist())) for t in out]
+            self._arrived = [RankMeasurement(*(float(v) for v in t.tolist())) for t in self._exchanged[1]]
         return self._arrived
 
     def settle(self, step: int) -> bool | None:

@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 from hetrain.errors import HetrainError
 from hetrain.runtime.speeds import parse_speeds
-
 from hetrain.vocabulary import Env
 
 EMULATE_ENV = Env.EMULATE_SPEEDS
