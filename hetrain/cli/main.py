@@ -6,12 +6,11 @@ A verb module defines `build_parser(parser)` (adds its arguments) and `run(args)
 from __future__ import annotations
 
 import argparse
-import atexit
-import gc
 import importlib
 import sys
 
 from hetrain.errors import HetrainError
+from hetrain.runtime.exiting import collect_then_freeze, once_at_exit
 
 # verb -> (module, one-line help). The order here is the order of `hetrain --help`.
 VERBS: dict[str, tuple[str, str]] = {
@@ -37,24 +36,6 @@ def _top_parser() -> argparse.ArgumentParser:
     )
 
 
-_leaving_quickly = False
-
-
-def _collect_then_freeze() -> None:
-    """At exit: collect once, then freeze what is left, so that the interpreter's teardown does not
-    walk the heap of torch a verb imported again and again (a few tenths of a second per command)."""
-    gc.collect()
-    gc.freeze()
-
-
-def leave_quickly() -> None:
-    """Register `_collect_then_freeze` for this process, once."""
-    global _leaving_quickly
-    if not _leaving_quickly:
-        atexit.register(_collect_then_freeze)
-        _leaving_quickly = True
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     top = _top_parser()
@@ -71,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hetrain: error: unknown verb {verb!r}; choose one of: {', '.join(VERBS)}", file=sys.stderr)
         return 2
     module_name, text = VERBS[verb]
-    leave_quickly()
+    once_at_exit(collect_then_freeze)   # the verb's torch is not walked again at exit
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:

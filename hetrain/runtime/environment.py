@@ -6,7 +6,6 @@ rendezvous address; a script started by hand runs as a single rank.
 
 from __future__ import annotations
 
-import atexit
 import datetime
 import gc
 import logging
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hetrain.errors import HetrainError
+from hetrain.runtime.exiting import once_at_exit
 from hetrain.vocabulary import Env
 
 log = logging.getLogger("hetrain")
@@ -96,8 +96,6 @@ def collective_timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=max(2 * t, t + 30))
 
 
-_collecting_at_exit = False
-
 EXIT_SETTLE_S = 0.05
 """How long a rank, at exit, leaves the interpreter lock to gloo's worker threads (see `settle_at_exit`)."""
 
@@ -117,8 +115,8 @@ def settle_at_exit() -> None:
     Sleeping releases the lock, so a worker waiting for it finishes first. The collection frees a
     DistributedDataParallel model's reference cycles while the interpreter still runs.
 
-    What is left is then frozen (`gc.freeze`): nothing unreachable is left to find, and the teardown's
-    own collections would walk torch's whole heap again, about 0.7 s of every rank's exit here."""
+    What is left is then frozen, as `collect_then_freeze` does: the teardown does not walk torch's heap
+    again (about 0.7 s of every rank's exit here)."""
     gc.collect()
     time.sleep(EXIT_SETTLE_S)
     gc.freeze()
@@ -126,10 +124,7 @@ def settle_at_exit() -> None:
 
 def collect_at_exit() -> None:
     """Register `settle_at_exit` for this process, once. Called when a rank joins its process group."""
-    global _collecting_at_exit
-    if not _collecting_at_exit:
-        atexit.register(settle_at_exit)
-        _collecting_at_exit = True
+    once_at_exit(settle_at_exit)
 
 
 def init_process_group(env: RankEnv, device: torch.device, backend: str | None = None) -> tuple[bool, Any]:

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from hetrain.runtime import environment
+from hetrain.runtime import environment, exiting
 from hetrain.planning.plan import BalancePlan
 from hetrain.runtime.balancer import Balancer
 from tests.distributed import run_ranks
@@ -15,8 +15,8 @@ from tests.distributed import run_ranks
 
 def test_collect_at_exit_registers_one_settling_per_process(monkeypatch):
     registered = []
-    monkeypatch.setattr(environment.atexit, "register", registered.append)
-    monkeypatch.setattr(environment, "_collecting_at_exit", False)
+    monkeypatch.setattr(exiting.atexit, "register", registered.append)
+    monkeypatch.setattr(exiting, "_registered", set())
     environment.collect_at_exit()
     environment.collect_at_exit()
     assert registered == [environment.settle_at_exit]
@@ -51,8 +51,8 @@ def test_settling_collects_and_gives_a_waiting_thread_the_interpreter_lock(monke
 def registered(monkeypatch):
     """What a one-rank session registers at exit, in a process that has registered nothing yet."""
     calls = []
-    monkeypatch.setattr(environment.atexit, "register", calls.append)
-    monkeypatch.setattr(environment, "_collecting_at_exit", False)
+    monkeypatch.setattr(exiting.atexit, "register", calls.append)
+    monkeypatch.setattr(exiting, "_registered", set())
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("MASTER_ADDR", raising=False)
