@@ -239,6 +239,11 @@ _FAMILIES = (
     ("rtx-3080", r"\b3080\b"),
     ("rtx-3060", r"\b3060\b"),
     ("rtx-4080", r"\b4080\b"),
+    ("rtx-2080-ti", r"\b2080 ti\b"),
+    ("titan-rtx", r"\btitan rtx\b"),
+    ("quadro-rtx-8000", r"\brtx 8000\b"),
+    ("quadro-rtx-6000", r"\brtx 6000\b"),
+    ("quadro-rtx-5000", r"\brtx 5000\b"),
 )
 _FAMILY_DEFAULT = {"a100": "a100-sxm4-80gb", "v100": "v100-sxm2-32gb", "h100": "h100-sxm5-80gb"}
 _GIB = 1024**3
@@ -253,8 +258,8 @@ def match_device_name(torch_name: str, memory_bytes: int | None = None) -> GpuSp
     text = re.sub(r"[_\s]+", " ", torch_name.lower()).replace("-", " ")
     words = text.split()
     family = next((fam for fam, pattern in _FAMILIES if re.search(pattern, text)), None)
-    if family is None or {"nvl", "ti", "super"} & set(words):
-        return None  # NVL boards, Ti and Super cards are different products than the catalog's entries
+    if family is None or ({"nvl", "ti", "super", "ada"} - set(family.split("-"))) & set(words):
+        return None  # NVL boards, Ti, Super and Ada cards are other products than the family's entries
     catalog = load_catalog()
     candidates = [s for s in catalog.values() if s.name == family or s.name.startswith(family + "-")]
     if "pcie" in words:

@@ -190,6 +190,11 @@ def test_parse_catalog_csv_skips_comments_and_fills_tf32() -> None:
         ("NVIDIA GeForce RTX 3080", "rtx-3080"),
         ("NVIDIA GeForce RTX 3060", "rtx-3060"),
         ("NVIDIA GeForce RTX 4080", "rtx-4080"),
+        ("NVIDIA GeForce RTX 2080 Ti", "rtx-2080-ti"),
+        ("NVIDIA TITAN RTX", "titan-rtx"),
+        ("Quadro RTX 8000", "quadro-rtx-8000"),
+        ("Quadro RTX 6000", "quadro-rtx-6000"),
+        ("Quadro RTX 5000", "quadro-rtx-5000"),
     ],
 )
 def test_match_real_device_names(torch_name: str, name: str) -> None:
@@ -200,7 +205,8 @@ def test_match_real_device_names(torch_name: str, name: str) -> None:
 @pytest.mark.parametrize(
     "torch_name",
     ["NVIDIA A10G", "Tesla V100S-PCIE-32GB", "NVIDIA H100 NVL", "NVIDIA GeForce RTX 3090 Ti",
-     "NVIDIA GeForce RTX 3080 Ti", "NVIDIA GeForce RTX 4080 SUPER", "Quadro RTX 6000", "NVIDIA RTX A4000",
+     "NVIDIA GeForce RTX 3080 Ti", "NVIDIA GeForce RTX 4080 SUPER", "NVIDIA GeForce RTX 2080", "NVIDIA GeForce RTX 2080 SUPER",
+     "NVIDIA RTX 5000 Ada Generation", "NVIDIA RTX A4000",
      "AMD Instinct MI250X", "cpu"],
 )
 def test_products_outside_the_catalog_match_nothing(torch_name: str) -> None:

@@ -82,6 +82,19 @@ def test_the_power_limit_is_measured_against_the_family_reference_not_its_lowest
     assert power_fraction(get_gpu("a10")) == pytest.approx((150 / 31.2) / (350 / 35.6))
 
 
+def test_turing_parts_are_measured_against_the_rtx_2080_ti():
+    """The T4 (70 W) had no family reference before the Turing cards joined the catalog and was priced
+    at its full tensor peak; the TITAN RTX and Quadro boards run FP32-accumulate tensor math at twice
+    the GeForce rate on about the same power."""
+    ti, t4, titan = get_gpu("rtx-2080-ti"), get_gpu("t4"), get_gpu("titan-rtx")
+    assert ti.power_reference and power_fraction(ti, "fp16") == 1.0
+    assert power_fraction(t4, "fp16") == pytest.approx((70 / 65) / (260 / 56.9))
+    assert power_fraction(titan, "fp16") == pytest.approx((280 / 130.5) / (260 / 56.9))
+    assert power_fraction(titan, "fp16") < power_fraction(titan, "fp32") < 1.0
+    resnet = get_profile("resnet50")
+    assert sample_seconds(resnet, t4, "fp16") > sample_seconds(resnet, ti, "fp16") * 1.5
+
+
 def test_tensor_work_is_power_limited_per_tensor_flop():
     """Professional graphics parts run FP32-accumulate tensor math at full rate, GeForce parts at half:
     on the tensor cores the A10 and the RTX 6000 Ada are further from their peaks than on the fp32
