@@ -27,7 +27,7 @@ class GpuSpec:
     name: str
     """catalog key, e.g. "a100-sxm4-80gb"; "cpu" for the host CPU pseudo-device"""
     arch: str
-    """volta, turing, ampere, ada, hopper, cpu"""
+    """volta, turing, ampere, ada, hopper, blackwell, cpu"""
     compute_capability: tuple[int, int]
     """CUDA compute capability; (0, 0) for the CPU"""
     memory_bytes: int
@@ -84,6 +84,7 @@ ALIASES: dict[str, str] = {
     "v100-16gb": "v100-sxm2-16gb",
     "h100": "h100-sxm5-80gb",
     "h200": "h200-sxm-141gb",
+    "gh200": "gh200-96gb",
 }
 
 # Host CPU estimate: per core, 2 FMA units x 8 fp32 lanes x 2 FLOP at 2.5 GHz is the AVX2 peak;
@@ -232,6 +233,8 @@ _FAMILIES = (
     ("v100", r"\bv100\b"),
     ("h100", r"\bh100\b"),
     ("h200", r"\bh200\b"),
+    ("gh200", r"\bgh200\b"),
+    ("b200", r"\bb200\b"),
     ("t4", r"\bt4\b"),
     ("l4", r"\bl4\b"),
     ("rtx-3090", r"\b3090\b"),
@@ -245,7 +248,10 @@ _FAMILIES = (
     ("quadro-rtx-6000", r"\brtx 6000\b"),
     ("quadro-rtx-5000", r"\brtx 5000\b"),
 )
-_FAMILY_DEFAULT = {"a100": "a100-sxm4-80gb", "v100": "v100-sxm2-32gb", "h100": "h100-sxm5-80gb"}
+_FAMILY_DEFAULT = {"a100": "a100-sxm4-80gb", "v100": "v100-sxm2-32gb", "h100": "h100-sxm5-80gb", "gh200": "gh200-96gb"}
+# Families whose device name counts the CPU's memory with the GPU's ("NVIDIA GH200 480GB"): the size in
+# the name does not pick the GPU; the memory the driver reports does.
+_NAME_GB_IS_TOTAL = {"gh200"}
 _GIB = 1024**3
 
 
@@ -268,7 +274,7 @@ def match_device_name(torch_name: str, memory_bytes: int | None = None) -> GpuSp
         candidates = [s for s in candidates if "sxm" in s.name] or candidates
     elif any("pcie" in s.name for s in candidates) and any("sxm" in s.name for s in candidates):
         candidates = [s for s in candidates if "sxm" in s.name]
-    named_gb = re.search(r"\b(\d+)\s?gb\b", text)
+    named_gb = re.search(r"\b(\d+)\s?gb\b", text) if family not in _NAME_GB_IS_TOTAL else None
     if named_gb:
         gb = int(named_gb.group(1))
         candidates = [s for s in candidates if round(s.memory_bytes / 1e9) == gb]

@@ -195,6 +195,8 @@ def test_parse_catalog_csv_skips_comments_and_fills_tf32() -> None:
         ("Quadro RTX 8000", "quadro-rtx-8000"),
         ("Quadro RTX 6000", "quadro-rtx-6000"),
         ("Quadro RTX 5000", "quadro-rtx-5000"),
+        ("NVIDIA B200", "b200"),
+        ("NVIDIA GH200 480GB", "gh200-96gb"),
     ],
 )
 def test_match_real_device_names(torch_name: str, name: str) -> None:
@@ -206,11 +208,17 @@ def test_match_real_device_names(torch_name: str, name: str) -> None:
     "torch_name",
     ["NVIDIA A10G", "Tesla V100S-PCIE-32GB", "NVIDIA H100 NVL", "NVIDIA GeForce RTX 3090 Ti",
      "NVIDIA GeForce RTX 3080 Ti", "NVIDIA GeForce RTX 4080 SUPER", "NVIDIA GeForce RTX 2080", "NVIDIA GeForce RTX 2080 SUPER",
-     "NVIDIA RTX 5000 Ada Generation", "NVIDIA RTX A4000",
+     "NVIDIA RTX 5000 Ada Generation", "NVIDIA RTX A4000", "NVIDIA GB200",
      "AMD Instinct MI250X", "cpu"],
 )
 def test_products_outside_the_catalog_match_nothing(torch_name: str) -> None:
     assert match_device_name(torch_name) is None
+
+
+def test_a_superchip_name_counts_cpu_memory_so_the_driver_memory_picks_the_part() -> None:
+    """"NVIDIA GH200 480GB" is the 96 GB GPU with 480 GB of CPU memory; the 144 GB part says HBM3e."""
+    assert match_device_name("NVIDIA GH200 480GB", 97871 * 2**20).name == "gh200-96gb"
+    assert match_device_name("NVIDIA GH200 144G HBM3e", 146 * 2**30).name == "gh200-144gb"
 
 
 def test_memory_size_picks_between_sizes() -> None:
