@@ -52,19 +52,27 @@ def _ints(text: str, flag: str) -> list[int]:
     return values
 
 
-def _precisions(text: str, device) -> list[str]:
+def _precision_names(text: str) -> list[str] | None:
+    """The precisions --precision names; None for auto."""
     from hetrain.planning.precision_policy import PRECISION_CHOICES
 
     if text == "auto":
+        return None
+    values = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in values if p not in PRECISION_CHOICES or p == "auto"]
+    if bad or not values:
+        raise HetrainError(f"--precision {text!r}: choose from bf16, fp16, tf32, fp32 (comma-separated) or auto")
+    return values
+
+
+def _precisions(text: str, device) -> list[str]:
+    values = _precision_names(text)
+    if values is None:
         if device.type != "cuda":
             return ["fp32"]
         import torch
 
         return ["bf16" if torch.cuda.is_bf16_supported() else "fp16", "fp32"]
-    values = [p.strip() for p in text.split(",") if p.strip()]
-    bad = [p for p in values if p not in PRECISION_CHOICES or p == "auto"]
-    if bad or not values:
-        raise HetrainError(f"--precision {text!r}: choose from bf16, fp16, tf32, fp32 (comma-separated) or auto")
     if device.type != "cuda" and values != ["fp32"]:
         raise HetrainError(f"--precision {text!r}: the CPU profiles in fp32 only; use --precision fp32")
     return values
@@ -88,15 +96,35 @@ def _workload(args: argparse.Namespace, runnable):
     return profile(runnable.module, runnable.make_input(2), name=runnable.name, kind=runnable.kind)
 
 
+def _check_flags(args: argparse.Namespace) -> list[int]:
+    """What can be checked without torch (so a mistyped flag is refused at once); the micro-batches."""
+    import importlib.util
+
+    from hetrain.workload.zoo import get_profile
+
+    micro_batches = _ints(args.micro_batches, "--micro-batches")
+    if args.repeats < 1 or args.seconds <= 0 or args.concurrent < 1:
+        raise HetrainError("--repeats, --seconds and --concurrent must be positive")
+    _precision_names(args.precision)
+    if args.model:
+        get_profile(args.model)
+    elif args.script:
+        path = args.script.partition(":")[0]
+        if not Path(path).is_file():
+            raise HetrainError(f"--script {args.script!r}: {path!r} does not exist; write FILE.py:FACTORY")
+    elif importlib.util.find_spec("transformers") is None:
+        raise HetrainError("--hf-config needs the transformers package; pip install transformers, "
+                           "or profile a zoo model (--model) or your own factory (--script)")
+    return micro_batches
+
+
 def run(args: argparse.Namespace) -> int:
+    micro_batches = _check_flags(args)
     import torch
 
     from hetrain.workload.device_profile import WORKLOAD_FILE
     from hetrain.workload.measure import local_devices, measure, measure_cpu_copies, set_cpu_threads
 
-    micro_batches = _ints(args.micro_batches, "--micro-batches")
-    if args.repeats < 1 or args.seconds <= 0 or args.concurrent < 1:
-        raise HetrainError("--repeats, --seconds and --concurrent must be positive")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise HetrainError("--device cuda: torch sees no CUDA device here; use --device cpu (or auto)")
     devices = [torch.device("cpu")] if args.device == "cpu" else local_devices()
