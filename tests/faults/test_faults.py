@@ -110,6 +110,10 @@ def test_fault(request, tmp_path, uninterrupted, waiting_jobs, faults, restarts,
         count(outcome)
     assert outcome == expected, (outcome, r.stderr[-3000:])
     assert not r.left_behind, f"processes {r.left_behind} outlived the job"
+    if restarts and expected == "survived, nothing lost":
+        fault_step = int(re.search(r":(\d+)$", faults).group(1))
+        resumed = [int(s) for s in re.findall(r"rank \d+ starts at step (\d+)", r.stdout)]
+        assert max(resumed) == (fault_step - 1) // 4 * 4 > 0, f"the restart resumed from {resumed}, not the checkpoint"
     if report:
         last = r.stderr.strip().splitlines()[-1]
         assert re.search(report, last), last

@@ -3,7 +3,8 @@
     HETRAIN_TEST_FAULTS="nan@1:5,raise@0:7" hetrain launch --nproc-per-node 2 tests/faults/train_faults.py
 
 Each fault is KIND@RANK:STEP and fires on that rank when it starts that step (steps count from 1),
-in the first attempt only, so a restarted job can finish. Kinds:
+in the first attempt only, so a restarted job can finish; before a fault a restart follows, the rank
+waits until the last checkpoint before that step is committed, so the restart resumes from it. Kinds:
   nan, inf     the rank's loss is NaN (inf) at that step
   raise        the rank raises RuntimeError
   hang         the rank sleeps forever (its peers wait in the next collective)
@@ -23,15 +24,19 @@ import hashlib
 import os
 import signal
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import hetrain
 from hetrain.bench.digits import digits_datasets, digits_mlp
+from hetrain.checkpoint.store import committed
+from hetrain.vocabulary import Env
 
 FAULTS_ENV = "HETRAIN_TEST_FAULTS"
 KINDS = ("nan", "inf", "raise", "hang", "exit", "kill", "killlauncher", "killckpt", "raiseslow")
+RESTARTING = ("raise", "hang", "exit", "kill", "killlauncher", "raiseslow")   # a restart resumes after these
 
 
 def parse_faults(text: str) -> dict[tuple[int, int], str]:
@@ -57,8 +62,22 @@ def kill_in_next_fsync() -> None:
     os.fsync = fsync
 
 
+def wait_for_committed_checkpoint(step: int, timeout_s: float = 20.0) -> None:
+    """Before a fault at `step`, wait until the checkpoint of the last interval before it is committed
+    (saves run in the background): a restart then resumes from it, not from step 0."""
+    root, interval = os.environ.get(Env.CHECKPOINT_DIR), int(os.environ.get(Env.CHECKPOINT_INTERVAL, "0") or 0)
+    if not root or interval <= 0 or step <= interval:
+        return
+    want = (step - 1) // interval * interval
+    deadline = time.monotonic() + timeout_s
+    while not any(s >= want for s, _ in committed(Path(root))) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def inject(kind: str, rank: int, step: int) -> float:
     """Fire one fault; returns the factor the loss is multiplied by."""
+    if kind in RESTARTING:
+        wait_for_committed_checkpoint(step)
     print(f"injecting {kind} on rank {rank} at step {step} at {time.time():.3f}", flush=True)
     if kind == "nan":
         return float("nan")
