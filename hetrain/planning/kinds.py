@@ -10,6 +10,7 @@ from hetrain.errors import HetrainError
 from hetrain.planning import cost_model as cm
 from hetrain.planning.measured_rates import DeviceRate, MeasuredRates
 from hetrain.planning.precision_policy import choose_precision
+from hetrain.planning.published_check import caveat
 from hetrain.workload.device_profile import DeviceProfile, interpolate
 from hetrain.workload.profile import WorkloadProfile
 
@@ -162,6 +163,9 @@ def figures_notes(kinds: list[Kind], profile: WorkloadProfile, profiles: dict[st
             elif profiles and name in profiles:
                 why = f" (its profile has no {k.precision} timings)"
             notes.append(f"{name}: modelled by the cost model{why}")
+            off = caveat(name, profile.kind, k.precision)
+            if off:
+                notes.append(off)
         if k.peaks:
             notes.append(f"{name}: activation memory measured (peaks at micro-batches "
                          f"{','.join(str(b) for b, _ in k.peaks)}), weights, gradients and optimizer state modelled")
