@@ -36,7 +36,9 @@ from hetrain.vocabulary import Env
 
 FAULTS_ENV = "HETRAIN_TEST_FAULTS"
 KINDS = ("nan", "inf", "raise", "hang", "exit", "kill", "killlauncher", "killckpt", "raiseslow")
-RESTARTING = ("raise", "hang", "exit", "kill", "killlauncher", "raiseslow")   # a restart resumes after these
+# a restart resumes after these: each waits first for the last checkpoint before its step to be
+# committed (killckpt too, or its kill could land in that checkpoint's commit instead of the next write)
+RESTARTING = ("raise", "hang", "exit", "kill", "killlauncher", "killckpt", "raiseslow")
 
 
 def parse_faults(text: str) -> dict[tuple[int, int], str]:
