@@ -129,9 +129,10 @@ def test_sigterm_to_the_launcher_says_so_in_one_line_and_exits_143(tmp_path):
                              "--steps", "1000", "--step-sleep", "0.05"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        for line in proc.stdout:
-            if line.startswith("rank 1 starts"):
-                break
+        # ranks share the pipe and an unbuffered print writes its text and its newline apart, so
+        # rank 1's line may follow rank 0's on the same line
+        started = any("rank 1 starts" in line for line in proc.stdout)
+        assert started and proc.poll() is None, "rank 1 never said it started, or the job ended first"
         time.sleep(2)
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=60)
