@@ -90,9 +90,13 @@ def catalog_doc() -> dict[str, Any]:
 
 def local_doc() -> dict[str, Any]:
     """This machine's devices and, where there are GPUs, their NVLink islands."""
-    from hetrain.hardware.discovery import discover, local_islands
+    from hetrain.hardware.discovery import discover, local_islands, local_peer_access
+    from hetrain.hardware.topology import suggested_intra_link
 
     devices = discover()
+    islands = local_islands(devices)
+    peer = local_peer_access(devices)
+    gpus = sum(1 for d in devices if d.kind == "cuda")
     return {
         "local": [
             {
@@ -106,7 +110,9 @@ def local_doc() -> dict[str, Any]:
             }
             for d in devices
         ],
-        "islands": local_islands(devices),
+        "islands": islands,
+        "peer_access": peer,
+        "intra_link": suggested_intra_link(islands, gpus, peer),
     }
 
 
@@ -222,6 +228,11 @@ def _render(doc: dict[str, Any]) -> None:
         console.print(table)
         if any(d["kind"] == "cuda" for d in doc["local"]):
             console.print("NVLink islands: " + "  ".join(f"[{_ranks(i)}]" for i in doc["islands"]))
+        if sum(d["kind"] == "cuda" for d in doc["local"]) > 1:
+            peer = {True: "yes", False: "no", None: "unknown (no NVML answer)"}[doc["peer_access"]]
+            console.print(f"peer-to-peer access between the GPUs (NVML): {peer}"
+                          + (f"; a cluster file's node for this machine: intra_link: {doc['intra_link']}"
+                             if doc["intra_link"] else ""))
     elif "topo" in doc:
         topo = doc["topo"]
         table = Table(title="GPU links (nvidia-smi topo -m)")

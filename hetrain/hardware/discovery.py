@@ -147,3 +147,24 @@ def local_islands(devices: list[LocalDevice], topo_text: str | None = None, nvml
             module.nvmlShutdown()
     wanted = set(indices)
     return [kept for island in islands if (kept := [i for i in island if i in wanted])]
+
+
+def local_peer_access(devices: list[LocalDevice], nvml: Any | None = None) -> bool | None:
+    """Whether every pair of the local GPUs has peer-to-peer read access (NVML); None with fewer
+    than two GPUs, without pynvml or a driver, or when NVML cannot say."""
+    from hetrain.hardware import topology
+
+    indices = [d.index for d in devices if d.kind == "cuda"]
+    if len(indices) < 2:
+        return None
+    module = nvml if nvml is not None else _import_pynvml()
+    if module is None:
+        return None
+    try:
+        module.nvmlInit()
+    except getattr(module, "NVMLError", Exception):
+        return None
+    try:
+        return topology.peer_read_from_nvml(module, indices)
+    finally:
+        module.nvmlShutdown()

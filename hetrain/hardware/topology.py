@@ -185,3 +185,31 @@ def nvlink_islands_from_nvml(nvml: Any) -> list[list[int]]:
             if status == status_ok:
                 edges.append((i, j))
     return components(list(range(count)), edges)
+
+
+def peer_read_from_nvml(nvml: Any, indices: list[int]) -> bool | None:
+    """Whether every pair of the GPUs `indices` can read the other's memory directly (NVML's P2P
+    read status, which is what a PCIe node without NVLink needs for NCCL to skip host memory), from
+    an initialised pynvml-like module; None where a query fails."""
+    caps_read = getattr(nvml, "NVML_P2P_CAPS_INDEX_READ", 0)
+    status_ok = getattr(nvml, "NVML_P2P_STATUS_OK", 0)
+    nvml_error = getattr(nvml, "NVMLError", Exception)
+    try:
+        handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in indices]
+        return all(nvml.nvmlDeviceGetP2PStatus(handles[i], handles[j], caps_read) == status_ok
+                   for i in range(len(handles)) for j in range(i + 1, len(handles)))
+    except (nvml_error, AttributeError):
+        return None
+
+
+def suggested_intra_link(islands: list[list[int]], gpus: int, peer_read: bool | None) -> str | None:
+    """What a cluster file should say for a node of `gpus` GPUs with these NVLink islands and
+    peer access: nvlink when one island holds them all, else pcie with peer access, host without,
+    None for one GPU or when peer access is unknown."""
+    if gpus < 2:
+        return None
+    if len(islands) == 1 and len(islands[0]) == gpus:
+        return "nvlink"
+    if peer_read is None:
+        return None
+    return "pcie" if peer_read else "host"

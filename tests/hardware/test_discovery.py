@@ -6,7 +6,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from hetrain.hardware.catalog import CPU_SPEC
-from hetrain.hardware.discovery import discover, local_islands
+from hetrain.hardware.discovery import discover, local_islands, local_peer_access
+from hetrain.hardware.topology import suggested_intra_link
 
 
 class FakeCuda:
@@ -33,8 +34,11 @@ class FakeNVMLError(Exception):
 class FakeNVML:
     NVMLError = FakeNVMLError
 
-    def __init__(self, gpus: list[tuple[bytes | str, int, tuple[int, int]]], fail_init: bool = False):
-        self.gpus, self.fail_init = gpus, fail_init
+    NVML_P2P_CAPS_INDEX_READ, NVML_P2P_CAPS_INDEX_NVLINK, NVML_P2P_STATUS_OK = 0, 2, 0
+
+    def __init__(self, gpus: list[tuple[bytes | str, int, tuple[int, int]]], fail_init: bool = False,
+                 peer_read: set[tuple[int, int]] = frozenset()):
+        self.gpus, self.fail_init, self.peer_read = gpus, fail_init, peer_read
         self.inits = self.shutdowns = 0
 
     def nvmlInit(self) -> None:
@@ -61,7 +65,9 @@ class FakeNVML:
         return self.gpus[h][2]
 
     def nvmlDeviceGetP2PStatus(self, h1: int, h2: int, index: int) -> int:
-        return 4
+        """OK (0) for read access between the pairs in `peer_read`; 4 (not supported) otherwise."""
+        ok = index == self.NVML_P2P_CAPS_INDEX_READ and (min(h1, h2), max(h1, h2)) in self.peer_read
+        return 0 if ok else 4
 
 
 A100 = ("NVIDIA A100-SXM4-80GB", 85_899_345_920, (8, 0))
@@ -129,3 +135,29 @@ def test_local_islands() -> None:
     assert local_islands(devices[:3], topo_text=text) == [[0, 1], [2]]
     assert local_islands(devices, topo_text="", nvml=FakeNVML([A100] * 4)) == [[0], [1], [2], [3]]
     assert local_islands(discover(cuda=FakeCuda([]), use_nvml=False)) == [[0]]
+
+
+RTX4090 = ("NVIDIA GeForce RTX 4090", 25_386_352_640, (8, 9))
+
+
+def test_peer_access_from_nvml_tells_a_pcie_node_from_a_host_staged_one() -> None:
+    """A GeForce box whose driver gives peer access is a pcie node, one whose driver does not is a
+    host node: NVML's P2P read status says which, where the catalog can only assume."""
+    devices = discover(cuda=FakeCuda([RTX4090] * 3), use_nvml=False)
+    every_pair = {(0, 1), (0, 2), (1, 2)}
+    nvml = FakeNVML([RTX4090] * 3, peer_read=every_pair)
+    assert local_peer_access(devices, nvml=nvml) is True and nvml.inits == nvml.shutdowns == 1
+    assert local_peer_access(devices, nvml=FakeNVML([RTX4090] * 3, peer_read={(0, 1), (1, 2)})) is False
+    islands = [[0], [1], [2]]
+    assert suggested_intra_link(islands, 3, True) == "pcie"
+    assert suggested_intra_link(islands, 3, False) == "host"
+    assert suggested_intra_link(islands, 3, None) is None
+    assert suggested_intra_link([[0, 1, 2]], 3, False) == "nvlink"   # one NVLink island holds them all
+    assert suggested_intra_link([[0]], 1, True) is None
+
+
+def test_peer_access_is_unknown_without_nvml_or_a_second_gpu() -> None:
+    two = discover(cuda=FakeCuda([RTX4090] * 2), use_nvml=False)
+    assert local_peer_access(two, nvml=FakeNVML([RTX4090] * 2, fail_init=True)) is None
+    assert local_peer_access(two[:1], nvml=FakeNVML([RTX4090], peer_read={(0, 1)})) is None
+    assert local_peer_access(discover(cuda=FakeCuda([]), use_nvml=False)) is None
