@@ -98,8 +98,7 @@ def _workload(args: argparse.Namespace, runnable):
 
 def _check_flags(args: argparse.Namespace) -> list[int]:
     """What can be checked without torch (so a mistyped flag is refused at once); the micro-batches."""
-    import importlib.util
-
+    from hetrain.workload.modules import require_transformers, script_file
     from hetrain.workload.zoo import get_profile
 
     micro_batches = _ints(args.micro_batches, "--micro-batches")
@@ -109,12 +108,9 @@ def _check_flags(args: argparse.Namespace) -> list[int]:
     if args.model:
         get_profile(args.model)
     elif args.script:
-        path = args.script.partition(":")[0]
-        if not Path(path).is_file():
-            raise HetrainError(f"--script {args.script!r}: {path!r} does not exist; write FILE.py:FACTORY")
-    elif importlib.util.find_spec("transformers") is None:
-        raise HetrainError("--hf-config needs the transformers package; pip install transformers, "
-                           "or profile a zoo model (--model) or your own factory (--script)")
+        script_file(args.script)
+    else:
+        require_transformers()
     return micro_batches
 
 

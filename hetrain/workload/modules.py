@@ -136,12 +136,25 @@ def zoo_module(name: str) -> RunnableModel:
     return RunnableModel(name, module, make, "transformer")
 
 
-def script_module(spec: str) -> RunnableModel:
-    """FILE.py:FACTORY, where FACTORY() returns (model, make_input) and make_input(n) a batch of n."""
+def script_file(spec: str) -> tuple[Path, str]:
+    """(the file, the factory's name or "") of FILE.py:FACTORY; a one-line error when the file is missing."""
     path, _, factory = spec.partition(":")
     file = Path(path)
     if not file.is_file():
         raise HetrainError(f"--script {spec!r}: {path!r} does not exist; write FILE.py:FACTORY")
+    return file, factory
+
+
+def require_transformers() -> None:
+    """A one-line error naming the fix when transformers is not installed."""
+    if importlib.util.find_spec("transformers") is None:
+        raise HetrainError("--hf-config needs the transformers package; pip install transformers, "
+                           "or profile a zoo model (--model) or your own factory (--script)")
+
+
+def script_module(spec: str) -> RunnableModel:
+    """FILE.py:FACTORY, where FACTORY() returns (model, make_input) and make_input(n) a batch of n."""
+    file, factory = script_file(spec)
     loader = importlib.util.spec_from_file_location(file.stem, file)
     mod = importlib.util.module_from_spec(loader)
     loader.loader.exec_module(mod)
@@ -158,9 +171,7 @@ def script_module(spec: str) -> RunnableModel:
 
 def hf_module(config: str, seq_len: int | None = None) -> RunnableModel:
     """A Hugging Face model from its config (a hub name or a config.json path), random weights."""
-    if importlib.util.find_spec("transformers") is None:
-        raise HetrainError("--hf-config needs the transformers package; pip install transformers, "
-                           "or profile a zoo model (--model) or your own factory (--script)")
+    require_transformers()
     import torch
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
