@@ -5,6 +5,8 @@ torch.cuda and pynvml are parameters so tests (and machines without GPUs) can pa
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,32 +74,47 @@ def _from_torch(cuda: Any) -> list[LocalDevice]:
     return devices
 
 
+@contextmanager
+def _nvml_open(nvml: Any | None) -> Iterator[Any | None]:
+    """The pynvml-like module (pynvml itself when None), initialised and shut down around the block;
+    None inside when there is no pynvml or no driver."""
+    module = nvml if nvml is not None else _import_pynvml()
+    if module is None:
+        yield None
+        return
+    try:
+        module.nvmlInit()
+    except getattr(module, "NVMLError", Exception):
+        yield None  # library present, no driver
+        return
+    try:
+        yield module
+    finally:
+        module.nvmlShutdown()
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _from_nvml(nvml: Any) -> list[LocalDevice]:
     nvml_error = getattr(nvml, "NVMLError", Exception)
-    try:
-        nvml.nvmlInit()
-    except nvml_error:
-        return []  # library present, no driver
-    try:
+    with _nvml_open(nvml) as module:
+        if module is None:
+            return []
         devices = []
-        for i in range(int(nvml.nvmlDeviceGetCount())):
-            handle = nvml.nvmlDeviceGetHandleByIndex(i)
-            name = _text(nvml.nvmlDeviceGetName(handle))
-            memory = int(nvml.nvmlDeviceGetMemoryInfo(handle).total)
+        for i in range(int(module.nvmlDeviceGetCount())):
+            handle = module.nvmlDeviceGetHandleByIndex(i)
+            name = _text(module.nvmlDeviceGetName(handle))
+            memory = int(module.nvmlDeviceGetMemoryInfo(handle).total)
             try:
-                cc = tuple(int(v) for v in nvml.nvmlDeviceGetCudaComputeCapability(handle))
+                cc = tuple(int(v) for v in module.nvmlDeviceGetCudaComputeCapability(handle))
             except (nvml_error, AttributeError):
                 cc = None
             devices.append(
                 LocalDevice(i, name, "cuda", memory, cc, match_device_name(name, memory), "nvml")  # type: ignore[arg-type]
             )
         return devices
-    finally:
-        nvml.nvmlShutdown()
 
 
 def cpu_device() -> LocalDevice:
@@ -134,17 +151,10 @@ def local_islands(devices: list[LocalDevice], topo_text: str | None = None, nvml
     if text:
         islands = topology.parse_topo(text).islands()
     else:
-        module = nvml if nvml is not None else _import_pynvml()
-        if module is None:
-            return [[i] for i in indices]
-        try:
-            module.nvmlInit()
-        except getattr(module, "NVMLError", Exception):
-            return [[i] for i in indices]
-        try:
+        with _nvml_open(nvml) as module:
+            if module is None:
+                return [[i] for i in indices]
             islands = topology.nvlink_islands_from_nvml(module)
-        finally:
-            module.nvmlShutdown()
     wanted = set(indices)
     return [kept for island in islands if (kept := [i for i in island if i in wanted])]
 
@@ -157,14 +167,5 @@ def local_peer_access(devices: list[LocalDevice], nvml: Any | None = None) -> bo
     indices = [d.index for d in devices if d.kind == "cuda"]
     if len(indices) < 2:
         return None
-    module = nvml if nvml is not None else _import_pynvml()
-    if module is None:
-        return None
-    try:
-        module.nvmlInit()
-    except getattr(module, "NVMLError", Exception):
-        return None
-    try:
-        return topology.peer_read_from_nvml(module, indices)
-    finally:
-        module.nvmlShutdown()
+    with _nvml_open(nvml) as module:
+        return None if module is None else topology.peer_read_from_nvml(module, indices)

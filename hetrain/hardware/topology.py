@@ -164,42 +164,42 @@ def read_local_topo(timeout_s: float = 10.0) -> str | None:
     return done.stdout if done.returncode == 0 else None
 
 
+def _p2p_statuses(nvml: Any, indices: list[int], caps_index: int) -> dict[tuple[int, int], bool | None]:
+    """Per pair (i, j), i < j, of the GPUs `indices`: whether NVML reports OK for P2P capability
+    `caps_index`; None where its query fails."""
+    status_ok = getattr(nvml, "NVML_P2P_STATUS_OK", 0)
+    nvml_error = getattr(nvml, "NVMLError", Exception)
+    handles = {i: nvml.nvmlDeviceGetHandleByIndex(i) for i in indices}
+    out: dict[tuple[int, int], bool | None] = {}
+    for a, i in enumerate(indices):
+        for j in indices[a + 1:]:
+            try:
+                out[(i, j)] = nvml.nvmlDeviceGetP2PStatus(handles[i], handles[j], caps_index) == status_ok
+            except nvml_error:
+                out[(i, j)] = None
+    return out
+
+
 def nvlink_islands_from_nvml(nvml: Any) -> list[list[int]]:
     """NVLink islands from an initialised pynvml-like module: pairs whose NVLink P2P status is OK.
 
     NVML reports OK both for direct links and through NVSwitch, so a DGX is one island.
     A pair whose query fails counts as not linked.
     """
-    count = int(nvml.nvmlDeviceGetCount())
-    handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
-    caps_nvlink = getattr(nvml, "NVML_P2P_CAPS_INDEX_NVLINK", 2)
-    status_ok = getattr(nvml, "NVML_P2P_STATUS_OK", 0)
-    nvml_error = getattr(nvml, "NVMLError", Exception)
-    edges = []
-    for i in range(count):
-        for j in range(i + 1, count):
-            try:
-                status = nvml.nvmlDeviceGetP2PStatus(handles[i], handles[j], caps_nvlink)
-            except nvml_error:
-                continue
-            if status == status_ok:
-                edges.append((i, j))
-    return components(list(range(count)), edges)
+    gpus = list(range(int(nvml.nvmlDeviceGetCount())))
+    statuses = _p2p_statuses(nvml, gpus, getattr(nvml, "NVML_P2P_CAPS_INDEX_NVLINK", 2))
+    return components(gpus, [pair for pair, ok in statuses.items() if ok])
 
 
 def peer_read_from_nvml(nvml: Any, indices: list[int]) -> bool | None:
     """Whether every pair of the GPUs `indices` can read the other's memory directly (NVML's P2P
     read status, which is what a PCIe node without NVLink needs for NCCL to skip host memory), from
     an initialised pynvml-like module; None where a query fails."""
-    caps_read = getattr(nvml, "NVML_P2P_CAPS_INDEX_READ", 0)
-    status_ok = getattr(nvml, "NVML_P2P_STATUS_OK", 0)
-    nvml_error = getattr(nvml, "NVMLError", Exception)
     try:
-        handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in indices]
-        return all(nvml.nvmlDeviceGetP2PStatus(handles[i], handles[j], caps_read) == status_ok
-                   for i in range(len(handles)) for j in range(i + 1, len(handles)))
-    except (nvml_error, AttributeError):
+        statuses = _p2p_statuses(nvml, indices, getattr(nvml, "NVML_P2P_CAPS_INDEX_READ", 0)).values()
+    except (getattr(nvml, "NVMLError", Exception), AttributeError):   # no handle, or no P2P query
         return None
+    return None if None in statuses else all(statuses)
 
 
 def suggested_intra_link(islands: list[list[int]], gpus: int, peer_read: bool | None) -> str | None:
