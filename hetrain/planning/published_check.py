@@ -45,19 +45,26 @@ def _class(precision: str) -> str:
 
 
 @lru_cache(maxsize=None)
-def published_bias(gpu: str, workload_kind: str, precision: str) -> PublishedBias | None:
-    """The model's median error on `gpu`'s speed against other GPU kinds in published single-GPU
-    rows of `workload_kind` in `precision`'s class; None without such pairs."""
+def _rows_and_speeds(workload: str | None, row_precision: str) -> tuple[tuple, dict[int, float], frozenset[int]]:
+    """The published single-GPU rows of one workload and precision (fitted and unseen), each one's
+    modelled over published speed by the model as shipped (by id), and the ids the fit has seen:
+    computed once, whatever kind asks."""
     from hetrain.planning.calibration import default_calibration, predict_row, published_rows
     from hetrain.planning.unseen_check import unseen_rows
 
-    workload = _WORKLOADS.get(workload_kind)
-    row_precision = "fp16" if _class(precision) == "AMP" else "fp32"
     calib = default_calibration()
-    fitted = {id(r) for r in published_rows()}
-    rows = [r for r in (*published_rows(), *unseen_rows())
-            if (r.workload, r.precision, r.gpus) == (workload, row_precision, 1)]
-    speed = {id(r): predict_row(r, calib) / r.samples_per_s for r in rows}   # modelled over published
+    rows = tuple(r for r in (*published_rows(), *unseen_rows())
+                 if (r.workload, r.precision, r.gpus) == (workload, row_precision, 1))
+    speed = {id(r): predict_row(r, calib) / r.samples_per_s for r in rows}
+    return rows, speed, frozenset(id(r) for r in published_rows())
+
+
+@lru_cache(maxsize=None)
+def published_bias(gpu: str, workload_kind: str, precision: str) -> PublishedBias | None:
+    """The model's median error on `gpu`'s speed against other GPU kinds in published single-GPU
+    rows of `workload_kind` in `precision`'s class; None without such pairs."""
+    row_precision = "fp16" if _class(precision) == "AMP" else "fp32"
+    rows, speed, fitted = _rows_and_speeds(_WORKLOADS.get(workload_kind), row_precision)
     errors, seen = [], False
     for r in (r for r in rows if r.gpu == gpu):
         seen = seen or id(r) in fitted
