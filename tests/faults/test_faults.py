@@ -24,10 +24,11 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS = 16
 TIMEOUT_S = 8       # --collective-timeout
 HANG_S = 60         # a job still running after this long hangs
+INTERVAL = 4        # steps between checkpoints
 
 
 def launch(ckpt: Path, faults: str, *, restarts: int = 0, steps: int = STEPS, step_sleep: float = 0.0) -> Job:
-    env = {**os.environ, "HETRAIN_TEST_FAULTS": faults, Env.CHECKPOINT_INTERVAL: "4"}
+    env = {**os.environ, "HETRAIN_TEST_FAULTS": faults, Env.CHECKPOINT_INTERVAL: str(INTERVAL)}
     cmd = [sys.executable, "-m", "hetrain.cli.main", "launch", "--nproc-per-node", "2",
            "--max-restarts", str(restarts), "--checkpoint-dir", str(ckpt), "--collective-timeout", str(TIMEOUT_S),
            "tests/faults/train_faults.py", "--steps", str(steps), "--step-sleep", str(step_sleep)]
@@ -113,7 +114,7 @@ def test_fault(request, tmp_path, uninterrupted, waiting_jobs, faults, restarts,
     if restarts and expected == "survived, nothing lost":
         fault_step = int(re.search(r":(\d+)$", faults).group(1))
         resumed = [int(s) for s in re.findall(r"rank \d+ starts at step (\d+)", r.stdout)]
-        assert max(resumed) == (fault_step - 1) // 4 * 4 > 0, f"the restart resumed from {resumed}, not the checkpoint"
+        assert max(resumed) == (fault_step - 1) // INTERVAL * INTERVAL > 0, f"the restart resumed from {resumed}, not the checkpoint"
     if report:
         last = r.stderr.strip().splitlines()[-1]
         assert re.search(report, last), last
