@@ -15,37 +15,38 @@ from hetrain.planning.calibration import (
     gpu_held_out_errors,
     pairs,
     published_rows,
+    recipe_step_seconds,
     summary,
     summary_gpu_held_out,
 )
-from hetrain.planning.cost_model import power_fraction, sample_seconds
+from hetrain.planning.cost_model import optimizer_seconds, power_fraction, sample_seconds
 from hetrain.workload import get_profile
 
 
 def test_each_source_held_out_stays_within_the_reported_error():
-    """Fit on the other sources, predict the source: 9.7% median relative-speed error, 8.0% for
-    single GPUs (worst 48%: the V100 in fp32 against the A10 in TF32), 14.2% median throughput
+    """Fit on the other sources, predict the source: 9.8% median relative-speed error, 7.8% for
+    single GPUs (worst 39%: the V100 in fp32 against the A10 in TF32), 13.3% median throughput
     error (docs/cost-model.md)."""
     s = summary(evaluate())
     assert s["rows"] == len(published_rows()) and s["rows"] >= 200
     assert len({r.source for r in published_rows()}) >= 4
     assert s["held_out_pair_median_abs_error"] <= 0.105
-    assert s["held_out_median_abs_error"] <= 0.16
+    assert s["held_out_median_abs_error"] <= 0.14
     single = [p.error(True) for p in pairs(evaluate()) if p.a.row.gpus == 1]
     median, worst = abs_error_stats(single)
-    assert median <= 0.085 and worst <= 0.49
+    assert median <= 0.085 and worst <= 0.40
     assert s["median_abs_error"] <= 0.13 and s["pair_median_abs_error"] <= 0.085
 
 
 def test_each_gpu_kind_held_out_stays_within_the_reported_error():
-    """Fit without a GPU kind (every source), predict its rows and its pairs: 8.7% median
-    relative-speed error, 6.1% (worst 32%) for single GPUs, 12.9% median throughput error."""
+    """Fit without a GPU kind (every source), predict its rows and its pairs: 8.3% median
+    relative-speed error, 5.8% (worst 29%) for single GPUs, 12.3% median throughput error."""
     s = summary_gpu_held_out()
     assert s["rows"] == len(published_rows())
-    assert s["pair_median_abs_error"] <= 0.095 and s["median_abs_error"] <= 0.14
+    assert s["pair_median_abs_error"] <= 0.09 and s["median_abs_error"] <= 0.13
     _, single_pairs = gpu_held_out_errors(multi_gpu=False)
     median, worst = abs_error_stats(single_pairs)
-    assert median <= 0.07 and worst <= 0.35
+    assert median <= 0.065 and worst <= 0.31
 
 
 def test_calibration_fits_few_constants_within_physical_bounds():
@@ -114,7 +115,7 @@ def test_tensor_work_is_power_limited_per_tensor_flop():
 
 def test_single_gpu_relative_speed_against_a100_sxm_holds_held_out():
     """The ratio a split uses: every single-GPU kind against its source's A100 SXM, source held out
-    (5.8% median, 32% worst: the table in docs/cost-model.md)."""
+    (6.2% median, 28% worst: the table in docs/cost-model.md)."""
     res = [r for r in evaluate() if r.row.gpus == 1]
     errors = []
     for r in res:
@@ -124,7 +125,7 @@ def test_single_gpu_relative_speed_against_a100_sxm_holds_held_out():
         if ref is not None:
             errors.append((r.predicted_held_out / ref.predicted_held_out) / (r.row.samples_per_s / ref.row.samples_per_s) - 1)
     assert len(errors) >= 40
-    assert statistics.median(abs(e) for e in errors) <= 0.07 and max(abs(e) for e in errors) <= 0.34
+    assert statistics.median(abs(e) for e in errors) <= 0.07 and max(abs(e) for e in errors) <= 0.30
 
 
 def test_the_optimizer_step_is_priced_once_per_step_at_memory_bandwidth():
@@ -144,3 +145,29 @@ def test_the_optimizer_step_is_priced_once_per_step_at_memory_bandwidth():
     # a second micro-batch adds its own fixed part, not a second optimizer step
     assert kind.time(32, 16, False) - kind.time(16, 16, False) == pytest.approx(kind.fixed_s + 16 * kind.sample_s)
     assert kind.time(16, 16, False) == pytest.approx(kind.fixed_s + 16 * kind.sample_s + kind.optimizer_s)
+
+
+def test_published_bert_rows_pay_their_recipes_optimizer_step():
+    """Lambda's BERT-large rows run NVIDIA's SQuAD script: in fp32 BertAdam, a Python loop of eager
+    ops over every parameter tensor (about 60 ms a step beyond a fused Adam, on any card), under AMP a
+    fused step of 52 bytes a parameter; other recipes keep their optimizer's fused step. Priced so,
+    the RTX 3080 at 2 sequences a step, a card the fit never saw, is within 25% (it was 112% too
+    fast: docs/cost-model.md)."""
+    from hetrain.planning.unseen_check import evaluate_unseen
+    from hetrain.workload.zoo import get_profile
+
+    bert = get_profile("bert-large-384")
+    row = {(r.source, r.gpu, r.precision, r.gpus): r for r in published_rows() if r.workload == "bert-large"}
+    for gpu in ("a100-sxm4-80gb", "v100-sxm2-16gb"):
+        spec = get_gpu(gpu)
+        fused = optimizer_seconds(bert, spec, "adam")
+        loop = recipe_step_seconds(row[("lambda-2023", gpu, "fp32", 1)], bert, spec)
+        assert 0.05 < loop - fused < 0.12, gpu
+        amp = recipe_step_seconds(row[("lambda-2023", gpu, "fp16", 1)], bert, spec)
+        assert amp == pytest.approx(fused * 52 / 28)
+    dle = next(r for r in published_rows() if r.source == "nvidia-dle" and r.workload == "bert-large")
+    a100 = get_gpu(dle.gpu)
+    assert recipe_step_seconds(dle, bert, a100) == optimizer_seconds(bert, a100, "adam")
+    rtx3080 = next(r for r in evaluate_unseen() if (r.row.gpu, r.row.workload, r.row.precision, r.row.gpus)
+                   == ("rtx-3080", "bert-large", "fp32", 1))
+    assert rtx3080.row.batch_per_gpu == 2 and abs(rtx3080.error) <= 0.25

@@ -27,17 +27,18 @@ def test_every_unseen_row_is_predicted_and_paired_within_its_source():
 
 
 def test_the_check_stays_where_the_docs_report_it():
-    """docs/cost-model.md, "Cards the fit never saw": throughput 16.6% median, 146% worst, relative
-    speed 12.5% (fit on every source; 11.7% with the source held out), 150% worst; the RTX A6000's
-    throughput 4.9% (BERT-large) and 10.4% (ResNet-50); the H200's 4.0% and 10.0%; Turing in fp32
-    ResNet-50 within 7%, in AMP 19-39% too fast; the B200 in fp32 ResNet-50 within 9%, in BERT-large
-    AMP 53-55% too fast."""
+    """docs/cost-model.md, "Cards the fit never saw": throughput 15.5% median, 80% worst, relative
+    speed 9.9% (fit on every source; 9.6% with the source held out), 87% worst; the RTX A6000's
+    throughput 5.7% (BERT-large) and 11.1% (ResNet-50); the H200's 7.3% and 9.8%; Turing in fp32
+    ResNet-50 within 7%, in AMP 20-40% too fast; the B200 in fp32 ResNet-50 within 9%, in BERT-large
+    AMP 58-61% too fast."""
     s = unseen_summary()
-    assert s["throughput"][0] <= 0.17 and s["pairs"][0] <= 0.13 and s["pairs_source_held_out"][0] <= 0.12
-    # host-staged GeForce all-reduce: the RTX 3080's 2-GPU BERT-large rows were 362% too fast without it
-    assert s["throughput"][1] <= 1.5 and s["pairs"][1] <= 1.55
+    assert s["throughput"][0] <= 0.16 and s["pairs"][0] <= 0.105 and s["pairs_source_held_out"][0] <= 0.10
+    # host-staged GeForce all-reduce: the RTX 3080's 2-GPU BERT-large rows were 362% too fast without
+    # it; the recipe's optimizer step: its 1-GPU fp32 row was 112% too fast without that
+    assert s["throughput"][1] <= 0.85 and s["pairs"][1] <= 0.9
     a6000 = [r.error for r in evaluate_unseen() if r.row.gpu == "rtx-a6000"]
-    assert statistics.median(abs(e) for e in a6000) <= 0.10   # 9.0% over its 22 rows
+    assert statistics.median(abs(e) for e in a6000) <= 0.10   # 9.4% over its 22 rows
     h200 = [abs(r.error) for r in evaluate_unseen() if r.row.gpu == "h200-sxm-141gb"]
     assert len(h200) == 8 and max(h200) <= 0.17
     text = markdown_unseen()
@@ -47,7 +48,7 @@ def test_the_check_stays_where_the_docs_report_it():
     fp32 = [r.error for r in turing if r.row.workload == "resnet50" and r.row.precision == "fp32"]
     amp = [r.error for r in turing if r.row.workload == "resnet50" and r.row.precision == "fp16"]
     assert len(fp32) == len(amp) == 11 and max(abs(e) for e in fp32) <= 0.08
-    assert 0.15 <= min(amp) and max(amp) <= 0.40   # the known weakness, documented
+    assert 0.15 <= min(amp) and max(amp) <= 0.41   # the known weakness, documented
     b200 = {(r.row.workload, r.row.precision, r.row.gpus): r.error for r in evaluate_unseen() if r.row.gpu == "b200"}
     assert len(b200) == 15 and max(abs(b200[("resnet50", "fp32", n)]) for n in (1, 2, 4, 8)) <= 0.10
-    assert all(0.45 <= b200[("bert-large", "fp16", n)] <= 0.60 for n in (1, 2, 4))
+    assert all(0.45 <= b200[("bert-large", "fp16", n)] <= 0.65 for n in (1, 2, 4))
