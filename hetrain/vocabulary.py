@@ -22,6 +22,10 @@ STRATEGIES = ("ddp", "balanced", "zero1", "zero3", "pipeline", "hybrid")
 
 PIPELINE_STRATEGIES = ("pipeline", "hybrid")
 
+OPTIMIZERS = ("adamw", "adam", "adamw-fused", "adam-fused", "sgd", "sgd-fused", "lion", "sgd-nomomentum")
+"""The optimizer a plan prices: torch.optim's AdamW, Adam and SGD with momentum as constructed by
+default (on GPUs their multi-tensor step), the same with `fused=True`, Lion, and SGD without momentum."""
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 """Pipeline schedules (torch.distributed.pipelining's); interleaved-1f1b runs several stages per rank."""
 

@@ -10,6 +10,7 @@ from hetrain.errors import HetrainError
 from hetrain.userfiles import check_writable_file, read_text
 from hetrain.planning.planner import STRATEGIES
 from hetrain.planning.precision_policy import PRECISION_CHOICES
+from hetrain.vocabulary import OPTIMIZERS
 
 
 def add_cluster_args(parser: argparse.ArgumentParser) -> None:
@@ -72,7 +73,9 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategy", default="auto", choices=list(STRATEGIES))
     parser.add_argument("--precision", default="auto", choices=list(PRECISION_CHOICES))
     parser.add_argument("--micro-batch", type=int, default=None, help="fix the micro-batch on every device")
-    parser.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "lion", "sgd-nomomentum"])
+    parser.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS),
+                        help="the optimizer whose state and step the plan prices: torch.optim's AdamW, Adam "
+                             "and SGD (with momentum) as constructed by default, or with fused=True (-fused)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--out", metavar="PLAN.json", help="write the Plan document here")
 

@@ -25,11 +25,17 @@ from hetrain.workload.profile import WorkloadProfile
 ELEMENT_BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2}
 PRECISION_CLASS = {"fp32": "fp32", "tf32": "tf32", "fp16": "16bit", "bf16": "16bit"}
 _CLASS_FALLBACK = {"tf32": "16bit", "16bit": "tf32", "fp32": "tf32"}  # a group without rows
-OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 4, "lion": 4, "sgd-nomomentum": 0}
-# Bytes per parameter an optimizer step moves through memory, once per step: fp32 weights, gradients and
-# state read, weights and state written (Adam: w, g, m, v in, w, m, v out; SGD with momentum or Lion: w, g,
-# buffer in, w, buffer out; plain SGD: w, g in, w out).
-OPTIMIZER_STEP_BYTES = {"adamw": 28, "adam": 28, "sgd": 20, "lion": 20, "sgd-nomomentum": 12}
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "adamw-fused": 8, "adam-fused": 8, "sgd": 4, "sgd-fused": 4,
+                         "lion": 4, "sgd-nomomentum": 0}
+# Bytes per parameter an optimizer step moves through memory, once per step. A fused step reads fp32
+# weights, gradients and state once and writes weights and state once (Adam: w, g, m, v in, w, m, v out;
+# SGD with momentum or Lion: w, g, buffer in, w, buffer out; plain SGD: w, g in, w out). torch.optim's
+# default on GPUs is the multi-tensor step, one pass over memory per operation: AdamW's weight decay (8),
+# the first moment's lerp (12), the second's mul and addcmul (8 + 12), the sqrt, bias-correction divide
+# and epsilon add (8 each) and the update's addcdiv (16), 80 (Adam, without the decay, 72); SGD's
+# momentum mul and add and the update (8 + 12 + 12), 32.
+OPTIMIZER_STEP_BYTES = {"adamw": 80, "adam": 72, "adamw-fused": 28, "adam-fused": 28, "sgd": 32, "sgd-fused": 20,
+                        "lion": 20, "sgd-nomomentum": 12}
 CHECKPOINT_COMPUTE_FACTOR = 4.0 / 3.0  # recomputing the forward adds a third of forward+backward
 LAUNCH_SECONDS_PER_MICROBATCH = 0.5e-3
 CONTEXT_BYTES = 1 << 30  # CUDA context, cuBLAS/cuDNN workspaces

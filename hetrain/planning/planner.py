@@ -20,6 +20,7 @@ from hetrain.planning.kinds import Kind, figures_notes, kinds_of
 from hetrain.planning.measured_rates import MeasuredRates
 from hetrain.workload.device_profile import DeviceProfile
 from hetrain.workload.profile import WorkloadProfile
+from hetrain.vocabulary import OPTIMIZERS
 from hetrain.vocabulary import STRATEGIES as VOCABULARY_STRATEGIES
 
 STRATEGIES = ("auto", *(s for s in VOCABULARY_STRATEGIES if s != "hybrid"))  # hybrid plans come from "pipeline"
@@ -261,15 +262,17 @@ def with_compression(strategy: str, cluster, profile, kinds, global_batch, optim
 
 def ideal_samples_per_s(profile: WorkloadProfile, kinds: list[Kind], global_batch: int, optimizer: str,
                         world: int) -> float:
-    """Sum of each device's own best rate: no communication and no recomputation, at its largest
-    micro-batch that fits with the least sharding that lets one fit (plain, ZeRO-1, ZeRO-3); a
-    device that fits none counts at micro-batch 1, as a pipeline stage holding part of the model
-    computes. An upper bound for every candidate, pipelines included."""
+    """Sum of each device's own best rate: the whole global batch alone, in micro-batches of its
+    largest that fits with the least sharding that lets one fit (plain, ZeRO-1, ZeRO-3), one optimizer
+    step, no communication and no recomputation; a device that fits none counts at micro-batch 1, as a
+    pipeline stage holding part of the model computes. An upper bound for every candidate, pipelines
+    included: a device that takes a fraction of the samples or of the model in a step takes at least
+    that fraction of this time."""
     total = 0.0
     for k in kinds:
         mb = next((m for zero in (0, 1, 3) if (m := max_micro_batch(profile, k, optimizer, zero, world, False,
                                                                      global_batch))), 1)
-        total += k.count * mb / k.time(mb, mb, False)
+        total += k.count * global_batch / k.time(global_batch, mb, False)
     return total
 
 
@@ -288,8 +291,8 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
         raise HetrainError(f"micro-batch must be a positive integer, got {micro_batch}")
     if strategy not in STRATEGIES:
         raise HetrainError(f"unknown strategy {strategy!r}; choose one of: {', '.join(STRATEGIES)}")
-    if optimizer not in cm.OPTIMIZER_STATE_BYTES:
-        raise HetrainError(f"unknown optimizer {optimizer!r}; choose one of: {', '.join(cm.OPTIMIZER_STATE_BYTES)}")
+    if optimizer not in OPTIMIZERS:
+        raise HetrainError(f"unknown optimizer {optimizer!r}; choose one of: {', '.join(OPTIMIZERS)}")
     calib = calib or cm.default_calibration()
     kinds = kinds_of(cluster, profile, precision, calib, profiles, rates, optimizer)
     world = sum(k.count for k in kinds)

@@ -6,6 +6,8 @@ import statistics
 
 import pytest
 
+from hetrain.errors import HetrainError
+
 from hetrain.hardware.catalog import get_gpu
 from hetrain.planning.calibration import (
     abs_error_stats,
@@ -129,14 +131,16 @@ def test_single_gpu_relative_speed_against_a100_sxm_holds_held_out():
 
 
 def test_the_optimizer_step_is_priced_once_per_step_at_memory_bandwidth():
-    """Adam reads weights, gradients and two states and writes three back (28 bytes a parameter), once
-    per step whatever the share; a measured profile has its own optimizer seconds, the model now too."""
+    """A fused Adam reads weights, gradients and two states and writes three back (28 bytes a
+    parameter); torch's default AdamW step, multi-tensor, makes a pass per operation (80 bytes). Once
+    per step whatever the share; a measured profile has its own optimizer seconds, the model too."""
     from hetrain.hardware.cluster import cluster_from_devices
     from hetrain.planning.cost_model import compute_seconds, optimizer_seconds
     from hetrain.planning.kinds import kinds_of
 
     bert, a100 = get_profile("bert-large-384"), get_gpu("a100-sxm4-80gb")
-    assert optimizer_seconds(bert, a100, "adamw") == pytest.approx(28 * bert.params / 2039e9)
+    assert optimizer_seconds(bert, a100, "adamw-fused") == pytest.approx(28 * bert.params / 2039e9)
+    assert optimizer_seconds(bert, a100, "adamw") == pytest.approx(80 * bert.params / 2039e9)
     assert optimizer_seconds(bert, a100, "sgd-nomomentum") == pytest.approx(12 * bert.params / 2039e9)
     assert optimizer_seconds(bert, a100, None) == 0.0
     with_adam = compute_seconds(bert, a100, "bf16", 64, 16, optimizer="adamw")
@@ -160,14 +164,32 @@ def test_published_bert_rows_pay_their_recipes_optimizer_step():
     row = {(r.source, r.gpu, r.precision, r.gpus): r for r in published_rows() if r.workload == "bert-large"}
     for gpu in ("a100-sxm4-80gb", "v100-sxm2-16gb"):
         spec = get_gpu(gpu)
-        fused = optimizer_seconds(bert, spec, "adam")
+        fused = optimizer_seconds(bert, spec, "adam-fused")
         loop = recipe_step_seconds(row[("lambda-2023", gpu, "fp32", 1)], bert, spec)
         assert 0.05 < loop - fused < 0.12, gpu
         amp = recipe_step_seconds(row[("lambda-2023", gpu, "fp16", 1)], bert, spec)
         assert amp == pytest.approx(fused * 52 / 28)
     dle = next(r for r in published_rows() if r.source == "nvidia-dle" and r.workload == "bert-large")
     a100 = get_gpu(dle.gpu)
-    assert recipe_step_seconds(dle, bert, a100) == optimizer_seconds(bert, a100, "adam")
+    assert recipe_step_seconds(dle, bert, a100) == optimizer_seconds(bert, a100, "adam-fused")
     rtx3080 = next(r for r in evaluate_unseen() if (r.row.gpu, r.row.workload, r.row.precision, r.row.gpus)
                    == ("rtx-3080", "bert-large", "fp32", 1))
     assert rtx3080.row.batch_per_gpu == 2 and abs(rtx3080.error) <= 0.25
+
+
+def test_every_optimizer_word_is_priced_and_a_fused_step_plans_faster():
+    """The CLI's and the planner's optimizer words are the vocabulary's, each with its state and its
+    step; `adamw-fused` (fused=True) keeps AdamW's state and plans a shorter step than torch's default."""
+    from hetrain.hardware.cluster import cluster_from_devices
+    from hetrain.planning.cost_model import OPTIMIZER_STATE_BYTES, OPTIMIZER_STEP_BYTES
+    from hetrain.planning.planner import plan_job
+    from hetrain.vocabulary import OPTIMIZERS
+
+    assert set(OPTIMIZERS) == set(OPTIMIZER_STATE_BYTES) == set(OPTIMIZER_STEP_BYTES)
+    assert OPTIMIZER_STATE_BYTES["adamw-fused"] == OPTIMIZER_STATE_BYTES["adamw"]
+    cluster, bert = cluster_from_devices("a100-sxm4-80gb:1,v100-sxm2-16gb:1"), get_profile("bert-large-384")
+    plain = plan_job(cluster, bert, 64, optimizer="adamw", strategy="balanced")
+    fused = plan_job(cluster, bert, 64, optimizer="adamw-fused", strategy="balanced")
+    assert fused.plan.predicted_samples_per_s > plain.plan.predicted_samples_per_s
+    with pytest.raises(HetrainError, match="adamw-fused"):
+        plan_job(cluster, bert, 64, optimizer="adamw-foreach")
