@@ -36,6 +36,10 @@ OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "adamw-fused": 8, "adam-fused": 
 # momentum mul and add and the update (8 + 12 + 12), 32.
 OPTIMIZER_STEP_BYTES = {"adamw": 80, "adam": 72, "adamw-fused": 28, "adam-fused": 28, "sgd": 32, "sgd-fused": 20,
                         "lion": 20, "sgd-nomomentum": 12}
+# Bytes per parameter an optimizer step allocates while it runs: the multi-tensor Adam step takes the
+# square root of every second moment at once (torch.optim's docs: about sizeof(params) more peak memory
+# than a per-tensor loop). Activations are freed by then, so the step's peak replaces theirs.
+OPTIMIZER_STEP_TEMP_BYTES = {"adamw": 4, "adam": 4}
 CHECKPOINT_COMPUTE_FACTOR = 4.0 / 3.0  # recomputing the forward adds a third of forward+backward
 LAUNCH_SECONDS_PER_MICROBATCH = 0.5e-3
 CONTEXT_BYTES = 1 << 30  # CUDA context, cuBLAS/cuDNN workspaces
@@ -220,10 +224,13 @@ class MemoryEstimate:
     optimizer: float
     activations: float
     overhead: float
+    step_temporaries: float = 0.0
+    """what the optimizer step allocates while it runs, after backward has freed the activations"""
 
     @property
     def total(self) -> int:
-        return int(math.ceil(self.weights + self.gradients + self.optimizer + self.activations + self.overhead))
+        return int(math.ceil(self.weights + self.gradients + self.optimizer + max(self.activations, self.step_temporaries)
+                             + self.overhead))
 
 
 def activation_bytes_per_sample(profile: WorkloadProfile, precision: str, checkpointing: bool,
@@ -277,7 +284,8 @@ def memory_estimate(profile: WorkloadProfile, precision: str, micro_batch: int, 
     if activations is None:
         activations = activation_bytes_per_sample(profile, precision, checkpointing, blocks) * micro_batch
     act = activations * in_flight
-    return MemoryEstimate(w, g, o, act, CONTEXT_BYTES + FRAGMENTATION * (w + g + o + act))
+    step = OPTIMIZER_STEP_TEMP_BYTES.get(optimizer, 0) * params / (max(1, world) if zero >= 1 else 1)
+    return MemoryEstimate(w, g, o, act, CONTEXT_BYTES + FRAGMENTATION * (w + g + o + max(act, step)), step)
 
 
 # ---------------------------------------------------------------- communication
