@@ -32,7 +32,7 @@ class Kind:
     sample_s: float
     sample_s_ckpt: float
     fixed_s: float
-    optimizer_s: float = 0.0   # the modelled optimizer step, once per step
+    optimizer_s: float = 0.0   # the optimizer step, once per step: modelled, or a profile's (measured_optimizer_seconds)
     source: str = "modelled"
     measured: DeviceProfile | None = None
     rate: DeviceRate | None = None
@@ -72,8 +72,7 @@ class Kind:
     def optimizer_seconds(self, params: float, total_params: float) -> float:
         """One optimizer step over `params` of the model's `total_params` (a pipeline stage, a shard):
         the kind's whole-model step, measured where a profile has it, in proportion."""
-        whole = self.measured.optimizer_seconds if self.measured is not None else self.optimizer_s
-        return whole * params / total_params if total_params > 0 else 0.0
+        return self.optimizer_s * params / total_params if total_params > 0 else 0.0
 
     def time(self, share: int, micro_batch: int, ckpt: bool) -> float:
         if share <= 0:
@@ -86,9 +85,17 @@ class Kind:
             t = full * self.measured.microbatch_seconds(self.precision, micro_batch)
             if rest:
                 t += self.measured.microbatch_seconds(self.precision, rest)
-            return t * factor + self.measured.optimizer_seconds
+            return t * factor + self.optimizer_s
         return (math.ceil(share / micro_batch) * self.fixed_s + share * (self.sample_s_ckpt if ckpt else self.sample_s)
                 + self.optimizer_s)
+
+
+def measured_optimizer_seconds(measured: DeviceProfile, optimizer: str | None) -> float:
+    """A profile's optimizer step for `optimizer`: the profile times torch's default AdamW, and
+    another optimizer's step takes the same time per byte it moves (cost_model.OPTIMIZER_STEP_BYTES)."""
+    if optimizer is None:
+        return measured.optimizer_seconds
+    return measured.optimizer_seconds * cm.OPTIMIZER_STEP_BYTES[optimizer] / cm.OPTIMIZER_STEP_BYTES["adamw"]
 
 
 def stage_seconds_of(kind: Kind, n_blocks: int, a: int, b: int, micro_batch: int, ckpt: bool) -> float | None:
@@ -130,6 +137,7 @@ def kinds_of(cluster, profile: WorkloadProfile, precision: str, calib: cm.Calibr
                 kind.rate, kind.source = rate, "measured-run"
             elif measured is not None and prec in measured.precisions():
                 kind.measured, kind.source = measured, "measured-profile"
+                kind.optimizer_s = measured_optimizer_seconds(measured, optimizer)
             if measured is not None:
                 kind.peaks = measured.peak_points(prec) or None
             kinds[d.spec.name] = kind
@@ -154,6 +162,9 @@ def figures_notes(kinds: list[Kind], profile: WorkloadProfile, profiles: dict[st
             notes.append(f"{name}: measured profile of {m.model} ({k.precision} at micro-batches {sizes}; "
                          f"{s.device_name}, torch {s.torch}" + (f", CUDA {s.cuda}" if s.cuda else "")
                          + f", {s.date}); interpolated between measured sizes")
+            if m.optimizer_seconds and not math.isclose(k.optimizer_s, m.optimizer_seconds):
+                notes.append(f"{name}: the profile timed an AdamW step ({m.optimizer_seconds * 1e3:.1f} ms); the plan's "
+                             f"optimizer moves other bytes a parameter: {k.optimizer_s * 1e3:.1f} ms")
             if m.model != profile.name:
                 notes.append(f"{name}: the profile measured {m.model!r}, the plan is for {profile.name!r}")
         else:

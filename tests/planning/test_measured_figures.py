@@ -247,3 +247,26 @@ def test_a_run_leaves_its_measured_rates_for_from_run(tmp_path):
     rates = MeasuredRates.load(tmp_path)
     assert rates.step >= 10 and rates.global_batch_size == 16   # the last re-split's figures, not the first's
     assert rates.devices and all(d.per_sample_seconds > 0 for d in rates.devices)
+
+
+def test_a_profiles_adamw_step_is_scaled_to_the_optimizer_the_plan_prices():
+    """A profile times torch's default AdamW step; a plan for SGD or a fused AdamW takes the same time
+    per byte moved, and says so, while a plan for AdamW keeps the measured step as it is."""
+    from hetrain.planning import cost_model as cm
+    from hetrain.planning.kinds import kinds_of
+
+    cluster, model = cluster_from_devices("a100:1,v100:1"), get_profile("resnet50")
+    prof = _profile(A100, [(32, 0.02), (256, 0.15)])
+    calib = cm.default_calibration()
+
+    def a100(optimizer):
+        return next(k for k in kinds_of(cluster, model, "auto", calib, {A100: prof}, None, optimizer)
+                    if k.spec.name == A100)
+
+    assert a100("adamw").optimizer_s == prof.optimizer_seconds
+    assert a100("sgd").optimizer_s == pytest.approx(prof.optimizer_seconds * 32 / 80)
+    assert a100("adamw-fused").optimizer_s == pytest.approx(prof.optimizer_seconds * 28 / 80)
+    assert a100("sgd").time(256, 256, False) == pytest.approx(0.15 + prof.optimizer_seconds * 32 / 80)
+    notes = " ".join(plan_job(cluster, model, 512, profiles={A100: prof}, optimizer="sgd").plan.notes)
+    assert "the profile timed an AdamW step (2.0 ms)" in notes and "0.8 ms" in notes
+    assert "timed an AdamW step" not in " ".join(plan_job(cluster, model, 512, profiles={A100: prof}).plan.notes)
