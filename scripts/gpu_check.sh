@@ -9,7 +9,9 @@
 #    fp32 with TF32 off, as hetrain runs it);
 # 4. a one-rank job under `hetrain launch --plan`: NCCL process group, CUDA autocast in fp16 with
 #    loss scaling, the planned step time against the measured one;
-# 5. the measured rows in the format of hetrain/data/published_training.csv, stamped with the date
+# 5. torch's AdamW step (default, fused, per-tensor loop) on BERT-large's tensor shapes, against
+#    the bytes a parameter and the step's temporaries the planner prices;
+# 6. the measured rows in the format of hetrain/data/published_training.csv, stamped with the date
 #    and software versions, ready to add to the calibration data.
 # Without a CUDA device it prints one line and exits with status 2; nothing else runs.
 set -uo pipefail
@@ -97,6 +99,45 @@ step plan-fp16 60 "${HETRAIN[@]}" plan --devices "$KIND:1" --profiles "$OUT/prof
     --precision fp16 --global-batch-size 128 --json --out "$OUT/plan-fp16.json"
 step train-nccl-fp16 180 "${HETRAIN[@]}" launch --nproc-per-node 1 --plan "$OUT/plan-fp16.json" \
     "$OUT/train_check.py" 128
+
+step optimizer-step 120 "$PY" - "$KIND" <<'PYEOF'
+"""torch's AdamW step as the planner prices it (cost_model.OPTIMIZER_STEP_BYTES and
+OPTIMIZER_STEP_TEMP_BYTES): BERT-large's 391 tensor shapes, default (multi-tensor), fused and
+per-tensor loop; bytes a parameter at the catalog bandwidth, and the peak the step adds."""
+import statistics, sys, time
+import torch
+from hetrain.hardware.catalog import get_gpu
+from hetrain.planning.cost_model import OPTIMIZER_STEP_BYTES, OPTIMIZER_STEP_TEMP_BYTES
+
+bw = get_gpu(sys.argv[1]).mem_bw_bytes_per_s
+shapes = [(30528, 1024), (512, 1024), (2, 1024), (1024,), (1024,)]
+for _ in range(24):
+    shapes += [(1024, 1024), (1024,)] * 4 + [(4096, 1024), (4096,), (1024, 4096), (1024,)] + [(1024,)] * 4
+shapes += [(2, 1024), (2,)]
+params = [torch.nn.Parameter(torch.randn(s, device="cuda") * 0.02) for s in shapes]
+n = sum(p.numel() for p in params)
+for p in params:
+    p.grad = torch.randn_like(p) * 1e-3
+for name, kwargs in (("adamw", {}), ("adamw-fused", {"fused": True}), ("adamw-loop", {"foreach": False})):
+    opt = torch.optim.AdamW(params, lr=1e-4, **kwargs)
+    opt.step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        t = time.perf_counter()
+        opt.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+        extra = torch.cuda.max_memory_allocated() - before
+    sec = statistics.median(times)
+    priced = OPTIMIZER_STEP_BYTES.get(name)
+    print(f"{name}: {len(params)} tensors, {n / 1e6:.0f}M parameters, step {sec * 1e3:.2f} ms = "
+          f"{sec * bw / n:.0f} B/param at {bw / 1e9:.0f} GB/s (priced {priced if priced else '-'}), "
+          f"step adds {extra / n:.1f} B/param at its peak (priced {OPTIMIZER_STEP_TEMP_BYTES.get(name, 0) if priced else '-'})")
+    del opt
+PYEOF
 
 echo "== predicted against measured, and calibration rows"
 "$PY" - "$OUT" <<'PYEOF'
