@@ -39,6 +39,7 @@ from hetrain.planning.cost_model import (
     fixed_seconds_per_microbatch,
     hidden_seconds,
     optimizer_seconds,
+    parameter_pass_seconds,
     graphics_memory,
     math_precision,
     per_sample_terms,
@@ -129,9 +130,9 @@ def recipe_step_seconds(row: PublishedRow, profile, spec) -> float:
     if not (row.workload.startswith("bert") and row.source.startswith("lambda")):
         return optimizer_seconds(profile, spec, _optimizer(row))
     if row.precision in ("fp16", "bf16"):
-        return AMP_FUSED_ADAM_BYTES * profile.params / spec.mem_bw_bytes_per_s
+        return parameter_pass_seconds(AMP_FUSED_ADAM_BYTES, profile, spec)
     launches = PER_TENSOR_ADAM_OPS * TENSORS_PER_MATRIX * len(profile.matrix_shapes)
-    return PER_TENSOR_ADAM_BYTES * profile.params / spec.mem_bw_bytes_per_s + launches * EAGER_OP_SECONDS
+    return parameter_pass_seconds(PER_TENSOR_ADAM_BYTES, profile, spec) + launches * EAGER_OP_SECONDS
 
 
 def _row_model(row: PublishedRow):

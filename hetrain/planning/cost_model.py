@@ -170,7 +170,12 @@ def per_sample_terms(profile: WorkloadProfile, spec, precision: str) -> tuple[fl
 
 def fixed_seconds_per_microbatch(profile: WorkloadProfile, spec, precision: str) -> float:
     """Per micro-batch: read fp32 weights in forward and backward, write gradients, launch kernels."""
-    return 3 * 4 * profile.params / spec.mem_bw_bytes_per_s + LAUNCH_SECONDS_PER_MICROBATCH
+    return parameter_pass_seconds(3 * 4, profile, spec) + LAUNCH_SECONDS_PER_MICROBATCH
+
+
+def parameter_pass_seconds(bytes_per_param: float, profile: WorkloadProfile, spec) -> float:
+    """Seconds to move `bytes_per_param` bytes for every parameter through the device's memory."""
+    return bytes_per_param * profile.params / spec.mem_bw_bytes_per_s
 
 
 def optimizer_seconds(profile: WorkloadProfile, spec, optimizer: str | None) -> float:
@@ -178,7 +183,7 @@ def optimizer_seconds(profile: WorkloadProfile, spec, optimizer: str | None) -> 
     (0 without an optimizer named). The same on every rank of a kind, whatever its share."""
     if optimizer is None:
         return 0.0
-    return OPTIMIZER_STEP_BYTES[optimizer] * profile.params / spec.mem_bw_bytes_per_s
+    return parameter_pass_seconds(OPTIMIZER_STEP_BYTES[optimizer], profile, spec)
 
 
 def sample_seconds(profile: WorkloadProfile, spec, precision: str, calib: Calibration | None = None,
