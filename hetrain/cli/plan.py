@@ -70,8 +70,12 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
                         "their figures replace the model's for the device kinds they cover")
     parser.add_argument("--from-run", metavar="DIR", help="re-plan with the per-device-kind rates a run measured "
                         "(measured-rates.json in its run or checkpoint directory)")
-    parser.add_argument("--strategy", default="auto", choices=list(STRATEGIES))
-    parser.add_argument("--precision", default="auto", choices=list(PRECISION_CHOICES))
+    parser.add_argument("--strategy", default="auto", choices=list(STRATEGIES),
+                        help="auto (the default) compares the strategies and says why it chose one; "
+                             "another forces that strategy")
+    parser.add_argument("--precision", default="auto", choices=list(PRECISION_CHOICES),
+                        help="auto: bf16 where the chip has it, fp16 with loss scaling elsewhere; "
+                             "another forces that precision where the chip has it")
     parser.add_argument("--micro-batch", type=int, default=None, help="fix the micro-batch on every device")
     parser.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS),
                         help="the optimizer whose state and step the plan prices: torch.optim's AdamW, Adam "
@@ -98,9 +102,13 @@ def run(args: argparse.Namespace) -> int:
     if args.micro_batch is not None and args.micro_batch < 1:
         raise HetrainError(f"--micro-batch must be a positive integer, got {args.micro_batch}")
     profiles = load_profiles(args.profiles) if args.profiles else None
-    result = plan_job(cluster, profile, args.global_batch_size,
-                      optimizer=args.optimizer, strategy=args.strategy, precision=args.precision,
-                      micro_batch=args.micro_batch, profiles=profiles, rates=rates)
+    from rich.console import Console
+
+    # weighing pipelines takes seconds on large clusters: a spinner on a terminal's stderr, nothing elsewhere
+    with Console(stderr=True).status("weighing strategies, shares and partitions..."):
+        result = plan_job(cluster, profile, args.global_batch_size,
+                          optimizer=args.optimizer, strategy=args.strategy, precision=args.precision,
+                          micro_batch=args.micro_batch, profiles=profiles, rates=rates)
     if args.out:
         check_writable_file(args.out, "--out")
         result.plan.save(args.out)

@@ -313,19 +313,23 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
     for s in ("balanced", "zero1", "zero3"):
         cands[s] = with_compression(s, *args) if strategy in ("auto", s) else data_parallel(s, *args)
     fits_one = any(max_micro_batch(profile, k, optimizer, 0, 1, True, 1) >= 1 for k in kinds)
-    if strategy == "pipeline" or (strategy == "auto" and not fits_one):
+    # Pipelines are weighed whenever plain data parallelism does not fit (as ZeRO is), but chosen by
+    # auto only when the model fits on no single device: a pipeline plan needs a script written with
+    # session.forward_backward and the model as nn.Sequential of its blocks, any data-parallel plan
+    # runs any script. The notes say when a pipeline left out is predicted faster.
+    if strategy == "pipeline" or (strategy == "auto" and not cands["balanced"].feasible):
         from hetrain.planning.pipeline_planner import pipeline_candidates   # it builds this module's Candidates
 
         for c in pipeline_candidates(cluster, profile, kinds, global_batch, optimizer, micro_batch):
             cands[c.strategy] = c
     else:
         for s in ("pipeline", "hybrid"):
-            cands[s] = Candidate(s, reason="not evaluated: the model fits on a single device")
+            cands[s] = Candidate(s, reason="not evaluated: plain data parallelism fits every device")
     if strategy == "auto":
         order = ["balanced"]
         if not cands["balanced"].feasible:
             order += ["zero1", "zero3"]
-            notes.append("model state does not fit every device with plain data parallelism; ZeRO considered")
+            notes.append("model state does not fit every device with plain data parallelism; ZeRO considered, pipelines weighed")
         if not fits_one:
             order += ["pipeline", "hybrid"]
             notes.append("the model fits on no single device; pipelines considered")

@@ -5,11 +5,12 @@ import math
 import pytest
 
 
-from hetrain.hardware.cluster import cluster_from_devices
+from hetrain.hardware.cluster import cluster_from_devices, get_preset
 from hetrain.planning.cost_model import pipeline_bubble
 from hetrain.planning.planner import plan_job
 from hetrain.planning.plan import PipelinePlan
 from hetrain.vocabulary import PIPELINE_STRATEGIES
+from hetrain.workload.zoo import get_profile
 from tests.distributed import run_ranks
 from tests.pipeline.common import make_model, pipeline_plan, reference, train
 from tests.pipeline.gpt_3b import gpt_3b
@@ -43,6 +44,24 @@ def test_auto_weighs_pipelines_for_a_3b_model():
     assert result.plan.strategy == max((cands[s] for s in ("zero3", "pipeline", "hybrid")),
                                        key=lambda c: c.samples_per_s).strategy
 
+
+
+def test_auto_weighs_pipelines_when_plain_data_parallelism_does_not_fit_and_says_when_one_is_faster():
+    """GPT-2 1.5B fits on an A100 80 GB but not, with plain data parallelism, on a V100 32 GB: auto
+    weighs pipelines beside ZeRO, keeps a data-parallel plan (which runs any script), and its notes
+    name the faster pipeline (on two nodes over 100 Gb/s, ZeRO's traffic crosses the network), what
+    it needs and the flag that picks it."""
+    cluster = get_preset("a100x4+v100x4")
+    result = plan_job(cluster, get_profile("gpt2-1.5b"), 64, strategy="auto")
+    cands = {c.strategy: c for c in result.candidates}
+    assert not cands["balanced"].feasible and cands["pipeline"].feasible, cands["pipeline"].reason
+    assert result.plan.strategy in ("zero1", "zero3")
+    assert cands["pipeline"].samples_per_s > result.plan.predicted_samples_per_s
+    why = [n for n in result.plan.notes if n.startswith("not pipeline, predicted")]
+    assert why and "session.forward_backward" in why[0] and "pass --strategy pipeline" in why[0], result.plan.notes
+    # where plain data parallelism fits every device, pipelines are not weighed
+    small = plan_job(cluster, get_profile("gpt2-124m"), 64, strategy="auto")
+    assert {c.strategy: c for c in small.candidates}["pipeline"].reason.startswith("not evaluated")
 
 def test_a_pipeline_plan_for_a_3b_model_says_why():
     plan = plan_3b()
