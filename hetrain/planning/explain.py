@@ -6,16 +6,19 @@ MODEL_ERROR = 0.15
 """Median error of the cost model's relative speed of two GPU kinds on a source it never saw, with
 several GPUs (12.7% in docs/cost-model.md, rounded up): a smaller predicted gain is no reason to
 switch strategy."""
-_PIPELINES = ("auto chooses a pipeline only when the model fits on no single device, since a pipeline plan needs "
-              "the script's steps written with session.forward_backward and the model as nn.Sequential of its "
-              "blocks (docs/pipeline.md), where a data-parallel plan runs any script")
+PIPELINES_NOT_WEIGHED = (
+    "pipelines not weighed: the model fits on a single device, and a pipeline plan needs the script's steps "
+    "written with session.forward_backward and the model as nn.Sequential of its blocks (docs/pipeline.md), "
+    "where a data-parallel plan runs any script; --strategy pipeline weighs them, and where ZeRO's traffic "
+    "crosses a slow link a pipeline can be faster")
+"""The note of an auto plan that needed ZeRO for a model some device holds whole."""
 _WHEN = {
     "zero1": "ZeRO-1 is considered only when model state does not fit every device with plain data parallelism: "
              "it adds a parameter broadcast after every optimizer step, which nothing hides",
     "zero3": "ZeRO-3 (FSDP) is considered only when model state does not fit every device with plain data "
              "parallelism: it gathers every block's weights in forward and again in backward",
-    "pipeline": _PIPELINES,
-    "hybrid": _PIPELINES,
+    "pipeline": "pipelines are considered only when the model fits on no single device",
+    "hybrid": "pipelines are considered only when the model fits on no single device",
     "ddp": "uniform DDP is the baseline",
 }
 

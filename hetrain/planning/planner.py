@@ -15,7 +15,7 @@ from hetrain.planning.compression import PREFERENCE, compression_ratio, lossless
 from hetrain.planning.batch_split import FunctionCost, split_min_max
 from hetrain.planning.plan import BalancePlan, CommPlan, Plan, RankPlan
 from hetrain.planning.precision_policy import needs_loss_scaling
-from hetrain.planning.explain import why_not
+from hetrain.planning.explain import PIPELINES_NOT_WEIGHED, why_not
 from hetrain.planning.kinds import Kind, figures_notes, kinds_of
 from hetrain.planning.measured_rates import MeasuredRates
 from hetrain.workload.device_profile import DeviceProfile
@@ -313,23 +313,22 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
     for s in ("balanced", "zero1", "zero3"):
         cands[s] = with_compression(s, *args) if strategy in ("auto", s) else data_parallel(s, *args)
     fits_one = any(max_micro_batch(profile, k, optimizer, 0, 1, True, 1) >= 1 for k in kinds)
-    # Pipelines are weighed whenever plain data parallelism does not fit (as ZeRO is), but chosen by
-    # auto only when the model fits on no single device: a pipeline plan needs a script written with
-    # session.forward_backward and the model as nn.Sequential of its blocks, any data-parallel plan
-    # runs any script. The notes say when a pipeline left out is predicted faster.
-    if strategy == "pipeline" or (strategy == "auto" and not cands["balanced"].feasible):
+    if strategy == "pipeline" or (strategy == "auto" and not fits_one):
         from hetrain.planning.pipeline_planner import pipeline_candidates   # it builds this module's Candidates
 
         for c in pipeline_candidates(cluster, profile, kinds, global_batch, optimizer, micro_batch):
             cands[c.strategy] = c
     else:
         for s in ("pipeline", "hybrid"):
-            cands[s] = Candidate(s, reason="not evaluated: plain data parallelism fits every device")
+            cands[s] = Candidate(s, reason="not evaluated: the model fits on a single device "
+                                           "(--strategy pipeline weighs it)")
     if strategy == "auto":
         order = ["balanced"]
         if not cands["balanced"].feasible:
             order += ["zero1", "zero3"]
-            notes.append("model state does not fit every device with plain data parallelism; ZeRO considered, pipelines weighed")
+            notes.append("model state does not fit every device with plain data parallelism; ZeRO considered")
+            if fits_one:
+                notes.append(PIPELINES_NOT_WEIGHED)
         if not fits_one:
             order += ["pipeline", "hybrid"]
             notes.append("the model fits on no single device; pipelines considered")
