@@ -116,6 +116,9 @@ def _check_flags(args: argparse.Namespace) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     micro_batches = _check_flags(args)
+    from hetrain.launch.malloc_cache import apply_here
+
+    apply_here()   # time the steps with the allocator setting hetrain launch gives its ranks
     import torch
 
     from hetrain.workload.device_profile import WORKLOAD_FILE

@@ -11,20 +11,15 @@ checkpoint directory that cannot be made) is refused before any worker starts; w
 naming the rank where it began (hetrain.launch.failures); a signal to the launcher is passed to
 the workers by the agent and ends it with 128 + the signal's number.
 
-Why the malloc setting: by default glibc returns each large freed block (a batch's activations,
-a few MB) to the kernel and maps it again on the next step, so every training step pays for
-thousands of page faults on freshly zeroed pages. On a CPU rank that measured 3,000-20,000 faults
-and 10-40% of the step time, and in a virtual machine a very uneven cost, which a synchronous job
-pays at its slowest rank. With blocks kept and reused the same step takes a few dozen faults.
-`--no-malloc-cache` (or setting MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_ yourself) keeps
-glibc's defaults.
+Workers keep freed memory blocks for reuse instead of faulting them in afresh each step (glibc's
+allocator; why, and the setting, in hetrain.launch.malloc_cache). `--no-malloc-cache` (or setting
+MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_ yourself) keeps glibc's defaults.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import platform
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -32,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from hetrain.errors import HetrainError
+from hetrain.launch.malloc_cache import worker_env as malloc_cache_env
 from hetrain.launch.failures import describe, first_failure
 from hetrain.launch.leftovers import adopt_orphans, end_leftovers
 from hetrain.metrics.serve import check_ports_free
@@ -42,7 +38,6 @@ from hetrain.vocabulary import CPU_DEVICE, Env
 PLAN_ENV = Env.PLAN
 # Largest mmap threshold glibc accepts on 64-bit (32 MiB): blocks below it come from the heap; the
 # trim threshold keeps up to 1 GiB of freed heap for reuse instead of returning it each step.
-MALLOC_CACHE_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**30)}
 CHECKPOINT_ENV = Env.CHECKPOINT_DIR
 MAX_NPROC_PER_NODE = 1024
 """Most ranks one node may start: one process per device, each with its own copy of torch."""
@@ -190,13 +185,9 @@ def worker_env(cfg: LaunchConfig) -> dict[str, str]:
         env[Env.START_FRESH] = "1"
     if "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cfg.nproc_per_node))
-    if cfg.malloc_cache and _glibc() and not any(k in os.environ for k in MALLOC_CACHE_ENV):
-        env.update(MALLOC_CACHE_ENV)
+    if cfg.malloc_cache:
+        env.update(malloc_cache_env())
     return env
-
-
-def _glibc() -> bool:
-    return sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
 
 
 def launch(cfg: LaunchConfig) -> int:
@@ -206,6 +197,9 @@ def launch(cfg: LaunchConfig) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    # the agent hands its own environment to the workers; this process's is restored afterwards, so
+    # that one launch's settings (a plan, emulated speeds, the allocator's) never reach the next
+    saved = dict(os.environ)
     os.environ.update(worker_env(cfg))
     if cfg.emulate_speeds is not None:
         print(f"hetrain launch: emulating device speeds {os.environ[Env.EMULATE_SPEEDS]} on CPU ranks; "
@@ -222,6 +216,8 @@ def launch(cfg: LaunchConfig) -> int:
             f"the job was stopped by {name}; every worker was sent {name} (a hetrain.Session saves a "
             "checkpoint then, where checkpoints are on)", 128 + int(e.sigval)) from None
     finally:
+        os.environ.clear()
+        os.environ.update(saved)
         ended = end_leftovers(launch_id)
         if ended:
             print(f"hetrain launch: ended {len(ended)} process(es) the workers left running (pids "

@@ -259,6 +259,9 @@ def set_cpu_threads(threads: int | None) -> int:
 def _copy_worker(runnable, precisions, micro_batches, threads, repeats, budget_s, barrier, queue) -> None:
     import torch
 
+    from hetrain.launch.malloc_cache import apply_here
+
+    apply_here()   # the allocator's setting of a rank under hetrain launch, or the step is timed slower
     torch.set_num_threads(threads)
     barrier.wait()
     try:
@@ -273,19 +276,11 @@ def measure_cpu_copies(runnable: RunnableModel, copies: int, threads: int, preci
                        micro_batches: Sequence[int], *, repeats: int = 10, budget_s: float = 5.0) -> DeviceProfile:
     """Time `copies` copies of the model at once on the CPU, `threads` threads each, as the ranks of
     one machine share it under `hetrain launch --nproc-per-node copies`; each point is the median
-    over the copies. One copy is a plain `measure`."""
+    over the copies. Each copy runs in a process of its own (forked, even when there is one), with
+    the allocator setting those ranks get (hetrain.launch.malloc_cache), leaving this process's alone."""
     import multiprocessing
 
-    import torch
-
-    if copies <= 1:
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            return measure(runnable, torch.device("cpu"), precisions, micro_batches, repeats=repeats,
-                           budget_s=budget_s, blocks=False)
-        finally:
-            torch.set_num_threads(before)
+    copies = max(1, copies)
     ctx = multiprocessing.get_context("fork")  # the model and its input maker need not be picklable
     barrier, queue = ctx.Barrier(copies), ctx.Queue()
     procs = [ctx.Process(target=_copy_worker, args=(runnable, list(precisions), list(micro_batches), threads,

@@ -68,7 +68,10 @@ def test_torchrun_arguments():
 
 
 FAULTS_SNIPPET = """
-import resource, torch
+import os, resource, torch
+if os.environ.get("HETRAIN_TEST_APPLY"):
+    from hetrain.launch.malloc_cache import apply_here
+    assert apply_here()
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Conv2d(1, 32, 3, padding=1), torch.nn.ReLU(),
                             torch.nn.Conv2d(32, 64, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
@@ -91,25 +94,52 @@ def test_workers_reuse_freed_memory_instead_of_faulting_it_in_each_step(monkeypa
     import subprocess
 
     from hetrain.launch import launcher
+    from hetrain.launch.malloc_cache import MALLOC_CACHE_ENV, glibc
 
-    if not launcher._glibc():
+    if not glibc():
         pytest.skip("not glibc")
-    for key in launcher.MALLOC_CACHE_ENV:
+    for key in MALLOC_CACHE_ENV:
         monkeypatch.delenv(key, raising=False)
     tuned = launcher.worker_env(LaunchConfig(script="train.py"))
     assert launcher.worker_env(LaunchConfig(script="train.py", malloc_cache=False)).keys().isdisjoint(
-        launcher.MALLOC_CACHE_ENV)
+        MALLOC_CACHE_ENV)
 
     def faults(extra: dict) -> int:
-        env = {k: v for k, v in os.environ.items() if k not in launcher.MALLOC_CACHE_ENV}
+        env = {k: v for k, v in os.environ.items() if k not in MALLOC_CACHE_ENV}
         out = subprocess.run([sys.executable, "-c", FAULTS_SNIPPET], env={**env, **extra},
                              capture_output=True, text=True, check=True, timeout=120)
         return int(out.stdout.strip())
 
-    default, cached = faults({}), faults(tuned)
-    # glibc's default maps each step's activations afresh (seen: 7,500-12,000 faults in 5 steps);
-    # kept for reuse, next to none (seen: 0-512)
-    assert cached < 2000 < 3000 < default, (cached, default)
+    # glibc's default maps each step's activations afresh (seen: 7,500-15,200 faults in 5 steps), though
+    # its moving threshold now and then settles where a run pays little (seen: 1,024 in about one run
+    # of four under pytest): the most of three runs; kept for reuse, a few at most (seen: 0-2,048)
+    default, cached = max(faults({}) for _ in range(3)), faults(tuned)
+    assert cached < 4000 and 4 * cached < default, (cached, default)
+    # hetrain profile sets the same thresholds in its running process, so it times the launched step
+    in_process = faults({"HETRAIN_TEST_APPLY": "1"})
+    assert in_process < 4000 and 4 * in_process < default, (in_process, default)
 
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")   # the user's own choice wins
-    assert launcher.worker_env(LaunchConfig(script="train.py")).keys().isdisjoint(launcher.MALLOC_CACHE_ENV)
+    assert launcher.worker_env(LaunchConfig(script="train.py")).keys().isdisjoint(MALLOC_CACHE_ENV)
+
+
+RESTORE_SNIPPET = """
+import os, sys
+from hetrain.launch.launcher import LaunchConfig, launch
+before = dict(os.environ)
+for speeds in ([1.0, 0.5], None):   # a launch's settings must not reach the next one
+    launch(LaunchConfig(script=sys.argv[1], nproc_per_node=2, emulate_speeds=speeds, checkpoint_dir=sys.argv[2]))
+    print("same" if dict(os.environ) == before else sorted(set(os.environ.items()) ^ set(before.items())))
+"""
+
+
+def test_a_launch_leaves_the_calling_process_environment_as_it_was(tmp_path):
+    """hetrain's benchmarks launch several jobs from one process: each gets only its own settings,
+    and a job's view of the environment (what `hetrain launch` added) is printed by its rank 0."""
+    script = tmp_path / "job.py"
+    script.write_text("import os\nif os.environ['RANK'] == '0':\n"
+                      "    print('speeds', os.environ.get('HETRAIN_EMULATE_SPEEDS'), flush=True)\n")
+    r = run_cli([sys.executable, "-c", RESTORE_SNIPPET, str(script), str(tmp_path / "ckpt")], cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert re.findall(r"^speeds (\S+)$", r.stdout, re.M) == ["1,0.5", "None"], r.stdout
+    assert re.findall(r"^same$", r.stdout, re.M) == ["same", "same"], r.stdout
