@@ -4,6 +4,7 @@ rates, a measured device profile, or the cost model, each saying which."""
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 from hetrain.errors import HetrainError
@@ -183,4 +184,26 @@ def figures_notes(kinds: list[Kind], profile: WorkloadProfile, profiles: dict[st
         elif profiles and name in profiles:
             notes.append(f"{name}: memory modelled (its profile has no {k.precision} peak memory; "
                          "peaks are measured on CUDA devices)")
+    return notes
+
+
+def cpu_sharing_notes(kinds: list[Kind], cluster) -> list[str]:
+    """A CPU profile times a step with its stamp's threads, as its `concurrent_copies` copies shared
+    the machine. `hetrain launch` gives each of N ranks on a node the cores / N threads
+    (OMP_NUM_THREADS, where not set): where the plan's ranks of that kind on a node, or the threads
+    each gets on this machine, differ from the profile's, the note says how to profile for the plan."""
+    notes = []
+    for k in kinds:
+        if k.source != "measured-profile" or k.spec.arch != "cpu":
+            continue
+        per_node = max(sum(g.count for g in node.devices if g.spec.name == k.spec.name) for node in cluster.nodes)
+        threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // per_node))
+        stamp = k.measured.stamp
+        if per_node == stamp.concurrent_copies and stamp.threads in (None, threads):
+            continue
+        copies = "1 copy" if stamp.concurrent_copies == 1 else f"{stamp.concurrent_copies} copies"
+        each = f", {stamp.threads} thread(s) each" if stamp.threads else ""
+        notes.append(f"{k.spec.name}: the profile timed {copies} at once{each}; this plan runs {per_node} rank(s) on "
+                     f"a node, {threads} thread(s) each on this machine, so its step times may be far off; profile "
+                     f"with `hetrain profile --device cpu --concurrent {per_node} --threads {threads}`")
     return notes

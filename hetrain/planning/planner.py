@@ -16,7 +16,7 @@ from hetrain.planning.batch_split import FunctionCost, split_min_max
 from hetrain.planning.plan import BalancePlan, CommPlan, Plan, RankPlan
 from hetrain.planning.precision_policy import needs_loss_scaling
 from hetrain.planning.explain import PIPELINES_NOT_WEIGHED, why_not
-from hetrain.planning.kinds import Kind, figures_notes, kinds_of
+from hetrain.planning.kinds import Kind, cpu_sharing_notes, figures_notes, kinds_of
 from hetrain.planning.measured_rates import MeasuredRates
 from hetrain.workload.device_profile import DeviceProfile
 from hetrain.workload.profile import WorkloadProfile
@@ -299,7 +299,7 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
     if global_batch < world:   # every rank reads part of each global batch, pipeline stages too
         raise HetrainError(f"global batch {global_batch} is smaller than the {world} devices; "
                            f"use a global batch of at least {world}")
-    notes = figures_notes(kinds, profile, profiles, rates)
+    notes = figures_notes(kinds, profile, profiles, rates) + cpu_sharing_notes(kinds, cluster)
     notes += [k.note for k in kinds if k.note]
     notes += [f"node {n.name}: no peer-to-peer access over PCIe between its devices, so collectives go "
               f"through host memory, at {HOST_STAGED_SHARE:.0%} of PCIe and not hidden under compute; "

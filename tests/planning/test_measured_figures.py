@@ -270,3 +270,24 @@ def test_a_profiles_adamw_step_is_scaled_to_the_optimizer_the_plan_prices():
     notes = " ".join(plan_job(cluster, model, 512, profiles={A100: prof}, optimizer="sgd").plan.notes)
     assert "the profile timed an AdamW step (2.0 ms)" in notes and "0.8 ms" in notes
     assert "timed an AdamW step" not in " ".join(plan_job(cluster, model, 512, profiles={A100: prof}).plan.notes)
+
+
+def test_a_cpu_profile_timed_otherwise_than_the_plan_runs_says_how_to_profile_for_it(monkeypatch):
+    """hetrain launch gives each of 2 CPU ranks half the cores: a profile timed as one copy with
+    every core predicts a faster step than they run, and the plan's notes say how to profile."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    cluster, model = cluster_from_devices("cpu:2"), get_profile("resnet50")
+
+    def notes(threads: int, copies: int) -> list[str]:
+        stamp = Stamp(device_name="cpu", torch="2.13.0", threads=threads, concurrent_copies=copies,
+                      date="2026-01-01T00:00:00+00:00")
+        prof = DeviceProfile(model="resnet50", device="cpu", stamp=stamp, optimizer_seconds=0.01,
+                             steps=[StepTiming(precision="fp32", micro_batch=b, seconds=0.05 * b) for b in (4, 16)])
+        result = plan_job(cluster, model, 64, profiles={"cpu": prof})
+        assert result.figures == {"cpu": "measured-profile"}
+        return [n for n in result.plan.notes if "the profile timed" in n]
+
+    [note] = notes(threads=2, copies=1)
+    assert "1 copy at once, 2 thread(s) each" in note and "2 rank(s) on a node, 1 thread(s) each" in note
+    assert "hetrain profile --device cpu --concurrent 2 --threads 1" in note
+    assert notes(threads=1, copies=2) == []
