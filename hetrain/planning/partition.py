@@ -15,27 +15,40 @@ def partition_blocks(
     n_stages: int,
     stage_time: Callable[[int, int, int], float],
     fits: Callable[[int, int, int], bool] = lambda j, a, b: True,
+    min_size: int = 1,
 ) -> tuple[list[tuple[int, int]], float] | None:
     """Contiguous [a, b) block ranges, one per stage in order, minimising the slowest stage.
 
     Dynamic programming over (stage, first block of the next stage): exact, O(p * L^2) for p
-    stages and L blocks. `stage_time(j, a, b)` and `fits(j, a, b)` describe stage j holding
-    blocks a..b-1. None when no partition fits.
+    stages and L blocks at most. `stage_time(j, a, b)` and `fits(j, a, b)` describe stage j holding
+    blocks a..b-1; every stage holds at least `min_size` blocks. None when no partition fits.
+
+    Both are taken to be monotone in the range, as time and memory are: a stage that holds more
+    blocks takes no less time, and does not fit where a stage holding fewer does not. So the
+    ranges that end at b are tried growing, and the search stops at the first that does not fit or
+    that alone is slower than the best found (among equal partitions it keeps the one the whole
+    search keeps).
     """
-    if n_stages < 1 or n_stages > n_blocks:
+    min_size = max(1, min_size)
+    if n_stages < 1 or n_stages * min_size > n_blocks:
         return None
     inf = float("inf")
     best = [[inf] * (n_blocks + 1) for _ in range(n_stages + 1)]
     cut = [[-1] * (n_blocks + 1) for _ in range(n_stages + 1)]
     best[0][0] = 0.0
     for j in range(1, n_stages + 1):
-        for b in range(j, n_blocks - (n_stages - j) + 1):
-            for a in range(j - 1, b):
+        for b in range(j * min_size, n_blocks - (n_stages - j) * min_size + 1):
+            for a in range(b - min_size, (j - 1) * min_size - 1, -1):
                 prev = best[j - 1][a]
-                if prev == inf or not fits(j - 1, a, b):
+                if prev == inf:
                     continue
-                t = max(prev, stage_time(j - 1, a, b))
-                if t < best[j][b]:
+                if not fits(j - 1, a, b):
+                    break   # nor does any longer range
+                own = stage_time(j - 1, a, b)
+                if own > best[j][b]:
+                    break   # longer ranges take longer still
+                t = max(prev, own)
+                if t <= best[j][b]:
                     best[j][b], cut[j][b] = t, a
     if best[n_stages][n_blocks] == inf:
         return None

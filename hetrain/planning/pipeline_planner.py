@@ -58,7 +58,9 @@ def pipeline_candidates(cluster, profile: WorkloadProfile, kinds: list[Kind], gl
     link = cluster.inter_node_bytes_per_s if multi_node else min(d.intra_bytes_per_s for d in devices)
     staged = not multi_node and cm.topology_of(cluster).host_staged
     counts = [k.count for k in kinds]
-    memo: dict = {}
+    memo: dict = {}    # (kind, blocks, micro-batch, in flight, sharding) -> stage_cost
+    times: dict = {}   # (kind, blocks, micro-batch, checkpointing) -> stage_seconds
+    parts: dict = {}   # (a, b) -> the profile of blocks [a, b) alone
 
     def stage_cost(kind: Kind, a: int, b: int, mb: int, in_flight: int, zero: int = 0
                    ) -> tuple[float, bool, int] | None:
@@ -72,19 +74,28 @@ def pipeline_candidates(cluster, profile: WorkloadProfile, kinds: list[Kind], gl
                 mem = cm.memory_estimate(profile, kind.precision, mb, optimizer=optimizer, checkpointing=ckpt,
                                          blocks=sub, in_flight=in_flight, zero=zero, world=replicas[0]).total
                 if mem <= kind.spec.memory_bytes:
-                    part = profile.model_copy(update={
-                        "params": max(1, sum(x.params for x in blocks[sub])),
-                        "flops_per_sample": max(1.0, sum(x.flops_per_sample for x in blocks[sub])),
-                        "activation_bytes_per_sample": sum(x.activation_bytes_per_sample for x in blocks[sub]),
-                        "blocks": [],
-                    })
-                    t = kind.stage_seconds(len(blocks), a, b, mb, ckpt)
-                    if t is None:
-                        t = cm.compute_seconds(part, kind.spec, kind.precision, mb, mb, ckpt, calib)
-                    result = (t, ckpt, mem)
+                    result = (stage_seconds(kind, a, b, mb, ckpt), ckpt, mem)
                     break
             memo[key] = result
         return memo[key]
+
+    def stage_seconds(kind: Kind, a: int, b: int, mb: int, ckpt: bool) -> float:
+        """Seconds of one micro-batch through blocks [a, b) on `kind` (measured where its profile has
+        the blocks, else modelled); whatever the stage's memory, so kept apart from `stage_cost`'s."""
+        key = (kind.spec.name, a, b, mb, ckpt)
+        if key not in times:
+            t = kind.stage_seconds(len(blocks), a, b, mb, ckpt)
+            if t is None:
+                if (a, b) not in parts:
+                    parts[(a, b)] = profile.model_copy(update={
+                        "params": max(1, sum(x.params for x in blocks[a:b])),
+                        "flops_per_sample": max(1.0, sum(x.flops_per_sample for x in blocks[a:b])),
+                        "activation_bytes_per_sample": sum(x.activation_bytes_per_sample for x in blocks[a:b]),
+                        "blocks": [],
+                    })
+                t = cm.compute_seconds(parts[(a, b)], kind.spec, kind.precision, mb, mb, ckpt, calib)
+            times[key] = t
+        return times[key]
 
     def stage_optimizer_seconds(kind: Kind, ranges: list[tuple[int, int]], shards: int) -> float:
         """The optimizer step over the parameters of the blocks in `ranges` (a 1/shards slice when
@@ -116,14 +127,14 @@ def pipeline_candidates(cluster, profile: WorkloadProfile, kinds: list[Kind], gl
                         continue   # torch's interleaved 1F1B needs each replica's stages on increasing ranks
 
                     def fits(j, a, b, mb=mb, m=m, v=v, sk=stage_kinds):
-                        return b - a >= v and stage_cost(sk[j], a, b, mb, in_flight(p, j, m, v), zero) is not None
+                        return stage_cost(sk[j], a, b, mb, in_flight(p, j, m, v), zero) is not None
 
                     def time(j, a, b, mb=mb, m=m, v=v, sk=stage_kinds):
                         return stage_cost(sk[j], a, b, mb, in_flight(p, j, m, v), zero)[0]
 
                     # Interleaved, a rank's chunks are not one range of blocks, but hold as many: the
                     # contiguous partition stands for their count (exact for alike layers).
-                    found = partition_blocks(n_blocks, p, time, fits)
+                    found = partition_blocks(n_blocks, p, time, fits, min_size=v)
                     if found is None:
                         continue
                     bounds, slot = found

@@ -92,3 +92,33 @@ def test_partition_blocks_matches_brute_force():
             assert bounds[0][0] == 0 and bounds[-1][1] == n
             assert all(a < b for a, b in bounds) and all(bounds[i][1] == bounds[i + 1][0] for i in range(p - 1))
             assert math.isclose(value, best, rel_tol=1e-12)
+
+
+def test_partition_blocks_with_a_least_stage_size_matches_brute_force():
+    """Interleaved stages hold at least one block per chunk: `min_size` bounds every stage, and the
+    pruned search still finds the min-max partition among those that fit."""
+    rng = random.Random(5)
+    checked = 0
+    for _ in range(60):
+        n, p, k = rng.randint(2, 12), rng.randint(1, 4), rng.randint(1, 3)
+        w = [rng.uniform(0.5, 3) for _ in range(n)]
+        speed = [rng.uniform(0.5, 2) for _ in range(p)]
+        cap = [rng.uniform(2, 14) for _ in range(p)]
+        t = lambda j, a, b: sum(w[a:b]) / speed[j]
+        fits = lambda j, a, b: sum(w[a:b]) <= cap[j]
+        got = partition_blocks(n, p, t, fits, min_size=k)
+        best = None
+        for cuts in itertools.combinations(range(1, n), p - 1):
+            bounds = list(zip((0, *cuts), (*cuts, n)))
+            if all(b - a >= k and fits(j, a, b) for j, (a, b) in enumerate(bounds)):
+                v = max(t(j, a, b) for j, (a, b) in enumerate(bounds))
+                best = v if best is None else min(best, v)
+        if best is None:
+            assert got is None
+            continue
+        checked += 1
+        bounds, value = got
+        assert all(b - a >= k for a, b in bounds) and bounds[0][0] == 0 and bounds[-1][1] == n
+        assert all(fits(j, a, b) for j, (a, b) in enumerate(bounds))
+        assert math.isclose(value, best, rel_tol=1e-12)
+    assert checked >= 20
