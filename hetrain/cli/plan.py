@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     profiles = load_profiles(args.profiles) if args.profiles else None
     from rich.console import Console
 
-    # weighing pipelines takes seconds on large clusters: a spinner on a terminal's stderr, nothing elsewhere
+    # weighing pipelines can take a second on large clusters: a spinner on a terminal's stderr, nothing elsewhere
     with Console(stderr=True).status("weighing strategies, shares and partitions..."):
         result = plan_job(cluster, profile, args.global_batch_size,
                           optimizer=args.optimizer, strategy=args.strategy, precision=args.precision,

@@ -6,19 +6,19 @@ MODEL_ERROR = 0.15
 """Median error of the cost model's relative speed of two GPU kinds on a source it never saw, with
 several GPUs (12.7% in docs/cost-model.md, rounded up): a smaller predicted gain is no reason to
 switch strategy."""
-PIPELINES_NOT_WEIGHED = (
-    "pipelines not weighed: the model fits on a single device, and a pipeline plan needs the script's steps "
-    "written with session.forward_backward and the model as nn.Sequential of its blocks (docs/pipeline.md), "
-    "where a data-parallel plan runs any script; --strategy pipeline weighs them, and where ZeRO's traffic "
-    "crosses a slow link a pipeline can be faster")
+PIPELINE_NEEDS = ("a pipeline plan needs the script's steps written with session.forward_backward and the model "
+                  "as nn.Sequential of its blocks (docs/pipeline.md), where a data-parallel plan runs any script")
+"""What a script must do to run a pipeline plan: why auto keeps to data parallelism while it can."""
+PIPELINES_WEIGHED = ("model state does not fit every device with plain data parallelism; ZeRO considered, and "
+                     "pipelines weighed (auto chooses one only when the model fits on no single device)")
 """The note of an auto plan that needed ZeRO for a model some device holds whole."""
 _WHEN = {
     "zero1": "ZeRO-1 is considered only when model state does not fit every device with plain data parallelism: "
              "it adds a parameter broadcast after every optimizer step, which nothing hides",
     "zero3": "ZeRO-3 (FSDP) is considered only when model state does not fit every device with plain data "
              "parallelism: it gathers every block's weights in forward and again in backward",
-    "pipeline": "pipelines are considered only when the model fits on no single device",
-    "hybrid": "pipelines are considered only when the model fits on no single device",
+    "pipeline": "auto chooses a pipeline only when the model fits on no single device: " + PIPELINE_NEEDS,
+    "hybrid": "auto chooses a pipeline only when the model fits on no single device: " + PIPELINE_NEEDS,
     "ddp": "uniform DDP is the baseline",
 }
 
@@ -29,5 +29,6 @@ def why_not(chosen, other) -> str:
     size = (f"its predicted gain, {gain:.1%}, is within the cost model's error (about {MODEL_ERROR:.0%})"
             if gain < MODEL_ERROR else f"its predicted gain is {gain:.1%}")
     reason = _WHEN.get(other.strategy, f"{other.strategy} is not among the strategies auto compares here")
+    flag = "pipeline" if other.strategy == "hybrid" else other.strategy   # --strategy pipeline weighs both
     return (f"not {other.strategy}, predicted {other.samples_per_s:.1f} samples/s against {chosen.samples_per_s:.1f}: "
-            f"{reason}; {size}; pass --strategy {other.strategy} to use it")
+            f"{reason}; {size}; pass --strategy {flag} to use it")

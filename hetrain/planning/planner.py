@@ -15,12 +15,12 @@ from hetrain.planning.compression import PREFERENCE, compression_ratio, lossless
 from hetrain.planning.batch_split import FunctionCost, split_min_max
 from hetrain.planning.plan import BalancePlan, CommPlan, Plan, RankPlan
 from hetrain.planning.precision_policy import needs_loss_scaling
-from hetrain.planning.explain import PIPELINES_NOT_WEIGHED, why_not
+from hetrain.planning.explain import PIPELINES_WEIGHED, why_not
 from hetrain.planning.kinds import Kind, cpu_sharing_notes, figures_notes, kinds_of
 from hetrain.planning.measured_rates import MeasuredRates
 from hetrain.workload.device_profile import DeviceProfile
 from hetrain.workload.profile import WorkloadProfile
-from hetrain.vocabulary import OPTIMIZERS
+from hetrain.vocabulary import OPTIMIZERS, PIPELINE_STRATEGIES
 from hetrain.vocabulary import STRATEGIES as VOCABULARY_STRATEGIES
 
 STRATEGIES = ("auto", *(s for s in VOCABULARY_STRATEGIES if s != "hybrid"))  # hybrid plans come from "pipeline"
@@ -313,22 +313,24 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
     for s in ("balanced", "zero1", "zero3"):
         cands[s] = with_compression(s, *args) if strategy in ("auto", s) else data_parallel(s, *args)
     fits_one = any(max_micro_batch(profile, k, optimizer, 0, 1, True, 1) >= 1 for k in kinds)
-    if strategy == "pipeline" or (strategy == "auto" and not fits_one):
+    # auto weighs pipelines wherever plain data parallelism does not fit every device, and chooses
+    # one only where no single device holds the model (a pipeline plan asks more of the script)
+    if strategy in PIPELINE_STRATEGIES or (strategy == "auto" and not (fits_one and cands["balanced"].feasible)):
         from hetrain.planning.pipeline_planner import pipeline_candidates   # it builds this module's Candidates
 
         for c in pipeline_candidates(cluster, profile, kinds, global_batch, optimizer, micro_batch):
             cands[c.strategy] = c
     else:
-        for s in ("pipeline", "hybrid"):
-            cands[s] = Candidate(s, reason="not evaluated: the model fits on a single device "
-                                           "(--strategy pipeline weighs it)")
+        reason = ("not evaluated: plain data parallelism fits every device (--strategy pipeline weighs it)"
+                  if strategy == "auto" else f"not evaluated: --strategy {strategy} was asked for")
+        for s in PIPELINE_STRATEGIES:
+            cands[s] = Candidate(s, reason=reason)
     if strategy == "auto":
         order = ["balanced"]
         if not cands["balanced"].feasible:
             order += ["zero1", "zero3"]
-            notes.append("model state does not fit every device with plain data parallelism; ZeRO considered")
-            if fits_one:
-                notes.append(PIPELINES_NOT_WEIGHED)
+            notes.append(PIPELINES_WEIGHED if fits_one else
+                         "model state does not fit every device with plain data parallelism; ZeRO considered")
         if not fits_one:
             order += ["pipeline", "hybrid"]
             notes.append("the model fits on no single device; pipelines considered")
@@ -340,7 +342,7 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
     else:
         pick = cands.get(strategy)
         if strategy == "pipeline":
-            options = [cands[s] for s in ("pipeline", "hybrid") if cands[s].feasible]
+            options = [cands[s] for s in PIPELINE_STRATEGIES if cands[s].feasible]
             pick = max(options, key=lambda c: c.samples_per_s) if options else cands["pipeline"]
         chosen = pick if pick is not None and pick.feasible else None
     if chosen is None:

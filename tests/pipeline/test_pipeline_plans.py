@@ -45,25 +45,31 @@ def test_auto_weighs_pipelines_for_a_3b_model():
                                        key=lambda c: c.samples_per_s).strategy
 
 
-
-def test_auto_with_zero_for_a_model_one_device_holds_names_the_pipeline_it_did_not_weigh():
+def test_auto_with_zero_for_a_model_one_device_holds_weighs_pipelines_and_names_the_faster_one():
     """GPT-2 1.5B fits on an A100 80 GB but not, with plain data parallelism, on a V100 32 GB: auto
-    keeps to ZeRO (a data-parallel plan runs any script) and its notes say how to weigh pipelines;
-    --strategy pipeline does, and on two nodes over 100 Gb/s, where ZeRO's traffic crosses the
-    network, predicts one faster."""
+    weighs pipelines beside ZeRO but keeps to ZeRO (a data-parallel plan runs any script); on two
+    nodes over 100 Gb/s, where ZeRO's traffic crosses the network, the pipeline it weighed is faster,
+    and a note gives its figure, what a pipeline needs of the script, and the flag that takes it."""
     cluster, profile = get_preset("a100x4+v100x4"), get_profile("gpt2-1.5b")
     auto = plan_job(cluster, profile, 64, strategy="auto")
     cands = {c.strategy: c for c in auto.candidates}
     assert auto.plan.strategy in ("zero1", "zero3") and not cands["balanced"].feasible
-    assert "--strategy pipeline" in cands["pipeline"].reason
-    note = next(n for n in auto.plan.notes if n.startswith("pipelines not weighed"))
-    assert "session.forward_backward" in note and "--strategy pipeline" in note
     forced = plan_job(cluster, profile, 64, strategy="pipeline")
     assert forced.plan.strategy in PIPELINE_STRATEGIES
     assert forced.plan.predicted_samples_per_s > auto.plan.predicted_samples_per_s
-    # where plain data parallelism fits every device, the note is not given
+    # the auto plan weighed the same pipeline the forced one chose
+    assert cands[forced.plan.strategy].samples_per_s == pytest.approx(forced.plan.predicted_samples_per_s)
+    note = next(n for n in auto.plan.notes if n.startswith(f"not {forced.plan.strategy}, predicted"))
+    assert f"{forced.plan.predicted_samples_per_s:.1f} samples/s" in note
+    assert "session.forward_backward" in note and "nn.Sequential" in note and "--strategy pipeline" in note
+    # where plain data parallelism fits every device, pipelines are not weighed, and the table says so
     small = plan_job(cluster, get_profile("gpt2-124m"), 64, strategy="auto")
-    assert not any(n.startswith("pipelines not weighed") for n in small.plan.notes)
+    small_cands = {c.strategy: c for c in small.candidates}
+    assert not small_cands["pipeline"].feasible and "--strategy pipeline" in small_cands["pipeline"].reason
+    assert not any(n.startswith("not pipeline") or n.startswith("not hybrid") for n in small.plan.notes)
+    # a strategy asked for by name weighs no pipeline, and says that was why
+    zero3 = plan_job(cluster, profile, 64, strategy="zero3")
+    assert "--strategy zero3 was asked for" in {c.strategy: c for c in zero3.candidates}["pipeline"].reason
 
 
 def test_a_pipeline_plan_for_a_3b_model_says_why():
