@@ -337,8 +337,12 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
         feasible = [cands[s] for s in order if cands[s].feasible]
         chosen = max(feasible, key=lambda c: c.samples_per_s) if feasible else None
         if chosen is not None:
-            notes += [why_not(chosen, c) for c in cands.values()
+            faster = [c for c in cands.values()
                       if c.feasible and c is not chosen and c.samples_per_s > chosen.samples_per_s]
+            pipelines = [c for c in faster if c.strategy in PIPELINE_STRATEGIES]
+            # one --strategy pipeline weighs both pipeline shapes: the faster of them is the one to name
+            notes += [why_not(chosen, c) for c in faster
+                      if c.strategy not in PIPELINE_STRATEGIES or c is max(pipelines, key=lambda p: p.samples_per_s)]
     else:
         pick = cands.get(strategy)
         if strategy == "pipeline":

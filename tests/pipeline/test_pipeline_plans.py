@@ -67,6 +67,8 @@ def test_auto_with_zero_for_a_model_one_device_holds_weighs_pipelines_and_names_
     small_cands = {c.strategy: c for c in small.candidates}
     assert not small_cands["pipeline"].feasible and "--strategy pipeline" in small_cands["pipeline"].reason
     assert not any(n.startswith("not pipeline") or n.startswith("not hybrid") for n in small.plan.notes)
+    # of the two pipeline shapes, only the faster is named: one flag weighs both
+    assert sum(n.startswith(("not pipeline", "not hybrid")) for n in auto.plan.notes) == 1
     # a strategy asked for by name weighs no pipeline, and says that was why
     zero3 = plan_job(cluster, profile, 64, strategy="zero3")
     assert "--strategy zero3 was asked for" in {c.strategy: c for c in zero3.candidates}["pipeline"].reason
