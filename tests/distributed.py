@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import os
 import subprocess
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -14,11 +13,9 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from tests.ports import free_port
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
 
 
 def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue, env: dict) -> None:

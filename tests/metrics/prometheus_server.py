@@ -7,9 +7,7 @@ when missing, as `make test` does).
 from __future__ import annotations
 
 import json
-import random
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -18,6 +16,8 @@ import urllib.request
 from pathlib import Path
 
 import yaml
+
+from tests.ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRAPE_INTERVAL = 0.25
@@ -32,35 +32,6 @@ def prometheus_binary() -> str:
         if found is None:
             raise RuntimeError(f"no prometheus binary and scripts/install_prometheus.sh failed: {r.stderr.strip()}")
     return found
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    """The ports the kernel hands out for bind(0) and outgoing connections."""
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def free_ports(n: int) -> int:
-    """A base port with n consecutive free ports above it, below the kernel's ephemeral range.
-
-    The launcher's rendezvous store, gloo's sockets and every scrape's connection take ephemeral
-    ports while a test runs; a port found free there (by bind(0)) can be taken by one of them before
-    the rank that was to serve on it starts. Ports below the range are only taken by name."""
-    low, _ = _ephemeral_range()
-    top = max(low, 20000 + n)   # where the range starts lower, 10000..20000 is the best left
-    for _ in range(200):
-        base = random.randrange(10000, top - n)
-        try:
-            for port in range(base, base + n):
-                with socket.socket() as s:
-                    s.bind(("0.0.0.0", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError(f"no {n} consecutive free ports in 10000..{top}")
 
 
 class Prometheus:

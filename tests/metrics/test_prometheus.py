@@ -23,7 +23,8 @@ import pytest
 from hetrain.metrics.names import CUDA_LABELS, METRICS, RANK_LABELS
 from hetrain.metrics.report import load_run, summary_rows
 from tests.metrics.fake_gpu_rank import TENSOR_ACTIVE
-from tests.metrics.prometheus_server import SCRAPE_INTERVAL, Prometheus, free_ports
+from tests.metrics.prometheus_server import SCRAPE_INTERVAL, Prometheus
+from tests.ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 30

@@ -20,7 +20,7 @@ from hetrain.metrics.serve import check_port_range, check_ports_free
 from hetrain.runtime.events import CheckpointRecord
 from tests.metrics.fake_gpu_rank import fake_gpu_metrics, patch_cuda, step_record
 from tests.metrics.fake_nvml import FakeNvml
-from tests.metrics.prometheus_server import free_ports
+from tests.ports import free_ports
 from tests.distributed import run_cli
 
 
