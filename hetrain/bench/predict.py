@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 from hetrain.errors import HetrainError
+from hetrain.hardware.catalog import rank_threads
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
@@ -78,7 +79,7 @@ def _round(args: argparse.Namespace, tmp: Path, threads: int) -> tuple:
 def run(args: argparse.Namespace) -> dict:
     if args.ranks < 1 or args.steps <= args.warmup or args.global_batch_size < args.ranks or args.rounds < 1:
         raise HetrainError("need --ranks >= 1, --rounds >= 1, --steps > --warmup and --global-batch-size >= --ranks")
-    threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // args.ranks))
+    threads = rank_threads(args.ranks)
     load_before = os.getloadavg()[0]
     rounds = []
     with tempfile.TemporaryDirectory(prefix="hetrain-predict-") as tmp:

@@ -160,6 +160,12 @@ def host_cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+def rank_threads(ranks_per_node: int) -> int:
+    """Threads each of `ranks_per_node` CPU ranks runs on this machine: OMP_NUM_THREADS where set,
+    else what `hetrain launch` gives them, the cores split evenly."""
+    return int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // max(1, ranks_per_node)))
+
+
 def _cpu_spec() -> GpuSpec:
     fp32 = _CPU_FLOPS_PER_CORE * host_cpu_count()
     return GpuSpec(

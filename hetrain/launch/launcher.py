@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from hetrain.errors import HetrainError
+from hetrain.hardware.catalog import rank_threads
 from hetrain.launch.malloc_cache import worker_env as malloc_cache_env
 from hetrain.launch.failures import describe, first_failure
 from hetrain.launch.leftovers import adopt_orphans, end_leftovers
@@ -184,7 +185,7 @@ def worker_env(cfg: LaunchConfig) -> dict[str, str]:
     if cfg.start_fresh:
         env[Env.START_FRESH] = "1"
     if "OMP_NUM_THREADS" not in os.environ:
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cfg.nproc_per_node))
+        env["OMP_NUM_THREADS"] = str(rank_threads(cfg.nproc_per_node))
     if cfg.malloc_cache:
         env.update(malloc_cache_env())
     return env

@@ -4,10 +4,10 @@ rates, a measured device profile, or the cost model, each saying which."""
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 from hetrain.errors import HetrainError
+from hetrain.hardware.catalog import rank_threads
 from hetrain.planning import cost_model as cm
 from hetrain.planning.measured_rates import DeviceRate, MeasuredRates
 from hetrain.planning.precision_policy import choose_precision
@@ -197,7 +197,7 @@ def cpu_sharing_notes(kinds: list[Kind], cluster) -> list[str]:
         if k.source != "measured-profile" or k.spec.arch != "cpu":
             continue
         per_node = max(sum(g.count for g in node.devices if g.spec.name == k.spec.name) for node in cluster.nodes)
-        threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // per_node))
+        threads = rank_threads(per_node)
         stamp = k.measured.stamp
         if per_node == stamp.concurrent_copies and stamp.threads in (None, threads):
             continue
