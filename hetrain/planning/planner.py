@@ -315,7 +315,7 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
     fits_one = any(max_micro_batch(profile, k, optimizer, 0, 1, True, 1) >= 1 for k in kinds)
     # auto weighs pipelines wherever plain data parallelism does not fit every device, and chooses
     # one only where no single device holds the model (a pipeline plan asks more of the script)
-    if strategy in PIPELINE_STRATEGIES or (strategy == "auto" and not (fits_one and cands["balanced"].feasible)):
+    if strategy == "pipeline" or (strategy == "auto" and not (fits_one and cands["balanced"].feasible)):
         from hetrain.planning.pipeline_planner import pipeline_candidates   # it builds this module's Candidates
 
         for c in pipeline_candidates(cluster, profile, kinds, global_batch, optimizer, micro_batch):
@@ -339,10 +339,11 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
         if chosen is not None:
             faster = [c for c in cands.values()
                       if c.feasible and c is not chosen and c.samples_per_s > chosen.samples_per_s]
-            pipelines = [c for c in faster if c.strategy in PIPELINE_STRATEGIES]
             # one --strategy pipeline weighs both pipeline shapes: the faster of them is the one to name
+            best_pipeline = max((c for c in faster if c.strategy in PIPELINE_STRATEGIES),
+                                key=lambda c: c.samples_per_s, default=None)
             notes += [why_not(chosen, c) for c in faster
-                      if c.strategy not in PIPELINE_STRATEGIES or c is max(pipelines, key=lambda p: p.samples_per_s)]
+                      if c.strategy not in PIPELINE_STRATEGIES or c is best_pipeline]
     else:
         pick = cands.get(strategy)
         if strategy == "pipeline":
