@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from hetrain.vocabulary import PIPELINE_STRATEGIES
+
 MODEL_ERROR = 0.15
 """Median error of the cost model's relative speed of two GPU kinds on a source it never saw, with
 several GPUs (12.7% in docs/cost-model.md, rounded up): a smaller predicted gain is no reason to
@@ -17,8 +19,8 @@ _WHEN = {
              "it adds a parameter broadcast after every optimizer step, which nothing hides",
     "zero3": "ZeRO-3 (FSDP) is considered only when model state does not fit every device with plain data "
              "parallelism: it gathers every block's weights in forward and again in backward",
-    "pipeline": "auto chooses a pipeline only when the model fits on no single device: " + PIPELINE_NEEDS,
-    "hybrid": "auto chooses a pipeline only when the model fits on no single device: " + PIPELINE_NEEDS,
+    **dict.fromkeys(PIPELINE_STRATEGIES,
+                    "auto chooses a pipeline only when the model fits on no single device: " + PIPELINE_NEEDS),
     "ddp": "uniform DDP is the baseline",
 }
 
