@@ -47,7 +47,8 @@ def profile_from_args(args: argparse.Namespace):
         read_text(args.profile, "profile file")   # a missing, binary or oversized file: one line
         return WorkloadProfile.load(args.profile)
     if args.model:
-        return get_profile(args.model)
+        return get_profile(args.model, "pass --profile FILE (a saved profile) or --profiles DIR (written by "
+                                       "hetrain profile)")
     if getattr(args, "profiles", None):
         return WorkloadProfile.load(Path(args.profiles) / WORKLOAD_FILE)
     raise HetrainError("name the model: --model NAME, --profile FILE, or --profiles DIR written by hetrain profile")

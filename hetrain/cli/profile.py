@@ -106,7 +106,7 @@ def _check_flags(args: argparse.Namespace) -> list[int]:
         raise HetrainError("--repeats, --seconds and --concurrent must be positive")
     _precision_names(args.precision)
     if args.model:
-        get_profile(args.model)
+        get_profile(args.model, "time your own model: --script FILE.py:FACTORY or --hf-config NAME_OR_PATH")
     elif args.script:
         script_file(args.script)
     else:

@@ -84,15 +84,14 @@ def model_facts(name: str) -> ModelFacts:
     return facts
 
 
-def get_profile(name: str) -> WorkloadProfile:
-    """The analytic profile of a reference model by name."""
+def get_profile(name: str, other_ways: str = "") -> WorkloadProfile:
+    """The analytic profile of a reference model by name. `other_ways` ends the error for an unknown
+    name with what else the caller accepts (a command's flags)."""
     key = name.strip().lower()
     facts = _facts_by_name().get(key)
     if facts is None:
-        raise HetrainError(
-            f"unknown model {name!r}; choose one of: {', '.join(zoo_names())}, "
-            "or pass --profile FILE with a profile measured by hetrain.workload.profile"
-        )
+        raise HetrainError(f"unknown model {name!r}; choose one of: {', '.join(zoo_names())}"
+                           + (f", or {other_ways}" if other_ways else ""))
     if facts.model in _RESNET_LAYERS:
         return _resnet(key, facts)
     return transformer_profile(key, facts)

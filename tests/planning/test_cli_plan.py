@@ -51,7 +51,8 @@ def test_bad_input_is_one_line_exit_2(args):
 
 @pytest.mark.parametrize("args, named", [
     (("--preset", "nope", "--model", "resnet50"), "unknown preset 'nope'"),
-    (("--devices", "a100:1,v100:1", "--model", "nope"), "unknown model 'nope'"),
+    (("--devices", "a100:1,v100:1", "--model", "nope"), "unknown model 'nope'; choose one of: bert-base"),
+    (("--devices", "a100:1,v100:1", "--model", "nope"), "or pass --profile FILE (a saved profile) or --profiles DIR"),
     (("--devices", "a100:1,v100:1", "--model", "resnet50"), "--global-batch-size is required"),
 ])
 def test_the_first_mistake_is_the_one_reported(args, named):

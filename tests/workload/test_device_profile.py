@@ -84,6 +84,7 @@ def test_unreadable_profiles_are_one_line_errors(tmp_path):
     (["--model", "resnet50", "--device", "cpu", "--precision", "bf16"], "the CPU profiles in fp32 only"),
     (["--model", "resnet50", "--micro-batches", "0,2"], "write positive integers"),
     (["--model", "nosuchnet"], "unknown model 'nosuchnet'"),
+    (["--model", "nosuchnet"], "or time your own model: --script FILE.py:FACTORY or --hf-config"),
 ])
 def test_profile_cli_errors_are_one_line(tmp_path, args, message):
     import subprocess
