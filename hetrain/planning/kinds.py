@@ -15,7 +15,7 @@ from hetrain.planning.published_check import caveat
 from hetrain.workload.device_profile import DeviceProfile, interpolate
 from hetrain.workload.profile import WorkloadProfile
 
-__all__ = ["Kind", "figures_notes", "kinds_of"]
+__all__ = ["Kind", "extrapolation_notes", "figures_notes", "kinds_of"]
 
 
 @dataclass
@@ -206,4 +206,31 @@ def cpu_sharing_notes(kinds: list[Kind], cluster) -> list[str]:
         notes.append(f"{k.spec.name}: the profile timed {copies} at once{each}; this plan runs {per_node} rank(s) on "
                      f"a node, {threads} thread(s) each on this machine, so its step times may be far off; profile "
                      f"with `hetrain profile --device cpu --concurrent {per_node} --threads {threads}`")
+    return notes
+
+
+def extrapolation_notes(kinds: list[Kind], ranks) -> list[str]:
+    """A measured kind whose ranks (the plan's RankPlans) run micro-batches outside the sizes its
+    profile timed: those times come from the line through the two nearest sizes, not from a
+    measurement; the note names the sizes to add."""
+    notes = []
+    for k in kinds:
+        if k.source != "measured-profile":
+            continue
+        timed = sorted(b for b, _ in k.measured.points(k.precision))
+        used = set()
+        for r in ranks:
+            if r.device != k.spec.name or r.share <= 0 or r.micro_batch <= 0:
+                continue
+            used.add(min(r.micro_batch, r.share))
+            if r.share > r.micro_batch and r.share % r.micro_batch:
+                used.add(r.share % r.micro_batch)
+        outside = sorted(b for b in used if b < timed[0] or b > timed[-1])
+        if not outside:
+            continue
+        sizes = ", ".join(str(b) for b in outside)
+        both = ",".join(str(b) for b in sorted(set(timed) | set(outside)))
+        notes.append(f"{k.spec.name}: micro-batch {sizes} lies outside the sizes its profile timed "
+                     f"({timed[0]}-{timed[-1]}), so its time is extrapolated on the line through the two nearest; "
+                     f"measure it with `hetrain profile ... --micro-batches {both}`")
     return notes

@@ -16,7 +16,7 @@ from hetrain.planning.batch_split import FunctionCost, split_min_max
 from hetrain.planning.plan import BalancePlan, CommPlan, Plan, RankPlan
 from hetrain.planning.precision_policy import needs_loss_scaling
 from hetrain.planning.explain import PIPELINES_WEIGHED, why_not
-from hetrain.planning.kinds import Kind, cpu_sharing_notes, figures_notes, kinds_of
+from hetrain.planning.kinds import Kind, cpu_sharing_notes, extrapolation_notes, figures_notes, kinds_of
 from hetrain.planning.measured_rates import MeasuredRates
 from hetrain.workload.device_profile import DeviceProfile
 from hetrain.workload.profile import WorkloadProfile
@@ -354,6 +354,8 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
         worst = max((c for c in cands.values() if c.shortfall_bytes > 0), key=lambda c: -c.shortfall_bytes, default=None)
         raise HetrainError(_no_fit_message(profile, kinds, cands, strategy, optimizer, world, worst))
     notes += chosen.notes
+    if chosen.strategy not in PIPELINE_STRATEGIES:   # a stage's time comes from the per-block timings
+        notes += extrapolation_notes(kinds, chosen.plan.ranks)
     if uniform.feasible and chosen is not uniform:
         notes.append(f"chose {chosen.strategy}: predicted {chosen.samples_per_s:.1f} samples/s against "
                      f"{uniform.samples_per_s:.1f} for uniform DDP ({chosen.samples_per_s / uniform.samples_per_s:.2f}x)")

@@ -60,6 +60,19 @@ def test_plan_uses_a_profile_where_it_exists_and_marks_each_kind():
     assert rows == {A100: "measured-profile", V100: "modelled"}
 
 
+def test_a_micro_batch_outside_the_profiled_sizes_is_said_to_be_extrapolated():
+    cluster = cluster_from_devices("a100:1,v100:1")
+    model = get_profile("resnet50")
+    narrow = plan_job(cluster, model, 512, profiles={A100: _profile(A100, [(8, 0.01), (32, 0.03)])})
+    mb = next(r.micro_batch for r in narrow.plan.ranks if r.device == A100)
+    assert mb > 32
+    note = next(n for n in narrow.plan.notes if "extrapolated" in n)
+    assert note.startswith(f"{A100}: micro-batch {mb} lies outside the sizes its profile timed (8-32)")
+    assert f"--micro-batches 8,32,{mb}" in note
+    wide = plan_job(cluster, model, 512, profiles={A100: _profile(A100, [(8, 0.01), (1024, 1.0)])})
+    assert not any("extrapolated" in n for n in wide.plan.notes)
+
+
 def test_a_profile_without_the_chosen_precision_falls_back_to_the_model():
     cluster = cluster_from_devices("a100:1,v100:1")
     prof = _profile(A100, [(32, 0.1)], precision="fp32")
