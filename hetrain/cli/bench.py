@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import sys
+
+from hetrain.cli.console import stdout_console
 
 BENCHES = {
     "balance": "plain DDP with an even split against hetrain's balanced split, on emulated speeds",
@@ -43,7 +44,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_table(name: str, result: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"hetrain bench {name}")
@@ -55,5 +55,5 @@ def _print_table(name: str, result: dict) -> None:
         elif isinstance(value, (dict, list)):
             value = json.dumps(value)
         table.add_row(key, str(value))
-    Console(file=sys.stdout).print(table)
+    stdout_console().print(table)
 

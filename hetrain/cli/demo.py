@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from hetrain.bench.balance import add_job_options, run_job
+from hetrain.cli.console import stdout_console
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
@@ -14,10 +15,9 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = stdout_console()
     console.print(f"[bold]hetrain demo[/]: {len(args.speeds.split(','))} CPU ranks at emulated speeds "
                   f"{args.speeds}, scikit-learn digits, global batch {args.global_batch}, "
                   f"{args.steps} steps per mode ({args.warmup} untimed)")

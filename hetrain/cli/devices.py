@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any
 
+from hetrain.cli.console import stdout_console
 from hetrain.errors import HetrainError
 from hetrain.hardware.catalog import ALIASES, GpuSpec, load_catalog
 from hetrain.hardware.cluster import PRESETS, Cluster, cluster_from_devices, get_preset, load_cluster
@@ -172,9 +173,7 @@ def topo_doc(text: str) -> dict[str, Any]:
 
 
 def _console() -> Any:
-    from rich.console import Console
-
-    return Console(width=None if sys.stdout.isatty() else 160, highlight=False)
+    return stdout_console(highlight=False)
 
 
 def _num(value: float | None, scale: float, digits: int = 1) -> str:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
+from hetrain.cli.console import stdout_console
 from hetrain.errors import HetrainError
 from hetrain.userfiles import check_writable_file, read_text
 from hetrain.planning.planner import STRATEGIES
@@ -124,10 +124,9 @@ def run(args: argparse.Namespace) -> int:
 
 def print_result(result) -> None:
     """Rich tables: one row per device (identical rows folded), then the candidates."""
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console(file=sys.stdout)
+    console = stdout_console()
     plan = result.plan
     table = Table(title=f"hetrain plan: {plan.strategy}, global batch {plan.global_batch_size}")
     for col in ("ranks", "device", "precision", "share", "micro-batch x accum", "memory used / total",

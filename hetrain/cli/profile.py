@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
+from hetrain.cli.console import stdout_console
 from hetrain.errors import HetrainError
 
 
@@ -155,10 +155,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print(written) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console(file=sys.stdout)
+    console = stdout_console()
     for path, prof in written:
         s = prof.stamp
         table = Table(title=f"{prof.model} on {prof.device} ({s.device_name}; torch {s.torch}"

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hetrain.cli.console import stdout_console
 from hetrain.errors import HetrainError
 
 if TYPE_CHECKING:
@@ -46,8 +47,6 @@ def _table(rows: list[dict]) -> "Table":
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     from hetrain.metrics.report import load_run, summary_rows
     from hetrain.metrics.report_plot import draw
 
@@ -66,9 +65,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
-        console = Console()
-        if not console.is_terminal:
-            console = Console(width=150)  # piped: keep the table's columns whole
+        console = stdout_console()
         console.print(_table(rows))
         if emulated:
             console.print("timings are emulated (--emulate-speeds): CPU ranks standing in for other devices")

@@ -94,3 +94,22 @@ def test_global_batch_size_is_the_flag_and_global_batch_its_alias():
     b = _run("plan", "--devices", "a100:1,v100:1", "--model", "resnet50", "--global-batch", "256", "--json")
     assert a.returncode == 0 and b.returncode == 0
     assert json.loads(a.stdout)["plan"] == json.loads(b.stdout)["plan"]
+
+
+def test_piped_tables_keep_their_headings_whole():
+    """Into a file or a pipe, tables take at least 160 columns, not the 80 a console guesses (or a
+    parent's readline exports as COLUMNS): no heading is cut to 'memo…'; a wider COLUMNS widens them."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    args = [sys.executable, "-m", "hetrain.cli.main", "plan", "--preset", "a100x4+v100x4", "--model", "resnet50",
+            "--global-batch-size", "512"]
+    for columns in (None, "80"):
+        p = subprocess.run(args, capture_output=True, text=True, timeout=120,
+                           env=env if columns is None else {**env, "COLUMNS": columns})
+        assert p.returncode == 0, p.stderr
+        heading = p.stdout.splitlines()[2]
+        assert "memory used / total" in heading and "micro-batch x accum" in heading and "…" not in heading
+        assert max(len(line) for line in p.stdout.splitlines()) <= 160
+    wide = subprocess.run(args, capture_output=True, text=True, timeout=120, env={**env, "COLUMNS": "220"})
+    assert 160 < max(len(line) for line in wide.stdout.splitlines()) <= 220
