@@ -137,21 +137,41 @@ def run(args: argparse.Namespace) -> int:
     workload = _workload(args, runnable)
     workload.save(out / WORKLOAD_FILE)
     written = []
-    for device in devices:
-        if args.concurrent > 1:
-            prof = measure_cpu_copies(runnable, args.concurrent, threads, precisions[str(device)], micro_batches,
-                                      repeats=args.repeats, budget_s=args.seconds)
-        else:
-            prof = measure(runnable, device, precisions[str(device)], micro_batches, repeats=args.repeats,
-                           budget_s=args.seconds, blocks=not args.no_blocks)
-        prof = prof.model_copy(update={"model": workload.name})
-        written.append((prof.save(out), prof))
+    with _progress() as bar:
+        task = bar.add_task("starting", total=None)
+
+        def shown(done: int, total: int, what: str) -> None:
+            bar.update(task, completed=done, total=total, description=what)
+
+        for device in devices:
+            if args.concurrent > 1:
+                shown(0, 1, f"{device}: {args.concurrent} copies at once")
+                prof = measure_cpu_copies(runnable, args.concurrent, threads, precisions[str(device)], micro_batches,
+                                          repeats=args.repeats, budget_s=args.seconds)
+            else:
+                prof = measure(runnable, device, precisions[str(device)], micro_batches, repeats=args.repeats,
+                               budget_s=args.seconds, blocks=not args.no_blocks, progress=shown)
+            prof = prof.model_copy(update={"model": workload.name})
+            written.append((prof.save(out), prof))
     if args.json:
         print(json.dumps({"workload": str(out / WORKLOAD_FILE),
                           "profiles": {str(p): prof.model_dump(mode="json") for p, prof in written}}))
         return 0
     _print(written)
     return 0
+
+
+def _progress():
+    """A progress bar on a terminal's stderr, gone once the profiles are written (stdout keeps only
+    the tables); nothing into a log."""
+    import sys
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=Console(stderr=True), transient=True,
+                    disable=not sys.stderr.isatty())
 
 
 def _print(written) -> None:

@@ -16,7 +16,7 @@ import shutil
 import statistics
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from hetrain.errors import HetrainError
 from hetrain.workload.device_profile import BlockTiming, DeviceProfile, Stamp, StepTiming
@@ -170,8 +170,10 @@ def local_devices() -> list:
 
 
 def measure(runnable: RunnableModel, device, precisions: Sequence[str], micro_batches: Sequence[int], *,
-            repeats: int = 10, budget_s: float = 5.0, blocks: bool = True) -> DeviceProfile:
-    """Time `runnable` on `device` in each precision at each micro-batch size (largest that fit)."""
+            repeats: int = 10, budget_s: float = 5.0, blocks: bool = True,
+            progress: Callable[[int, int, str], None] | None = None) -> DeviceProfile:
+    """Time `runnable` on `device` in each precision at each micro-batch size (largest that fit).
+    `progress(done, total, what)` is called as each point starts, and with done == total at the end."""
     import torch
 
     module = runnable.module.to(device)
@@ -179,10 +181,19 @@ def measure(runnable: RunnableModel, device, precisions: Sequence[str], micro_ba
     clock = _Clock(device)
     cuda = device.type == "cuda"
     steps: list[StepTiming] = []
-    for precision in precisions:
+    total = len(precisions) * len(micro_batches) + 1 + int(blocks)
+    done = 0
+
+    def starting(what: str) -> None:
+        if progress is not None:
+            progress(done, total, what)
+
+    for p, precision in enumerate(precisions):
         _set_math(precision, device)
         scaler = torch.amp.GradScaler(device.type) if precision == "fp16" and cuda else None
-        for mb in sorted(micro_batches):
+        for i, mb in enumerate(sorted(micro_batches)):
+            done = p * len(micro_batches) + i
+            starting(f"{device}: {precision} at micro-batch {mb}")
             batch = _to(runnable.make_input(mb), device)
             if cuda:
                 torch.cuda.empty_cache()
@@ -199,12 +210,19 @@ def measure(runnable: RunnableModel, device, precisions: Sequence[str], micro_ba
             module.zero_grad(set_to_none=True)
     if not steps:
         raise HetrainError(f"no micro-batch of {runnable.name} fits on {device}; try --micro-batches 1")
+    done = total - 1 - int(blocks)
+    starting(f"{device}: an AdamW step")
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
     first = steps[0]
     _fwd_bwd(runnable, module, _to(runnable.make_input(first.micro_batch), device), "fp32", device, None)()
     opt_s = clock.median(optimizer.step, repeats, budget_s)
     module.zero_grad(set_to_none=True)
+    done += 1
+    if blocks:
+        starting(f"{device}: each block's forward and backward")
     timed_blocks = _block_times(runnable, module, device, steps, clock, repeats, budget_s) if blocks else []
+    done = total
+    starting(f"{device}: done")
     return DeviceProfile(model=runnable.name, device=device_kind(device), stamp=stamp(device), steps=steps,
                          optimizer_seconds=opt_s, blocks=timed_blocks)
 

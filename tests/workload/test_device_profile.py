@@ -38,6 +38,15 @@ def test_measure_on_cpu_times_every_micro_batch_and_block():
     assert prof.device == "cpu" and prof.stamp.torch == torch.__version__ and prof.stamp.cuda is None
 
 
+def test_measure_reports_its_progress_point_by_point():
+    seen = []
+    measure(_tiny(), torch.device("cpu"), ["fp32"], [2, 8], repeats=2, budget_s=0.1,
+            progress=lambda done, total, what: seen.append((done, total, what)))
+    assert [(d, t) for d, t, _ in seen] == [(0, 4), (1, 4), (2, 4), (3, 4), (4, 4)]
+    assert [w for _, _, w in seen] == ["cpu: fp32 at micro-batch 2", "cpu: fp32 at micro-batch 8", "cpu: an AdamW step",
+                                       "cpu: each block's forward and backward", "cpu: done"]
+
+
 def test_copies_at_once_give_one_profile(tmp_path):
     prof = measure_cpu_copies(_tiny(), 2, 1, ["fp32"], [4], repeats=3, budget_s=0.2)
     assert prof.stamp.concurrent_copies == 2 and len(prof.steps) == 1
