@@ -38,8 +38,8 @@ for epoch in range(start, args.epochs):
     for xb, yb in loader:
         loss = torch.nn.functional.mse_loss(model(xb), yb)
         session.backward(loss)
-        session.step()
-        total += session.loss
+        if session.step():   # True once the step's update is applied (after its last micro-batch)
+            total += session.loss
     if rank == 0:
         print(f"epoch {epoch} loss {total / len(loader):.4f}", flush=True)
         torch.save({"model": model.module.state_dict(), "epoch": epoch}, args.snapshot)
