@@ -39,10 +39,11 @@ class Reports:
     def add(self, observer: Any) -> None:
         self.observers.append(observer)
 
-    def start_metrics(self, *, port: int, rank: int, local_rank: int, world_size: int, device: torch.device,
+    def start_metrics(self, *, port: int | None, rank: int, local_rank: int, world_size: int, device: torch.device,
                       device_name: str, job: str, predicted_step_seconds: float | None, restart_count: int,
                       module: torch.nn.Module) -> None:
-        """Serve this rank's Prometheus metrics (collective: every rank stops with one line if any cannot)."""
+        """Serve this rank's Prometheus metrics on `port` (None: none) and append its run log to the run
+        directory, if any (collective: every rank stops with one line if any cannot)."""
         from hetrain.metrics import RankMetrics
 
         error, metrics = None, None
@@ -57,7 +58,7 @@ class Reports:
         if error is not None:
             raise error
         if failed.item() > 0:
-            raise HetrainError(f"rank {int(failed.item()) - 1} could not serve its metrics (--metrics-port); "
+            raise HetrainError(f"rank {int(failed.item()) - 1} could not serve its metrics or write its run log; "
                                "see its line above")
         self.add(metrics)
         if restart_count:

@@ -469,7 +469,8 @@ class Session:
         self.checkpoints.resume()
 
     def _start_metrics(self) -> None:
-        if self._metrics_port is not None:
+        """Prometheus on --metrics-port, and the run log (hetrain report) wherever the run has a directory."""
+        if self._metrics_port is not None or self.run_dir is not None:
             self.reports.start_metrics(
                 port=self._metrics_port, rank=self.rank, local_rank=self.local_rank, world_size=self.world_size,
                 device=self.device, device_name=self.entry.device, job=os.environ.get("TORCHELASTIC_RUN_ID", "local"),

@@ -99,3 +99,24 @@ def test_tensorboard_scalars(tmp_path):
     assert [e.step for e in loss] == [1, 2, 3, 4, 5, 6]
     assert loss[-1].value == pytest.approx(2.4)
     assert [e.step for e in events.Scalars("hetrain/samples_per_second")] == [2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("where", ["checkpoint-dir", "HETRAIN_RUN_DIR"])
+def test_a_job_without_a_metrics_port_still_writes_the_run_log_hetrain_report_reads(tmp_path, where):
+    """The run log goes to the run directory whether or not Prometheus is served (docs/observe.md)."""
+    import os
+
+    run_dir = tmp_path / "run" / "nested"   # not there yet: the job makes it
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HETRAIN_")}
+    flags = ["--checkpoint-dir", str(run_dir)] if where == "checkpoint-dir" else []
+    if where == "HETRAIN_RUN_DIR":
+        env["HETRAIN_RUN_DIR"] = str(run_dir)
+    r = run_cli([sys.executable, "-m", "hetrain.cli.main", "launch", "--nproc-per-node", "2", "--emulate-speeds",
+                 "1,0.5", *flags, str(ROOT / "examples/train_digits.py"), "--epochs", "1"],
+                cwd=tmp_path, env=env, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(p.name for p in (run_dir / "metrics").iterdir()) == ["rank-0.jsonl", "rank-1.jsonl"]
+    rep = hetrain("report", str(run_dir), "--json")
+    assert rep.returncode == 0, rep.stderr
+    rows = json.loads(rep.stdout[rep.stdout.index("["):])
+    assert [row["rank"] for row in rows] == [0, 1] and all(row["steps"] > 5 for row in rows)
