@@ -6,10 +6,13 @@ from __future__ import annotations
 import argparse
 import math
 import csv
+import re
 import sys
 
 from hetrain.errors import HetrainError
 from hetrain.userfiles import check_writable_file
+
+NO_FIT = "does not fit"   # the strategy cell of a CSV row for a size where no plan fits
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
@@ -73,25 +76,56 @@ def run(args: argparse.Namespace) -> int:
     prefix = args.out[:-4] if args.out.lower().endswith((".png", ".csv")) else args.out
     check_writable_file(f"{prefix}.csv", "--out")
     check_writable_file(f"{prefix}.png", "--out")
-    rows = []
+    rows, skipped = [], []   # skipped: (copies, devices, why) for the sizes where no plan fits
     for size in sizes:
         cluster = sweep_cluster(mix, size, args.per_node, args.inter_node_gbps)
-        result = plan_job(cluster, profile, args.batch_per_device * cluster.size)
+        try:
+            result = plan_job(cluster, profile, args.batch_per_device * cluster.size)
+        except HetrainError as e:
+            # the planner's no-fit message (planner._no_fit_message): this size is left out and the
+            # sweep goes on; any other refusal is the user's input and ends the command as before
+            if not (str(e).startswith(f"model {profile.name!r} ") and ("fits no plan" in str(e)
+                                                                      or "does not fit" in str(e))):
+                raise
+            skipped.append((size, cluster.size, str(e)))
+            rows.append({"devices": cluster.size, "strategy": NO_FIT, "compression": "", "samples_per_s": "",
+                         "ideal_samples_per_s": "", "scaling_efficiency": "", "chosen": False})
+            continue
         for c in result.candidates:
             if c.feasible:
                 rows.append({"devices": cluster.size, "strategy": c.strategy, "compression": c.compression,
                              "samples_per_s": round(c.samples_per_s, 3), "ideal_samples_per_s": round(result.ideal_samples_per_s, 3),
                              "scaling_efficiency": round(c.samples_per_s / result.ideal_samples_per_s, 4),
                              "chosen": c.strategy == result.plan.strategy})
-    if not rows:
+    points = [r for r in rows if r["strategy"] != NO_FIT]
+    if not points:
+        if skipped:
+            _, devices, why = max(skipped, key=lambda s: s[1])
+            raise HetrainError(f"no size in --sizes {args.sizes} fits {args.model} on copies of {args.mix}; at the "
+                               f"largest, {_devices(devices)}: {why}")
         raise HetrainError(f"no feasible plan for {args.model} at any size; try a larger mix or another model")
     with open(f"{prefix}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    _plot(rows, f"{prefix}.png", f"{args.model} on copies of {args.mix}")
-    print(f"wrote {prefix}.csv and {prefix}.png ({len(rows)} points)", file=sys.stdout)
+    title = f"{args.model} on copies of {args.mix}"
+    if skipped:
+        gpus = ", ".join(str(d) for _, d, _ in skipped)
+        title += f"; {gpus} GPU{'' if gpus == '1' else 's'} left out: no plan fits"
+    _plot(points, f"{prefix}.png", title)
+    if skipped:
+        copies = ", ".join(str(c) for c, _, _ in skipped)
+        _, devices, why = max(skipped, key=lambda s: s[1])
+        short = re.search(r"(\S+ is [\d.]+ GB short)", why)
+        print(f"hetrain simulate: sizes {copies} do not fit {args.model} on copies of {args.mix} "
+              f"(at {_devices(devices)}, {short.group(1) if short else why}); left out of the plot, "
+              f"'{NO_FIT}' rows in the CSV", file=sys.stderr)
+    print(f"wrote {prefix}.csv and {prefix}.png ({len(points)} points)", file=sys.stdout)
     return 0
+
+
+def _devices(n: int) -> str:
+    return f"{n} device" + ("" if n == 1 else "s")
 
 
 def _plot(rows: list[dict], path: str, title: str) -> None:
