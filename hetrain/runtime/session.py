@@ -309,6 +309,10 @@ class Session:
     def _finish_gradients(self) -> GradientStatus:
         """Unscale and normalise the step's gradients once, agreeing with every rank (collective)."""
         if self._status is None:
+            if self.pipeline is None and self.state.backwards == 0:
+                raise HetrainError("this step's batch had no session.backward(loss): call it in place of "
+                                   "loss.backward(), which leaves each rank's gradient unweighted by its share "
+                                   "of the global batch (a rank with no items calls it too)")
             if self.sharding == "fsdp":
                 self.timer.grads_ready()  # FSDP2 has no comm hook: backward (and its reduce-scatter) ended here
             if self.pipeline is not None:

@@ -110,3 +110,21 @@ def _min_share(rank, world):
 def test_a_min_share_no_split_can_meet_is_refused():
     for message in run_ranks(_min_share, 2):
         assert "min_share 100 on 2 ranks needs a global batch of at least 200" in message
+
+
+def test_a_step_after_a_plain_loss_backward_names_session_backward():
+    """loss.backward() leaves each rank's gradient unweighted by its share: step() refuses it."""
+    import hetrain
+
+    with hetrain.Session() as session:
+        net = make_net()
+        model, _ = session.prepare(net, adam(net))
+        for x, y in session.loader(make_data(), global_batch_size=8, shuffle=False):
+            F.cross_entropy(model(x), y).backward()
+            with pytest.raises(HetrainError, match=r"no session\.backward\(loss\): call it in place of loss\.backward"):
+                session.step()
+            with pytest.raises(HetrainError, match=r"no session\.backward\(loss\)"):
+                session.clip_grad_norm_(1.0)
+            session.backward(F.cross_entropy(model(x), y))
+            assert session.step() and session.loss is not None
+            break
