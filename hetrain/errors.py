@@ -3,3 +3,8 @@
 
 class HetrainError(ValueError):
     """A problem with the user's input: the message names the value, the reason and the fix."""
+
+
+class NoPlanFits(HetrainError):
+    """No plan of the strategies asked for fits the model on the cluster's devices (the message says
+    how short the memory is and what to add)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from hetrain.errors import HetrainError
+from hetrain.errors import HetrainError, NoPlanFits
 from hetrain.hardware.cluster import HOST_STAGED_SHARE
 from hetrain.planning import cost_model as cm
 from hetrain.planning.compression import PREFERENCE, compression_ratio, lossless_for
@@ -352,7 +352,7 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
         chosen = pick if pick is not None and pick.feasible else None
     if chosen is None:
         worst = max((c for c in cands.values() if c.shortfall_bytes > 0), key=lambda c: -c.shortfall_bytes, default=None)
-        raise HetrainError(_no_fit_message(profile, kinds, cands, strategy, optimizer, world, worst))
+        raise NoPlanFits(_no_fit_message(profile, kinds, cands, strategy, optimizer, world, worst))
     notes += chosen.notes
     if chosen.strategy not in PIPELINE_STRATEGIES:   # a stage's time comes from the per-block timings
         notes += extrapolation_notes(kinds, chosen.plan.ranks)
