@@ -369,7 +369,8 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
 
 
 def _no_fit_message(profile, kinds, cands, strategy, optimizer, world, worst) -> str:
-    need = {k.spec.name: k.memory(profile, 1, optimizer=optimizer, zero=3, world=world, ckpt=True).total
+    zero = 3 if world > 1 else 0   # one device has nothing to shard over
+    need = {k.spec.name: k.memory(profile, 1, optimizer=optimizer, zero=zero, world=world, ckpt=True).total
             for k in kinds}
     best = max(kinds, key=lambda k: k.spec.memory_bytes - need[k.spec.name])
     missing = need[best.spec.name] - best.spec.memory_bytes
@@ -377,10 +378,10 @@ def _no_fit_message(profile, kinds, cands, strategy, optimizer, world, worst) ->
     more = max(0, math.ceil(state / max(best.spec.memory_bytes * 0.8 - cm.CONTEXT_BYTES, 1)) - world)
     what = f"strategy {strategy}" if strategy != "auto" else "any strategy"
     detail = f" ({worst.strategy}: {worst.reason.removeprefix('does not fit: ')})" if worst else ""
-    if missing > 0:
-        return (f"model {profile.name!r} fits no plan with {what}: even sharded over all {world} devices with "
-                f"ZeRO-3, activation checkpointing and micro-batch 1, {best.spec.name} is "
-                f"{missing / GB:.1f} GB short{detail}; add about {max(more, 1)} more devices, use devices with more "
-                f"memory, or a smaller model or sequence length")
+    if missing > 0:   # the least any plan needs: the candidates' own shortfalls say no more
+        even = f"sharded over all {world} devices with ZeRO-3, " if world > 1 else "on its own, with "
+        return (f"model {profile.name!r} fits no plan with {what}: even {even}activation checkpointing and "
+                f"micro-batch 1, {best.spec.name} is {missing / GB:.1f} GB short; add about {max(more, 1)} more "
+                f"device{'s' if max(more, 1) > 1 else ''}, use devices with more memory, or a smaller model or sequence length")
     return (f"model {profile.name!r} does not fit with {what}{detail}; try --strategy auto (ZeRO-3 or a "
             f"pipeline fits), a smaller --micro-batch, or devices with more memory")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hetrain.errors import HetrainError
+from hetrain.userfiles import read_text
 
 _RESNET_LAYERS = {"resnet50": (3, 4, 6, 3), "resnet152": (3, 8, 36, 3)}
 _IMAGE = 224
@@ -137,12 +138,27 @@ def zoo_module(name: str) -> RunnableModel:
 
 
 def script_file(spec: str) -> tuple[Path, str]:
-    """(the file, the factory's name or "") of FILE.py:FACTORY; a one-line error when the file is missing."""
+    """(the file, the factory's name or "") of FILE.py:FACTORY; a one-line error when the file is
+    missing, no Python file, or does not compile."""
+    file, factory, _ = _script_code(spec)
+    return file, factory
+
+
+def _script_code(spec: str):
+    """(the file, the factory's name or "", the file's compiled code) of FILE.py:FACTORY."""
     path, _, factory = spec.partition(":")
     file = Path(path)
     if not file.is_file():
         raise HetrainError(f"--script {spec!r}: {path!r} does not exist; write FILE.py:FACTORY")
-    return file, factory
+    if file.suffix != ".py":
+        raise HetrainError(f"--script {spec!r}: {path!r} is not a Python file; write FILE.py:FACTORY, "
+                           "a .py file defining FACTORY() that returns (model, make_input)")
+    source = read_text(file, "--script file")
+    try:
+        return file, factory, compile(source, str(file), "exec", dont_inherit=True)
+    except SyntaxError as e:
+        raise HetrainError(f"--script {spec!r}: {path} line {e.lineno}: {e.msg}; "
+                           f"fix the Python in {file.name}") from None
 
 
 def require_transformers() -> None:
@@ -154,10 +170,9 @@ def require_transformers() -> None:
 
 def script_module(spec: str) -> RunnableModel:
     """FILE.py:FACTORY, where FACTORY() returns (model, make_input) and make_input(n) a batch of n."""
-    file, factory = script_file(spec)
-    loader = importlib.util.spec_from_file_location(file.stem, file)
-    mod = importlib.util.module_from_spec(loader)
-    loader.loader.exec_module(mod)
+    file, factory, code = _script_code(spec)
+    mod = importlib.util.module_from_spec(importlib.util.spec_from_file_location(file.stem, file))
+    exec(code, mod.__dict__)  # noqa: S102 - the user's own factory file, as importing it would
     fn = getattr(mod, factory or "make_model", None)
     if not callable(fn):
         raise HetrainError(f"--script {spec!r}: {file.name} defines no function {factory or 'make_model'!r}; "
@@ -173,14 +188,60 @@ def hf_module(config: str, seq_len: int | None = None) -> RunnableModel:
     """A Hugging Face model from its config (a hub name or a config.json path), random weights."""
     require_transformers()
     import torch
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-    cfg = AutoConfig.from_pretrained(config)
-    try:
-        model = AutoModelForCausalLM.from_config(cfg)
-    except ValueError:
-        model = AutoModel.from_config(cfg)
+    cfg = _hf_config(config)
+    vocab = getattr(cfg, "vocab_size", None)
+    if not vocab:
+        raise HetrainError(f"--hf-config {config!r}: the config has no vocab_size; hetrain builds token inputs "
+                           "for --hf-config models; time other models with --script FILE.py:FACTORY")
+    model = _hf_model(cfg, config)
     length = seq_len or min(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 512), 1024)
-    vocab = cfg.vocab_size
-    name = Path(config).parent.name if config.endswith(".json") else config.replace("/", "-")
-    return RunnableModel(name, model, lambda n: torch.randint(0, vocab, (n, length)), "transformer")
+    return RunnableModel(_hf_name(config), model, lambda n: torch.randint(0, vocab, (n, length)), "transformer")
+
+
+_HF_FIX = "give a local config.json or a directory holding one, or a Hugging Face model name reachable from here"
+
+
+def _hf_config(config: str):
+    """The transformers config of a local config.json, a directory holding one, or a hub name."""
+    from transformers import AutoConfig
+
+    if not config.strip() or (_looks_local(config) and not Path(config).exists()):
+        raise HetrainError(f"--hf-config {config!r}: no such file or directory; fix: {_HF_FIX}")
+    try:
+        return AutoConfig.from_pretrained(config)
+    except (OSError, ValueError) as e:  # a missing name, no network, bad JSON, an unknown model type
+        raise HetrainError(f"--hf-config {config!r} cannot be loaded ({_first_line(e)}); fix: {_HF_FIX}") from None
+
+
+def _hf_model(cfg, config: str):
+    """A causal LM for the config where transformers has one, else its base model, random weights."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_config(cfg)
+    except ValueError:
+        pass
+    try:
+        return AutoModel.from_config(cfg)
+    except ValueError as e:
+        raise HetrainError(f"--hf-config {config!r}: transformers builds no model from it ({_first_line(e)}); "
+                           "fix: time the model with --script FILE.py:FACTORY") from None
+
+
+def _looks_local(config: str) -> bool:
+    """A path rather than a hub name (`name` or `namespace/name`)."""
+    return (config.endswith(".json") or config.startswith((".", "~", "/"))
+            or config.count("/") > 1 or Path(config).exists())
+
+
+def _hf_name(config: str) -> str:
+    """The profile's name: the directory of a local config, or the hub name with '-' for '/'."""
+    path = Path(config)
+    if path.exists():
+        return (path.resolve().parent if path.is_file() else path.resolve()).name or "hf-model"
+    return config.replace("/", "-")
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]

@@ -54,6 +54,34 @@ def test_copies_at_once_give_one_profile(tmp_path):
     assert load_profiles(tmp_path)["cpu"] == prof
 
 
+def test_copies_at_once_time_every_block_unless_told_not_to():
+    prof = measure_cpu_copies(_tiny(), 2, 1, ["fp32"], [4], repeats=3, budget_s=0.2)
+    assert [b.name for b in prof.blocks] == ["0", "1", "2"] and all(b.seconds >= 0 for b in prof.blocks)
+    assert measure_cpu_copies(_tiny(), 2, 1, ["fp32"], [4], repeats=3, budget_s=0.2, blocks=False).blocks == []
+
+
+def test_copies_at_once_take_each_blocks_median_over_the_copies():
+    from hetrain.workload.device_profile import BlockTiming
+    from hetrain.workload.measure import _median_profile
+
+    base = measure(_tiny(), torch.device("cpu"), ["fp32"], [2], repeats=2, budget_s=0.1)
+    copies = [base.model_copy(update={"blocks": [BlockTiming(name="0", precision="fp32", micro_batch=2, seconds=s)]})
+              for s in (1.0, 9.0, 2.0)]
+    merged = _median_profile(copies)
+    assert [(b.name, b.seconds) for b in merged.blocks] == [("0", 2.0)] and merged.stamp.concurrent_copies == 3
+
+
+def test_a_copy_that_dies_is_one_line_not_a_wait():
+    import os
+
+    def make_input(n):
+        os._exit(9)  # as a copy killed for memory
+
+    dying = RunnableModel("dying", torch.nn.Linear(4, 2), make_input)
+    with pytest.raises(HetrainError, match=r"exit code 9\) before reporting its timings.*fewer --concurrent"):
+        measure_cpu_copies(dying, 2, 1, ["fp32"], [4], repeats=2, budget_s=0.1)
+
+
 def test_script_factory_errors_name_the_fix(tmp_path):
     with pytest.raises(HetrainError, match="does not exist"):
         script_module(str(tmp_path / "missing.py") + ":make")
