@@ -50,7 +50,13 @@ def profile_from_args(args: argparse.Namespace):
         return get_profile(args.model, "pass --profile FILE (a saved profile) or --profiles DIR (written by "
                                        "hetrain profile)")
     if getattr(args, "profiles", None):
-        return WorkloadProfile.load(Path(args.profiles) / WORKLOAD_FILE)
+        beside = Path(args.profiles) / WORKLOAD_FILE
+        if not Path(args.profiles).is_dir():
+            raise HetrainError(f"--profiles {args.profiles}: no such directory; give the --out DIR of hetrain profile")
+        if not beside.is_file():
+            raise HetrainError(f"--profiles {args.profiles}: no {WORKLOAD_FILE} there; profile into it with "
+                               "hetrain profile --model NAME --out DIR, or name the model with --model")
+        return WorkloadProfile.load(beside)
     raise HetrainError("name the model: --model NAME, --profile FILE, or --profiles DIR written by hetrain profile")
 
 

@@ -134,6 +134,10 @@ def kinds_of(cluster, profile: WorkloadProfile, precision: str, calib: cm.Calibr
             )
             rate = next((r for r in (rates.devices if rates else []) if r.device == d.spec.name), None)
             measured = (profiles or {}).get(d.spec.name)
+            if measured is not None and measured.model != profile.name:
+                raise HetrainError(f"the {d.spec.name} profile measured {measured.model!r}, and the plan is for "
+                                   f"{profile.name!r}: plan {measured.model!r} with it (leave out --model), or "
+                                   f"profile {profile.name!r} first (hetrain profile --out DIR)")
             if rate is not None and rate.precision == prec:
                 kind.rate, kind.source = rate, "measured-run"
             elif measured is not None and prec in measured.precisions():
@@ -166,8 +170,6 @@ def figures_notes(kinds: list[Kind], profile: WorkloadProfile, profiles: dict[st
             if m.optimizer_seconds and not math.isclose(k.optimizer_s, m.optimizer_seconds):
                 notes.append(f"{name}: the profile timed an AdamW step ({m.optimizer_seconds * 1e3:.1f} ms); the plan's "
                              f"optimizer moves other bytes a parameter: {k.optimizer_s * 1e3:.1f} ms")
-            if m.model != profile.name:
-                notes.append(f"{name}: the profile measured {m.model!r}, the plan is for {profile.name!r}")
         else:
             why = ""
             if rates is not None and any(r.device == name for r in rates.devices):

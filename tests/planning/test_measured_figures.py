@@ -304,3 +304,16 @@ def test_a_cpu_profile_timed_otherwise_than_the_plan_runs_says_how_to_profile_fo
     assert "1 copy at once, 2 thread(s) each" in note and "2 rank(s) on a node, 1 thread(s) each" in note
     assert "hetrain profile --device cpu --concurrent 2 --threads 1" in note
     assert notes(threads=1, copies=2) == []
+
+
+def test_a_profile_of_another_model_is_refused_with_the_fix():
+    cluster = cluster_from_devices("a100:1,v100:1")
+    with pytest.raises(HetrainError, match=r"a100-sxm4-80gb profile measured 'resnet50', and the plan is for "
+                                           r"'gpt2-124m': plan 'resnet50' with it .*or profile 'gpt2-124m' first"):
+        plan_job(cluster, get_profile("gpt2-124m"), 64, profiles={A100: _profile(A100, [(8, 0.01), (32, 0.03)])})
+
+
+def test_profiles_dir_without_its_workload_names_hetrain_profile(tmp_path):
+    p = _plan_cli("--devices", "a100:2", "--profiles", str(tmp_path), "--global-batch-size", "64")
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "no workload.json there; profile into it with hetrain profile --model NAME --out DIR" in p.stderr
