@@ -274,7 +274,7 @@ def set_cpu_threads(threads: int | None) -> int:
     return torch.get_num_threads()
 
 
-def _copy_worker(runnable, precisions, micro_batches, threads, repeats, budget_s, barrier, queue) -> None:
+def _copy_worker(runnable, precisions, micro_batches, threads, repeats, budget_s, blocks, barrier, queue) -> None:
     import torch
 
     from hetrain.launch.malloc_cache import apply_here
@@ -284,34 +284,62 @@ def _copy_worker(runnable, precisions, micro_batches, threads, repeats, budget_s
     barrier.wait()
     try:
         prof = measure(runnable, torch.device("cpu"), precisions, micro_batches, repeats=repeats,
-                       budget_s=budget_s, blocks=False)
+                       budget_s=budget_s, blocks=blocks)
         queue.put(prof.model_dump_json())
     except Exception as e:  # noqa: BLE001 - reported by the parent as one line
         queue.put(f"error: {e}")
 
 
 def measure_cpu_copies(runnable: RunnableModel, copies: int, threads: int, precisions: Sequence[str],
-                       micro_batches: Sequence[int], *, repeats: int = 10, budget_s: float = 5.0) -> DeviceProfile:
+                       micro_batches: Sequence[int], *, repeats: int = 10, budget_s: float = 5.0,
+                       blocks: bool = True) -> DeviceProfile:
     """Time `copies` copies of the model at once on the CPU, `threads` threads each, as the ranks of
-    one machine share it under `hetrain launch --nproc-per-node copies`; each point is the median
-    over the copies. Each copy runs in a process of its own (forked, even when there is one), with
-    the allocator setting those ranks get (hetrain.launch.malloc_cache), leaving this process's alone."""
+    one machine share it under `hetrain launch --nproc-per-node copies`; each point (and each block,
+    timed in every copy) is the median over the copies. Each copy runs in a process of its own
+    (forked, even when there is one), with the allocator setting those ranks get
+    (hetrain.launch.malloc_cache), leaving this process's alone."""
     import multiprocessing
 
     copies = max(1, copies)
     ctx = multiprocessing.get_context("fork")  # the model and its input maker need not be picklable
     barrier, queue = ctx.Barrier(copies), ctx.Queue()
     procs = [ctx.Process(target=_copy_worker, args=(runnable, list(precisions), list(micro_batches), threads,
-                                                    repeats, budget_s, barrier, queue)) for _ in range(copies)]
+                                                    repeats, budget_s, blocks, barrier, queue)) for _ in range(copies)]
     for p in procs:
         p.start()
-    results = [queue.get(timeout=600) for _ in procs]
-    for p in procs:
-        p.join()
+    results = _collect(procs, queue)
     errors = [r for r in results if r.startswith("error: ")]
     if errors:
         raise HetrainError(f"profiling {copies} copies at once failed: {errors[0].removeprefix('error: ')}")
-    profs = [DeviceProfile.model_validate_json(r) for r in results]
+    return _median_profile([DeviceProfile.model_validate_json(r) for r in results])
+
+
+def _collect(procs, queue) -> list[str]:
+    """One result from each copy, however long they take; a one-line error where a copy dies first."""
+    import queue as queues
+
+    results: list[str] = []
+    while len(results) < len(procs):
+        try:
+            results.append(queue.get(timeout=1.0))
+            continue
+        except queues.Empty:
+            pass
+        codes = [p.exitcode for p in procs]
+        if any(c not in (None, 0) for c in codes) or (None not in codes and queue.empty()):
+            for p in procs:
+                p.kill()
+                p.join()
+            code = next((c for c in codes if c), 0)
+            raise HetrainError(f"a profiling copy ended (exit code {code}) before reporting its timings, "
+                               "perhaps out of memory; fix: fewer --concurrent copies or smaller --micro-batches")
+    for p in procs:
+        p.join()
+    return results
+
+
+def _median_profile(profs: list[DeviceProfile]) -> DeviceProfile:
+    """The first copy's profile with each step, block and the optimizer step at the median over the copies."""
     steps = [
         s.model_copy(update={
             "seconds": statistics.median(q.seconds for q in same),
@@ -320,6 +348,12 @@ def measure_cpu_copies(runnable: RunnableModel, copies: int, threads: int, preci
         for s in profs[0].steps
         for same in [[q for p in profs for q in p.steps if (q.precision, q.micro_batch) == (s.precision, s.micro_batch)]]
     ]
-    stamp_ = profs[0].stamp.model_copy(update={"concurrent_copies": copies})
-    return profs[0].model_copy(update={"steps": steps, "stamp": stamp_,
+    blocks = [
+        b.model_copy(update={"seconds": statistics.median(q.seconds for q in same)})
+        for b in profs[0].blocks
+        for same in [[q for p in profs for q in p.blocks if (q.name, q.precision, q.micro_batch) ==
+                      (b.name, b.precision, b.micro_batch)]]
+    ]
+    stamp_ = profs[0].stamp.model_copy(update={"concurrent_copies": len(profs)})
+    return profs[0].model_copy(update={"steps": steps, "blocks": blocks, "stamp": stamp_,
                                        "optimizer_seconds": statistics.median(p.optimizer_seconds for p in profs)})

@@ -1,0 +1,88 @@
+"""User model sources for `hetrain profile`: --script FILE.py:FACTORY and --hf-config, and their one-line errors."""
+
+import subprocess
+import sys
+
+import pytest
+
+from hetrain.errors import HetrainError
+from hetrain.workload.modules import hf_module, script_file, script_module
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hetrain.cli.main", "profile", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_a_script_that_is_no_python_file_is_one_line(tmp_path):
+    text = tmp_path / "notpy.txt"
+    text.write_text("hello\n")
+    for spec in (f"{text}:make", "/bin/ls:make"):
+        for reader in (script_file, script_module):
+            with pytest.raises(HetrainError, match=r"is not a Python file; write FILE\.py:FACTORY"):
+                reader(spec)
+
+
+def test_a_binary_script_is_one_line(tmp_path):
+    binary = tmp_path / "model.py"
+    binary.write_bytes(b"x = 1\x00\n")
+    with pytest.raises(HetrainError, match="is a binary file"):
+        script_module(f"{binary}:make")
+
+
+def test_a_script_with_a_syntax_error_names_the_file_and_line(tmp_path):
+    bad = tmp_path / "broken.py"
+    bad.write_text("import torch\n\ndef make(:\n    pass\n")
+    for reader in (script_file, script_module):
+        with pytest.raises(HetrainError, match=rf"{bad} line 3: .*fix the Python in broken\.py") as e:
+            reader(f"{bad}:make")
+        assert "\n" not in str(e.value)
+
+
+def test_a_good_script_still_builds_its_model(tmp_path):
+    good = tmp_path / "net.py"
+    good.write_text("import torch\n\ndef make():\n    return torch.nn.Linear(4, 2), lambda n: torch.randn(n, 4)\n")
+    runnable = script_module(f"{good}:make")
+    assert runnable.name == "make" and tuple(runnable.module(runnable.make_input(3)).shape) == (3, 2)
+
+
+def test_profile_cli_refuses_a_non_python_script_in_one_line(tmp_path):
+    p = _cli("--script", "/bin/ls:make", "--device", "cpu", "--out", str(tmp_path / "out"))
+    assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.count("\n") == 1, p.stderr
+    assert p.stderr.startswith("hetrain profile: error: --script '/bin/ls:make'") and "FILE.py:FACTORY" in p.stderr
+
+
+def test_a_missing_hf_config_path_names_the_path_and_the_fix(tmp_path):
+    missing = str(tmp_path / "nonexist" / "config.json")
+    with pytest.raises(HetrainError, match="no such file or directory; fix: give a local config.json") as e:
+        hf_module(missing)
+    assert missing in str(e.value) and "Hugging Face model name" in str(e.value)
+
+
+@pytest.mark.parametrize("content,reason", [(None, "model_type"), ("{not json", "not a valid JSON file"),
+                                            ('{"model_type": "nosuchtype"}', "nosuchtype")])
+def test_a_bad_hf_config_is_one_line(tmp_path, content, reason):
+    if content is not None:
+        (tmp_path / "config.json").write_text(content)
+    with pytest.raises(HetrainError, match=f"cannot be loaded .*{reason}.*; fix: give a local config.json") as e:
+        hf_module(str(tmp_path))
+    assert "\n" not in str(e.value)
+
+
+def test_an_hf_config_directory_still_builds_and_is_named_after_it(tmp_path):
+    from transformers import GPT2Config
+
+    directory = tmp_path / "tiny-gpt2"
+    GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2).save_pretrained(directory)
+    for config in (str(directory), str(directory / "config.json")):
+        runnable = hf_module(config)
+        assert runnable.name == "tiny-gpt2"
+        assert runnable.module(runnable.make_input(2)).logits.shape == (2, 16, 64)
+
+
+def test_profile_cli_with_a_missing_hf_config_is_one_line(tmp_path):
+    missing = str(tmp_path / "nonexist" / "config.json")
+    p = _cli("--hf-config", missing, "--device", "cpu", "--micro-batches", "1", "--seconds", "1",
+             "--out", str(tmp_path / "out"))
+    assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.count("\n") == 1, p.stderr
+    assert p.stderr.startswith(f"hetrain profile: error: --hf-config '{missing}': no such file or directory")
