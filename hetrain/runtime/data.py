@@ -10,6 +10,8 @@ DataLoader meaning. A stream (`IterableDataset`) is cut into global batches in s
 from __future__ import annotations
 
 import contextlib
+import difflib
+import inspect
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -34,7 +36,7 @@ log = logging.getLogger("hetrain")
 
 # DataLoader options hetrain decides itself: which samples form a batch and how many.
 OWNED = {"batch_size": "global_batch_size", "shuffle": "shuffle", "sampler": "seed and shuffle",
-         "batch_sampler": "the balancer's split"}
+         "batch_sampler": "the balancer's split", "generator": "the workers' seeds, from seed"}
 
 
 class _TensorGather(Dataset):
@@ -262,6 +264,13 @@ def check_dataset(dataset: Any, options: dict[str, Any]) -> None:
                 f"session.loader(..., {name}=) is decided by hetrain ({owner}): every rank takes its share of "
                 "one global batch; drop it and pass global_batch_size, shuffle and seed"
             )
+    known = set(inspect.signature(DataLoader.__init__).parameters) - {"self", "dataset"}
+    for name in options:
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            raise HetrainError(f"session.loader(..., {name}=): not an option of torch's DataLoader"
+                               + (f"; did you mean {close[0]}=?" if close else
+                                  f"; its options: {', '.join(sorted(known - set(OWNED)))}"))
 
 
 def make_loader(dataset: Any, global_batch_size: int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = True,

@@ -107,6 +107,15 @@ def test_a_dataloader_where_a_dataset_belongs_is_a_one_line_error_naming_the_fix
         _loader(0, _Split([6, 6]), sampler=[0, 1])
 
 
+def test_a_misspelt_or_owned_dataloader_option_is_a_one_line_error_naming_the_fix():
+    with pytest.raises(HetrainError, match=r"num_wrkers=\): not an option of torch's DataLoader; did you mean num_workers=\?"):
+        _loader(0, _Split([6, 6]), num_wrkers=2)
+    with pytest.raises(HetrainError, match=r"not an option of torch's DataLoader; its options: .*pin_memory"):
+        _loader(0, _Split([6, 6]), zzz=1)
+    with pytest.raises(HetrainError, match=r"generator=\) is decided by hetrain \(the workers' seeds, from seed\)"):
+        _loader(0, _Split([6, 6]), generator=torch.Generator())
+
+
 def test_dataloader_options_keep_their_meaning():
     seen = []
     loader = _loader(0, _Split([12]), collate_fn=lambda samples: ("mine", len(samples)),
