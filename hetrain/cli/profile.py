@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
             if args.concurrent > 1:
                 shown(0, 1, f"{device}: {args.concurrent} copies at once")
                 prof = measure_cpu_copies(runnable, args.concurrent, threads, precisions[str(device)], micro_batches,
-                                          repeats=args.repeats, budget_s=args.seconds)
+                                          repeats=args.repeats, budget_s=args.seconds, blocks=not args.no_blocks)
             else:
                 prof = measure(runnable, device, precisions[str(device)], micro_batches, repeats=args.repeats,
                                budget_s=args.seconds, blocks=not args.no_blocks, progress=shown)
