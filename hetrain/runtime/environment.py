@@ -184,7 +184,10 @@ def print_user_errors_as_one_line() -> None:
         if isinstance(value, HetrainError):
             rank = os.environ.get("RANK")
             where = f" (rank {rank})" if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
-            print(f"hetrain: error{where}: {value}", file=sys.__stderr__, flush=True)  # torch may redirect stderr
+            # one write, so the lines of ranks failing together never run into each other; to the real
+            # stderr, as torch may redirect sys.stderr
+            sys.__stderr__.write(f"hetrain: error{where}: {value}\n")
+            sys.__stderr__.flush()
             from hetrain.checkpoint.lease import release_all
 
             release_all()  # os._exit runs no finalizer: give back the checkpoint directory now

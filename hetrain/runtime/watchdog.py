@@ -97,9 +97,14 @@ def is_peer_loss(exc: BaseException) -> bool:
 
 
 def one_line(exc: BaseException) -> str:
-    """`Type: first line of the message`, at most 300 characters."""
-    text = str(exc).strip().splitlines()
-    line = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+    """`Type: the message's first paragraph` on one line (a sentence wrapped over lines stays whole;
+    torch's C++ frames after it are left out), at most 300 characters."""
+    first = []
+    for text in str(exc).strip().splitlines():
+        if not text.strip() or text.startswith(("Exception raised from", "frame #")):
+            break
+        first.append(text.strip())
+    line = f"{type(exc).__name__}: {' '.join(first)}" if first else type(exc).__name__
     return line if len(line) <= 300 else line[:297] + "..."
 
 
@@ -317,5 +322,6 @@ def _report_and_exit(message: str, stall: Stall) -> None:
     """Print the stall's one line, record it for the launcher, and end this rank at once."""
     blame = stall.culprits[0] if len(stall.culprits) == 1 else None
     record_failure(message, blame=blame)
-    print(f"hetrain: error: {message}", file=sys.stderr, flush=True)
+    sys.stderr.write(f"hetrain: error: {message}\n")   # one write: ranks' lines never run together
+    sys.stderr.flush()
     os._exit(STALL_EXIT)

@@ -174,3 +174,18 @@ def test_the_first_failure_is_the_cause_not_the_peer_that_exited_first(tmp_path,
     # a rank killed outright (no record) is the cause; the peer's record only echoes it
     assert first_failure({0: _failure(1, 100, echo), 1: _failure(-9, 101)})[0] == 1
     assert describe(1, _failure(-9, 101)) == "rank 1 was killed by SIGKILL"
+
+
+def test_a_failure_is_summed_up_as_its_whole_first_paragraph_without_torchs_frames():
+    from hetrain.runtime.watchdog import one_line
+
+    wrapped = RuntimeError("An attempt has been made to start a new process before the\n"
+                           "        current process has finished its bootstrapping phase.\n\n"
+                           "        This probably means that you are not using fork to start your")
+    assert one_line(wrapped) == ("RuntimeError: An attempt has been made to start a new process before the current "
+                                 "process has finished its bootstrapping phase.")
+    framed = RuntimeError("Connection closed by peer [127.0.0.1]:1234\n"
+                          "Exception raised from recvBytes at ../torch/csrc/distributed/c10d/Utils.hpp:672\n"
+                          "frame #0: c10::Error::Error(...) + 0x96")
+    assert one_line(framed) == "RuntimeError: Connection closed by peer [127.0.0.1]:1234"
+    assert len(one_line(ValueError("x" * 1000))) == 300 and one_line(KeyError()) == "KeyError"
