@@ -80,3 +80,13 @@ def ensure_directory(path: str | os.PathLike, flag: str) -> Path:
     except OSError as e:
         raise HetrainError(f"{flag} {str(p)!r} cannot be written ({e.strerror}); fix: choose a writable directory") from None
     return p
+
+
+def is_binary(path: str | os.PathLike, head_bytes: int = 1 << 16) -> bool:
+    """Whether the file's first `head_bytes` hold a NUL byte (an executable, an archive), which no
+    source file does; an unreadable file is left for its reader to report."""
+    try:
+        with open(path, "rb") as f:
+            return b"\x00" in f.read(head_bytes)
+    except OSError:
+        return False

@@ -33,7 +33,7 @@ from hetrain.launch.failures import describe, first_failure
 from hetrain.launch.leftovers import adopt_orphans, end_leftovers
 from hetrain.metrics.serve import check_ports_free
 from hetrain.planning.plan import Plan
-from hetrain.userfiles import ensure_directory, read_text
+from hetrain.userfiles import ensure_directory, is_binary, read_text
 from hetrain.vocabulary import CPU_DEVICE, Env
 
 PLAN_ENV = Env.PLAN
@@ -96,6 +96,9 @@ def validate(cfg: LaunchConfig) -> None:
     """User errors, each as one line that names the fix."""
     if not cfg.module and not Path(cfg.script).is_file():
         raise HetrainError(f"script {cfg.script!r} does not exist; give the path of a training script")
+    if not cfg.module and is_binary(cfg.script):
+        raise HetrainError(f"script {cfg.script!r} is a binary file, not a Python script; give the path of a "
+                           "training script (.py)")
     if not 1 <= cfg.nproc_per_node <= MAX_NPROC_PER_NODE:
         raise HetrainError(f"--nproc-per-node must be from 1 to {MAX_NPROC_PER_NODE:,} (one rank per device on "
                            f"this node), got {cfg.nproc_per_node:,}")

@@ -80,6 +80,7 @@ CASES = [
     ("plan --profile a binary file",
      ["plan", "--profile", _binary, "--devices", "a100:2", "--global-batch", "64"], ("binary", "UTF-8")),
     ("launch --plan a binary file", ["launch", "--plan", _binary, DIGITS], "is a binary file"),
+    ("launch a binary file as the script", ["launch", "--nproc-per-node", "2", _binary], "is a binary file, not a Python script"),
     ("devices --topo a binary file", ["devices", "--topo", _binary], "is a binary file"),
     ("simulate --inter-node-gbps nan", ["simulate", "--model", "resnet50", "--inter-node-gbps", "nan"], "finite"),
     ("simulate --out into a missing directory",
