@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from hetrain.cli.console import stdout_console
 from hetrain.errors import HetrainError
+from hetrain.userfiles import ensure_directory
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
@@ -131,10 +131,9 @@ def run(args: argparse.Namespace) -> int:
     if args.concurrent > 1 and any(d.type != "cpu" for d in devices):
         raise HetrainError("--concurrent applies to the CPU only; add --device cpu")
     precisions = {str(d): _precisions(args.precision, d) for d in devices}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    runnable = _runnable(args)
+    runnable = _runnable(args)   # a bad --script or --hf-config is refused before --out is made
     workload = _workload(args, runnable)
+    out = ensure_directory(args.out, "--out")
     workload.save(out / WORKLOAD_FILE)
     written = []
     with _progress() as bar:

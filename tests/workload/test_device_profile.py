@@ -117,6 +117,18 @@ def test_unreadable_profiles_are_one_line_errors(tmp_path):
         DeviceProfile.load(tmp_path / "missing.json")
 
 
+def test_profile_out_that_is_a_file_is_refused_before_any_timing(tmp_path):
+    import subprocess
+    import sys
+
+    taken = tmp_path / "taken"
+    taken.write_text("not a directory")
+    p = subprocess.run([sys.executable, "-m", "hetrain.cli.main", "profile", "--model", "resnet50", "--device", "cpu",
+                        "--out", str(taken)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        f"hetrain profile: error: --out '{taken}' is a file, not a directory; fix: give a directory path"], p.stderr
+
+
 @pytest.mark.parametrize("args,message", [
     (["--model", "resnet50", "--device", "cpu", "--precision", "bf16"], "the CPU profiles in fp32 only"),
     (["--model", "resnet50", "--micro-batches", "0,2"], "write positive integers"),
