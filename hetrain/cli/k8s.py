@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from hetrain.errors import HetrainError
-from hetrain.launch.k8s import K8sJob, manifests, parse_node_selector, to_yaml
+from hetrain.launch.k8s import K8sJob, checkpoint_note, manifests, parse_node_selector, to_yaml
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
@@ -24,7 +24,8 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
                         help="nodes of GPU kind KIND carry label KEY=VALUE; repeat once per kind")
     parser.add_argument("--checkpoint-pvc", default=None,
                         help="PersistentVolumeClaim (ReadWriteMany) shared by all pods for checkpoints")
-    parser.add_argument("--checkpoint-dir", default="/checkpoints", help="where that claim is mounted")
+    parser.add_argument("--checkpoint-dir", default="/checkpoints", help="where the checkpoints go in each pod: the claim's mount (a job of one pod without a claim: "
+                        "a directory of the pod's own)")
     parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                         help="each local rank serves Prometheus /metrics on PORT + local_rank (ports metrics-0..)")
     parser.add_argument("--out", default=None, help="write the manifest here (default: stdout)")
@@ -58,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         except OSError as e:
             raise HetrainError(f"cannot write --out {args.out!r} ({e.strerror}); choose a writable path") from None
         print(f"wrote {args.out}", file=sys.stderr)
-    if job.checkpoint_pvc is None:
-        print("note: no --checkpoint-pvc: a pod that is rescheduled starts without the checkpoints of the others",
-              file=sys.stderr)
+    note = checkpoint_note(job)
+    if note is not None:
+        print(note, file=sys.stderr)
     return 0

@@ -119,11 +119,33 @@ def launch_command(job: K8sJob) -> list[str]:
     ]
     if job.plan_json is not None:
         cmd += ["--plan", f"{PLAN_MOUNT}/plan.json"]
-    if job.checkpoint_pvc is not None:
+    if checkpoint_volume(job) is not None:
         cmd += ["--checkpoint-dir", job.checkpoint_dir]
     if job.metrics_port is not None:
         cmd += ["--metrics-port", str(job.metrics_port)]
     return cmd + [job.script, *job.script_args]
+
+
+def checkpoint_volume(job: K8sJob) -> dict[str, Any] | None:
+    """Where the checkpoints live: the shared claim; without one, for a job of one pod, a directory of
+    the pod's own that outlives restarts of its processes and container; for several pods none, as
+    every rank must write into, and resume from, one directory."""
+    if job.checkpoint_pvc is not None:
+        return {"name": "checkpoints", "persistentVolumeClaim": {"claimName": job.checkpoint_pvc}}
+    if job.max_replicas == 1:
+        return {"name": "checkpoints", "emptyDir": {}}
+    return None
+
+
+def checkpoint_note(job: K8sJob) -> str | None:
+    """What a user without --checkpoint-pvc should know."""
+    if job.checkpoint_pvc is not None:
+        return None
+    if job.max_replicas == 1:
+        return (f"note: no --checkpoint-pvc: checkpoints go to the pod's own {job.checkpoint_dir} (emptyDir): "
+                "restarts inside the pod resume, a rescheduled pod starts from step 0")
+    return (f"note: no --checkpoint-pvc: the job's up to {job.max_replicas} pods share no directory, so it keeps no "
+            "checkpoints and a restart starts from step 0; pass --checkpoint-pvc CLAIM (ReadWriteMany)")
 
 
 def metrics_ports(job: K8sJob) -> list[dict[str, Any]]:
@@ -166,8 +188,9 @@ def manifests(job: K8sJob) -> list[dict[str, Any]]:
                      "data": {"plan.json": job.plan_json}})
         volumes.append({"name": "plan", "configMap": {"name": plan_map}})
         mounts.append({"name": "plan", "mountPath": PLAN_MOUNT, "readOnly": True})
-    if job.checkpoint_pvc is not None:
-        volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": job.checkpoint_pvc}})
+    volume = checkpoint_volume(job)
+    if volume is not None:
+        volumes.append(volume)
         mounts.append({"name": "checkpoints", "mountPath": job.checkpoint_dir})
     container = {
         "name": "pytorch",  # the operator looks for this container name

@@ -67,6 +67,31 @@ def test_container_runs_hetrain_launch_with_the_elastic_flags():
     assert args.script == "train.py" and args.script_args == ["--epochs", "3"]
 
 
+def _checkpoints(job: K8sJob) -> tuple[list[str], list, list]:
+    """(container command, checkpoint volumes, their mounts) of a job's manifest."""
+    pod = _pytorchjob(job)["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    (container,) = pod["containers"]
+    return (container["command"], [v for v in pod["volumes"] if v["name"] == "checkpoints"],
+            [m for m in container["volumeMounts"] if m["name"] == "checkpoints"])
+
+
+def test_checkpoints_go_to_the_claim_else_a_one_pod_jobs_own_directory_else_nowhere():
+    from hetrain.launch.k8s import checkpoint_note
+
+    cmd, volumes, mounts = _checkpoints(_job(checkpoint_pvc="ckpts"))
+    assert cmd[cmd.index("--checkpoint-dir") + 1] == "/checkpoints" and mounts[0]["mountPath"] == "/checkpoints"
+    assert volumes == [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": "ckpts"}}]
+    one_pod = _job(min_replicas=1, max_replicas=1, checkpoint_dir="/ckpt")
+    cmd, volumes, mounts = _checkpoints(one_pod)   # restarts inside the pod resume
+    assert cmd[cmd.index("--checkpoint-dir") + 1] == "/ckpt" and mounts[0]["mountPath"] == "/ckpt"
+    assert volumes == [{"name": "checkpoints", "emptyDir": {}}]
+    assert "restarts inside the pod resume" in checkpoint_note(one_pod)
+    cmd, volumes, mounts = _checkpoints(_job())     # 2-4 pods and no claim: no directory they all share
+    assert "--checkpoint-dir" not in cmd and volumes == [] and mounts == []
+    assert "keeps no checkpoints" in checkpoint_note(_job()) and "--checkpoint-pvc CLAIM" in checkpoint_note(_job())
+    assert checkpoint_note(_job(checkpoint_pvc="ckpts")) is None
+
+
 def test_several_kinds_become_one_affinity_admitting_each():
     pod = _pytorchjob(_job(node_selectors=[A100, V100, L4]))["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
     terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
