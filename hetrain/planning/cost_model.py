@@ -386,18 +386,29 @@ def backward_fraction(checkpointing: bool) -> float:
     return (2.0 + (1.0 if checkpointing else 0.0)) / (3.0 + (1.0 if checkpointing else 0.0))
 
 
+def pipeline_chunk_slots(stages: int, microbatches: int, chunks: int = 1) -> int:
+    """Chunk-sized slots of an interleaved 1F1B step over p ranks with v chunks each (a slot: one
+    micro-batch through one chunk), as torch's schedule runs them: each of the v rounds takes
+    max(m, p) slots, as a micro-batch is back at the first rank p slots after it left, then the
+    last round drains, (v-1)*max(m, p) + m + p - 1; v*m + p - 1 when m >= p, and GPipe's and
+    1F1B's m + p - 1 for v = 1."""
+    p, m, v = stages, microbatches, chunks
+    return (v - 1) * max(m, p) + m + p - 1
+
+
 def pipeline_step_seconds(stage_seconds: list[float], microbatches: int, p2p_seconds: float = 0.0,
                           chunks: int = 1) -> float:
     """GPipe/1F1B step over p ranks (`stage_seconds`: each rank's compute of one micro-batch): (m + p - 1)
     slots of the slowest rank, plus one transfer per slot (bubble (p-1)/(m+p-1)). Interleaved 1F1B
-    with `chunks` = v stages per rank fills and drains in chunk-sized slots: m + (p-1)/v slots, each
-    with v transfers (bubble (p-1)/(v*m + p-1))."""
+    with `chunks` = v stages per rank runs pipeline_chunk_slots chunk-sized slots, m + (p-1)/v rank
+    slots when m >= p, each with v transfers (bubble (p-1)/(v*m + p-1))."""
     p = len(stage_seconds)
     slot = max(stage_seconds) + chunks * p2p_seconds
-    return (microbatches + (p - 1) / chunks) * slot
+    return pipeline_chunk_slots(p, microbatches, chunks) / chunks * slot
 
 
 def pipeline_bubble(stages: int, microbatches: int, chunks: int = 1) -> float:
     """The idle fraction of a GPipe or 1F1B step over p ranks with equal stages, (p - 1) / (m + p - 1);
-    of interleaved 1F1B with v chunks per rank, (p - 1) / (v * m + p - 1)."""
-    return (stages - 1) / (chunks * microbatches + stages - 1)
+    of interleaved 1F1B with v chunks per rank, (p - 1) / (v * m + p - 1) when m >= p, and
+    1 - v*m / (v*p + m - 1) with fewer micro-batches than ranks."""
+    return 1.0 - chunks * microbatches / pipeline_chunk_slots(stages, microbatches, chunks)

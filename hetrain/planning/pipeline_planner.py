@@ -223,7 +223,7 @@ def _pipeline_plan(label, profile, kinds, stage_kinds, per, d, bounds, mb, m, ch
     else:
         stages = interleaved_stages([b - a for a, b in bounds], chunks)
         schedule, name = "interleaved-1f1b", f"interleaved 1F1B ({chunks} chunks per device)"
-        formula = "(p-1)/(v*m+p-1)"
+        formula = "(p-1)/(v*m+p-1)" if m >= p else "1-v*m/(v*p+m-1) (fewer micro-batches than stages)"
     plan = Plan(global_batch_size=global_batch, strategy=label, sharding="fsdp" if zero else "none", ranks=ranks,
                 balance=BalancePlan(enabled=False),
                 pipeline=PipelinePlan(stages=[[a, b] for a, b in stages], schedule=schedule, microbatches=m,

@@ -69,7 +69,8 @@ def test_the_ideal_replays_torchs_schedule():
     from hetrain.bench.pipeline_ideal import fill_drain_seconds, ideal_step_seconds
     from hetrain.planning.cost_model import pipeline_bubble
 
-    for p, m, v in [(3, 24, 3), (4, 8, 2), (3, 6, 2)]:
+    # with fewer micro-batches than ranks a round waits for its first micro-batch to come back
+    for p, m, v in [(3, 24, 3), (4, 8, 2), (3, 6, 2), (4, 5, 2), (2, 1, 4), (3, 1, 2), (4, 2, 2), (4, 3, 3)]:
         step = ideal_step_seconds("interleaved-1f1b", [1.0] * (p * v), m, v)
         assert 1 - m * v / step == pytest.approx(pipeline_bubble(p, m, v))
     assert fill_drain_seconds([1.0, 2.0, 2.0], 8) == 7 * 2.0 + 5.0

@@ -8,7 +8,7 @@ from hetrain.planning.cost_model import pipeline_bubble, pipeline_step_seconds
 from hetrain.planning.pipeline_planner import in_flight, interleaved_rounds_fit
 
 
-@pytest.mark.parametrize("p,m,v", [(3, 24, 1), (3, 24, 3), (4, 8, 2), (8, 128, 4)])
+@pytest.mark.parametrize("p,m,v", [(3, 24, 1), (3, 24, 3), (4, 8, 2), (8, 128, 4), (2, 1, 4), (4, 3, 2)])
 def test_the_step_is_the_busy_time_over_one_minus_the_bubble(p, m, v):
     step = pipeline_step_seconds([0.1] * p, m, chunks=v)
     assert math.isclose(1 - m * 0.1 / step, pipeline_bubble(p, m, v))
@@ -20,6 +20,13 @@ def test_interleaving_shrinks_the_bubble_and_pays_per_transfer():
     # slowest rank 1 s, transfers 0.01 s: (m + (p-1)/v) slots of (slowest + v transfers)
     assert math.isclose(pipeline_step_seconds([1.0, 0.5, 0.8], 8, 0.01, chunks=2), (8 + 1) * 1.02)
     assert math.isclose(pipeline_step_seconds([1.0, 0.5, 0.8], 8, 0.01), 10 * 1.01)
+
+
+def test_one_micro_batch_through_an_interleaved_pipeline_runs_its_stages_one_after_another():
+    # 2 ranks, 4 chunks each, 1 micro-batch: 8 chunk slots of which each rank is busy 4
+    assert math.isclose(pipeline_bubble(2, 1, 4), 0.5)
+    assert math.isclose(pipeline_step_seconds([1.0, 1.0], 1, chunks=4), 2.0)
+    assert math.isclose(pipeline_bubble(4, 3, 2), 1 - 6 / 10)   # (v-1)*p + m + p - 1 = 4 + 3 + 3
 
 
 def test_activations_in_flight_follow_torchs_warm_up():
