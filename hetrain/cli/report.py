@@ -41,7 +41,7 @@ def _table(rows: list[dict]) -> "Table":
         cells = []
         for key, (_, spec) in zip(keys, columns):
             value = row[key]
-            cells.append(f"{value / 1e6:.1f} MB" if key == "comm_bytes" else _fmt(value, spec))
+            cells.append(f"{value / 1e6:.1f} MB" if key == "comm_bytes" and value is not None else _fmt(value, spec))
         table.add_row(*cells)
     return table
 

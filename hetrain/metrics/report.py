@@ -96,6 +96,7 @@ def summary_rows(runs: dict[int, RankRun]) -> list[dict[str, Any]]:
         causes = run.time_by_cause()
         mfus = [s["mfu"] for s in t if s.get("mfu") is not None]
         last = run.steps[-1] if run.steps else {}
+        sent = [s["comm_bytes"] for s in run.steps if s.get("comm_bytes")]
         rows.append({
             "rank": rank, "device": run.device, "steps": len(run.steps),
             "step_seconds": step_seconds / len(t) if t else None,
@@ -104,7 +105,8 @@ def summary_rows(runs: dict[int, RankRun]) -> list[dict[str, Any]]:
             "share": last["share"] / sum(last["shares"]) if last.get("shares") else None,
             **{cause: causes[cause] / step_seconds if step_seconds else None for cause in CAUSES},
             "mfu": fmean(mfus) if mfus else None,
-            "comm_bytes": sum(sum(s.get("comm_bytes", {}).values()) for s in run.steps),
+            # None where no step measured its traffic (FSDP2's collectives are not counted), never 0 for it
+            "comm_bytes": sum(sum(d.values()) for d in sent) if sent else None,
             "checkpoints": len(run.checkpoints), "restarts": run.restarts,
             "emulated": any(s.get("emulated") for s in run.steps),
         })

@@ -116,6 +116,10 @@ class Plan(_Strict):
             raise ValueError("a plan needs at least one rank")
         if [r.rank for r in self.ranks] != list(range(len(self.ranks))):
             raise ValueError(f"ranks must be listed as 0..{len(self.ranks) - 1} in order")
+        if self.sharding == "fsdp" and (self.comm.compression != "none" or self.comm.hierarchical):
+            what = f"compression {self.comm.compression!r}" if self.comm.compression != "none" else "hierarchical"
+            raise ValueError(f"comm {what} runs as a DDP communication hook, and sharding 'fsdp' (FSDP2) has none: "
+                             "set compression 'none' and hierarchical false, or sharding 'zero1' or 'none'")
         if self.pipeline is None:
             total = sum(r.share for r in self.ranks)
             if total != self.global_batch_size:

@@ -220,7 +220,8 @@ def data_parallel(strategy: str, cluster, profile: WorkloadProfile, kinds: list[
     step = (t_slow + exposed) / kept
     cand.step_seconds, cand.samples_per_s = step, global_batch / step
     cand.exposed_comm_seconds, cand.inter_node_seconds = exposed, net_exposed
-    two_level = cm.allreduce_cost(4.0 * profile.params, topo).algorithm == "two-level"
+    # the two-level all-reduce is a DDP communication hook: FSDP2 (zero3) has none to run it
+    two_level = zero < 3 and cm.allreduce_cost(4.0 * profile.params, topo).algorithm == "two-level"
     cand.plan = Plan(
         global_batch_size=global_batch, strategy=strategy, sharding=_SHARDING[strategy], ranks=ranks,
         balance=BalancePlan(enabled=strategy != "ddp"),

@@ -120,3 +120,17 @@ def test_a_job_without_a_metrics_port_still_writes_the_run_log_hetrain_report_re
     assert rep.returncode == 0, rep.stderr
     rows = json.loads(rep.stdout[rep.stdout.index("["):])
     assert [row["rank"] for row in rows] == [0, 1] and all(row["steps"] > 5 for row in rows)
+
+
+def test_traffic_no_step_measured_is_shown_as_unknown_not_as_zero(tmp_path):
+    """FSDP2's collectives are not counted: such a run's 'comm sent' is '-', never 0.0 MB."""
+    m = RankMetrics(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), device_name="cpu", port=None,
+                    run_dir=tmp_path, job="report")
+    for step in range(1, 4):
+        m.on_step(step_record(step, rank=0, world_size=1, shares=(512,), comm_bytes={}))
+    m.close()
+    (row,) = summary_rows(load_run(tmp_path))
+    assert row["comm_bytes"] is None
+    r = hetrain("report", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "comm sent" in r.stdout and "MB" not in r.stdout   # the column's one unit

@@ -1,6 +1,7 @@
 """The planner's choices: balanced beats uniform, memory caps hold, compression only when the
 network is the bottleneck, pipelines for models that fit nowhere, clear errors."""
 
+import json
 import random
 
 import pytest
@@ -124,3 +125,15 @@ def test_a_host_staged_all_reduce_is_not_hidden_under_backward():
     two = plan_job(staged, bert, 56, strategy="ddp", precision="fp16").plan
     one = plan_job(cluster_from_devices("rtx-4090:1"), bert, 28, strategy="ddp", precision="fp16").plan
     assert 0.65 < two.predicted_samples_per_s / (2 * one.predicted_samples_per_s) < 0.85
+
+
+def test_a_compression_or_two_level_all_reduce_under_fsdp_is_refused_and_never_planned():
+    """Both run as DDP communication hooks, which FSDP2 does not have: a plan asking for them under
+    sharding fsdp would run uncompressed without a word."""
+    result = plan_job(get_preset("mix1024"), get_profile("gpt2-124m"), 4096, strategy="zero3")
+    plan = result.plan
+    assert plan.sharding == "fsdp" and plan.comm.compression == "none" and not plan.comm.hierarchical
+    doc = plan.model_dump()
+    for comm in ({"compression": "int8"}, {"hierarchical": True}):
+        with pytest.raises(HetrainError, match=r"runs as a DDP communication hook, and sharding 'fsdp' .*has none"):
+            Plan.from_json(json.dumps({**doc, "comm": {**doc["comm"], **comm}}))
