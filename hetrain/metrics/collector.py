@@ -86,6 +86,7 @@ class RankCollector(Collector):
         yield from self._summary("hetrain_step_seconds", s.timed_steps, s.step_seconds)
         yield from self._one("hetrain_compute_seconds_total", s.compute_seconds)
         yield from self._by("hetrain_wait_seconds_total", "cause", s.wait_seconds)
+        yield from self._one("hetrain_script_seconds_total", s.script_seconds)
         yield from self._one("hetrain_samples_total", float(s.samples))
         yield from self._one("hetrain_items_total", float(s.items))
         yield from self._one("hetrain_share_samples", s.share)

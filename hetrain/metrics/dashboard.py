@@ -57,8 +57,10 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
             Query(f"sum by (rank) ({_rate('hetrain_compute_seconds_total')}) / {STEP_TIME}", "compute"),
             Query(f"sum by (rank, cause) ({_rate('hetrain_wait_seconds_total')}) / on (rank) group_left {STEP_TIME}",
                   "waiting on {{cause}}"),
+            Query(f"sum by (rank) ({_rate('hetrain_script_seconds_total')}) / {STEP_TIME}", "script"),
         ), stacked=True, repeat="rank",
-            description="Fraction of the step spent computing, waiting on other ranks and waiting for data."),
+            description="Fraction of the step spent computing, waiting on other ranks, waiting for data, and in "
+                        "the script's own code between steps (logging, evaluation)."),
         PanelSpec("Idle fraction per rank", "percentunit", (
             Query(f"sum by (rank) ({_rate('hetrain_wait_seconds_total')}) / {STEP_TIME}", "rank {{rank}}"),)),
         PanelSpec("Step time: predicted and measured", "s", (

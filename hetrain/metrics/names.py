@@ -36,6 +36,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("hetrain_wait_seconds_total", "counter",
            "Time of timed steps spent waiting, by cause: 'ranks' (on other ranks' gradients) or 'data' (for the batch).",
            ("cause",)),
+    Metric("hetrain_script_seconds_total", "counter",
+           "Time of timed steps the training script spent in its own code between steps (logging, evaluation): "
+           "from step() returning to the next forward, less the wait for data."),
     Metric("hetrain_samples_total", "counter", "Samples this rank computed."),
     Metric("hetrain_items_total", "counter", "Items (tokens, or samples) this rank computed."),
     Metric("hetrain_share_samples", "gauge", "Samples of a full global batch this rank takes under the current split."),

@@ -36,13 +36,15 @@ class StepRecord:
     split_changed: bool = False
     comm_bytes: dict[str, float] = field(default_factory=dict)  # bytes this rank sent this step, by level
     emulated: bool = False
+    script_seconds: float = 0.0    # the script's own time between steps (logging, evaluation): from the
+    #                                previous step() returning to this step's first forward, less the data wait
 
     @property
     def waiting_seconds(self) -> float | None:
-        """Time waiting on other ranks: what the step took beyond compute and data."""
+        """Time waiting on other ranks: what the step took beyond compute, data and the script's own time."""
         if self.step_seconds is None:
             return None
-        return max(0.0, self.step_seconds - self.compute_seconds - self.data_wait_seconds)
+        return max(0.0, self.step_seconds - self.compute_seconds - self.data_wait_seconds - self.script_seconds)
 
 
 @dataclass(frozen=True)

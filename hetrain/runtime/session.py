@@ -121,6 +121,7 @@ class Session:
         self._grad_norm: float | None = None
         self.skips = SkipCounter(max_skipped_steps)
         self._last_step_end: float | None = None
+        self._step_returned: float | None = None   # when step() last returned
         if self.is_main:
             for note in self.assignment.notes:
                 log.info("%s", note)
@@ -364,6 +365,7 @@ class Session:
         self.scaler.update(applied)
         self.optimizer.zero_grad(set_to_none=True)
         self.train.skipped_steps += self.skips.count(applied, self.train.step + 1, self.scaler.scale, self.is_main)
+        first_forward = self.timer.started_at
         compute = self.timer.end_step()
         now = time.perf_counter()
         wall = now - self._last_step_end if self._last_step_end is not None else None
@@ -373,6 +375,8 @@ class Session:
         self._last_step_end = now
         totals = self.state.finish(status.global_items, status.loss)
         data_wait = self.train.loader.data_wait_seconds
+        script = (max(0.0, first_forward - self._step_returned - data_wait)
+                  if first_forward is not None and self._step_returned is not None else 0.0)
         self.balancer.record(totals.local_samples, compute + data_wait)
         self.train.step += 1
         changed = self.balancer.settle(self.train.step)   # on the figures exchanged one step ago, if any
@@ -380,12 +384,13 @@ class Session:
             self.reports.save_rates(self.assignment.entries, self.balancer, step=self.train.step, emulated=self.emulated)
         self.balancer.begin_exchange(self.device, step=self.train.step)   # when an interval ends here
         if self.reports.observers:
-            self.reports.step(self._record(totals, wall, compute, data_wait, applied, bool(changed)))
+            self.reports.step(self._record(totals, wall, compute, data_wait, applied, bool(changed), script))
         self._status, self._grad_norm = None, None
         if self.checkpoints is not None:
             self.checkpoints.after_step(stop=status.stop)
         if self.watch is not None:
             self.watch.computing(self.train.step + 1)
+        self._step_returned = time.perf_counter()   # from here to the next forward, the script's own time
         return applied
 
     # -- figures for users and tools ----------------------------------------------------------------
@@ -418,7 +423,8 @@ class Session:
     def observers(self) -> list[Any]:
         return self.reports.observers
 
-    def _record(self, totals, wall: float | None, compute: float, data_wait: float, applied: bool, changed: bool):
+    def _record(self, totals, wall: float | None, compute: float, data_wait: float, applied: bool, changed: bool,
+                script: float):
         return StepRecord(
             step=self.train.step, rank=self.rank, world_size=self.world_size, device=self.entry.device,
             precision=self.precision, share=self.train.loader.current_shares[self.rank], samples=totals.local_samples,
@@ -427,7 +433,7 @@ class Session:
             optimizer_seconds=self.timer.last_optimizer_s, loss=totals.loss, grad_norm=self._grad_norm,
             loss_scale=self.scaler.scale, skipped=not applied, skipped_total=self.skips.total,
             shares=tuple(self.train.loader.current_shares), split_changed=changed,
-            comm_bytes=comm_bytes(self.prepared.comm_state), emulated=self.emulated)
+            comm_bytes=comm_bytes(self.prepared.comm_state), emulated=self.emulated, script_seconds=script)
 
     def barrier(self) -> None:
         dist.barrier()

@@ -92,10 +92,13 @@ class StepTimer:
     optimizer_s: float = 0.0
     last_optimizer_s: float = 0.0   # the optimizer time of the step that ended last
     on_grads_ready: Callable[[], None] | None = None   # told when this rank starts waiting on the others
+    started_at: float | None = None  # the step's first forward (perf_counter), None until it runs
 
     def forward_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
         if self._start is None:
             self._start = time.perf_counter()
+            if self.started_at is None:
+                self.started_at = self._start
 
     def grads_ready(self) -> None:
         """Called when this rank's last gradient bucket is ready: the compute of the step is over."""
@@ -117,7 +120,7 @@ class StepTimer:
         total = self.compute_s + self.optimizer_s
         self.last_optimizer_s = self.optimizer_s
         self.compute_s = self.optimizer_s = 0.0
-        self._start = None
+        self._start = self.started_at = None
         return total
 
 
