@@ -118,6 +118,9 @@ def assign_entries(plan: Plan, kinds: Sequence[str], emulated: Sequence[bool] | 
         shares = split_proportional(plan.global_batch_size, [max(float(s), floor) for s in shares])
         notes.append(f"the plan has {plan.world_size} entries for {world} ranks: shares re-split to {shares}")
     entries = [e.model_copy(update={"share": s}) for e, s in zip(picked, shares)]
+    if emulated and any(emulated):
+        notes.append(f"CPU ranks stand in for the devices {Env.EMULATE_DEVICES} names: " + ", ".join(
+            f"rank {e.rank} as {e.device}" for e, stands in zip(entries, emulated) if stands))
     if [e.device for e in entries] != [e.device for e in sorted(plan.ranks, key=lambda e: e.rank)][:world] \
             and not resplit:
         notes.append("ranks found their entries by device: " + ", ".join(

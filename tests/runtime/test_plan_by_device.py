@@ -55,6 +55,13 @@ def test_cpu_ranks_stand_in_for_the_plans_devices_in_order():
     assert any("stand in" in n for n in got.notes)
 
 
+def test_cpu_ranks_named_as_devices_say_so_in_the_plans_order_too():
+    got = assign_entries(mixed_plan(), [A100, V100, V100], emulated=[True, True, True])
+    assert got.stand_in and not got.resplit
+    assert got.notes == [f"CPU ranks stand in for the devices HETRAIN_EMULATE_DEVICES names: rank 0 as {A100}, "
+                         f"rank 1 as {V100}, rank 2 as {V100}"]
+
+
 def make_data(n: int = 48) -> TensorDataset:
     g = torch.Generator().manual_seed(1)
     return TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
