@@ -14,7 +14,7 @@ import difflib
 import functools
 import inspect
 import logging
-import signal
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, ContextManager
@@ -42,11 +42,11 @@ OWNED = {"batch_size": "global_batch_size", "shuffle": "shuffle", "sampler": "se
 
 
 def _worker_start(user_init: Callable[[int], Any] | None, worker_id: int) -> None:
-    """A DataLoader worker leaves SIGTERM to its rank. hetrain launch's agent stops a job by
-    signalling each rank's whole process group, workers included: a worker that died of it would
-    make the rank's DataLoader raise before the session saves the step in flight. The rank ends its
-    workers itself on the way out, and a worker whose rank is gone exits on its own."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    """A DataLoader worker leaves its rank's process group. hetrain launch's agent stops a job by
+    signalling each rank's whole group: a worker that died of it would make the rank's DataLoader
+    raise before the session saves the step in flight. Out of the group, the worker is still ended
+    by its rank (directly, on the way out), and exits on its own once its rank is gone."""
+    os.setpgid(0, 0)
     if user_init is not None:
         user_init(worker_id)
 
