@@ -289,6 +289,15 @@ def _validation_message(source: str, exc: ValidationError, root: yaml.Node | Non
     line = _line_of(root, loc)
     place = f"{source}:{line}" if line else source
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    if err["type"] == "missing":   # a key written wrong is both unknown and missing: name it by its spelling
+        typo = next((e for e in errors if e["type"] == "extra_forbidden" and tuple(e["loc"][:-1]) == loc[:-1]), None)
+        if typo is not None:
+            typo_loc = tuple(typo["loc"])
+            line = _line_of(root, typo_loc)
+            place = f"{source}:{line}" if line else source
+            more = f" (and {len(errors) - 2} more)" if len(errors) > 2 else ""
+            return (f"{place}: {_where(typo_loc)}: unknown key {typo_loc[-1]!r}, and {loc[-1]!r} is missing; "
+                    f"fix: rename it to {loc[-1]!r}{more}")
     return f"{place}: {_where(loc)}: {_explain(err)}{more}"
 
 

@@ -139,6 +139,14 @@ def test_unknown_keys(tmp_path: Path) -> None:
     assert ":1: bandwidth: unknown key 'bandwidth'; fix: remove it or use one of: name, nodes, inter_node_gbps" in msg
 
 
+def test_a_required_key_written_wrong_is_named_by_its_spelling(tmp_path: Path) -> None:
+    msg = _error(tmp_path, "nodes:\n  - name: n\n    gpus:\n      - model: a100\n")
+    assert ":3: nodes[0].gpus: unknown key 'gpus', and 'devices' is missing; fix: rename it to 'devices'" in msg
+    msg = _error(tmp_path, "nodes:\n  - name: n\n    devices:\n      - modle: a100\n        count: 2\n")
+    assert ":4: nodes[0].devices[0].modle: unknown key 'modle', and 'model' is missing; fix: rename it to 'model'" in msg
+    assert "missing key 'model'; fix: add it" in _error(tmp_path, "nodes:\n  - name: n\n    devices:\n      - count: 2\n")
+
+
 def test_malformed_yaml(tmp_path: Path) -> None:
     msg = _error(tmp_path, "nodes:\n  - name: n\n    devices: [model: a100\n")
     assert "malformed YAML" in msg and f"{tmp_path / 'bad.yaml'}:4:" in msg
