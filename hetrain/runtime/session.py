@@ -138,8 +138,10 @@ class Session:
         dist.all_gather_object(gathered, (kind, stand_in))
         kinds, emulated = [k for k, _ in gathered], [s for _, s in gathered]
         if plan is None:
+            note = (f"no plan (hetrain launch --plan, or {Env.PLAN}): {self.world_size} rank(s) start from an even "
+                    "split in fp32, without micro-batches")
             return Assignment([RankPlan(rank=r, device=k, share=0) for r, k in enumerate(kinds)],
-                              stand_in=any(emulated))
+                              stand_in=any(emulated), notes=[note])
         return assign_entries(plan, kinds, emulated)
 
     _stopping = property(lambda self: bool(self.checkpoints and self.checkpoints.stop_requested))  # SIGTERM here

@@ -112,3 +112,13 @@ def test_plan_listed_in_another_order_then_resumed_on_fewer_ranks(tmp_path):
     assert [(s["device"], s["precision"], s["micro_batch"]) for s in second] == [(A100, "bf16", None), (V100, "fp16", 2)]
     assert all(s["start"] == 2 for s in second) and all(s["scaler"] for s in second)
     assert second[0]["shares"] == [8, 4] and second[1]["pieces"] == [2, 2, 2, 2]
+
+
+def test_a_run_without_a_plan_says_how_it_starts(capfd):
+    """Under plain torchrun (or hetrain launch without --plan) rank 0 says it has no plan and starts even."""
+    import hetrain
+
+    with hetrain.Session() as session:
+        assert session.precision == "fp32"
+    out, err = capfd.readouterr()
+    assert "no plan (hetrain launch --plan, or HETRAIN_PLAN): 1 rank(s) start from an even split in fp32" in out + err
