@@ -18,7 +18,7 @@ import os
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -126,6 +126,18 @@ def assign_entries(plan: Plan, kinds: Sequence[str], emulated: Sequence[bool] | 
         notes.append("ranks found their entries by device: " + ", ".join(
             f"rank {e.rank} runs {e.device} ({e.precision})" for e in entries))
     return Assignment(entries=entries, stand_in=stand_in, resplit=resplit, notes=notes)
+
+
+def comm_for_world(plan: Plan, world: int) -> tuple[Any, str | None]:
+    """The plan's comm section for a job of `world` ranks, and a note when it had to change: the
+    islands of a two-level all-reduce name the plan's ranks, so a job on another number of ranks
+    (an elastic restart on fewer or more devices) all-reduces flat."""
+    comm = plan.comm
+    if comm.islands is None or world == plan.world_size:
+        return comm, None
+    note = (f"the plan's islands {comm.islands} name its {plan.world_size} ranks and this job has {world}: "
+            "gradients all-reduce flat, not in two levels (re-plan for these devices to get them back)")
+    return comm.model_copy(update={"hierarchical": False, "islands": None}), note
 
 
 def pipeline_assignment(assignment: Assignment, plan: Plan, rank: int) -> tuple[Assignment, "PipelineLayout"]:

@@ -44,7 +44,8 @@ from hetrain.runtime.reporting import Reports, comm_bytes
 from hetrain.runtime.parallelize import Prepared, gradient_sync, parallelize
 from hetrain.runtime.pipeline_schedule import PipelineRunner, item_counter, prepare_pipeline
 from hetrain.runtime.pipeline_stages import PipelineLayout, check_pipeline_plan
-from hetrain.runtime.plan_entries import Assignment, assign_entries, local_device_kind, pipeline_assignment
+from hetrain.runtime.plan_entries import (Assignment, assign_entries, comm_for_world, local_device_kind,
+                                          pipeline_assignment)
 from hetrain.runtime.precision import JobLossScaler, autocast, configure_tf32
 from hetrain.runtime.resume import SessionCheckpoints
 from hetrain.runtime.step_state import StepState, items_as_number
@@ -190,8 +191,11 @@ class Session:
                 model, optimizer, self.plan.pipeline, self.layout, self.device,
                 self.entry.activation_checkpointing, self.autocast, self.emulated_speed, self.sharding == "fsdp")
             return self.prepared.model, self.prepared.optimizer
+        comm, note = comm_for_world(self.plan, self.world_size) if self.plan is not None else (None, None)
+        if note is not None and self.is_main:
+            log.info("%s", note)
         self.prepared = parallelize(model, optimizer, sharding_name=self.sharding, entries=self.assignment.entries,
-                                    rank=self.rank, comm=self.plan.comm if self.plan is not None else None,
+                                    rank=self.rank, comm=comm,
                                     device=self.device, timer=self.timer, blocks=blocks)
         return self.prepared.model, self.prepared.optimizer
 

@@ -122,3 +122,15 @@ def test_a_run_without_a_plan_says_how_it_starts(capfd):
         assert session.precision == "fp32"
     out, err = capfd.readouterr()
     assert "no plan (hetrain launch --plan, or HETRAIN_PLAN): 1 rank(s) start from an even split in fp32" in out + err
+
+
+def test_a_plans_islands_give_way_to_a_flat_all_reduce_on_another_number_of_ranks():
+    from hetrain.planning.plan import CommPlan
+    from hetrain.runtime.plan_entries import comm_for_world
+
+    plan = mixed_plan().model_copy(update={"comm": CommPlan(hierarchical=True, islands=[[0], [1, 2]])})
+    same, note = comm_for_world(plan, 3)
+    assert same is plan.comm and note is None
+    flat, note = comm_for_world(plan, 2)
+    assert not flat.hierarchical and flat.islands is None and flat.compression == plan.comm.compression
+    assert note.startswith("the plan's islands [[0], [1, 2]] name its 3 ranks and this job has 2: gradients all-reduce flat")
