@@ -384,5 +384,6 @@ def _no_fit_message(profile, kinds, cands, strategy, optimizer, world, worst) ->
         return (f"model {profile.name!r} fits no plan with {what}: even {even}activation checkpointing and "
                 f"micro-batch 1, {best.spec.name} is {missing / GB:.1f} GB short; add about {max(more, 1)} more "
                 f"device{'s' if max(more, 1) > 1 else ''}, use devices with more memory, or a smaller model or sequence length")
-    return (f"model {profile.name!r} does not fit with {what}{detail}; try --strategy auto (ZeRO-3 or a "
-            f"pipeline fits), a smaller --micro-batch, or devices with more memory")
+    auto = "" if strategy == "auto" else "--strategy auto (ZeRO-3 or a pipeline fits), "
+    return (f"model {profile.name!r} does not fit with {what}{detail}; try {auto}a smaller --micro-batch, or devices "
+            f"with more memory")

@@ -80,7 +80,16 @@ class WorkloadProfile(BaseModel):
         try:
             return cls.model_validate(json.loads(path.read_text()))
         except (json.JSONDecodeError, ValidationError) as e:
-            raise HetrainError(f"profile file {str(path)!r} is not a valid workload profile: {e}") from None
+            if isinstance(e, ValidationError):
+                first = e.errors()[0]
+                where = ".".join(str(p) for p in first["loc"]) or "document"
+                more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
+                why = f"{where}: {first['msg']}{more}"
+            else:
+                why = f"not JSON ({e.msg}, line {e.lineno})"
+            raise HetrainError(f"profile file {str(path)!r} is not a workload profile: {why}; write one with "
+                               "hetrain profile --out DIR (its workload.json) or hetrain.workload.profile(model, "
+                               "sample_input).save(path)") from None
 
 
 def top_level_blocks(model: "nn.Module") -> list[tuple[str, "nn.Module"]]:

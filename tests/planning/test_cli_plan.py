@@ -113,3 +113,20 @@ def test_piped_tables_keep_their_headings_whole():
         assert max(len(line) for line in p.stdout.splitlines()) <= 160
     wide = subprocess.run(args, capture_output=True, text=True, timeout=120, env={**env, "COLUMNS": "220"})
     assert 160 < max(len(line) for line in wide.stdout.splitlines()) <= 220
+
+
+def test_a_file_that_is_no_workload_profile_is_one_line_naming_the_fix(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"a": 1}')
+    p = _run("plan", "--preset", "a100x8", "--profile", str(bad), "--global-batch-size", "64")
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "is not a workload profile: name: Field required (and 4 more); write one with hetrain profile" in p.stderr
+    bad.write_text("not json")
+    p = _run("plan", "--preset", "a100x8", "--profile", str(bad), "--global-batch-size", "64")
+    assert p.returncode == 2 and "is not a workload profile: not JSON" in p.stderr, p.stderr
+
+
+def test_micro_batch_that_fits_no_strategy_under_auto_does_not_suggest_auto():
+    p = _run("plan", "--preset", "a100x4+v100x4", "--model", "resnet152", "--global-batch-size", "1024",
+             "--micro-batch", "5000")
+    assert p.returncode == 2 and "does not fit with any strategy" in p.stderr and "--strategy auto" not in p.stderr

@@ -53,7 +53,7 @@ def test_load_missing_or_bad_profile(tmp_path):
         WorkloadProfile.load(tmp_path / "none.json")
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
-    with pytest.raises(HetrainError, match="not a valid"):
+    with pytest.raises(HetrainError, match="is not a workload profile"):
         WorkloadProfile.load(bad)
 
 
