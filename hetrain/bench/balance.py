@@ -19,16 +19,17 @@ from pathlib import Path
 from hetrain.errors import HetrainError
 from hetrain.launch.launcher import LaunchConfig, launch
 from hetrain.runtime.speeds import parse_speeds
+from hetrain.bench.args import whole
 
 
 def add_job_options(parser: argparse.ArgumentParser, steps: int = 100) -> None:
     parser.add_argument("--speeds", default="1,0.5", help="emulated speed per rank, e.g. 1,0.5")
-    parser.add_argument("--steps", type=int, default=steps, help="training steps per mode")
-    parser.add_argument("--warmup", type=int, default=10, help="steps per mode not timed")
-    parser.add_argument("--global-batch-size", "--global-batch", dest="global_batch", type=int, default=512)
+    parser.add_argument("--steps", type=whole(1), default=steps, help="training steps per mode")
+    parser.add_argument("--warmup", type=whole(0), default=10, help="steps per mode not timed")
+    parser.add_argument("--global-batch-size", "--global-batch", dest="global_batch", type=whole(2), default=512)
     parser.add_argument("--model", choices=["cnn", "mlp"], default="cnn", help="a small CNN, or an MLP")
-    parser.add_argument("--hidden", type=int, default=64, help="CNN channels or MLP width")
-    parser.add_argument("--interval", type=int, default=5, help="balancer interval in steps")
+    parser.add_argument("--hidden", type=whole(1), default=64, help="CNN channels or MLP width")
+    parser.add_argument("--interval", type=whole(1), default=5, help="balancer interval in steps")
     parser.add_argument("--metrics", action="store_true",
                         help="also time hetrain with its Prometheus metrics on (metrics_overhead_ratio)")
 
@@ -63,7 +64,7 @@ def run_job(args: argparse.Namespace, *, progress: bool, schedule: str,
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
     add_job_options(parser)
-    parser.add_argument("--outside-load", type=int, default=None, metavar="SEED",
+    parser.add_argument("--outside-load", type=whole(0), default=None, metavar="SEED",
                         help="hetrain alone, ranks pinned one per core, seeded bursts of outside load on "
                              "rank 0's core: how often the split follows load that is not the device "
                              "(use with --speeds 1,1 --steps 300 --interval 10)")

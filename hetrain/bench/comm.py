@@ -13,6 +13,7 @@ import argparse
 
 from hetrain.errors import HetrainError
 from hetrain.vocabulary import COMPRESSIONS
+from hetrain.bench.args import number, whole
 
 HOOKS = list(COMPRESSIONS)
 TARGET_RATIO = {"powersgd": 0.10, "int8": 0.27, "topk": 0.03}  # on 2 ranks
@@ -20,17 +21,17 @@ WIDTH = 512
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ranks", type=int, default=2, help="CPU ranks (gloo)")
-    parser.add_argument("--steps", type=int, default=500, help="optimizer steps per hook")
-    parser.add_argument("--global-batch-size", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--ranks", type=whole(2), default=2, help="CPU ranks (gloo)")
+    parser.add_argument("--steps", type=whole(1), default=500, help="optimizer steps per hook")
+    parser.add_argument("--global-batch-size", type=whole(2), default=64)
+    parser.add_argument("--lr", type=number(above=0), default=0.05)
     parser.add_argument("--hooks", default=",".join(HOOKS), help="comma-separated compressions")
-    parser.add_argument("--powersgd-rank", type=int, default=2)
-    parser.add_argument("--powersgd-warmup-steps", type=int, default=10)
-    parser.add_argument("--topk-ratio", type=float, default=0.01)
-    parser.add_argument("--bucket-cap-mb", type=float, default=0.25, help="DDP bucket size (several buckets overlap)")
+    parser.add_argument("--powersgd-rank", type=whole(1), default=2)
+    parser.add_argument("--powersgd-warmup-steps", type=whole(0), default=10)
+    parser.add_argument("--topk-ratio", type=number(above=0, most=1), default=0.01)
+    parser.add_argument("--bucket-cap-mb", type=number(above=0), default=0.25, help="DDP bucket size (several buckets overlap)")
     parser.add_argument("--islands", default=None, help="two-level all-reduce over islands, e.g. '0,1;2,3'")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=whole(0), default=0)
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -20,20 +20,21 @@ from pathlib import Path
 
 from hetrain.errors import HetrainError
 from hetrain.launch.launcher import LaunchConfig, launch
+from hetrain.bench.args import number, whole
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", type=int, default=2, help="DataLoader workers per rank")
-    parser.add_argument("--slow-workers", type=int, default=0, help="workers of the rank whose loader is slowed")
-    parser.add_argument("--global-batch", type=int, default=64)
-    parser.add_argument("--samples", type=int, default=1024, help="images in the dataset")
-    parser.add_argument("--steps", type=int, default=40, help="timed steps per mode")
-    parser.add_argument("--warmup", type=int, default=40, help="untimed steps per mode (the balancer settles)")
-    parser.add_argument("--block", type=int, default=4, help="steps per timed block; the modes compared alternate")
-    parser.add_argument("--width", type=int, default=16, help="CNN channels")
-    parser.add_argument("--device-ms", type=float, default=1.0,
+    parser.add_argument("--workers", type=whole(0), default=2, help="DataLoader workers per rank")
+    parser.add_argument("--slow-workers", type=whole(0), default=0, help="workers of the rank whose loader is slowed")
+    parser.add_argument("--global-batch", type=whole(2), default=64)
+    parser.add_argument("--samples", type=whole(2), default=1024, help="images in the dataset")
+    parser.add_argument("--steps", type=whole(1), default=40, help="timed steps per mode")
+    parser.add_argument("--warmup", type=whole(0), default=40, help="untimed steps per mode (the balancer settles)")
+    parser.add_argument("--block", type=whole(1), default=4, help="steps per timed block; the modes compared alternate")
+    parser.add_argument("--width", type=whole(1), default=16, help="CNN channels")
+    parser.add_argument("--device-ms", type=number(least=0), default=1.0,
                         help="emulated device milliseconds per sample (forward and backward) at speed 1")
-    parser.add_argument("--interval", type=int, default=5, help="balancer interval in steps")
+    parser.add_argument("--interval", type=whole(1), default=5, help="balancer interval in steps")
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -14,16 +14,17 @@ import time
 
 from hetrain.errors import HetrainError
 from hetrain.vocabulary import SHARDINGS
+from hetrain.bench.args import whole
 
 CAPACITY_PATTERN = (80 * 10**9, 32 * 10**9)  # a100-sxm4-80gb, v100-sxm2-32gb (from the plan, emulated)
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ranks", type=int, default=3, help="CPU ranks to spawn (2 or 3)")
-    parser.add_argument("--width", type=int, default=64, help="transformer width")
-    parser.add_argument("--depth", type=int, default=6, help="transformer blocks")
-    parser.add_argument("--seq", type=int, default=32, help="tokens per sample")
-    parser.add_argument("--global-batch-size", type=int, default=12)
+    parser.add_argument("--ranks", type=whole(1), default=3, help="CPU ranks to spawn (2 or 3)")
+    parser.add_argument("--width", type=whole(1), default=64, help="transformer width")
+    parser.add_argument("--depth", type=whole(1), default=6, help="transformer blocks")
+    parser.add_argument("--seq", type=whole(1), default=32, help="tokens per sample")
+    parser.add_argument("--global-batch-size", type=whole(1), default=12)
     parser.add_argument("--preset", default="a100x4+v100x4", help="cluster for the largest-model report")
 
 

@@ -30,22 +30,23 @@ from hetrain.planning.plan import BalancePlan, PipelinePlan, Plan, RankPlan
 from hetrain.planning.pipeline_planner import interleaved_rounds_fit
 from hetrain.runtime.speeds import parse_speeds
 from hetrain.vocabulary import SCHEDULES
+from hetrain.bench.args import number, whole
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speeds", default="1,0.5,0.5", help="emulated speed per rank (one stage each)")
-    parser.add_argument("--blocks", type=int, default=12, help="blocks of the model (>= ranks)")
-    parser.add_argument("--block-ms", type=float, default=1.0,
+    parser.add_argument("--blocks", type=whole(2), default=12, help="blocks of the model (>= ranks)")
+    parser.add_argument("--block-ms", type=number(above=0), default=1.0,
                         help="forward milliseconds per sample per block at speed 1 (backward takes twice that)")
-    parser.add_argument("--global-batch", type=int, default=192, help="samples per step (micro-batches of 4 by default)")
-    parser.add_argument("--microbatches", type=int, default=48,
+    parser.add_argument("--global-batch", type=whole(1), default=192, help="samples per step (micro-batches of 4 by default)")
+    parser.add_argument("--microbatches", type=whole(1), default=48,
                         help="micro-batches per step (m = 16p: the bubble (p-1)/(m+p-1) is 4%%; it shrinks as m grows)")
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
-    parser.add_argument("--chunks", type=int, default=3,
+    parser.add_argument("--chunks", type=whole(1), default=3,
                         help="stages per rank under interleaved-1f1b (3 cuts the planner's 6, 3, 3 blocks into "
                              "chunks of 2, 1, 1 and the even 4, 4, 4 into 2, 1, 1)")
-    parser.add_argument("--steps", type=int, default=8, help="steps per plan (the median of the timed ones counts)")
-    parser.add_argument("--warmup", type=int, default=2, help="steps per plan not timed")
+    parser.add_argument("--steps", type=whole(1), default=8, help="steps per plan (the median of the timed ones counts)")
+    parser.add_argument("--warmup", type=whole(0), default=2, help="steps per plan not timed")
 
 
 def stage_seconds(bounds: list[tuple[int, int]], speeds: list[float], block_ms: float, micro: int) -> list[float]:

@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 import time
 
+from hetrain.bench.args import whole
+
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="gpt2-1.5b", help="reference model to plan")
-    parser.add_argument("--repeat", type=int, default=3, help="timed runs per point (the best counts)")
+    parser.add_argument("--repeat", type=whole(1), default=3, help="timed runs per point (the best counts)")
 
 
 def _best_time(fn, repeat: int) -> float:

@@ -22,16 +22,17 @@ from pathlib import Path
 
 from hetrain.errors import HetrainError
 from hetrain.hardware.catalog import rank_threads
+from hetrain.bench.args import whole
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ranks", type=int, default=2, help="CPU ranks of the planned job")
-    parser.add_argument("--global-batch-size", type=int, default=1024)
-    parser.add_argument("--width", type=int, default=64, help="channels of the benchmark's small CNN")
-    parser.add_argument("--steps", type=int, default=20, help="steps the job runs")
-    parser.add_argument("--warmup", type=int, default=5, help="first steps not timed")
+    parser.add_argument("--ranks", type=whole(1), default=2, help="CPU ranks of the planned job")
+    parser.add_argument("--global-batch-size", type=whole(1), default=1024)
+    parser.add_argument("--width", type=whole(1), default=64, help="channels of the benchmark's small CNN")
+    parser.add_argument("--steps", type=whole(1), default=20, help="steps the job runs")
+    parser.add_argument("--warmup", type=whole(0), default=5, help="first steps not timed")
     parser.add_argument("--micro-batches", default="32,128,512", help="micro-batch sizes the profile times")
-    parser.add_argument("--rounds", type=int, default=5, help="profile-plan-run rounds (the median ratio counts)")
+    parser.add_argument("--rounds", type=whole(1), default=5, help="profile-plan-run rounds (the median ratio counts)")
 
 
 def _profile(args: argparse.Namespace, directory: Path, threads: int):

@@ -25,21 +25,22 @@ from pathlib import Path
 
 from hetrain.errors import HetrainError
 from hetrain.launch.launcher import LaunchConfig, launch
+from hetrain.bench.args import number, whole
 
 JOB = "hetrain.bench.recover_job"
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=int, default=40, help="training steps")
-    parser.add_argument("--interval", type=int, default=5, help="checkpoint interval in steps")
-    parser.add_argument("--kill-step", type=int, default=None,
+    parser.add_argument("--steps", type=whole(2), default=40, help="training steps")
+    parser.add_argument("--interval", type=whole(1), default=5, help="checkpoint interval in steps")
+    parser.add_argument("--kill-step", type=whole(1), default=None,
                         help="rank 1 is killed after this step (default: the step before the third checkpoint)")
-    parser.add_argument("--hidden", type=int, default=1024, help="MLP width (state bytes grow with its square)")
-    parser.add_argument("--depth", type=int, default=4, help="MLP hidden layers")
-    parser.add_argument("--global-batch-size", "--global-batch", dest="global_batch", type=int, default=128)
-    parser.add_argument("--monitor-interval", type=float, default=0.1,
+    parser.add_argument("--hidden", type=whole(1), default=1024, help="MLP width (state bytes grow with its square)")
+    parser.add_argument("--depth", type=whole(1), default=4, help="MLP hidden layers")
+    parser.add_argument("--global-batch-size", "--global-batch", dest="global_batch", type=whole(2), default=128)
+    parser.add_argument("--monitor-interval", type=number(above=0), default=0.1,
                         help="seconds between the elastic agent's checks of its workers")
-    parser.add_argument("--measure-saves", type=int, default=3,
+    parser.add_argument("--measure-saves", type=whole(0), default=3,
                         help="timed saves of each kind (0: none, and no checkpoint_* figures)")
 
 
