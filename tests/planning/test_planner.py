@@ -137,3 +137,16 @@ def test_a_compression_or_two_level_all_reduce_under_fsdp_is_refused_and_never_p
     for comm in ({"compression": "int8"}, {"hierarchical": True}):
         with pytest.raises(HetrainError, match=r"runs as a DDP communication hook, and sharding 'fsdp' .*has none"):
             Plan.from_json(json.dumps({**doc, "comm": {**doc["comm"], **comm}}))
+
+
+def test_forced_fp16_says_it_runs_with_loss_scaling():
+    result = plan_job(get_preset("a100x4+v100x4"), get_profile("resnet152"), 1024, precision="fp16")
+    assert {n for n in result.plan.notes if "loss scaling" in n} == {
+        "a100-sxm4-80gb: fp16 with dynamic loss scaling", "v100-sxm2-32gb: fp16 with dynamic loss scaling"}
+
+
+def test_a_candidate_no_faster_than_the_chosen_gets_no_why_not_note():
+    result = plan_job(cluster_from_devices("cpu:2"), get_profile("resnet50"), 64)
+    zero3 = next(c for c in result.candidates if c.strategy == "zero3")
+    assert zero3.samples_per_s <= result.plan.predicted_samples_per_s * 1.0005   # a tie, to a tenth of a percent
+    assert not any(n.startswith("not zero3") for n in result.plan.notes), result.plan.notes
