@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from hetrain.cli.console import stdout_console
 from hetrain.errors import HetrainError
+from hetrain.userfiles import check_writable_file
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -56,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     runs = load_run(run_dir)
     rows = summary_rows(runs)
     emulated = any(r["emulated"] for r in rows)
-    out = Path(args.out) if args.out else run_dir / "report.png"
+    out = check_writable_file(args.out, "--out") if args.out else run_dir / "report.png"
     title = f"hetrain run {run_dir.resolve().name}: {len(runs)} ranks" + (" (emulated device speeds)" if emulated else "")
     try:
         draw(runs, out, title)

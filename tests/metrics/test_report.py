@@ -86,6 +86,13 @@ def test_cli_errors_are_one_line(tmp_path, make, message):
     assert r.returncode == 2 and len(lines) == 1 and message in lines[0], r.stderr
 
 
+def test_out_into_a_missing_directory_is_refused_not_created(tmp_path):
+    write_run(tmp_path)
+    r = hetrain("report", str(tmp_path), "--out", str(tmp_path / "missing" / "r.png"))
+    assert r.returncode == 2 and "does not exist; fix: create it or choose another path" in r.stderr, r.stderr
+    assert not (tmp_path / "missing").exists()
+
+
 def test_tensorboard_scalars(tmp_path):
     pytest.importorskip("tensorboard", reason="optional: pip install tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
