@@ -94,6 +94,12 @@ def largest_models(preset: str = "a100x4+v100x4") -> dict:
 def run(args: argparse.Namespace) -> dict:
     if args.ranks not in (2, 3):
         raise HetrainError(f"--ranks {args.ranks}: this benchmark runs 2 or 3 CPU ranks")
+    if args.global_batch_size < args.ranks:
+        raise HetrainError(f"--global-batch-size {args.global_batch_size} is smaller than the {args.ranks} ranks; "
+                           f"use at least {args.ranks}")
+    from hetrain.hardware.cluster import get_preset
+
+    get_preset(args.preset)   # an unknown --preset is refused before any rank starts
     from hetrain.bench.memory_job import measured, parameters   # torch: after the flags are checked
 
     t0 = time.perf_counter()
