@@ -40,7 +40,7 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--global-batch-size", "--global-batch", dest="global_batch", type=whole(2), default=128)
     parser.add_argument("--monitor-interval", type=number(above=0), default=0.1,
                         help="seconds between the elastic agent's checks of its workers")
-    parser.add_argument("--measure-saves", type=whole(0), default=3,
+    parser.add_argument("--measure-saves", type=int, default=3,
                         help="timed saves of each kind (0: none, and no checkpoint_* figures)")
 
 

@@ -31,7 +31,7 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     module = importlib.import_module(f"hetrain.bench.{args.name}")
-    parser = argparse.ArgumentParser(prog=f"hetrain bench {args.name}", description=BENCHES[args.name])
+    parser = _OneLineParser(prog=f"hetrain bench {args.name}", description=BENCHES[args.name])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     module.build_parser(parser)
     bargs = parser.parse_args(args.rest)
@@ -41,6 +41,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_table(args.name, result)
     return 0
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """A benchmark's options: a bad one is one line naming it (no usage block), as every other
+    refusal of a benchmark is; --help still shows the usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _print_table(name: str, result: dict) -> None:
