@@ -7,4 +7,8 @@ class HetrainError(ValueError):
 
 class NoPlanFits(HetrainError):
     """No plan of the strategies asked for fits the model on the cluster's devices (the message says
-    how short the memory is and what to add)."""
+    how short the memory is and what to add); `shortfall`: "DEVICE is N GB short", where known."""
+
+    def __init__(self, message: str, shortfall: str | None = None) -> None:
+        super().__init__(message)
+        self.shortfall = shortfall

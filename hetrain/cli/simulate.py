@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import math
 import csv
-import re
 import sys
 
 from hetrain.errors import HetrainError, NoPlanFits
@@ -76,13 +75,13 @@ def run(args: argparse.Namespace) -> int:
     prefix = args.out[:-4] if args.out.lower().endswith((".png", ".csv")) else args.out
     check_writable_file(f"{prefix}.csv", "--out")
     check_writable_file(f"{prefix}.png", "--out")
-    rows, skipped = [], []   # skipped: (copies, devices, why) for the sizes where no plan fits
+    rows, skipped = [], []   # skipped: (copies, devices, the planner's NoPlanFits) for the sizes where no plan fits
     for size in sizes:
         cluster = sweep_cluster(mix, size, args.per_node, args.inter_node_gbps)
         try:
             result = plan_job(cluster, profile, args.batch_per_device * cluster.size)
         except NoPlanFits as e:   # this size is left out and the sweep goes on
-            skipped.append((size, cluster.size, str(e)))
+            skipped.append((size, cluster.size, e))
             rows.append({"devices": cluster.size, "strategy": NO_FIT, "compression": "", "samples_per_s": "",
                          "ideal_samples_per_s": "", "scaling_efficiency": "", "chosen": False})
             continue
@@ -93,11 +92,11 @@ def run(args: argparse.Namespace) -> int:
                              "scaling_efficiency": round(c.samples_per_s / result.ideal_samples_per_s, 4),
                              "chosen": c.strategy == result.plan.strategy})
     points = [r for r in rows if r["strategy"] != NO_FIT]
+    _, largest, why = max(skipped, key=lambda s: s[1]) if skipped else (None, 0, None)
     if not points:
         if skipped:
-            _, devices, why = max(skipped, key=lambda s: s[1])
             raise HetrainError(f"no size in --sizes {args.sizes} fits {args.model} on copies of {args.mix}; at the "
-                               f"largest, {_devices(devices)}: {why}")
+                               f"largest, {_devices(largest)}: {why}")
         raise HetrainError(f"no feasible plan for {args.model} at any size; try a larger mix or another model")
     with open(f"{prefix}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -110,10 +109,8 @@ def run(args: argparse.Namespace) -> int:
     _plot(points, f"{prefix}.png", title)
     if skipped:
         copies = ", ".join(str(c) for c, _, _ in skipped)
-        _, devices, why = max(skipped, key=lambda s: s[1])
-        short = re.search(r"(\S+ is [\d.]+ GB short)", why)
         print(f"hetrain simulate: sizes {copies} do not fit {args.model} on copies of {args.mix} "
-              f"(at {_devices(devices)}, {short.group(1) if short else why}); left out of the plot, "
+              f"(at {_devices(largest)}, {why.shortfall or why}); left out of the plot, "
               f"'{NO_FIT}' rows in the CSV", file=sys.stderr)
     print(f"wrote {prefix}.csv and {prefix}.png ({len(points)} points)", file=sys.stdout)
     return 0

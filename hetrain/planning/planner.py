@@ -354,7 +354,7 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
         chosen = pick if pick is not None and pick.feasible else None
     if chosen is None:
         worst = max((c for c in cands.values() if c.shortfall_bytes > 0), key=lambda c: -c.shortfall_bytes, default=None)
-        raise NoPlanFits(_no_fit_message(profile, kinds, cands, strategy, optimizer, world, worst))
+        raise NoPlanFits(*_no_fit_message(profile, kinds, cands, strategy, optimizer, world, worst))
     notes += chosen.notes
     if chosen.strategy not in PIPELINE_STRATEGIES:   # a stage's time comes from the per-block timings
         notes += extrapolation_notes(kinds, chosen.plan.ranks)
@@ -370,7 +370,8 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
                       figures={k.spec.name: k.source for k in kinds})
 
 
-def _no_fit_message(profile, kinds, cands, strategy, optimizer, world, worst) -> str:
+def _no_fit_message(profile, kinds, cands, strategy, optimizer, world, worst) -> tuple[str, str | None]:
+    """(the error, "DEVICE is N GB short" where even the least a plan needs does not fit)."""
     zero = 3 if world > 1 else 0   # one device has nothing to shard over
     need = {k.spec.name: k.memory(profile, 1, optimizer=optimizer, zero=zero, world=world, ckpt=True).total
             for k in kinds}
@@ -382,9 +383,10 @@ def _no_fit_message(profile, kinds, cands, strategy, optimizer, world, worst) ->
     detail = f" ({worst.strategy}: {worst.reason.removeprefix('does not fit: ')})" if worst else ""
     if missing > 0:   # the least any plan needs: the candidates' own shortfalls say no more
         even = f"sharded over all {world} devices with ZeRO-3, " if world > 1 else "on its own, with "
+        short = f"{best.spec.name} is {missing / GB:.1f} GB short"
         return (f"model {profile.name!r} fits no plan with {what}: even {even}activation checkpointing and "
-                f"micro-batch 1, {best.spec.name} is {missing / GB:.1f} GB short; add about {max(more, 1)} more "
-                f"device{'s' if max(more, 1) > 1 else ''}, use devices with more memory, or a smaller model or sequence length")
+                f"micro-batch 1, {short}; add about {max(more, 1)} more device{'s' if max(more, 1) > 1 else ''}, "
+                "use devices with more memory, or a smaller model or sequence length"), short
     auto = "" if strategy == "auto" else "--strategy auto (ZeRO-3 or a pipeline fits), "
     return (f"model {profile.name!r} does not fit with {what}{detail}; try {auto}a smaller --micro-batch, or devices "
-            f"with more memory")
+            f"with more memory"), None
