@@ -284,21 +284,19 @@ def _explain(err: dict[str, Any]) -> str:
 
 def _validation_message(source: str, exc: ValidationError, root: yaml.Node | None) -> str:
     errors = exc.errors()
-    err = errors[0]
+    err, told = errors[0], 1
+    explained = _explain(err)
+    if err["type"] == "missing":   # a key written wrong is both unknown and missing: name it by its spelling
+        key, parent = err["loc"][-1], tuple(err["loc"][:-1])
+        typo = next((e for e in errors if e["type"] == "extra_forbidden" and tuple(e["loc"][:-1]) == parent), None)
+        if typo is not None:
+            err, told = typo, 2
+            explained = f"unknown key {typo['loc'][-1]!r}, and {key!r} is missing; fix: rename it to {key!r}"
     loc = tuple(err["loc"])
     line = _line_of(root, loc)
     place = f"{source}:{line}" if line else source
-    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    if err["type"] == "missing":   # a key written wrong is both unknown and missing: name it by its spelling
-        typo = next((e for e in errors if e["type"] == "extra_forbidden" and tuple(e["loc"][:-1]) == loc[:-1]), None)
-        if typo is not None:
-            typo_loc = tuple(typo["loc"])
-            line = _line_of(root, typo_loc)
-            place = f"{source}:{line}" if line else source
-            more = f" (and {len(errors) - 2} more)" if len(errors) > 2 else ""
-            return (f"{place}: {_where(typo_loc)}: unknown key {typo_loc[-1]!r}, and {loc[-1]!r} is missing; "
-                    f"fix: rename it to {loc[-1]!r}{more}")
-    return f"{place}: {_where(loc)}: {_explain(err)}{more}"
+    more = f" (and {len(errors) - told} more)" if len(errors) > told else ""
+    return f"{place}: {_where(loc)}: {explained}{more}"
 
 
 def cluster_from_dict(data: Any, source: str = "cluster", root: yaml.Node | None = None) -> Cluster:
