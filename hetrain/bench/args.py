@@ -4,6 +4,7 @@ error line naming the option, before any rank starts."""
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 
 
@@ -29,7 +30,7 @@ def number(above: float | None = None, least: float | None = None, most: float |
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if value != value or value in (float("inf"), float("-inf")):
+        if not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         if above is not None and value <= above:
             raise argparse.ArgumentTypeError(f"must be more than {above:g}, got {value:g}")

@@ -16,10 +16,10 @@ import json
 import tempfile
 from pathlib import Path
 
+from hetrain.bench.args import whole
 from hetrain.errors import HetrainError
 from hetrain.launch.launcher import LaunchConfig, launch
 from hetrain.runtime.speeds import parse_speeds
-from hetrain.bench.args import whole
 
 
 def add_job_options(parser: argparse.ArgumentParser, steps: int = 100) -> None:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import argparse
 
+from hetrain.bench.args import number, whole
 from hetrain.errors import HetrainError
 from hetrain.vocabulary import COMPRESSIONS
-from hetrain.bench.args import number, whole
 
 HOOKS = list(COMPRESSIONS)
 TARGET_RATIO = {"powersgd": 0.10, "int8": 0.27, "topk": 0.03}  # on 2 ranks

@@ -18,9 +18,9 @@ import json
 import tempfile
 from pathlib import Path
 
+from hetrain.bench.args import number, whole
 from hetrain.errors import HetrainError
 from hetrain.launch.launcher import LaunchConfig, launch
-from hetrain.bench.args import number, whole
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import time
 
+from hetrain.bench.args import whole
 from hetrain.errors import HetrainError
 from hetrain.vocabulary import SHARDINGS
-from hetrain.bench.args import whole
 
 CAPACITY_PATTERN = (80 * 10**9, 32 * 10**9)  # a100-sxm4-80gb, v100-sxm2-32gb (from the plan, emulated)
 

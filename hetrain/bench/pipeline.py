@@ -20,6 +20,7 @@ import json
 import tempfile
 from pathlib import Path
 
+from hetrain.bench.args import number, whole
 from hetrain.errors import HetrainError
 from hetrain.planning import cost_model as cm
 from hetrain.planning.batch_split import split_proportional
@@ -30,7 +31,6 @@ from hetrain.planning.plan import BalancePlan, PipelinePlan, Plan, RankPlan
 from hetrain.planning.pipeline_planner import interleaved_rounds_fit
 from hetrain.runtime.speeds import parse_speeds
 from hetrain.vocabulary import SCHEDULES
-from hetrain.bench.args import number, whole
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:

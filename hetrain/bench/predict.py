@@ -20,9 +20,9 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from hetrain.bench.args import whole
 from hetrain.errors import HetrainError
 from hetrain.hardware.catalog import rank_threads
-from hetrain.bench.args import whole
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:

@@ -23,9 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from hetrain.bench.args import number, whole
 from hetrain.errors import HetrainError
 from hetrain.launch.launcher import LaunchConfig, launch
-from hetrain.bench.args import number, whole
 
 JOB = "hetrain.bench.recover_job"
 
