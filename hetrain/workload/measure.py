@@ -181,10 +181,9 @@ def measure(runnable: RunnableModel, device, precisions: Sequence[str], micro_ba
     clock = _Clock(device)
     cuda = device.type == "cuda"
     steps: list[StepTiming] = []
-    total = len(precisions) * len(micro_batches) + 1 + int(blocks)
-    done = 0
+    total = len(precisions) * len(micro_batches) + 1 + int(blocks)   # the points, the optimizer, the blocks
 
-    def starting(what: str) -> None:
+    def starting(done: int, what: str) -> None:
         if progress is not None:
             progress(done, total, what)
 
@@ -192,8 +191,7 @@ def measure(runnable: RunnableModel, device, precisions: Sequence[str], micro_ba
         _set_math(precision, device)
         scaler = torch.amp.GradScaler(device.type) if precision == "fp16" and cuda else None
         for i, mb in enumerate(sorted(micro_batches)):
-            done = p * len(micro_batches) + i
-            starting(f"{device}: {precision} at micro-batch {mb}")
+            starting(p * len(micro_batches) + i, f"{device}: {precision} at micro-batch {mb}")
             batch = _to(runnable.make_input(mb), device)
             if cuda:
                 torch.cuda.empty_cache()
@@ -210,19 +208,16 @@ def measure(runnable: RunnableModel, device, precisions: Sequence[str], micro_ba
             module.zero_grad(set_to_none=True)
     if not steps:
         raise HetrainError(f"no micro-batch of {runnable.name} fits on {device}; try --micro-batches 1")
-    done = total - 1 - int(blocks)
-    starting(f"{device}: an AdamW step")
+    starting(total - 1 - int(blocks), f"{device}: an AdamW step")
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
     first = steps[0]
     _fwd_bwd(runnable, module, _to(runnable.make_input(first.micro_batch), device), "fp32", device, None)()
     opt_s = clock.median(optimizer.step, repeats, budget_s)
     module.zero_grad(set_to_none=True)
-    done += 1
     if blocks:
-        starting(f"{device}: each block's forward and backward")
+        starting(total - 1, f"{device}: each block's forward and backward")
     timed_blocks = _block_times(runnable, module, device, steps, clock, repeats, budget_s) if blocks else []
-    done = total
-    starting(f"{device}: done")
+    starting(total, f"{device}: done")
     return DeviceProfile(model=runnable.name, device=device_kind(device), stamp=stamp(device), steps=steps,
                          optimizer_seconds=opt_s, blocks=timed_blocks)
 
