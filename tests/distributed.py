@@ -145,3 +145,24 @@ def _join_all(threads, seconds: float) -> None:
     deadline = time.monotonic() + seconds
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
+
+
+def sigterm_when(cmd: list[str], ready: str, *, after: float, cwd=None, timeout: float = 90
+                 ) -> subprocess.CompletedProcess:
+    """Start `cmd` in its own process group, wait for a stdout line holding `ready`, send SIGTERM
+    `after` seconds later and return when it exits (its stdout from then on, its stderr); the whole
+    group is killed if the test fails on the way."""
+    import signal
+
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        started = any(ready in line for line in proc.stdout)
+        assert started and proc.poll() is None, f"no line with {ready!r}, or the job ended first"
+        time.sleep(after)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

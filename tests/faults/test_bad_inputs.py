@@ -5,15 +5,13 @@ after expanding a huge count fails here by running out of time, not by passing l
 """
 
 import json
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.distributed import run_cli
+from tests.distributed import run_cli, sigterm_when
 from tests.faults.conftest import count
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -125,23 +123,12 @@ def test_bad_input_is_refused_in_one_line(tmp_path, argv, text):
 
 def test_sigterm_to_the_launcher_says_so_in_one_line_and_exits_143(tmp_path):
     count("inputs tried")
-    proc = subprocess.Popen([sys.executable, "-m", "hetrain.cli.main", "launch", "--nproc-per-node", "2",
-                             "--checkpoint-dir", str(tmp_path / "ckpt"), "tests/faults/train_faults.py",
-                             "--steps", "1000", "--step-sleep", "0.05"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        # ranks share the pipe and an unbuffered print writes its text and its newline apart, so
-        # rank 1's line may follow rank 0's on the same line
-        started = any("rank 1 starts" in line for line in proc.stdout)
-        assert started and proc.poll() is None, "rank 1 never said it started, or the job ended first"
-        time.sleep(2)
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            import os
-
-            os.killpg(proc.pid, signal.SIGKILL)
+    # ranks share the pipe and an unbuffered print writes its text and its newline apart, so
+    # rank 1's line may follow rank 0's on the same line
+    proc = sigterm_when([sys.executable, "-m", "hetrain.cli.main", "launch", "--nproc-per-node", "2",
+                         "--checkpoint-dir", str(tmp_path / "ckpt"), "tests/faults/train_faults.py",
+                         "--steps", "1000", "--step-sleep", "0.05"], "rank 1 starts", after=2, cwd=ROOT, timeout=60)
+    err = proc.stderr
     assert proc.returncode == 143, err[-3000:]
     assert "Traceback" not in err and "SignalException" not in err, err[-3000:]
     assert err.strip().splitlines()[-1].startswith("hetrain launch: error: the job was stopped by SIGTERM"), err[-2000:]

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.distributed import _context as rank_context
-from tests.distributed import free_port, run_ranks
+from tests.distributed import free_port, run_ranks, sigterm_when
 from tests.memory.models import make_data, make_model
 
 
@@ -140,8 +140,8 @@ if __name__ == "__main__":
 
 
 def test_sigterm_to_the_launcher_saves_the_step_in_flight_with_dataloader_workers(tmp_path):
-    """The agent signals each rank's process group, DataLoader workers included: they leave SIGTERM to
-    their rank, so it saves instead of failing on a dead worker, and the next launch resumes there."""
+    """The agent signals each rank's process group: the DataLoader workers have left it, so the rank
+    saves instead of failing on a dead worker, and the next launch resumes there."""
     import subprocess
     import sys
 
@@ -151,16 +151,8 @@ def test_sigterm_to_the_launcher_saves_the_step_in_flight_with_dataloader_worker
     script.write_text(WORKERS_SCRIPT)
     launch = [sys.executable, "-m", "hetrain.cli.main", "launch", "--nproc-per-node", "2", "--checkpoint-dir",
               str(tmp_path / "ckpt"), str(script)]
-    proc = subprocess.Popen(launch, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        assert any("starts at step 0" in line for line in proc.stdout), "no rank started"
-        time.sleep(3)
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    proc = sigterm_when(launch, "starts at step 0", after=3)
+    err = proc.stderr
     assert proc.returncode == 143, err[-3000:]
     assert "DataLoader worker" not in err, err[-3000:]
     saved = Checkpointer(tmp_path / "ckpt").latest()
