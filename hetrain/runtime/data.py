@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import functools
 import inspect
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, ContextManager
@@ -39,16 +37,6 @@ log = logging.getLogger("hetrain")
 # DataLoader options hetrain decides itself: which samples form a batch and how many.
 OWNED = {"batch_size": "global_batch_size", "shuffle": "shuffle", "sampler": "seed and shuffle",
          "batch_sampler": "the balancer's split", "generator": "the workers' seeds, from seed"}
-
-
-def _worker_start(user_init: Callable[[int], Any] | None, worker_id: int) -> None:
-    """A DataLoader worker leaves its rank's process group. hetrain launch's agent stops a job by
-    signalling each rank's whole group: a worker that died of it would make the rank's DataLoader
-    raise before the session saves the step in flight. Out of the group, the worker is still ended
-    by its rank (directly, on the way out), and exits on its own once its rank is gone."""
-    os.setpgid(0, 0)
-    if user_init is not None:
-        user_init(worker_id)
 
 
 class _TensorGather(Dataset):
@@ -114,9 +102,6 @@ class HeteroLoader:
         self.schedule = ShareSchedule(split.shares, lag=0 if self.stream else lag)
         self.last_wait_seconds = 0.0   # how long the loop waited for the last step's batch
         self._generator = torch.Generator()   # workers' base seed, apart from the global RNG
-        if int(dataloader_options.get("num_workers", 0) or 0) > 0:
-            dataloader_options = {**dataloader_options, "worker_init_fn": functools.partial(
-                _worker_start, dataloader_options.get("worker_init_fn"))}
         if self.stream:
             self._source = _GlobalBatchSource(dataset, self.global_batch_size, drop_last)
             self.sampler = None
