@@ -147,14 +147,14 @@ def _join_all(threads, seconds: float) -> None:
         t.join(max(0.0, deadline - time.monotonic()))
 
 
-def sigterm_when(cmd: list[str], ready: str, *, after: float, cwd=None, timeout: float = 90
+def sigterm_when(cmd: list[str], ready: str, *, after: float, cwd=None, timeout: float = 90, env=None
                  ) -> subprocess.CompletedProcess:
     """Start `cmd` in its own process group, wait for a stdout line holding `ready`, send SIGTERM
     `after` seconds later and return when it exits (its stdout from then on, its stderr); the whole
     group is killed if the test fails on the way."""
     import signal
 
-    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
         started = any(ready in line for line in proc.stdout)

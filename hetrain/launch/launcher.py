@@ -9,7 +9,8 @@ checkpoint directory that cannot be made) is refused before any worker starts; w
 `--collective-timeout S` a rank that makes no progress for S seconds ends the job, named
 (`HETRAIN_COLLECTIVE_TIMEOUT`, see hetrain.runtime.watchdog); a failed job ends with one line
 naming the rank where it began (hetrain.launch.failures); a signal to the launcher is passed to
-the workers by the agent and ends it with 128 + the signal's number.
+the workers by the agent and ends it with 128 + the signal's number, SIGTERM to each rank alone
+first, so that it saves while its DataLoader workers still serve it (hetrain.launch.graceful_stop).
 
 Workers keep freed memory blocks for reuse instead of faulting them in afresh each step (glibc's
 allocator; why, and the setting, in hetrain.launch.malloc_cache). `--no-malloc-cache` (or setting
@@ -30,6 +31,7 @@ from hetrain.errors import HetrainError
 from hetrain.hardware.catalog import rank_threads
 from hetrain.launch.malloc_cache import worker_env as malloc_cache_env
 from hetrain.launch.failures import describe, first_failure
+from hetrain.launch.graceful_stop import GracefulStop, agent_signals
 from hetrain.launch.leftovers import adopt_orphans, end_leftovers
 from hetrain.metrics.serve import check_ports_free
 from hetrain.planning.plan import Plan
@@ -209,7 +211,10 @@ def launch(cfg: LaunchConfig) -> int:
         print(f"hetrain launch: emulating device speeds {os.environ[Env.EMULATE_SPEEDS]} on CPU ranks; "
               "all timings from this run are emulated", file=sys.stderr, flush=True)
     args = get_args_parser().parse_args(torchrun_argv(cfg))
+    args.signals_to_handle = agent_signals(args.signals_to_handle)
     launch_id = adopt_orphans()
+    stop = GracefulStop(launch_id)
+    stop.install()
     try:
         run(args)
     except ChildFailedError as e:
@@ -220,6 +225,7 @@ def launch(cfg: LaunchConfig) -> int:
             f"the job was stopped by {name}; every worker was sent {name} (a hetrain.Session saves a "
             "checkpoint then, where checkpoints are on)", 128 + int(e.sigval)) from None
     finally:
+        stop.uninstall()
         os.environ.clear()
         os.environ.update(saved)
         ended = end_leftovers(launch_id)

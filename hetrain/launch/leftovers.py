@@ -29,7 +29,7 @@ def adopt_orphans() -> str:
     return launch_id
 
 
-def _children_of_launch(launch_id: str) -> list[int]:
+def children_of_launch(launch_id: str) -> list[int]:
     """Live children of this process whose environment carries `launch_id`."""
     me, found = os.getpid(), []
     marker = f"{Env.LAUNCH_ID}={launch_id}".encode()
@@ -73,7 +73,7 @@ def end_leftovers(launch_id: str, rounds: int = 5) -> list[int]:
     one may orphan its own children onto this process, so it looks again a few times."""
     ended: list[int] = []
     for _ in range(rounds):
-        pids = _children_of_launch(launch_id)
+        pids = children_of_launch(launch_id)
         if not pids:
             break
         for pid in pids:

@@ -111,3 +111,54 @@ def test_a_rank_blocked_in_a_collective_exits_soon_after_sigterm(tmp_path):
             if p.is_alive():
                 p.kill()
             p.join(5)
+
+
+WORKERS_SCRIPT = '''
+import time
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+import hetrain
+
+if __name__ == "__main__":
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(4096, 6, generator=g), torch.randint(0, 3, (4096,), generator=g))
+    session = hetrain.Session()
+    net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    loader = session.loader(data, global_batch_size=16, seed=0, num_workers=2)
+    print(f"rank {session.rank} starts at step {session.step_count}", flush=True)
+    while session.step_count < 400:
+        for x, y in loader:
+            session.backward(F.cross_entropy(model(x), y))
+            session.step()
+            time.sleep(0.02)
+            if session.step_count >= 400:
+                break
+    session.close()
+'''
+
+
+def test_sigterm_to_the_launcher_saves_the_step_in_flight_with_dataloader_workers(tmp_path):
+    """The launcher passes SIGTERM to each rank alone, not to its process group: the loader's workers
+    keep serving the rank, which saves the step in flight instead of failing on a dead worker, and the
+    next launch resumes there."""
+    import subprocess
+    import sys
+
+    from hetrain.checkpoint.checkpointer import Checkpointer
+    from tests.distributed import sigterm_when
+
+    script = tmp_path / "train_workers.py"
+    script.write_text(WORKERS_SCRIPT)
+    launch = [sys.executable, "-m", "hetrain.cli.main", "launch", "--nproc-per-node", "2", "--checkpoint-dir",
+              str(tmp_path / "ckpt"), str(script)]
+    env = {**os.environ, "HETRAIN_CHECKPOINT_INTERVAL": "100000"}   # only the SIGTERM save
+    stopped = sigterm_when(launch, "starts at step 0", after=3, env=env)
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    assert "DataLoader worker" not in stopped.stderr, stopped.stderr[-3000:]
+    saved = Checkpointer(tmp_path / "ckpt").latest()
+    assert saved is not None and saved.step > 0, stopped.stderr[-3000:]
+    again = subprocess.run([*launch[:-1], "--max-restarts", "0", str(script)], capture_output=True, text=True,
+                           timeout=180, env=env)
+    assert f"rank 0 starts at step {saved.step}" in again.stdout, again.stderr[-3000:]
