@@ -163,38 +163,66 @@ def _memory_note(profile, kind, optimizer, zero, world) -> tuple[float, str]:
 # ---------------------------------------------------------------- data-parallel strategies
 
 
+def _per_rank(strategy: str, kinds: list[Kind], global_batch: int, world: int,
+              choices: list[tuple[int, bool]]) -> dict[int, tuple[int, int, bool]]:
+    """Each rank's (share, micro-batch limit, checkpointing) for each kind's (limit, checkpointing)."""
+    if strategy == "ddp":  # as frameworks do: even shares, one micro-batch size everywhere
+        base, extra = divmod(global_batch, world)
+        mb_all = min(min(mb for mb, _ in choices), base + (1 if extra else 0))
+        shares = {r: base + (1 if i < extra else 0) for i, r in enumerate(sorted(r for k in kinds for r in k.ranks))}
+        return {r: (shares[r], mb_all, c) for k, (_, c) in zip(kinds, choices) for r in k.ranks}
+    costs = [FunctionCost(lambda n, k=k, mb=mb, c=c: k.time(n, mb, c)) for k, (mb, c) in zip(kinds, choices)]
+    shares = iter(split_min_max(global_batch, costs, counts=[k.count for k in kinds]))
+    return {r: (next(shares), mb, c) for k, (mb, c) in zip(kinds, choices) for r in k.ranks}
+
+
+def _needed_choice(share: int, plain_limit: int, current: tuple[int, bool]) -> tuple[int, bool]:
+    """A kind that checkpoints to fit the micro-batch asked for, at its largest share: the share's
+    micro-batch, when that fits without checkpointing, runs without it (micro-batches up to
+    `plain_limit`, the largest that fits so)."""
+    limit, ckpt = current
+    mb = even_micro_batch(share, limit)
+    if ckpt and share > 0 and mb <= plain_limit:
+        return plain_limit, False
+    return current
+
+
+def even_micro_batch(share: int, limit: int) -> int:
+    """The micro-batch a share runs at under a limit: the share in as few, equal micro-batches."""
+    if share <= 0:
+        return 1
+    accum = max(1, math.ceil(share / limit))
+    return max(1, math.ceil(share / accum))
+
+
 def data_parallel(strategy: str, cluster, profile: WorkloadProfile, kinds: list[Kind], global_batch: int,
                   optimizer: str, micro_batch: int | None, hook: str = "none") -> Candidate:
     """Uniform DDP ("ddp"), balanced DDP, ZeRO-1 or ZeRO-3 (FSDP) over every device."""
     zero = _ZERO[strategy]
     world = sum(k.count for k in kinds)
     cand = Candidate(strategy, compression=hook)
-    limits, ckpts = [], []
+    limit = global_batch if micro_batch is None else micro_batch
+    plain_limits, choices = [], []
     for k in kinds:
-        limit = global_batch if micro_batch is None else micro_batch
-        ckpt = False
-        mb = max_micro_batch(profile, k, optimizer, zero, world, False, limit)
-        if mb < min(limit, micro_batch or 1):
-            ckpt = True
-            mb = max_micro_batch(profile, k, optimizer, zero, world, True, limit)
-        if mb < (micro_batch or 1):
+        plain = max_micro_batch(profile, k, optimizer, zero, world, False, limit)
+        # checkpointing only where the micro-batch asked for (or else 1) does not fit without it
+        ckpt = max_micro_batch(profile, k, optimizer, zero, world, True, limit) if plain < (micro_batch or 1) else 0
+        if max(plain, ckpt) < (micro_batch or 1):
             short, text = _memory_note(profile, k, optimizer, zero, world)
             cand.reason, cand.shortfall_bytes = f"does not fit: {text}", short
             return cand
-        limits.append(mb)
-        ckpts.append(ckpt)
-    if strategy == "ddp":  # as frameworks do: even shares, one micro-batch size everywhere
-        base, extra = divmod(global_batch, world)
-        mb_all = min(min(limits), base + (1 if extra else 0))
-        shares = {r: base + (1 if i < extra else 0) for i, r in enumerate(sorted(r for k in kinds for r in k.ranks))}
-        per_rank = {r: (shares[r], mb_all, kc) for k, kc in zip(kinds, ckpts) for r in k.ranks}
-    else:
-        costs = [FunctionCost(lambda n, k=k, mb=mb, c=c: k.time(n, mb, c)) for k, mb, c in zip(kinds, limits, ckpts)]
-        shares = iter(split_min_max(global_batch, costs, counts=[k.count for k in kinds]))
-        per_rank = {}
-        for k, mb, c in zip(kinds, limits, ckpts):
-            for r in k.ranks:
-                per_rank[r] = (next(shares), mb, c)
+        plain_limits.append(plain)
+        choices.append((ckpt, True) if ckpt else (plain, False))
+    # a fixed --micro-batch larger than a device's share: once the shares are known, a device that
+    # needed checkpointing for the micro-batch asked for may hold its own share without it
+    per_rank = _per_rank(strategy, kinds, global_batch, world, choices)
+    for _ in range(3):
+        better = [_needed_choice(max(per_rank[r][0] for r in k.ranks), p, choice)
+                  for k, p, choice in zip(kinds, plain_limits, choices)]
+        if better == choices:
+            break
+        choices = better
+        per_rank = _per_rank(strategy, kinds, global_batch, world, choices)
     kind_of = {r: k for k in kinds for r in k.ranks}
     ranks, compute, slow_rank = [], {}, None
     for r in range(world):

@@ -150,3 +150,17 @@ def test_a_candidate_no_faster_than_the_chosen_gets_no_why_not_note():
     zero3 = next(c for c in result.candidates if c.strategy == "zero3")
     assert zero3.samples_per_s <= result.plan.predicted_samples_per_s * 1.0005   # a tie, to a tenth of a percent
     assert not any(n.startswith("not zero3") for n in result.plan.notes), result.plan.notes
+
+
+def test_a_fixed_micro_batch_above_a_share_does_not_checkpoint_what_fits_without():
+    """--micro-batch 48 needs activation checkpointing on the V100, but its balanced share (under 48)
+    fits without it: checkpointing would only slow it. With a larger batch its micro-batch needs it."""
+    cluster = cluster_from_devices("a100:1,v100:1")
+    small = plan_job(cluster, get_profile("gpt2-124m"), 64, strategy="balanced", micro_batch=48).plan
+    assert not any(r.activation_checkpointing for r in small.ranks), small.ranks
+    assert all(r.micro_batch <= 48 and r.memory_bytes <= r.memory_capacity_bytes for r in small.ranks)
+    v100 = next(r for r in small.ranks if r.device.startswith("v100"))
+    assert v100.grad_accum == 1 and v100.micro_batch == v100.share
+    large = plan_job(cluster, get_profile("gpt2-124m"), 512, strategy="balanced", micro_batch=48).plan
+    v100 = next(r for r in large.ranks if r.device.startswith("v100"))
+    assert v100.activation_checkpointing and v100.memory_bytes <= v100.memory_capacity_bytes
