@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from hetrain.cli.console import stdout_console
 from hetrain.errors import HetrainError
@@ -152,6 +153,10 @@ def run(args: argparse.Namespace) -> int:
                                budget_s=args.seconds, blocks=not args.no_blocks, progress=shown)
             prof = prof.model_copy(update={"model": workload.name})
             written.append((prof.save(out), prof))
+    for _, prof in written:
+        disturbed = prof.disturbed_note()
+        if disturbed:
+            print(f"hetrain profile: warning: {disturbed}", file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps({"workload": str(out / WORKLOAD_FILE),
                           "profiles": {str(p): prof.model_dump(mode="json") for p, prof in written}}))

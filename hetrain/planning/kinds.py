@@ -167,6 +167,9 @@ def figures_notes(kinds: list[Kind], profile: WorkloadProfile, profiles: dict[st
             notes.append(f"{name}: measured profile of {m.model} ({k.precision} at micro-batches {sizes}; "
                          f"{s.device_name}, torch {s.torch}" + (f", CUDA {s.cuda}" if s.cuda else "")
                          + f", {s.date}); interpolated between measured sizes")
+            disturbed = m.disturbed_note()
+            if disturbed:
+                notes.append(disturbed)
             if m.optimizer_seconds and not math.isclose(k.optimizer_s, m.optimizer_seconds):
                 notes.append(f"{name}: the profile timed an AdamW step ({m.optimizer_seconds * 1e3:.1f} ms); the plan's "
                              f"optimizer moves other bytes a parameter: {k.optimizer_s * 1e3:.1f} ms")
@@ -233,6 +236,6 @@ def extrapolation_notes(kinds: list[Kind], ranks) -> list[str]:
         sizes = ", ".join(str(b) for b in outside)
         both = ",".join(str(b) for b in sorted(set(timed) | set(outside)))
         notes.append(f"{k.spec.name}: micro-batch {sizes} lies outside the sizes its profile timed "
-                     f"({timed[0]}-{timed[-1]}), so its time is extrapolated on the line through the two nearest; "
+                     f"({timed[0]}-{timed[-1]}), so its time is extrapolated from the nearest measured sizes; "
                      f"measure it with `hetrain profile ... --micro-batches {both}`")
     return notes

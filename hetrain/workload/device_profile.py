@@ -86,6 +86,16 @@ class DeviceProfile(_Strict):
         return sorted((s.micro_batch, s.peak_memory_bytes) for s in self.steps
                       if s.precision == precision and s.peak_memory_bytes is not None)
 
+    def disturbed_note(self) -> str | None:
+        """One line when a larger micro-batch was timed faster than a smaller one (`falling_times`)."""
+        found = [(p, f) for p in self.precisions() for f in falling_times(self.points(p))]
+        if not found:
+            return None
+        p, (b0, v0, b1, v1) = found[0]
+        return (f"the {self.device} profile timed {p} micro-batch {b1} faster than micro-batch {b0} "
+                f"({v1:.3f} s against {v0:.3f} s): other load on the machine disturbed it, and its figures "
+                "are not to be trusted; re-run hetrain profile on an idle machine (or with more --repeats)")
+
     def microbatch_seconds(self, precision: str, micro_batch: float) -> float:
         """Seconds of one micro-batch of `micro_batch` samples: linear between measured sizes, the
         line through the two nearest measured sizes beyond them (never below zero)."""
@@ -118,7 +128,9 @@ class DeviceProfile(_Strict):
 def interpolate(points: list[tuple[int, float]], micro_batch: float) -> float:
     """A figure at `micro_batch` from figures measured at sorted micro-batch sizes: linear between
     them, the line through the two nearest beyond them (never below zero; below the smallest size,
-    never below the proportional share of its figure); one point scales in proportion."""
+    never below the proportional share of its figure; above the largest, where that line does not
+    rise, in proportion to the largest's figure: more samples never take less time, and a falling
+    line comes from a measurement disturbed by other load); one point scales in proportion."""
     if micro_batch <= 0:
         return 0.0
     if len(points) == 1:
@@ -130,7 +142,20 @@ def interpolate(points: list[tuple[int, float]], micro_batch: float) -> float:
     (b0, v0), (b1, v1) = points[i - 1], points[i]
     if micro_batch < b0:
         return max(v0 + (v1 - v0) / (b1 - b0) * (micro_batch - b0), v0 * micro_batch / b0)
+    if micro_batch > b1 and v1 <= v0:
+        return v1 * micro_batch / b1
     return max(0.0, v0 + (v1 - v0) / (b1 - b0) * (micro_batch - b0))
+
+
+def falling_times(points: list[tuple[int, float]], tolerance: float = 0.1) -> list[tuple[int, float, int, float]]:
+    """Pairs of sorted (micro-batch, seconds) where the larger micro-batch took less time than the
+    smaller one by more than `tolerance` of it: (small, its seconds, large, its seconds). More
+    samples cannot take less time; such timings were disturbed (other load on the machine)."""
+    out = []
+    for (b0, v0), (b1, v1) in zip(points, points[1:]):
+        if b1 > b0 and v1 < v0 * (1.0 - tolerance):
+            out.append((b0, v0, b1, v1))
+    return out
 
 
 def load_profiles(directory: str | Path) -> dict[str, DeviceProfile]:

@@ -43,6 +43,21 @@ def test_profile_interpolates_between_measured_micro_batches_and_extends_the_las
         p.microbatch_seconds("fp32", 8)
 
 
+def test_a_disturbed_profile_is_never_extrapolated_below_its_largest_timing_and_is_named():
+    """Micro-batch 8 timed faster than 4 (other load on the machine): the line through them falls,
+    and extended to 32 it gave a micro-batch no time at all; a plan on it predicted 894 samples/s
+    where the cost model says 1.5. Beyond the largest size the time now grows in proportion, and the
+    profile and the plan say that its timings were disturbed."""
+    p = _profile("cpu", [(4, 2.40), (8, 1.31)], precision="fp32")
+    assert p.microbatch_seconds("fp32", 32) == pytest.approx(1.31 * 4)
+    assert p.microbatch_seconds("fp32", 6) == pytest.approx((2.40 + 1.31) / 2)   # measured range: as timed
+    assert "micro-batch 8 faster than micro-batch 4" in p.disturbed_note()
+    assert _profile(A100, [(8, 0.010), (32, 0.030)]).disturbed_note() is None
+    result = plan_job(cluster_from_devices("cpu:2"), get_profile("resnet50"), 64, profiles={"cpu": p})
+    assert result.plan.predicted_samples_per_s <= 64 / (1.31 * 4)   # each rank: 32 samples, 4x the 8-sample time
+    assert any("disturbed" in n for n in result.plan.notes), result.plan.notes
+
+
 def test_plan_uses_a_profile_where_it_exists_and_marks_each_kind():
     cluster = cluster_from_devices("a100:1,v100:1")
     model = get_profile("resnet50")
