@@ -12,3 +12,13 @@ class NoPlanFits(HetrainError):
     def __init__(self, message: str, shortfall: str | None = None) -> None:
         super().__init__(message)
         self.shortfall = shortfall
+
+
+def format_validation_error(e) -> str:
+    """A pydantic ValidationError as one readable line: where, and what is wrong."""
+    parts = []
+    for err in e.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "document"
+        msg = err["msg"].removeprefix("Value error, ")
+        parts.append(f"{where}: {msg}")
+    return "; ".join(parts)

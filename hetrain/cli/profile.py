@@ -117,7 +117,7 @@ def _check_flags(args: argparse.Namespace) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     micro_batches = _check_flags(args)
-    from hetrain.launch.malloc_cache import apply_here
+    from hetrain.malloc_cache import apply_here
 
     apply_here()   # time the steps with the allocator setting hetrain launch gives its ranks
     import torch

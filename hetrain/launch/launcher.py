@@ -13,7 +13,7 @@ the workers by the agent and ends it with 128 + the signal's number, SIGTERM to 
 first, so that it saves while its DataLoader workers still serve it (hetrain.launch.graceful_stop).
 
 Workers keep freed memory blocks for reuse instead of faulting them in afresh each step (glibc's
-allocator; why, and the setting, in hetrain.launch.malloc_cache). `--no-malloc-cache` (or setting
+allocator; why, and the setting, in hetrain.malloc_cache). `--no-malloc-cache` (or setting
 MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_ yourself) keeps glibc's defaults.
 """
 
@@ -29,7 +29,7 @@ from typing import Any
 
 from hetrain.errors import HetrainError
 from hetrain.hardware.catalog import rank_threads
-from hetrain.launch.malloc_cache import worker_env as malloc_cache_env
+from hetrain.malloc_cache import worker_env as malloc_cache_env
 from hetrain.launch.failures import describe, first_failure
 from hetrain.launch.graceful_stop import GracefulStop, agent_signals
 from hetrain.launch.leftovers import adopt_orphans, end_leftovers

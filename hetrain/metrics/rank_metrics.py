@@ -23,7 +23,7 @@ from hetrain.metrics.nvml import NvmlDevice, load_nvml
 from hetrain.metrics.run_log import RunLog
 from hetrain.metrics.serve import serve
 from hetrain.metrics.state import RankState
-from hetrain.runtime.events import CheckpointRecord, StepRecord
+from hetrain.metrics.events import CheckpointRecord, StepRecord
 
 log = logging.getLogger(__name__)
 

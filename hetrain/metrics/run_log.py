@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hetrain.errors import HetrainError
-from hetrain.runtime.events import CheckpointRecord, StepRecord
+from hetrain.metrics.events import CheckpointRecord, StepRecord
 from hetrain.vocabulary import Env
 
 SUBDIR = "metrics"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
-from hetrain.runtime.events import CheckpointRecord, StepRecord
+from hetrain.metrics.events import CheckpointRecord, StepRecord
 
 
 @dataclass

@@ -64,6 +64,6 @@ class MeasuredRates(BaseModel):
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise HetrainError(f"{path}: not a measured-rates JSON file ({e})") from None
         except ValidationError as e:
-            from hetrain.planning.plan import format_validation_error
+            from hetrain.errors import format_validation_error
 
             raise HetrainError(f"{path}: {format_validation_error(e)}") from None

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from hetrain.errors import HetrainError
+from hetrain.errors import HetrainError, format_validation_error
 from hetrain.vocabulary import COMPRESSIONS, PRECISIONS, SCHEDULES, SHARDINGS, STRATEGIES
 
 PLAN_VERSION = 1
@@ -171,12 +171,3 @@ class Plan(_Strict):
         ranks = [RankPlan(rank=r, share=base + (1 if r < extra else 0)) for r in range(world_size)]
         return cls(global_batch_size=global_batch_size, ranks=ranks, **fields)
 
-
-def format_validation_error(e: ValidationError) -> str:
-    """A pydantic error as one readable line: where, and what is wrong."""
-    parts = []
-    for err in e.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "document"
-        msg = err["msg"].removeprefix("Value error, ")
-        parts.append(f"{where}: {msg}")
-    return "; ".join(parts)

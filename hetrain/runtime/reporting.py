@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hetrain.errors import HetrainError
-from hetrain.runtime.events import CheckpointRecord, StepRecord
+from hetrain.metrics.events import CheckpointRecord, StepRecord
 from hetrain.runtime.measured import FlopMeter, rates_by_kind
 
 log = logging.getLogger("hetrain")

@@ -36,7 +36,7 @@ from typing import Any
 from hetrain.checkpoint.checkpointer import Checkpointer
 from hetrain.errors import HetrainError
 from hetrain.runtime.environment import env_float
-from hetrain.runtime.events import CheckpointRecord
+from hetrain.metrics.events import CheckpointRecord
 from hetrain.runtime.train_state import TrainState
 from hetrain.vocabulary import Env
 

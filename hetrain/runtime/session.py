@@ -37,7 +37,7 @@ from hetrain.runtime.balancer import Balancer
 from hetrain.runtime.data import HeteroLoader, make_loader
 from hetrain.runtime.environment import (RankEnv, collective_timeout, configure_logging, env_int, init_process_group,
                                          pick_device, print_user_errors_as_one_line, progress_timeout)
-from hetrain.runtime.events import StepRecord
+from hetrain.metrics.events import StepRecord
 from hetrain.runtime.gradients import (GradientStatus, SkipCounter, StepFigures, clip_gradients, finish_gradients,
                                        launch_step_figures)
 from hetrain.runtime.reporting import Reports, comm_bytes

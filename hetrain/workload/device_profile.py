@@ -120,7 +120,7 @@ class DeviceProfile(_Strict):
         except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
             raise HetrainError(f"{path}: not a readable device profile ({e}); write one with hetrain profile") from None
         except ValidationError as e:
-            from hetrain.planning.plan import format_validation_error
+            from hetrain.errors import format_validation_error
 
             raise HetrainError(f"{path}: {format_validation_error(e)}") from None
 

@@ -272,7 +272,7 @@ def set_cpu_threads(threads: int | None) -> int:
 def _copy_worker(runnable, precisions, micro_batches, threads, repeats, budget_s, blocks, barrier, queue) -> None:
     import torch
 
-    from hetrain.launch.malloc_cache import apply_here
+    from hetrain.malloc_cache import apply_here
 
     apply_here()   # the allocator's setting of a rank under hetrain launch, or the step is timed slower
     torch.set_num_threads(threads)
@@ -292,7 +292,7 @@ def measure_cpu_copies(runnable: RunnableModel, copies: int, threads: int, preci
     one machine share it under `hetrain launch --nproc-per-node copies`; each point (and each block,
     timed in every copy) is the median over the copies. Each copy runs in a process of its own
     (forked, even when there is one), with the allocator setting those ranks get
-    (hetrain.launch.malloc_cache), leaving this process's alone."""
+    (hetrain.malloc_cache), leaving this process's alone."""
     import multiprocessing
 
     copies = max(1, copies)

@@ -70,7 +70,7 @@ def test_torchrun_arguments():
 FAULTS_SNIPPET = """
 import os, resource, torch
 if os.environ.get("HETRAIN_TEST_APPLY"):
-    from hetrain.launch.malloc_cache import apply_here
+    from hetrain.malloc_cache import apply_here
     assert apply_here()
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Conv2d(1, 32, 3, padding=1), torch.nn.ReLU(),
@@ -94,7 +94,7 @@ def test_workers_reuse_freed_memory_instead_of_faulting_it_in_each_step(monkeypa
     import subprocess
 
     from hetrain.launch import launcher
-    from hetrain.launch.malloc_cache import MALLOC_CACHE_ENV, glibc
+    from hetrain.malloc_cache import MALLOC_CACHE_ENV, glibc
 
     if not glibc():
         pytest.skip("not glibc")

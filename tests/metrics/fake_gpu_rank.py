@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import torch
 
 from hetrain.metrics import RankMetrics
-from hetrain.runtime.events import StepRecord
+from hetrain.metrics.events import StepRecord
 from tests.metrics.fake_nvml import INDEX, UUID, FakeNvml
 
 TENSOR_ACTIVE = 0.42

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from hetrain.metrics import RankMetrics
-from hetrain.runtime.events import CheckpointRecord, StepRecord
+from hetrain.metrics.events import CheckpointRecord, StepRecord
 from hetrain.vocabulary import Env
 
 parser = argparse.ArgumentParser()

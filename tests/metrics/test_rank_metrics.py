@@ -17,7 +17,7 @@ from hetrain.errors import HetrainError
 from hetrain.metrics import RankMetrics
 from hetrain.metrics.names import METRICS
 from hetrain.metrics.serve import check_port_range, check_ports_free
-from hetrain.runtime.events import CheckpointRecord
+from hetrain.metrics.events import CheckpointRecord
 from tests.metrics.fake_gpu_rank import fake_gpu_metrics, patch_cuda, step_record
 from tests.metrics.fake_nvml import FakeNvml
 from tests.ports import free_ports

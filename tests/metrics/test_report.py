@@ -11,7 +11,7 @@ import torch
 
 from hetrain.metrics import RankMetrics
 from hetrain.metrics.report import load_run, split_change_steps, summary_rows
-from hetrain.runtime.events import CheckpointRecord
+from hetrain.metrics.events import CheckpointRecord
 from tests.distributed import run_cli
 from tests.metrics.fake_gpu_rank import step_record
 
