@@ -19,10 +19,10 @@ from typing import Any, ContextManager
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
 
 from hetrain.errors import HetrainError
+from hetrain.runtime.batch_tree import map_tensors
 from hetrain.runtime.batch_sampler import RankBatchSampler, ShareSchedule, step_shares
 from hetrain.runtime.batch_transfer import to_device
 from hetrain.runtime.data_order import GlobalBatchOrder, rank_slice
@@ -62,7 +62,7 @@ def _gathered(batch: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def _empty_like(batch: Any) -> Any:
     """A batch of the same structure with every tensor cut to length 0 (a rank with no samples)."""
-    return tree_map(lambda t: t[:0] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, batch)
+    return map_tensors(lambda t: t[:0] if t.dim() > 0 else t, batch)
 
 
 def _keep_list(batch: list[Any]) -> list[Any]:

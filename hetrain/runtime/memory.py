@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 
 from hetrain.errors import HetrainError
+from hetrain.runtime.batch_tree import map_tensors
 
 _CHECKPOINTED = "_hetrain_checkpointed"
 
@@ -103,12 +103,10 @@ def micro_batch_sizes(local_n: int, micro_batch: int | None, grad_accum: int = 1
 def slice_batch(batch: Any, start: int, stop: int, local_n: int) -> Any:
     """Samples [start, stop) of a collated batch: every tensor whose first dimension is `local_n`."""
 
-    def cut(leaf: Any) -> Any:
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == local_n:
-            return leaf[start:stop]
-        return leaf
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        return t[start:stop] if t.dim() > 0 and t.shape[0] == local_n else t
 
-    return tree_map(cut, batch)
+    return map_tensors(cut, batch)
 
 
 def split_batch(batch: Any, sizes: Sequence[int], local_n: int) -> Iterator[Any]:
@@ -156,7 +154,7 @@ class SavedActivations:
     @contextmanager
     def measure(self) -> Iterator["SavedActivations"]:
         """Count during the forward run inside this context."""
-        handles = [b.register_forward_pre_hook(lambda m, args: tree_map(self._count, args)) for b in self._blocks]
+        handles = [b.register_forward_pre_hook(lambda m, args: map_tensors(self._count, args)) for b in self._blocks]
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._count, lambda t: t):
                 yield self

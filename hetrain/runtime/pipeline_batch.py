@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+
+from hetrain.runtime.batch_tree import flatten, map_tensors, tensors
 
 
 def _layout(leaves: list[Any]) -> tuple[int, int, int] | None:
@@ -34,7 +35,7 @@ def _layout(leaves: list[Any]) -> tuple[int, int, int] | None:
 def gather_replica_batch(batch: Any, group: dist.ProcessGroup, device: torch.device) -> Any:
     """The replica's batch on `device`: every rank's slice, in rank order (this rank's own when no
     rank holds samples)."""
-    leaves, spec = tree_flatten(batch)
+    leaves, rebuild = flatten(batch)
     layout = _layout(leaves)
     header = torch.tensor(list(layout) + [1] if layout else [0, 0, 0, 0], dtype=torch.int64, device=device)
     headers = [torch.empty_like(header) for _ in range(dist.get_world_size(group))]
@@ -60,7 +61,7 @@ def gather_replica_batch(batch: Any, group: dist.ProcessGroup, device: torch.dev
             # (a copy starts at offset 0, which viewing the bytes as a wider dtype needs)
             joined[i].append(part[offset:offset + size].clone().view(t.dtype).view(n, *t.shape[1:]))
             offset += size
-    return tree_unflatten([torch.cat(chunks) for chunks in joined], spec)
+    return rebuild([torch.cat(chunks) for chunks in joined])
 
 
 def _gather_objects(batch: Any, group: dist.ProcessGroup, device: torch.device) -> Any:
@@ -73,26 +74,18 @@ def _gather_objects(batch: Any, group: dist.ProcessGroup, device: torch.device) 
 
 
 def _samples(value: Any) -> int:
-    leaves = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor) and t.dim() > 0]
+    leaves = [t for t in tensors(value) if t.dim() > 0]
     return int(leaves[0].shape[0]) if leaves else 0
 
 
 def _to(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _to(v, device) for k, v in value.items()}
-    return value
+    return map_tensors(lambda t: t.to(device), value)
 
 
 def _concat(parts: list[Any]) -> Any:
-    first = parts[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat(parts)
-    if isinstance(first, (tuple, list)):
-        return type(first)(_concat([p[i] for p in parts]) for i in range(len(first)))
-    if isinstance(first, dict):
-        return {k: _concat([p[k] for p in parts]) for k in first}
-    return first
+    """The parts (batches of one structure) joined: each tensor concatenated along its first
+    dimension, anything else taken from the first part."""
+    leaves, rebuild = flatten(parts[0])
+    columns = [flatten(p)[0] for p in parts]
+    return rebuild([torch.cat([c[i] for c in columns]) if isinstance(leaf, torch.Tensor) else leaf
+                    for i, leaf in enumerate(leaves)])

@@ -69,3 +69,56 @@ def _global_grads_at(model, indices):
     x, y = make_data()[indices]
     loss = torch.nn.functional.cross_entropy(model(x), y)
     return torch.autograd.grad(loss, list(model.parameters()))
+
+
+BE_SHARES = [6, 2, 0]
+BE_MICRO = [2, None, None]
+
+
+def _collate_encoding(samples):
+    """What a tokenizer's collator returns: a BatchEncoding (a UserDict, not a dict)."""
+    from transformers import BatchEncoding
+
+    return BatchEncoding({"x": torch.stack([s[0] for s in samples]), "y": torch.stack([s[1] for s in samples])})
+
+
+def _train_encoding(rank, world):
+    import hetrain
+
+    plan = Plan(global_batch_size=sum(BE_SHARES), balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=r, share=s, micro_batch=m) for r, (s, m) in enumerate(zip(BE_SHARES, BE_MICRO))])
+    session = hetrain.Session(plan)
+    net = make_model()
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=LR))
+    loader = session.loader(make_data(), global_batch_size=sum(BE_SHARES), shuffle=True, seed=5,
+                            collate_fn=_collate_encoding)
+    params, sizes, kinds = [], [], set()
+    for batch in loader:
+        kinds.add(type(batch).__name__)
+        sizes.append(len(batch["x"]))
+        session.backward(torch.nn.functional.cross_entropy(model(batch.x), batch["y"]))
+        if session.step():
+            params.append([p.detach().clone() for p in net.parameters()])
+        if session.step_count == STEPS:
+            break
+    return {"params": params, "sizes": sizes, "kinds": kinds}
+
+
+def test_a_batch_encoding_is_cut_into_micro_batches_and_emptied_on_a_rank_without_samples():
+    """Hugging Face collators return a BatchEncoding: it is cut into the plan's micro-batches like a
+    dict (it was handed whole to every piece, counting a rank's samples once per piece), and a rank
+    with no samples gets it empty; the update is the single process's on the global batch."""
+    results = run_ranks(_train_encoding, 3)
+    assert results[0]["sizes"] == [2, 2, 2] * STEPS and results[1]["sizes"] == [2] * STEPS
+    assert results[2]["sizes"] == [0] * STEPS
+    assert all(r["kinds"] == {"BatchEncoding"} for r in results)
+    model = make_model()
+    order = GlobalBatchOrder(len(make_data()), sum(BE_SHARES), shuffle=True, seed=5)
+    for step in range(STEPS):
+        grads = _global_grads_at(model, order.global_batch(0, step))
+        with torch.no_grad():
+            for p, g in zip(model.parameters(), grads):
+                p -= LR * g
+        for rank in range(3):
+            for got, want in zip(results[rank]["params"][step], model.parameters()):
+                assert (got - want).abs().max().item() < 1e-5, (step, rank)

@@ -1,0 +1,72 @@
+"""The values of a batch, wherever a collate function put them.
+
+A batch is walked through dicts (their subclasses too, keeping their type and attributes), mappings
+like Hugging Face's `BatchEncoding` (a `UserDict`, what tokenizers and their collators return),
+named tuples, lists, tuples and dataclasses; anything else is a leaf. torch's own tree functions
+treat a `UserDict` as one opaque leaf, so a `BatchEncoding` would be neither cut into micro-batches
+nor emptied for a rank without samples.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections import UserDict
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+
+def map_leaves(fn: Callable[[Any], Any], batch: Any) -> Any:
+    """The batch with every leaf replaced by fn(leaf); containers keep their types."""
+    def walk(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return fn(obj)
+        if obj is None:   # structure, not a value (as torch's trees have it)
+            return None
+        if isinstance(obj, UserDict):
+            new = copy.copy(obj)
+            new.data = {k: walk(v) for k, v in obj.data.items()}
+            return new
+        if isinstance(obj, dict):
+            if type(obj) is dict:
+                return {k: walk(v) for k, v in obj.items()}
+            new = copy.copy(obj)   # keeps a subclass's own state (an OrderedDict's order, a defaultdict's factory)
+            for k, v in obj.items():
+                new[k] = walk(v)
+            return new
+        if isinstance(obj, Mapping):
+            return type(obj)({k: walk(v) for k, v in obj.items()})
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):   # a named tuple
+            return type(obj)(*(walk(v) for v in obj))
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(walk(v) for v in obj)
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            return dataclasses.replace(obj, **{f.name: walk(getattr(obj, f.name))
+                                               for f in dataclasses.fields(obj) if f.init})
+        return fn(obj)
+
+    return walk(batch)
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
+    """The batch with every tensor replaced by fn(tensor); all else as it was."""
+    return map_leaves(lambda x: fn(x) if isinstance(x, torch.Tensor) else x, batch)
+
+
+def flatten(batch: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
+    """(the batch's leaves in a fixed order, a function that builds the batch with other leaves)."""
+    leaves: list[Any] = []
+    map_leaves(lambda x: leaves.append(x) or x, batch)
+
+    def rebuild(new: list[Any]) -> Any:
+        it = iter(new)
+        return map_leaves(lambda _: next(it), batch)
+
+    return leaves, rebuild
+
+
+def tensors(batch: Any) -> list[torch.Tensor]:
+    """Every tensor in the batch, in `flatten`'s order."""
+    return [x for x in flatten(batch)[0] if isinstance(x, torch.Tensor)]
