@@ -93,6 +93,9 @@ class HeteroLoader:
         self.micro_batch = micro_batch
         self.grad_accum = grad_accum
         self.gradient_sync = gradient_sync or (lambda sync: contextlib.nullcontext())
+        # whether the model holds gradients no step used (the session tells; a loop that zeroed them
+        # after backward, to read them, mixes nothing)
+        self.gradients_pending: Callable[[], bool] = lambda: True
         self.collate_fn = collate_fn or default_collate
         self.global_batch_size = order.global_batch_size if order is not None else int(global_batch_size)
         self.seed = order.seed if order is not None else seed
@@ -133,10 +136,20 @@ class HeteroLoader:
     def _epoch_done(self) -> bool:
         return self.order is not None and self.step_in_epoch >= self.order.steps_per_epoch
 
+    def _check_last_step_ended(self) -> None:
+        """A new step's batch is about to be handed out: the last one must have ended in session.step()."""
+        if not self.step.active:
+            return
+        if self.step.backwards and self.gradients_pending():
+            raise HetrainError(
+                "session.backward() ran on the last batch but no session.step() followed before the next one: "
+                "the two steps' gradients would be mixed and divided by one step's items; call session.step() "
+                "after every batch (accumulating over several batches is the plan's micro-batches: set "
+                "global_batch_size to the whole batch)")
+        log.warning("a batch was drawn from the loader and no session.step() followed; iterating the loader "
+                    "moves the data position, so that batch's step of data is skipped (docs/porting.md)")
+
     def __iter__(self) -> Iterator[Any]:
-        if self.step.active:
-            log.warning("a batch was drawn from the loader and no session.step() followed; iterating the loader "
-                        "moves the data position, so that batch's step of data is skipped (docs/porting.md)")
         if self._epoch_done():
             self.epoch += 1
             self.step_in_epoch = 0
@@ -164,6 +177,7 @@ class HeteroLoader:
                     batch = _empty_like(batch)
             batch = to_device(batch, self.device)
             self.last_wait_seconds = time.perf_counter() - started
+            self._check_last_step_ended()
             self.step.begin_step(local, total)
             self.step_in_epoch += 1
             self.run_step += 1

@@ -49,6 +49,7 @@ from hetrain.runtime.plan_entries import (Assignment, assign_entries, comm_for_w
 from hetrain.runtime.precision import JobLossScaler, autocast, configure_tf32
 from hetrain.runtime.resume import SessionCheckpoints
 from hetrain.runtime.step_state import StepState, items_as_number
+from hetrain.runtime.step_guard import OptimizerStepGuard
 from hetrain.runtime.timing import StepTimer, TimedHookState, emulated_speed, idle_fraction
 from hetrain.runtime.train_state import TrainState
 from hetrain.runtime.watchdog import ProgressWatch, die_with_parent
@@ -190,6 +191,7 @@ class Session:
             self.prepared, self.pipeline = prepare_pipeline(
                 model, optimizer, self.plan.pipeline, self.layout, self.device,
                 self.entry.activation_checkpointing, self.autocast, self.emulated_speed, self.sharding == "fsdp")
+            self._guard_optimizer()
             return self.prepared.model, self.prepared.optimizer
         comm, note = comm_for_world(self.plan, self.world_size) if self.plan is not None else (None, None)
         if note is not None and self.is_main:
@@ -197,7 +199,20 @@ class Session:
         self.prepared = parallelize(model, optimizer, sharding_name=self.sharding, entries=self.assignment.entries,
                                     rank=self.rank, comm=comm,
                                     device=self.device, timer=self.timer, blocks=blocks)
+        self._guard_optimizer()
         return self.prepared.model, self.prepared.optimizer
+
+    def _gradients_pending(self) -> bool:
+        """Whether any parameter holds a gradient that is not zero (one no step has used)."""
+        model = self.prepared.model if self.prepared is not None else None
+        if model is None:
+            return False
+        # a sharded (DTensor) gradient counts when present: its local shard alone may be all zeros
+        return any(p.grad is not None and (hasattr(p.grad, "to_local") or bool(p.grad.any()))
+                   for p in model.parameters())
+
+    def _guard_optimizer(self) -> None:
+        self._step_guard = OptimizerStepGuard(self.optimizer) if self.optimizer is not None else None
 
     def loader(self, dataset: Any, global_batch_size: int, *, shuffle: bool = True, seed: int = 0,
                drop_last: bool = True, **options: Any) -> HeteroLoader:
@@ -220,6 +235,7 @@ class Session:
                              micro_batch=self.entry.micro_batch, grad_accum=self.entry.grad_accum,
                              gradient_sync=lambda sync: gradient_sync(self.prepared, self.sharding, sync), **options)
         balancer.lag = loader.lag   # a new split reaches the loop this many steps after it is decided
+        loader.gradients_pending = self._gradients_pending
         self.balancer = balancer
         self.train = TrainState(self.prepared, self.sharding, self.scaler, self.balancer, loader, self.plan,
                                 self.world_size, self.rank)
@@ -367,7 +383,8 @@ class Session:
             return False
         status = self._finish_gradients()
         applied = not status.found_inf
-        self.timer.time_optimizer(self.optimizer.step if applied else (lambda: None))
+        with self._step_guard.allowed():
+            self.timer.time_optimizer(self.optimizer.step if applied else (lambda: None))
         self.scaler.update(applied)
         self.optimizer.zero_grad(set_to_none=True)
         self.train.skipped_steps += self.skips.count(applied, self.train.step + 1, self.scaler.scale, self.is_main)

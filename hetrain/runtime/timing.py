@@ -28,12 +28,14 @@ EMULATE_ENV = Env.EMULATE_SPEEDS
 
 
 def emulated_speed(rank: int, world_size: int) -> float | None:
-    """This rank's emulated speed from the launcher's environment, or None when not emulating."""
+    """This rank's emulated speed from the launcher's environment, or None when not emulating. An
+    elastic job (`--nnodes MIN:MAX`) gives one speed per rank it may have: a job that came back on
+    fewer ranks runs rank r at speed r still."""
     text = os.environ.get(EMULATE_ENV)
     if not text:
         return None
     speeds = parse_speeds(text)
-    if len(speeds) != world_size:
+    if len(speeds) < world_size:
         raise HetrainError(
             f"{len(speeds)} emulated speeds ({text}) for {world_size} ranks; give one speed per rank"
         )

@@ -128,3 +128,51 @@ def test_a_step_after_a_plain_loss_backward_names_session_backward():
             session.backward(F.cross_entropy(model(x), y))
             assert session.step() and session.loss is not None
             break
+
+
+def _session_and_loader():
+    import hetrain
+
+    session = hetrain.Session()
+    net = make_net()
+    model, optimizer = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    return session, model, optimizer, session.loader(make_data(), global_batch_size=8, shuffle=False, seed=0)
+
+
+def test_accumulating_over_batches_before_one_step_is_refused_at_the_next_batch():
+    """A ported loop's own accumulation (backward on two batches, then one step) would mix two steps'
+    gradients and divide them by one step's items: the next batch is refused, naming the fix."""
+    session, model, _, loader = _session_and_loader()
+    batches = iter(loader)
+    x, y = next(batches)
+    session.backward(F.cross_entropy(model(x), y))
+    with pytest.raises(HetrainError, match="no session.step\\(\\) followed.*global_batch_size"):
+        next(batches)
+    session.close()
+
+
+def test_the_prepared_optimizer_refuses_a_step_outside_session_step():
+    """optimizer.step() of the user's own applies gradients not yet divided by the global batch's items
+    (or a second update after session.step()); it is refused, and session.step() still steps."""
+    session, model, optimizer, loader = _session_and_loader()
+    x, y = next(iter(loader))
+    session.backward(F.cross_entropy(model(x), y))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(HetrainError, match="optimizer.step\\(\\) was called outside session.step\\(\\)"):
+        optimizer.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert session.step() and not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    session.close()
+
+
+def test_a_batch_drawn_and_dropped_is_a_warning_once(caplog):
+    session, model, _, loader = _session_and_loader()
+    next(iter(loader))                         # a look at the data: that step of data is skipped
+    with caplog.at_level("WARNING"):
+        for x, y in loader:
+            session.backward(F.cross_entropy(model(x), y))
+            session.step()
+            break
+    assert sum("no session.step() followed" in r.getMessage() for r in caplog.records) == 1
+    assert session.step_count == 1 and loader.step_in_epoch == 2
+    session.close()

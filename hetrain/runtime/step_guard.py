@@ -1,0 +1,52 @@
+"""The prepared optimizer steps only inside `session.step()`.
+
+`session.step()` finishes the step's gradients first: divided by the global batch's item count,
+unscaled, checked for inf and NaN on every rank, clipped if asked. An `optimizer.step()` of the
+user's own would apply them unfinished (a gradient norm 13x the single process's was measured), and
+one before `session.step()` would update twice. A step pre-hook refuses both with one line. A
+step over zero gradients is let through: torch's distributed checkpoint takes one, at learning
+rate 0, to create an optimizer's state before it is saved (`_init_optim_state`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from hetrain.errors import HetrainError
+
+OUTSIDE_STEP = ("optimizer.step() was called outside session.step(); call session.step() alone: it finishes "
+                "the gradients over the global batch (item count, loss scale, inf check, clipping), then steps "
+                "the optimizer and zeroes the gradients")
+
+
+class OptimizerStepGuard:
+    """Refuses the optimizer's step unless `session.step()` is running it."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.inside = False
+        self.handle = optimizer.register_step_pre_hook(self._check)
+
+    def _check(self, optimizer, args, kwargs) -> None:
+        if not self.inside and _holds_gradients(optimizer):
+            raise HetrainError(OUTSIDE_STEP)
+
+    @contextmanager
+    def allowed(self) -> Iterator[None]:
+        self.inside = True
+        try:
+            yield
+        finally:
+            self.inside = False
+
+
+def _holds_gradients(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether any parameter the optimizer steps holds a gradient that is not zero."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            g = p.grad
+            if g is not None and bool((g.to_local() if hasattr(g, "to_local") else g).any()):
+                return True
+    return False
