@@ -205,6 +205,9 @@ def find_stall(before: dict[int, Progress | None], after: dict[int, Progress | N
 
 def stall_message(stall: Stall, after: dict[int, Progress | None], own_seconds: float, timeout_s: float) -> str:
     """The one line a stall report prints (without the `hetrain: error: ` prefix)."""
+    early = ended_early(after)
+    if early is not None:
+        return early + f" (limit {timeout_s:g} s, hetrain launch --collective-timeout)"
     first = stall.culprits[0]
     entry = after.get(first)
     seconds = own_seconds if entry is None or first in stall.silent else max(entry.seconds, own_seconds)
@@ -219,6 +222,25 @@ def stall_message(stall: Stall, after: dict[int, Progress | None], own_seconds: 
     others = f"; ranks {','.join(map(str, sorted(waiting)))} wait on it" if waiting else ""
     return (f"{who} made no progress at step {stall.step} for {seconds:.0f} s ({doing}{others}; "
             f"limit {timeout_s:g} s, hetrain launch --collective-timeout)")
+
+
+def ended_early(after: dict[int, Progress | None]) -> str | None:
+    """When ranks closed their sessions while others wait in a step the closed ones never took (a
+    loop that stops after a count of batches, which micro-batches make differ between ranks): the
+    cause, in words. A closed rank publishes the step after its last one."""
+    done = {r: p for r, p in after.items() if p is not None and p.phase == "done"}
+    ahead = {r: p for r, p in after.items() if p is not None and p.phase == "waiting"
+             and done and p.step >= min(d.step for d in done.values())}
+    if not ahead:
+        return None
+    closed = sorted(done)
+    last = min(done[r].step for r in closed) - 1
+    waiting = sorted(ahead)
+    step = min(ahead[r].step for r in waiting)
+    return (f"rank{'s' if len(closed) > 1 else ''} {','.join(map(str, closed))} closed the session after {last} "
+            f"step(s) while rank{'s' if len(waiting) > 1 else ''} {','.join(map(str, waiting))} wait(s) in step "
+            f"{step}: every rank must take the same steps; end the loop on session.step_count or the loader's "
+            "epoch, not on a count of batches (micro-batches make that count differ between ranks)")
 
 
 class ProgressWatch:

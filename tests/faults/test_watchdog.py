@@ -44,6 +44,21 @@ def test_a_silent_culprit_is_named_by_the_lowest_rank_that_can_speak_at_the_step
     assert (done.culprits, done.silent, done.reporter) == ([1], [], 1)
 
 
+def test_a_rank_that_closed_before_the_others_step_is_named_as_the_cause():
+    """A loop that stops after 7 batches: with micro-batches 3:1 that is step 2 on rank 0 and step 7
+    on rank 1; rank 0 closes (publishing step 3) while rank 1 waits in step 3 for it."""
+    from hetrain.runtime.watchdog import stall_message
+
+    after = {0: _p(3, "done", 30), 1: _p(3, "waiting", 40)}
+    message = stall_message(find_stall(after, after), after, 16.0, 10.0)
+    assert message.startswith("rank 0 closed the session after 2 step(s) while rank 1 wait(s) in step 3"), message
+    assert "session.step_count" in message
+    # a rank that closed after its last step while another still computes that step: the slow one
+    slow = {0: _p(8, "done", 30), 1: _p(7, "computing", 5)}
+    message = stall_message(find_stall(slow, slow), slow, 16.0, 10.0)
+    assert message.startswith("rank 1 made no progress") and "closed the session" not in message, message
+
+
 def _watched_steps(rank, world, store_port, timeout):
     """3 ranks step with an all-reduce; rank 1 stops at step 5 until its watch reports the stall."""
     import threading
