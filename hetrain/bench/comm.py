@@ -23,7 +23,7 @@ WIDTH = 512
 def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", type=whole(2), default=2, help="CPU ranks (gloo)")
     parser.add_argument("--steps", type=whole(1), default=500, help="optimizer steps per hook")
-    parser.add_argument("--global-batch-size", type=whole(2), default=64)
+    parser.add_argument("--global-batch-size", "--global-batch", dest="global_batch_size", type=whole(2), default=64)
     parser.add_argument("--lr", type=number(above=0), default=0.05)
     parser.add_argument("--hooks", default=",".join(HOOKS), help="comma-separated compressions")
     parser.add_argument("--powersgd-rank", type=whole(1), default=2)

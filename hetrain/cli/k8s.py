@@ -14,7 +14,7 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--image", default=None, help="container image holding hetrain and the script")
     parser.add_argument("--script", default=None, help="training script, as a path inside the image")
     parser.add_argument("--name", default="hetrain", help="job name (lowercase, digits, '-')")
-    parser.add_argument("--namespace", default=None)
+    parser.add_argument("--namespace", default=None, help="namespace of the job (default: kubectl's current one)")
     parser.add_argument("--min-replicas", type=int, default=1, help="fewest worker pods the job runs on")
     parser.add_argument("--max-replicas", type=int, default=None, help="most worker pods (default: min)")
     parser.add_argument("--max-restarts", type=int, default=3, help="worker-group restarts after a failure")
