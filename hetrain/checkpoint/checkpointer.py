@@ -98,6 +98,8 @@ class Checkpointer:
         self.last_blocking_seconds = 0.0
         self.last_bytes = 0
         self.last_path: Path | None = None
+        self._committed: list[tuple[int, float, int]] = []   # (step, seconds until committed, bytes)
+        self._committed_lock = threading.Lock()
 
     # ---- saving -------------------------------------------------------------------------------
 
@@ -196,6 +198,15 @@ class Checkpointer:
         self.last_bytes = nbytes
         self.last_path = Path(path)
         self.last_save_seconds = time.perf_counter() - start
+        with self._committed_lock:
+            self._committed.append((step, self.last_save_seconds, nbytes))
+
+    def take_committed(self) -> list[tuple[int, float, int]]:
+        """(step, seconds from save() until committed, bytes) of each checkpoint committed since the
+        last call, background saves included once they are done."""
+        with self._committed_lock:
+            done, self._committed = self._committed, []
+        return done
 
     def _finish_failed(self, tmp: Path, error: BaseException | None, reason: str) -> None:
         if self.rank == 0:

@@ -33,9 +33,11 @@ def _table(rows: list[dict]) -> "Table":
     table = Table(title="hetrain run report")
     columns = [("rank", "d"), ("device", "s"), ("steps", "d"), ("step s", ".4f"), ("predicted s", ".4f"),
                ("samples/s", ".1f"), ("share", ".1%"), ("compute", ".1%"), ("wait ranks", ".1%"),
-               ("wait data", ".1%"), ("script", ".1%"), ("MFU", ".2%"), ("comm sent", "s"), ("ckpts", "d"), ("restarts", "d")]
+               ("wait data", ".1%"), ("script", ".1%"), ("wait ckpt", ".1%"), ("MFU", ".2%"), ("comm sent", "s"),
+               ("ckpts", "d"), ("restarts", "d")]
     keys = ["rank", "device", "steps", "step_seconds", "predicted_step_seconds", "samples_per_second", "share",
-            "compute", "waiting on ranks", "waiting for data", "script", "mfu", "comm_bytes", "checkpoints", "restarts"]
+            "compute", "waiting on ranks", "waiting for data", "script", "checkpoint", "mfu", "comm_bytes",
+            "checkpoints", "restarts"]
     for name, _ in columns:
         table.add_column(name, justify="left" if name == "device" else "right")
     for row in rows:

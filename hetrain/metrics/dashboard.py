@@ -62,7 +62,9 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
             description="Fraction of the step spent computing, waiting on other ranks, waiting for data, and in "
                         "the script's own code between steps (logging, evaluation)."),
         PanelSpec("Idle fraction per rank", "percentunit", (
-            Query(f"sum by (rank) ({_rate('hetrain_wait_seconds_total')}) / {STEP_TIME}", "rank {{rank}}"),)),
+            Query(f"1 - sum by (rank) ({_rate('hetrain_compute_seconds_total')}) / {STEP_TIME}", "rank {{rank}}"),),
+            description="Fraction of the step each rank's device does not compute: waiting on the other ranks, "
+                        "for data or a checkpoint, and the script's own time (Session.idle_fraction)."),
         PanelSpec("Step time: predicted and measured", "s", (
             Query(f"{STEP_TIME} / sum by (rank) ({_rate('hetrain_step_seconds_count')})", "measured rank {{rank}}"),
             Query(f"hetrain_predicted_step_seconds{{{SEL}}}", "predicted rank {{rank}}"),

@@ -38,13 +38,18 @@ class StepRecord:
     emulated: bool = False
     script_seconds: float = 0.0    # the script's own time between steps (logging, evaluation): from the
     #                                previous step() returning to this step's first forward, less the data wait
+    checkpoint_seconds: float = 0.0  # the loop held by the checkpoint save the previous step() made (its
+    #                                  blocking part), which falls in this step's wall time
+    model_flops: float | None = None  # forward and backward FLOPs of this step's batch, when counted
 
     @property
     def waiting_seconds(self) -> float | None:
-        """Time waiting on other ranks: what the step took beyond compute, data and the script's own time."""
+        """Time waiting on other ranks: what the step took beyond compute, data, the script's own time
+        and a checkpoint save."""
         if self.step_seconds is None:
             return None
-        return max(0.0, self.step_seconds - self.compute_seconds - self.data_wait_seconds - self.script_seconds)
+        return max(0.0, self.step_seconds - self.compute_seconds - self.data_wait_seconds - self.script_seconds
+                   - self.checkpoint_seconds)
 
 
 @dataclass(frozen=True)

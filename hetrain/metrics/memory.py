@@ -28,7 +28,10 @@ def process_memory() -> dict[str, float]:
     except OSError:
         pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    out["peak_rss"] = float(peak if sys.platform == "darwin" else peak * 1024)  # macOS reports bytes, Linux KiB
+    peak = float(peak if sys.platform == "darwin" else peak * 1024)  # macOS reports bytes, Linux KiB
+    # Linux updates the peak lazily (from its per-thread counters), so it can trail the current
+    # resident set by a few pages: a peak is never below what is resident now
+    out["peak_rss"] = max(peak, out.get("rss", 0.0))
     return out
 
 

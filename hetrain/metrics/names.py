@@ -34,7 +34,8 @@ METRICS: tuple[Metric, ...] = (
            "Wall time of a step, from the previous step's end (all steps but a process's first)."),
     Metric("hetrain_compute_seconds_total", "counter", "Forward, backward and optimizer time of timed steps."),
     Metric("hetrain_wait_seconds_total", "counter",
-           "Time of timed steps spent waiting, by cause: 'ranks' (on other ranks' gradients) or 'data' (for the batch).",
+           "Time of timed steps spent waiting, by cause: 'ranks' (on other ranks' gradients), 'data' (for the "
+           "batch) or 'checkpoint' (a checkpoint save holding the loop).",
            ("cause",)),
     Metric("hetrain_script_seconds_total", "counter",
            "Time of timed steps the training script spent in its own code between steps (logging, evaluation): "

@@ -85,7 +85,10 @@ class RankMetrics:
         if not self._peak_resolved:
             self._peak = catalog_peak_flops(self.device_name, record.precision)
             self._peak_resolved = True
-        value = mfu(self.flops_per_item, record.items, record.step_seconds, self._peak)
+        if record.model_flops is not None:   # counted by the session: the step's own FLOPs
+            value = mfu(record.model_flops, 1, record.step_seconds, self._peak)
+        else:
+            value = mfu(self.flops_per_item, record.items, record.step_seconds, self._peak)
         with self._lock:
             self.state.add_step(record, value)
         if self._log is not None:

@@ -14,7 +14,7 @@ from typing import Any
 from hetrain.errors import HetrainError
 from hetrain.metrics.run_log import find_logs, read_lines
 
-CAUSES = ("compute", "waiting on ranks", "waiting for data", "script")
+CAUSES = ("compute", "waiting on ranks", "waiting for data", "script", "checkpoint")
 
 
 @dataclass
@@ -42,13 +42,14 @@ class RankRun:
         return [(s["step"], s["share"] / sum(s["shares"])) for s in self.steps if s.get("shares")]
 
     def time_by_cause(self) -> dict[str, float]:
-        """Seconds of the timed steps: computing, waiting on other ranks, waiting for data, and the
-        script's own time between steps (logging, evaluation)."""
+        """Seconds of the timed steps: computing, waiting on other ranks, waiting for data, the
+        script's own time between steps (logging, evaluation), and checkpoint saves holding the loop."""
         t = self.timed
         return {"compute": sum(s["compute_seconds"] for s in t),
                 "waiting on ranks": sum(s["waiting_seconds"] or 0.0 for s in t),
                 "waiting for data": sum(s["data_wait_seconds"] for s in t),
-                "script": sum(s.get("script_seconds", 0.0) for s in t)}
+                "script": sum(s.get("script_seconds", 0.0) for s in t),
+                "checkpoint": sum(s.get("checkpoint_seconds", 0.0) for s in t)}
 
 
 def load_run(run_dir: str | Path) -> dict[int, RankRun]:

@@ -55,7 +55,7 @@ def draw(runs: dict[int, RankRun], out: Path, title: str) -> Path:
 
     ranks = list(runs)
     left = np.zeros(len(ranks))
-    for cause, color in zip(CAUSES, ("tab:green", "tab:red", "tab:orange", "tab:gray")):
+    for cause, color in zip(CAUSES, ("tab:green", "tab:red", "tab:orange", "tab:gray", "tab:purple")):
         fractions = []
         for run in runs.values():
             t = run.time_by_cause()

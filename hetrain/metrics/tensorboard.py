@@ -7,8 +7,8 @@ from pathlib import Path
 from hetrain.errors import HetrainError
 from hetrain.metrics.report import RankRun
 
-SCALARS = ("loss", "step_seconds", "compute_seconds", "data_wait_seconds", "waiting_seconds", "script_seconds", "share",
-           "mfu")
+SCALARS = ("loss", "step_seconds", "compute_seconds", "data_wait_seconds", "waiting_seconds", "script_seconds",
+           "checkpoint_seconds", "share", "mfu")
 
 
 def write_scalars(runs: dict[int, RankRun], log_dir: Path) -> Path:

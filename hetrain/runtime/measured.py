@@ -2,7 +2,7 @@
 
 `rates_by_kind` groups the balancer's cost lines by the device kind each rank runs, for
 `measured-rates.json` (`hetrain plan --from-run`). `FlopMeter` counts the FLOPs of one forward
-pass with torch's FlopCounterMode, for the MFU a rank reports.
+pass with torch's FlopCounterMode and each step's input elements, for the MFU a rank reports.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from hetrain.planning.batch_split import RankCost
 from hetrain.planning.measured_rates import DeviceRate, MeasuredRates
 from hetrain.planning.plan import RankPlan
+from hetrain.runtime.batch_tree import tensors
 
 log = logging.getLogger("hetrain")
 
@@ -37,16 +38,27 @@ def rates_by_kind(entries: Sequence[RankPlan], costs: Sequence[RankCost], shares
 
 
 class FlopMeter:
-    """Counts the FLOPs of the next forward pass of `module` (then removes itself)."""
+    """Counts the FLOPs of the first forward pass of `module`, and the input elements (the numbers in
+    the tensors passed to it) of every forward: a step's FLOPs are the first forward's per input
+    element times the step's elements. Padded tokens count as the model computes them; a batch
+    twice as long costs twice the FLOPs whatever `num_items` says."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.flops: int | None = None
+        self.first_elements = 0
+        self.step_elements = 0     # input elements of the forwards since `take_step_flops` last ran
         self._mode = None
-        self._handles = [module.register_forward_pre_hook(self._start), module.register_forward_hook(self._stop)]
+        self._counting = [module.register_forward_pre_hook(self._start, with_kwargs=True),
+                          module.register_forward_hook(self._stop)]
+        self._elements = module.register_forward_pre_hook(self._count, with_kwargs=True)
 
-    def _start(self, module: torch.nn.Module, args: object) -> None:
+    def _count(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        self.step_elements += sum(t.numel() for t in tensors((args, kwargs)))
+
+    def _start(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         from torch.utils.flop_counter import FlopCounterMode
 
+        self.first_elements = sum(t.numel() for t in tensors((args, kwargs)))
         try:
             self._mode = FlopCounterMode(display=False)
             self._mode.__enter__()
@@ -60,9 +72,24 @@ class FlopMeter:
             self._mode.__exit__(None, None, None)
             self.flops = int(self._mode.get_total_flops())
             self._mode = None
-        self.remove()
+        for handle in self._counting:
+            handle.remove()
+        self._counting = []
+        if not self.flops or not self.first_elements:
+            self.remove()
+
+    def take_step_flops(self) -> float | None:
+        """Forward and backward FLOPs (3x the forward's) of the forwards since the last call; None
+        before the first forward was counted, or when it could not be."""
+        elements, self.step_elements = self.step_elements, 0
+        if not self.flops or not self.first_elements:
+            return None
+        return 3.0 * self.flops * elements / self.first_elements
 
     def remove(self) -> None:
-        for handle in self._handles:
+        for handle in self._counting:
             handle.remove()
-        self._handles = []
+        self._counting = []
+        if self._elements is not None:
+            self._elements.remove()
+            self._elements = None

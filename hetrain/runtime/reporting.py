@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,6 @@ class Reports:
         self.is_main = is_main
         self.observers: list[Any] = []
         self._flop_meter: FlopMeter | None = None
-        self._first_items: float | None = None
         self._rates: tuple | None = None             # the newest rates not yet written
         self._rates_written: float | None = None     # when they were last written (monotonic seconds)
 
@@ -65,15 +65,12 @@ class Reports:
             metrics.on_restart(restart_count)
         self._flop_meter = FlopMeter(module)
 
-    def saw_items(self, items: float) -> None:
-        """The items of a backward: the first one's are those of the forward the FLOP meter counted."""
-        if self._first_items is None:
-            self._first_items = items
-
     def step(self, record: StepRecord) -> None:
         if not self.observers:
             return
-        self._count_flops(record)
+        flops = self._flop_meter.take_step_flops() if self._flop_meter is not None else None
+        if flops is not None:
+            record = replace(record, model_flops=flops)
         for observer in self.observers:
             observer.on_step(record)
 
@@ -114,18 +111,6 @@ class Reports:
             if closer is not None:
                 closer()
         self.observers = []
-
-    def _count_flops(self, record: StepRecord) -> None:
-        """After the first forward: the model's FLOPs per item (forward and twice that for backward)."""
-        meter = self._flop_meter
-        if meter is None or meter.flops is None:
-            return
-        self._flop_meter = None
-        items = self._first_items or record.items
-        if meter.flops and items:
-            for observer in self.observers:
-                if hasattr(observer, "flops_per_item"):
-                    observer.flops_per_item = 3.0 * meter.flops / items
 
 
 def comm_bytes(comm_state: Any) -> dict[str, float]:

@@ -60,6 +60,7 @@ class SessionCheckpoints:
         self.on_saved = on_saved
         self.checkpointer = Checkpointer(Path(directory), keep=keep, async_save=async_save)
         self.last_saved_step: int | None = None
+        self._blocking: dict[int, float] = {}   # step -> seconds its save held the loop, until reported
         self.resumed_from: int | None = None
         self._sigterm = False
         self._previous_handler = None
@@ -89,10 +90,16 @@ class SessionCheckpoints:
         shared, per_rank, sharded = self.state.capture()
         self.checkpointer.save(self.state.step, shared, per_rank, sharded, blocking=blocking)
         self.last_saved_step = self.state.step
-        if self.on_saved is not None:
-            ck = self.checkpointer
-            self.on_saved(CheckpointRecord(self.state.step, ck.last_blocking_seconds, ck.last_save_seconds,
-                                           ck.last_bytes))
+        self._blocking[self.state.step] = self.checkpointer.last_blocking_seconds
+        self._report_committed()
+
+    def _report_committed(self) -> None:
+        """One CheckpointRecord per checkpoint committed since the last report: a background save's
+        is known once it is on disk (its size and save time are its own, not the previous one's)."""
+        for step, total, nbytes in self.checkpointer.take_committed():
+            blocking = self._blocking.pop(step, 0.0)
+            if self.on_saved is not None:
+                self.on_saved(CheckpointRecord(step, blocking, total, nbytes))
 
     @property
     def stop_requested(self) -> bool:
@@ -103,6 +110,7 @@ class SessionCheckpoints:
         """Called at the end of every step: save on the interval, or save and stop when `stop` (the
         step's figures, summed over the ranks, say some rank received SIGTERM before they left it;
         every rank has the same figures, so every rank saves this step)."""
+        self._report_committed()
         if stop:
             self._watch.reached()  # every rank is here: the save can proceed
             log.warning("SIGTERM: saving step %d and stopping", self.state.step)
@@ -120,6 +128,7 @@ class SessionCheckpoints:
             if self.last_saved_step != self.state.step and self.state.step > 0:
                 self.save(blocking=True)
             self.checkpointer.close()
+            self._report_committed()
         finally:
             self._restore_signals()
 

@@ -124,6 +124,7 @@ class Session:
         self.skips = SkipCounter(max_skipped_steps)
         self._last_step_end: float | None = None
         self._step_returned: float | None = None   # when step() last returned
+        self._checkpoint_held = 0.0   # seconds the last step()'s checkpoint save held the loop
         if self.is_main:
             for note in self.assignment.notes:
                 log.info("%s", note)
@@ -300,7 +301,6 @@ class Session:
                                "session.forward_backward(inputs, target, loss_fn) instead of model(...) and backward()")
         self.state.require_batch("backward")
         items = self.state.current_samples() if num_items is None else items_as_number(num_items)
-        self.reports.saw_items(items)
         self.state.record_backward(loss, items)
         self._launch_figures()
         if items == 0 and self.sharding == "fsdp":
@@ -407,10 +407,14 @@ class Session:
             self.reports.save_rates(self.assignment.entries, self.balancer, step=self.train.step, emulated=self.emulated)
         self.balancer.begin_exchange(self.device, step=self.train.step)   # when an interval ends here
         if self.reports.observers:
-            self.reports.step(self._record(totals, wall, compute, data_wait, applied, bool(changed), script))
+            self.reports.step(self._record(totals, wall, compute, data_wait, applied, bool(changed), script,
+                                           self._checkpoint_held if wall is not None else 0.0))
         self._status, self._grad_norm = None, None
+        self._checkpoint_held = 0.0
         if self.checkpoints is not None:
+            held = time.perf_counter()
             self.checkpoints.after_step(stop=status.stop)
+            self._checkpoint_held = time.perf_counter() - held   # in the next step's wall time: its own part
         if self.watch is not None:
             self.watch.computing(self.train.step + 1)
         self._step_returned = time.perf_counter()   # from here to the next forward, the script's own time
@@ -435,7 +439,8 @@ class Session:
         return float(t[0] / t[1]) if t[1] > 0 else float("nan")
 
     def idle_fraction(self, last: int | None = None) -> float:
-        """Fraction of this rank's wall time per step spent not computing (waiting on others or data)."""
+        """Fraction of this rank's wall time per step spent not computing (waiting on others, for data
+        or a checkpoint, and the script's own time): the dashboard's idle fraction."""
         return idle_fraction(self.step_seconds, self.compute_seconds, last)
 
     def add_observer(self, observer: Any) -> None:
@@ -447,7 +452,7 @@ class Session:
         return self.reports.observers
 
     def _record(self, totals, wall: float | None, compute: float, data_wait: float, applied: bool, changed: bool,
-                script: float):
+                script: float, checkpoint: float):
         return StepRecord(
             step=self.train.step, rank=self.rank, world_size=self.world_size, device=self.entry.device,
             precision=self.precision, share=self.train.loader.current_shares[self.rank], samples=totals.local_samples,
@@ -456,7 +461,8 @@ class Session:
             optimizer_seconds=self.timer.last_optimizer_s, loss=totals.loss, grad_norm=self._grad_norm,
             loss_scale=self.scaler.scale, skipped=not applied, skipped_total=self.skips.total,
             shares=tuple(self.train.loader.current_shares), split_changed=changed,
-            comm_bytes=comm_bytes(self.prepared.comm_state), emulated=self.emulated, script_seconds=script)
+            comm_bytes=comm_bytes(self.prepared.comm_state), emulated=self.emulated, script_seconds=script,
+            checkpoint_seconds=checkpoint)
 
     def barrier(self) -> None:
         dist.barrier()

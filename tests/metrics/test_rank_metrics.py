@@ -65,7 +65,7 @@ def test_steps_fold_into_counters_and_gauges():
     waits = {labels["cause"]: v for labels, v in s["hetrain_wait_seconds_total"]}
     # compute + waiting adds up to the step time over the timed steps (the first has no step time)
     assert one(m, "hetrain_compute_seconds_total") + waits["ranks"] + waits["data"] == pytest.approx(1.0)
-    assert waits == pytest.approx({"ranks": 0.3, "data": 0.1})
+    assert waits == pytest.approx({"ranks": 0.3, "data": 0.1, "checkpoint": 0.0})
     assert one(m, "hetrain_share_ratio") == pytest.approx(0.25)
     assert one(m, "hetrain_split_changes_total") == 1
     assert {labels["level"]: v for labels, v in s["hetrain_comm_sent_bytes_total"]} == {"intra": 12e8, "inter": 3e8}
@@ -200,3 +200,13 @@ def test_without_pynvml_or_a_driver_a_cuda_rank_has_no_gpu_series(monkeypatch):
     names = set(samples(m))
     assert "hetrain_memory_bytes" in names and not any(n.startswith("hetrain_gpu_") for n in names)
     assert "UUID" not in samples(m)["hetrain_rank_info"][0][0]
+
+
+def test_a_cpu_ranks_peak_memory_is_never_below_its_current_memory():
+    """Linux updates ru_maxrss lazily; read just after the resident set grew, it trailed it."""
+    from hetrain.metrics.memory import process_memory
+
+    grown = bytearray(64 * 2**20)   # resident now, maybe not yet in the kernel's peak
+    grown[::4096] = b"x" * len(grown[::4096])
+    m = process_memory()
+    assert m["peak_rss"] >= m["rss"] > 64 * 2**20
