@@ -96,6 +96,7 @@ class HeteroLoader:
         # whether the model holds gradients no step used (the session tells; a loop that zeroed them
         # after backward, to read them, mixes nothing)
         self.gradients_pending: Callable[[], bool] = lambda: True
+        self._warned_no_step = False
         self.collate_fn = collate_fn or default_collate
         self.global_batch_size = order.global_batch_size if order is not None else int(global_batch_size)
         self.seed = order.seed if order is not None else seed
@@ -146,10 +147,13 @@ class HeteroLoader:
                 "the two steps' gradients would be mixed and divided by one step's items; call session.step() "
                 "after every batch (accumulating over several batches is the plan's micro-batches: set "
                 "global_batch_size to the whole batch)")
-        log.warning("a batch was drawn from the loader and no session.step() followed; iterating the loader "
-                    "moves the data position, so that batch's step of data is skipped (docs/porting.md)")
+        if not self._warned_no_step:   # once an iteration: an evaluation pass over the loader is one mistake
+            self._warned_no_step = True
+            log.warning("a batch was drawn from the loader and no session.step() followed; iterating the loader "
+                        "moves the data position, so that batch's step of data is skipped (docs/porting.md)")
 
     def __iter__(self) -> Iterator[Any]:
+        self._warned_no_step = False
         if self._epoch_done():
             self.epoch += 1
             self.step_in_epoch = 0

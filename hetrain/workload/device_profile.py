@@ -128,9 +128,10 @@ class DeviceProfile(_Strict):
 def interpolate(points: list[tuple[int, float]], micro_batch: float) -> float:
     """A figure at `micro_batch` from figures measured at sorted micro-batch sizes: linear between
     them, the line through the two nearest beyond them (never below zero; below the smallest size,
-    never below the proportional share of its figure; above the largest, where that line does not
-    rise, in proportion to the largest's figure: more samples never take less time, and a falling
-    line comes from a measurement disturbed by other load); one point scales in proportion."""
+    never below the proportional share of its figure; above the largest, never below the largest's
+    figure, and where the last two fall by more than `falling_times`' tolerance, in proportion to
+    the largest's figure: more samples never take less time, and such a fall comes from a
+    measurement disturbed by other load); one point scales in proportion."""
     if micro_batch <= 0:
         return 0.0
     if len(points) == 1:
@@ -142,8 +143,10 @@ def interpolate(points: list[tuple[int, float]], micro_batch: float) -> float:
     (b0, v0), (b1, v1) = points[i - 1], points[i]
     if micro_batch < b0:
         return max(v0 + (v1 - v0) / (b1 - b0) * (micro_batch - b0), v0 * micro_batch / b0)
-    if micro_batch > b1 and v1 <= v0:
-        return v1 * micro_batch / b1
+    if micro_batch > b1:
+        if falling_times([(b0, v0), (b1, v1)]):   # disturbed: no line to extend
+            return v1 * micro_batch / b1
+        return v1 + max(0.0, (v1 - v0) / (b1 - b0)) * (micro_batch - b1)   # never below the largest's time
     return max(0.0, v0 + (v1 - v0) / (b1 - b0) * (micro_batch - b0))
 
 

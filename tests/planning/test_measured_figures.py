@@ -53,6 +53,9 @@ def test_a_disturbed_profile_is_never_extrapolated_below_its_largest_timing_and_
     assert p.microbatch_seconds("fp32", 6) == pytest.approx((2.40 + 1.31) / 2)   # measured range: as timed
     assert "micro-batch 8 faster than micro-batch 4" in p.disturbed_note()
     assert _profile(A100, [(8, 0.010), (32, 0.030)]).disturbed_note() is None
+    # flat timings (a latency-bound GPU) are no disturbance: a noise-sized fall extends flat, not 7x
+    flat = _profile(A100, [(1, 0.0100), (2, 0.0100), (4, 0.0100), (8, 0.0099)])
+    assert flat.disturbed_note() is None and flat.microbatch_seconds("bf16", 64) == pytest.approx(0.0099)
     result = plan_job(cluster_from_devices("cpu:2"), get_profile("resnet50"), 64, profiles={"cpu": p})
     assert result.plan.predicted_samples_per_s <= 64 / (1.31 * 4)   # each rank: 32 samples, 4x the 8-sample time
     assert any("disturbed" in n for n in result.plan.notes), result.plan.notes
