@@ -18,11 +18,9 @@ The Session is a facade over small parts with one concern each (docs/design.md l
 
 from __future__ import annotations
 
-import collections
 import logging
 import math
 import os
-import time
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any
@@ -49,7 +47,8 @@ from hetrain.runtime.plan_entries import (Assignment, assign_entries, comm_for_w
 from hetrain.runtime.precision import JobLossScaler, autocast, configure_tf32
 from hetrain.runtime.resume import SessionCheckpoints
 from hetrain.runtime.step_state import StepState, items_as_number
-from hetrain.runtime.step_guard import OptimizerStepGuard
+from hetrain.runtime.step_clock import StepClock, StepTimes
+from hetrain.runtime.step_guard import OptimizerStepGuard, gradients_pending
 from hetrain.runtime.timing import StepTimer, TimedHookState, emulated_speed, idle_fraction
 from hetrain.runtime.train_state import TrainState
 from hetrain.runtime.watchdog import ProgressWatch, die_with_parent
@@ -115,16 +114,13 @@ class Session:
         self.train: TrainState | None = None
         self.checkpoints: SessionCheckpoints | None = None
         self.reports = Reports(self.run_dir, is_main=self.is_main)
-        self.step_seconds: collections.deque[float] = collections.deque(maxlen=TIMING_HISTORY)
-        self.compute_seconds: collections.deque[float] = collections.deque(maxlen=TIMING_HISTORY)
+        self.clock = StepClock(TIMING_HISTORY)
+        self.step_seconds, self.compute_seconds = self.clock.step_seconds, self.clock.compute_seconds
         self._status: GradientStatus | None = None
         self._launched: StepFigures | None = None   # the step's figures, on their way to every rank
         self._launched_for: tuple | None = None
         self._grad_norm: float | None = None
         self.skips = SkipCounter(max_skipped_steps)
-        self._last_step_end: float | None = None
-        self._step_returned: float | None = None   # when step() last returned
-        self._checkpoint_held = 0.0   # seconds the last step()'s checkpoint save held the loop
         if self.is_main:
             for note in self.assignment.notes:
                 log.info("%s", note)
@@ -203,15 +199,6 @@ class Session:
         self._guard_optimizer()
         return self.prepared.model, self.prepared.optimizer
 
-    def _gradients_pending(self) -> bool:
-        """Whether any parameter holds a gradient that is not zero (one no step has used)."""
-        model = self.prepared.model if self.prepared is not None else None
-        if model is None:
-            return False
-        # a sharded (DTensor) gradient counts when present: its local shard alone may be all zeros
-        return any(p.grad is not None and (hasattr(p.grad, "to_local") or bool(p.grad.any()))
-                   for p in model.parameters())
-
     def _guard_optimizer(self) -> None:
         self._step_guard = OptimizerStepGuard(self.optimizer) if self.optimizer is not None else None
 
@@ -236,7 +223,7 @@ class Session:
                              micro_batch=self.entry.micro_batch, grad_accum=self.entry.grad_accum,
                              gradient_sync=lambda sync: gradient_sync(self.prepared, self.sharding, sync), **options)
         balancer.lag = loader.lag   # a new split reaches the loop this many steps after it is decided
-        loader.gradients_pending = self._gradients_pending
+        loader.gradients_pending = lambda: gradients_pending(self.prepared.model)
         self.balancer = balancer
         self.train = TrainState(self.prepared, self.sharding, self.scaler, self.balancer, loader, self.plan,
                                 self.world_size, self.rank)
@@ -390,16 +377,9 @@ class Session:
         self.train.skipped_steps += self.skips.count(applied, self.train.step + 1, self.scaler.scale, self.is_main)
         first_forward = self.timer.started_at
         compute = self.timer.end_step()
-        now = time.perf_counter()
-        wall = now - self._last_step_end if self._last_step_end is not None else None
-        if wall is not None:
-            self.step_seconds.append(wall)
-            self.compute_seconds.append(compute)
-        self._last_step_end = now
-        totals = self.state.finish(status.global_items, status.loss)
         data_wait = self.train.loader.data_wait_seconds
-        script = (max(0.0, first_forward - self._step_returned - data_wait)
-                  if first_forward is not None and self._step_returned is not None else 0.0)
+        times = self.clock.step_ended(first_forward, compute, data_wait)
+        totals = self.state.finish(status.global_items, status.loss)
         self.balancer.record(totals.local_samples, compute + data_wait)
         self.train.step += 1
         changed = self.balancer.settle(self.train.step)   # on the figures exchanged one step ago, if any
@@ -407,17 +387,14 @@ class Session:
             self.reports.save_rates(self.assignment.entries, self.balancer, step=self.train.step, emulated=self.emulated)
         self.balancer.begin_exchange(self.device, step=self.train.step)   # when an interval ends here
         if self.reports.observers:
-            self.reports.step(self._record(totals, wall, compute, data_wait, applied, bool(changed), script,
-                                           self._checkpoint_held if wall is not None else 0.0))
+            self.reports.step(self._record(totals, times, compute, data_wait, applied, bool(changed)))
         self._status, self._grad_norm = None, None
-        self._checkpoint_held = 0.0
         if self.checkpoints is not None:
-            held = time.perf_counter()
-            self.checkpoints.after_step(stop=status.stop)
-            self._checkpoint_held = time.perf_counter() - held   # in the next step's wall time: its own part
+            with self.clock.checkpoint():
+                self.checkpoints.after_step(stop=status.stop)
         if self.watch is not None:
             self.watch.computing(self.train.step + 1)
-        self._step_returned = time.perf_counter()   # from here to the next forward, the script's own time
+        self.clock.returned()
         return applied
 
     # -- figures for users and tools ----------------------------------------------------------------
@@ -451,18 +428,17 @@ class Session:
     def observers(self) -> list[Any]:
         return self.reports.observers
 
-    def _record(self, totals, wall: float | None, compute: float, data_wait: float, applied: bool, changed: bool,
-                script: float, checkpoint: float):
+    def _record(self, totals, times: StepTimes, compute: float, data_wait: float, applied: bool, changed: bool):
         return StepRecord(
             step=self.train.step, rank=self.rank, world_size=self.world_size, device=self.entry.device,
             precision=self.precision, share=self.train.loader.current_shares[self.rank], samples=totals.local_samples,
             items=int(totals.local_items), global_samples=totals.global_samples, global_items=int(totals.global_items),
-            step_seconds=wall, compute_seconds=compute, data_wait_seconds=data_wait,
+            step_seconds=times.wall, compute_seconds=compute, data_wait_seconds=data_wait,
             optimizer_seconds=self.timer.last_optimizer_s, loss=totals.loss, grad_norm=self._grad_norm,
             loss_scale=self.scaler.scale, skipped=not applied, skipped_total=self.skips.total,
             shares=tuple(self.train.loader.current_shares), split_changed=changed,
-            comm_bytes=comm_bytes(self.prepared.comm_state), emulated=self.emulated, script_seconds=script,
-            checkpoint_seconds=checkpoint)
+            comm_bytes=comm_bytes(self.prepared.comm_state), emulated=self.emulated, script_seconds=times.script,
+            checkpoint_seconds=times.checkpoint)
 
     def barrier(self) -> None:
         dist.barrier()

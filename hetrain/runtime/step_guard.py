@@ -50,3 +50,10 @@ def _holds_gradients(optimizer: torch.optim.Optimizer) -> bool:
             if g is not None and bool((g.to_local() if hasattr(g, "to_local") else g).any()):
                 return True
     return False
+
+
+def gradients_pending(model: torch.nn.Module) -> bool:
+    """Whether any parameter holds a gradient that is not zero (one no step has used). A sharded
+    (DTensor) gradient counts when present: its local shard alone may be all zeros on one rank."""
+    return any(p.grad is not None and (hasattr(p.grad, "to_local") or bool(p.grad.any()))
+               for p in model.parameters())
