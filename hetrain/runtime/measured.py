@@ -53,7 +53,8 @@ class FlopMeter:
         self._elements = module.register_forward_pre_hook(self._count, with_kwargs=True)
 
     def _count(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        self.step_elements += sum(t.numel() for t in tensors((args, kwargs)))
+        if torch.is_grad_enabled():   # a training forward; an evaluation under no_grad is not the step's work
+            self.step_elements += sum(t.numel() for t in tensors((args, kwargs)))
 
     def _start(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         from torch.utils.flop_counter import FlopCounterMode

@@ -48,6 +48,8 @@ def _checkpointed_run(tmp_path, *, async_checkpoints, num_items=None, steps=6):
         session.add_observer(SimpleNamespace(on_step=steps_seen.append, on_checkpoint=saves.append))
         for i, (x, y) in enumerate(session.loader(data, global_batch_size=8, shuffle=False)):
             loss = F.cross_entropy(model(x), y)
+            with torch.no_grad():
+                model(x)                              # an evaluation: not the step's work
             session.backward(loss, num_items=None if num_items is None else num_items[i % len(num_items)])
             session.step()
             if session.step_count == steps:
@@ -82,7 +84,8 @@ def test_a_background_checkpoint_reports_its_own_size_and_save_time(tmp_path):
 
 
 def test_mfu_counts_the_flops_of_each_batch_not_its_item_count(tmp_path):
-    """The same batch shape with different token counts (num_items) is the same work for the model."""
+    """The same batch shape with different token counts (num_items) is the same work for the model;
+    a forward under no_grad (an evaluation) is not the step's."""
     records, _ = _checkpointed_run(tmp_path, async_checkpoints=True, num_items=[8, 3, 5])
     flops = [r.model_flops for r in records]
     assert all(f is not None for f in flops), flops
