@@ -24,7 +24,8 @@ class RankState:
     timed_steps: int = 0
     step_seconds: float = 0.0
     compute_seconds: float = 0.0
-    wait_seconds: dict[str, float] = field(default_factory=lambda: {"ranks": 0.0, "data": 0.0, "checkpoint": 0.0})
+    # "checkpoint" appears once a checkpoint save has held the loop (a job without checkpoints has none)
+    wait_seconds: dict[str, float] = field(default_factory=lambda: {"ranks": 0.0, "data": 0.0})
     script_seconds: float = 0.0   # the script's own time between steps (StepRecord.script_seconds)
     samples: int = 0
     items: int = 0
@@ -52,7 +53,8 @@ class RankState:
             self.compute_seconds += r.compute_seconds
             self.wait_seconds["data"] += r.data_wait_seconds
             self.wait_seconds["ranks"] += r.waiting_seconds or 0.0
-            self.wait_seconds["checkpoint"] += r.checkpoint_seconds
+            if r.checkpoint_seconds:
+                self.wait_seconds["checkpoint"] = self.wait_seconds.get("checkpoint", 0.0) + r.checkpoint_seconds
             self.script_seconds += r.script_seconds
         self.samples += r.samples
         self.items += r.items
