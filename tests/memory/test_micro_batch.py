@@ -25,15 +25,22 @@ def test_micro_batch_sizes():
     assert [p[0].tolist() for p in pieces] == [[0, 1, 2], [3, 4, 5, 6]] and torch.equal(pieces[1][1], y[3:])
 
 
-def _train(rank, world):
+def _session(shares, micro, **options):
+    """A session on a plan of these shares and micro-batches, SGD at LR, and its loader."""
     import hetrain
 
-    plan = Plan(global_batch_size=sum(SHARES), balance=BalancePlan(enabled=False),
-                ranks=[RankPlan(rank=r, share=s, micro_batch=m) for r, (s, m) in enumerate(zip(SHARES, MICRO))])
+    plan = Plan(global_batch_size=sum(shares), balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=r, share=s, micro_batch=m) for r, (s, m) in enumerate(zip(shares, micro))])
     session = hetrain.Session(plan)
     net = make_model()
     model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=LR))
-    loader = session.loader(make_data(), global_batch_size=sum(SHARES), shuffle=True, seed=5)
+    loader = session.loader(make_data(), global_batch_size=sum(shares), shuffle=True, seed=5, **options)
+    return session, net, model, loader
+
+
+def _train(rank, world):
+
+    session, net, model, loader = _session(SHARES, MICRO)
     params, returned, sizes = [], [], []
     for x, y in loader:                          # the plain loop: the loader yields micro-batches
         sizes.append(len(x))
@@ -53,14 +60,19 @@ def test_accumulated_update_equals_the_whole_batch_update():
     assert results[1]["sizes"] == [2, 2] * STEPS and results[2]["sizes"] == [1] * STEPS
     assert [r["steps"] for r in results] == [STEPS] * 3
 
+    _assert_single_process_updates(results, sum(SHARES))
+
+
+def _assert_single_process_updates(results, global_batch):
+    """Each rank's parameters after each step equal SGD on the whole global batch in one process."""
     model = make_model()
-    order = GlobalBatchOrder(len(make_data()), sum(SHARES), shuffle=True, seed=5)
+    order = GlobalBatchOrder(len(make_data()), global_batch, shuffle=True, seed=5)
     for step in range(STEPS):
         grads = _global_grads_at(model, order.global_batch(0, step))
         with torch.no_grad():
             for p, g in zip(model.parameters(), grads):
                 p -= LR * g
-        for rank in range(3):
+        for rank in range(len(results)):
             for got, want in zip(results[rank]["params"][step], model.parameters()):
                 assert (got - want).abs().max().item() < 1e-5, (step, rank)
 
@@ -83,15 +95,7 @@ def _collate_encoding(samples):
 
 
 def _train_encoding(rank, world):
-    import hetrain
-
-    plan = Plan(global_batch_size=sum(BE_SHARES), balance=BalancePlan(enabled=False),
-                ranks=[RankPlan(rank=r, share=s, micro_batch=m) for r, (s, m) in enumerate(zip(BE_SHARES, BE_MICRO))])
-    session = hetrain.Session(plan)
-    net = make_model()
-    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=LR))
-    loader = session.loader(make_data(), global_batch_size=sum(BE_SHARES), shuffle=True, seed=5,
-                            collate_fn=_collate_encoding)
+    session, net, model, loader = _session(BE_SHARES, BE_MICRO, collate_fn=_collate_encoding)
     params, sizes, kinds = [], [], set()
     for batch in loader:
         kinds.add(type(batch).__name__)
@@ -112,13 +116,4 @@ def test_a_batch_encoding_is_cut_into_micro_batches_and_emptied_on_a_rank_withou
     assert results[0]["sizes"] == [2, 2, 2] * STEPS and results[1]["sizes"] == [2] * STEPS
     assert results[2]["sizes"] == [0] * STEPS
     assert all(r["kinds"] == {"BatchEncoding"} for r in results)
-    model = make_model()
-    order = GlobalBatchOrder(len(make_data()), sum(BE_SHARES), shuffle=True, seed=5)
-    for step in range(STEPS):
-        grads = _global_grads_at(model, order.global_batch(0, step))
-        with torch.no_grad():
-            for p, g in zip(model.parameters(), grads):
-                p -= LR * g
-        for rank in range(3):
-            for got, want in zip(results[rank]["params"][step], model.parameters()):
-                assert (got - want).abs().max().item() < 1e-5, (step, rank)
+    _assert_single_process_updates(results, sum(BE_SHARES))
