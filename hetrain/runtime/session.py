@@ -200,7 +200,11 @@ class Session:
         return self.prepared.model, self.prepared.optimizer
 
     def _guard_optimizer(self) -> None:
-        self._step_guard = OptimizerStepGuard(self.optimizer) if self.optimizer is not None else None
+        model = self.prepared.model
+        modules = [model] + ([model.module] if isinstance(getattr(model, "module", None), torch.nn.Module) else [])
+        self._step_guard = (OptimizerStepGuard(self.optimizer, modules,
+                                               mid_step=self.state.between_micro_batches)
+                            if self.optimizer is not None else None)
 
     def loader(self, dataset: Any, global_batch_size: int, *, shuffle: bool = True, seed: int = 0,
                drop_last: bool = True, **options: Any) -> HeteroLoader:
@@ -372,8 +376,8 @@ class Session:
         applied = not status.found_inf
         with self._step_guard.allowed():
             self.timer.time_optimizer(self.optimizer.step if applied else (lambda: None))
+            self.optimizer.zero_grad(set_to_none=True)
         self.scaler.update(applied)
-        self.optimizer.zero_grad(set_to_none=True)
         self.train.skipped_steps += self.skips.count(applied, self.train.step + 1, self.scaler.scale, self.is_main)
         first_forward = self.timer.started_at
         compute = self.timer.end_step()

@@ -68,10 +68,18 @@ def constructor_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 
 
 def check_fresh(optimizer: torch.optim.Optimizer, sharding: str) -> None:
+    """An optimizer that sharding may re-create: one holding nothing another object depends on."""
     if optimizer.state:
         raise HetrainError(
             f"the optimizer already holds state, which sharding {sharding!r} would drop; pass a freshly built "
             "optimizer to session.prepare() and load optimizer state through the session's checkpoints"
+        )
+    if any("initial_lr" in group for group in optimizer.param_groups):   # what torch's LRScheduler sets
+        raise HetrainError(
+            f"an LR scheduler was built on this optimizer before session.prepare(); sharding {sharding!r} "
+            "re-creates the optimizer, so the scheduler would drive the old one and the learning rate would "
+            "stay where it was built (0 at a warm-up's start); build the scheduler on the optimizer "
+            "session.prepare() returns"
         )
 
 

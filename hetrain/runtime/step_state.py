@@ -44,6 +44,7 @@ class StepState:
         self.items = 0.0                        # items this rank has passed to backward this step
         self.loss_sum: torch.Tensor | None = None   # sum of loss * items over this step's backwards
         self.backwards = 0
+        self.micros = 0                         # micro-batches of the step handed out so far
         self.items_per_sample = 1.0             # the last finished step's global items / global samples
         self.begun = 0                          # steps begun (tells one step's batch from the next)
         self.last: StepTotals | None = None
@@ -57,11 +58,16 @@ class StepState:
         self.local_samples, self.global_samples = int(local_samples), int(global_samples)
         self.begun += 1
         self.micro_samples, self.last_micro = None, True
-        self.items, self.loss_sum, self.backwards = 0.0, None, 0
+        self.items, self.loss_sum, self.backwards, self.micros = 0.0, None, 0, 0
 
     def begin_micro(self, samples: int, last: bool) -> None:
         """The loader hands out one micro-batch of the step."""
         self.micro_samples, self.last_micro = int(samples), bool(last)
+        self.micros += 1
+
+    def between_micro_batches(self) -> bool:
+        """A later micro-batch of a step whose earlier ones ran backward: their gradients are pending."""
+        return self.active and self.backwards > 0 and self.micros > 1
 
     def current_samples(self) -> int:
         return self.local_samples if self.micro_samples is None else self.micro_samples
@@ -87,7 +93,7 @@ class StepState:
             self.items_per_sample = global_items / self.global_samples
         self.last = StepTotals(self.global_samples or 0, global_items, loss, self.local_samples or 0, self.items)
         self.local_samples = self.global_samples = self.micro_samples = None
-        self.last_micro, self.items, self.loss_sum, self.backwards = True, 0.0, None, 0
+        self.last_micro, self.items, self.loss_sum, self.backwards, self.micros = True, 0.0, None, 0, 0
         return self.last
 
     def mean_weight(self) -> float:

@@ -176,3 +176,45 @@ def test_a_batch_drawn_and_dropped_is_a_warning_once(caplog):
     assert sum("no session.step() followed" in r.getMessage() for r in caplog.records) == 1
     assert session.step_count == 1 and loader.step_in_epoch == 2
     session.close()
+
+
+def _plan_session(sharding="none", micro_batch=None):
+    import hetrain
+
+    plan = Plan(global_batch_size=8, sharding=sharding, balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=0, share=8, micro_batch=micro_batch)])
+    return hetrain.Session(plan)
+
+
+@pytest.mark.parametrize("sharding", ["zero1", "fsdp"])
+def test_an_lr_scheduler_built_before_prepare_is_refused_where_sharding_recreates_the_optimizer(sharding):
+    """The scheduler would keep driving the optimizer the session replaced: a warm-up's lr of 0 forever."""
+    session = _plan_session(sharding)
+    net = make_net()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: step / 10)   # a warm-up from 0
+    with pytest.raises(HetrainError, match="LR scheduler was built on this optimizer before session.prepare"):
+        session.prepare(net, optimizer)
+    session.close()
+
+
+def test_zero_grad_between_micro_batches_is_refused_and_harmless_elsewhere():
+    """A ported loop's optimizer.zero_grad() at the top: with micro-batches it wiped the earlier ones'
+    gradients (a different update, silently); between steps it does nothing and is let be."""
+    for micro_batch, refused in ((None, False), (4, True)):
+        session = _plan_session(micro_batch=micro_batch)
+        net = make_net()
+        model, optimizer = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        loader = session.loader(make_data(), global_batch_size=8, shuffle=False, seed=0)
+        try:
+            for x, y in loader:
+                optimizer.zero_grad()
+                model.zero_grad()
+                session.backward(F.cross_entropy(model(x), y))
+                session.step()
+                if session.step_count == 2:
+                    break
+            assert not refused
+        except HetrainError as e:
+            assert refused and "between a step's micro-batches" in str(e), e
+        session.close()
