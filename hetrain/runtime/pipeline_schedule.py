@@ -115,6 +115,16 @@ class PipelineRunner:
             stage.backward_one_chunk = self._timed(stage.backward_one_chunk, speed)
         self._schedules: dict[int, Any] = {}
         self._loss: Callable | None = None
+        self._running = False
+        for held in {id(m): m for m in [module, *chunks]}.values():
+            held.register_forward_pre_hook(self._refuse_direct_call)
+
+    def _refuse_direct_call(self, module: nn.Module, args: Any) -> None:
+        """A stage holds some blocks only: the script's own `model(x)` would feed them the batch."""
+        if not self._running:
+            raise HetrainError("under a pipeline plan this rank holds some of the model's blocks only, so "
+                               "model(inputs) cannot run here: run each step with "
+                               "session.forward_backward(inputs, target, loss_fn) (docs/pipeline.md)")
 
     def _timed(self, work: Callable, speed: float | None) -> Callable:
         """The stage's compute of one micro-batch, timed (transfers are outside it) and, on a CPU rank
@@ -157,6 +167,14 @@ class PipelineRunner:
     def run(self, inputs: Any, target: Any, loss_fn: Callable, count: Callable[[Any], float], *, state: StepState,
             scaler: JobLossScaler) -> torch.Tensor | None:
         """Forward and backward of the replica batch through every stage; on last stages the mean loss."""
+        self._running = True
+        try:
+            return self._run(inputs, target, loss_fn, count, state=state, scaler=scaler)
+        finally:
+            self._running = False
+
+    def _run(self, inputs: Any, target: Any, loss_fn: Callable, count: Callable[[Any], float], *, state: StepState,
+             scaler: JobLossScaler) -> torch.Tensor | None:
         samples = _first_tensor(target if self.layout.is_last else _as_tuple(inputs)[0]).shape[0]
         if samples == 0:
             return None

@@ -150,10 +150,12 @@ class SessionCheckpoints:
             return False
         st = self.state
         if st.fsdp != info.sharded:
-            saved = "with FSDP2 (sharding 'fsdp')" if info.sharded else "without FSDP2"
+            saved = ("by a pipeline plan or with FSDP2 (its model in sharded form)" if info.sharded
+                     else "by a data-parallel run without FSDP2 (its model whole)")
+            this = "a pipeline plan" if st.pipelined else f"sharding {st.sharding!r}"
             raise HetrainError(
-                f"{info.path} was saved {saved}, this run uses sharding {st.sharding!r}; resume with the "
-                f"sharding it was saved with, or start in an empty checkpoint directory"
+                f"{info.path} was saved {saved}, and this run uses {this}, which cannot load it; resume with "
+                f"the kind of plan it was saved with, or start in an empty checkpoint directory"
             )
         shared, per_rank, loaded = self.checkpointer.load(info, sharded_template=st.sharded_template())
         saved_world = int(shared["world_size"])

@@ -61,3 +61,40 @@ def test_resume_a_hybrid_run_bit_exact(tmp_path):
     assert all(bool((again[k] == whole[k]).all()) for k in whole)
     for result in resumed:                     # both replicas of each stage hold the same weights
         assert all(bool((v == whole[k]).all()) for k, v in result["states"][-1].items())
+
+
+def _run_expecting_error(rank, world, plan, directory, direct_call):
+    """A run that stops with a HetrainError: a resume across plan kinds, or the script's own model(x)."""
+    import torch
+
+    import hetrain
+    from hetrain.errors import HetrainError
+    from tests.pipeline.common import make_data, make_model
+
+    try:
+        session = hetrain.Session(plan, checkpoint_dir=directory, async_checkpoints=False)
+        model, _ = session.prepare(make_model(6), torch.optim.SGD(make_model(6).parameters(), lr=0.1))
+        loader = session.loader(make_data(), global_batch_size=GLOBAL, shuffle=True, seed=0)
+        if direct_call:
+            x, _ = next(iter(loader))
+            model(x)
+    except HetrainError as e:
+        return str(e)
+    return None
+
+
+def test_a_checkpoint_of_another_plan_kind_or_the_scripts_own_forward_is_refused_in_words(tmp_path):
+    """A pipeline checkpoint resumed by a data-parallel plan said 'saved with FSDP2 (sharding fsdp)';
+    the script's own model(x) on a later stage crashed in its LayerNorm with a shape error."""
+    from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+
+    run_ranks(train, 2, TWO, 2, 6, False, str(tmp_path / "pipe"), False)
+    flat = Plan(global_batch_size=GLOBAL, balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=r, share=GLOBAL // 2) for r in range(2)])
+    messages = run_ranks(_run_expecting_error, 2, flat, str(tmp_path / "pipe"), False)
+    assert all("saved by a pipeline plan or with FSDP2" in m and "sharding 'none'" in m for m in messages), messages
+    run_ranks(train, 2, flat, 2, 6, False, str(tmp_path / "flat"), False)
+    messages = run_ranks(_run_expecting_error, 2, TWO, str(tmp_path / "flat"), False)
+    assert all("data-parallel run without FSDP2" in m and "a pipeline plan" in m for m in messages), messages
+    messages = run_ranks(_run_expecting_error, 2, TWO, None, True)
+    assert all("session.forward_backward" in m for m in messages), messages
