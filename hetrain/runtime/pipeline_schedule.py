@@ -13,6 +13,7 @@ Each rank computes its stage under its own precision's autocast; stage outputs t
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -31,6 +32,8 @@ from hetrain.runtime.pipeline_stages import PipelineLayout, compute_in_precision
 from hetrain.runtime.precision import JobLossScaler
 from hetrain.runtime.step_state import StepState, items_as_number
 from hetrain.runtime.timing import pad_to_speed
+
+log = logging.getLogger("hetrain")
 
 MULTI_STAGE = ("interleaved-1f1b",)   # schedules that take a list of this rank's stages
 
@@ -116,6 +119,7 @@ class PipelineRunner:
         self._schedules: dict[int, Any] = {}
         self._loss: Callable | None = None
         self._running = False
+        self._told: set[int] = set()   # micro-batch counts other than the plan's, said once each
         for held in {id(m): m for m in [module, *chunks]}.values():
             held.register_forward_pre_hook(self._refuse_direct_call)
 
@@ -144,8 +148,14 @@ class PipelineRunner:
         return busy
 
     def microbatches(self, samples: int) -> int:
-        return microbatches_for(samples, self.pipeline.microbatches,
-                                self.layout.stages if self.pipeline.schedule in MULTI_STAGE else None)
+        m = microbatches_for(samples, self.pipeline.microbatches,
+                             self.layout.stages if self.pipeline.schedule in MULTI_STAGE else None)
+        if m != self.pipeline.microbatches and m not in self._told and dist.get_rank() == 0:
+            self._told.add(m)
+            log.info("pipeline: a replica batch of %d samples runs in %d micro-batches, not the plan's %d "
+                     "(every micro-batch has one shape%s)", samples, m, self.pipeline.microbatches,
+                     ", in rounds of the ranks" if self.pipeline.schedule in MULTI_STAGE else "")
+        return m
 
     def _schedule(self, m: int) -> Any:
         if m not in self._schedules:
