@@ -9,6 +9,7 @@ stack with a tied vocabulary head, each at the sizes of hetrain/data/models.csv.
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -208,10 +209,39 @@ def _hf_config(config: str):
 
     if not config.strip() or (_looks_local(config) and not Path(config).exists()):
         raise HetrainError(f"--hf-config {config!r}: no such file or directory; fix: {_HF_FIX}")
+    if not _looks_local(config):
+        try:   # a hub name already in the local cache needs no network
+            return AutoConfig.from_pretrained(config, local_files_only=True)
+        except (OSError, ValueError):
+            pass
+        host = _hub_host()
+        if not _reachable(host):   # the hub's client would retry for about 25 s before saying so
+            raise HetrainError(f"--hf-config {config!r} is not in the local Hugging Face cache and {host} cannot "
+                               f"be reached from here; fix: {_HF_FIX}")
     try:
         return AutoConfig.from_pretrained(config)
     except (OSError, ValueError) as e:  # a missing name, no network, bad JSON, an unknown model type
         raise HetrainError(f"--hf-config {config!r} cannot be loaded ({_first_line(e)}); fix: {_HF_FIX}") from None
+
+
+def _hub_host() -> str:
+    """The Hugging Face hub's host (HF_ENDPOINT where set)."""
+    from urllib.parse import urlparse
+
+    return urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname or "huggingface.co"
+
+
+def _reachable(host: str, timeout_s: float = 5.0) -> bool:
+    """Whether a TCP connection to `host` on port 443 opens within `timeout_s` (name lookup included)."""
+    import socket
+
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return False
+    try:
+        with socket.create_connection((host, 443), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
 
 
 def _hf_model(cfg, config: str):

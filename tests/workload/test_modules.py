@@ -86,3 +86,15 @@ def test_profile_cli_with_a_missing_hf_config_is_one_line(tmp_path):
              "--out", str(tmp_path / "out"))
     assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.count("\n") == 1, p.stderr
     assert p.stderr.startswith(f"hetrain profile: error: --hf-config '{missing}': no such file or directory")
+
+
+def test_a_hub_name_neither_cached_nor_reachable_is_refused_at_once(tmp_path, monkeypatch):
+    """The hub's client retried for about 25 s on a machine without the network before its error."""
+    import time
+
+    monkeypatch.setenv("HF_ENDPOINT", "https://hub.invalid")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))   # nothing cached
+    start = time.monotonic()
+    with pytest.raises(HetrainError, match="not in the local Hugging Face cache and hub.invalid cannot be reached"):
+        hf_module("some-org/some-model")
+    assert time.monotonic() - start < 10
