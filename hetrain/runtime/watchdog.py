@@ -243,6 +243,10 @@ def ended_early(after: dict[int, Progress | None]) -> str | None:
             "epoch, not on a count of batches (micro-batches make that count differ between ranks)")
 
 
+CLOSED_KEY = "hetrain/progress/closed"
+"""Set by a rank that closes its session: ranks still waiting check whether they wait in vain."""
+
+
 class ProgressWatch:
     """Publishes this rank's progress to the store and ends the job, naming the culprit, on a stall.
 
@@ -283,6 +287,7 @@ class ProgressWatch:
         self._phase = "done"
         try:
             self._publish()
+            self.store.set(CLOSED_KEY, "1")   # ranks still waiting look for a step this one never takes
         except Exception:  # the store is gone: the job is over
             pass
 
@@ -318,6 +323,8 @@ class ProgressWatch:
                 self._publish()
                 now = time.monotonic()
                 stalled = now - self._since
+                if self._closed_early(stalled):
+                    return
                 if stalled < self.timeout_s - 3 * self.interval_s:
                     before, reported_at = None, 0.0
                     continue
@@ -338,6 +345,20 @@ class ProgressWatch:
                 if self._stop.is_set():
                     return
                 time.sleep(self.interval_s)
+
+
+    def _closed_early(self, stalled: float) -> bool:
+        """Waiting in a step a rank that closed its session never takes: the lowest such rank reports
+        it now (the others end with the job), without waiting for the progress timeout."""
+        if self._phase != "waiting" or stalled < 3 * self.interval_s or not self.store.check([CLOSED_KEY]):
+            return False
+        after = self._read_all()
+        early = ended_early(after)
+        waiting = sorted(r for r, p in after.items() if p is not None and p.phase == "waiting")
+        if early is None or not waiting or waiting[0] != self.rank:
+            return False
+        self.on_stall(early, find_stall(after, after))
+        return True
 
 
 def _report_and_exit(message: str, stall: Stall) -> None:

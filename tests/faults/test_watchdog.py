@@ -204,3 +204,42 @@ def test_a_failure_is_summed_up_as_its_whole_first_paragraph_without_torchs_fram
                           "frame #0: c10::Error::Error(...) + 0x96")
     assert one_line(framed) == "RuntimeError: Connection closed by peer [127.0.0.1]:1234"
     assert len(one_line(ValueError("x" * 1000))) == 300 and one_line(KeyError()) == "KeyError"
+
+
+EARLY_CLOSE_SCRIPT = '''
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+import hetrain
+
+if __name__ == "__main__":
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(256, 6, generator=g), torch.randint(0, 3, (256,), generator=g))
+    session = hetrain.Session()
+    net = torch.nn.Linear(6, 3)
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    for i, (x, y) in enumerate(session.loader(data, global_batch_size=16, seed=0)):
+        session.backward(F.cross_entropy(model(x), y))
+        session.step()
+        if i + 1 == 7:        # seven batches: step 2 on rank 0 (3 micro-batches a step), step 7 on rank 1
+            break
+    session.close()
+'''
+
+
+def test_a_rank_that_closes_early_is_named_in_seconds_not_after_the_progress_timeout(tmp_path):
+    """Stopping after a count of batches, ranks with 3 and 1 micro-batches a step stop at steps 2 and
+    7: rank 1 waits in step 3 for a rank that closed. It is named within seconds of the close, not
+    after the 300 s progress timeout."""
+    from tests.distributed import run_cli
+    from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+
+    plan = Plan(global_batch_size=16, balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=0, share=12, micro_batch=4), RankPlan(rank=1, share=4)])
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    (tmp_path / "early.py").write_text(EARLY_CLOSE_SCRIPT)
+    start = time.monotonic()
+    r = run_cli([sys.executable, "-m", "hetrain.cli.main", "launch", "--nproc-per-node", "2", "--plan",
+                 str(tmp_path / "plan.json"), str(tmp_path / "early.py")], cwd=ROOT, timeout=120)
+    assert r.returncode != 0 and time.monotonic() - start < 60, r.stderr[-2000:]
+    assert "rank 0 closed the session after 2 step(s) while rank 1 wait(s) in step 3" in r.stderr, r.stderr[-2000:]
