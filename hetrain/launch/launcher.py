@@ -211,7 +211,8 @@ def launch(cfg: LaunchConfig) -> int:
         print(f"hetrain launch: emulating device speeds {os.environ[Env.EMULATE_SPEEDS]} on CPU ranks; "
               "all timings from this run are emulated", file=sys.stderr, flush=True)
     args = get_args_parser().parse_args(torchrun_argv(cfg))
-    args.signals_to_handle = agent_signals(args.signals_to_handle)
+    if hasattr(args, "signals_to_handle"):   # torchrun's option where it has one; an older agent takes SIGTERM back
+        args.signals_to_handle = agent_signals(args.signals_to_handle)
     launch_id = adopt_orphans()
     stop = GracefulStop(launch_id)
     stop.install()
