@@ -48,7 +48,7 @@ from hetrain.runtime.precision import JobLossScaler, autocast, configure_tf32
 from hetrain.runtime.resume import SessionCheckpoints
 from hetrain.runtime.step_state import StepState, items_as_number
 from hetrain.runtime.step_clock import StepClock, StepTimes
-from hetrain.runtime.step_guard import OptimizerStepGuard, gradients_pending
+from hetrain.runtime.step_guard import OptimizerStepGuard, check_gradients_kept, gradients_pending
 from hetrain.runtime.timing import StepTimer, TimedHookState, emulated_speed, idle_fraction
 from hetrain.runtime.train_state import TrainState
 from hetrain.runtime.watchdog import ProgressWatch, die_with_parent
@@ -200,11 +200,7 @@ class Session:
         return self.prepared.model, self.prepared.optimizer
 
     def _guard_optimizer(self) -> None:
-        model = self.prepared.model
-        modules = [model] + ([model.module] if isinstance(getattr(model, "module", None), torch.nn.Module) else [])
-        self._step_guard = (OptimizerStepGuard(self.optimizer, modules,
-                                               mid_step=self.state.between_micro_batches)
-                            if self.optimizer is not None else None)
+        self._step_guard = OptimizerStepGuard(self.optimizer) if self.optimizer is not None else None
 
     def loader(self, dataset: Any, global_batch_size: int, *, shuffle: bool = True, seed: int = 0,
                drop_last: bool = True, **options: Any) -> HeteroLoader:
@@ -291,6 +287,8 @@ class Session:
             raise HetrainError("under a pipeline plan no rank holds the whole model: run each step with "
                                "session.forward_backward(inputs, target, loss_fn) instead of model(...) and backward()")
         self.state.require_batch("backward")
+        if self.sharding != "fsdp":   # FSDP2 keeps a step's earlier micro-batches' gradients off p.grad
+            check_gradients_kept(self.prepared.module, self.state)
         items = self.state.current_samples() if num_items is None else items_as_number(num_items)
         self.state.record_backward(loss, items)
         self._launch_figures()

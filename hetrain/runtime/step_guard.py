@@ -7,14 +7,16 @@ one before `session.step()` would update twice. A step pre-hook refuses both wit
 step over zero gradients is let through: torch's distributed checkpoint takes one, at learning
 rate 0, to create an optimizer's state before it is saved (`_init_optim_state`).
 
-`zero_grad()` of the prepared optimizer or model, a habit of ported loops, is harmless between
-steps (`session.step()` leaves no gradient), but between a step's micro-batches it discards the
-earlier ones' gradients: it is refused there.
+`zero_grad()` of the optimizer or the model, a habit of ported loops, is harmless between steps
+(`session.step()` leaves no gradient), but between a step's micro-batches it discards the earlier
+ones' gradients: the next `session.backward()` finds them gone and refuses the step. (Neither the
+optimizer nor the model is patched for it: a module with a function of hetrain's among its
+attributes could no longer be pickled whole.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
@@ -26,33 +28,20 @@ OUTSIDE_STEP = ("optimizer.step() was called outside session.step(); call sessio
                 "the optimizer and zeroes the gradients")
 
 
-MID_STEP_ZERO = ("zero_grad() was called between a step's micro-batches: it would discard the earlier ones' "
-                 "gradients; remove it (session.step() zeroes the gradients after each step)")
+MID_STEP_ZERO = ("the gradients of this step's earlier micro-batches are gone: a zero_grad() between a step's "
+                 "micro-batches discards them; remove it (session.step() zeroes the gradients after each step)")
 
 
 class OptimizerStepGuard:
-    """Refuses the optimizer's step unless `session.step()` is running it, and `zero_grad()` of the
-    optimizer or the `modules` in the middle of a step (`mid_step()`)."""
+    """Refuses the optimizer's step unless `session.step()` is running it."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, modules: list[torch.nn.Module] = (),
-                 mid_step: Callable[[], bool] = lambda: False) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.inside = False
-        self.mid_step = mid_step
         self.handle = optimizer.register_step_pre_hook(self._check)
-        for owner in [optimizer, *modules]:
-            owner.zero_grad = self._guarded(owner.zero_grad)
 
     def _check(self, optimizer, args, kwargs) -> None:
         if not self.inside and _holds_gradients(optimizer):
             raise HetrainError(OUTSIDE_STEP)
-
-    def _guarded(self, zero_grad: Callable[..., None]) -> Callable[..., None]:
-        def guarded(set_to_none: bool = True) -> None:
-            if not self.inside and self.mid_step():
-                raise HetrainError(MID_STEP_ZERO)
-            zero_grad(set_to_none=set_to_none)
-
-        return guarded
 
     @contextmanager
     def allowed(self) -> Iterator[None]:
@@ -78,3 +67,9 @@ def gradients_pending(model: torch.nn.Module) -> bool:
     (DTensor) gradient counts when present: its local shard alone may be all zeros on one rank."""
     return any(p.grad is not None and (hasattr(p.grad, "to_local") or bool(p.grad.any()))
                for p in model.parameters())
+
+
+def check_gradients_kept(module: torch.nn.Module, state) -> None:
+    """Before a backward: a step whose earlier micro-batches ran backward still holds their gradients."""
+    if state.between_micro_batches() and not any(p.grad is not None for p in module.parameters()):
+        raise HetrainError(MID_STEP_ZERO)
