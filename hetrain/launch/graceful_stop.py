@@ -22,7 +22,7 @@ import threading
 import time
 from types import FrameType
 
-from hetrain.launch.leftovers import children_of_launch
+from hetrain.launch.leftovers import children_of_launch, process_status
 
 STOP_WAIT_S = 30.0
 """How long the ranks get to save and exit before the agent stops them (its own SIGKILL follows 30 s
@@ -45,11 +45,9 @@ def rank_pids(launch_id: str) -> list[int]:
 def _running(pid: int) -> bool:
     """Whether `pid` has not exited (a zombie, exited but not yet collected by the agent, has)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
+        return process_status(pid)[0] != "Z"
+    except (OSError, ValueError):
         return False
-    return stat[stat.rindex(b")") + 2:].split()[:1] != [b"Z"]
 
 
 def agent_signals(value: str) -> str:

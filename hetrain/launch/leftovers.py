@@ -29,6 +29,15 @@ def adopt_orphans() -> str:
     return launch_id
 
 
+def process_status(pid: int) -> tuple[str, int]:
+    """(state letter, parent pid) of a process, from /proc (OSError when there is no such process)."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read()
+    # the command name may hold spaces and parentheses: the fields after the last ')' are fixed
+    state, ppid = stat[stat.rindex(b")") + 2:].split()[:2]
+    return state.decode(), int(ppid)
+
+
 def children_of_launch(launch_id: str) -> list[int]:
     """Live children of this process whose environment carries `launch_id`."""
     me, found = os.getpid(), []
@@ -41,11 +50,8 @@ def children_of_launch(launch_id: str) -> list[int]:
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-            # the command name may hold spaces and parentheses: the fields after the last ')' are fixed
-            state, ppid = stat[stat.rindex(b")") + 2:].split()[:2]
-            if int(ppid) != me or state == b"Z":
+            state, ppid = process_status(int(entry))
+            if ppid != me or state == "Z":
                 continue
             with open(f"/proc/{entry}/environ", "rb") as f:
                 if marker not in f.read().split(b"\0"):

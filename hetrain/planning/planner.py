@@ -229,7 +229,7 @@ def data_parallel(strategy: str, cluster, profile: WorkloadProfile, kinds: list[
         share, mb, ckpt = per_rank[r]
         k = kind_of[r]
         accum = max(1, math.ceil(share / mb)) if share else 1
-        mb_even = max(1, math.ceil(share / accum)) if share else 1
+        mb_even = even_micro_batch(share, mb)
         t = k.time(share, mb_even, ckpt)
         compute[r] = (t, accum)
         mem = k.memory(profile, mb_even if share else 0, optimizer=optimizer, zero=zero, world=world,

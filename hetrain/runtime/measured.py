@@ -54,12 +54,12 @@ class FlopMeter:
 
     def _count(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if torch.is_grad_enabled():   # a training forward; an evaluation under no_grad is not the step's work
-            self.step_elements += sum(t.numel() for t in tensors((args, kwargs)))
+            self.step_elements += _elements(args, kwargs)
 
     def _start(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         from torch.utils.flop_counter import FlopCounterMode
 
-        self.first_elements = sum(t.numel() for t in tensors((args, kwargs)))
+        self.first_elements = _elements(args, kwargs)
         try:
             self._mode = FlopCounterMode(display=False)
             self._mode.__enter__()
@@ -94,3 +94,8 @@ class FlopMeter:
         if self._elements is not None:
             self._elements.remove()
             self._elements = None
+
+
+def _elements(args: tuple, kwargs: dict) -> int:
+    """The numbers in the tensors a forward is given."""
+    return sum(t.numel() for t in tensors((args, kwargs)))

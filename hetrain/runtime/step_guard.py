@@ -53,20 +53,29 @@ class OptimizerStepGuard:
 
 
 def _holds_gradients(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether any parameter the optimizer steps holds a gradient that is not zero."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            g = p.grad
-            if g is not None and bool((g.to_local() if hasattr(g, "to_local") else g).any()):
-                return True
-    return False
+    """Whether any parameter the optimizer steps holds a gradient that is not zero (on this rank)."""
+    return holds_gradients((p for g in optimizer.param_groups for p in g["params"]), shard_counts=False)
 
 
 def gradients_pending(model: torch.nn.Module) -> bool:
-    """Whether any parameter holds a gradient that is not zero (one no step has used). A sharded
-    (DTensor) gradient counts when present: its local shard alone may be all zeros on one rank."""
-    return any(p.grad is not None and (hasattr(p.grad, "to_local") or bool(p.grad.any()))
-               for p in model.parameters())
+    """Whether any parameter holds a gradient that is not zero (one no step has used): the same answer
+    on every rank, so a sharded (DTensor) gradient counts when present (its shard may be all zeros)."""
+    return holds_gradients(model.parameters(), shard_counts=True)
+
+
+def holds_gradients(params, *, shard_counts: bool) -> bool:
+    """Whether any of `params` holds a gradient that is not zero; with `shard_counts` a sharded
+    gradient counts when present, else by its local shard."""
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        if hasattr(g, "to_local"):
+            if shard_counts or bool(g.to_local().any()):
+                return True
+        elif bool(g.any()):
+            return True
+    return False
 
 
 def check_gradients_kept(module: torch.nn.Module, state) -> None:

@@ -229,13 +229,13 @@ def ended_early(after: dict[int, Progress | None]) -> str | None:
     loop that stops after a count of batches, which micro-batches make differ between ranks): the
     cause, in words. A closed rank publishes the step after its last one."""
     done = {r: p for r, p in after.items() if p is not None and p.phase == "done"}
-    ahead = {r: p for r, p in after.items() if p is not None and p.phase == "waiting"
-             and done and p.step >= min(d.step for d in done.values())}
+    if not done:
+        return None
+    first_untaken = min(p.step for p in done.values())
+    ahead = {r: p for r, p in after.items() if p is not None and p.phase == "waiting" and p.step >= first_untaken}
     if not ahead:
         return None
-    closed = sorted(done)
-    last = min(done[r].step for r in closed) - 1
-    waiting = sorted(ahead)
+    closed, last, waiting = sorted(done), first_untaken - 1, sorted(ahead)
     step = min(ahead[r].step for r in waiting)
     return (f"rank{'s' if len(closed) > 1 else ''} {','.join(map(str, closed))} closed the session after {last} "
             f"step(s) while rank{'s' if len(waiting) > 1 else ''} {','.join(map(str, waiting))} wait(s) in step "
