@@ -30,6 +30,8 @@ args = parser.parse_args()
 session = hetrain.Session()
 model = gpt2_blocks(tiny_gpt2(vocab=64, context=32, width=64, layers=args.layers, heads=4))
 model, optimizer = session.prepare(model, torch.optim.AdamW(model.parameters(), lr=args.lr))
+# a linear warm-up over the first tenth of the steps: stepped, saved and resumed by the session
+session.add_scheduler(torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.steps / 10))))
 loader = session.loader(PaddedTokens(n=2048, length=24), global_batch_size=args.global_batch_size, seed=0)
 
 while session.step_count < args.steps:

@@ -46,6 +46,7 @@ from hetrain.runtime.plan_entries import (Assignment, assign_entries, comm_for_w
                                           pipeline_assignment)
 from hetrain.runtime.precision import JobLossScaler, autocast, configure_tf32
 from hetrain.runtime.resume import SessionCheckpoints
+from hetrain.runtime.schedulers import Schedulers
 from hetrain.runtime.step_state import StepState, items_as_number
 from hetrain.runtime.step_clock import StepClock, StepTimes
 from hetrain.runtime.step_guard import OptimizerStepGuard, check_gradients_kept, gradients_pending
@@ -112,6 +113,7 @@ class Session:
         self.prepared: Prepared | None = None
         self.balancer: Balancer | None = None
         self.train: TrainState | None = None
+        self.schedulers = Schedulers()
         self.checkpoints: SessionCheckpoints | None = None
         self.reports = Reports(self.run_dir, is_main=self.is_main)
         self.clock = StepClock(TIMING_HISTORY)
@@ -202,6 +204,12 @@ class Session:
     def _guard_optimizer(self) -> None:
         self._step_guard = OptimizerStepGuard(self.optimizer) if self.optimizer is not None else None
 
+    def add_scheduler(self, scheduler: Any) -> Any:
+        """An LR scheduler on the optimizer `prepare()` returned: stepped after each applied update (not by the
+        loop), checkpointed and resumed (hetrain.runtime.schedulers). Returns it."""
+        self.schedulers.add(scheduler, self.optimizer)
+        return scheduler
+
     def loader(self, dataset: Any, global_batch_size: int, *, shuffle: bool = True, seed: int = 0,
                drop_last: bool = True, **options: Any) -> HeteroLoader:
         """This rank's slices of one sequence of global batches (the same for any world size or split),
@@ -226,7 +234,7 @@ class Session:
         loader.gradients_pending = lambda: gradients_pending(self.prepared.model)
         self.balancer = balancer
         self.train = TrainState(self.prepared, self.sharding, self.scaler, self.balancer, loader, self.plan,
-                                self.world_size, self.rank)
+                                self.world_size, self.rank, schedulers=self.schedulers)
         self._start_checkpoints()
         self._start_metrics()
         return loader
@@ -375,6 +383,7 @@ class Session:
         with self._step_guard.allowed():
             self.timer.time_optimizer(self.optimizer.step if applied else (lambda: None))
             self.optimizer.zero_grad(set_to_none=True)
+        self.schedulers.step(applied)
         self.scaler.update(applied)
         self.train.skipped_steps += self.skips.count(applied, self.train.step + 1, self.scaler.scale, self.is_main)
         first_forward = self.timer.started_at

@@ -1,7 +1,7 @@
 """The checkpointable state of a session, as one object: what a checkpoint holds and how it returns.
 
-Model, optimizer, job-wide loss scale, balancer (split and measurements), data position, step,
-plan, and every rank's RNG state (docs/design.md, invariant 5). Under ZeRO-1 the optimizer state is
+Model, optimizer, the LR schedulers given to the session, job-wide loss scale, balancer (split and
+measurements), data position, step, plan, and every rank's RNG state (docs/design.md, invariant 5). Under ZeRO-1 the optimizer state is
 consolidated on rank 0 and saved whole (it loads on any number of ranks); under FSDP2 model and
 optimizer go through `torch.distributed.checkpoint.state_dict` into the checkpoint's sharded part.
 """
@@ -9,7 +9,7 @@ optimizer go through `torch.distributed.checkpoint.state_dict` into the checkpoi
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ from hetrain.runtime.balancer import Balancer
 from hetrain.runtime.data import HeteroLoader
 from hetrain.runtime.parallelize import Prepared
 from hetrain.runtime.precision import JobLossScaler
+from hetrain.runtime.schedulers import Schedulers
 from hetrain.runtime.sharding import is_zero1
 
 # Optimizer settings that a schedule moves during training: a checkpoint's values are expected to differ.
@@ -39,6 +40,7 @@ class TrainState:
     plan: Plan | None
     world_size: int
     rank: int
+    schedulers: Schedulers = field(default_factory=Schedulers)
     step: int = 0
     skipped_steps: int = 0
 
@@ -78,6 +80,7 @@ class TrainState:
             "optimizer_settings": _settings(optimizer),
             "sharding": self.sharding,
             "scaler": self.scaler.state_dict(),
+            "schedulers": self.schedulers.state_dict(),
             "balancer": self.balancer.state_dict(),
             "loader": self.loader.state_dict(),
             "world_size": self.world_size,
@@ -115,6 +118,8 @@ class TrainState:
         self.scaler.load_state_dict(shared["scaler"])
         self.loader.load_state_dict(shared["loader"])
         self.step = int(shared["step"])
+        self.schedulers.load_state_dict(shared.get("schedulers"), shared.get("optimizer_settings"), self.step,
+                                        optimizer)
         self.skipped_steps = int(shared.get("skipped_steps", 0))
         if int(shared["world_size"]) == self.world_size:
             self.balancer.load_state_dict(shared["balancer"])
@@ -154,7 +159,8 @@ class TrainState:
             )
         theirs, ours = shared.get("optimizer_settings") or [], _settings(optimizer)
         for i, (a, b) in enumerate(zip(theirs, ours)):
-            differ = sorted(k for k in set(a) | set(b) if k not in SCHEDULED and not _same(a.get(k), b.get(k)))
+            # keys only one side has are a scheduler's own (max_lr, base_momentum, ...), set when it is built
+            differ = sorted(k for k in set(a) & set(b) if k not in SCHEDULED and not _same(a[k], b[k]))
             if differ:
                 detail = ", ".join(f"{k}: checkpoint {a.get(k)!r}, script {b.get(k)!r}" for k in differ)
                 raise HetrainError(

@@ -1,7 +1,6 @@
 """Inputs the Session refuses with one line naming the fix, and a run that stops instead of going wrong."""
 
 import pickle
-import warnings
 
 import pytest
 import torch
@@ -222,37 +221,3 @@ def test_zero_grad_between_micro_batches_is_refused_and_harmless_elsewhere():
         except HetrainError as e:
             assert refused and "between a step's micro-batches" in str(e), e
         session.close()
-
-
-def _scheduled_run(directory, steps):
-    """docs/porting.md's recipe: a warm-up LambdaLR built after the loader (which resumes), stepped
-    session.step_count times; returns the lrs of the steps run."""
-    import hetrain
-
-    session = hetrain.Session(checkpoint_dir=directory, checkpoint_interval=3, async_checkpoints=False)
-    net = make_net()
-    model, optimizer = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
-    loader = session.loader(make_data(), global_batch_size=8, shuffle=True, seed=0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
-    with warnings.catch_warnings():   # torch's 'scheduler.step() before optimizer.step()': meant here
-        warnings.simplefilter("ignore", UserWarning)
-        for _ in range(session.step_count):
-            scheduler.step()
-    lrs = []
-    while session.step_count < steps:
-        for x, y in loader:
-            session.backward(F.cross_entropy(model(x), y))
-            if session.step():
-                lrs.append(optimizer.param_groups[0]["lr"])
-                scheduler.step()
-            if session.step_count >= steps:
-                break
-    session.close()
-    return lrs
-
-
-def test_the_documented_scheduler_recipe_resumes_the_same_schedule(tmp_path):
-    straight = _scheduled_run(str(tmp_path / "a"), 8)
-    first = _scheduled_run(str(tmp_path / "b"), 6)
-    resumed = _scheduled_run(str(tmp_path / "b"), 8)
-    assert first + resumed == pytest.approx(straight) and len(resumed) == 2

@@ -1,0 +1,119 @@
+"""LR schedulers given to the session (`session.add_scheduler`): stepped with each update, checkpointed.
+
+The session steps such a scheduler inside `session.step()`, right after an applied update (not after
+a step skipped for non-finite gradients), and before that step's checkpoint. A checkpoint therefore
+holds each scheduler where the next step needs it, and a resumed run, on any number of ranks,
+follows the same schedule. A `ReduceLROnPlateau` steps on a metric only the script has: the script
+keeps calling `scheduler.step(metric)`, and the session only checkpoints and restores it.
+
+A scheduler may be given before or after `session.loader()` (which resumes the newest checkpoint):
+given after, its saved state is loaded when it is given, and the optimizer's scheduled settings
+(lr, momentum, betas), which building the scheduler reset to the schedule's start, return to the
+checkpoint's.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from hetrain.errors import HetrainError
+
+log = logging.getLogger("hetrain")
+
+# The optimizer settings a scheduler moves, restored from a checkpoint with the scheduler's state.
+MOVED = ("lr", "momentum", "betas")
+
+
+def position(scheduler: Any) -> int | None:
+    """How many steps the scheduler has taken (None for one that does not count them, a ChainedScheduler)."""
+    return getattr(scheduler, "last_epoch", None)
+
+
+def on_metric(scheduler: Any) -> bool:
+    """A scheduler stepped on a metric (ReduceLROnPlateau): the script steps it, the session only saves it."""
+    return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
+class Schedulers:
+    """The schedulers given to one session, in the order given (a checkpoint's states follow that order)."""
+
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+        self._stepped_to: list[int | None] = []       # last_epoch after the session's own step, by scheduler
+        self._saved: list[dict] | None = None         # a checkpoint's states not yet given a scheduler
+        self._saved_settings: list[dict] = []         # that checkpoint's optimizer settings, by parameter group
+        self._saved_step = 0
+
+    def add(self, scheduler: Any, optimizer: Any) -> None:
+        """Take `scheduler`, which must drive `optimizer` (the one session.prepare() returned)."""
+        if optimizer is None:
+            raise HetrainError("session.add_scheduler() needs the session's optimizer: call session.prepare(model, "
+                               "optimizer) first and build the scheduler on the optimizer it returns")
+        if not hasattr(scheduler, "state_dict") or not hasattr(scheduler, "step"):
+            raise HetrainError(f"session.add_scheduler() takes an LR scheduler (torch.optim.lr_scheduler), "
+                               f"not {type(scheduler).__name__}")
+        if any(s is scheduler for s in self.items):
+            raise HetrainError("this scheduler was already given to session.add_scheduler(); give each one once")
+        if getattr(scheduler, "optimizer", None) is not optimizer:
+            raise HetrainError(
+                "this LR scheduler drives another optimizer than the one session.prepare() returned (the session "
+                "may re-create the optimizer for its sharding); build the scheduler on the returned optimizer"
+            )
+        self.items.append(scheduler)
+        self._stepped_to.append(position(scheduler))
+        index = len(self.items) - 1
+        if self._saved is not None:
+            self._load(index, optimizer)
+
+    def step(self, applied: bool) -> None:
+        """At the end of a step: after an applied update, step every scheduler not stepped on a metric."""
+        self.check_not_stepped_elsewhere()
+        if not applied:
+            return
+        for i, scheduler in enumerate(self.items):
+            if on_metric(scheduler):
+                continue
+            scheduler.step()
+            self._stepped_to[i] = position(scheduler)
+
+    def check_not_stepped_elsewhere(self) -> None:
+        """A loop that also calls scheduler.step() would advance the schedule twice a step: refused."""
+        for scheduler, expected in zip(self.items, self._stepped_to):
+            if expected is not None and not on_metric(scheduler) and position(scheduler) != expected:
+                raise HetrainError(
+                    f"{type(scheduler).__name__}.step() was called outside session.step(); the session steps "
+                    "the schedulers given to session.add_scheduler() after each update: remove the loop's own "
+                    "scheduler.step()"
+                )
+
+    # -- checkpoints --------------------------------------------------------------------------------
+
+    def state_dict(self) -> list[dict]:
+        self.check_not_stepped_elsewhere()
+        return [scheduler.state_dict() for scheduler in self.items]
+
+    def load_state_dict(self, states: list[dict] | None, settings: list[dict] | None, step: int,
+                        optimizer: Any) -> None:
+        """A checkpoint's states (None: it holds none): loaded now into the schedulers given so far, and
+        into later ones when they are given."""
+        self._saved, self._saved_settings, self._saved_step = list(states or []), list(settings or []), step
+        for i in range(len(self.items)):
+            self._load(i, optimizer)
+
+    def _load(self, index: int, optimizer: Any) -> None:
+        scheduler = self.items[index]
+        if index >= len(self._saved):
+            if self._saved_step > 0:
+                log.warning("the checkpoint of step %d holds no state for LR scheduler %d (%s): it starts from "
+                            "its beginning", self._saved_step, index, type(scheduler).__name__)
+            return
+        scheduler.load_state_dict(self._saved[index])
+        self._stepped_to[index] = position(scheduler)
+        # Building the scheduler moved the optimizer's settings to the schedule's start: back to the checkpoint's.
+        for group, saved in zip(optimizer.param_groups, self._saved_settings):
+            for key in MOVED:
+                if key in group and key in saved:
+                    group[key] = tuple(saved[key]) if isinstance(group[key], tuple) else saved[key]

@@ -1,0 +1,146 @@
+"""LR schedulers given to the session: stepped with each applied update, checkpointed, resumed exactly."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hetrain.errors import HetrainError
+from tests.distributed import run_ranks
+from tests.runtime.test_refusals import make_data, make_net
+
+
+def _one_cycle(optimizer):
+    return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.5, total_steps=20)   # moves lr and momentum
+
+
+def _warm_up(optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 5))
+
+
+def _run(directory, steps, *, schedule=_one_cycle, given="after", nan_at=None, sharding=None):
+    """Train to `steps` (resuming what `directory` holds); returns (lr and momentum of each step run, parameters)."""
+    import hetrain
+    from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+
+    plan = None
+    if sharding is not None:
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else int(
+            __import__("os").environ.get("WORLD_SIZE", "1"))
+        plan = Plan(global_batch_size=8, sharding=sharding, balance=BalancePlan(enabled=False),
+                    ranks=[RankPlan(rank=r, share=8 // world) for r in range(world)])
+    session = hetrain.Session(plan, checkpoint_dir=directory, checkpoint_interval=3, async_checkpoints=False)
+    net = make_net()
+    model, optimizer = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+    if given == "before":
+        session.add_scheduler(schedule(optimizer))
+    loader = session.loader(make_data(), global_batch_size=8, shuffle=True, seed=0)
+    if given == "after":
+        session.add_scheduler(schedule(optimizer))
+    seen = []
+    while session.step_count < steps:
+        for x, y in loader:
+            group = optimizer.param_groups[0]
+            used = (group["lr"], group["momentum"])
+            loss = F.cross_entropy(model(x), y)
+            if session.step_count == nan_at:
+                loss = loss * float("nan")
+            session.backward(loss)
+            seen.append(used)
+            session.step()
+            if session.step_count >= steps:
+                break
+    params = [p.detach().clone() for p in session.prepared.module.parameters()]
+    session.close()
+    return seen, params
+
+
+@pytest.mark.parametrize("given", ["before", "after"])
+def test_a_scheduler_given_to_the_session_resumes_the_same_schedule(tmp_path, given):
+    """Stopped at step 7 and resumed (the scheduler given before or after the loader, which resumes),
+    the run uses the same lr and momentum at every step and ends with the same parameters."""
+    straight, end = _run(str(tmp_path / "a"), 12, given=given)
+    first, _ = _run(str(tmp_path / "b"), 7, given=given)
+    resumed, end_resumed = _run(str(tmp_path / "b"), 12, given=given)
+    assert len(resumed) == 5
+    assert first + resumed == straight
+    assert len({lr for lr, _ in straight}) == 12   # the schedule moved every step
+    assert all(torch.equal(a, b) for a, b in zip(end, end_resumed))
+
+
+def test_a_skipped_step_does_not_advance_the_schedule(tmp_path):
+    seen, _ = _run(str(tmp_path), 6, schedule=_warm_up, nan_at=2)
+    lrs = [lr for lr, _ in seen]
+    # step 3's update is skipped (its loss is NaN); its lr is used again by the step that follows
+    assert lrs == pytest.approx([0.02, 0.04, 0.06, 0.06, 0.08, 0.1])
+
+
+def test_a_loops_own_scheduler_step_is_refused():
+    import hetrain
+
+    session = hetrain.Session()
+    net = make_net()
+    model, optimizer = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    scheduler = session.add_scheduler(_warm_up(optimizer))
+    loader = session.loader(make_data(), global_batch_size=8, shuffle=False, seed=0)
+    x, y = next(iter(loader))
+    session.backward(F.cross_entropy(model(x), y))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        scheduler.step()
+    with pytest.raises(HetrainError, match="LambdaLR.step\\(\\) was called outside session.step\\(\\).*remove"):
+        session.step()
+    session.close()
+
+
+def test_a_scheduler_of_another_optimizer_is_refused():
+    import hetrain
+
+    session = hetrain.Session()
+    net = make_net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    session.prepare(net, optimizer)
+    other = torch.optim.SGD(make_net().parameters(), lr=0.1)
+    with pytest.raises(HetrainError, match="build the scheduler on the returned optimizer"):
+        session.add_scheduler(_warm_up(other))
+    session.close()
+
+
+def test_a_plateau_scheduler_is_saved_and_stepped_by_the_script(tmp_path):
+    """ReduceLROnPlateau steps on the script's metric: the session leaves its steps alone and restores it."""
+    import hetrain
+
+    def run(steps):
+        session = hetrain.Session(checkpoint_dir=str(tmp_path), checkpoint_interval=100, async_checkpoints=False)
+        net = make_net()
+        model, optimizer = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        loader = session.loader(make_data(), global_batch_size=8, shuffle=False, seed=0)
+        plateau = session.add_scheduler(torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0))
+        for x, y in loader:
+            session.backward(F.cross_entropy(model(x), y))
+            session.step()
+            plateau.step(1.0)   # a metric that never improves: the lr falls after every step but the first
+            if session.step_count >= steps:
+                break
+        lr = optimizer.param_groups[0]["lr"]
+        session.close()
+        return lr, plateau.num_bad_epochs
+
+    lr, bad = run(3)
+    assert lr == pytest.approx(0.1 * 0.1 ** 2) and bad == 0
+    lr_resumed, _ = run(4)
+    assert lr_resumed == pytest.approx(0.1 * 0.1 ** 3)
+
+
+def _sharded(rank, world, directory, steps):
+    return _run(directory, steps, sharding="zero1")
+
+
+def test_a_zero1_schedule_resumes_on_another_number_of_ranks(tmp_path):
+    """Saved by 2 ranks under ZeRO-1 (which re-creates the optimizer), resumed on 1: the same schedule."""
+    straight = run_ranks(_sharded, 2, str(tmp_path / "a"), 10)[0][0]
+    first = run_ranks(_sharded, 2, str(tmp_path / "b"), 6)[0][0]
+    resumed = run_ranks(_sharded, 1, str(tmp_path / "b"), 10)[0][0]
+    assert [lr for lr, _ in first + resumed] == pytest.approx([lr for lr, _ in straight])
+    assert [m for _, m in first + resumed] == pytest.approx([m for _, m in straight])
