@@ -146,6 +146,16 @@ class SkipCounter:
         return 1
 
 
+def weighted_mean(value: torch.Tensor | float, weight: float, device: torch.device) -> float:
+    """The mean over all ranks of each rank's `value`, weighted by its `weight` (collective); NaN when
+    every weight is 0."""
+    w = float(weight)
+    v = float(value.detach().float().item() if isinstance(value, torch.Tensor) else value)
+    t = torch.tensor([v * w if w else 0.0, w], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return float(t[0] / t[1]) if t[1] > 0 else float("nan")
+
+
 def total_norm(params: Iterable[torch.nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
     """The norm of all gradients together, the same on every rank (sharded FSDP2 gradients included)."""
     norm = torch.nn.utils.get_total_norm(gradients(params), norm_type, error_if_nonfinite=False)

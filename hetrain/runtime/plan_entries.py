@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from hetrain.errors import HetrainError
 from hetrain.planning.batch_split import split_proportional
@@ -76,6 +77,20 @@ def local_device_kind(device: torch.device, local_rank: int) -> tuple[str, bool]
     props = torch.cuda.get_device_properties(device)
     spec = match_device_name(props.name, int(props.total_memory))
     return (spec.name if spec is not None else props.name), False
+
+
+def find_entries(plan: Plan | None, device: torch.device, local_rank: int, world_size: int) -> Assignment:
+    """Every rank's plan entry, looked up by the device kind each rank has (collective: all-gathered)."""
+    kind, stand_in = local_device_kind(device, local_rank)
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, (kind, stand_in))
+    kinds, emulated = [k for k, _ in gathered], [s for _, s in gathered]
+    if plan is None:
+        note = (f"no plan (hetrain launch --plan, or {Env.PLAN}): {world_size} rank(s) start from an even "
+                "split in fp32, without micro-batches")
+        return Assignment([RankPlan(rank=r, device=k, share=0) for r, k in enumerate(kinds)],
+                          stand_in=any(emulated), notes=[note])
+    return assign_entries(plan, kinds, emulated)
 
 
 def assign_entries(plan: Plan, kinds: Sequence[str], emulated: Sequence[bool] | None = None) -> Assignment:

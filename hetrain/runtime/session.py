@@ -37,19 +37,18 @@ from hetrain.runtime.environment import (RankEnv, collective_timeout, configure_
                                          pick_device, print_user_errors_as_one_line, progress_timeout)
 from hetrain.metrics.events import StepRecord
 from hetrain.runtime.gradients import (GradientStatus, SkipCounter, StepFigures, clip_gradients, finish_gradients,
-                                       launch_step_figures)
+                                       launch_step_figures, weighted_mean)
 from hetrain.runtime.reporting import Reports, comm_bytes
 from hetrain.runtime.parallelize import Prepared, gradient_sync, parallelize
 from hetrain.runtime.pipeline_schedule import PipelineRunner, item_counter, prepare_pipeline
 from hetrain.runtime.pipeline_stages import PipelineLayout, check_pipeline_plan
-from hetrain.runtime.plan_entries import (Assignment, assign_entries, comm_for_world, local_device_kind,
-                                          pipeline_assignment)
+from hetrain.runtime.plan_entries import comm_for_world, find_entries, pipeline_assignment
 from hetrain.runtime.precision import JobLossScaler, autocast, configure_tf32
 from hetrain.runtime.resume import SessionCheckpoints
 from hetrain.runtime.schedulers import Schedulers
 from hetrain.runtime.step_state import StepState, items_as_number
 from hetrain.runtime.step_clock import StepClock, StepTimes
-from hetrain.runtime.step_guard import OptimizerStepGuard, check_gradients_kept, gradients_pending
+from hetrain.runtime.step_guard import KeptGradients, OptimizerStepGuard, gradients_pending
 from hetrain.runtime.timing import StepTimer, TimedHookState, emulated_speed, idle_fraction
 from hetrain.runtime.train_state import TrainState
 from hetrain.runtime.watchdog import ProgressWatch, die_with_parent
@@ -95,7 +94,7 @@ class Session:
             self.watch = ProgressWatch(store, self.rank, self.world_size, progress_timeout())
             self.watch.start()
         self.local_rank, self.restart_count = env.local_rank, env.restart_count
-        self.assignment = self._find_entries(plan)
+        self.assignment = find_entries(plan, self.device, env.local_rank, self.world_size)
         self.layout: PipelineLayout | None = None
         self.pipeline: PipelineRunner | None = None
         if plan is not None and plan.pipeline is not None:
@@ -123,6 +122,7 @@ class Session:
         self._launched_for: tuple | None = None
         self._grad_norm: float | None = None
         self.skips = SkipCounter(max_skipped_steps)
+        self._kept = KeptGradients()
         if self.is_main:
             for note in self.assignment.notes:
                 log.info("%s", note)
@@ -131,19 +131,6 @@ class Session:
                          os.environ.get(Env.EMULATE_SPEEDS))
 
     # -- set-up -------------------------------------------------------------------------------------
-
-    def _find_entries(self, plan: Plan | None) -> Assignment:
-        """Every rank's plan entry, looked up by the device kind each rank has (all-gathered)."""
-        kind, stand_in = local_device_kind(self.device, self.local_rank)
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, (kind, stand_in))
-        kinds, emulated = [k for k, _ in gathered], [s for _, s in gathered]
-        if plan is None:
-            note = (f"no plan (hetrain launch --plan, or {Env.PLAN}): {self.world_size} rank(s) start from an even "
-                    "split in fp32, without micro-batches")
-            return Assignment([RankPlan(rank=r, device=k, share=0) for r, k in enumerate(kinds)],
-                              stand_in=any(emulated), notes=[note])
-        return assign_entries(plan, kinds, emulated)
 
     _stopping = property(lambda self: bool(self.checkpoints and self.checkpoints.stop_requested))  # SIGTERM here
 
@@ -296,7 +283,7 @@ class Session:
                                "session.forward_backward(inputs, target, loss_fn) instead of model(...) and backward()")
         self.state.require_batch("backward")
         if self.sharding != "fsdp":   # FSDP2 keeps a step's earlier micro-batches' gradients off p.grad
-            check_gradients_kept(self.prepared.module, self.state)
+            self._kept.check(self.prepared.module, self.state)
         items = self.state.current_samples() if num_items is None else items_as_number(num_items)
         self.state.record_backward(loss, items)
         self._launch_figures()
@@ -309,6 +296,8 @@ class Session:
         else:
             weighted = loss * self.state.weight(items)
         self.scaler.scale_loss(weighted).backward()
+        if self.sharding != "fsdp":
+            self._kept.after_backward(self.prepared.module, self.state)
         self._status = None
 
     def _launch_figures(self) -> None:
@@ -418,13 +407,7 @@ class Session:
     def global_mean(self, value: torch.Tensor | float, weight: float | None = None) -> float:
         """The mean over all ranks of per-rank means, weighted by each rank's items: by default this
         step's items so far, or the last finished step's after `step()` (collective)."""
-        if weight is None:
-            weight = self.state.mean_weight()
-        w = float(weight)
-        v = float(value.detach().float().item() if isinstance(value, torch.Tensor) else value)
-        t = torch.tensor([v * w if w else 0.0, w], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
-        return float(t[0] / t[1]) if t[1] > 0 else float("nan")
+        return weighted_mean(value, self.state.mean_weight() if weight is None else weight, self.device)
 
     def idle_fraction(self, last: int | None = None) -> float:
         """Fraction of this rank's wall time per step spent not computing (waiting on others, for data

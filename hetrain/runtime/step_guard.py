@@ -9,9 +9,10 @@ rate 0, to create an optimizer's state before it is saved (`_init_optim_state`).
 
 `zero_grad()` of the optimizer or the model, a habit of ported loops, is harmless between steps
 (`session.step()` leaves no gradient), but between a step's micro-batches it discards the earlier
-ones' gradients: the next `session.backward()` finds them gone and refuses the step. (Neither the
-optimizer nor the model is patched for it: a module with a function of hetrain's among its
-attributes could no longer be pickled whole.)
+ones' gradients, and `torch.nn.utils.clip_grad_norm_` there clips a part of the step's gradient:
+the next `session.backward()` finds the gradients gone or changed since the last backward left them
+and refuses the step. (Neither the optimizer nor the model is patched for it: a module with a
+function of hetrain's among its attributes could no longer be pickled whole.)
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ OUTSIDE_STEP = ("optimizer.step() was called outside session.step(); call sessio
 
 MID_STEP_ZERO = ("the gradients of this step's earlier micro-batches are gone: a zero_grad() between a step's "
                  "micro-batches discards them; remove it (session.step() zeroes the gradients after each step)")
+MID_STEP_CHANGED = ("the gradients of this step's earlier micro-batches were changed after their backward: a "
+                    "zero_grad(set_to_none=False) between a step's micro-batches discards them (remove it: "
+                    "session.step() zeroes the gradients after each step), and torch.nn.utils.clip_grad_norm_ "
+                    "clips a part of the step (call session.clip_grad_norm_, which clips the whole step once)")
 
 
 class OptimizerStepGuard:
@@ -78,7 +83,28 @@ def holds_gradients(params, *, shard_counts: bool) -> bool:
     return False
 
 
-def check_gradients_kept(module: torch.nn.Module, state) -> None:
-    """Before a backward: a step whose earlier micro-batches ran backward still holds their gradients."""
-    if state.between_micro_batches() and not any(p.grad is not None for p in module.parameters()):
-        raise HetrainError(MID_STEP_ZERO)
+class KeptGradients:
+    """Between a step's micro-batches, the gradients stay as the last backward left them."""
+
+    def __init__(self) -> None:
+        self._left: tuple | None = None
+
+    def check(self, module: torch.nn.Module, state) -> None:
+        """Before a backward: a step whose earlier micro-batches ran backward still holds their gradients."""
+        if not state.between_micro_batches():
+            self._left = None
+            return
+        if not any(p.grad is not None for p in module.parameters()):
+            raise HetrainError(MID_STEP_ZERO)
+        if self._left is not None and grad_versions(module) != self._left:
+            raise HetrainError(MID_STEP_CHANGED)
+
+    def after_backward(self, module: torch.nn.Module, state) -> None:
+        """Note the gradients a backward left, when more of the step's micro-batches follow."""
+        self._left = None if state.last_micro else grad_versions(module)
+
+
+def grad_versions(module: torch.nn.Module) -> tuple:
+    """Each gradient tensor and its in-place version counter: changed by zero_(), mul_(), any in-place write.
+    (torch offers the counter as `Tensor._version` only; torch.utils.checkpoint reads it the same way.)"""
+    return tuple((id(p.grad), p.grad._version) for p in module.parameters() if p.grad is not None)
