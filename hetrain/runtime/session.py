@@ -297,7 +297,7 @@ class Session:
             weighted = loss * self.state.weight(items)
         self.scaler.scale_loss(weighted).backward()
         if self.sharding != "fsdp":
-            self._kept.after_backward(self.prepared.module, self.state)
+            self._kept.after_backward(self.prepared.module, self.state.last_micro, self.scaler.scale)
         self._status = None
 
     def _launch_figures(self) -> None:
@@ -322,6 +322,8 @@ class Session:
                 raise HetrainError("this step's batch had no session.backward(loss): call it in place of "
                                    "loss.backward(), which leaves each rank's gradient unweighted by its share "
                                    "of the global batch (a rank with no items calls it too)")
+            if self.pipeline is None and self.sharding != "fsdp":
+                self._kept.check_before_finish(self.prepared.module)
             if self.sharding == "fsdp":
                 self.timer.grads_ready()  # FSDP2 has no comm hook: backward (and its reduce-scatter) ended here
             if self.pipeline is not None:

@@ -9,10 +9,13 @@ rate 0, to create an optimizer's state before it is saved (`_init_optim_state`).
 
 `zero_grad()` of the optimizer or the model, a habit of ported loops, is harmless between steps
 (`session.step()` leaves no gradient), but between a step's micro-batches it discards the earlier
-ones' gradients, and `torch.nn.utils.clip_grad_norm_` there clips a part of the step's gradient:
-the next `session.backward()` finds the gradients gone or changed since the last backward left them
-and refuses the step. (Neither the optimizer nor the model is patched for it: a module with a
-function of hetrain's among its attributes could no longer be pickled whole.)
+ones' gradients: the next `session.backward()` finds them gone (set to None or zeroed in place) and
+refuses the step. On a job with an fp16 rank the gradients stay multiplied by the loss scale
+until the session finishes them, and torch's clipping there clips the update to almost nothing: the
+session refuses the step when every gradient was scaled by one factor after the last backward. A
+change to some gradients only (a mask on an embedding's rows) is the script's own and is kept. (Neither the
+optimizer nor the model is patched for it: a module with a function of hetrain's among its
+attributes could no longer be pickled whole.)
 """
 
 from __future__ import annotations
@@ -29,12 +32,12 @@ OUTSIDE_STEP = ("optimizer.step() was called outside session.step(); call sessio
                 "the optimizer and zeroes the gradients")
 
 
-MID_STEP_ZERO = ("the gradients of this step's earlier micro-batches are gone: a zero_grad() between a step's "
-                 "micro-batches discards them; remove it (session.step() zeroes the gradients after each step)")
-MID_STEP_CHANGED = ("the gradients of this step's earlier micro-batches were changed after their backward: a "
-                    "zero_grad(set_to_none=False) between a step's micro-batches discards them (remove it: "
-                    "session.step() zeroes the gradients after each step), and torch.nn.utils.clip_grad_norm_ "
-                    "clips a part of the step (call session.clip_grad_norm_, which clips the whole step once)")
+MID_STEP_ZERO = ("the gradients of this step's earlier micro-batches are gone (set to None or zeroed): a "
+                 "zero_grad() between a step's micro-batches discards them; remove it (session.step() zeroes the "
+                 "gradients after each step)")
+SCALED_CHANGED = ("the step's gradients were changed after session.backward() while they are still multiplied by "
+                  "the job's fp16 loss scale: torch.nn.utils.clip_grad_norm_ there clips them to almost nothing; call "
+                  "session.clip_grad_norm_(max_norm), which unscales and clips the global-batch gradient")
 
 
 class OptimizerStepGuard:
@@ -84,27 +87,59 @@ def holds_gradients(params, *, shard_counts: bool) -> bool:
 
 
 class KeptGradients:
-    """Between a step's micro-batches, the gradients stay as the last backward left them."""
+    """The gradients stay as the last backward left them: between a step's micro-batches (not zeroed),
+    and on a job with a loss scale until the session finishes them (not clipped by torch's function).
+    A change to some gradients only (a mask on an embedding's rows) is the script's own and is kept.
+
+    Gradients that are views of one buffer (DDP's buckets) share one in-place version counter, so a
+    change is first noticed by the counters, then told apart by the gradients themselves: all zero
+    (a zero_grad), or all scaled by one factor below 1 (a clipping: each tensor's norm against the
+    one the last backward left, kept on a loss-scaled job only)."""
 
     def __init__(self) -> None:
-        self._left: tuple | None = None
+        self._versions: dict[int, int] = {}
+        self._norms: list[torch.Tensor] | None = None
 
     def check(self, module: torch.nn.Module, state) -> None:
         """Before a backward: a step whose earlier micro-batches ran backward still holds their gradients."""
         if not state.between_micro_batches():
-            self._left = None
+            self._versions, self._norms = {}, None
             return
-        if not any(p.grad is not None for p in module.parameters()):
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        if not grads or (self._changed(module) and not any(bool(g.any()) for g in grads)):
             raise HetrainError(MID_STEP_ZERO)
-        if self._left is not None and grad_versions(module) != self._left:
-            raise HetrainError(MID_STEP_CHANGED)
 
-    def after_backward(self, module: torch.nn.Module, state) -> None:
-        """Note the gradients a backward left, when more of the step's micro-batches follow."""
-        self._left = None if state.last_micro else grad_versions(module)
+    def after_backward(self, module: torch.nn.Module, last_micro: bool, loss_scale: float) -> None:
+        """Note the gradients a backward left (and their norms after a loss-scaled step's last one)."""
+        self._versions = grad_versions(module)
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        self._norms = norms_of(grads) if last_micro and loss_scale != 1.0 and grads else None
+
+    def check_before_finish(self, module: torch.nn.Module) -> None:
+        """Before the step's gradients are finished, while they are still multiplied by the loss scale."""
+        left, self._norms = self._norms, None
+        if left is None or not self._changed(module):
+            return
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        if len(grads) != len(left):
+            return
+        before, now = torch.stack(left), torch.stack(norms_of(grads))
+        moved = before > 0
+        ratios = now[moved] / before[moved]
+        if ratios.numel() and bool((ratios < 1 - 1e-6).all()) and float(ratios.max() - ratios.min()) <= 1e-4 * float(
+                ratios.max().clamp(min=1e-30)):
+            raise HetrainError(SCALED_CHANGED)
+
+    def _changed(self, module: torch.nn.Module) -> bool:
+        return bool(self._versions) and grad_versions(module) != self._versions
 
 
-def grad_versions(module: torch.nn.Module) -> tuple:
+def norms_of(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's 2-norm, left on its device (no synchronisation)."""
+    return [torch.linalg.vector_norm(g) for g in grads]
+
+
+def grad_versions(module: torch.nn.Module) -> dict[int, int]:
     """Each gradient tensor and its in-place version counter: changed by zero_(), mul_(), any in-place write.
     (torch offers the counter as `Tensor._version` only; torch.utils.checkpoint reads it the same way.)"""
-    return tuple((id(p.grad), p.grad._version) for p in module.parameters() if p.grad is not None)
+    return {id(p.grad): p.grad._version for p in module.parameters() if p.grad is not None}

@@ -180,11 +180,11 @@ def test_a_batch_drawn_and_dropped_is_a_warning_once(caplog):
     session.close()
 
 
-def _plan_session(sharding="none", micro_batch=None):
+def _plan_session(sharding="none", micro_batch=None, precision="fp32"):
     import hetrain
 
     plan = Plan(global_batch_size=8, sharding=sharding, balance=BalancePlan(enabled=False),
-                ranks=[RankPlan(rank=0, share=8, micro_batch=micro_batch)])
+                ranks=[RankPlan(rank=0, share=8, micro_batch=micro_batch, precision=precision)])
     return hetrain.Session(plan)
 
 
@@ -223,20 +223,45 @@ def test_zero_grad_between_micro_batches_is_refused_and_harmless_elsewhere():
         session.close()
 
 
-@pytest.mark.parametrize("between", ["zero_grad(set_to_none=False)", "torch.nn.utils.clip_grad_norm_"])
-def test_gradients_changed_between_micro_batches_are_refused(between):
-    """Zeroed in place (not set to None) or clipped by torch's function on each micro-batch, the earlier
-    micro-batches' gradients change the step's update silently (loss 1.1648 against 1.1635): refused."""
+def test_gradients_zeroed_in_place_between_micro_batches_are_refused():
+    """zero_grad(set_to_none=False) on each micro-batch changed the step's update silently (loss 1.1648
+    against 1.1635): refused like a zero_grad() that sets them to None."""
     session = _plan_session(micro_batch=4)
     net = make_net()
     model, optimizer = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
     loader = session.loader(make_data(), global_batch_size=8, shuffle=False, seed=0)
-    with pytest.raises(HetrainError, match="changed after their backward.*session.clip_grad_norm_"):
+    with pytest.raises(HetrainError, match="earlier micro-batches are gone.*zeroed.*remove it"):
         for x, y in loader:
-            if between.startswith("zero_grad"):
-                optimizer.zero_grad(set_to_none=False)
+            optimizer.zero_grad(set_to_none=False)
             session.backward(F.cross_entropy(model(x), y))
-            if between.startswith("torch"):
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
             session.step()
+    session.close()
+
+
+@pytest.mark.parametrize("precision,clip,refused", [
+    ("fp16", "torch", True),      # the gradients are still multiplied by the loss scale
+    ("fp16", "mask", False),      # the script's own change to some gradients
+    ("fp16", "session", False),
+    ("fp32", "torch", False),     # no loss scale: torch's clipping sees the step's gradient
+])
+def test_torch_clipping_of_loss_scaled_gradients_is_refused(precision, clip, refused):
+    session = _plan_session(precision=precision)
+    net = make_net()
+    model, optimizer = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    loader = session.loader(make_data(), global_batch_size=8, shuffle=False, seed=0)
+    x, y = next(iter(loader))
+    with session.autocast():
+        loss = F.cross_entropy(model(x), y)
+    session.backward(loss)
+    if clip == "torch":
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    elif clip == "mask":
+        net[0].weight.grad[:2] = 0
+    else:
+        session.clip_grad_norm_(1.0)
+    if refused:
+        with pytest.raises(HetrainError, match="loss scale.*session.clip_grad_norm_"):
+            session.step()
+    else:
+        assert session.step()
     session.close()
