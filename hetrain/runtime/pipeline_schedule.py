@@ -285,6 +285,7 @@ def prepare_pipeline(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
     user's optimizer keeps only these stages' parameters (in each of its groups, with the group's settings)."""
     from collections import OrderedDict
 
+    from hetrain.runtime.memory import checkpoint_blocks
     from hetrain.runtime.parallelize import check_master_weights
     from hetrain.runtime.pipeline_stages import stage_modules, tied_parameters
 
@@ -292,12 +293,8 @@ def prepare_pipeline(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
     ties = tied_parameters(model, pipeline)
     chunks = [chunk.to(device) for chunk in stage_modules(model, pipeline, layout.stage)]
     blocks = [block for chunk in chunks for block in chunk.children()]
-    if activation_checkpointing:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-        for chunk in chunks:
-            for name, block in list(chunk.named_children()):
-                setattr(chunk, name, checkpoint_wrapper(block))
+    if activation_checkpointing:   # as under data parallelism: the blocks keep their names (and checkpoints)
+        checkpoint_blocks(blocks)
     # One chunk is the rank's module; several are gathered in one (blocks under their own names) for the
     # optimizer, the checkpoint and the gradient sums.
     module = chunks[0] if len(chunks) == 1 else \

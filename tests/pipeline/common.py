@@ -110,8 +110,11 @@ def train(rank: int, world: int, plan: Plan, steps: int, layers: int = 6, ignore
         losses.append(session.loss)
         if session.step_count == steps:
             break
+    from hetrain.runtime.memory import is_checkpointed
+
+    checkpointed = sum(is_checkpointed(b) for b in session.blocks)
     session.close()
-    return {"states": states, "losses": losses}
+    return {"states": states, "losses": losses, "checkpointed": checkpointed}
 
 
 def worst_difference(results: list[dict], want: list[dict[str, torch.Tensor]]) -> float:

@@ -66,3 +66,4 @@ def test_activation_checkpointing_on_a_stage():
     results = run_ranks(train, 2, plan.model_copy(update={"ranks": ranks}), STEPS)
     assert worst_difference(results, reference(STEPS, GLOBAL)) < 1e-5
     assert set(results[1]["states"][0]) == {k for k in reference(1, GLOBAL)[0] if not k.startswith(("0.", "1."))}
+    assert results[0]["checkpointed"] == 0 and results[1]["checkpointed"] == 6   # stage 1's blocks recompute
