@@ -4,8 +4,10 @@ After the last backward of a step the gradients hold `sum(items_i * grad_i) * sc
 (see `hetrain.runtime.step_state`). One small all-reduce per step (this rank's items, its loss sum
 and, for sharded gradients, whether they are finite) gives every rank the same global item count,
 the same verdict on overflow and the step's global mean loss; under DDP it is launched before the
-last backward and travels while backward computes. The gradients are then divided by the loss
-scale and by `global_items / estimate` in one fused pass where torch offers it. A non-finite
+last backward and travels while backward computes, and the gradients are then divided by the loss
+scale and by `global_items / estimate` in one fused pass that also checks them. Sharded gradients
+and pipeline stages check theirs first (the verdict travels in the all-reduce), then correct them
+in a second pass. A non-finite
 gradient on any rank, in any precision, makes every rank skip the step (docs/design.md, invariant 4).
 """
 
@@ -100,22 +102,21 @@ def finish_gradients(params: Iterable[torch.nn.Parameter], state: StepState, los
     (sharded FSDP2 gradients, pipeline stages) the verdict travels in one all-reduce with the figures.
     """
     grads = [local_tensor(g) for g in gradients(params)]
-    found = _unscale_and_check(grads, 1.0 / loss_scale, device)
-    if launched is not None:
+    if launched is not None:   # the figures are known first: one fused pass unscales, corrects and checks
         if launched.work is not None:
             launched.work.wait()
         global_items, _, loss_sum, losses, stops = launched.packet.tolist()
-        bad = float(found.item())
-    else:
+        correction = state.estimate() / global_items if global_items > 0 else 1.0
+        bad = float(_unscale_and_check(grads, correction / loss_scale, device).item())
+    else:   # each rank's verdict on overflow travels with the figures: check first, correct after
+        found = _unscale_and_check(grads, 1.0 / loss_scale, device)
         packet = _packet(state, device, stop)
         packet[1] = found.to(torch.float64)[0]
         dist.all_reduce(packet, group=group)
         global_items, bad, loss_sum, losses, stops = packet.tolist()
+        if bad == 0 and global_items > 0 and grads and state.estimate() != global_items:
+            torch._foreach_mul_(grads, state.estimate() / global_items)   # one kernel per device, as torch clips
     found_inf = bad > 0 or loss_sum != loss_sum
-    if not found_inf and global_items > 0:
-        correction = state.estimate() / global_items
-        if correction != 1.0 and grads:
-            torch._foreach_mul_(grads, correction)
     loss = loss_sum / global_items if losses > 0 and global_items > 0 else None
     return GradientStatus(found_inf=found_inf, global_items=global_items, loss=loss, stop=stops > 0)
 

@@ -4,7 +4,7 @@ ZeRO-1 is torch's ZeroRedundancyOptimizer, built in hetrain.runtime.zero1 (impor
 plan asks for it): even, or with the uneven partition `proportional_partition` computes (each rank's
 share of parameters, hence of optimizer state, in proportion to a weight such as its free memory).
 FSDP2 is `fully_shard` on each block, then on the root. Gradients stay exact under uneven shares
-because the loss weighting (`local_n * world / global_n`) is the same whatever reduces them.
+because the loss weighting (hetrain.runtime.step_state) is the same whatever reduces them.
 """
 
 from __future__ import annotations
