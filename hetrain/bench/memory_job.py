@@ -45,9 +45,10 @@ def _measure(rank: int, world: int, args: argparse.Namespace, sharding: str, ckp
     from hetrain.runtime.memory import SavedActivations
     from hetrain.runtime.sharding import optimizer_state_bytes
 
-    base, extra = divmod(args.global_batch_size, world)
-    ranks = [RankPlan(rank=r, share=base + (r < extra), activation_checkpointing=ckpt,
-                      memory_capacity_bytes=CAPACITY_PATTERN[r % 2]) for r in range(world)]
+    from hetrain.planning.batch_split import split_even
+
+    ranks = [RankPlan(rank=r, share=n, activation_checkpointing=ckpt, memory_capacity_bytes=CAPACITY_PATTERN[r % 2])
+             for r, n in enumerate(split_even(args.global_batch_size, world))]
     plan = Plan(global_batch_size=args.global_batch_size, sharding=sharding, ranks=ranks,
                 balance=BalancePlan(enabled=False))
     session = hetrain.Session(plan)

@@ -97,7 +97,6 @@ class Checkpointer:
         self.last_save_seconds = 0.0
         self.last_blocking_seconds = 0.0
         self.last_bytes = 0
-        self.last_path: Path | None = None
         self._committed: list[tuple[int, float, int]] = []   # (step, seconds until committed, bytes)
         self._committed_lock = threading.Lock()
 
@@ -196,7 +195,6 @@ class Checkpointer:
         if reason is not None:
             raise error if error is not None else CheckpointError(reason)
         self.last_bytes = nbytes
-        self.last_path = Path(path)
         self.last_save_seconds = time.perf_counter() - start
         with self._committed_lock:
             self._committed.append((step, self.last_save_seconds, nbytes))

@@ -147,11 +147,6 @@ class Lease:
         # reentrant: release() may run from a garbage-collection finalizer in any thread, this one included
         self._lock = threading.RLock()
 
-    def acquire(self) -> None:
-        """Take the lease and start its heartbeat."""
-        self.take()
-        self.start_heartbeat()
-
     def take(self) -> None:
         """Take the lease, waiting only to tell a dead holder elsewhere from a live one; refuse a live one."""
         try:

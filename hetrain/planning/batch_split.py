@@ -155,6 +155,12 @@ def split_min_max(
     return out
 
 
+def split_even(total: int, parts: int) -> list[int]:
+    """`total` in `parts` nearly equal shares, the remainder to the first (as plain DDP splits a batch)."""
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
 def split_proportional(
     total: int,
     weights: Sequence[float],

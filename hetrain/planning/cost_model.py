@@ -93,7 +93,8 @@ class Calibration:
 
 
 def default_calibration() -> Calibration:
-    """The calibration fitted on the single-GPU rows of hetrain/data/published_training.csv."""
+    """The calibration fitted on hetrain/data/published_training.csv (hetrain.planning.calibration, which
+    imports this module: reached through here by the cost model's own functions)."""
     from hetrain.planning.calibration import default_calibration as fitted
 
     return fitted()
@@ -209,12 +210,6 @@ def compute_seconds(profile: WorkloadProfile, spec, precision: str, share: int, 
     return steps * fixed_seconds_per_microbatch(profile, spec, precision) + share * sample_seconds(
         profile, spec, precision, calib, checkpointing, fp32_math
     ) + optimizer_seconds(profile, spec, optimizer)
-
-
-def best_rate(profile: WorkloadProfile, spec, precision: str, micro_batch: int,
-              checkpointing: bool = False, calib: Calibration | None = None) -> float:
-    """Samples/s of the device alone at micro-batch `micro_batch` (no communication)."""
-    return micro_batch / compute_seconds(profile, spec, precision, micro_batch, micro_batch, checkpointing, calib)
 
 
 # ---------------------------------------------------------------- memory

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+from hetrain.planning.batch_split import split_even
 from hetrain.planning import cost_model as cm
 from hetrain.planning.cost_model import pipeline_bubble
 from hetrain.planning.kinds import Kind
@@ -205,7 +206,7 @@ def replica_grid(kinds: list[Kind], stage_kinds: list[Kind], per: list[int]) -> 
 
 def _pipeline_plan(label, profile, kinds, stage_kinds, per, d, bounds, mb, m, chunks, global_batch, step,
                    stage_cost, p, zero, optimizer_s) -> Candidate:
-    base, extra = divmod(global_batch, d)
+    replica_shares = split_even(global_batch, d)
     rank_stage = rank_places(kinds, stage_kinds, per)
     ranks = []
     for r in sorted(rank_stage):
@@ -213,7 +214,7 @@ def _pipeline_plan(label, profile, kinds, stage_kinds, per, d, bounds, mb, m, ch
         k = stage_kinds[j]
         a, b = bounds[j]
         t, ckpt, mem = stage_cost(k, a, b, mb, in_flight(p, j, m, chunks), zero)
-        ranks.append(RankPlan(rank=r, device=k.spec.name, share=base + (1 if replica < extra else 0),
+        ranks.append(RankPlan(rank=r, device=k.spec.name, share=replica_shares[replica],
                               precision=k.precision, micro_batch=mb, grad_accum=m, activation_checkpointing=ckpt,
                               stage=j, memory_bytes=mem, memory_capacity_bytes=k.spec.memory_bytes,
                               predicted_step_seconds=t * m + optimizer_s[j]))

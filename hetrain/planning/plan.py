@@ -167,7 +167,8 @@ class Plan(_Strict):
     @classmethod
     def even(cls, world_size: int, global_batch_size: int, **fields) -> "Plan":
         """A plan that splits evenly, as plain DDP would (remainder to the first ranks)."""
-        base, extra = divmod(global_batch_size, world_size)
-        ranks = [RankPlan(rank=r, share=base + (1 if r < extra else 0)) for r in range(world_size)]
+        from hetrain.planning.batch_split import split_even
+
+        ranks = [RankPlan(rank=r, share=n) for r, n in enumerate(split_even(global_batch_size, world_size))]
         return cls(global_batch_size=global_batch_size, ranks=ranks, **fields)
 

@@ -12,7 +12,7 @@ from hetrain.errors import HetrainError, NoPlanFits
 from hetrain.hardware.cluster import HOST_STAGED_SHARE
 from hetrain.planning import cost_model as cm
 from hetrain.planning.compression import PREFERENCE, compression_ratio, lossless_for
-from hetrain.planning.batch_split import FunctionCost, split_min_max
+from hetrain.planning.batch_split import FunctionCost, split_even, split_min_max
 from hetrain.planning.plan import BalancePlan, CommPlan, Plan, RankPlan
 from hetrain.planning.precision_policy import needs_loss_scaling
 from hetrain.planning.explain import PIPELINES_WEIGHED, why_not
@@ -167,9 +167,9 @@ def _per_rank(strategy: str, kinds: list[Kind], global_batch: int, world: int,
               choices: list[tuple[int, bool]]) -> dict[int, tuple[int, int, bool]]:
     """Each rank's (share, micro-batch limit, checkpointing) for each kind's (limit, checkpointing)."""
     if strategy == "ddp":  # as frameworks do: even shares, one micro-batch size everywhere
-        base, extra = divmod(global_batch, world)
-        mb_all = min(min(mb for mb, _ in choices), base + (1 if extra else 0))
-        shares = {r: base + (1 if i < extra else 0) for i, r in enumerate(sorted(r for k in kinds for r in k.ranks))}
+        even = split_even(global_batch, world)
+        mb_all = min(min(mb for mb, _ in choices), even[0])
+        shares = dict(zip(sorted(r for k in kinds for r in k.ranks), even))
         return {r: (shares[r], mb_all, c) for k, (_, c) in zip(kinds, choices) for r in k.ranks}
     costs = [FunctionCost(lambda n, k=k, mb=mb, c=c: k.time(n, mb, c)) for k, (mb, c) in zip(kinds, choices)]
     shares = iter(split_min_max(global_batch, costs, counts=[k.count for k in kinds]))

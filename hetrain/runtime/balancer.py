@@ -199,7 +199,6 @@ class Balancer:
     _window: list[tuple[int, float]] = field(default_factory=list)    # ... since the split last changed
     _scatter: list[tuple[float, int]] = field(default_factory=list)   # _spread() of past windows
     _skip: int | None = None                  # steps still to ignore (warm-up, first step at new sizes)
-    _steps_seen: int = 0
     lag: int = 0                    # steps between a decided split and the first step that uses it
     history: list[list[tuple[float, float]]] = field(default_factory=list)  # per rank, per interval
     recent: list[list[tuple[float, float]]] = field(default_factory=list)   # ... the last LOAD_MEMORY * history
@@ -224,8 +223,7 @@ class Balancer:
         return self.config.history * self.config.interval
 
     def record(self, samples: int, seconds: float) -> None:
-        """One step of this rank: how many samples it computed, in how many compute seconds."""
-        self._steps_seen += 1
+        """One step of this rank: how many samples it computed, in how many seconds (compute and data wait)."""
         if self._skip > 0:
             self._skip -= 1
             return  # the first steps pay for allocation and warm-up, not for samples
@@ -426,7 +424,7 @@ class Balancer:
                 "interval": [list(p) for p in self._interval],
                 "window": [list(p) for p in self._window],
                 "scatter": [list(x) for x in self._scatter],
-                "skip": self._skip, "steps_seen": self._steps_seen,
+                "skip": self._skip,
                 "move_bound": self._move_bound, "last_move": self._last_move, "asked": self._asked,
                 "streak": self._streak, "reversed": self._reversed,
                 # an exchange begun at the saved step: a resumed run re-splits on it where this run does
@@ -441,7 +439,6 @@ class Balancer:
         self._window = [(int(n), float(t)) for n, t in state.get("window", [])]
         self._scatter = [(float(ss), int(dof)) for ss, dof in state.get("scatter", [])]
         self._skip = int(state.get("skip", 0))
-        self._steps_seen = int(state["steps_seen"])
         self._move_bound = state.get("move_bound")
         self._last_move = state.get("last_move")
         self._asked = state.get("asked")

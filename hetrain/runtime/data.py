@@ -56,17 +56,14 @@ class _TensorGather(Dataset):
         return [t[index] for t in self.tensors]
 
 
-def _gathered(batch: list[torch.Tensor]) -> list[torch.Tensor]:
+def _as_is(batch: list[Any]) -> list[Any]:
+    """A collate_fn that keeps the batch as the dataset or sampler built it."""
     return batch
 
 
 def _empty_like(batch: Any) -> Any:
     """A batch of the same structure with every tensor cut to length 0 (a rank with no samples)."""
     return map_tensors(lambda t: t[:0] if t.dim() > 0 else t, batch)
-
-
-def _keep_list(batch: list[Any]) -> list[Any]:
-    return batch
 
 
 class HeteroLoader:
@@ -104,18 +101,20 @@ class HeteroLoader:
         self.step_in_epoch = 0   # steps of `epoch` already handed out
         self.run_step = 0        # steps handed out since the run began (all epochs)
         self.schedule = ShareSchedule(split.shares, lag=0 if self.stream else lag)
-        self.last_wait_seconds = 0.0   # how long the loop waited for the last step's batch
+        # how long the training loop blocked for the last step's batch: the loading that workers did not
+        # hide (all of it without workers), collating and moving it to the device included
+        self.data_wait_seconds = 0.0
         self._generator = torch.Generator()   # workers' base seed, apart from the global RNG
         if self.stream:
             self._source = _GlobalBatchSource(dataset, self.global_batch_size, drop_last)
             self.sampler = None
-            self.dataloader = DataLoader(self._source.stream, batch_size=None, collate_fn=_keep_list,
+            self.dataloader = DataLoader(self._source.stream, batch_size=None, collate_fn=_as_is,
                                          generator=self._generator, **dataloader_options)
         else:
             self.sampler = RankBatchSampler(order, self.schedule, rank)
             fast = isinstance(dataset, TensorDataset) and collate_fn in (None, default_collate)
             self.dataloader = DataLoader(_TensorGather(dataset) if fast else dataset, batch_sampler=self.sampler,
-                                         collate_fn=_gathered if fast else self.collate_fn,
+                                         collate_fn=_as_is if fast else self.collate_fn,
                                          generator=self._generator, **dataloader_options)
 
     @property
@@ -180,7 +179,7 @@ class HeteroLoader:
                 if local == 0:
                     batch = _empty_like(batch)
             batch = to_device(batch, self.device)
-            self.last_wait_seconds = time.perf_counter() - started
+            self.data_wait_seconds = time.perf_counter() - started
             self._check_last_step_ended()
             self.step.begin_step(local, total)
             self.step_in_epoch += 1
@@ -199,12 +198,6 @@ class HeteroLoader:
             self.step.begin_micro(sizes[i], last)
             with self.gradient_sync(last):  # DDP reads it in forward: span the user's whole pass
                 yield piece
-
-    @property
-    def data_wait_seconds(self) -> float:
-        """How long the training loop blocked for the last step's batch: the loading that workers did
-        not hide (all of it without workers), collating and moving it to the device included."""
-        return self.last_wait_seconds
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "run_step": self.run_step,

@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hetrain.errors import HetrainError
 from hetrain.runtime.batch_tree import map_tensors
+from hetrain.runtime.gradients import local_tensor
 
 _CHECKPOINTED = "_hetrain_checkpointed"
 
@@ -139,7 +140,7 @@ class SavedActivations:
 
     def _param_storages(self) -> set[int]:
         # Under FSDP2 a block's parameters are unsharded, plain tensors, only while it runs: ask again then.
-        return {_local(p).untyped_storage().data_ptr() for p in self._model.parameters() if p.numel()}
+        return {local_tensor(p).untyped_storage().data_ptr() for p in self._model.parameters() if p.numel()}
 
     def _count(self, t: Any) -> Any:
         if isinstance(t, torch.Tensor) and t.numel() and not isinstance(t, nn.Parameter):
@@ -161,7 +162,3 @@ class SavedActivations:
         finally:
             for h in handles:
                 h.remove()
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hetrain.errors import HetrainError
+from hetrain.runtime.gradients import local_tensor
 
 log = logging.getLogger("hetrain")
 
@@ -144,15 +145,8 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     for state in local.state.values():
         for value in state.values():
             if isinstance(value, torch.Tensor):
-                value = value.to_local() if hasattr(value, "to_local") else value
+                value = local_tensor(value)
                 total += value.numel() * value.element_size()
     return total
 
 
-def __getattr__(name: str) -> Any:
-    """ZeRO-1's names, still reachable here; they live in hetrain.runtime.zero1, imported on first use."""
-    if name in ("ProportionalZeroRedundancyOptimizer", "zero1_optimizer"):
-        from hetrain.runtime import zero1
-
-        return getattr(zero1, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,14 +18,15 @@ from hetrain.checkpoint.rng import capture_rng, restore_rng
 from hetrain.errors import HetrainError
 from hetrain.planning.plan import Plan
 from hetrain.runtime.balancer import Balancer
+from hetrain.runtime.gradients import local_tensor
 from hetrain.runtime.data import HeteroLoader
 from hetrain.runtime.parallelize import Prepared
 from hetrain.runtime.precision import JobLossScaler
-from hetrain.runtime.schedulers import Schedulers
+from hetrain.runtime.schedulers import MOVED, Schedulers
 from hetrain.runtime.sharding import is_zero1
 
 # Optimizer settings that a schedule moves during training: a checkpoint's values are expected to differ.
-SCHEDULED = {"lr", "initial_lr", "momentum", "betas"}
+SCHEDULED = {*MOVED, "initial_lr"}
 
 
 @dataclass
@@ -129,7 +130,7 @@ class TrainState:
     def check_finite(self) -> None:
         """A checkpoint never stores non-finite weights."""
         for name, p in self.prepared.module.named_parameters():
-            local = p.to_local() if hasattr(p, "to_local") else p
+            local = local_tensor(p)
             if local.numel() and not bool(torch.isfinite(local.detach()).all()):
                 raise HetrainError(
                     f"parameter {name} holds NaN or inf at step {self.step}; no checkpoint is written with it "

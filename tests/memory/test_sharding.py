@@ -120,7 +120,7 @@ def test_a_session_imports_torch_s_zero_pipelining_and_checkpoint_modules_only_w
         "import hetrain.runtime.session\n"
         "heavy = ('torch.distributed.optim', 'torch.distributed.pipelining', 'torch.distributed.checkpoint')\n"
         "print(sorted(m for m in heavy if m in sys.modules))\n"
-        "from hetrain.runtime.sharding import ProportionalZeroRedundancyOptimizer, zero1_optimizer\n"
+        "from hetrain.runtime.zero1 import ProportionalZeroRedundancyOptimizer, zero1_optimizer\n"
         "print(ProportionalZeroRedundancyOptimizer.__module__, 'torch.distributed.optim' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
