@@ -59,6 +59,7 @@ def check_master_weights(model: nn.Module) -> None:
 
 def sync_batchnorm(model: nn.Module, device: torch.device, world_size: int, warn: bool) -> nn.Module:
     """SyncBatchNorm on CUDA; on CPU ranks statistics stay local (with a warning)."""
+    # torch's base of every BatchNorm kind, the class its convert_sync_batchnorm looks for
     has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     if not has_bn or world_size == 1:
         return model

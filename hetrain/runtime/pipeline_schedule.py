@@ -257,7 +257,8 @@ def _sum_into(grads: list[torch.Tensor], group: dist.ProcessGroup) -> None:
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=group)
     parts = torch.split(flat, [g.numel() for g in grads])
-    torch._foreach_copy_(grads, [part.view_as(g) for part, g in zip(parts, grads)])
+    for g, part in zip(grads, parts):
+        g.copy_(part.view_as(g))
 
 
 def make_tie_groups(layout: PipelineLayout, ties: list[tuple[tuple[int, ...], nn.Parameter]]
