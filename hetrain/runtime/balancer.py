@@ -21,8 +21,9 @@ few re-splits without swinging.
 
 Guards keep noise and outside load from moving samples:
 - medians ignore a step slowed by outside load;
-- a rank that ran more than 20% faster, at about its current share, in two of its recent
-  intervals (``LOAD_MEMORY * history``) is modelled at that speed: outside load only adds time;
+- a rank with two or more recent intervals (of the last ``LOAD_MEMORY * history``) at about its
+  current share that took 0.8 of the modelled time or less is modelled at the second fastest one's
+  speed: outside load only adds time;
 - the split changes only when the modelled step time falls by more than ``hysteresis`` *and* the
   gap between the slowest and the fastest rank exceeds three standard errors from the windows'
   own scatter, and two consecutive intervals ask for the same direction (the re-split right after
@@ -390,9 +391,10 @@ class Balancer:
                 and self._gap_is_real(observed, loads, 2 * SIGNIFICANCE))
 
     def _load_factor(self, rank: int, cost: RankCost | None) -> float:
-        """How much of the rank's modelled time is outside load (1: none): the fastest of its recent
-        intervals against the model. Outside load only adds time, so a rank's speed is what its best
-        recent interval shows; a slowdown that lasts ``history`` intervals is the rank's speed."""
+        """How much of the rank's modelled time is outside load (1: none): the second fastest of its
+        recent intervals at about its share against the model. Outside load only adds time, so a
+        rank's speed is what its best recent intervals show; a slowdown that lasts ``LOAD_MEMORY *
+        history`` intervals is the rank's speed."""
         if cost is None or len(self.recent) <= rank:
             return 1.0
         share = self.shares[rank]
