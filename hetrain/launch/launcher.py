@@ -175,6 +175,9 @@ def torchrun_argv(cfg: LaunchConfig) -> list[str]:
     return [*argv, cfg.script, *cfg.script_args]
 
 
+SHARED_STORE_OPT_OUT = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"   # torch's rendezvous reads it in the agent
+
+
 def worker_env(cfg: LaunchConfig) -> dict[str, str]:
     env = {}
     if cfg.emulate_speeds is not None:
@@ -191,6 +194,10 @@ def worker_env(cfg: LaunchConfig) -> dict[str, str]:
         env[Env.START_FRESH] = "1"
     if "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(rank_threads(cfg.nproc_per_node))
+    if _max_nodes(cfg.nnodes)[1] > 1 and SHARED_STORE_OPT_OUT not in os.environ:
+        # Several nodes: each attempt's ranks get a store of their own (hosted by rank 0) instead of
+        # the rendezvous store shared across attempts, which a node coming back cannot rejoin through.
+        env[SHARED_STORE_OPT_OUT] = "1"
     if cfg.malloc_cache:
         env.update(malloc_cache_env())
     return env

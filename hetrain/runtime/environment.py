@@ -139,12 +139,15 @@ def init_process_group(env: RankEnv, device: torch.device, backend: str | None =
         torch.cuda.set_device(device)
     timeout = collective_timeout()
     if "MASTER_ADDR" in os.environ:
-        # Under the elastic agent, workers share the agent's store across restarts; keys written by
-        # a failed attempt (a dead rank's address) would be read by the next one. Namespace them.
+        # Under the elastic agent's shared store, workers keep one store across restarts; keys written
+        # by a failed attempt (a dead rank's address) would be read by the next one: namespace them by
+        # the restart count (which only nodes that restart together share). Otherwise rank 0 hosts a
+        # new store for each attempt (hetrain launch on several nodes), where every node finds it.
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=env.world_size,
                               is_master=not agent and env.rank == 0, timeout=timeout)
-        store = dist.PrefixStore(f"hetrain/{env.run_id}/attempt{env.restart_count}", store)
+        attempt = f"/attempt{env.restart_count}" if agent else ""
+        store = dist.PrefixStore(f"hetrain/{env.run_id}{attempt}", store)
         dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
         return True, store
     if env.world_size == 1:

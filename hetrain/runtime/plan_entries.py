@@ -79,12 +79,34 @@ def local_device_kind(device: torch.device, local_rank: int) -> tuple[str, bool]
     return (spec.name if spec is not None else props.name), False
 
 
+def plan_digest(plan: Plan | None) -> str:
+    """A short fingerprint of the plan a rank was given ("none" without one)."""
+    import hashlib
+
+    return "none" if plan is None else hashlib.sha256(plan.to_json().encode()).hexdigest()[:12]
+
+
+def check_same_plan(digests: Sequence[str]) -> None:
+    """Every rank of the job must run one plan: nodes given different plan files would each split the
+    global batch their own way (samples taken twice or never, silently)."""
+    if len(set(digests)) > 1:
+        groups: dict[str, list[int]] = defaultdict(list)
+        for rank, digest in enumerate(digests):
+            groups[digest].append(rank)
+        seen = "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}: "
+                         f"{'no plan' if d == 'none' else 'plan ' + d}"
+                         for d, ranks in groups.items())
+        raise HetrainError(f"the ranks were given different plans ({seen}); pass the same --plan file to "
+                           f"hetrain launch on every node (or none on all)")
+
+
 def find_entries(plan: Plan | None, device: torch.device, local_rank: int, world_size: int) -> Assignment:
     """Every rank's plan entry, looked up by the device kind each rank has (collective: all-gathered)."""
     kind, stand_in = local_device_kind(device, local_rank)
     gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, (kind, stand_in))
-    kinds, emulated = [k for k, _ in gathered], [s for _, s in gathered]
+    dist.all_gather_object(gathered, (kind, stand_in, plan_digest(plan)))
+    kinds, emulated = [k for k, _, _ in gathered], [s for _, s, _ in gathered]
+    check_same_plan([d for _, _, d in gathered])
     if plan is None:
         note = (f"no plan (hetrain launch --plan, or {Env.PLAN}): {world_size} rank(s) start from an even "
                 "split in fp32, without micro-batches")

@@ -143,3 +143,16 @@ def test_a_launch_leaves_the_calling_process_environment_as_it_was(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert re.findall(r"^speeds (\S+)$", r.stdout, re.M) == ["1,0.5", "None"], r.stdout
     assert re.findall(r"^same$", r.stdout, re.M) == ["same", "same"], r.stdout
+
+
+def test_several_nodes_get_a_store_per_attempt_that_a_returning_node_can_join(monkeypatch):
+    """On the rendezvous store shared across attempts, a node killed and started again waited out the
+    store's timeout at every try (each node counts its own restarts) and the job ended: on several
+    nodes each attempt's ranks get a store of their own, and no namespace by restart count."""
+    from hetrain.launch import launcher
+
+    monkeypatch.delenv(launcher.SHARED_STORE_OPT_OUT, raising=False)
+    assert launcher.worker_env(LaunchConfig(script="train.py", nnodes="1:2"))[launcher.SHARED_STORE_OPT_OUT] == "1"
+    assert launcher.SHARED_STORE_OPT_OUT not in launcher.worker_env(LaunchConfig(script="train.py"))
+    monkeypatch.setenv(launcher.SHARED_STORE_OPT_OUT, "0")   # the user's own choice wins
+    assert launcher.SHARED_STORE_OPT_OUT not in launcher.worker_env(LaunchConfig(script="train.py", nnodes="2"))

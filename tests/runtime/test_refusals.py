@@ -265,3 +265,22 @@ def test_torch_clipping_of_loss_scaled_gradients_is_refused(precision, clip, ref
     else:
         assert session.step()
     session.close()
+
+
+def _session_with_plan_of_my_own(rank, world):
+    import hetrain
+
+    shares = [[4, 4], [2, 6]][rank]   # two nodes given two different plan files
+    plan = Plan(global_batch_size=8, balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=r, share=n) for r, n in enumerate(shares)])
+    try:
+        hetrain.Session(plan)
+    except HetrainError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_given_different_plans_are_refused_on_every_rank():
+    """Each node splitting the global batch its own way took 80 of 640 samples twice an epoch, silently."""
+    errors = run_ranks(_session_with_plan_of_my_own, 2)
+    assert all(e is not None and "different plans (rank 0: plan" in e and "same --plan file" in e for e in errors), errors
