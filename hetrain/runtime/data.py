@@ -14,7 +14,7 @@ import difflib
 import inspect
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ContextManager
 
 import torch
@@ -26,7 +26,7 @@ from hetrain.runtime.batch_tree import map_tensors
 from hetrain.runtime.batch_sampler import RankBatchSampler, ShareSchedule, step_shares
 from hetrain.runtime.batch_transfer import to_device
 from hetrain.runtime.data_order import GlobalBatchOrder, rank_slice
-from hetrain.runtime.memory import micro_batch_sizes, split_batch
+from hetrain.runtime.memory import equal_pieces, job_piece_count, micro_batch_sizes, slice_batch, split_batch
 from hetrain.runtime.step_state import StepState
 from hetrain.planning.batch_split import split_partial
 
@@ -78,6 +78,7 @@ class HeteroLoader:
     def __init__(self, dataset: Any, order: GlobalBatchOrder | None, *, rank: int, split: Any, step: StepState,
                  device: torch.device, micro_batch: int | None = None, grad_accum: int = 1,
                  gradient_sync: Callable[[bool], ContextManager] | None = None,
+                 same_piece_count: Sequence[tuple[int | None, int]] | None = None,
                  collate_fn: Callable | None = None, lag: int = 0, global_batch_size: int | None = None,
                  seed: int = 0, drop_last: bool = True, **dataloader_options: Any) -> None:
         self.dataset = dataset
@@ -89,6 +90,8 @@ class HeteroLoader:
         self.device = device
         self.micro_batch = micro_batch
         self.grad_accum = grad_accum
+        # every rank's (micro_batch, grad_accum), when every rank must run as many micro-batches (FSDP2)
+        self.same_piece_count = list(same_piece_count) if same_piece_count is not None else None
         self.gradient_sync = gradient_sync or (lambda sync: contextlib.nullcontext())
         # whether the model holds gradients no step used (the session tells; a loop that zeroed them
         # after backward, to read them, mixes nothing)
@@ -184,20 +187,35 @@ class HeteroLoader:
             self.step.begin_step(local, total)
             self.step_in_epoch += 1
             self.run_step += 1
-            yield from self._pieces(batch, local)
+            yield from self._pieces(batch, local, shares)
         del batches
         # the epoch is complete: the next iteration starts the next one
         self.epoch += 1
         self.step_in_epoch = 0
 
-    def _pieces(self, batch: Any, n: int) -> Iterator[Any]:
-        """The step's batch, or its micro-batches when the plan caps this rank's micro_batch below its share."""
+    def _pieces(self, batch: Any, n: int, shares: Sequence[int]) -> Iterator[Any]:
+        """The step's batch, or its micro-batches when the plan caps this rank's micro_batch below its share
+        (under FSDP2, as many as the rank that needs the most, some maybe empty)."""
+        if self.same_piece_count is not None:
+            yield from self._equal_pieces(batch, n, equal_pieces(n, job_piece_count(shares, self.same_piece_count)))
+            return
         sizes = micro_batch_sizes(n, self.micro_batch, self.grad_accum)
         for i, piece in enumerate(split_batch(batch, sizes, n)):
             last = i == len(sizes) - 1
             self.step.begin_micro(sizes[i], last)
             with self.gradient_sync(last):  # DDP reads it in forward: span the user's whole pass
                 yield piece
+
+    def _equal_pieces(self, batch: Any, n: int, sizes: list[int]) -> Iterator[Any]:
+        """Pieces of the given sizes; a piece with no samples of its own is a stand-in, the batch's first
+        sample (a model need not take an empty batch), which the session counts as 0 items."""
+        start = 0
+        for i, size in enumerate(sizes):
+            last = i == len(sizes) - 1
+            self.step.begin_micro(size, last)
+            with self.gradient_sync(last):
+                yield slice_batch(batch, start, start + size, n) if size or n == 0 else slice_batch(batch, 0, 1, n)
+            start += size
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "run_step": self.run_step,
@@ -287,6 +305,7 @@ def check_dataset(dataset: Any, options: dict[str, Any]) -> None:
 def make_loader(dataset: Any, global_batch_size: int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = True,
                 rank: int, split: Any, step: StepState, device: torch.device, micro_batch: int | None = None,
                 grad_accum: int = 1, gradient_sync: Callable[[bool], ContextManager] | None = None,
+                same_piece_count: Sequence[tuple[int | None, int]] | None = None,
                 collate_fn: Callable | None = None, **dataloader_options: Any) -> HeteroLoader:
     """The loader `session.loader()` returns: this rank's part of one global-batch order.
 
@@ -297,7 +316,8 @@ def make_loader(dataset: Any, global_batch_size: int, *, shuffle: bool = True, s
     check_dataset(dataset, dataloader_options)
     lag = agreed_lag(prefetch_depth(dataloader_options), device)
     common = dict(rank=rank, split=split, step=step, device=device, micro_batch=micro_batch, grad_accum=grad_accum,
-                  gradient_sync=gradient_sync, collate_fn=collate_fn, lag=lag, **dataloader_options)
+                  gradient_sync=gradient_sync, same_piece_count=same_piece_count, collate_fn=collate_fn, lag=lag,
+                  **dataloader_options)
     if isinstance(dataset, IterableDataset):
         if dataloader_options.get("persistent_workers"):
             raise HetrainError(

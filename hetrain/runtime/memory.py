@@ -101,6 +101,18 @@ def micro_batch_sizes(local_n: int, micro_batch: int | None, grad_accum: int = 1
     return [base + (1 if i < extra else 0) for i in range(pieces)]
 
 
+def equal_pieces(local_n: int, count: int) -> list[int]:
+    """`local_n` samples in exactly `count` near-equal pieces, empty ones included (FSDP2's collectives
+    run once per micro-batch, so every rank runs the job's count)."""
+    base, extra = divmod(max(local_n, 0), count)
+    return [base + (1 if i < extra else 0) for i in range(count)]
+
+
+def job_piece_count(shares: Sequence[int], caps: Sequence[tuple[int | None, int]]) -> int:
+    """The most micro-batches any rank's share needs under its plan entry's (micro_batch, grad_accum)."""
+    return max(len(micro_batch_sizes(n, mb, accum)) for n, (mb, accum) in zip(shares, caps))
+
+
 def slice_batch(batch: Any, start: int, stop: int, local_n: int) -> Any:
     """Samples [start, stop) of a collated batch: every tensor whose first dimension is `local_n`."""
 

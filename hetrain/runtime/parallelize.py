@@ -152,17 +152,18 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, sh
 
 
 def gradient_sync(prepared: Prepared, sharding_name: str, sync: bool):
-    """DDP's no_sync / FSDP2's requires_gradient_sync(False) for all but a step's last micro-batch.
+    """DDP's no_sync for all but a step's last micro-batch.
 
-    Under FSDP2 a rank's parameters also stay gathered across its earlier micro-batches, so every
-    rank issues the same collectives per step (a gather in its first forward, one in its last
-    backward, one reduce-scatter) however many micro-batches it runs.
+    FSDP2 gathers, reshards and reduce-scatters in every micro-batch, so a rank holds only its
+    shards and one block's gathered parameters and gradients at a time (what ZeRO-3 is for); every
+    rank runs the same number of micro-batches (the loader's `same_piece_count`), so every rank
+    issues the same collectives.
     """
     import contextlib
 
     if sharding_name == "fsdp":
-        prepared.model.set_requires_gradient_sync(sync)
-        prepared.model.set_reshard_after_forward(sync)
-        prepared.model.set_reshard_after_backward(sync)
+        prepared.model.set_requires_gradient_sync(True)
+        prepared.model.set_reshard_after_forward(True)
+        prepared.model.set_reshard_after_backward(True)
         return contextlib.nullcontext()
     return contextlib.nullcontext() if sync else prepared.model.no_sync()

@@ -216,7 +216,8 @@ class Session:
         loader = make_loader(dataset, global_batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
                              rank=self.rank, split=balancer, step=self.state, device=self.device,
                              micro_batch=self.entry.micro_batch, grad_accum=self.entry.grad_accum,
-                             gradient_sync=lambda sync: gradient_sync(self.prepared, self.sharding, sync), **options)
+                             gradient_sync=lambda sync: gradient_sync(self.prepared, self.sharding, sync),
+                             same_piece_count=self._same_piece_count(), **options)
         balancer.lag = loader.lag   # a new split reaches the loop this many steps after it is decided
         loader.gradients_pending = lambda: gradients_pending(self.prepared.model)
         self.balancer = balancer
@@ -225,6 +226,12 @@ class Session:
         self._start_checkpoints()
         self._start_metrics()
         return loader
+
+    def _same_piece_count(self) -> list[tuple[int | None, int]] | None:
+        """Under FSDP2 (data parallel) every rank runs as many micro-batches: its collectives run in each."""
+        if self.sharding != "fsdp" or self.layout is not None:
+            return None
+        return [(e.micro_batch, e.grad_accum) for e in self.assignment.entries]
 
     def _make_balancer(self, global_batch_size: int) -> Balancer:
         balance, interval = self._balance_overrides
@@ -285,6 +292,8 @@ class Session:
         if self.sharding != "fsdp":   # FSDP2 keeps a step's earlier micro-batches' gradients off p.grad
             self._kept.check(self.prepared.module, self.state)
         items = self.state.current_samples() if num_items is None else items_as_number(num_items)
+        if self.state.micro_samples == 0:
+            items = 0   # a piece without samples of its own (a stand-in under FSDP2) counts nothing
         self.state.record_backward(loss, items)
         self._launch_figures()
         if items == 0 and self.sharding == "fsdp":
