@@ -12,7 +12,8 @@ PIPELINE_NEEDS = ("a pipeline plan needs the script's steps written with session
                   "as nn.Sequential of its blocks (docs/pipeline.md), where a data-parallel plan runs any script")
 """What a script must do to run a pipeline plan: why auto keeps to data parallelism while it can."""
 PIPELINES_WEIGHED = ("model state does not fit every device with plain data parallelism; ZeRO considered, and "
-                     "pipelines weighed (auto chooses one only when the model fits on no single device)")
+                     "pipelines weighed (auto chooses one only when the model fits on no single device, or when no "
+                     "data-parallel plan fits)")
 """The note of an auto plan that needed ZeRO for a model some device holds whole."""
 _WHEN = {
     "zero1": "ZeRO-1 is considered only when model state does not fit every device with plain data parallelism: "

@@ -363,6 +363,9 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
         if not fits_one:
             order += ["pipeline", "hybrid"]
             notes.append("the model fits on no single device; pipelines considered")
+        elif not any(cands[s].feasible for s in order):
+            order += ["pipeline", "hybrid"]
+            notes.append("no data-parallel plan fits every device; pipelines considered")
         feasible = [cands[s] for s in order if cands[s].feasible]
         chosen = max(feasible, key=lambda c: c.samples_per_s) if feasible else None
         if chosen is not None:

@@ -80,6 +80,15 @@ def test_model_that_fits_no_single_device_gets_a_pipeline_or_sharding():
     assert all(x.memory_bytes <= x.memory_capacity_bytes for x in p.plan.ranks)
 
 
+def test_auto_takes_a_pipeline_where_a_device_holds_the_model_but_no_data_parallel_plan_fits():
+    """GPT-2 1.5B fits the A100 whole, but neither plain nor ZeRO data parallelism fits the V100: auto
+    refused ("does not fit with any strategy") although a 2-stage pipeline fits."""
+    r = plan_job(cluster_from_devices("a100-80gb:1,v100-16gb:1"), get_profile("gpt2-1.5b"), 64)
+    assert r.plan.strategy == "pipeline" and r.plan.pipeline is not None
+    assert any("no data-parallel plan fits every device; pipelines considered" in n for n in r.notes)
+    assert all(x.memory_bytes <= x.memory_capacity_bytes for x in r.plan.ranks)
+
+
 def test_model_that_fits_nowhere_says_how_much_memory_is_missing():
     with pytest.raises(HetrainError, match=r"GB short.*add about"):
         plan_job(cluster_from_devices("t4:1"), get_profile("llama-7b"), 8)
