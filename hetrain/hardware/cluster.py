@@ -37,9 +37,10 @@ and out of it."""
 
 
 def default_link(specs: list[GpuSpec]) -> Link:
-    """The link between these devices when a cluster file does not say: NVLink if every one has it,
-    else PCIe peer to peer if every one allows it, else host-staged."""
-    if all(s.has_nvlink for s in specs):
+    """The link between these devices when a cluster file does not say: NVLink if every one has it and
+    they are one model (NVLink joins boards of one baseboard or bridge, never two generations), else
+    PCIe peer to peer if every one allows it, else host-staged."""
+    if all(s.has_nvlink for s in specs) and len({s.name for s in specs}) == 1:
         return "nvlink"
     return "pcie" if all(s.pcie_p2p for s in specs) else "host"
 
@@ -81,8 +82,8 @@ class Node(_Strict):
     name: str = Field(min_length=1)
     devices: list[DeviceGroup] = Field(min_length=1)
     intra_link: Link | None = Field(
-        None, description="None: nvlink if every device of the node has NVLink, else pcie if every one "
-                          "allows PCIe peer-to-peer access, else host (staged through host memory)"
+        None, description="None: nvlink if every device of the node has NVLink and is one model, else pcie "
+                          "if every one allows PCIe peer-to-peer access, else host (staged through host memory)"
     )
 
     @model_validator(mode="after")
@@ -381,7 +382,7 @@ def save_cluster(cluster: Cluster, path: str | Path) -> None:
 
 
 def cluster_from_devices(arg: str, name: str = "cluster", inter_node_gbps: float = 100.0) -> Cluster:
-    """One node from "MODEL:COUNT,..." (e.g. "a100:4,v100-sxm2-32gb:4"); NVLink where every device has it."""
+    """One node from "MODEL:COUNT,..." (e.g. "a100:4,v100-sxm2-32gb:4"); its link as `default_link` says."""
     groups = []
     for item in (p.strip() for p in arg.split(",")):
         if not item:

@@ -13,6 +13,7 @@ from hetrain.hardware.catalog import get_gpu
 from hetrain.hardware.cluster import (
     PRESETS,
     Cluster,
+    Node,
     cluster_from_devices,
     dump_cluster,
     get_preset,
@@ -170,12 +171,16 @@ def test_missing_file(tmp_path: Path) -> None:
 
 
 def test_cluster_from_devices() -> None:
+    assert cluster_from_devices("a100:4").nodes[0].link == "nvlink"
+    # NVLink joins boards of one model: an A100 and a V100 in one box talk over PCIe
     cluster = cluster_from_devices("a100:4,v100-sxm2-32gb:4")
-    assert len(cluster.nodes) == 1 and cluster.nodes[0].link == "nvlink"
+    assert len(cluster.nodes) == 1 and cluster.nodes[0].link == "pcie"
     assert cluster.kinds() == {"a100-sxm4-80gb": 4, "v100-sxm2-32gb": 4}
     assert cluster.islands() == [list(range(8))]
-    # The V100's NVLink is the slower end, so it sets the node's rate.
-    assert {d.intra_bytes_per_s for d in cluster.devices()} == {150e9}
+    # A node that says nvlink for both keeps it; the V100's NVLink is the slower end and sets the rate.
+    said = Cluster(name="c", nodes=[Node(name="n", intra_link="nvlink", devices=[
+        {"model": "a100", "count": 4}, {"model": "v100-sxm2-32gb", "count": 4}])])
+    assert {d.intra_bytes_per_s for d in said.devices()} == {150e9}
     assert cluster_from_devices("a100:2,l4").nodes[0].link == "pcie"
     assert cluster_from_devices("cpu:2").kinds() == {"cpu": 2}
 
