@@ -202,7 +202,9 @@ def rebalance(
 
 
 def split_partial(total: int, shares: Sequence[int]) -> list[int]:
-    """Cut a smaller (last, partial) global batch in proportion to the current shares."""
+    """Cut a smaller (last, partial) global batch in proportion to the current shares. A rank with a
+    share keeps at least one sample where the batch has one for each such rank (a model need not
+    take an empty batch: a last batch of 8 at shares 15/1 is 7/1, not 8/0)."""
     if total == sum(shares):
         return list(shares)
     weights = [max(s, 0) for s in shares]
@@ -210,4 +212,5 @@ def split_partial(total: int, shares: Sequence[int]) -> list[int]:
         weights = [1] * len(shares)
     # Ranks with share 0 stay at 0: give them an infinitesimal weight via an upper bound of 0.
     hi = [total if w > 0 else 0 for w in weights]
-    return split_min_max(total, [RankCost(1.0 / w) if w > 0 else RankCost(1.0) for w in weights], 0, hi)
+    lo = [1 if w > 0 else 0 for w in weights] if total >= sum(w > 0 for w in weights) else 0
+    return split_min_max(total, [RankCost(1.0 / w) if w > 0 else RankCost(1.0) for w in weights], lo, hi)

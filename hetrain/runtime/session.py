@@ -48,7 +48,7 @@ from hetrain.runtime.resume import SessionCheckpoints
 from hetrain.runtime.schedulers import Schedulers
 from hetrain.runtime.step_state import StepState, items_as_number
 from hetrain.runtime.step_clock import StepClock, StepTimes
-from hetrain.runtime.step_guard import KeptGradients, OptimizerStepGuard, gradients_pending
+from hetrain.runtime.step_guard import KeptGradients, OptimizerStepGuard, check_reduced, gradients_pending
 from hetrain.runtime.timing import StepTimer, TimedHookState, emulated_speed, idle_fraction
 from hetrain.runtime.train_state import TrainState
 from hetrain.runtime.watchdog import ProgressWatch, die_with_parent
@@ -217,21 +217,18 @@ class Session:
                              rank=self.rank, split=balancer, step=self.state, device=self.device,
                              micro_batch=self.entry.micro_batch, grad_accum=self.entry.grad_accum,
                              gradient_sync=lambda sync: gradient_sync(self.prepared, self.sharding, sync),
-                             same_piece_count=self._same_piece_count(), **options)
+                             # under FSDP2 (data parallel) every rank runs as many micro-batches: collectives run in each
+                             same_piece_count=[(e.micro_batch, e.grad_accum) for e in self.assignment.entries]
+                             if self.sharding == "fsdp" and self.layout is None else None, **options)
         balancer.lag = loader.lag   # a new split reaches the loop this many steps after it is decided
         loader.gradients_pending = lambda: gradients_pending(self.prepared.model)
         self.balancer = balancer
         self.train = TrainState(self.prepared, self.sharding, self.scaler, self.balancer, loader, self.plan,
-                                self.world_size, self.rank, schedulers=self.schedulers)
+                                self.world_size, self.rank, schedulers=self.schedulers, step_state=self.state)
         self._start_checkpoints()
+        self.skips.total = self.train.skipped_steps   # a resumed run keeps counting its skipped steps
         self._start_metrics()
         return loader
-
-    def _same_piece_count(self) -> list[tuple[int | None, int]] | None:
-        """Under FSDP2 (data parallel) every rank runs as many micro-batches: its collectives run in each."""
-        if self.sharding != "fsdp" or self.layout is not None:
-            return None
-        return [(e.micro_batch, e.grad_accum) for e in self.assignment.entries]
 
     def _make_balancer(self, global_batch_size: int) -> Balancer:
         balance, interval = self._balance_overrides
@@ -241,10 +238,11 @@ class Session:
 
     @property
     def shares(self) -> list[int]:
-        """Samples of each full global batch that each rank takes, by rank."""
+        """Samples of each full global batch that each rank takes, by rank, in the step last handed out
+        (a re-split the balancer decides reaches the loader a few steps later: `balancer.shares`)."""
         if self.balancer is None:
             raise HetrainError("no split yet: call session.loader(dataset, global_batch_size) first")
-        return self.balancer.shares
+        return self.train.loader.current_shares
 
     @property
     def local_batch_size(self) -> int | None:
@@ -333,6 +331,7 @@ class Session:
                                    "of the global batch (a rank with no items calls it too)")
             if self.pipeline is None and self.sharding != "fsdp":
                 self._kept.check_before_finish(self.prepared.module)
+                check_reduced(self.prepared.comm_state)
             if self.sharding == "fsdp":
                 self.timer.grads_ready()  # FSDP2 has no comm hook: backward (and its reduce-scatter) ended here
             if self.pipeline is not None:

@@ -143,3 +143,19 @@ def grad_versions(module: torch.nn.Module) -> dict[int, int]:
     """Each gradient tensor and its in-place version counter: changed by zero_(), mul_(), any in-place write.
     (torch offers the counter as `Tensor._version` only; torch.utils.checkpoint reads it the same way.)"""
     return {id(p.grad): p.grad._version for p in module.parameters() if p.grad is not None}
+
+
+def check_reduced(comm_state) -> None:
+    """Under DDP, the step's last backward went through DDP (its last gradient bucket was all-reduced).
+    A forward through `model.module` (the unwrapped model) skips DDP: each rank would step on its own
+    gradients, silently."""
+    if comm_state is None or not hasattr(comm_state, "reduced"):
+        return
+    if not comm_state.reduced:
+        raise HetrainError(
+            "this step's gradients were not all-reduced: its forward ran through the unwrapped model "
+            "(model.module, or the model passed to session.prepare()) instead of the model session.prepare() "
+            "returned; run training forwards through the returned model (model.module is for evaluation, "
+            "generate() and saving)"
+        )
+    comm_state.reduced = False

@@ -135,12 +135,14 @@ class TimedHookState:
     inner_hook: Callable[[Any, dist.GradBucket], torch.futures.Future]
     stats: Any = None   # a CommStats counting the bytes of a plain all-reduce (compressing hooks count their own)
     figures: Any = None  # a StepFigures to sum with the last bucket (plain all-reduce only), set per step
+    reduced: bool = False  # the last bucket went through this step (DDP's backward ran): read and reset per step
 
 
 def timed_hook(state, bucket):
     # No annotations: DDP checks them, and postponed annotations are strings.
     if bucket.is_last():
         state.timer.grads_ready()
+        state.reduced = True
     if state.stats is not None:
         from hetrain.runtime.compression.stats import allreduce_bytes
 

@@ -24,6 +24,7 @@ from hetrain.runtime.parallelize import Prepared
 from hetrain.runtime.precision import JobLossScaler
 from hetrain.runtime.schedulers import MOVED, Schedulers
 from hetrain.runtime.sharding import is_zero1
+from hetrain.runtime.step_state import StepState
 
 # Optimizer settings that a schedule moves during training: a checkpoint's values are expected to differ.
 SCHEDULED = {*MOVED, "initial_lr"}
@@ -42,6 +43,7 @@ class TrainState:
     world_size: int
     rank: int
     schedulers: Schedulers = field(default_factory=Schedulers)
+    step_state: StepState | None = None   # its items per sample weight the next step's backward
     step: int = 0
     skipped_steps: int = 0
 
@@ -81,6 +83,7 @@ class TrainState:
             "optimizer_settings": _settings(optimizer),
             "sharding": self.sharding,
             "scaler": self.scaler.state_dict(),
+            "items_per_sample": self.step_state.items_per_sample if self.step_state is not None else None,
             "schedulers": self.schedulers.state_dict(),
             "balancer": self.balancer.state_dict(),
             "loader": self.loader.state_dict(),
@@ -122,6 +125,8 @@ class TrainState:
         self.schedulers.load_state_dict(shared.get("schedulers"), shared.get("optimizer_settings"), self.step,
                                         optimizer)
         self.skipped_steps = int(shared.get("skipped_steps", 0))
+        if self.step_state is not None and shared.get("items_per_sample") is not None:
+            self.step_state.items_per_sample = float(shared["items_per_sample"])
         if int(shared["world_size"]) == self.world_size:
             self.balancer.load_state_dict(shared["balancer"])
         if per_rank is not None:

@@ -59,3 +59,12 @@ def test_errors_name_the_fix():
         split_proportional(8, [1, 0])
     with pytest.raises(HetrainError, match="does not fit"):
         split_proportional(10, [1, 1], max_share=4)
+
+
+def test_a_partial_last_batch_leaves_no_rank_with_a_share_empty_where_it_can():
+    """A last batch of 8 at shares 15/1 went 8/0: Hugging Face's GPT-2 cannot take the empty batch and
+    the job died at the epoch's end (and again after each restart)."""
+    assert split_partial(8, [15, 1]) == [7, 1]
+    assert split_partial(7, [10, 0, 6]) == [5, 0, 2]     # a rank the split gave nothing keeps nothing
+    assert split_partial(1, [15, 1]) == [1, 0]           # fewer samples than ranks: some get none
+    assert sum(split_partial(13, [40, 3, 21])) == 13 and min(split_partial(13, [40, 3, 21])) >= 1

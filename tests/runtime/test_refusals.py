@@ -284,3 +284,27 @@ def test_ranks_given_different_plans_are_refused_on_every_rank():
     """Each node splitting the global batch its own way took 80 of 640 samples twice an epoch, silently."""
     errors = run_ranks(_session_with_plan_of_my_own, 2)
     assert all(e is not None and "different plans (rank 0: plan" in e and "same --plan file" in e for e in errors), errors
+
+
+def _forward_through_module(rank, world):
+    import hetrain
+
+    session = hetrain.Session()
+    net = make_net()
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    loader = session.loader(make_data(), global_batch_size=8, shuffle=False)
+    try:
+        for x, y in loader:
+            session.backward(F.cross_entropy(model.module(x), y))   # skips DDP: no gradient is all-reduced
+            session.step()
+        return None
+    except HetrainError as e:
+        return str(e)
+    finally:
+        session.close()
+
+
+def test_a_training_forward_through_model_module_is_refused():
+    """Each rank stepped on its own gradients (clip norms 2.28 and 2.06 where the step's is 0.85), exit 0."""
+    errors = run_ranks(_forward_through_module, 2)
+    assert all(e is not None and "not all-reduced" in e and "model.module" in e for e in errors), errors
