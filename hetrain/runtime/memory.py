@@ -25,15 +25,20 @@ _CHECKPOINTED = "_hetrain_checkpointed"
 
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:
-    """The children of the first nn.ModuleList / nn.Sequential whose children repeat one module type."""
+    """The repeated blocks of the first nn.ModuleList / nn.Sequential that has some: the longest run of
+    two or more consecutive children of one module type holding parameters (all of a ModuleList of
+    layers; the layers of an nn.Sequential(embedding, *layers, head), as a pipeline script builds)."""
     for module in model.modules():
         if not isinstance(module, (nn.ModuleList, nn.Sequential)):
             continue
-        children = list(module.children())
-        if len(children) >= 2 and len({type(c) for c in children}) == 1 and any(
-            True for _ in children[0].parameters()
-        ):
-            return children
+        best: list[nn.Module] = []
+        run: list[nn.Module] = []
+        for child in module.children():
+            run = run + [child] if run and type(run[0]) is type(child) else [child]
+            if len(run) > len(best) and any(True for _ in child.parameters()):
+                best = list(run)
+        if len(best) >= 2:
+            return best
     return []
 
 

@@ -196,6 +196,12 @@ def hf_module(config: str, seq_len: int | None = None) -> RunnableModel:
         raise HetrainError(f"--hf-config {config!r}: the config has no vocab_size; hetrain builds token inputs "
                            "for --hf-config models; time other models with --script FILE.py:FACTORY")
     model = _hf_model(cfg, config)
+    if getattr(cfg, "model_type", None) == "gpt2" and hasattr(model, "lm_head"):
+        # as a pipeline script runs it (docs/pipeline.md): embedding, each layer, head, so the profile's
+        # blocks are the layers activation checkpointing recomputes and a pipeline plan's stages cut
+        from hetrain.workload.block_models import gpt2_blocks
+
+        model = gpt2_blocks(model)
     length = seq_len or min(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 512), 1024)
     return RunnableModel(_hf_name(config), model, lambda n: torch.randint(0, vocab, (n, length)), "transformer")
 

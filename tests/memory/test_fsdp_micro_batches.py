@@ -59,3 +59,15 @@ def test_every_rank_runs_the_jobs_micro_batches_holding_only_its_shards_between_
         assert r["pieces"] == 3 * STEPS                          # the same collectives on both ranks
         assert r["sharded_between"] and all(r["sharded_between"])  # parameters resharded after each piece
         assert max((a - b).abs().max().item() for a, b in zip(r["params"], net.parameters())) < 1e-6
+
+
+def test_the_layers_of_a_sequential_with_embedding_and_head_are_its_blocks():
+    """A model built as a pipeline script builds it, nn.Sequential(embedding, *layers, head), had no
+    blocks found: a data-parallel plan's activation checkpointing recomputed nothing."""
+    from hetrain.bench.tiny_lm import tiny_gpt2
+    from hetrain.runtime.memory import find_blocks
+    from hetrain.runtime.pipeline_models import GPT2Layer, gpt2_blocks
+
+    blocks = find_blocks(gpt2_blocks(tiny_gpt2(layers=3)))
+    assert len(blocks) == 3 and all(isinstance(b, GPT2Layer) for b in blocks)
+    assert find_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh(), torch.nn.Linear(2, 2))) == []

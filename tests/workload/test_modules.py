@@ -77,7 +77,21 @@ def test_an_hf_config_directory_still_builds_and_is_named_after_it(tmp_path):
     for config in (str(directory), str(directory / "config.json")):
         runnable = hf_module(config)
         assert runnable.name == "tiny-gpt2"
-        assert runnable.module(runnable.make_input(2)).logits.shape == (2, 16, 64)
+        assert runnable.module(runnable.make_input(2)).shape == (2, 16, 64)   # logits
+
+
+def test_a_gpt2_hf_config_is_profiled_as_embedding_layers_and_head(tmp_path):
+    """As one `transformer` block, checkpointing was priced as saving nothing (a 3060 refused plain DDP
+    for GPT-2 medium) and pipeline plans cut 2 blocks where the script's model has 26."""
+    from transformers import GPT2Config
+
+    from hetrain.runtime.memory import find_blocks
+    from hetrain.workload.profile import top_level_blocks
+
+    GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=3, n_head=2).save_pretrained(tmp_path)
+    model = hf_module(str(tmp_path)).module
+    blocks = [b for _, b in top_level_blocks(model)]
+    assert len(blocks) == 3 + 2 and all(any(b is layer for layer in find_blocks(model)) for b in blocks[1:-1])
 
 
 def test_profile_cli_with_a_missing_hf_config_is_one_line(tmp_path):
