@@ -401,6 +401,23 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
                       figures={k.spec.name: k.source for k in kinds})
 
 
+def _devices_to_add(profile, kinds, best, optimizer, world, limit: int = 4096) -> str:
+    """How many more devices of the kind with the most room would let ZeRO-3 at micro-batch 1 fit every
+    device (each holds 1/world of the state), or which kind never fits however many share it."""
+    def fits(k: Kind, n: int) -> bool:
+        return k.memory(profile, 1, optimizer=optimizer, zero=3, world=n, ckpt=True).total <= k.spec.memory_bytes
+
+    never = [k.spec.name for k in kinds if not fits(k, world + limit)]
+    if never:
+        return (f"the {' and '.join(never)} cannot hold micro-batch 1 however many devices share the model's "
+                f"state (leave {'them' if len(never) > 1 else 'it'} out)")
+    lo, hi = 1, limit   # the least n with every kind fitting over world + n devices (fits is monotone in n)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if all(fits(k, world + mid) for k in kinds) else (mid + 1, hi)
+    return f"add {lo} more {best.spec.name} (ZeRO-3 over {world + lo} devices fits)"
+
+
 def _no_fit_message(profile, kinds, cands, strategy, optimizer, world, worst) -> tuple[str, str | None]:
     """(the error, "DEVICE is N GB short" where even the least a plan needs does not fit)."""
     zero = 3 if world > 1 else 0   # one device has nothing to shard over
@@ -408,15 +425,13 @@ def _no_fit_message(profile, kinds, cands, strategy, optimizer, world, worst) ->
             for k in kinds}
     best = max(kinds, key=lambda k: k.spec.memory_bytes - need[k.spec.name])
     missing = need[best.spec.name] - best.spec.memory_bytes
-    state = 16.0 * profile.params
-    more = max(0, math.ceil(state / max(best.spec.memory_bytes * 0.8 - cm.CONTEXT_BYTES, 1)) - world)
     what = f"strategy {strategy}" if strategy != "auto" else "any strategy"
     detail = f" ({worst.strategy}: {worst.reason.removeprefix('does not fit: ')})" if worst else ""
     if missing > 0:   # the least any plan needs: the candidates' own shortfalls say no more
         even = f"sharded over all {world} devices with ZeRO-3, " if world > 1 else "on its own, with "
         short = f"{best.spec.name} is {missing / GB:.1f} GB short"
         return (f"model {profile.name!r} fits no plan with {what}: even {even}activation checkpointing and "
-                f"micro-batch 1, {short}; add about {max(more, 1)} more device{'s' if max(more, 1) > 1 else ''}, "
+                f"micro-batch 1, {short}; {_devices_to_add(profile, kinds, best, optimizer, world)}, "
                 "use devices with more memory, or a smaller model or sequence length"), short
     auto = "" if strategy == "auto" else "--strategy auto (ZeRO-3 or a pipeline fits), "
     return (f"model {profile.name!r} does not fit with {what}{detail}; try {auto}a smaller --micro-batch, or devices "

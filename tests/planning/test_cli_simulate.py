@@ -52,7 +52,7 @@ def test_no_size_fits_is_one_line_naming_the_fix_and_writes_nothing(tmp_path):
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("hetrain simulate: error: no size in --sizes 1,2 fits llama-7b"), \
         p.stderr
-    for fix in ("more devices", "devices with more memory", "smaller model"):
+    for fix in ("add 4 more v100-sxm2-32gb", "devices with more memory", "smaller model"):
         assert fix in lines[0], lines[0]
     assert list(tmp_path.iterdir()) == []
 

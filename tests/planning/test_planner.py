@@ -90,8 +90,17 @@ def test_auto_takes_a_pipeline_where_a_device_holds_the_model_but_no_data_parall
 
 
 def test_model_that_fits_nowhere_says_how_much_memory_is_missing():
-    with pytest.raises(HetrainError, match=r"GB short.*add about"):
+    with pytest.raises(HetrainError, match=r"GB short.*add \d+ more t4"):
         plan_job(cluster_from_devices("t4:1"), get_profile("llama-7b"), 8)
+
+
+def test_the_devices_to_add_are_counted_so_that_the_model_fits():
+    """'add about 4 more devices' where 8 more were needed: the count is now the least that fits."""
+    with pytest.raises(HetrainError, match=r"add 8 more rtx-4090 \(ZeRO-3 over 9 devices fits\)"):
+        plan_job(cluster_from_devices("rtx-4090:1"), get_profile("llama-7b"), 64)
+    with pytest.raises(HetrainError, match="GB short"):
+        plan_job(cluster_from_devices("rtx-4090:8"), get_profile("llama-7b"), 64)
+    assert plan_job(cluster_from_devices("rtx-4090:9"), get_profile("llama-7b"), 64).plan.ranks
 
 
 @pytest.mark.parametrize("batch", [0, -3])
