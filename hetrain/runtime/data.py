@@ -26,7 +26,7 @@ from hetrain.runtime.batch_tree import map_tensors
 from hetrain.runtime.batch_sampler import RankBatchSampler, ShareSchedule, step_shares
 from hetrain.runtime.batch_transfer import to_device
 from hetrain.runtime.data_order import GlobalBatchOrder, rank_slice
-from hetrain.runtime.memory import equal_pieces, job_piece_count, micro_batch_sizes, slice_batch, split_batch
+from hetrain.runtime.memory import equal_pieces, job_piece_count, micro_batch_sizes, split_batch
 from hetrain.runtime.step_state import StepState
 from hetrain.planning.batch_split import split_partial
 
@@ -197,25 +197,14 @@ class HeteroLoader:
         """The step's batch, or its micro-batches when the plan caps this rank's micro_batch below its share
         (under FSDP2, as many as the rank that needs the most, some maybe empty)."""
         if self.same_piece_count is not None:
-            yield from self._equal_pieces(batch, n, equal_pieces(n, job_piece_count(shares, self.same_piece_count)))
-            return
-        sizes = micro_batch_sizes(n, self.micro_batch, self.grad_accum)
+            sizes = equal_pieces(n, job_piece_count(shares, self.same_piece_count))
+        else:
+            sizes = micro_batch_sizes(n, self.micro_batch, self.grad_accum)
         for i, piece in enumerate(split_batch(batch, sizes, n)):
             last = i == len(sizes) - 1
             self.step.begin_micro(sizes[i], last)
             with self.gradient_sync(last):  # DDP reads it in forward: span the user's whole pass
                 yield piece
-
-    def _equal_pieces(self, batch: Any, n: int, sizes: list[int]) -> Iterator[Any]:
-        """Pieces of the given sizes; a piece with no samples of its own is a stand-in, the batch's first
-        sample (a model need not take an empty batch), which the session counts as 0 items."""
-        start = 0
-        for i, size in enumerate(sizes):
-            last = i == len(sizes) - 1
-            self.step.begin_micro(size, last)
-            with self.gradient_sync(last):
-                yield slice_batch(batch, start, start + size, n) if size or n == 0 else slice_batch(batch, 0, 1, n)
-            start += size
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "run_step": self.run_step,

@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hetrain.errors import HetrainError
+from hetrain.planning.batch_split import split_even
 from hetrain.runtime.batch_tree import map_tensors
 from hetrain.runtime.gradients import local_tensor
 
@@ -101,16 +102,13 @@ def micro_batch_sizes(local_n: int, micro_batch: int | None, grad_accum: int = 1
     if local_n <= 0:
         return [0]
     pieces = math.ceil(local_n / micro_batch) if micro_batch else max(1, grad_accum)
-    pieces = min(pieces, local_n)
-    base, extra = divmod(local_n, pieces)
-    return [base + (1 if i < extra else 0) for i in range(pieces)]
+    return split_even(local_n, min(pieces, local_n))
 
 
 def equal_pieces(local_n: int, count: int) -> list[int]:
     """`local_n` samples in exactly `count` near-equal pieces, empty ones included (FSDP2's collectives
     run once per micro-batch, so every rank runs the job's count)."""
-    base, extra = divmod(max(local_n, 0), count)
-    return [base + (1 if i < extra else 0) for i in range(count)]
+    return split_even(max(local_n, 0), count)
 
 
 def job_piece_count(shares: Sequence[int], caps: Sequence[tuple[int | None, int]]) -> int:
@@ -128,13 +126,16 @@ def slice_batch(batch: Any, start: int, stop: int, local_n: int) -> Any:
 
 
 def split_batch(batch: Any, sizes: Sequence[int], local_n: int) -> Iterator[Any]:
-    """The batch cut into consecutive pieces of the given sizes."""
+    """The batch cut into consecutive pieces of the given sizes. A piece with no samples of a batch that has
+    some is a stand-in, the batch's first sample (a model need not take an empty batch), which the session
+    counts as 0 items (its micro-batch size is 0)."""
     if len(sizes) == 1:
         yield batch
         return
     start = 0
     for size in sizes:
-        yield slice_batch(batch, start, start + size, local_n)
+        yield slice_batch(batch, start, start + size, local_n) if size or local_n == 0 else \
+            slice_batch(batch, 0, 1, local_n)
         start += size
 
 

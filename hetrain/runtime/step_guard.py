@@ -105,23 +105,28 @@ class KeptGradients:
         if not state.between_micro_batches():
             self._versions, self._norms = {}, None
             return
-        grads = [p.grad for p in module.parameters() if p.grad is not None]
-        if not grads or (self._changed(module) and not any(bool(g.any()) for g in grads)):
+        grads = gradients_of(module)
+        if not grads or (self._changed(grads) and not any(bool(g.any()) for g in grads)):
             raise HetrainError(MID_STEP_ZERO)
 
     def after_backward(self, module: torch.nn.Module, last_micro: bool, loss_scale: float) -> None:
-        """Note the gradients a backward left (and their norms after a loss-scaled step's last one)."""
-        self._versions = grad_versions(module)
-        grads = [p.grad for p in module.parameters() if p.grad is not None]
-        self._norms = norms_of(grads) if last_micro and loss_scale != 1.0 and grads else None
+        """Note the gradients a backward left, where a check reads them: before the step's next micro-batch,
+        and (with their norms) after a loss-scaled step's last one."""
+        scaled = last_micro and loss_scale != 1.0
+        if last_micro and not scaled:
+            self._versions, self._norms = {}, None
+            return
+        grads = gradients_of(module)
+        self._versions = grad_versions(grads)
+        self._norms = norms_of(grads) if scaled and grads else None
 
     def check_before_finish(self, module: torch.nn.Module) -> None:
         """Before the step's gradients are finished, while they are still multiplied by the loss scale."""
         left, self._norms = self._norms, None
-        if left is None or not self._changed(module):
+        if left is None:
             return
-        grads = [p.grad for p in module.parameters() if p.grad is not None]
-        if len(grads) != len(left):
+        grads = gradients_of(module)
+        if not self._changed(grads) or len(grads) != len(left):
             return
         before, now = torch.stack(left), torch.stack(norms_of(grads))
         moved = before > 0
@@ -130,8 +135,8 @@ class KeptGradients:
                 ratios.max().clamp(min=1e-30)):
             raise HetrainError(SCALED_CHANGED)
 
-    def _changed(self, module: torch.nn.Module) -> bool:
-        return bool(self._versions) and grad_versions(module) != self._versions
+    def _changed(self, grads: list[torch.Tensor]) -> bool:
+        return bool(self._versions) and grad_versions(grads) != self._versions
 
 
 def norms_of(grads: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -139,10 +144,15 @@ def norms_of(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.linalg.vector_norm(g) for g in grads]
 
 
-def grad_versions(module: torch.nn.Module) -> dict[int, int]:
+def gradients_of(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The gradients the module's parameters hold now."""
+    return [p.grad for p in module.parameters() if p.grad is not None]
+
+
+def grad_versions(grads: list[torch.Tensor]) -> dict[int, int]:
     """Each gradient tensor and its in-place version counter: changed by zero_(), mul_(), any in-place write.
     (torch offers the counter as `Tensor._version` only; torch.utils.checkpoint reads it the same way.)"""
-    return {id(p.grad): p.grad._version for p in module.parameters() if p.grad is not None}
+    return {id(g): g._version for g in grads}
 
 
 def check_reduced(comm_state) -> None:
