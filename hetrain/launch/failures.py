@@ -6,6 +6,9 @@ error file. Two ranks that end in the same second tie, and a rank that raised bu
 first failure is chosen by cause before time: a rank's own record (`hetrain.runtime.watchdog`,
 written when the exception happened, to the microsecond) says whether it is a cause or only a
 peer's echo; a rank without a record that the agent itself stopped (SIGTERM) is an echo too.
+Among causes, times are compared to the whole second, the agent's resolution: in a tie, a rank's own
+record goes before a bare exit code (a rank whose peer reported a stall and left can die by a signal
+in the same second, and the agent's stamp of that second would otherwise read as the earlier time).
 """
 
 from __future__ import annotations
@@ -33,11 +36,12 @@ def is_cause(failure: Any) -> bool:
 
 def first_failure(failures: dict[int, Any]) -> tuple[int, Any]:
     """(global rank, ProcessFailure) of the rank that failed first: causes before echoes, then by time."""
-    def order(item: tuple[int, Any]) -> tuple[bool, float, int]:
+    def order(item: tuple[int, Any]) -> tuple[bool, int, bool, float, int]:
         rank, failure = item
         record = _record(failure)
-        when = record.time if record is not None and record.time else float(failure.timestamp)
-        return (not is_cause(failure), when, rank)
+        recorded = record is not None and bool(record.time)
+        when = record.time if recorded else float(failure.timestamp)
+        return (not is_cause(failure), int(when), not recorded, when, rank)
 
     return min(failures.items(), key=order)
 

@@ -191,6 +191,22 @@ def test_the_first_failure_is_the_cause_not_the_peer_that_exited_first(tmp_path,
     assert describe(1, _failure(-9, 101)) == "rank 1 was killed by SIGKILL"
 
 
+def test_a_stall_report_goes_before_a_peer_killed_by_a_signal_in_the_same_second(tmp_path, monkeypatch):
+    """Rank 1 reports its own stall at 100.7 s and exits 124; rank 0, waiting on it, dies by SIGABRT
+    at 100.9 s with no record, which the agent stamps as second 100: the report is the first failure."""
+    import json
+
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "stall.json"))
+    monkeypatch.setattr(time, "time", lambda: 100.7)
+    record_failure("rank 1 made no progress at step 5 for 4 s", blame=1)
+    stall = json.loads((tmp_path / "stall.json").read_text())
+    assert read_failure_record(stall).time == 100.7
+    rank, failure = first_failure({0: _failure(-6, 100), 1: _failure(124, 100, stall)})
+    assert rank == 1 and describe(rank, failure).startswith("rank 1 made no progress at step 5"), describe(rank, failure)
+    # a bare death a whole second earlier still goes first
+    assert first_failure({0: _failure(-6, 99), 1: _failure(124, 100, stall)})[0] == 0
+
+
 def test_a_failure_is_summed_up_as_its_whole_first_paragraph_without_torchs_frames():
     from hetrain.runtime.watchdog import one_line
 
