@@ -90,6 +90,21 @@ class Kind:
         return (math.ceil(share / micro_batch) * self.fixed_s + share * (self.sample_s_ckpt if ckpt else self.sample_s)
                 + self.optimizer_s)
 
+    def pieces_time(self, share: int, pieces: int, ckpt: bool) -> float:
+        """Seconds of a share run in exactly `pieces` near-equal micro-batches, as every FSDP2 rank runs
+        the job's largest count: a piece the share leaves empty runs one stand-in sample."""
+        if share <= 0:
+            return 0.0
+        samples = max(share, pieces)
+        if self.rate is not None:   # a run's per-step line: samples, not pieces
+            return self.time(samples, samples, ckpt)
+        if self.measured is not None:
+            sizes = [share // pieces + (i < share % pieces) for i in range(pieces)]
+            factor = cm.CHECKPOINT_COMPUTE_FACTOR if ckpt else 1.0
+            return (sum(self.measured.microbatch_seconds(self.precision, max(1, n)) for n in sizes) * factor
+                    + self.optimizer_s)
+        return pieces * self.fixed_s + samples * (self.sample_s_ckpt if ckpt else self.sample_s) + self.optimizer_s
+
 
 def measured_optimizer_seconds(measured: DeviceProfile, optimizer: str | None) -> float:
     """A profile's optimizer step for `optimizer`: the profile times torch's default AdamW, and

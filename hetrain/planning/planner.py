@@ -176,6 +176,27 @@ def _per_rank(strategy: str, kinds: list[Kind], global_batch: int, world: int,
     return {r: (next(shares), mb, c) for k, (mb, c) in zip(kinds, choices) for r in k.ranks}
 
 
+def _fsdp_pieces(kinds: list[Kind], global_batch: int, choices: list[tuple[int, bool]],
+                 per_rank: dict[int, tuple[int, int, bool]]) -> int:
+    """The micro-batch count every rank of a ZeRO-3 job runs (FSDP2's gathers and reduce-scatters run once
+    per micro-batch, so all ranks run the most any share needs). `per_rank` is re-split, in place, for
+    the time each share takes at that count, until the count holds."""
+    def most(split: dict[int, tuple[int, int, bool]]) -> int:
+        return max(math.ceil(share / mb) for share, mb, _ in split.values() if share) if any(
+            share for share, _, _ in split.values()) else 1
+
+    pieces = most(per_rank)
+    for _ in range(3):
+        costs = [FunctionCost(lambda n, k=k, mb=mb, c=c, p=pieces: k.pieces_time(n, max(p, math.ceil(n / mb)), c))
+                 for k, (mb, c) in zip(kinds, choices)]
+        shares = iter(split_min_max(global_batch, costs, counts=[k.count for k in kinds]))
+        per_rank.update({r: (next(shares), mb, c) for k, (mb, c) in zip(kinds, choices) for r in k.ranks})
+        if most(per_rank) <= pieces:
+            break
+        pieces = most(per_rank)
+    return most(per_rank)
+
+
 def _needed_choice(share: int, plain_limit: int, current: tuple[int, bool]) -> tuple[int, bool]:
     """A kind that checkpoints to fit the micro-batch asked for, at its largest share: the share's
     micro-batch, when that fits without checkpointing, runs without it (micro-batches up to
@@ -223,14 +244,19 @@ def data_parallel(strategy: str, cluster, profile: WorkloadProfile, kinds: list[
             break
         choices = better
         per_rank = _per_rank(strategy, kinds, global_batch, world, choices)
+    pieces = _fsdp_pieces(kinds, global_batch, choices, per_rank) if zero >= 3 else None
     kind_of = {r: k for k in kinds for r in k.ranks}
     ranks, compute, slow_rank = [], {}, None
     for r in range(world):
         share, mb, ckpt = per_rank[r]
         k = kind_of[r]
-        accum = max(1, math.ceil(share / mb)) if share else 1
-        mb_even = even_micro_batch(share, mb)
-        t = k.time(share, mb_even, ckpt)
+        if pieces is not None:   # every rank runs the job's count of micro-batches
+            accum, mb_even = pieces, max(1, math.ceil(share / pieces))
+            t = k.pieces_time(share, pieces, ckpt)
+        else:
+            accum = max(1, math.ceil(share / mb)) if share else 1
+            mb_even = even_micro_batch(share, mb)
+            t = k.time(share, mb_even, ckpt)
         compute[r] = (t, accum)
         mem = k.memory(profile, mb_even if share else 0, optimizer=optimizer, zero=zero, world=world,
                        ckpt=ckpt).total

@@ -182,3 +182,18 @@ def test_a_fixed_micro_batch_above_a_share_does_not_checkpoint_what_fits_without
     large = plan_job(cluster, get_profile("gpt2-124m"), 512, strategy="balanced", micro_batch=48).plan
     v100 = next(r for r in large.ranks if r.device.startswith("v100"))
     assert v100.activation_checkpointing and v100.memory_bytes <= v100.memory_capacity_bytes
+
+
+def test_zero3_plans_what_fsdp_runs_every_rank_at_the_jobs_micro_batch_count():
+    """FSDP2 runs every rank in the job's largest micro-batch count (its collectives run per micro-batch):
+    the plan's micro-batches, accumulation, memory and step times are those of that count."""
+    from hetrain.runtime.memory import job_piece_count, micro_batch_sizes
+
+    cluster, profile = cluster_from_devices("h100:1,v100-sxm2-16gb:1"), get_profile("bert-large-512")
+    r = plan_job(cluster, profile, 256, strategy="zero3")
+    ranks = r.plan.ranks
+    count = job_piece_count([x.share for x in ranks], [(x.micro_batch, x.grad_accum) for x in ranks])
+    assert count > 1 and {x.grad_accum for x in ranks} == {count}
+    for x in ranks:
+        assert max(micro_batch_sizes(x.share, x.micro_batch, x.grad_accum)) == x.micro_batch
+        assert len(micro_batch_sizes(x.share, x.micro_batch, x.grad_accum)) == count
