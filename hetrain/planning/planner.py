@@ -153,11 +153,14 @@ def _comm(profile: WorkloadProfile, topo: cm.CommTopology, zero: int, hook: str,
     return exposed, net
 
 
-def _memory_note(profile, kind, optimizer, zero, world) -> tuple[float, str]:
-    need = kind.memory(profile, 1, optimizer=optimizer, zero=zero, world=world, ckpt=True).total
+def _memory_note(profile, kind, optimizer, zero, world, micro_batch: int = 1) -> tuple[float, str]:
+    """(bytes short, why) of a kind that cannot hold `micro_batch` even with activation checkpointing."""
+    need = kind.memory(profile, micro_batch, optimizer=optimizer, zero=zero, world=world, ckpt=True).total
     short = need - kind.spec.memory_bytes
-    return short, (f"{kind.spec.name} needs {need / GB:.1f} GB at micro-batch 1 with activation checkpointing, "
-                   f"has {kind.spec.memory_bytes / GB:.1f} GB ({short / GB:.1f} GB missing)")
+    fits = max_micro_batch(profile, kind, optimizer, zero, world, True, micro_batch) if micro_batch > 1 else 0
+    return short, (f"{kind.spec.name} needs {need / GB:.1f} GB at micro-batch {micro_batch} with activation "
+                   f"checkpointing, has {kind.spec.memory_bytes / GB:.1f} GB ({short / GB:.1f} GB missing)"
+                   + (f"; it holds micro-batch {fits}" if fits else ""))
 
 
 # ---------------------------------------------------------------- data-parallel strategies
@@ -229,7 +232,7 @@ def data_parallel(strategy: str, cluster, profile: WorkloadProfile, kinds: list[
         # checkpointing only where the micro-batch asked for (or else 1) does not fit without it
         ckpt = max_micro_batch(profile, k, optimizer, zero, world, True, limit) if plain < (micro_batch or 1) else 0
         if max(plain, ckpt) < (micro_batch or 1):
-            short, text = _memory_note(profile, k, optimizer, zero, world)
+            short, text = _memory_note(profile, k, optimizer, zero, world, micro_batch or 1)
             cand.reason, cand.shortfall_bytes = f"does not fit: {text}", short
             return cand
         plain_limits.append(plain)
@@ -410,8 +413,7 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
             pick = max(options, key=lambda c: c.samples_per_s) if options else cands["pipeline"]
         chosen = pick if pick is not None and pick.feasible else None
     if chosen is None:
-        worst = max((c for c in cands.values() if c.shortfall_bytes > 0), key=lambda c: -c.shortfall_bytes, default=None)
-        raise NoPlanFits(*_no_fit_message(profile, kinds, cands, strategy, optimizer, world, worst))
+        raise NoPlanFits(*_no_fit_message(profile, kinds, cands, strategy, optimizer, world, micro_batch))
     notes += chosen.notes
     if chosen.strategy not in PIPELINE_STRATEGIES:   # a stage's time comes from the per-block timings
         notes += extrapolation_notes(kinds, chosen.plan.ranks)
@@ -444,7 +446,7 @@ def _devices_to_add(profile, kinds, best, optimizer, world, limit: int = 4096) -
     return f"add {lo} more {best.spec.name} (ZeRO-3 over {world + lo} devices fits)"
 
 
-def _no_fit_message(profile, kinds, cands, strategy, optimizer, world, worst) -> tuple[str, str | None]:
+def _no_fit_message(profile, kinds, cands, strategy, optimizer, world, micro_batch) -> tuple[str, str | None]:
     """(the error, "DEVICE is N GB short" where even the least a plan needs does not fit)."""
     zero = 3 if world > 1 else 0   # one device has nothing to shard over
     need = {k.spec.name: k.memory(profile, 1, optimizer=optimizer, zero=zero, world=world, ckpt=True).total
@@ -452,13 +454,21 @@ def _no_fit_message(profile, kinds, cands, strategy, optimizer, world, worst) ->
     best = max(kinds, key=lambda k: k.spec.memory_bytes - need[k.spec.name])
     missing = need[best.spec.name] - best.spec.memory_bytes
     what = f"strategy {strategy}" if strategy != "auto" else "any strategy"
-    detail = f" ({worst.strategy}: {worst.reason.removeprefix('does not fit: ')})" if worst else ""
     if missing > 0:   # the least any plan needs: the candidates' own shortfalls say no more
         even = f"sharded over all {world} devices with ZeRO-3, " if world > 1 else "on its own, with "
         short = f"{best.spec.name} is {missing / GB:.1f} GB short"
         return (f"model {profile.name!r} fits no plan with {what}: even {even}activation checkpointing and "
                 f"micro-batch 1, {short}; {_devices_to_add(profile, kinds, best, optimizer, world)}, "
                 "use devices with more memory, or a smaller model or sequence length"), short
-    auto = "" if strategy == "auto" else "--strategy auto (ZeRO-3 or a pipeline fits), "
-    return (f"model {profile.name!r} does not fit with {what}{detail}; try {auto}a smaller --micro-batch, or devices "
-            f"with more memory"), None
+    if strategy == "auto":   # the candidate closest to fitting says what is missing
+        own = min((c for c in cands.values() if c.shortfall_bytes > 0), key=lambda c: c.shortfall_bytes, default=None)
+    else:   # the strategy asked for says why it does not fit
+        own = cands.get(strategy)
+    detail = f" ({own.strategy}: {own.reason.removeprefix('does not fit: ')})" if own is not None and own.reason else ""
+    fits = max((c for c in cands.values() if c.feasible), key=lambda c: c.samples_per_s, default=None)
+    tries = [f"--strategy {fits.strategy} ({fits.samples_per_s:.1f} samples/s)"] if fits is not None else \
+        ["--strategy auto (it also weighs pipelines)"] if strategy not in ("auto", "pipeline") else []
+    tries += ["a smaller --micro-batch"] if micro_batch is not None and micro_batch > 1 else []
+    tries += ["devices with more memory"]
+    options = tries[0] if len(tries) == 1 else f"{', '.join(tries[:-1])} or {tries[-1]}"
+    return f"model {profile.name!r} does not fit with {what}{detail}; try {options}", None

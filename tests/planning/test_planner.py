@@ -197,3 +197,23 @@ def test_zero3_plans_what_fsdp_runs_every_rank_at_the_jobs_micro_batch_count():
     for x in ranks:
         assert max(micro_batch_sizes(x.share, x.micro_batch, x.grad_accum)) == x.micro_batch
         assert len(micro_batch_sizes(x.share, x.micro_batch, x.grad_accum)) == count
+
+
+def test_a_strategy_that_does_not_fit_says_why_itself_and_names_one_that_does():
+    from hetrain.errors import NoPlanFits
+
+    cluster = cluster_from_devices("a100-sxm4-80gb:1,v100-sxm2-16gb:1")
+    with pytest.raises(NoPlanFits) as e:   # the V100 holds 114, not the 128 asked for; ZeRO-3 fits
+        plan_job(cluster, get_profile("bert-large-512"), 256, strategy="balanced", micro_batch=128)
+    message = str(e.value)
+    assert "(balanced: v100-sxm2-16gb needs 17.0 GB at micro-batch 128" in message, message
+    assert "it holds micro-batch 114" in message and "try --strategy zero3 (" in message, message
+    assert "a smaller --micro-batch" in message
+    mixed = cluster_from_devices("a100-sxm4-80gb:1,rtx-3060:1")
+    for strategy in ("balanced", "zero3"):   # only a pipeline fits: the error names its own shortfall
+        with pytest.raises(NoPlanFits) as e:
+            plan_job(mixed, get_profile("gpt2-1.5b"), 64, strategy=strategy)
+        message = str(e.value)
+        assert f"with strategy {strategy} ({strategy}: rtx-3060 needs" in message, message
+        assert "--strategy auto (it also weighs pipelines)" in message and "micro-batch" not in message.split(";")[-1]
+    assert plan_job(mixed, get_profile("gpt2-1.5b"), 64).plan.strategy in ("pipeline", "hybrid")
