@@ -278,8 +278,13 @@ def memory_estimate(profile: WorkloadProfile, precision: str, micro_batch: int, 
     in place of the modelled ones.
     """
     chosen = profile.blocks[blocks] if blocks is not None else profile.blocks
-    params = sum(b.params for b in chosen) if blocks is not None else profile.params
-    largest = max((b.params for b in chosen), default=params)
+    if blocks is not None:
+        start, stop, _ = blocks.indices(len(profile.blocks))
+        params = profile.held_params(start, stop)
+        largest = max((profile.held_params(i, i + 1) for i in range(start, stop)), default=params)
+    else:
+        params = profile.params
+        largest = max((b.params for b in chosen), default=params)
     w, g, o = state_bytes(params, precision, optimizer, zero, world, largest)
     if activations is None:
         activations = activation_bytes_per_sample(profile, precision, checkpointing, blocks) * micro_batch

@@ -89,7 +89,7 @@ def pipeline_candidates(cluster, profile: WorkloadProfile, kinds: list[Kind], gl
             if t is None:
                 if (a, b) not in parts:
                     parts[(a, b)] = profile.model_copy(update={
-                        "params": max(1, sum(x.params for x in blocks[a:b])),
+                        "params": max(1, profile.held_params(a, b)),
                         "flops_per_sample": max(1.0, sum(x.flops_per_sample for x in blocks[a:b])),
                         "activation_bytes_per_sample": sum(x.activation_bytes_per_sample for x in blocks[a:b]),
                         "blocks": [],
@@ -102,7 +102,7 @@ def pipeline_candidates(cluster, profile: WorkloadProfile, kinds: list[Kind], gl
         """The optimizer step over the parameters of the blocks in `ranges` (a 1/shards slice when
         sharded): it runs once per step after the last backward, on every rank at once, so the slowest
         rank's sets the step's."""
-        params = sum(x.params for a, b in ranges for x in blocks[a:b])
+        params = sum(profile.held_params(a, b) for a, b in ranges)
         return kind.optimizer_seconds(params / shards, profile.params)
 
     speed = sorted(kinds, key=lambda k: k.sample_s)
@@ -153,7 +153,7 @@ def pipeline_candidates(cluster, profile: WorkloadProfile, kinds: list[Kind], gl
     def replica_sync_seconds(bounds: list[tuple[int, int]], d: int, m: int, zero: int, slot: float) -> float:
         """Exposed time of the replicas' gradient sum (all-reduce, partly under the last backward);
         sharded, a reduce-scatter plus the weights gathered in each micro-batch's forward and backward."""
-        weights = max(4.0 * sum(x.params for x in blocks[a:b]) for a, b in bounds)
+        weights = max(4.0 * profile.held_params(a, b) for a, b in bounds)
         topo = cm.CommTopology((1,) * d if multi_node else (d,), link, cluster.inter_node_bytes_per_s, staged)
         if zero == 0:
             comm = cm.allreduce_cost(weights, topo).seconds

@@ -36,6 +36,9 @@ class BlockProfile(BaseModel):
     flops_per_sample: float = Field(ge=0, description="forward + backward FLOPs per sample")
     activation_bytes_per_sample: float = Field(ge=0, description="bytes saved for backward per sample")
     output_bytes_per_sample: float = Field(0.0, ge=0, description="bytes of the block's output per sample")
+    tied_params: int = Field(0, ge=0, description="parameters this block shares with block `tied_to` (a tied "
+                             "output embedding): counted there, held again by a pipeline stage without it")
+    tied_to: int | None = Field(None, ge=0, description="index of the block that holds the tied parameters")
 
 
 class WorkloadProfile(BaseModel):
@@ -56,6 +59,12 @@ class WorkloadProfile(BaseModel):
     )
     blocks: list[BlockProfile] = Field(default_factory=list)
     source: str = "measured"
+
+    def held_params(self, start: int, stop: int) -> int:
+        """Parameters a device that runs blocks [start, stop) holds: theirs, and the tied ones whose
+        owning block runs elsewhere (a pipeline's last stage keeps its own copy of a tied embedding)."""
+        return sum(b.params + (b.tied_params if b.tied_to is not None and not start <= b.tied_to < stop else 0)
+                   for b in self.blocks[start:stop])
 
     def activation_bytes(self, element_bytes: int) -> float:
         """Activation bytes per sample when activations are held in `element_bytes`-wide elements."""
@@ -199,16 +208,20 @@ def profile(model: "nn.Module", sample_input, name: str | None = None, kind: Wor
     counts = {k: sum(v.values()) for k, v in counter.get_flop_counts().items()}
     prefix = type(model).__name__
     total_flops = float(counts.get("Global", 0))
-    block_profiles = [
-        BlockProfile(
+    owner: dict[int, int] = {}   # a parameter's id -> the first block that holds it
+    block_profiles = []
+    for i, (bname, block) in enumerate(blocks):
+        tied = [p for p in block.parameters() if id(p) in owner]
+        block_profiles.append(BlockProfile(
             name=bname,
-            params=sum(p.numel() for p in block.parameters()),
+            params=sum(p.numel() for p in block.parameters() if id(p) not in owner),
             flops_per_sample=counts.get(f"{prefix}.{bname}", 0) / batch,
             activation_bytes_per_sample=saved[bname] / batch,
             output_bytes_per_sample=out_bytes[bname] / batch,
-        )
-        for bname, block in blocks
-    ]
+            tied_params=sum(p.numel() for p in tied),
+            tied_to=owner[id(tied[0])] if tied else None,
+        ))
+        owner.update({id(p): i for p in block.parameters() if id(p) not in owner})
     total_saved = sum(saved.values()) + saved_outside
     if total_flops <= 0:
         raise HetrainError("the FLOP counter saw no floating-point work; profile a model that computes on its input")

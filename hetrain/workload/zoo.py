@@ -154,6 +154,7 @@ def transformer_profile(name: str, f: ModelFacts) -> WorkloadProfile:
     elem = 2
     emb_params = v * h + _POSITIONS.get(f.model, 0) * h
     head_params = v * h if f.model in _UNTIED_HEAD else 0
+    tied = f.model in _CAUSAL_LM and not head_params   # the output projection is the token embedding
     layer_params = (f.params - emb_params - head_params) // n
     head_fwd = 2.0 * s * h * v if f.model in _CAUSAL_LM else 0.0
     layer_fwd = (f.forward_flops - head_fwd) / n
@@ -169,7 +170,8 @@ def transformer_profile(name: str, f: ModelFacts) -> WorkloadProfile:
     ]
     blocks.append(BlockProfile(name="head", params=f.params - emb_params - n * layer_params,
                                flops_per_sample=3.0 * head_fwd, activation_bytes_per_sample=head_act,
-                               output_bytes_per_sample=4.0 * s if f.model in _CAUSAL_LM else boundary))
+                               output_bytes_per_sample=4.0 * s if f.model in _CAUSAL_LM else boundary,
+                               tied_params=v * h if tied else 0, tied_to=0 if tied else None))
     mlp_mats = 3 if f.model in _GATED_MLP else 2
     ffn = max(1, (layer_params - 4 * h * h) // (mlp_mats * h))
     shapes = [(v, h)] + ([(v, h)] if head_params else [])

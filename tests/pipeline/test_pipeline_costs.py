@@ -39,3 +39,29 @@ def test_activations_in_flight_follow_torchs_warm_up():
 def test_torchs_rounds_rule():
     assert interleaved_rounds_fit(24, 3) and interleaved_rounds_fit(3, 4) and interleaved_rounds_fit(10, 4)
     assert not interleaved_rounds_fit(5, 2)
+
+
+def test_a_stage_that_holds_a_tied_output_embedding_without_its_owner_counts_its_copy():
+    """GPT-2's output projection is its token embedding: a pipeline's last stage keeps its own copy
+    (its gradient is summed with the first stage's), so its memory and optimizer hold the embedding."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hetrain.planning.cost_model import memory_estimate
+    from hetrain.workload import get_profile
+    from hetrain.workload.block_models import gpt2_blocks
+    from hetrain.workload.profile import profile
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1000, n_positions=64))
+    measured = profile(gpt2_blocks(model), torch.randint(0, 1000, (2, 32)))
+    head = measured.blocks[-1]
+    assert (head.tied_params, head.tied_to) == (1000 * 64, 0)
+    assert measured.held_params(0, 4) == measured.params == sum(p.numel() for p in model.parameters())
+    assert measured.held_params(3, 4) == 1000 * 64 + head.params              # ln_f and the copy
+    assert measured.held_params(2, 4) == measured.blocks[2].params + head.params + 1000 * 64
+    zoo = get_profile("gpt2-1.5b")
+    n = len(zoo.blocks)
+    last = memory_estimate(zoo, "bf16", 1, optimizer="adamw", blocks=slice(n - 1, n))
+    both = memory_estimate(zoo, "bf16", 1, optimizer="adamw", blocks=slice(0, n))
+    assert last.weights >= 4 * 50257 * 1600 and last.optimizer >= 8 * 50257 * 1600
+    assert both.weights == memory_estimate(zoo, "bf16", 1, optimizer="adamw").weights   # counted once together
