@@ -94,7 +94,24 @@ def _workload(args: argparse.Namespace, runnable):
 
     if args.model:
         return get_profile(args.model)
-    return profile(runnable.module, runnable.make_input(2), name=runnable.name, kind=runnable.kind)
+    # one sample where it is enough (a transformer's figures are per token), two where BatchNorm needs them
+    samples = 1 if runnable.kind == "transformer" else 2
+    return profile(runnable.module, runnable.make_input(samples), name=runnable.name, kind=runnable.kind)
+
+
+def _host_micro_batches(micro_batches: list[int], workload, copies: int) -> list[int]:
+    """The CPU's micro-batches that fit the host memory available; a warning for those left out."""
+    from hetrain.hardware.catalog import host_available_bytes
+    from hetrain.workload.measure import host_micro_batches
+
+    kept, note = host_micro_batches(micro_batches, workload.activation_bytes(4), workload.params, copies,
+                                    host_available_bytes())
+    if not kept:
+        raise HetrainError(f"{note.split(' left out: ')[1]}; fix: a shorter --seq-len or a smaller model "
+                           "(hetrain profile runs fp32 on the CPU)")
+    if note:
+        print(f"hetrain profile: warning: {note}", file=sys.stderr, flush=True)
+    return kept
 
 
 def _check_flags(args: argparse.Namespace) -> list[int]:
@@ -144,12 +161,14 @@ def run(args: argparse.Namespace) -> int:
             bar.update(task, completed=done, total=total, description=what)
 
         for device in devices:
+            sizes = _host_micro_batches(micro_batches, workload, args.concurrent) if device.type == "cpu" \
+                else micro_batches
             if args.concurrent > 1:
                 shown(0, 1, f"{device}: {args.concurrent} copies at once")
-                prof = measure_cpu_copies(runnable, args.concurrent, threads, precisions[str(device)], micro_batches,
+                prof = measure_cpu_copies(runnable, args.concurrent, threads, precisions[str(device)], sizes,
                                           repeats=args.repeats, budget_s=args.seconds, blocks=not args.no_blocks)
             else:
-                prof = measure(runnable, device, precisions[str(device)], micro_batches, repeats=args.repeats,
+                prof = measure(runnable, device, precisions[str(device)], sizes, repeats=args.repeats,
                                budget_s=args.seconds, blocks=not args.no_blocks, progress=shown)
             prof = prof.model_copy(update={"model": workload.name})
             written.append((prof.save(out), prof))

@@ -152,6 +152,18 @@ def host_memory_bytes() -> int:
         return 0
 
 
+def host_available_bytes() -> int | None:
+    """Host RAM a new allocation can take now (MemAvailable in /proc/meminfo), or None where unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def host_cpu_count() -> int:
     """CPU cores this process may run on."""
     try:

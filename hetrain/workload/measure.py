@@ -169,6 +169,31 @@ def local_devices() -> list:
     return list(seen.values())
 
 
+HOST_PEAK_FACTOR = 1.5
+"""A CPU step's peak over the activations a profile counts (the tensors saved for backward): backward's
+own temporaries come on top."""
+
+
+def host_micro_batches(micro_batches: Sequence[int], activation_bytes_per_sample: float, params: int,
+                       copies: int = 1, available: float | None = None) -> tuple[list[int], str | None]:
+    """The micro-batches whose CPU steps, `copies` at once, fit the host memory available now (beside the
+    weights already loaded: gradients and AdamW's state for the optimizer's timing, 16 bytes a
+    parameter, in each copy), and a note naming those left out; all of them where it is unknown."""
+    if available is None:
+        return list(micro_batches), None
+    def need(mb: int) -> float:
+        return copies * (HOST_PEAK_FACTOR * activation_bytes_per_sample * mb + 16.0 * params) - 4.0 * params
+
+    kept = [mb for mb in micro_batches if need(mb) <= 0.9 * available]
+    left = [mb for mb in micro_batches if mb not in kept]
+    if not left:
+        return kept, None
+    largest = max(left)
+    return kept, (f"micro-batch {','.join(map(str, left))} left out: micro-batch {largest} would need about "
+                  f"{need(largest) / 1e9:.1f} GB of host memory"
+                  + (f" ({copies} copies)" if copies > 1 else "") + f", {available / 1e9:.1f} GB is available")
+
+
 def measure(runnable: RunnableModel, device, precisions: Sequence[str], micro_batches: Sequence[int], *,
             repeats: int = 10, budget_s: float = 5.0, blocks: bool = True,
             progress: Callable[[int, int, str], None] | None = None) -> DeviceProfile:

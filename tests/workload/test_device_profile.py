@@ -153,3 +153,18 @@ def test_profile_cli_without_cuda_says_so(tmp_path):
     p = subprocess.run([sys.executable, "-m", "hetrain.cli.main", "profile", "--model", "resnet50", "--device", "cuda",
                         "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "torch sees no CUDA device here" in p.stderr
+
+
+def test_cpu_micro_batches_that_would_exhaust_host_memory_are_left_out_with_a_note():
+    """GPT-2 small at 1024 tokens keeps about 2.2 GB per sample in fp32: on a 22 GB host, micro-batch 8
+    would have the kernel kill the profile; it is left out and the note says why."""
+    from hetrain.workload.measure import host_micro_batches
+
+    gb = 1e9
+    kept, note = host_micro_batches([1, 2, 4, 8], 2.2 * gb, 124_000_000, available=22 * gb)
+    assert kept == [1, 2, 4] and note.startswith("micro-batch 8 left out: micro-batch 8 would need about 27.9 GB"), note
+    assert "22.0 GB is available" in note
+    # two copies at once (hetrain profile --concurrent 2) need twice the room
+    kept, note = host_micro_batches([1, 2, 4, 8], 2.2 * gb, 124_000_000, copies=2, available=22 * gb)
+    assert kept == [1, 2] and "(2 copies)" in note
+    assert host_micro_batches([1, 2], 2.2 * gb, 124_000_000, available=None) == ([1, 2], None)
