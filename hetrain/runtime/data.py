@@ -100,8 +100,8 @@ class HeteroLoader:
         self.collate_fn = collate_fn or default_collate
         self.global_batch_size = order.global_batch_size if order is not None else int(global_batch_size)
         self.seed = order.seed if order is not None else seed
-        self.epoch = 0
-        self.step_in_epoch = 0   # steps of `epoch` already handed out
+        self._epoch = 0
+        self._in_epoch = 0   # steps of `epoch` already handed out
         self.run_step = 0        # steps handed out since the run began (all epochs)
         self.schedule = ShareSchedule(split.shares, lag=0 if self.stream else lag)
         # how long the training loop blocked for the last step's batch: the loading that workers did not
@@ -121,6 +121,21 @@ class HeteroLoader:
                                          generator=self._generator, **dataloader_options)
 
     @property
+    def epoch(self) -> int:
+        """The epoch the loop is in. Once the step of an epoch's last batch has ended (`session.step()`), the
+        next one: `while loader.epoch < epochs` then stops after the run's last step however the pass was
+        left (a `break`, a resume from a checkpoint saved at that step)."""
+        return self._epoch + 1 if self._finished() else self._epoch
+
+    @property
+    def step_in_epoch(self) -> int:
+        """Steps of `epoch` handed out (0 once an epoch's last step has ended)."""
+        return 0 if self._finished() else self._in_epoch
+
+    def _finished(self) -> bool:
+        return self._epoch_done() and not self.step.active
+
+    @property
     def lag(self) -> int:
         """Steps between a split change seen by the loader and the first step it applies to."""
         return self.schedule.lag
@@ -137,7 +152,7 @@ class HeteroLoader:
         return self.order.steps_per_epoch
 
     def _epoch_done(self) -> bool:
-        return self.order is not None and self.step_in_epoch >= self.order.steps_per_epoch
+        return self.order is not None and self._in_epoch >= self.order.steps_per_epoch
 
     def _check_last_step_ended(self) -> None:
         """A new step's batch is about to be handed out: the last one must have ended in session.step()."""
@@ -157,14 +172,14 @@ class HeteroLoader:
     def __iter__(self) -> Iterator[Any]:
         self._warned_no_step = False
         if self._epoch_done():
-            self.epoch += 1
-            self.step_in_epoch = 0
+            self._epoch += 1
+            self._in_epoch = 0
         self.schedule.observe(self.run_step, self.split.shares)
-        self._generator.manual_seed(self.seed * 1_000_003 + self.epoch)
+        self._generator.manual_seed(self.seed * 1_000_003 + self._epoch)
         if self.stream:
-            self._source.stream.skip = self.step_in_epoch
+            self._source.stream.skip = self._in_epoch
         else:
-            self.sampler.start(self.epoch, self.step_in_epoch, self.run_step)
+            self.sampler.start(self._epoch, self._in_epoch, self.run_step)
         batches = iter(self.dataloader)
         while not self._epoch_done():
             self.schedule.observe(self.run_step, self.split.shares)
@@ -177,7 +192,7 @@ class HeteroLoader:
             if self.stream:
                 batch, local, total = self._source.take(batch, shares, self.rank, self.collate_fn)
             else:
-                used = step_shares(self.order, self.step_in_epoch, shares)
+                used = step_shares(self.order, self._in_epoch, shares)
                 local, total = used[self.rank], sum(used)
                 if local == 0:
                     batch = _empty_like(batch)
@@ -185,13 +200,13 @@ class HeteroLoader:
             self.data_wait_seconds = time.perf_counter() - started
             self._check_last_step_ended()
             self.step.begin_step(local, total)
-            self.step_in_epoch += 1
+            self._in_epoch += 1
             self.run_step += 1
             yield from self._pieces(batch, local, shares)
         del batches
         # the epoch is complete: the next iteration starts the next one
-        self.epoch += 1
-        self.step_in_epoch = 0
+        self._epoch += 1
+        self._in_epoch = 0
 
     def _pieces(self, batch: Any, n: int, shares: Sequence[int]) -> Iterator[Any]:
         """The step's batch, or its micro-batches when the plan caps this rank's micro_batch below its share
@@ -207,7 +222,7 @@ class HeteroLoader:
                 yield piece
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "run_step": self.run_step,
+        return {"epoch": self._epoch, "step_in_epoch": self._in_epoch, "run_step": self.run_step,
                 "seed": self.seed, "global_batch_size": self.global_batch_size,
                 "schedule": self.schedule.state_dict()}
 
@@ -218,8 +233,8 @@ class HeteroLoader:
                 f"differs from this loader's ({self.global_batch_size}, {self.seed}); "
                 "resume with the same global_batch_size and seed"
             )
-        self.epoch = int(state["epoch"])
-        self.step_in_epoch = int(state["step_in_epoch"])
+        self._epoch = int(state["epoch"])
+        self._in_epoch = int(state["step_in_epoch"])
         self.run_step = int(state.get("run_step", 0))
         saved = state.get("schedule")
         if saved is not None and all(len(s) == len(self.split.shares) for _, s in saved["changes"]):

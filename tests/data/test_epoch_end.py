@@ -1,0 +1,45 @@
+"""`while loader.epoch < epochs: for batch in loader:` runs exactly `epochs` epochs however the pass is
+left: a break at the last step, or a resume from a checkpoint saved at the last step."""
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+from tests.distributed import run_ranks
+
+EPOCHS, SAMPLES, GLOBAL = 2, 64, 16   # 4 steps an epoch
+
+
+def _loop(rank, world, ckpt_dir, break_every):
+    import hetrain
+
+    session = hetrain.Session(checkpoint_dir=ckpt_dir, checkpoint_interval=4, async_checkpoints=False)
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 2)
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(SAMPLES, 4, generator=g), torch.randint(0, 2, (SAMPLES,), generator=g))
+    loader = session.loader(data, global_batch_size=GLOBAL, shuffle=True, seed=0)
+    seen = [(loader.epoch, loader.step_in_epoch)]
+    while loader.epoch < EPOCHS:
+        for x, y in loader:
+            seen.append(loader.epoch)
+            session.backward(F.cross_entropy(model(x), y))
+            session.step()
+            if break_every and session.step_count % break_every == 0:
+                break   # e.g. evaluate every few steps, then go on
+    session.close()
+    return session.step_count, seen, [p.detach().clone() for p in net.parameters()]
+
+
+def test_a_break_at_each_epochs_last_step_does_not_add_an_epoch(tmp_path):
+    steps, seen, _ = run_ranks(_loop, 2, None, 4)[0]
+    assert steps == 8 and seen == [(0, 0), 0, 0, 0, 0, 1, 1, 1, 1], seen
+
+
+def test_a_resume_from_the_last_steps_checkpoint_trains_nothing_more(tmp_path):
+    steps, _, params = run_ranks(_loop, 2, str(tmp_path), 0)[0]
+    assert steps == 8
+    again, seen, resumed = run_ranks(_loop, 2, str(tmp_path), 0)[0]
+    assert again == 8 and seen == [(2, 0)], seen   # the run had ended: the loop does not start another epoch
+    assert all(torch.equal(a, b) for a, b in zip(params, resumed))
