@@ -168,7 +168,7 @@ def test_run_log_has_a_line_per_step_and_checkpoint(tmp_path):
 
 
 def test_a_step_costs_microseconds(tmp_path):
-    """The step path: numbers added under a lock and one buffered JSON line; no syscall per step."""
+    """The step path: numbers added under a lock and one JSON line handed to the OS (one write call)."""
     m = cpu_metrics(run_dir=tmp_path, flops_per_item=1.0)
     record = step_record(2, rank=1)
     m.on_step(record)

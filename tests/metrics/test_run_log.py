@@ -1,0 +1,48 @@
+"""The run log survives the rank: every step line is on disk however the process ends."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hetrain.metrics.report import load_run, summary_rows
+from tests.distributed import run_cli
+
+ROOT = Path(__file__).resolve().parents[2]
+
+RANK = """
+import os, signal, sys
+import torch
+from hetrain.metrics import RankMetrics
+from tests.metrics.fake_gpu_rank import step_record
+m = RankMetrics(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), device_name="cpu", port=None,
+                run_dir=sys.argv[1], job="crash")
+for step in range(1, 26):
+    m.on_step(step_record(step, rank=0, world_size=1, shares=(512,)))
+how = sys.argv[2]
+if how == "sigkill":
+    os.kill(os.getpid(), signal.SIGKILL)
+elif how == "os_exit":
+    os._exit(3)
+elif how == "sigterm":          # the default action: no Python code runs
+    os.kill(os.getpid(), signal.SIGTERM)
+raise RuntimeError("deliberate failure at step 25")
+"""
+
+
+@pytest.mark.parametrize("how", ["raise", "sigterm", "os_exit", "sigkill"])
+def test_a_rank_that_dies_leaves_every_step_it_logged(tmp_path, how):
+    r = subprocess.run([sys.executable, "-c", RANK, str(tmp_path), how], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode != 0, r.stderr
+    (row,) = summary_rows(load_run(tmp_path))
+    assert row["steps"] == 25, (how, r.stderr[-2000:])
+    if how == "sigkill":
+        rep = run_cli([sys.executable, "-m", "hetrain.cli.main", "report", str(tmp_path), "--json"], cwd=ROOT,
+                      timeout=120)
+        assert rep.returncode == 0, rep.stderr
+        assert json.loads(rep.stdout)[0]["steps"] == 25
