@@ -222,9 +222,15 @@ class HeteroLoader:
                 yield piece
 
     def state_dict(self) -> dict:
-        return {"epoch": self._epoch, "step_in_epoch": self._in_epoch, "run_step": self.run_step,
-                "seed": self.seed, "global_batch_size": self.global_batch_size,
-                "schedule": self.schedule.state_dict()}
+        state = {"epoch": self._epoch, "step_in_epoch": self._in_epoch, "run_step": self.run_step,
+                 "seed": self.seed, "global_batch_size": self.global_batch_size,
+                 "schedule": self.schedule.state_dict()}
+        if self.order is not None:
+            state["order"] = self._order_settings()
+        return state
+
+    def _order_settings(self) -> dict:
+        return {"samples": self.order.dataset_len, "shuffle": self.order.shuffle, "drop_last": self.order.drop_last}
 
     def load_state_dict(self, state: dict) -> None:
         if state["global_batch_size"] != self.global_batch_size or state["seed"] != self.seed:
@@ -233,8 +239,20 @@ class HeteroLoader:
                 f"differs from this loader's ({self.global_batch_size}, {self.seed}); "
                 "resume with the same global_batch_size and seed"
             )
-        self._epoch = int(state["epoch"])
-        self._in_epoch = int(state["step_in_epoch"])
+        epoch, in_epoch = int(state["epoch"]), int(state["step_in_epoch"])
+        saved = state.get("order")
+        if saved is not None and self.order is not None and saved != self._order_settings():
+            if in_epoch >= GlobalBatchOrder(saved["samples"], self.global_batch_size,
+                                            drop_last=saved["drop_last"]).steps_per_epoch:
+                epoch, in_epoch = epoch + 1, 0   # the saved epoch was complete: the next starts in this order
+            elif in_epoch:
+                changed = ", ".join(f"{k} {saved[k]} -> {v}" for k, v in self._order_settings().items()
+                                    if saved.get(k) != v)
+                raise HetrainError(
+                    f"the checkpoint stopped in the middle of epoch {epoch}, and this loader orders that epoch "
+                    f"differently ({changed}): the rest of the epoch would repeat some samples and skip others; "
+                    "resume with the checkpoint's dataset and loader settings, or change them at an epoch's end")
+        self._epoch, self._in_epoch = epoch, in_epoch
         self.run_step = int(state.get("run_step", 0))
         saved = state.get("schedule")
         if saved is not None and all(len(s) == len(self.split.shares) for _, s in saved["changes"]):

@@ -43,3 +43,35 @@ def test_a_resume_from_the_last_steps_checkpoint_trains_nothing_more(tmp_path):
     again, seen, resumed = run_ranks(_loop, 2, str(tmp_path), 0)[0]
     assert again == 8 and seen == [(2, 0)], seen   # the run had ended: the loop does not start another epoch
     assert all(torch.equal(a, b) for a, b in zip(params, resumed))
+
+
+def _stop_mid_epoch(rank, world, ckpt_dir, samples, shuffle, steps):
+    import hetrain
+
+    session = hetrain.Session(checkpoint_dir=ckpt_dir, checkpoint_interval=2, async_checkpoints=False)
+    net = torch.nn.Linear(4, 2)
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    data = TensorDataset(torch.randn(samples, 4), torch.randint(0, 2, (samples,)))
+    try:
+        loader = session.loader(data, global_batch_size=GLOBAL, shuffle=shuffle, seed=0)
+    except Exception as e:   # noqa: BLE001 - the refusal is what is checked
+        session.close()
+        return str(e)
+    for x, y in loader:
+        session.backward(F.cross_entropy(model(x), y))
+        session.step()
+        if session.step_count == steps:
+            break
+    session.close()
+    return loader.epoch, loader.step_in_epoch
+
+
+def test_a_resume_mid_epoch_with_the_data_ordered_differently_is_refused(tmp_path):
+    assert run_ranks(_stop_mid_epoch, 1, str(tmp_path), SAMPLES, True, 2)[0] == (0, 2)
+    message = run_ranks(_stop_mid_epoch, 1, str(tmp_path), SAMPLES, False, 3)[0]
+    assert "stopped in the middle of epoch 0" in message and "shuffle True -> False" in message, message
+    message = run_ranks(_stop_mid_epoch, 1, str(tmp_path), SAMPLES + 16, True, 3)[0]
+    assert "samples 64 -> 80" in message and "change them at an epoch's end" in message, message
+    # at an epoch's end the next epoch may be ordered anew
+    assert run_ranks(_stop_mid_epoch, 1, str(tmp_path), SAMPLES, True, 4)[0] == (1, 0)
+    assert run_ranks(_stop_mid_epoch, 1, str(tmp_path), SAMPLES + 16, False, 6)[0] == (1, 2)
