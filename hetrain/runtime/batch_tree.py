@@ -18,10 +18,11 @@ from typing import Any
 import torch
 
 
-def map_leaves(fn: Callable[[Any], Any], batch: Any) -> Any:
-    """The batch with every leaf replaced by fn(leaf); containers keep their types."""
+def map_leaves(fn: Callable[[Any], Any], batch: Any, is_leaf: Callable[[Any], bool] | None = None) -> Any:
+    """The batch with every leaf replaced by fn(leaf); containers keep their types. `is_leaf` may make a
+    container a leaf (a list of one value per sample)."""
     def walk(obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
+        if isinstance(obj, torch.Tensor) or (is_leaf is not None and is_leaf(obj)):
             return fn(obj)
         if obj is None:   # structure, not a value (as torch's trees have it)
             return None
@@ -53,6 +54,16 @@ def map_leaves(fn: Callable[[Any], Any], batch: Any) -> Any:
 def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
     """The batch with every tensor replaced by fn(tensor); all else as it was."""
     return map_leaves(lambda x: fn(x) if isinstance(x, torch.Tensor) else x, batch)
+
+
+PLAIN = (str, bytes, int, float, bool, type(None))
+
+
+def per_sample_values(obj: Any, samples: int) -> bool:
+    """Whether `obj` is a list or tuple of one plain value (a string, a number) per sample, as torch's
+    default_collate leaves strings and `zip(*batch)` leaves anything: a field to cut with the samples."""
+    return (isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields") and samples > 0 and len(obj) == samples
+            and all(isinstance(v, PLAIN) for v in obj))
 
 
 def flatten(batch: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:

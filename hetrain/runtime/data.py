@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
 
 from hetrain.errors import HetrainError
-from hetrain.runtime.batch_tree import map_tensors
+from hetrain.runtime.batch_tree import map_leaves, per_sample_values
 from hetrain.runtime.batch_sampler import RankBatchSampler, ShareSchedule, step_shares
 from hetrain.runtime.batch_transfer import to_device
 from hetrain.runtime.data_order import GlobalBatchOrder, rank_slice
@@ -62,8 +62,9 @@ def _as_is(batch: list[Any]) -> list[Any]:
 
 
 def _empty_like(batch: Any) -> Any:
-    """A batch of the same structure with every tensor cut to length 0 (a rank with no samples)."""
-    return map_tensors(lambda t: t[:0] if t.dim() > 0 else t, batch)
+    """A one-sample batch with every tensor and per-sample list cut to length 0 (a rank with no samples)."""
+    return map_leaves(lambda x: x[:0] if not isinstance(x, torch.Tensor) or x.dim() > 0 else x, batch,
+                      is_leaf=lambda x: per_sample_values(x, 1))
 
 
 class HeteroLoader:

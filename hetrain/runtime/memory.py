@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hetrain.errors import HetrainError
 from hetrain.planning.batch_split import split_even
-from hetrain.runtime.batch_tree import map_tensors
+from hetrain.runtime.batch_tree import map_leaves, map_tensors, per_sample_values
 from hetrain.runtime.gradients import local_tensor
 
 _CHECKPOINTED = "_hetrain_checkpointed"
@@ -117,12 +117,23 @@ def job_piece_count(shares: Sequence[int], caps: Sequence[tuple[int | None, int]
 
 
 def slice_batch(batch: Any, start: int, stop: int, local_n: int) -> Any:
-    """Samples [start, stop) of a collated batch: every tensor whose first dimension is `local_n`."""
+    """Samples [start, stop) of a collated batch: every tensor whose first dimension is `local_n`, and every
+    list of one plain value per sample (`per_sample_values`); anything else is shared by all pieces. A
+    tensor whose samples lie along another dimension (sequence-first) cannot be cut and is refused."""
+    def cut(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return type(x)(x[start:stop])
+        if x.dim() > 0 and x.shape[0] == local_n:
+            return x[start:stop]
+        if local_n > 1 and local_n in tuple(x.shape)[1:]:
+            raise HetrainError(
+                f"a batch tensor of shape {tuple(x.shape)} cannot be cut into this rank's micro-batches: its "
+                f"{local_n} samples lie along dimension {tuple(x.shape).index(local_n)}, and hetrain cuts along "
+                "the first; collate batches batch-first (e.g. batch_first=True, transposing inside the model) "
+                "or plan no micro-batches")
+        return x
 
-    def cut(t: torch.Tensor) -> torch.Tensor:
-        return t[start:stop] if t.dim() > 0 and t.shape[0] == local_n else t
-
-    return map_tensors(cut, batch)
+    return map_leaves(cut, batch, is_leaf=lambda x: per_sample_values(x, local_n))
 
 
 def split_batch(batch: Any, sizes: Sequence[int], local_n: int) -> Iterator[Any]:

@@ -117,3 +117,61 @@ def test_a_batch_encoding_is_cut_into_micro_batches_and_emptied_on_a_rank_withou
     assert results[2]["sizes"] == [0] * STEPS
     assert all(r["kinds"] == {"BatchEncoding"} for r in results)
     _assert_single_process_updates(results, sum(BE_SHARES))
+
+
+class _WithText(torch.utils.data.Dataset):
+    """make_data's samples with their label as text too, as a collate leaves raw strings: a list per batch."""
+
+    def __init__(self):
+        self.data = make_data()
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        x, y = self.data[i]
+        return x, y, str(int(y))
+
+
+def _train_text(rank, world):
+    import hetrain
+
+    plan = Plan(global_batch_size=sum(BE_SHARES), balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=r, share=s, micro_batch=m) for r, (s, m) in enumerate(zip(BE_SHARES, BE_MICRO))])
+    session = hetrain.Session(plan)
+    net = make_model()
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=LR))
+    loader = session.loader(_WithText(), global_batch_size=sum(BE_SHARES), shuffle=True, seed=5)
+    params, texts = [], []
+    for x, y, text in loader:
+        texts.append(list(text))
+        labels = torch.tensor([int(t) for t in text], dtype=torch.long)   # the loop reads the strings
+        assert len(labels) == len(x) and torch.equal(labels, y)
+        session.backward(torch.nn.functional.cross_entropy(model(x), labels))
+        if session.step():
+            params.append([p.detach().clone() for p in net.parameters()])
+        if session.step_count == STEPS:
+            break
+    return {"params": params, "texts": texts}
+
+
+def test_per_sample_strings_are_cut_with_their_samples_and_emptied_on_a_rank_without_samples():
+    results = run_ranks(_train_text, 3)
+    assert [len(t) for t in results[0]["texts"]] == [2, 2, 2] * STEPS
+    assert results[2]["texts"] == [[]] * STEPS
+    _assert_single_process_updates(results, sum(BE_SHARES))
+
+
+def test_a_sequence_first_tensor_is_refused_where_the_batch_is_cut_not_handed_whole():
+    import pytest
+
+    from hetrain.errors import HetrainError
+
+    tokens, lengths = torch.zeros(5, 8), torch.arange(8)          # [T, B]: the samples along dimension 1
+    with pytest.raises(HetrainError, match=r"shape \(5, 8\) .* its 8 samples lie along dimension 1"):
+        list(split_batch((tokens, lengths), [4, 4], 8))
+    assert list(split_batch((tokens, lengths), [8], 8))[0][0] is tokens        # one piece: nothing to cut
+    shared = torch.ones(5)                                          # no dimension of 8: shared by the pieces
+    pieces = list(split_batch({"x": torch.zeros(8, 3), "bias": shared, "ids": ("a",) * 8}, [3, 5], 8))
+    assert [p["x"].shape[0] for p in pieces] == [3, 5] and pieces[1]["bias"] is shared
+    assert pieces[0]["ids"] == ("a",) * 3
