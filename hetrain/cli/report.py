@@ -30,7 +30,10 @@ def _fmt(value, spec: str) -> str:
 def _table(rows: list[dict]) -> "Table":
     from rich.table import Table
 
-    table = Table(title="hetrain run report")
+    from rich import box
+
+    # one space between columns and no side borders: sixteen columns and whole device names fit 136 columns
+    table = Table(title="hetrain run report", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 0))
     columns = [("rank", "d"), ("device", "s"), ("steps", "d"), ("step s", ".4f"), ("predicted s", ".4f"),
                ("samples/s", ".1f"), ("share", ".1%"), ("compute", ".1%"), ("wait ranks", ".1%"),
                ("wait data", ".1%"), ("script", ".1%"), ("wait ckpt", ".1%"), ("MFU", ".2%"), ("comm sent", "s"),
@@ -40,11 +43,17 @@ def _table(rows: list[dict]) -> "Table":
             "checkpoints", "restarts"]
     for name, _ in columns:
         table.add_column(name, justify="left" if name == "device" else "right")
+    split = {row["rank"] for row in rows if sum(r["rank"] == row["rank"] for r in rows) > 1}
     for row in rows:
         cells = []
         for key, (_, spec) in zip(keys, columns):
             value = row[key]
-            cells.append(f"{value / 1e6:.1f} MB" if key == "comm_bytes" and value is not None else _fmt(value, spec))
+            if key == "device" and row["rank"] in split:   # a rank that resumed on another device: a row each
+                cells.append(f"{value}\nsteps {row['first_step']}-{row['last_step']}")
+            elif key == "comm_bytes" and value is not None:
+                cells.append(f"{value / 1e9:.1f} GB" if value >= 1e10 else f"{value / 1e6:.1f} MB")
+            else:
+                cells.append(_fmt(value, spec))
         table.add_row(*cells)
     return table
 

@@ -1,7 +1,11 @@
 """A run's figures from its run log (RUN_DIR/metrics/rank-N.jsonl): per-rank series and a summary.
 
-Pure functions over the logged lines. When a rank was restarted and ran some steps again, the
-last run of each step counts.
+Pure functions over the logged lines. Each `start` line begins an attempt (a launch, or a restart of
+the workers); when a rank ran some steps again after resuming, the last run of each step counts. A
+rank that resumed on another device gets one summary row per device, each with the figures of the
+steps it ran there and the start line in force for them (its plan's predicted step time). Lines
+that are not a whole record (not a JSON object, a step line without its figures) are skipped: a
+damaged line never replaces a good one.
 """
 
 from __future__ import annotations
@@ -16,20 +20,92 @@ from hetrain.metrics.run_log import find_logs, read_lines
 
 CAUSES = ("compute", "waiting on ranks", "waiting for data", "script", "checkpoint")
 
+_NUMBERS = ("time", "samples", "share", "compute_seconds", "data_wait_seconds")     # a step line needs these
+_NULLABLE = ("step_seconds", "waiting_seconds")                                   # present, a number or null
+_OPTIONAL = ("loss", "mfu", "script_seconds", "checkpoint_seconds")                # a number or null when present
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def complete_step(line: dict[str, Any]) -> bool:
+    """Whether a step line holds every figure the report reads, each of its type."""
+    if type(line.get("step")) is not int or not isinstance(line.get("device"), str):
+        return False
+    if not all(_number(line.get(k)) for k in _NUMBERS):
+        return False
+    if not all(k in line and (line[k] is None or _number(line[k])) for k in _NULLABLE):
+        return False
+    if not all(line.get(k) is None or _number(line[k]) for k in _OPTIONAL):
+        return False
+    shares, sent = line.get("shares", []), line.get("comm_bytes", {})
+    return (isinstance(shares, list) and all(_number(x) for x in shares)
+            and isinstance(sent, dict) and all(_number(x) for x in sent.values()))
+
+
+@dataclass
+class Attempt:
+    """One process's stay in the log: from its start line to the next."""
+
+    start: dict[str, Any] = field(default_factory=dict)
+    checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    restarts: int = 0
+    first_device: str | None = None   # the device of its first step, for a log that lost its start line
+
+    @property
+    def device(self) -> str | None:
+        device = self.start.get("device")
+        return device if isinstance(device, str) else self.first_device
+
 
 @dataclass
 class RankRun:
-    """One rank's logged figures, steps in order."""
+    """One rank's logged figures, steps in order; `step_attempts[i]` is the attempt that ran `steps[i]`."""
 
     rank: int
-    start: dict[str, Any] = field(default_factory=dict)
+    attempts: list[Attempt] = field(default_factory=list)
     steps: list[dict[str, Any]] = field(default_factory=list)
-    checkpoints: list[dict[str, Any]] = field(default_factory=list)
-    restarts: int = 0
+    step_attempts: list[int] = field(default_factory=list)
+
+    @property
+    def start(self) -> dict[str, Any]:
+        """The start line in force for the last step (the last start line when no step was logged)."""
+        if self.step_attempts:
+            return self.attempts[self.step_attempts[-1]].start
+        return self.attempts[-1].start if self.attempts else {}
+
+    @property
+    def checkpoints(self) -> list[dict[str, Any]]:
+        return [c for a in self.attempts for c in a.checkpoints]
+
+    @property
+    def restarts(self) -> int:
+        return max((a.restarts for a in self.attempts), default=0)
+
+    @property
+    def devices(self) -> list[str]:
+        """The devices this rank's steps ran on, in order of first use."""
+        seen = list(dict.fromkeys(s["device"] for s in self.steps))
+        return seen or [d for d in dict.fromkeys(a.device for a in self.attempts) if d][-1:]
 
     @property
     def device(self) -> str:
-        return str(self.start.get("device") or (self.steps[0]["device"] if self.steps else "?"))
+        return " → ".join(self.devices) or "?"
+
+    def parts(self) -> list["RankRun"]:
+        """One RankRun per device this rank ran on (itself when only one): its steps and attempts there."""
+        devices = self.devices
+        if len(devices) <= 1:
+            return [self]
+        parts = []
+        for device in devices:
+            picked = [(s, a) for s, a in zip(self.steps, self.step_attempts) if s["device"] == device]
+            used = sorted({a for _, a in picked} | {i for i, a in enumerate(self.attempts) if a.device == device})
+            index = {a: j for j, a in enumerate(used)}
+            parts.append(RankRun(self.rank, [self.attempts[a] for a in used], [s for s, _ in picked],
+                                 [index[a] for _, a in picked]))
+        return parts
 
     @property
     def timed(self) -> list[dict[str, Any]]:
@@ -39,7 +115,7 @@ class RankRun:
         return [(s["step"], s["samples"] / s["step_seconds"]) for s in self.timed]
 
     def shares(self) -> list[tuple[int, float]]:
-        return [(s["step"], s["share"] / sum(s["shares"])) for s in self.steps if s.get("shares")]
+        return [(s["step"], s["share"] / sum(s["shares"])) for s in self.steps if s.get("shares") and sum(s["shares"])]
 
     def time_by_cause(self) -> dict[str, float]:
         """Seconds of the timed steps: computing, waiting on other ranks, waiting for data, the
@@ -48,32 +124,43 @@ class RankRun:
         return {"compute": sum(s["compute_seconds"] for s in t),
                 "waiting on ranks": sum(s["waiting_seconds"] or 0.0 for s in t),
                 "waiting for data": sum(s["data_wait_seconds"] for s in t),
-                "script": sum(s.get("script_seconds", 0.0) for s in t),
-                "checkpoint": sum(s.get("checkpoint_seconds", 0.0) for s in t)}
+                "script": sum(s.get("script_seconds") or 0.0 for s in t),
+                "checkpoint": sum(s.get("checkpoint_seconds") or 0.0 for s in t)}
+
+
+def read_rank(rank: int, path: Path) -> RankRun:
+    """One rank's log: its attempts and each step's last complete run."""
+    run = RankRun(rank)
+    by_step: dict[int, tuple[dict[str, Any], int]] = {}
+    for line in read_lines(path):
+        kind = line.get("kind")
+        if kind == "start" or not run.attempts:
+            run.attempts.append(Attempt(start=line if kind == "start" else {}))
+        attempt = run.attempts[-1]
+        if kind == "step" and complete_step(line):
+            by_step[line["step"]] = (line, len(run.attempts) - 1)
+            attempt.first_device = attempt.first_device or line["device"]
+        elif kind == "checkpoint":
+            attempt.checkpoints.append(line)
+        elif kind == "restart" and _number(line.get("count")):
+            attempt.restarts = max(attempt.restarts, int(line["count"]))
+    ordered = [by_step[k] for k in sorted(by_step)]
+    run.steps = [line for line, _ in ordered]
+    run.step_attempts = [a for _, a in ordered]
+    return run
 
 
 def load_run(run_dir: str | Path) -> dict[int, RankRun]:
-    """rank -> RankRun from the run directory's logs; a one-line error when there are none."""
+    """rank -> RankRun from the run directory's logs; a one-line error when there are none, or when no
+    rank logged a step."""
     logs = find_logs(run_dir)
     if not logs:
         raise HetrainError(f"no run log in {str(run_dir)!r} (looked for metrics/rank-N.jsonl); give the run "
                            f"directory a job wrote with HETRAIN_RUN_DIR or --checkpoint-dir set")
-    runs = {}
-    for rank, path in logs.items():
-        run = RankRun(rank)
-        by_step: dict[int, dict[str, Any]] = {}
-        for line in read_lines(path):
-            kind = line.get("kind")
-            if kind == "start" and not run.start:
-                run.start = line
-            elif kind == "step":
-                by_step[line["step"]] = line
-            elif kind == "checkpoint":
-                run.checkpoints.append(line)
-            elif kind == "restart":
-                run.restarts = max(run.restarts, int(line["count"]))
-        run.steps = [by_step[k] for k in sorted(by_step)]
-        runs[rank] = run
+    runs = {rank: read_rank(rank, path) for rank, path in logs.items()}
+    if not any(run.steps for run in runs.values()):
+        raise HetrainError(f"no step was logged in {str(run_dir)!r}: {len(runs)} rank log(s) but none holds a "
+                           "finished step (the job stopped before its first step ended); see the job's own output")
     return runs
 
 
@@ -90,27 +177,30 @@ def loss_series(runs: dict[int, RankRun]) -> list[tuple[int, float]]:
     return []
 
 
+def summary_row(run: RankRun) -> dict[str, Any]:
+    """What the report's table prints for one rank on one device."""
+    t = run.timed
+    step_seconds = sum(s["step_seconds"] for s in t)
+    causes = run.time_by_cause()
+    mfus = [s["mfu"] for s in t if s.get("mfu") is not None]
+    last = run.steps[-1] if run.steps else {}
+    sent = [s["comm_bytes"] for s in run.steps if s.get("comm_bytes")]
+    return {
+        "rank": run.rank, "device": run.device, "steps": len(run.steps),
+        "first_step": run.steps[0]["step"] if run.steps else None, "last_step": last.get("step"),
+        "step_seconds": step_seconds / len(t) if t else None,
+        "predicted_step_seconds": run.start.get("predicted_step_seconds"),
+        "samples_per_second": sum(s["samples"] for s in t) / step_seconds if step_seconds else None,
+        "share": last["share"] / sum(last["shares"]) if last.get("shares") and sum(last["shares"]) else None,
+        **{cause: causes[cause] / step_seconds if step_seconds else None for cause in CAUSES},
+        "mfu": fmean(mfus) if mfus else None,
+        # None where no step measured its traffic (FSDP2's collectives are not counted), never 0 for it
+        "comm_bytes": sum(sum(d.values()) for d in sent) if sent else None,
+        "checkpoints": len(run.checkpoints), "restarts": run.restarts,
+        "emulated": any(s.get("emulated") for s in run.steps),
+    }
+
+
 def summary_rows(runs: dict[int, RankRun]) -> list[dict[str, Any]]:
-    """One row per rank: what the report's table prints."""
-    rows = []
-    for rank, run in runs.items():
-        t = run.timed
-        step_seconds = sum(s["step_seconds"] for s in t)
-        causes = run.time_by_cause()
-        mfus = [s["mfu"] for s in t if s.get("mfu") is not None]
-        last = run.steps[-1] if run.steps else {}
-        sent = [s["comm_bytes"] for s in run.steps if s.get("comm_bytes")]
-        rows.append({
-            "rank": rank, "device": run.device, "steps": len(run.steps),
-            "step_seconds": step_seconds / len(t) if t else None,
-            "predicted_step_seconds": run.start.get("predicted_step_seconds"),
-            "samples_per_second": sum(s["samples"] for s in t) / step_seconds if step_seconds else None,
-            "share": last["share"] / sum(last["shares"]) if last.get("shares") else None,
-            **{cause: causes[cause] / step_seconds if step_seconds else None for cause in CAUSES},
-            "mfu": fmean(mfus) if mfus else None,
-            # None where no step measured its traffic (FSDP2's collectives are not counted), never 0 for it
-            "comm_bytes": sum(sum(d.values()) for d in sent) if sent else None,
-            "checkpoints": len(run.checkpoints), "restarts": run.restarts,
-            "emulated": any(s.get("emulated") for s in run.steps),
-        })
-    return rows
+    """One row per rank, or per rank and device for a rank that resumed on another device."""
+    return [summary_row(part) for run in runs.values() for part in run.parts()]

@@ -53,15 +53,15 @@ def draw(runs: dict[int, RankRun], out: Path, title: str) -> Path:
     ax_share.set_title("Share of each global batch")
     ax_share.set_ylim(bottom=0)
 
-    ranks = list(runs)
-    left = np.zeros(len(ranks))
+    parts = [part for run in runs.values() for part in run.parts()]   # a rank and device each
+    left = np.zeros(len(parts))
     for cause, color in zip(CAUSES, ("tab:green", "tab:red", "tab:orange", "tab:gray", "tab:purple")):
         fractions = []
-        for run in runs.values():
-            t = run.time_by_cause()
+        for part in parts:
+            t = part.time_by_cause()
             total = sum(t.values())
             fractions.append(100 * t[cause] / total if total else 0.0)
-        bars = ax_time.barh([f"rank {r}\n{runs[r].device}" for r in ranks], fractions, left=left, label=cause,
+        bars = ax_time.barh([f"rank {p.rank}\n{p.device}" for p in parts], fractions, left=left, label=cause,
                             color=color)
         ax_time.bar_label(bars, labels=[f"{f:.0f}%" if f >= 8 else "" for f in fractions], label_type="center")
         left += np.asarray(fractions)

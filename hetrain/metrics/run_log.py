@@ -64,13 +64,16 @@ class RunLog:
 
 
 def read_lines(path: Path) -> Iterator[dict[str, Any]]:
-    """The records of one rank's log; a torn last line (a rank killed mid-write) is skipped."""
+    """The records (JSON objects) of one rank's log; a torn last line (a rank killed mid-write) and
+    any line that is not an object are skipped."""
     with open(path, encoding="utf-8") as f:
         for line in f:
             try:
-                yield json.loads(line)
+                record = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            if isinstance(record, dict):
+                yield record
 
 
 def find_logs(run_dir: str | Path) -> dict[int, Path]:

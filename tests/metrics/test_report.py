@@ -25,8 +25,8 @@ def write_run(run_dir: Path) -> None:
                         port=None, run_dir=run_dir, job="report", predicted_step_seconds=0.45)
         for step in range(1, 7):
             shares = (768, 256) if step < 4 else (683, 341)
-            m.on_step(step_record(step, rank=rank, world_size=2, share=shares[rank], samples=shares[rank],
-                                  shares=shares, split_changed=step == 4, step_seconds=None if step == 1 else 0.5,
+            m.on_step(step_record(step, rank=rank, world_size=2, device="cpu", share=shares[rank],
+                                  samples=shares[rank], shares=shares, split_changed=step == 4, step_seconds=None if step == 1 else 0.5,
                                   compute_seconds=compute, data_wait_seconds=0.05, loss=3.0 - 0.1 * step,
                                   comm_bytes={"intra": 1e6}))
             if step == 3:
@@ -37,7 +37,7 @@ def write_run(run_dir: Path) -> None:
                     run_dir=run_dir, job="report")
     m.on_restart(1)
     for step in (4, 5):
-        m.on_step(step_record(step, rank=1, world_size=2, share=341, samples=341, shares=(683, 341),
+        m.on_step(step_record(step, rank=1, world_size=2, device="cpu", share=341, samples=341, shares=(683, 341),
                               step_seconds=None if step == 4 else 1.0, compute_seconds=0.4, data_wait_seconds=0.05,
                               loss=9.0))
     m.close()
@@ -134,10 +134,66 @@ def test_traffic_no_step_measured_is_shown_as_unknown_not_as_zero(tmp_path):
     m = RankMetrics(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), device_name="cpu", port=None,
                     run_dir=tmp_path, job="report")
     for step in range(1, 4):
-        m.on_step(step_record(step, rank=0, world_size=1, shares=(512,), comm_bytes={}))
+        m.on_step(step_record(step, rank=0, world_size=1, device="cpu", shares=(512,), comm_bytes={}))
     m.close()
     (row,) = summary_rows(load_run(tmp_path))
     assert row["comm_bytes"] is None
     r = hetrain("report", str(tmp_path))
     assert r.returncode == 0, r.stderr
     assert "comm sent" in r.stdout and "MB" not in r.stdout   # the column's one unit
+
+
+def write_swapped_run(run_dir: Path) -> None:
+    """Rank 0 runs steps 1-20 on an A100, then the job resumes from step 10's checkpoint with rank 0 on a V100."""
+    for device, steps, compute, predicted in (("a100-sxm4-80gb", range(1, 21), 0.1, 0.16),
+                                              ("v100-sxm2-32gb", range(11, 41), 0.3, 0.42)):
+        m = RankMetrics(rank=0, local_rank=0, world_size=2, device=torch.device("cpu"), device_name=device,
+                        port=None, run_dir=run_dir, job="swap", predicted_step_seconds=predicted)
+        for step in steps:
+            m.on_step(step_record(step, rank=0, world_size=2, device=device, share=64, samples=64, shares=(64, 64),
+                                  step_seconds=None if step == steps[0] else compute + 0.1, compute_seconds=compute))
+            if step % 10 == 0:
+                m.on_checkpoint(CheckpointRecord(step=step, blocking_seconds=0.1, total_seconds=0.3, bytes=100))
+        m.close()
+
+
+def test_a_rank_resumed_on_another_device_gets_a_row_per_device(tmp_path):
+    write_swapped_run(tmp_path)
+    runs = load_run(tmp_path)
+    assert [s["step"] for s in runs[0].steps] == list(range(1, 41))
+    a100, v100 = summary_rows(runs)
+    assert (a100["device"], a100["first_step"], a100["last_step"], a100["steps"]) == ("a100-sxm4-80gb", 1, 10, 10)
+    assert (v100["device"], v100["first_step"], v100["last_step"], v100["steps"]) == ("v100-sxm2-32gb", 11, 40, 30)
+    assert a100["predicted_step_seconds"] == 0.16 and v100["predicted_step_seconds"] == 0.42
+    assert a100["step_seconds"] == pytest.approx(0.2) and v100["step_seconds"] == pytest.approx(0.4)
+    assert a100["compute"] == pytest.approx(0.5) and v100["compute"] == pytest.approx(0.75)
+    assert a100["checkpoints"] == 2 and v100["checkpoints"] == 3
+    assert runs[0].device == "a100-sxm4-80gb → v100-sxm2-32gb"
+    r = hetrain("report", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "a100-sxm4-80gb" in r.stdout and "v100-sxm2-32gb" in r.stdout and "steps 11-40" in r.stdout, r.stdout
+
+
+def test_damaged_lines_are_skipped_and_never_replace_a_good_step(tmp_path):
+    write_run(tmp_path)
+    log = tmp_path / "metrics" / "rank-0.jsonl"
+    good = summary_rows(load_run(tmp_path))[0]
+    lines = log.read_text().splitlines()
+    lines[2:2] = ["[1, 2, 3]", '"text"', '{"kind": "step", "step": null}', '{"kind": "step", "step": 3}',
+                  '{"kind": "step", "step": true, "samples": 1}', '{"kind": "restart", "count": "x"}']
+    lines.append('{"kind": "step", "step": 2, "samples": "many"}')
+    log.write_text("\n".join(lines) + "\n")
+    assert summary_rows(load_run(tmp_path))[0] == good
+    r = hetrain("report", str(tmp_path), "--json")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert json.loads(r.stdout)[0]["samples_per_second"] == pytest.approx(good["samples_per_second"])
+
+
+def test_a_log_with_no_step_says_so_in_one_line(tmp_path):
+    m = RankMetrics(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), device_name="cpu", port=None,
+                    run_dir=tmp_path, job="report")
+    m.close()
+    r = hetrain("report", str(tmp_path))
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "no step was logged" in lines[0], r.stderr
+    assert not (tmp_path / "report.png").exists()
