@@ -178,7 +178,7 @@ class HeteroLoader:
         self.schedule.observe(self.run_step, self.split.shares)
         self._generator.manual_seed(self.seed * 1_000_003 + self._epoch)
         if self.stream:
-            self._source.stream.skip = self._in_epoch
+            self._source.new_pass(self._in_epoch)
         else:
             self.sampler.start(self._epoch, self._in_epoch, self.run_step)
         batches = iter(self.dataloader)
@@ -269,10 +269,25 @@ class _GlobalBatchSource:
         from hetrain.runtime.stream import GlobalBatchStream
 
         self.stream = GlobalBatchStream(dataset, global_batch_size, drop_last=drop_last)
+        self.fingerprints: set[str] = set()   # of the pass's first global batch, as each worker read it
 
-    @staticmethod
-    def take(samples: list[Any], shares: list[int], rank: int, collate_fn: Callable) -> tuple[Any, int, int]:
+    def new_pass(self, skip: int) -> None:
+        self.stream.skip = skip
+        self.fingerprints = set()
+
+    def take(self, item: tuple[str | None, list[Any]], shares: list[int], rank: int,
+             collate_fn: Callable) -> tuple[Any, int, int]:
         """(this rank's collated slice, its samples, the global batch's samples)."""
+        first, samples = item
+        if first is not None:
+            self.fingerprints.add(first)
+            if len(self.fingerprints) > 1:
+                raise HetrainError(
+                    "the stream gave the DataLoader's workers different samples (their first global batches "
+                    "differ): hetrain has every worker read the whole stream and keep every num_workers-th "
+                    "global batch, so a stream that splits itself by get_worker_info() (Hugging Face datasets "
+                    "and WebDataset's split_by_worker do) would lose the other workers' samples; turn its "
+                    "worker splitting off, or pass num_workers=0 (docs/data.md, Streams)")
         if len(samples) != sum(shares):
             shares = split_partial(len(samples), shares)
         mine = rank_slice(samples, shares, rank)

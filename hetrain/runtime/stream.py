@@ -4,16 +4,48 @@ A stream has no indices to permute, so the order is the stream's own: consecutiv
 global batches of ``global_batch_size``, and each rank keeps the contiguous slice its share of
 that step gives it. With workers, worker ``w`` of ``W`` delivers global batches ``w, w + W, ...``;
 torch's DataLoader returns the workers' batches round-robin, so the loop sees them in stream order.
+That needs every worker to read the same stream: a stream that splits itself by `get_worker_info`
+gives each worker another, and its samples would be lost; the workers' first global batches are
+compared (`fingerprint`) and such a stream is refused.
 The slice is cut in the training process when the loop takes the step, so a split change takes
 effect at the next step and needs no lag. See docs/data.md for what holds for streams.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch.utils.data import IterableDataset, get_worker_info
+
+from hetrain.runtime.batch_tree import map_leaves
+
+
+def fingerprint(samples: list[Any]) -> str:
+    """A digest of what a random augmentation leaves alone: the shapes of the samples' tensors and arrays,
+    the values of the integer ones (token ids, labels), strings and integers."""
+    digest = hashlib.blake2b(digest_size=16)
+
+    def feed(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            x = x.detach().cpu()
+            if not (x.is_floating_point() or x.is_complex()):
+                x = x.contiguous().numpy()
+            else:
+                digest.update(repr((tuple(x.shape), str(x.dtype))).encode())
+                return x
+        if hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "tobytes"):   # a numpy array
+            digest.update(repr((tuple(x.shape), str(x.dtype))).encode())
+            if x.dtype.kind in "iub":
+                digest.update(x.tobytes())
+        elif isinstance(x, (str, bytes, int)):
+            digest.update(repr(x).encode())
+        return x
+
+    map_leaves(feed, samples)
+    return digest.hexdigest()
 
 
 class GlobalBatchStream(IterableDataset):
@@ -25,19 +57,25 @@ class GlobalBatchStream(IterableDataset):
         self.drop_last = drop_last
         self.skip = 0   # global batches of this pass already taken by the loop (resume mid-epoch)
 
-    def __iter__(self) -> Iterator[list[Any]]:
+    def __iter__(self) -> Iterator[tuple[str | None, list[Any]]]:
+        """(a fingerprint or None, a global batch): with workers, each worker's first batch carries the
+        fingerprint of the pass's first global batch as that worker read it; they must all agree."""
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         batch: list[Any] = []
         number = 0
+        first = None
         for sample in self.dataset:
             batch.append(sample)
             if len(batch) == self.global_batch_size:
+                if number == self.skip and workers > 1:
+                    first = fingerprint(batch)
                 if self._mine(number, worker, workers):
-                    yield batch
+                    yield first, batch
+                    first = None
                 batch, number = [], number + 1
         if batch and not self.drop_last and self._mine(number, worker, workers):
-            yield batch
+            yield (fingerprint(batch) if number == self.skip and workers > 1 else first), batch
 
     def _mine(self, number: int, worker: int, workers: int) -> bool:
         return number >= self.skip and (number - self.skip) % workers == worker

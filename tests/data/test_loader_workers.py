@@ -123,3 +123,36 @@ def test_dataloader_options_keep_their_meaning():
     for batch in loader:
         seen.append(batch)
     assert seen == [("mine", 12)] * 8               # the user's collate_fn gets this rank's samples
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    """Samples 0..47 with an integer label; `split_by_worker` reads only this worker's share, as torch's
+    IterableDataset example and Hugging Face streams do; `augment` adds noise from the worker's RNG."""
+
+    def __init__(self, split_by_worker=False, augment=False):
+        self.split_by_worker, self.augment = split_by_worker, augment
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        first, step = (info.id, info.num_workers) if info is not None and self.split_by_worker else (0, 1)
+        for i in range(first, 48, step):
+            x = torch.tensor([float(i)])
+            yield (x + torch.rand(1) if self.augment else x), torch.tensor(i)
+
+
+def _stream_ids(stream, **options):
+    loader = make_loader(stream, 8, shuffle=False, seed=0, rank=0, split=_Split([8]), step=StepState(1),
+                         device=torch.device("cpu"), **options)
+    ids = []
+    for _, i in loader:
+        ids += i.tolist()
+        loader.step.finish(8, None)
+    return ids
+
+
+def test_a_stream_that_splits_itself_across_workers_is_refused_not_half_lost():
+    assert _stream_ids(_Stream(), num_workers=2) == list(range(48))
+    assert _stream_ids(_Stream(augment=True), num_workers=2) == list(range(48))   # random noise is no split
+    assert _stream_ids(_Stream(split_by_worker=True), num_workers=0) == list(range(48))
+    with pytest.raises(HetrainError, match=r"splits itself by get_worker_info\(\) .* num_workers=0"):
+        _stream_ids(_Stream(split_by_worker=True), num_workers=2)
