@@ -23,6 +23,17 @@ def _rate(name: str) -> str:
 
 STEP_TIME = f"sum by (rank) ({_rate('hetrain_step_seconds_sum')})"
 
+CARRIED = ("hetrain_restarts_total",)
+"""Counters a restarted process carries on from the elastic agent's count (never reset): read as values.
+Every other counter starts again at zero in a restarted process, so panels read them through
+rate() or increase(), which count a reset as one."""
+
+
+def _events(name: str) -> str:
+    """Job-wide events in each interval (every rank counts the same events: the largest count of any
+    rank), from per-process counters that a restart resets."""
+    return f"max by (job) (increase({name}{{{SEL}}}{RATE}))"
+
 
 @dataclass(frozen=True)
 class Query:
@@ -49,8 +60,9 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
         PanelSpec("Share of the global batch", "percentunit", (
             Query(f"hetrain_share_ratio{{{SEL}}}", "rank {{rank}} {{device}}"),)),
         PanelSpec("Split changes", "none", (
-            Query(f"max by (job) (hetrain_split_changes_total{{{SEL}}})", "split changes"),),
-            description="Times the balancer re-split the global batch since the workers started."),
+            Query(_events("hetrain_split_changes_total"), "split changes"),),
+            description="Times the balancer re-split the global batch in each interval (a count that a "
+                        "restart of the workers does not reset)."),
     )),
     ("Where the time goes", (
         PanelSpec("Step time of rank $rank by cause", "percentunit", (
@@ -91,18 +103,19 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
         PanelSpec("Gradient norm", "none", (Query(f"max by (job) (hetrain_grad_norm{{{SEL}}})", "grad norm"),)),
         PanelSpec("Loss scale and skipped steps", "none", (
             Query(f"max by (job) (hetrain_loss_scale{{{SEL}}})", "loss scale"),
-            Query(f"max by (job) (hetrain_skipped_steps_total{{{SEL}}})", "skipped steps"),
-        )),
+            Query(_events("hetrain_skipped_steps_total"), "skipped steps"),
+        ), description="Skipped steps: updates skipped for a non-finite gradient in each interval."),
         PanelSpec("Restarts and checkpoints", "none", (
-            Query(f"max by (job) (hetrain_restarts_total{{{SEL}}})", "restarts"),
-            Query(f"max by (job) (hetrain_checkpoints_written_total{{{SEL}}})", "checkpoints written"),
-        )),
+            Query(f"max by (job) (hetrain_restarts_total{{{SEL}}})", "restarts (so far)"),
+            Query(_events("hetrain_checkpoints_written_total"), "checkpoints written"),
+        ), description="Restarts: the elastic agent's count so far. Checkpoints: those written in each interval."),
         PanelSpec("Checkpoint seconds (mean)", "s", (
-            Query(f"max by (job) (hetrain_checkpoint_blocking_seconds_sum{{{SEL}}} / "
-                  f"hetrain_checkpoint_blocking_seconds_count{{{SEL}}})", "blocking"),
-            Query(f"max by (job) (hetrain_checkpoint_save_seconds_sum{{{SEL}}} / "
-                  f"hetrain_checkpoint_save_seconds_count{{{SEL}}})", "until committed"),
-        )),
+            Query(f"max by (job) ({_rate('hetrain_checkpoint_blocking_seconds_sum')} / "
+                  f"{_rate('hetrain_checkpoint_blocking_seconds_count')})", "blocking"),
+            Query(f"max by (job) ({_rate('hetrain_checkpoint_save_seconds_sum')} / "
+                  f"{_rate('hetrain_checkpoint_save_seconds_count')})", "until committed"),
+        ), description="Mean seconds of the saves in each interval, of the slowest rank: the checkpointer's own "
+                       "blocking part (snapshot to memory) and until the save was committed on disk."),
     )),
     ("GPU (NVML)", (
         PanelSpec("GPU utilisation", "percentunit", (

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hetrain.metrics.names import METRICS
+from hetrain.metrics.names import CUDA_LABELS, METRICS, RANK_LABELS
 
 ROOT = Path(__file__).resolve().parents[2]
 BOARD = ROOT / "dashboards" / "hetrain.json"
@@ -38,3 +38,41 @@ def test_panels_query_known_series_and_have_the_variables():
             assert names and names <= known, (panel["title"], names - known)
             for var in ("$job", "$rank", "$device"):
                 assert var in target["expr"], (panel["title"], var)
+
+
+def _labels_of(names: set[str]) -> set[str]:
+    by_name = {m.name: m for m in METRICS} | {f"{m.name}_{s}": m for m in METRICS if m.kind == "summary"
+                                              for s in ("sum", "count")}
+    return set(RANK_LABELS) | set(CUDA_LABELS) | {label for n in names for label in by_name[n].labels}
+
+
+def test_counters_are_read_through_rate_or_increase_so_a_restart_does_not_drop_a_panel():
+    """A restarted process's counters start again at zero: a panel that plots one raw falls back to 0.
+    Only the counters a process carries on from the agent (dashboard.CARRIED) may be read as values."""
+    from hetrain.metrics.dashboard import CARRIED
+
+    counters = {m.name for m in METRICS if m.kind == "counter"} | {
+        f"{m.name}_{s}" for m in METRICS if m.kind == "summary" for s in ("sum", "count")}
+    board = json.loads(BOARD.read_text())
+    raw = []
+    for panel in (p for p in board["panels"] if p["type"] != "row"):
+        for target in panel["targets"]:
+            expr = target["expr"]
+            for match in re.finditer(r"\bhetrain_[a-z_]+", expr):
+                name = match.group()
+                if name in counters and name not in CARRIED and not re.search(r"\b(rate|increase)\($",
+                                                                               expr[:match.start()]):
+                    raw.append(f"{panel['title']}: {name}")
+    assert not raw, "counters plotted raw:\n" + "\n".join(raw)
+
+
+def test_grouping_and_legend_labels_exist_on_the_series_queried():
+    board = json.loads(BOARD.read_text())
+    for panel in (p for p in board["panels"] if p["type"] != "row"):
+        for target in panel["targets"]:
+            expr = target["expr"]
+            known = _labels_of(set(re.findall(r"\bhetrain_[a-z_]+", expr)))
+            used = {label.strip() for group in re.findall(r"\b(?:by|on|group_left|group_right)\s*\(([^)]*)\)", expr)
+                    for label in group.split(",") if label.strip()}
+            used |= set(re.findall(r"\{\{(\w+)\}\}", target.get("legendFormat", "")))
+            assert used <= known, (panel["title"], used - known)
