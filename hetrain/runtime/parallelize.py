@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -102,6 +103,13 @@ def apply_ddp(model: nn.Module, device: torch.device, comm: CommPlan | None, tim
         timed = inner_state = TimedHookState(timer, None, default_hooks.allreduce_hook, stats=CommStats())
     ddp.register_comm_hook(timed, timed_hook)
     ddp.register_forward_pre_hook(timer.forward_pre_hook)
+
+    def note_sync(module: DistributedDataParallel, args: Any) -> None:
+        """Whether a training forward will have its gradients all-reduced (False inside `no_sync()`)."""
+        if torch.is_grad_enabled():
+            timed.forward_synced = module.require_backward_grad_sync
+
+    ddp.register_forward_pre_hook(note_sync)
     return ddp, inner_state
 
 
@@ -131,6 +139,12 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, sh
                 timer: StepTimer, blocks: Sequence[nn.Module] | None = None) -> Prepared:
     """The model on this rank's device with every choice of its plan entry applied, in order."""
     entry = entries[rank]
+    fsdp = sys.modules.get("torch.distributed.fsdp")   # loaded where a script wrapped the model in it
+    wrappers = (DistributedDataParallel,) + ((fsdp.FSDPModule, fsdp.FullyShardedDataParallel) if fsdp else ())
+    if isinstance(model, wrappers):
+        raise HetrainError(
+            f"session.prepare() was given a model already wrapped in {type(model).__name__}: its gradients would "
+            "be all-reduced twice; pass the bare model (model.module), hetrain wraps it for the plan")
     check_master_weights(model)
     model = sync_batchnorm(model.to(device), device, len(entries), warn=rank == 0)
     chosen = apply_activation_checkpointing(model, entry, blocks)

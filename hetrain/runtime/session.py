@@ -48,7 +48,8 @@ from hetrain.runtime.resume import SessionCheckpoints
 from hetrain.runtime.schedulers import Schedulers
 from hetrain.runtime.step_state import StepState, items_as_number
 from hetrain.runtime.step_clock import StepClock, StepTimes
-from hetrain.runtime.step_guard import KeptGradients, OptimizerStepGuard, check_reduced, gradients_pending
+from hetrain.runtime.step_guard import (KeptGradients, OptimizerStepGuard, check_reduced, gradients_pending,
+                                        warn_if_evaluating)
 from hetrain.runtime.timing import StepTimer, TimedHookState, emulated_speed, idle_fraction
 from hetrain.runtime.train_state import TrainState
 from hetrain.runtime.watchdog import ProgressWatch, die_with_parent
@@ -287,6 +288,7 @@ class Session:
             raise HetrainError("under a pipeline plan no rank holds the whole model: run each step with "
                                "session.forward_backward(inputs, target, loss_fn) instead of model(...) and backward()")
         self.state.require_batch("backward")
+        warn_if_evaluating(self.prepared.module)
         if self.sharding != "fsdp":   # FSDP2 keeps a step's earlier micro-batches' gradients off p.grad
             self._kept.check(self.prepared.module, self.state)
         items = self.state.current_samples() if num_items is None else items_as_number(num_items)

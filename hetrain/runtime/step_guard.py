@@ -20,12 +20,15 @@ attributes could no longer be pickled whole.)
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 
 from hetrain.errors import HetrainError
+
+log = logging.getLogger("hetrain")
 
 OUTSIDE_STEP = ("optimizer.step() was called outside session.step(); call session.step() alone: it finishes "
                 "the gradients over the global batch (item count, loss scale, inf check, clipping), then steps "
@@ -161,6 +164,12 @@ def check_reduced(comm_state) -> None:
     gradients, silently."""
     if comm_state is None or not hasattr(comm_state, "reduced"):
         return
+    synced, comm_state.forward_synced = getattr(comm_state, "forward_synced", None), None
+    if not comm_state.reduced and synced is False:
+        raise HetrainError(
+            "this step's gradients were not all-reduced: its last forward ran inside model.no_sync(); remove "
+            "no_sync from the loop (hetrain runs the plan's micro-batches without syncing all but the last; "
+            "to accumulate over more samples, raise global_batch_size)")
     if not comm_state.reduced:
         raise HetrainError(
             "this step's gradients were not all-reduced: its forward ran through the unwrapped model "
@@ -169,3 +178,15 @@ def check_reduced(comm_state) -> None:
             "generate() and saving)"
         )
     comm_state.reduced = False
+
+
+_WARNED_EVALUATING: set[int] = set()
+
+
+def warn_if_evaluating(model: torch.nn.Module) -> None:
+    """Once per model: a training backward on a model left in eval mode (a loop's evaluation called
+    model.eval() and no model.train() after it), where dropout and batch norm run as in evaluation."""
+    if not model.training and id(model) not in _WARNED_EVALUATING:
+        _WARNED_EVALUATING.add(id(model))
+        log.warning("session.backward() on a model in eval mode: dropout and batch norm run as in evaluation; "
+                    "call model.train() after evaluating")

@@ -308,3 +308,76 @@ def test_a_training_forward_through_model_module_is_refused():
     """Each rank stepped on its own gradients (clip norms 2.28 and 2.06 where the step's is 0.85), exit 0."""
     errors = run_ranks(_forward_through_module, 2)
     assert all(e is not None and "not all-reduced" in e and "model.module" in e for e in errors), errors
+
+
+def _leftover_no_sync(rank, world):
+    import hetrain
+
+    session = hetrain.Session()
+    net = make_net()
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    loader = session.loader(make_data(), global_batch_size=8, shuffle=False)
+    try:
+        for x, y in loader:
+            with model.no_sync():   # a DDP script's accumulation, left in
+                session.backward(F.cross_entropy(model(x), y))
+            session.step()
+        return None
+    except HetrainError as e:
+        return str(e)
+    finally:
+        session.close()
+
+
+def test_a_step_run_inside_no_sync_is_refused_naming_no_sync():
+    errors = run_ranks(_leftover_no_sync, 2)
+    assert all(e is not None and "ran inside model.no_sync()" in e and "model.module" not in e for e in errors), errors
+
+
+def _wrapped_twice(rank, world):
+    import hetrain
+    from torch.nn.parallel import DistributedDataParallel
+
+    session = hetrain.Session()
+    net = make_net()
+    try:
+        session.prepare(DistributedDataParallel(net), torch.optim.SGD(net.parameters(), lr=0.1))
+        return None
+    except HetrainError as e:
+        return str(e)
+    finally:
+        session.close()
+
+
+def test_a_model_the_script_already_wrapped_in_ddp_is_refused():
+    errors = run_ranks(_wrapped_twice, 2)
+    assert all(e is not None and "already wrapped in DistributedDataParallel" in e and "model.module" in e
+               for e in errors), errors
+
+
+def _left_in_eval(rank, world):
+    import logging
+
+    import hetrain
+
+    session = hetrain.Session()
+    net = make_net()
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    loader = session.loader(make_data(), global_batch_size=8, shuffle=False)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("hetrain").addHandler(handler)
+    for x, y in loader:
+        session.backward(F.cross_entropy(model(x), y))
+        session.step()
+        model.eval()   # an evaluation after each step, and no model.train()
+        if session.step_count == 3:
+            break
+    session.close()
+    return [r.getMessage() for r in records if "eval mode" in r.getMessage()]
+
+
+def test_training_a_model_left_in_eval_mode_warns_once():
+    warnings = run_ranks(_left_in_eval, 2)
+    assert all(len(w) == 1 and "call model.train() after evaluating" in w[0] for w in warnings), warnings
