@@ -56,10 +56,12 @@ class RankMetrics:
             self.state, self._lock, labels, world_size=world_size, predicted_step_seconds=predicted_step_seconds,
             peak_flops=lambda: self._peak, memory=lambda: rank_memory(self.device),
             gpu=gpu.sample if gpu is not None else None))
-        start = {**labels, "rank": rank, "local_rank": local_rank, "world_size": world_size,
-                 "predicted_step_seconds": predicted_step_seconds, "peak_flops": peak_flops,
-                 "flops_per_item": flops_per_item}
-        self._log = RunLog(run_dir, rank, start) if run_dir is not None else None
+        # the run log's start line waits for the first record: by then the peak (which needs the step's
+        # precision) and the model's FLOPs per item (counted over the first forward) are known
+        self._start: dict | None = {**labels, "rank": rank, "local_rank": local_rank, "world_size": world_size,
+                                    "predicted_step_seconds": predicted_step_seconds}
+        self._held: list[dict] = []   # lines that come before the first step (a restart), after the start line
+        self._log = RunLog(run_dir, rank) if run_dir is not None else None
         self._server = None
         self.port = None if port is None else port + local_rank
         if port is not None:
@@ -92,12 +94,27 @@ class RankMetrics:
         with self._lock:
             self.state.add_step(record, value)
         if self._log is not None:
+            if self._start is not None:
+                per_item = self.flops_per_item
+                if per_item is None and record.model_flops is not None and record.items:
+                    per_item = record.model_flops / record.items   # this step's FLOPs per item, as MFU used
+                self._begin_log(peak_flops=self._peak, flops_per_item=per_item)
             self._log.step(record, mfu=value)
+
+    def _begin_log(self, **figures: float | None) -> None:
+        """Write the start line (with `figures`) and the lines held for after it."""
+        self._log.write({"kind": "start", **self._start, **figures})
+        self._start = None
+        for line in self._held:
+            self._log.write(line)
+        self._held = []
 
     def on_checkpoint(self, record: CheckpointRecord) -> None:
         with self._lock:
             self.state.add_checkpoint(record)
         if self._log is not None:
+            if self._start is not None:
+                self._begin_log(peak_flops=self._peak, flops_per_item=self.flops_per_item)
             self._log.checkpoint(record)
 
     def on_restart(self, count: int) -> None:
@@ -105,13 +122,19 @@ class RankMetrics:
         with self._lock:
             self.state.restarts = count
         if self._log is not None:
-            self._log.write({"kind": "restart", "count": count})
+            line = {"kind": "restart", "count": count}
+            if self._start is not None:
+                self._held.append(line)
+            else:
+                self._log.write(line)
 
     def close(self) -> None:
-        """Stop serving and flush the run log; safe to call twice."""
+        """Stop serving and close the run log (its start line written, steps or none); safe to call twice."""
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
         if self._log is not None:
+            if self._start is not None:
+                self._begin_log(peak_flops=self._peak, flops_per_item=self.flops_per_item)
             self._log.close()

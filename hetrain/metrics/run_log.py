@@ -34,9 +34,9 @@ def log_path(run_dir: str | Path, rank: int) -> Path:
 
 
 class RunLog:
-    """Appends this rank's records as JSON lines."""
+    """Appends this rank's records as JSON lines (the owner writes the `start` line first)."""
 
-    def __init__(self, run_dir: str | Path, rank: int, start: dict[str, Any]) -> None:
+    def __init__(self, run_dir: str | Path, rank: int) -> None:
         path = log_path(run_dir, rank)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -45,7 +45,6 @@ class RunLog:
             raise HetrainError(f"cannot write the run log {str(path)!r} ({e.strerror}); "
                                f"set {Env.RUN_DIR} to a writable directory") from None
         self.path = path
-        self.write({"kind": "start", **start})
 
     def write(self, line: dict[str, Any]) -> None:
         """Append one record and hand it to the OS at once (write-through: nothing waits in this process)."""

@@ -46,3 +46,25 @@ def test_a_rank_that_dies_leaves_every_step_it_logged(tmp_path, how):
                       timeout=120)
         assert rep.returncode == 0, rep.stderr
         assert json.loads(rep.stdout)[0]["steps"] == 25
+
+
+def test_the_start_line_carries_the_peak_and_flops_per_item_mfu_used(tmp_path):
+    import dataclasses
+
+    import torch
+
+    from hetrain.metrics import RankMetrics
+    from hetrain.metrics.run_log import read_lines
+    from tests.metrics.fake_gpu_rank import step_record
+
+    m = RankMetrics(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), device_name="a100-sxm4-80gb",
+                    port=None, run_dir=tmp_path, job="mfu", predicted_step_seconds=0.45)
+    m.on_restart(2)
+    record = step_record(2, rank=0, world_size=1, shares=(512,), precision="bf16")
+    m.on_step(dataclasses.replace(record, model_flops=6.0e12))
+    m.close()
+    lines = list(read_lines(tmp_path / "metrics" / "rank-0.jsonl"))
+    assert [x["kind"] for x in lines] == ["start", "restart", "step"]
+    start, step = lines[0], lines[2]
+    assert start["peak_flops"] == 312e12 and start["flops_per_item"] == 6.0e12 / record.items
+    assert step["mfu"] == 6.0e12 / 0.5 / start["peak_flops"]
