@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 
 from torch.utils.data import Sampler
 
+from hetrain.errors import HetrainError
 from hetrain.planning.batch_split import split_partial
 from hetrain.runtime.data_order import GlobalBatchOrder
 
@@ -97,6 +98,12 @@ class RankBatchSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         return self.order.steps_per_epoch - self.first_step
+
+    def set_epoch(self, epoch: int) -> None:
+        """What a DistributedSampler loop calls each epoch; this loader keeps its own position."""
+        raise HetrainError(
+            "loader.sampler.set_epoch(): the loader orders each epoch itself and resumes mid-epoch; remove "
+            "the call and loop with 'while loader.epoch < epochs: for batch in loader' (docs/porting.md)")
 
     def __iter__(self) -> Iterator[list[int]]:
         epoch, first, run = self.epoch, self.first_step, self.first_run_step

@@ -182,6 +182,7 @@ class HeteroLoader:
         else:
             self.sampler.start(self._epoch, self._in_epoch, self.run_step)
         batches = iter(self.dataloader)
+        started_at = self._in_epoch
         while not self._epoch_done():
             self.schedule.observe(self.run_step, self.split.shares)
             shares = self.schedule.at(self.run_step)
@@ -205,6 +206,11 @@ class HeteroLoader:
             self.run_step += 1
             yield from self._pieces(batch, local, shares)
         del batches
+        if self.stream and started_at == 0 and self._in_epoch == 0:
+            raise HetrainError(
+                f"the stream ended before one global batch of {self.global_batch_size} samples"
+                + (" (drop_last=True drops a last, partial batch)" if self._source.stream.drop_last else "")
+                + "; lower global_batch_size, pass drop_last=False, or check the stream yields samples")
         # the epoch is complete: the next iteration starts the next one
         self._epoch += 1
         self._in_epoch = 0

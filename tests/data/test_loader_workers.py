@@ -156,3 +156,21 @@ def test_a_stream_that_splits_itself_across_workers_is_refused_not_half_lost():
     assert _stream_ids(_Stream(split_by_worker=True), num_workers=0) == list(range(48))
     with pytest.raises(HetrainError, match=r"splits itself by get_worker_info\(\) .* num_workers=0"):
         _stream_ids(_Stream(split_by_worker=True), num_workers=2)
+
+
+def test_a_stream_shorter_than_a_global_batch_is_an_error_not_an_empty_epoch():
+    short = [(torch.tensor([float(i)]), torch.tensor(i)) for i in range(5)]
+
+    class Short(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(short)
+
+    with pytest.raises(HetrainError, match=r"ended before one global batch of 8 samples \(drop_last=True"):
+        _stream_ids(Short())
+    assert _stream_ids(Short(), drop_last=False) == [0, 1, 2, 3, 4]
+
+
+def test_a_distributed_samplers_set_epoch_left_in_the_loop_names_the_fix():
+    loader = _loader(0, _Split([6, 6]))
+    with pytest.raises(HetrainError, match=r"set_epoch\(\): the loader orders each epoch itself"):
+        loader.sampler.set_epoch(1)
