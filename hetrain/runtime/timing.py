@@ -2,7 +2,10 @@
 
 The compute of a step runs from the first forward to the moment the last gradient bucket is
 ready, which DDP signals by calling the comm hook on its last bucket. Waiting for other ranks
-happens after that point, so it is not counted. The optimizer step is timed separately.
+happens after that point, so it is not counted. The optimizer step is timed separately. Under DDP
+the clock starts at the wrapped module's forward, after DDP's own pre-forward collectives (the
+bucket rebuild's broadcast in the second step, the buffer broadcast of a model with buffers):
+those wait for the other ranks, and were counted as compute before.
 
 Speed emulation (CPU ranks only): a rank at speed ``s`` pads each measured compute interval to
 ``1/s`` of its length, before its last bucket is sent, so the other ranks wait for it as they
@@ -14,7 +17,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -95,10 +98,24 @@ class StepTimer:
     last_optimizer_s: float = 0.0   # the optimizer time of the step that ended last
     on_grads_ready: Callable[[], None] | None = None   # told when this rank starts waiting on the others
     started_at: float | None = None  # the step's first forward (perf_counter), None until it runs
+    _inner: set[int] = field(default_factory=set, repr=False)   # ids of DDP-wrapped modules given our hook
 
     def forward_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
+        """On the model the script calls: the step's first forward begins here (the script's own time
+        ends). On a DDP wrapper, compute begins at the wrapped module's forward, after DDP's pre-forward."""
+        now = time.perf_counter()
+        if self.started_at is None:
+            self.started_at = now
+        inner = module.module if isinstance(module, torch.nn.parallel.DistributedDataParallel) else None
+        if inner is None:
+            self.compute_pre_hook(module, args, now)
+        elif id(inner) not in self._inner:
+            self._inner.add(id(inner))
+            inner.register_forward_pre_hook(self.compute_pre_hook, prepend=True)
+
+    def compute_pre_hook(self, module: torch.nn.Module, args: Any, now: float | None = None) -> None:
         if self._start is None:
-            self._start = time.perf_counter()
+            self._start = time.perf_counter() if now is None else now
             if self.started_at is None:
                 self.started_at = self._start
 

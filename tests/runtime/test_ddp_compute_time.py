@@ -1,0 +1,44 @@
+"""Compute time under DDP starts at the wrapped module's forward: DDP's own pre-forward collectives
+(the second step's bucket rebuild, the buffer broadcast) wait for the other ranks, which is not compute."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+from tests.distributed import run_ranks
+
+PAUSE = 0.4   # rank 0's own time after each step: rank 1 waits for it in the next step's first collective
+
+
+def _late_rank_zero(rank: int, world: int, with_buffer: bool) -> list[tuple[int, float, float]]:
+    import hetrain
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 6, generator=g), torch.randint(0, 3, (64,), generator=g))
+    records = []
+    with hetrain.Session(balance=False) as session:
+        net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+        if with_buffer:
+            net.register_buffer("running", torch.zeros(8))   # DDP broadcasts it before every forward
+        model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        session.add_observer(SimpleNamespace(on_step=records.append))
+        for x, y in session.loader(data, global_batch_size=16, shuffle=False):
+            session.backward(F.cross_entropy(model(x), y))
+            session.step()
+            if rank == 0:
+                time.sleep(PAUSE)
+    return [(r.step, r.compute_seconds, r.waiting_seconds) for r in records if r.step_seconds is not None]
+
+
+def test_the_bucket_rebuild_and_buffer_broadcast_waits_are_waiting_on_ranks_not_compute():
+    for with_buffer in (False, True):
+        steps = run_ranks(_late_rank_zero, 2, with_buffer)[1]
+        assert [s for s, _, _ in steps] == [2, 3, 4]
+        for step, compute, waiting in steps:
+            assert compute < 0.25 * PAUSE, (with_buffer, step, compute)
+            assert waiting > 0.75 * PAUSE, (with_buffer, step, waiting)
