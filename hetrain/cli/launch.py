@@ -9,6 +9,9 @@ from hetrain.runtime.speeds import parse_speeds
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
+    # Everything after the script is the script's: without abbreviations a script flag that a launcher
+    # flag begins with (--n, --log, --max) is not read as an ambiguous launcher flag.
+    parser.allow_abbrev = False
     parser.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1,
                         help="worker processes on this node (one per GPU), 1 to 1,024")
     parser.add_argument("--nnodes", default="1", help="nodes, or MIN:MAX for an elastic job")

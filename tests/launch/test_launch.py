@@ -67,6 +67,20 @@ def test_torchrun_arguments():
         validate(LaunchConfig(script=str(ROOT / "examples/train_digits.py"), nnodes="3:1"))
 
 
+def test_every_argument_after_the_script_is_the_scripts():
+    """A script flag that a launcher flag begins with (--n, --log, --max), or that a launcher flag is, goes
+    to the script (it was an 'ambiguous option' error)."""
+    import argparse
+
+    from hetrain.cli.launch import build_parser
+
+    parser = argparse.ArgumentParser()
+    build_parser(parser)
+    args = parser.parse_args(["--nproc-per-node", "2", "train.py", "--n", "64", "--log", "x", "--plan", "p.json"])
+    assert (args.nproc_per_node, args.plan, args.script) == (2, None, "train.py")
+    assert args.script_args == ["--n", "64", "--log", "x", "--plan", "p.json"]
+
+
 FAULTS_SNIPPET = """
 import os, resource, torch
 if os.environ.get("HETRAIN_TEST_APPLY"):
