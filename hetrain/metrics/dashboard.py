@@ -71,7 +71,8 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                   "waiting on {{cause}}"),
             Query(f"sum by (rank) ({_rate('hetrain_script_seconds_total')}) / {STEP_TIME}", "script"),
         ), stacked=True, repeat="rank",
-            description="Fraction of the step spent computing, waiting on other ranks, waiting for data, and in "
+            description="Fraction of the step spent computing, waiting on other ranks (with the gradient "
+                        "communication backward did not hide), waiting for data, in the checkpoint service, and in "
                         "the script's own code between steps (logging, evaluation)."),
         PanelSpec("Idle fraction per rank", "percentunit", (
             Query(f"1 - sum by (rank) ({_rate('hetrain_compute_seconds_total')}) / {STEP_TIME}", "rank {{rank}}"),),
@@ -80,7 +81,8 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
         PanelSpec("Step time: predicted and measured", "s", (
             Query(f"{STEP_TIME} / sum by (rank) ({_rate('hetrain_step_seconds_count')})", "measured rank {{rank}}"),
             Query(f"hetrain_predicted_step_seconds{{{SEL}}}", "predicted rank {{rank}}"),
-        )),
+        ), description="Predicted: the plan's figure for the plan's split; it is not updated when the balancer "
+                       "re-splits the global batch."),
         PanelSpec("MFU per rank", "percentunit", (
             Query(f"hetrain_mfu_ratio{{{SEL}}}", "rank {{rank}} {{device}}"),),
             description="Model FLOPs over wall time against each device's own datasheet peak in its precision."),

@@ -34,8 +34,9 @@ METRICS: tuple[Metric, ...] = (
            "Wall time of a step, from the previous step's end (all steps but a process's first)."),
     Metric("hetrain_compute_seconds_total", "counter", "Forward, backward and optimizer time of timed steps."),
     Metric("hetrain_wait_seconds_total", "counter",
-           "Time of timed steps spent waiting, by cause: 'ranks' (on other ranks' gradients), 'data' (for the "
-           "batch) or 'checkpoint' (a checkpoint save holding the loop).",
+           "Time of timed steps not computing, by cause: 'ranks' (the rest of the step: waiting on other ranks "
+           "and the gradient communication backward did not hide), 'data' (for the batch) or 'checkpoint' (the "
+           "checkpoint service after the optimizer: saves, and reporting committed ones).",
            ("cause",)),
     Metric("hetrain_script_seconds_total", "counter",
            "Time of timed steps the training script spent in its own code between steps (logging, evaluation): "
@@ -54,11 +55,14 @@ METRICS: tuple[Metric, ...] = (
     Metric("hetrain_memory_bytes", "gauge",
            "Memory of this rank by kind: CUDA allocator 'allocated', 'reserved', 'peak_allocated', 'peak_reserved'; "
            "on a CPU rank the process's 'rss' and 'peak_rss'.", ("kind",), source="memory"),
-    Metric("hetrain_predicted_step_seconds", "gauge", "The plan's predicted step time for this rank.", source="plan"),
+    Metric("hetrain_predicted_step_seconds", "gauge",
+           "The plan's predicted step time for this rank at the plan's split (not updated after a re-split).",
+           source="plan"),
     Metric("hetrain_mfu_ratio", "gauge",
            "Model FLOPs of the last step over its wall time and this device's peak in its precision.", source="mfu"),
     Metric("hetrain_peak_flops", "gauge", "The peak FLOP/s MFU is measured against (datasheet, dense).", source="mfu"),
-    Metric("hetrain_checkpoint_blocking_seconds", "summary", "Time a checkpoint held the training loop.",
+    Metric("hetrain_checkpoint_blocking_seconds", "summary",
+           "The checkpointer's blocking part of a save (the wait for the previous save, then the copy or write).",
            source="checkpoint"),
     Metric("hetrain_checkpoint_save_seconds", "summary", "Time until a checkpoint was committed on disk.",
            source="checkpoint"),
