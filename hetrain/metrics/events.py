@@ -32,7 +32,7 @@ class StepRecord:
     loss_scale: float
     skipped: bool                  # the update was skipped (a non-finite gradient on some rank)
     skipped_total: int
-    shares: tuple[int, ...] = ()   # the split after this step
+    shares: tuple[int, ...] = ()   # the split this step used (when split_changed, the new one starts next step)
     split_changed: bool = False
     comm_bytes: dict[str, float] = field(default_factory=dict)  # bytes this rank sent this step, by level
     emulated: bool = False

@@ -24,8 +24,9 @@ def _smooth(values: list[float], window: int = SMOOTH) -> np.ndarray:
 
 
 def _mark_splits(ax, steps: list[int]) -> None:
+    """A dotted line between the last step of the old split and the first of the new one."""
     for i, step in enumerate(steps):
-        ax.axvline(step, color="0.5", linestyle=":", linewidth=1, label="split changed" if i == 0 else None)
+        ax.axvline(step + 0.5, color="0.5", linestyle=":", linewidth=1, label="split changed" if i == 0 else None)
 
 
 def draw(runs: dict[int, RankRun], out: Path, title: str) -> Path:
