@@ -77,3 +77,24 @@ def interleaved_stages(blocks_per_rank: list[int], chunks: int) -> list[tuple[in
             bounds.append((start, start + per_rank[c]))
             start += per_rank[c]
     return bounds
+
+
+def microbatches_for(samples: int, planned: int, interleaved_ranks: int | None = None) -> int:
+    """Micro-batches for a replica batch of `samples`: the plan's count, lowered to a divisor of the
+    batch so every micro-batch has one shape (pipeline stages exchange fixed-shape tensors). Over
+    `interleaved_ranks` ranks, also a multiple of its rounds (m // ranks), as torch's interleaved
+    1F1B requires. What the runtime runs."""
+    m = max(1, min(planned, samples))
+    while samples % m or (interleaved_ranks and m % max(1, m // interleaved_ranks)):
+        m -= 1
+    return m
+
+
+def microbatches_at_most(samples: int, micro_batch: int, interleaved_ranks: int | None = None) -> int:
+    """The fewest micro-batches the runtime keeps as they are (`microbatches_for`) whose size is at most
+    `micro_batch` (else the most it keeps): a plan's count that the runtime does not lower, so its
+    micro-batch is the one priced."""
+    m = max(1, -(-samples // max(1, micro_batch)))
+    while m <= samples and microbatches_for(samples, m, interleaved_ranks) != m:
+        m += 1
+    return m if m <= samples else microbatches_for(samples, samples, interleaved_ranks)

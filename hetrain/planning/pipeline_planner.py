@@ -11,7 +11,7 @@ from hetrain.planning.batch_split import split_even
 from hetrain.planning import cost_model as cm
 from hetrain.planning.cost_model import pipeline_bubble
 from hetrain.planning.kinds import Kind
-from hetrain.planning.partition import interleaved_stages, partition_blocks
+from hetrain.planning.partition import interleaved_stages, microbatches_at_most, partition_blocks
 from hetrain.planning.plan import BalancePlan, PipelinePlan, Plan, RankPlan
 from hetrain.planning.planner import Candidate
 from hetrain.workload.profile import WorkloadProfile
@@ -121,9 +121,11 @@ def pipeline_candidates(cluster, profile: WorkloadProfile, kinds: list[Kind], gl
         for order in (speed, speed[::-1]):
             stage_kinds = [k for k in order for _ in range(per[kinds.index(k)])]
             grid = replica_grid(kinds, stage_kinds, per)
-            for mb in sizes:
-                m = math.ceil(b_max / mb)
+            for asked in sizes:
                 for v in CHUNKS:
+                    # the count the runtime runs as it is (a divisor of the batch), micro-batches at most `asked`
+                    m = microbatches_at_most(b_max, asked, p if v > 1 else None)
+                    mb = b_max // m
                     if v > 1 and (any(row != sorted(row) for row in grid) or not interleaved_rounds_fit(m, p)):
                         continue   # torch's interleaved 1F1B needs each replica's stages on increasing ranks
 

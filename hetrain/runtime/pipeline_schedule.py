@@ -28,7 +28,8 @@ from hetrain.planning.plan import PipelinePlan
 from hetrain.runtime.gradients import local_tensor
 from hetrain.runtime.parallelize import Prepared
 from hetrain.runtime.pipeline_batch import gather_replica_batch
-from hetrain.runtime.pipeline_stages import PipelineLayout, compute_in_precision, microbatches_for, rank_stages
+from hetrain.planning.partition import microbatches_for
+from hetrain.runtime.pipeline_stages import PipelineLayout, compute_in_precision, rank_stages
 from hetrain.runtime.precision import JobLossScaler
 from hetrain.runtime.step_state import StepState, items_as_number
 from hetrain.runtime.timing import pad_to_speed

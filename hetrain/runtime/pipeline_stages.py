@@ -106,17 +106,6 @@ def loader_shares(layout: PipelineLayout, shares: Sequence[int], world_size: int
     return out
 
 
-def microbatches_for(samples: int, planned: int, interleaved_ranks: int | None = None) -> int:
-    """Micro-batches for a replica batch of `samples`: the plan's count, lowered to a divisor of the
-    batch so every micro-batch has one shape (pipeline stages exchange fixed-shape tensors). Over
-    `interleaved_ranks` ranks, also a multiple of its rounds (m // ranks), as torch's interleaved
-    1F1B requires."""
-    m = max(1, min(planned, samples))
-    while samples % m or (interleaved_ranks and m % max(1, m // interleaved_ranks)):
-        m -= 1
-    return m
-
-
 def model_blocks(model: nn.Module, pipeline: PipelinePlan) -> list[tuple[str, nn.Module]]:
     """The model's blocks by name, checked against the plan's partition."""
     if not isinstance(model, nn.Sequential):

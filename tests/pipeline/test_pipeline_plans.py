@@ -224,3 +224,17 @@ def test_a_pipeline_step_includes_each_stage_optimizer_step():
         assert a.predicted_step_seconds - s.predicted_step_seconds == pytest.approx(added[-1], rel=1e-6)
     assert min(added) > 0
     assert 64 / adam.predicted_samples_per_s - 64 / sgd.predicted_samples_per_s == pytest.approx(max(added), rel=1e-6)
+
+
+@pytest.mark.parametrize("global_batch, micro_batch", [(13, 3), (30, 4), (50, 3), (100, 3)])
+def test_a_pipeline_plan_writes_the_micro_batch_count_the_runtime_runs(global_batch, micro_batch):
+    """The runtime lowers a count that does not divide the batch (every micro-batch has one shape): the
+    plan writes one it keeps, of micro-batches no larger than asked, and prices those."""
+    from hetrain.planning.partition import microbatches_for
+
+    plan = plan_job(cluster_from_devices("a100:1,v100:1"), get_profile("gpt2-124m"), global_batch,
+                    strategy="pipeline", micro_batch=micro_batch).plan
+    m = plan.pipeline.microbatches
+    interleaved = plan.pipeline.ranks_per_pipeline if plan.pipeline.schedule == "interleaved-1f1b" else None
+    assert microbatches_for(global_batch, m, interleaved) == m and global_batch % m == 0
+    assert all(r.micro_batch == global_batch // m <= micro_batch for r in plan.ranks)
