@@ -25,6 +25,7 @@ from torch import nn
 
 from hetrain.errors import HetrainError
 from hetrain.planning.plan import PipelinePlan
+from hetrain.runtime.batch_tree import tensors
 from hetrain.runtime.gradients import local_tensor
 from hetrain.runtime.parallelize import Prepared
 from hetrain.runtime.pipeline_batch import gather_replica_batch
@@ -85,6 +86,10 @@ def _first_tensor(value: Any) -> torch.Tensor:
     raise HetrainError(f"a pipeline's target must be a tensor (or a tuple of tensors), got {type(value).__name__}")
 
 
+SCHEDULES_KEPT = 8
+"""Schedules (and their stages' transfer buffers) kept for the micro-batch shapes seen last."""
+
+
 class PipelineRunner:
     """This rank's pipeline stages (one per chunk), their schedule and the groups they talk to."""
 
@@ -101,27 +106,16 @@ class PipelineRunner:
         self.ties = [(stages, p) for stages, p in (ties or []) if id(p) in held]
         self.tie_groups = make_tie_groups(layout, ties or [])
         self.autocast = autocast
-        from torch.distributed.pipelining import PipelineStage
-
-        chunks = chunks or [module]
-        self.stages = []
-        for chunk, index in zip(chunks, rank_stages(pipeline, layout.stage)):
+        self.chunks = chunks or [module]
+        for chunk in self.chunks:
             compute_in_precision(chunk, autocast)
-            self.stages.append(PipelineStage(chunk, index, len(pipeline.stages), device, group=self.pipe_group))
-        if len(self.stages) == 1:
-            # Stage j's peer is the replica's stage-j rank, whatever its place in the group's (sorted) order
-            # (multi-stage schedules map stage s to group rank s % p themselves: the layout keeps ranks in order).
-            self.stages[0].stage_index_to_group_rank = {j: dist.get_group_rank(self.pipe_group, r)
-                                                        for j, r in enumerate(layout.replica_ranks())}
+        self.speed = speed
         self.busy_seconds = 0.0   # this step's forward and backward compute (padded when emulating a speed)
-        for stage in self.stages:
-            stage.forward_one_chunk = self._timed(stage.forward_one_chunk, speed)
-            stage.backward_one_chunk = self._timed(stage.backward_one_chunk, speed)
-        self._schedules: dict[int, Any] = {}
+        self._schedules: dict[tuple, Any] = {}   # by micro-batch count and shapes, most recent last
         self._loss: Callable | None = None
         self._running = False
         self._told: set[int] = set()   # micro-batch counts other than the plan's, said once each
-        for held in {id(m): m for m in [module, *chunks]}.values():
+        for held in {id(m): m for m in [module, *self.chunks]}.values():
             held.register_forward_pre_hook(self._refuse_direct_call)
 
     def _refuse_direct_call(self, module: nn.Module, args: Any) -> None:
@@ -158,15 +152,38 @@ class PipelineRunner:
                      ", in rounds of the ranks" if self.pipeline.schedule in MULTI_STAGE else "")
         return m
 
-    def _schedule(self, m: int) -> Any:
-        if m not in self._schedules:
+    def _stages(self) -> list[Any]:
+        """This rank's torch PipelineStages, one per chunk. A stage learns the shapes it exchanges on its
+        first step, so each micro-batch shape has stages of its own (`_schedule`)."""
+        from torch.distributed.pipelining import PipelineStage
+
+        stages = [PipelineStage(chunk, index, len(self.pipeline.stages), self.device, group=self.pipe_group)
+                  for chunk, index in zip(self.chunks, rank_stages(self.pipeline, self.layout.stage))]
+        if len(stages) == 1:
+            # Stage j's peer is the replica's stage-j rank, whatever its place in the group's (sorted) order
+            # (multi-stage schedules map stage s to group rank s % p themselves: the layout keeps ranks in order).
+            stages[0].stage_index_to_group_rank = {j: dist.get_group_rank(self.pipe_group, r)
+                                                   for j, r in enumerate(self.layout.replica_ranks())}
+        for stage in stages:
+            stage.forward_one_chunk = self._timed(stage.forward_one_chunk, self.speed)
+            stage.backward_one_chunk = self._timed(stage.backward_one_chunk, self.speed)
+        return stages
+
+    def _schedule(self, m: int, batch: Any) -> Any:
+        """The schedule of `m` micro-batches of this batch's shapes (every rank of a replica holds the
+        replica's batch, so all of them see a new shape at the same step). The last few are kept."""
+        key = (m,) + tuple((t.shape[0] // m, tuple(t.shape[1:]), t.dtype) for t in tensors(batch))
+        if key not in self._schedules:
+            if len(self._schedules) >= SCHEDULES_KEPT:
+                del self._schedules[next(iter(self._schedules))]
             name = self.pipeline.schedule
             if name == "1f1b" and m < self.layout.stages:
                 name = "gpipe"   # torch's 1F1B needs a micro-batch per stage; GPipe's update is the same
-            stages = self.stages if name in MULTI_STAGE else self.stages[0]
-            self._schedules[m] = schedule_class(name)(stages, n_microbatches=m, loss_fn=self._call_loss,
-                                                      scale_grads=False)
-        return self._schedules[m]
+            stages = self._stages()
+            self._schedules[key] = schedule_class(name)(stages if name in MULTI_STAGE else stages[0],
+                                                        n_microbatches=m, loss_fn=self._call_loss, scale_grads=False)
+        self._schedules[key] = self._schedules.pop(key)   # most recent last
+        return self._schedules[key]
 
     def _call_loss(self, output: Any, target: Any) -> torch.Tensor:
         return self._loss(output, target)
@@ -204,7 +221,7 @@ class PipelineRunner:
 
         self._loss = weighted
         m = self.microbatches(samples)
-        schedule = self._schedule(m)
+        schedule = self._schedule(m, (inputs, target))
         args = _as_tuple(inputs) if self.layout.is_first else ()
         if self.layout.is_last:
             schedule.step(*args, target=target, return_outputs=False)

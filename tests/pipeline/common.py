@@ -60,25 +60,26 @@ def pipeline_plan(stages: list[list[int]], schedule: str, microbatches: int, glo
 
 
 def reference(steps: int, global_batch: int, layers: int = 6, bf16_blocks: int = 0,
-              ignored: bool = False) -> list[dict[str, torch.Tensor]]:
+              ignored: bool = False, drop_last: bool = True) -> list[dict[str, torch.Tensor]]:
     """One process, the whole global batch, its mean loss; the first `bf16_blocks` blocks under bf16 autocast.
     One thread, as each rank has: bf16 reductions split over threads round differently."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _reference(steps, global_batch, layers, bf16_blocks, ignored)
+        return _reference(steps, global_batch, layers, bf16_blocks, ignored, drop_last)
     finally:
         torch.set_num_threads(threads)
 
 
 def _reference(steps: int, global_batch: int, layers: int, bf16_blocks: int,
-               ignored: bool) -> list[dict[str, torch.Tensor]]:
+               ignored: bool, drop_last: bool) -> list[dict[str, torch.Tensor]]:
     model, data = make_model(layers), make_data(ignored=ignored)
-    order = GlobalBatchOrder(len(data), global_batch, shuffle=True, seed=0)
+    order = GlobalBatchOrder(len(data), global_batch, shuffle=True, seed=0, drop_last=drop_last)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     out = []
     for step in range(steps):
-        x, y = data[order.global_batch(0, step)]
+        epoch, in_epoch = divmod(step, order.steps_per_epoch)
+        x, y = data[order.global_batch(epoch, in_epoch)]
         with torch.autocast("cpu", dtype=torch.bfloat16) if bf16_blocks else contextlib.nullcontext():
             h = model[:bf16_blocks](x) if bf16_blocks else x
         h = model[bf16_blocks:](h.float())
@@ -90,7 +91,7 @@ def _reference(steps: int, global_batch: int, layers: int, bf16_blocks: int,
 
 
 def train(rank: int, world: int, plan: Plan, steps: int, layers: int = 6, ignored: bool = False,
-          checkpoint_dir: str | None = None, adam: bool = False) -> dict:
+          checkpoint_dir: str | None = None, adam: bool = False, drop_last: bool = True) -> dict:
     """The user's one script: the same loop for a data-parallel or a pipeline plan."""
     import hetrain
 
@@ -98,18 +99,20 @@ def train(rank: int, world: int, plan: Plan, steps: int, layers: int = 6, ignore
     net = make_model(layers)
     opt = torch.optim.AdamW(net.parameters(), lr=0.01) if adam else torch.optim.SGD(net.parameters(), lr=LR)
     model, _ = session.prepare(net, opt)
-    loader = session.loader(make_data(ignored=ignored), global_batch_size=plan.global_batch_size, shuffle=True, seed=0)
+    loader = session.loader(make_data(ignored=ignored), global_batch_size=plan.global_batch_size, shuffle=True, seed=0,
+                            drop_last=drop_last)
     states, losses = [], []
-    for x, y in loader:
-        session.forward_backward(x, y, F.cross_entropy, num_items=count_labels if ignored else None)
-        session.clip_grad_norm_(1e9)
-        session.step()
-        inner = getattr(model, "module", model)   # DDP wraps the model; a pipeline stage is its own
-        full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in inner.state_dict().items()}
-        states.append({k: v.detach().clone() for k, v in full.items()})
-        losses.append(session.loss)
-        if session.step_count == steps:
-            break
+    while session.step_count < steps:   # across epochs where a test runs more steps than one has
+        for x, y in loader:
+            session.forward_backward(x, y, F.cross_entropy, num_items=count_labels if ignored else None)
+            session.clip_grad_norm_(1e9)
+            session.step()
+            inner = getattr(model, "module", model)   # DDP wraps the model; a pipeline stage is its own
+            full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in inner.state_dict().items()}
+            states.append({k: v.detach().clone() for k, v in full.items()})
+            losses.append(session.loss)
+            if session.step_count == steps:
+                break
     from hetrain.runtime.memory import is_checkpointed
 
     checkpointed = sum(is_checkpointed(b) for b in session.blocks)

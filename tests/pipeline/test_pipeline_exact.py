@@ -1,5 +1,7 @@
 """Pipeline and hybrid plans give the update of one process on the whole global batch (fp32)."""
 
+import functools
+
 import pytest
 
 from hetrain.planning.plan import BalancePlan, Plan, RankPlan
@@ -67,3 +69,13 @@ def test_activation_checkpointing_on_a_stage():
     assert worst_difference(results, reference(STEPS, GLOBAL)) < 1e-5
     assert set(results[1]["states"][0]) == {k for k in reference(1, GLOBAL)[0] if not k.startswith(("0.", "1."))}
     assert results[0]["checkpointed"] == 0 and results[1]["checkpointed"] == 6   # stage 1's blocks recompute
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_partial_last_batch_changes_the_micro_batch_shape_and_the_next_epoch_changes_it_back(ranks):
+    """96 samples in global batches of 36 (drop_last=False): micro-batches of 9, then 6 at the epoch's
+    partial batch, then 9 again; each shape gets stages of its own (it crashed the next full step)."""
+    stages = [[0, 3], [3, 8]] if ranks == 2 else [[0, 2], [2, 5], [5, 8]]
+    plan = pipeline_plan(stages, "1f1b", microbatches=4, global_batch=36)
+    results = run_ranks(functools.partial(train, drop_last=False), ranks, plan, 5)
+    assert worst_difference(results, reference(5, 36, drop_last=False)) < 1e-5
