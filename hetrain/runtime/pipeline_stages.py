@@ -80,8 +80,14 @@ def pipeline_layout(entries: Sequence[RankPlan], pipeline: PipelinePlan, rank: i
     grid = [[by_stage[j][i] for j in range(p)] for i in range(counts[0])]
     if pipeline.schedule == "interleaved-1f1b" and any(row != sorted(row) for row in grid):
         # torch's multi-stage schedules place stage s on group rank s % p, and a group orders its ranks.
-        raise HetrainError(f"interleaved-1f1b needs each pipeline's stages on increasing ranks, got {grid}; "
-                           "renumber the ranks' stages in rank order, or use schedule 1f1b")
+        device = {e.rank: e.device for e in entries}
+        order = ", ".join(f"rank {r}: {device[r]} (stage {j})" for row in grid for j, r in sorted(
+            ((j, r) for j, r in enumerate(row)), key=lambda jr: jr[1]))
+        raise HetrainError(
+            f"this interleaved-1f1b plan runs stage s of a pipeline on its s-th rank, but the ranks' devices came "
+            f"in another order than the plan's ({order}); torch's interleaved schedule cannot follow it. Plan "
+            "with the devices in this job's rank order (hetrain plan --devices lists rank 0's first), or start "
+            "the ranks in the plan's order (CUDA_VISIBLE_DEVICES on one node, --node-rank across nodes)")
     where = next((i, j) for i, row in enumerate(grid) for j, r in enumerate(row) if r == rank)
     return PipelineLayout(grid=grid, replica=where[0], stage=where[1])
 
