@@ -28,6 +28,7 @@ import warnings
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -287,11 +288,13 @@ class Checkpointer:
         return str(choice.chosen), None
 
     def load(self, info: CheckpointInfo | None = None, *, rank: int | None = None,
-             sharded_template: dict | None = None) -> tuple[dict, dict | None, dict | None]:
+             sharded_template: dict | None = None,
+             check_shared: Callable[[dict], None] | None = None) -> tuple[dict, dict | None, dict | None]:
         """Collective: (shared, this rank's per_rank or None, sharded loaded into the template).
 
         Files are checked against the manifest (sizes, sha256) before they are read; `per_rank` is
-        None when the checkpoint was written by fewer ranks than `rank`.
+        None when the checkpoint was written by fewer ranks than `rank`. `check_shared(shared)` may
+        refuse the checkpoint (raise) before the sharded state is read into the template.
         """
         self.wait()
         if info is None:
@@ -317,6 +320,8 @@ class Checkpointer:
             raise CheckpointError(f"{info.path} failed verification: {'; '.join(sorted(set(reasons)))}; "
                                   f"move it aside to resume from the previous checkpoint")
         shared = read_torch_file(info.path / SHARED_FILE)
+        if check_shared is not None:
+            check_shared(shared)
         per_rank = read_torch_file(info.path / rank_file(rank)) if rank < manifest.world_size else None
         loaded = None
         if sharded_template is not None:

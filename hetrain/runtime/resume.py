@@ -35,6 +35,7 @@ from typing import Any
 
 from hetrain.checkpoint.checkpointer import Checkpointer
 from hetrain.errors import HetrainError
+from hetrain.planning.plan import Plan
 from hetrain.runtime.environment import env_float
 from hetrain.metrics.events import CheckpointRecord
 from hetrain.runtime.train_state import TrainState
@@ -157,7 +158,19 @@ class SessionCheckpoints:
                 f"{info.path} was saved {saved}, and this run uses {this}, which cannot load it; resume with "
                 f"the kind of plan it was saved with, or start in an empty checkpoint directory"
             )
-        shared, per_rank, loaded = self.checkpointer.load(info, sharded_template=st.sharded_template())
+        def same_layout(shared: dict) -> None:
+            """A pipeline's stage state and FSDP2's shards are both sharded, but not into the same keys."""
+            saved_plan = shared.get("plan") or ""
+            saved_pipeline = bool(saved_plan) and Plan.from_json(saved_plan).pipeline is not None
+            if saved_pipeline != st.pipelined:
+                saved = "by a pipeline plan" if saved_pipeline else f"with sharding {shared.get('sharding')!r}"
+                this = "a pipeline plan" if st.pipelined else f"sharding {st.sharding!r}"
+                raise HetrainError(
+                    f"{info.path} was saved {saved}, and this run uses {this}, which cannot load it; resume "
+                    "with the kind of plan it was saved with, or start in an empty checkpoint directory")
+
+        shared, per_rank, loaded = self.checkpointer.load(info, sharded_template=st.sharded_template(),
+                                                          check_shared=same_layout)
         saved_world = int(shared["world_size"])
         st.restore(shared, per_rank, loaded, str(info.path))
         if saved_world != st.world_size:

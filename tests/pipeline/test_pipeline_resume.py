@@ -98,3 +98,21 @@ def test_a_checkpoint_of_another_plan_kind_or_the_scripts_own_forward_is_refused
     assert all("data-parallel run without FSDP2" in m and "a pipeline plan" in m for m in messages), messages
     messages = run_ranks(_run_expecting_error, 2, TWO, None, True)
     assert all("session.forward_backward" in m for m in messages), messages
+
+
+def test_a_pipeline_checkpoint_under_fsdp2_and_the_reverse_are_refused_naming_both(tmp_path):
+    """Both keep their model in sharded form, under different keys: each names the plan kinds, not a
+    missing key of torch's checkpoint reader."""
+    import pytest
+
+    from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+
+    fsdp = Plan(global_batch_size=GLOBAL, sharding="fsdp", balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=0, share=6), RankPlan(rank=1, share=6)])
+    two = pipeline_plan([[0, 4], [4, 8]], "1f1b", microbatches=3, global_batch=GLOBAL)
+    for saved, resumed, words in [(two, fsdp, "saved by a pipeline plan, and this run uses sharding 'fsdp'"),
+                                  (fsdp, two, "saved with sharding 'fsdp', and this run uses a pipeline plan")]:
+        where = tmp_path / saved.strategy
+        run_ranks(train, 2, saved, 2, 6, False, str(where), True)
+        with pytest.raises(Exception, match=words):
+            run_ranks(train, 2, resumed, 4, 6, False, str(where), True)
