@@ -196,6 +196,7 @@ class Balancer:
     shares: list[int]
     warmup_steps: int = 1
     rank: int | None = None         # this rank: its window takes only steps at its full share
+    devices: list[str] | None = None   # each rank's device kind: measurements belong to them
     _interval: list[tuple[int, float]] = field(default_factory=list)  # this rank's steps of the interval
     _window: list[tuple[int, float]] = field(default_factory=list)    # ... since the split last changed
     _scatter: list[tuple[float, int]] = field(default_factory=list)   # _spread() of past windows
@@ -419,7 +420,7 @@ class Balancer:
         return slow[0] - fast[0] > significance * math.hypot(slow[1], fast[1])
 
     def state_dict(self) -> dict:
-        return {"shares": list(self.shares),
+        return {"shares": list(self.shares), "devices": self.devices,
                 "history": [[list(p) for p in h] for h in self.history],
                 "recent": [[list(p) for p in h] for h in self.recent],
                 "slopes": list(self.slopes),
@@ -432,7 +433,11 @@ class Balancer:
                 # an exchange begun at the saved step: a resumed run re-splits on it where this run does
                 "arrived": [dataclasses.astuple(m) for m in self.arrived() or []]}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict) -> bool:
+        """Continue from a saved balancer of as many ranks; False (this run's split and no history kept)
+        where the ranks now have other device kinds, whose measurements would say the wrong ranks are slow."""
+        if state.get("devices") is not None and self.devices is not None and state["devices"] != self.devices:
+            return False
         self.shares = [int(s) for s in state["shares"]]
         self.history = [[(float(n), float(t)) for n, t in h] for h in state["history"]]
         self.recent = [[(float(n), float(t)) for n, t in h] for h in state.get("recent", state["history"])]
@@ -448,3 +453,4 @@ class Balancer:
         self._reversed = bool(state.get("reversed", False))
         self._in_flight = None
         self._arrived = [RankMeasurement(*(float(v) for v in m)) for m in state.get("arrived", [])] or None
+        return True

@@ -45,6 +45,11 @@ class Assignment:
     def shares(self) -> list[int]:
         return [e.share for e in self.entries]
 
+    @property
+    def devices(self) -> list[str]:
+        """Each rank's device kind, by rank."""
+        return [e.device for e in self.entries]
+
 
 def emulated_kinds() -> list[str] | None:
     """The devices named in HETRAIN_EMULATE_DEVICES (one per local rank), checked against the catalog."""

@@ -235,7 +235,7 @@ class Session:
         balance, interval = self._balance_overrides
         setup = balance_setup(self.plan, self.assignment.shares, self.world_size, global_batch_size,
                               balance=balance, interval=interval, pipeline=self.layout is not None)
-        return Balancer(config=setup.config, shares=setup.shares, rank=self.rank)
+        return Balancer(config=setup.config, shares=setup.shares, rank=self.rank, devices=self.assignment.devices)
 
     @property
     def shares(self) -> list[int]:

@@ -8,6 +8,7 @@ optimizer go through `torch.distributed.checkpoint.state_dict` into the checkpoi
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,8 @@ from hetrain.runtime.precision import JobLossScaler
 from hetrain.runtime.schedulers import MOVED, Schedulers
 from hetrain.runtime.sharding import is_zero1
 from hetrain.runtime.step_state import StepState
+
+log = logging.getLogger("hetrain")
 
 # Optimizer settings that a schedule moves during training: a checkpoint's values are expected to differ.
 SCHEDULED = {*MOVED, "initial_lr"}
@@ -127,8 +130,10 @@ class TrainState:
         self.skipped_steps = int(shared.get("skipped_steps", 0))
         if self.step_state is not None and shared.get("items_per_sample") is not None:
             self.step_state.items_per_sample = float(shared["items_per_sample"])
-        if int(shared["world_size"]) == self.world_size:
-            self.balancer.load_state_dict(shared["balancer"])
+        if int(shared["world_size"]) == self.world_size and not self.balancer.load_state_dict(shared["balancer"]):
+            log.warning("resuming with the ranks on other devices than the checkpoint's (%s, was %s): the split "
+                        "starts from this run's plan and is measured anew", self.balancer.devices,
+                        shared["balancer"].get("devices"))
         if per_rank is not None:
             restore_rng(per_rank["rng"])
 

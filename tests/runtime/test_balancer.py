@@ -286,3 +286,15 @@ def test_a_move_in_flight_waits_for_a_young_window_instead_of_starting_over():
     n0, n1 = c.shares
     assert not c.rebalance(15, seen(n0, n1, 0.03, 5))
     assert not c.rebalance(20, seen(n0, n1, 0.001, 8))      # asks first
+
+
+def test_measurements_saved_on_other_devices_are_not_restored():
+    """A job resumed with its ranks on other device kinds (rank 0 was the A100, is now the V100) starts
+    from this run's split: the saved history would call the wrong rank slow."""
+    saved = Balancer(BalancePlan(interval=2), shares=[78, 50], devices=["a100-sxm4-80gb", "v100-sxm2-32gb"])
+    saved.history = [[(78.0, 0.1)], [(50.0, 0.1)]]
+    state = saved.state_dict()
+    swapped = Balancer(BalancePlan(interval=2), shares=[50, 78], devices=["v100-sxm2-32gb", "a100-sxm4-80gb"])
+    assert swapped.load_state_dict(state) is False and swapped.shares == [50, 78] and swapped.history == []
+    same = Balancer(BalancePlan(interval=2), shares=[64, 64], devices=["a100-sxm4-80gb", "v100-sxm2-32gb"])
+    assert same.load_state_dict(state) is True and same.shares == [78, 50] and same.history == saved.history
