@@ -66,6 +66,10 @@ def sync_batchnorm(model: nn.Module, device: torch.device, world_size: int, warn
         return model
     if device.type == "cuda":
         return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if any(isinstance(m, nn.SyncBatchNorm) for m in model.modules()):
+        raise HetrainError("the model holds SyncBatchNorm, which runs on CUDA only, and this rank is a CPU rank: "
+                           "leave out nn.SyncBatchNorm.convert_sync_batchnorm (hetrain converts BatchNorm on "
+                           "CUDA ranks itself)")
     if warn:
         warnings.warn(
             "BatchNorm statistics stay local to each CPU rank (SyncBatchNorm needs CUDA); with uneven "

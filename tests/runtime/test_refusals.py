@@ -381,3 +381,23 @@ def _left_in_eval(rank, world):
 def test_training_a_model_left_in_eval_mode_warns_once():
     warnings = run_ranks(_left_in_eval, 2)
     assert all(len(w) == 1 and "call model.train() after evaluating" in w[0] for w in warnings), warnings
+
+
+def _sync_bn_on_cpu(rank, world):
+    import hetrain
+
+    session = hetrain.Session()
+    net = torch.nn.SyncBatchNorm.convert_sync_batchnorm(
+        torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3)))
+    try:
+        session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        return None
+    except HetrainError as e:
+        return str(e)
+    finally:
+        session.close()
+
+
+def test_a_model_converted_to_sync_batchnorm_on_cpu_ranks_names_the_fix():
+    errors = run_ranks(_sync_bn_on_cpu, 2)
+    assert all(e is not None and "leave out nn.SyncBatchNorm.convert_sync_batchnorm" in e for e in errors), errors
