@@ -225,6 +225,7 @@ def data_parallel(strategy: str, cluster, profile: WorkloadProfile, kinds: list[
     zero = _ZERO[strategy]
     world = sum(k.count for k in kinds)
     cand = Candidate(strategy, compression=hook)
+    micro_batch = min(micro_batch, global_batch) if micro_batch is not None else None   # no share is larger
     limit = global_batch if micro_batch is None else micro_batch
     plain_limits, choices = [], []
     for k in kinds:

@@ -127,6 +127,6 @@ def test_a_file_that_is_no_workload_profile_is_one_line_naming_the_fix(tmp_path)
 
 
 def test_micro_batch_that_fits_no_strategy_under_auto_does_not_suggest_auto():
-    p = _run("plan", "--preset", "a100x4+v100x4", "--model", "resnet152", "--global-batch-size", "1024",
-             "--micro-batch", "5000")
+    p = _run("plan", "--preset", "a100x4+v100x4", "--model", "resnet152", "--global-batch-size", "8192",
+             "--micro-batch", "8192")
     assert p.returncode == 2 and "does not fit with any strategy" in p.stderr and "--strategy auto" not in p.stderr

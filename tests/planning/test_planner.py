@@ -217,3 +217,11 @@ def test_a_strategy_that_does_not_fit_says_why_itself_and_names_one_that_does():
         assert f"with strategy {strategy} ({strategy}: rtx-3060 needs" in message, message
         assert "--strategy auto (it also weighs pipelines)" in message and "micro-batch" not in message.split(";")[-1]
     assert plan_job(mixed, get_profile("gpt2-1.5b"), 64).plan.strategy in ("pipeline", "hybrid")
+
+
+def test_a_micro_batch_above_the_global_batch_is_the_global_batch():
+    """No rank's share, and no pipeline replica's batch, exceeds the global batch: asking more asks that."""
+    cluster, profile = cluster_from_devices("a100-sxm4-80gb:2"), get_profile("resnet50")
+    huge = plan_job(cluster, profile, 256, micro_batch=10**6).plan
+    whole = plan_job(cluster, profile, 256, micro_batch=256).plan
+    assert huge.strategy == whole.strategy and [r.micro_batch for r in huge.ranks] == [r.micro_batch for r in whole.ranks]
