@@ -293,7 +293,9 @@ class _GlobalBatchSource:
                     "differ): hetrain has every worker read the whole stream and keep every num_workers-th "
                     "global batch, so a stream that splits itself by get_worker_info() (Hugging Face datasets "
                     "and WebDataset's split_by_worker do) would lose the other workers' samples; turn its "
-                    "worker splitting off, or pass num_workers=0 (docs/data.md, Streams)")
+                    "worker splitting off, or pass num_workers=0. A stream that draws integers at random "
+                    "(token windows, masks) differs by worker too: draw them from the sample's position in "
+                    "the stream (docs/data.md, Streams)")
         if len(samples) != sum(shares):
             shares = split_partial(len(samples), shares)
         mine = rank_slice(samples, shares, rank)

@@ -125,7 +125,7 @@ def slice_batch(batch: Any, start: int, stop: int, local_n: int) -> Any:
             return type(x)(x[start:stop])
         if x.dim() > 0 and x.shape[0] == local_n:
             return x[start:stop]
-        if local_n > 1 and local_n in tuple(x.shape)[1:]:
+        if local_n > 1 and x.shape[0] != 1 and local_n in tuple(x.shape)[1:]:   # [1, T]: broadcast, shared
             raise HetrainError(
                 f"a batch tensor of shape {tuple(x.shape)} cannot be cut into this rank's micro-batches: its "
                 f"{local_n} samples lie along dimension {tuple(x.shape).index(local_n)}, and hetrain cuts along "

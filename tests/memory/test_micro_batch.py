@@ -171,6 +171,8 @@ def test_a_sequence_first_tensor_is_refused_where_the_batch_is_cut_not_handed_wh
     with pytest.raises(HetrainError, match=r"shape \(5, 8\) .* its 8 samples lie along dimension 1"):
         list(split_batch((tokens, lengths), [4, 4], 8))
     assert list(split_batch((tokens, lengths), [8], 8))[0][0] is tokens        # one piece: nothing to cut
+    position_ids = torch.arange(8)[None]                            # [1, T]: broadcast over the samples
+    assert list(split_batch((tokens.T, position_ids), [4, 4], 8))[1][1] is position_ids
     shared = torch.ones(5)                                          # no dimension of 8: shared by the pieces
     pieces = list(split_batch({"x": torch.zeros(8, 3), "bias": shared, "ids": ("a",) * 8}, [3, 5], 8))
     assert [p["x"].shape[0] for p in pieces] == [3, 5] and pieces[1]["bias"] is shared
