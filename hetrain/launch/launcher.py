@@ -30,7 +30,7 @@ from typing import Any
 from hetrain.errors import HetrainError
 from hetrain.hardware.catalog import rank_threads
 from hetrain.malloc_cache import worker_env as malloc_cache_env
-from hetrain.launch.failures import describe, first_failure
+from hetrain.launch.failures import describe, first_failure, is_cause
 from hetrain.launch.graceful_stop import GracefulStop, agent_signals
 from hetrain.launch.leftovers import adopt_orphans, end_leftovers
 from hetrain.metrics.serve import check_ports_free
@@ -249,4 +249,9 @@ def failure_line(failures: dict[int, Any], cfg: LaunchConfig) -> str:
         return "the job failed before any worker reported"
     rank, failure = first_failure(failures)
     where = f"its output is above{' and in ' + cfg.log_dir if cfg.log_dir else ''}"
+    if _max_nodes(cfg.nnodes)[1] > 1 and not any(is_cause(f) for f in failures.values()):
+        # every rank here only lost its peers: the first failure was a rank on another node
+        return (f"every rank on this node lost its peers ({describe(rank, failure)}): the failure began on another "
+                f"node, whose output says which rank and why; the job ended after {cfg.max_restarts} restart(s) "
+                f"allowed; {where}")
     return f"{describe(rank, failure)}; the job ended after {cfg.max_restarts} restart(s) allowed; {where}"

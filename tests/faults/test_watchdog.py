@@ -259,3 +259,24 @@ def test_a_rank_that_closes_early_is_named_in_seconds_not_after_the_progress_tim
                  str(tmp_path / "plan.json"), str(tmp_path / "early.py")], cwd=ROOT, timeout=120)
     assert r.returncode != 0 and time.monotonic() - start < 60, r.stderr[-2000:]
     assert "rank 0 closed the session after 2 step(s) while rank 1 wait(s) in step 3" in r.stderr, r.stderr[-2000:]
+
+
+def test_a_node_whose_ranks_only_lost_their_peers_says_the_failure_began_on_another_node(tmp_path, monkeypatch):
+    import json
+
+    from hetrain.launch.launcher import LaunchConfig, failure_line
+
+    try:
+        raise RuntimeError("[pair.cc:553] Connection closed by peer [10.0.0.2]:1234")
+    except RuntimeError as e:
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "echo.json"))
+        record_exception(e)
+    echo = json.loads((tmp_path / "echo.json").read_text())
+    line = failure_line({0: _failure(1, 100, echo), 1: _failure(1, 100, echo)}, LaunchConfig(script="t.py", nnodes="2"))
+    assert line.startswith("every rank on this node lost its peers (rank 0 exited with code 1: RuntimeError: "), line
+    assert "Connection closed by peer" in line and "): the failure began on another node" in line, line
+    # on one node there is no other node to blame
+    assert failure_line({0: _failure(1, 100, echo)}, LaunchConfig(script="t.py")).startswith("rank 0 exited with")
+    # a rank of this node that failed by itself is named as before
+    line = failure_line({0: _failure(1, 100, echo), 1: _failure(-9, 100)}, LaunchConfig(script="t.py", nnodes="2"))
+    assert line.startswith("rank 1 was killed by SIGKILL; the job ended"), line
