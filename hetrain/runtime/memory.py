@@ -21,26 +21,9 @@ from hetrain.errors import HetrainError
 from hetrain.planning.batch_split import split_even
 from hetrain.runtime.batch_tree import map_leaves, map_tensors, per_sample_values
 from hetrain.runtime.gradients import local_tensor
+from hetrain.workload.layers import find_blocks
 
 _CHECKPOINTED = "_hetrain_checkpointed"
-
-
-def find_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of the first nn.ModuleList / nn.Sequential that has some: the longest run of
-    two or more consecutive children of one module type holding parameters (all of a ModuleList of
-    layers; the layers of an nn.Sequential(embedding, *layers, head), as a pipeline script builds)."""
-    for module in model.modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
-            continue
-        best: list[nn.Module] = []
-        run: list[nn.Module] = []
-        for child in module.children():
-            run = run + [child] if run and type(run[0]) is type(child) else [child]
-            if len(run) > len(best) and any(True for _ in child.parameters()):
-                best = list(run)
-        if len(best) >= 2:
-            return best
-    return []
 
 
 def resolve_blocks(model: nn.Module, blocks: Sequence[nn.Module] | None) -> list[nn.Module]:

@@ -36,7 +36,7 @@ class StepTiming(_Strict):
 
 
 class BlockTiming(_Strict):
-    """One top-level block's forward + backward seconds at a micro-batch size."""
+    """One block's forward + backward seconds at a micro-batch size."""
 
     name: str
     precision: str

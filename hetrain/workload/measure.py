@@ -2,7 +2,7 @@
 
 For each device kind (the CPU, or one GPU of each catalog model), each precision and each
 micro-batch size: the median seconds of a forward + backward, and the peak memory on CUDA. Then
-one AdamW step, and each top-level block's forward + backward (what a pipeline partition needs).
+one AdamW step, and each block's forward + backward (what a pipeline partition needs).
 TF32 and autocast are set as hetrain's runtime sets them for the precision, so the profile times
 what a rank of that precision will run.
 """
@@ -247,8 +247,20 @@ def measure(runnable: RunnableModel, device, precisions: Sequence[str], micro_ba
                          optimizer_seconds=opt_s, blocks=timed_blocks)
 
 
+def _detached(value, grad: bool = False):
+    """An input of a block cut from the graph that made it (a tensor, or a tuple or list of them), taking
+    a gradient where it is floating-point and `grad` is set; anything else as it is."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().requires_grad_(grad and value.is_floating_point())
+    if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
+        return type(value)(_detached(v, grad) for v in value)
+    return value
+
+
 def _block_times(runnable, module, device, steps, clock, repeats, budget_s) -> list[BlockTiming]:
-    """Each top-level block's forward + backward on the inputs it receives in a real forward."""
+    """Each block's forward + backward on the inputs it receives in a real forward."""
     import torch
 
     from hetrain.workload.profile import top_level_blocks
@@ -257,7 +269,8 @@ def _block_times(runnable, module, device, steps, clock, repeats, budget_s) -> l
     mb = steps[len(steps) // 2].micro_batch if len(steps) > 1 else steps[0].micro_batch
     blocks = top_level_blocks(module)
     captured: dict[str, tuple] = {}
-    handles = [b.register_forward_pre_hook(lambda m, args, name=name: captured.setdefault(name, args))
+    handles = [b.register_forward_pre_hook(lambda m, args, kwargs, name=name: captured.setdefault(name, (args, kwargs)),
+                                           with_kwargs=True)
                for name, b in blocks]
     _set_math(precision, device)
     try:
@@ -268,14 +281,20 @@ def _block_times(runnable, module, device, steps, clock, repeats, budget_s) -> l
             h.remove()
     out = []
     for name, block in blocks:
-        args = captured.get(name)
-        if not args or not all(isinstance(a, torch.Tensor) for a in args):
-            continue
-        inputs = tuple(a.detach().requires_grad_(a.is_floating_point()) for a in args)
+        args, kwargs = captured.get(name, ((), {}))
+        called = [*args, *kwargs.values()]
+        if not any(isinstance(a, torch.Tensor) for a in called) or not all(
+                isinstance(a, torch.Tensor) or a is None for a in args):
+            continue   # not called in the forward, or with inputs it cannot be called with again alone
+        # positional and keyword inputs (hidden states, a layer's rotary embeddings, its mask) as the model
+        # passed them, cut from the graph that made them; floating-point ones take a gradient, as in training
+        inputs = tuple(_detached(a, grad=True) for a in args)
+        options = {k: _detached(v, grad=True) for k, v in kwargs.items()}
 
-        def run(block=block, inputs=inputs):
+        def run(block=block, inputs=inputs, options=options):
             with _autocast(precision, device):
-                y = block(*inputs)
+                y = block(*inputs, **options)
+            y = y[0] if isinstance(y, (tuple, list)) and y and isinstance(y[0], torch.Tensor) else y
             if isinstance(y, torch.Tensor) and y.requires_grad:
                 y.float().mean().backward()
 

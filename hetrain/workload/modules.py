@@ -195,6 +195,8 @@ def hf_module(config: str, seq_len: int | None = None) -> RunnableModel:
     if not vocab:
         raise HetrainError(f"--hf-config {config!r}: the config has no vocab_size; hetrain builds token inputs "
                            "for --hf-config models; time other models with --script FILE.py:FACTORY")
+    if hasattr(cfg, "use_cache"):
+        cfg.use_cache = False   # a training step keeps no key/value cache (and a block timed alone must not grow one)
     model = _hf_model(cfg, config)
     if getattr(cfg, "model_type", None) == "gpt2" and hasattr(model, "lm_head"):
         # as a pipeline script runs it (docs/pipeline.md): embedding, each layer, head, so the profile's

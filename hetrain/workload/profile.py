@@ -2,7 +2,7 @@
 
 `profile(model, sample_input)` measures a real `nn.Module` on CPU: forward+backward FLOPs with
 torch's FLOP counter and the bytes of tensors saved for backward with saved-tensor hooks, for the
-whole model and for each top-level block (the units a pipeline partition assigns to stages).
+whole model and for each block around its layer stack (the units a pipeline partition assigns to stages).
 """
 
 from __future__ import annotations
@@ -102,16 +102,10 @@ class WorkloadProfile(BaseModel):
 
 
 def top_level_blocks(model: "nn.Module") -> list[tuple[str, "nn.Module"]]:
-    """The model's direct children, with ModuleLists (which are not called) opened into their items."""
-    from torch import nn
+    """The blocks a profile counts one by one: the model cut around its layer stack (`layers.profile_blocks`)."""
+    from hetrain.workload.layers import profile_blocks
 
-    blocks: list[tuple[str, nn.Module]] = []
-    for name, child in model.named_children():
-        if isinstance(child, nn.ModuleList):
-            blocks.extend((f"{name}.{i}", sub) for i, sub in enumerate(child))
-        else:
-            blocks.append((name, child))
-    return blocks or [("model", model)]
+    return profile_blocks(model)
 
 
 def _kind_of(model: "nn.Module") -> WorkloadKind:
@@ -157,7 +151,7 @@ def profile(model: "nn.Module", sample_input, name: str | None = None, kind: Wor
 
     Runs one forward and backward (the loss is the sum of the first floating output). FLOPs come
     from torch.utils.flop_counter; activation bytes are the distinct tensors saved for backward,
-    parameters excluded, attributed to the top-level block running when they were saved.
+    parameters excluded, attributed to the block running when they were saved.
     """
     import torch
     from torch.utils.flop_counter import FlopCounterMode

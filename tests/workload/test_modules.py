@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from hetrain.errors import HetrainError
 from hetrain.workload.modules import hf_module, script_file, script_module
@@ -112,3 +113,30 @@ def test_a_hub_name_neither_cached_nor_reachable_is_refused_at_once(tmp_path, mo
     with pytest.raises(HetrainError, match="not in the local Hugging Face cache and hub.invalid cannot be reached"):
         hf_module("some-org/some-model")
     assert time.monotonic() - start < 10
+
+
+@pytest.mark.parametrize("arch", ["llama", "bert"])
+def test_an_hf_config_of_another_architecture_is_profiled_layer_by_layer(tmp_path, arch):
+    """The layers sit inside the model (model.layers, bert.encoder.layer): the profile counts and times
+    them one by one, the blocks activation checkpointing recomputes, where it counted two or three."""
+    from transformers import BertConfig, LlamaConfig
+
+    from hetrain.runtime.memory import find_blocks
+    from hetrain.workload import profile
+    from hetrain.workload.measure import measure
+    from hetrain.workload.profile import top_level_blocks
+
+    if arch == "llama":
+        LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                    num_key_value_heads=2, max_position_embeddings=32).save_pretrained(tmp_path)
+    else:
+        BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64,
+                   max_position_embeddings=32).save_pretrained(tmp_path)
+    runnable = hf_module(str(tmp_path), seq_len=16)
+    blocks = top_level_blocks(runnable.module)
+    layers = find_blocks(runnable.module)
+    assert [b for _, b in blocks if any(b is layer for layer in layers)] == layers and len(layers) == 3
+    workload = profile(runnable.module, runnable.make_input(2))
+    assert [b.flops_per_sample > 0 for b in workload.blocks if "layer" in b.name] == [True] * 3
+    timed = measure(runnable, torch.device("cpu"), ["fp32"], [1], repeats=2, budget_s=0.5)
+    assert [t.name for t in timed.blocks if "layer" in t.name] == [n for n, b in blocks if any(b is x for x in layers)]
