@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import inspect
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -182,6 +183,10 @@ class HeteroLoader:
         else:
             self.sampler.start(self._epoch, self._in_epoch, self.run_step)
         batches = iter(self.dataloader)
+        if self.stream and self.dataloader.num_workers > 1:   # every worker's first batch, before any step
+            head = list(itertools.islice(batches, self.dataloader.num_workers))
+            self._source.check_workers(head)
+            batches = itertools.chain(head, batches)
         started_at = self._in_epoch
         while not self._epoch_done():
             self.schedule.observe(self.run_step, self.split.shares)
@@ -275,27 +280,29 @@ class _GlobalBatchSource:
         from hetrain.runtime.stream import GlobalBatchStream
 
         self.stream = GlobalBatchStream(dataset, global_batch_size, drop_last=drop_last)
-        self.fingerprints: set[str] = set()   # of the pass's first global batch, as each worker read it
 
     def new_pass(self, skip: int) -> None:
         self.stream.skip = skip
-        self.fingerprints = set()
 
-    def take(self, item: tuple[str | None, list[Any]], shares: list[int], rank: int,
+    @staticmethod
+    def check_workers(head: list[tuple[str | None, list[Any]]]) -> None:
+        """The workers' first batches of a pass carry the digest of the pass's first global batch as each
+        worker read it: they must agree."""
+        if len({first for first, _ in head if first is not None}) > 1:
+            raise HetrainError(
+                "the stream gave the DataLoader's workers different samples (their first global batches "
+                "differ): hetrain has every worker read the whole stream and keep every num_workers-th "
+                "global batch, so a stream that splits itself by get_worker_info() (Hugging Face datasets "
+                "and WebDataset's split_by_worker do) would lose the other workers' samples; turn its "
+                "worker splitting off, or pass num_workers=0. A stream that draws integers (token windows, "
+                "masks) or, holding only floats, any value at random differs by worker too: draw them from "
+                "the sample's position in the stream (docs/data.md, Streams)")
+
+    @staticmethod
+    def take(item: tuple[str | None, list[Any]], shares: list[int], rank: int,
              collate_fn: Callable) -> tuple[Any, int, int]:
         """(this rank's collated slice, its samples, the global batch's samples)."""
-        first, samples = item
-        if first is not None:
-            self.fingerprints.add(first)
-            if len(self.fingerprints) > 1:
-                raise HetrainError(
-                    "the stream gave the DataLoader's workers different samples (their first global batches "
-                    "differ): hetrain has every worker read the whole stream and keep every num_workers-th "
-                    "global batch, so a stream that splits itself by get_worker_info() (Hugging Face datasets "
-                    "and WebDataset's split_by_worker do) would lose the other workers' samples; turn its "
-                    "worker splitting off, or pass num_workers=0. A stream that draws integers at random "
-                    "(token windows, masks) differs by worker too: draw them from the sample's position in "
-                    "the stream (docs/data.md, Streams)")
+        _, samples = item
         if len(samples) != sum(shares):
             shares = split_partial(len(samples), shares)
         mine = rank_slice(samples, shares, rank)

@@ -25,26 +25,29 @@ from hetrain.runtime.batch_tree import map_leaves
 
 def fingerprint(samples: list[Any]) -> str:
     """A digest of what a random augmentation leaves alone: the shapes of the samples' tensors and arrays,
-    the values of the integer ones (token ids, labels), strings and integers."""
-    digest = hashlib.blake2b(digest_size=16)
+    the values of the integer ones (token ids, labels), strings and integers. Samples with no such value
+    (all floating-point) are digested whole, float values too."""
+    exact: list[bytes] = []      # integers and strings, as they are
+    floats: list[bytes] = []     # floating-point values, digested only where nothing else tells samples apart
+    shapes: list[bytes] = []
 
     def feed(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
-            x = x.detach().cpu()
-            if not (x.is_floating_point() or x.is_complex()):
-                x = x.contiguous().numpy()
-            else:
-                digest.update(repr((tuple(x.shape), str(x.dtype))).encode())
-                return x
+            x = x.detach().cpu().contiguous()
+            x = x.float().numpy() if x.dtype == torch.bfloat16 else x.numpy()
         if hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "tobytes"):   # a numpy array
-            digest.update(repr((tuple(x.shape), str(x.dtype))).encode())
-            if x.dtype.kind in "iub":
-                digest.update(x.tobytes())
+            shapes.append(repr((tuple(x.shape), str(x.dtype))).encode())
+            (exact if x.dtype.kind in "iub" else floats).append(x.tobytes())
         elif isinstance(x, (str, bytes, int)):
-            digest.update(repr(x).encode())
+            exact.append(repr(x).encode())
+        elif isinstance(x, float):
+            floats.append(repr(x).encode())
         return x
 
     map_leaves(feed, samples)
+    digest = hashlib.blake2b(digest_size=16)
+    for part in shapes + (exact or floats):
+        digest.update(part)
     return digest.hexdigest()
 
 

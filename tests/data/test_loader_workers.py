@@ -158,6 +158,23 @@ def test_a_stream_that_splits_itself_across_workers_is_refused_not_half_lost():
         _stream_ids(_Stream(split_by_worker=True), num_workers=2)
 
 
+class _FloatStream(torch.utils.data.IterableDataset):
+    """Floats only (a regression stream): nothing but the values tells one worker's stream from another's."""
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        first, step = (info.id, info.num_workers) if info is not None else (0, 1)
+        for i in range(first, 48, step):
+            yield torch.tensor([float(i)]), torch.tensor([2.0 * i])
+
+
+def test_a_float_stream_split_across_workers_is_refused_before_its_first_step():
+    loader = make_loader(_FloatStream(), 8, shuffle=False, seed=0, rank=0, split=_Split([8]), step=StepState(1),
+                         device=torch.device("cpu"), num_workers=2)
+    with pytest.raises(HetrainError, match=r"workers different samples"):
+        next(iter(loader))   # the first batch is not handed out: no step trains on half the stream
+
+
 def test_a_stream_shorter_than_a_global_batch_is_an_error_not_an_empty_epoch():
     short = [(torch.tensor([float(i)]), torch.tensor(i)) for i in range(5)]
 
