@@ -99,6 +99,7 @@ class StepTimer:
     on_grads_ready: Callable[[], None] | None = None   # told when this rank starts waiting on the others
     started_at: float | None = None  # the step's first forward (perf_counter), None until it runs
     _inner: set[int] = field(default_factory=set, repr=False)   # ids of DDP-wrapped modules given our hook
+    _armed: bool = False            # a forward through DDP began and has not reached the wrapped module
 
     def forward_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
         """On the model the script calls: the step's first forward begins here (the script's own time
@@ -109,9 +110,18 @@ class StepTimer:
         inner = module.module if isinstance(module, torch.nn.parallel.DistributedDataParallel) else None
         if inner is None:
             self.compute_pre_hook(module, args, now)
-        elif id(inner) not in self._inner:
+            return
+        if id(inner) not in self._inner:
             self._inner.add(id(inner))
-            inner.register_forward_pre_hook(self.compute_pre_hook, prepend=True)
+            inner.register_forward_pre_hook(self._inner_pre_hook, prepend=True)
+        self._armed = True   # this forward came through DDP: the wrapped module's next forward is compute
+
+    def _inner_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
+        """The wrapped module's forward: compute, where DDP called it (an evaluation through model.module
+        between steps is neither compute nor the step's)."""
+        if self._armed:
+            self._armed = False
+            self.compute_pre_hook(module, args)
 
     def compute_pre_hook(self, module: torch.nn.Module, args: Any, now: float | None = None) -> None:
         if self._start is None:

@@ -42,3 +42,35 @@ def test_the_bucket_rebuild_and_buffer_broadcast_waits_are_waiting_on_ranks_not_
         for step, compute, waiting in steps:
             assert compute < 0.25 * PAUSE, (with_buffer, step, compute)
             assert waiting > 0.75 * PAUSE, (with_buffer, step, waiting)
+
+
+class _Slow(torch.nn.Module):
+    """A layer that takes PAUSE seconds outside training (an evaluation's long forward)."""
+
+    def forward(self, x):
+        if not torch.is_grad_enabled():
+            time.sleep(PAUSE)
+        return x
+
+
+def _evaluate_between_steps(rank: int, world: int) -> list[float]:
+    import hetrain
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 6, generator=g), torch.randint(0, 3, (64,), generator=g))
+    records = []
+    with hetrain.Session(balance=False) as session:
+        net = torch.nn.Sequential(torch.nn.Linear(6, 8), _Slow(), torch.nn.Linear(8, 3))
+        model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        session.add_observer(SimpleNamespace(on_step=records.append))
+        for x, y in session.loader(data, global_batch_size=16, shuffle=False):
+            session.backward(F.cross_entropy(model(x), y))
+            session.step()
+            with torch.no_grad():
+                model.module(x)   # evaluation as docs/data.md shows it: not the next step's compute
+    return [r.compute_seconds for r in records if r.step_seconds is not None]
+
+
+def test_an_evaluation_through_model_module_between_steps_is_not_compute():
+    for compute in run_ranks(_evaluate_between_steps, 2):
+        assert compute and all(c < 0.25 * PAUSE for c in compute), compute
