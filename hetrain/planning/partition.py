@@ -79,13 +79,19 @@ def interleaved_stages(blocks_per_rank: list[int], chunks: int) -> list[tuple[in
     return bounds
 
 
+def _kept(samples: int, m: int, interleaved_ranks: int | None) -> bool:
+    """Whether the runtime runs `m` micro-batches of `samples` as they are: m divides the batch (one shape)
+    and, over interleaved ranks, is a multiple of its rounds."""
+    return samples % m == 0 and not (interleaved_ranks and m % max(1, m // interleaved_ranks))
+
+
 def microbatches_for(samples: int, planned: int, interleaved_ranks: int | None = None) -> int:
     """Micro-batches for a replica batch of `samples`: the plan's count, lowered to a divisor of the
     batch so every micro-batch has one shape (pipeline stages exchange fixed-shape tensors). Over
     `interleaved_ranks` ranks, also a multiple of its rounds (m // ranks), as torch's interleaved
     1F1B requires. What the runtime runs."""
     m = max(1, min(planned, samples))
-    while samples % m or (interleaved_ranks and m % max(1, m // interleaved_ranks)):
+    while not _kept(samples, m, interleaved_ranks):
         m -= 1
     return m
 
@@ -94,7 +100,8 @@ def microbatches_at_most(samples: int, micro_batch: int, interleaved_ranks: int 
     """The fewest micro-batches the runtime keeps as they are (`microbatches_for`) whose size is at most
     `micro_batch` (else the most it keeps): a plan's count that the runtime does not lower, so its
     micro-batch is the one priced."""
+    samples = max(1, samples)
     m = max(1, -(-samples // max(1, micro_batch)))
-    while m <= samples and microbatches_for(samples, m, interleaved_ranks) != m:
+    while m <= samples and not _kept(samples, m, interleaved_ranks):
         m += 1
     return m if m <= samples else microbatches_for(samples, samples, interleaved_ranks)
