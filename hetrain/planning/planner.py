@@ -254,7 +254,7 @@ def data_parallel(strategy: str, cluster, profile: WorkloadProfile, kinds: list[
     for r in range(world):
         share, mb, ckpt = per_rank[r]
         k = kind_of[r]
-        if pieces is not None:   # every rank runs the job's count of micro-batches
+        if pieces is not None:   # every rank runs the job's count of micro-batches, priced at their size
             accum, mb_even = pieces, max(1, math.ceil(share / pieces))
             t = k.pieces_time(share, pieces, ckpt)
         else:
@@ -264,8 +264,10 @@ def data_parallel(strategy: str, cluster, profile: WorkloadProfile, kinds: list[
         compute[r] = (t, accum)
         mem = k.memory(profile, mb_even if share else 0, optimizer=optimizer, zero=zero, world=world,
                        ckpt=ckpt).total
+        # under ZeRO-3 the entry keeps the kind's cap (what a re-split may give a piece), not this split's size
         ranks.append(RankPlan(rank=r, device=k.spec.name, share=share, precision=k.precision,
-                              micro_batch=mb_even, grad_accum=accum, activation_checkpointing=ckpt,
+                              micro_batch=mb if pieces is not None else mb_even, grad_accum=accum,
+                              activation_checkpointing=ckpt,
                               memory_bytes=mem, memory_capacity_bytes=k.spec.memory_bytes,
                               predicted_step_seconds=t))
         if slow_rank is None or t > compute[slow_rank][0]:
