@@ -39,6 +39,6 @@ while loader.epoch < args.epochs:   # a restarted run (--checkpoint-dir) goes on
             total, steps = total + session.loss, steps + 1
     epoch = loader.epoch - 1   # the epoch this pass finished
     if rank == 0:
-        print(f"epoch {epoch} loss {total / steps:.4f}", flush=True)
+        print(f"epoch {epoch} loss {total / max(steps, 1):.4f}", flush=True)
         torch.save({"model": model.module.state_dict(), "epoch": epoch}, args.snapshot)
 session.close()

@@ -101,19 +101,19 @@ def job_piece_count(shares: Sequence[int], caps: Sequence[tuple[int | None, int]
 
 def slice_batch(batch: Any, start: int, stop: int, local_n: int) -> Any:
     """Samples [start, stop) of a collated batch: every tensor whose first dimension is `local_n`, and every
-    list of one plain value per sample (`per_sample_values`); anything else is shared by all pieces. A
-    tensor whose samples lie along another dimension (sequence-first) cannot be cut and is refused."""
+    list of one plain value per sample (`per_sample_values`); anything else (a scalar, a [1, T] broadcast)
+    is shared by all pieces. A [T, B, ...] tensor (sequence-first) cannot be cut and is refused."""
     def cut(x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
             return type(x)(x[start:stop])
         if x.dim() > 0 and x.shape[0] == local_n:
             return x[start:stop]
-        if local_n > 1 and x.shape[0] != 1 and local_n in tuple(x.shape)[1:]:   # [1, T]: broadcast, shared
+        if local_n > 1 and x.dim() >= 2 and x.shape[0] != 1 and x.shape[1] == local_n:   # [T, B, ...]
             raise HetrainError(
                 f"a batch tensor of shape {tuple(x.shape)} cannot be cut into this rank's micro-batches: its "
-                f"{local_n} samples lie along dimension {tuple(x.shape).index(local_n)}, and hetrain cuts along "
-                "the first; collate batches batch-first (e.g. batch_first=True, transposing inside the model) "
-                "or plan no micro-batches")
+                f"{local_n} samples lie along dimension 1 (sequence-first), and hetrain cuts along the first; "
+                "collate batches batch-first (e.g. batch_first=True, transposing inside the model) or plan no "
+                "micro-batches")
         return x
 
     return map_leaves(cut, batch, is_leaf=lambda x: per_sample_values(x, local_n))

@@ -146,9 +146,10 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, sh
     fsdp = sys.modules.get("torch.distributed.fsdp")   # loaded where a script wrapped the model in it
     wrappers = (DistributedDataParallel,) + ((fsdp.FSDPModule, fsdp.FullyShardedDataParallel) if fsdp else ())
     if isinstance(model, wrappers):
+        bare = "model.module" if isinstance(model, DistributedDataParallel) else "the model before fully_shard()"
         raise HetrainError(
             f"session.prepare() was given a model already wrapped in {type(model).__name__}: its gradients would "
-            "be all-reduced twice; pass the bare model (model.module), hetrain wraps it for the plan")
+            f"be reduced twice; pass the bare model ({bare}), hetrain wraps it for the plan")
     check_master_weights(model)
     model = sync_batchnorm(model.to(device), device, len(entries), warn=rank == 0)
     chosen = apply_activation_checkpointing(model, entry, blocks)

@@ -24,6 +24,7 @@ new ranks, and a new rank without an RNG state of its own keeps the one it start
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -35,7 +36,6 @@ from typing import Any
 
 from hetrain.checkpoint.checkpointer import Checkpointer
 from hetrain.errors import HetrainError
-from hetrain.planning.plan import Plan
 from hetrain.runtime.environment import env_float
 from hetrain.metrics.events import CheckpointRecord
 from hetrain.runtime.train_state import TrainState
@@ -160,8 +160,8 @@ class SessionCheckpoints:
             )
         def same_layout(shared: dict) -> None:
             """A pipeline's stage state and FSDP2's shards are both sharded, but not into the same keys."""
-            saved_plan = shared.get("plan") or ""
-            saved_pipeline = bool(saved_plan) and Plan.from_json(saved_plan).pipeline is not None
+            saved_plan = shared.get("plan") or ""   # read as JSON: a plan a later schema refuses still tells this
+            saved_pipeline = bool(saved_plan) and json.loads(saved_plan).get("pipeline") is not None
             if saved_pipeline != st.pipelined:
                 saved = "by a pipeline plan" if saved_pipeline else f"with sharding {shared.get('sharding')!r}"
                 this = "a pipeline plan" if st.pipelined else f"sharding {st.sharding!r}"

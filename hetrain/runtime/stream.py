@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from hetrain.runtime.batch_tree import map_leaves
+from hetrain.runtime.batch_tree import flatten
 
 
 def fingerprint(samples: list[Any]) -> str:
@@ -31,7 +31,7 @@ def fingerprint(samples: list[Any]) -> str:
     floats: list[bytes] = []     # floating-point values, digested only where nothing else tells samples apart
     shapes: list[bytes] = []
 
-    def feed(x: Any) -> Any:
+    for x in flatten(samples)[0]:
         if isinstance(x, torch.Tensor):
             x = x.detach().cpu().contiguous()
             x = x.float().numpy() if x.dtype == torch.bfloat16 else x.numpy()
@@ -42,9 +42,6 @@ def fingerprint(samples: list[Any]) -> str:
             exact.append(repr(x).encode())
         elif isinstance(x, float):
             floats.append(repr(x).encode())
-        return x
-
-    map_leaves(feed, samples)
     digest = hashlib.blake2b(digest_size=16)
     for part in shapes + (exact or floats):
         digest.update(part)

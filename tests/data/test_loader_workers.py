@@ -191,3 +191,38 @@ def test_a_distributed_samplers_set_epoch_left_in_the_loop_names_the_fix():
     loader = _loader(0, _Split([6, 6]))
     with pytest.raises(HetrainError, match=r"set_epoch\(\): the loader orders each epoch itself"):
         loader.sampler.set_epoch(1)
+
+
+def test_a_stream_that_can_be_read_once_names_its_iter_at_the_second_epoch():
+    class Once(torch.utils.data.IterableDataset):
+        def __init__(self):
+            self.samples = iter([(torch.tensor([float(i)]), torch.tensor(i)) for i in range(16)])
+
+        def __iter__(self):
+            return self.samples
+
+    loader = make_loader(Once(), 8, shuffle=False, seed=0, rank=0, split=_Split([8]), step=StepState(1),
+                         device=torch.device("cpu"))
+    for _ in loader:
+        loader.step.finish(8, None)
+    with pytest.raises(HetrainError, match=r"no global batch in epoch 1 after earlier epochs did: its __iter__"):
+        for _ in loader:
+            loader.step.finish(8, None)
+
+
+def test_a_streams_digest_leaves_its_samples_as_they_are():
+    """Samples that are dataclasses whose __post_init__ reads a tensor are digested without rebuilding them."""
+    import dataclasses
+
+    from hetrain.runtime.stream import fingerprint
+
+    @dataclasses.dataclass
+    class Sample:
+        x: torch.Tensor
+        label: torch.Tensor
+
+        def __post_init__(self):
+            self.size = self.x.numel()
+
+    a, b = Sample(torch.ones(2), torch.tensor(1)), Sample(torch.zeros(2), torch.tensor(1))
+    assert fingerprint([a]) == fingerprint([b]) != fingerprint([Sample(torch.ones(2), torch.tensor(2))])

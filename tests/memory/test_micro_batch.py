@@ -177,3 +177,5 @@ def test_a_sequence_first_tensor_is_refused_where_the_batch_is_cut_not_handed_wh
     pieces = list(split_batch({"x": torch.zeros(8, 3), "bias": shared, "ids": ("a",) * 8}, [3, 5], 8))
     assert [p["x"].shape[0] for p in pieces] == [3, 5] and pieces[1]["bias"] is shared
     assert pieces[0]["ids"] == ("a",) * 3
+    scale = torch.tensor(2.0)                                       # a 0-d tensor: shared
+    assert all(p[1] is scale for p in split_batch((torch.zeros(8, 3), scale), [4, 4], 8))
