@@ -104,14 +104,14 @@ def _host_micro_batches(micro_batches: list[int], workload, copies: int) -> list
     from hetrain.hardware.catalog import host_available_bytes
     from hetrain.workload.measure import host_micro_batches
 
-    kept, note = host_micro_batches(micro_batches, workload.activation_bytes(4), workload.params, copies,
-                                    host_available_bytes())
-    if not kept:
-        raise HetrainError(f"{note.split(' left out: ')[1]}; fix: a shorter --seq-len or a smaller model "
-                           "(hetrain profile runs fp32 on the CPU)")
-    if note:
-        print(f"hetrain profile: warning: {note}", file=sys.stderr, flush=True)
-    return kept
+    fit = host_micro_batches(micro_batches, workload.activation_bytes(4), workload.params, copies,
+                             host_available_bytes())
+    if not fit.kept:
+        raise HetrainError(f"{fit.shortfall}; fix: a shorter --seq-len or a smaller model (hetrain profile runs "
+                           "fp32 on the CPU)")
+    if fit.note:
+        print(f"hetrain profile: warning: {fit.note}", file=sys.stderr, flush=True)
+    return fit.kept
 
 
 def _check_flags(args: argparse.Namespace) -> list[int]:

@@ -10,6 +10,7 @@ import csv
 import difflib
 import io
 import os
+from pathlib import Path
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -137,15 +138,34 @@ def parse_catalog_csv(text: str) -> dict[str, GpuSpec]:
     return {spec.name: spec for spec in specs}
 
 
-def host_memory_bytes() -> int:
-    """Total host RAM, from /proc/meminfo where present, else sysconf."""
+def _meminfo_bytes(key: str) -> int | None:
+    """A field of /proc/meminfo ("MemTotal", "MemAvailable") in bytes, or None where there is none."""
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
-                if line.startswith("MemTotal:"):
+                if line.startswith(f"{key}:"):
                     return int(line.split()[1]) * 1024
-    except OSError:
+    except (OSError, ValueError, IndexError):
         pass
+    return None
+
+
+def _cgroup_room_bytes() -> int | None:
+    """What this process's cgroup (v2) still lets it allocate (its memory.max less memory.current), or None."""
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        return max(0, int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text().strip()))
+    except (OSError, ValueError):
+        return None
+
+
+def host_memory_bytes() -> int:
+    """Total host RAM, from /proc/meminfo where present, else sysconf."""
+    total = _meminfo_bytes("MemTotal")
+    if total is not None:
+        return total
     try:
         return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
@@ -153,15 +173,10 @@ def host_memory_bytes() -> int:
 
 
 def host_available_bytes() -> int | None:
-    """Host RAM a new allocation can take now (MemAvailable in /proc/meminfo), or None where unknown."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    """Host RAM a new allocation can take now: MemAvailable, or less where a container's memory limit
+    leaves less; None where unknown."""
+    known = [b for b in (_meminfo_bytes("MemAvailable"), _cgroup_room_bytes()) if b is not None]
+    return min(known) if known else None
 
 
 def host_cpu_count() -> int:

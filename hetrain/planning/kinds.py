@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from hetrain.errors import HetrainError
 from hetrain.hardware.catalog import rank_threads
 from hetrain.planning import cost_model as cm
+from hetrain.planning.batch_split import split_even
 from hetrain.planning.measured_rates import DeviceRate, MeasuredRates
 from hetrain.planning.precision_policy import choose_precision
 from hetrain.planning.published_check import caveat
@@ -99,7 +100,7 @@ class Kind:
         if self.rate is not None:   # a run's per-step line: samples, not pieces
             return self.time(samples, samples, ckpt)
         if self.measured is not None:
-            sizes = [share // pieces + (i < share % pieces) for i in range(pieces)]
+            sizes = split_even(share, pieces)
             factor = cm.CHECKPOINT_COMPUTE_FACTOR if ckpt else 1.0
             return (sum(self.measured.microbatch_seconds(self.precision, max(1, n)) for n in sizes) * factor
                     + self.optimizer_s)

@@ -10,6 +10,7 @@ what a rank of that precision will run.
 from __future__ import annotations
 
 import datetime
+from dataclasses import dataclass
 import os
 import platform
 import shutil
@@ -174,24 +175,43 @@ HOST_PEAK_FACTOR = 1.5
 own temporaries come on top."""
 
 
+@dataclass(frozen=True)
+class HostFit:
+    """Which CPU micro-batches fit the host memory available, and what the largest left out would need."""
+
+    kept: list[int]
+    left: list[int]
+    need_bytes: float = 0.0        # of the largest left out
+    available_bytes: float = 0.0
+    copies: int = 1
+
+    @property
+    def shortfall(self) -> str:
+        """"micro-batch 8 would need about 37.8 GB of host memory, 22.0 GB is available"."""
+        return (f"micro-batch {max(self.left)} would need about {self.need_bytes / 1e9:.1f} GB of host memory"
+                + (f" ({self.copies} copies)" if self.copies > 1 else "")
+                + f", {self.available_bytes / 1e9:.1f} GB is available")
+
+    @property
+    def note(self) -> str | None:
+        return f"micro-batch {','.join(map(str, self.left))} left out: {self.shortfall}" if self.left else None
+
+
 def host_micro_batches(micro_batches: Sequence[int], activation_bytes_per_sample: float, params: int,
-                       copies: int = 1, available: float | None = None) -> tuple[list[int], str | None]:
-    """The micro-batches whose CPU steps, `copies` at once, fit the host memory available now (beside the
-    weights already loaded: gradients and AdamW's state for the optimizer's timing, 16 bytes a
-    parameter, in each copy), and a note naming those left out; all of them where it is unknown."""
+                       copies: int = 1, available: float | None = None) -> HostFit:
+    """The micro-batches whose CPU steps, `copies` at once, fit the host memory available now: their
+    activations (HOST_PEAK_FACTOR times those counted) and, in each copy, the state beside the weights
+    already loaded (fp32 gradients, AdamW's two moments for the optimizer's timing: 12 bytes a parameter,
+    and a copy's own weights, 4 more, in every copy but this one). All of them where it is unknown."""
     if available is None:
-        return list(micro_batches), None
+        return HostFit(list(micro_batches), [])
+
     def need(mb: int) -> float:
         return copies * (HOST_PEAK_FACTOR * activation_bytes_per_sample * mb + 16.0 * params) - 4.0 * params
 
     kept = [mb for mb in micro_batches if need(mb) <= 0.9 * available]
     left = [mb for mb in micro_batches if mb not in kept]
-    if not left:
-        return kept, None
-    largest = max(left)
-    return kept, (f"micro-batch {','.join(map(str, left))} left out: micro-batch {largest} would need about "
-                  f"{need(largest) / 1e9:.1f} GB of host memory"
-                  + (f" ({copies} copies)" if copies > 1 else "") + f", {available / 1e9:.1f} GB is available")
+    return HostFit(kept, left, need(max(left)) if left else 0.0, available, copies)
 
 
 def measure(runnable: RunnableModel, device, precisions: Sequence[str], micro_batches: Sequence[int], *,

@@ -161,10 +161,10 @@ def test_cpu_micro_batches_that_would_exhaust_host_memory_are_left_out_with_a_no
     from hetrain.workload.measure import host_micro_batches
 
     gb = 1e9
-    kept, note = host_micro_batches([1, 2, 4, 8], 2.2 * gb, 124_000_000, available=22 * gb)
-    assert kept == [1, 2, 4] and note.startswith("micro-batch 8 left out: micro-batch 8 would need about 27.9 GB"), note
-    assert "22.0 GB is available" in note
+    fit = host_micro_batches([1, 2, 4, 8], 2.2 * gb, 124_000_000, available=22 * gb)
+    assert fit.kept == [1, 2, 4] and fit.note.startswith("micro-batch 8 left out: micro-batch 8 would need about 27.9 GB")
+    assert "22.0 GB is available" in fit.note
     # two copies at once (hetrain profile --concurrent 2) need twice the room
-    kept, note = host_micro_batches([1, 2, 4, 8], 2.2 * gb, 124_000_000, copies=2, available=22 * gb)
-    assert kept == [1, 2] and "(2 copies)" in note
-    assert host_micro_batches([1, 2], 2.2 * gb, 124_000_000, available=None) == ([1, 2], None)
+    fit = host_micro_batches([1, 2, 4, 8], 2.2 * gb, 124_000_000, copies=2, available=22 * gb)
+    assert fit.kept == [1, 2] and "(2 copies)" in fit.note and fit.left == [4, 8]
+    assert host_micro_batches([1, 2], 2.2 * gb, 124_000_000, available=None).kept == [1, 2]
