@@ -165,7 +165,16 @@ def load_run(run_dir: str | Path) -> dict[int, RankRun]:
 
 
 def split_change_steps(runs: dict[int, RankRun]) -> list[int]:
-    return sorted({s["step"] for r in runs.values() for s in r.steps if s.get("split_changed")})
+    """The last step of each split the loader used (the next step used another): a split the balancer
+    decides reaches the loader `lag` steps later. Logs without the split a step used give the steps
+    where the balancer decided."""
+    steps: set[int] = set()
+    for run in runs.values():
+        used = sorted((s["step"], tuple(s["shares"])) for s in run.steps if s.get("shares"))
+        if not used:
+            steps |= {s["step"] for s in run.steps if s.get("split_changed")}
+        steps |= {a for (a, before), (_, after) in zip(used, used[1:]) if before != after}
+    return sorted(steps)
 
 
 def loss_series(runs: dict[int, RankRun]) -> list[tuple[int, float]]:

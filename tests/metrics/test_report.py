@@ -19,14 +19,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def write_run(run_dir: Path) -> None:
-    """Two ranks, six steps; rank 1 takes a quarter of the batch, then a third from step 4; rank 1 restarts at step 5."""
+    """Two ranks, six steps; rank 1 takes a quarter of the batch, then a third from step 4 (decided at step 3);
+    rank 1 restarts at step 5."""
     for rank, compute in ((0, 0.2), (1, 0.4)):
         m = RankMetrics(rank=rank, local_rank=rank, world_size=2, device=torch.device("cpu"), device_name="cpu",
                         port=None, run_dir=run_dir, job="report", predicted_step_seconds=0.45)
         for step in range(1, 7):
             shares = (768, 256) if step < 4 else (683, 341)
             m.on_step(step_record(step, rank=rank, world_size=2, device="cpu", share=shares[rank],
-                                  samples=shares[rank], shares=shares, split_changed=step == 4, step_seconds=None if step == 1 else 0.5,
+                                  samples=shares[rank], shares=shares, split_changed=step == 3, step_seconds=None if step == 1 else 0.5,
                                   compute_seconds=compute, data_wait_seconds=0.05, loss=3.0 - 0.1 * step,
                                   comm_bytes={"intra": 1e6}))
             if step == 3:
@@ -49,7 +50,7 @@ def test_summary_figures(tmp_path):
     assert list(runs) == [0, 1]
     assert [s["step"] for s in runs[1].steps] == [1, 2, 3, 4, 5, 6]   # each step once, its last run
     assert runs[1].steps[4]["loss"] == 9.0 and runs[1].restarts == 1
-    assert split_change_steps(runs) == [4]
+    assert split_change_steps(runs) == [3]   # the last step of the old split: step 4 used the new one
     r0, r1 = summary_rows(runs)
     assert r0["step_seconds"] == pytest.approx(0.5) and r0["predicted_step_seconds"] == 0.45
     assert r0["samples_per_second"] == pytest.approx((768 * 2 + 683 * 3) / 2.5)
@@ -197,3 +198,13 @@ def test_a_log_with_no_step_says_so_in_one_line(tmp_path):
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "no step was logged" in lines[0], r.stderr
     assert not (tmp_path / "report.png").exists()
+
+
+def test_a_split_is_marked_where_the_loader_began_using_it():
+    """With workers the loader takes a decided split `lag` steps later: decided at step 3, used from 6."""
+    from types import SimpleNamespace
+
+    steps = [{"step": s, "shares": (8, 8) if s < 6 else (10, 6), "split_changed": s == 3} for s in range(1, 9)]
+    assert split_change_steps({0: SimpleNamespace(steps=steps)}) == [5]
+    older = [{"step": s, "split_changed": s == 3} for s in range(1, 9)]   # a log without each step's split
+    assert split_change_steps({0: SimpleNamespace(steps=older)}) == [3]
