@@ -275,7 +275,11 @@ class HeteroLoader:
         if saved is not None and all(len(s) == len(self.split.shares) for _, s in saved["changes"]):
             self.schedule.load_state_dict(saved)
         else:   # another world size: the split starts from this run's
-            self.schedule.changes = [(0, list(self.split.shares))]
+            self.start_split_anew()
+
+    def start_split_anew(self) -> None:
+        """Every step from now takes the split's current shares (a resume whose saved split is not this run's)."""
+        self.schedule.changes = [(0, list(self.split.shares))]
 
 
 class _GlobalBatchSource:

@@ -131,6 +131,7 @@ class TrainState:
         if self.step_state is not None and shared.get("items_per_sample") is not None:
             self.step_state.items_per_sample = float(shared["items_per_sample"])
         if int(shared["world_size"]) == self.world_size and not self.balancer.load_state_dict(shared["balancer"]):
+            self.loader.start_split_anew()
             log.warning("resuming with the ranks on other devices than the checkpoint's (%s, was %s): the split "
                         "starts from this run's plan and is measured anew", self.balancer.devices,
                         shared["balancer"].get("devices"))
