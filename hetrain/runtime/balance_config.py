@@ -35,10 +35,24 @@ def balance_setup(plan: Plan | None, plan_shares: list[int], world_size: int, gl
     if pipeline:
         config.enabled = False
     if interval is not None:
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise HetrainError(f"Session(balance_interval={interval!r}): give the steps between re-splits, "
+                               "an integer of at least 1")
         config.interval = interval
     if config.min_share * world_size > global_batch_size:
         raise HetrainError(
             f"balance.min_share {config.min_share} on {world_size} ranks needs a global batch of at least "
             f"{config.min_share * world_size}, not {global_batch_size}; lower min_share or raise the global batch"
         )
+    if config.enabled and config.max_share is not None:
+        if config.max_share * world_size < global_batch_size:
+            raise HetrainError(
+                f"balance.max_share {config.max_share} on {world_size} ranks holds at most "
+                f"{config.max_share * world_size} samples, not the global batch of {global_batch_size}; raise "
+                "max_share or lower the global batch")
+        over = [r for r, n in enumerate(shares) if n > config.max_share]
+        if over:
+            raise HetrainError(
+                f"rank {over[0]} starts at {shares[over[0]]} samples, above balance.max_share {config.max_share}; "
+                "give the plan's shares within it (re-plan) or raise max_share")
     return BalanceSetup(shares, config)

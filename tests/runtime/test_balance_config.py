@@ -7,8 +7,9 @@ from hetrain.planning.plan import BalancePlan, Plan, RankPlan
 from hetrain.runtime.balance_config import balance_setup
 
 
-def _plan(enabled=True, interval=7, min_share=1):
-    return Plan(global_batch_size=12, balance=BalancePlan(enabled=enabled, interval=interval, min_share=min_share),
+def _plan(enabled=True, interval=7, min_share=1, max_share=None):
+    return Plan(global_batch_size=12, balance=BalancePlan(enabled=enabled, interval=interval, min_share=min_share,
+                                                          max_share=max_share),
                 ranks=[RankPlan(rank=0, share=8), RankPlan(rank=1, share=4)])
 
 
@@ -37,8 +38,17 @@ def test_a_pipeline_keeps_the_plans_replica_shares():
     ((_plan(), [8, 4], 2, 16), "the plan is for a global batch of 12, the loader asks for 16"),
     ((_plan(min_share=7), [8, 4], 2, 12), "min_share 7 on 2 ranks needs a global batch of at least 14"),
     ((None, [], 4, 3), "min_share 1 on 4 ranks needs a global batch of at least 4, not 3"),
+    ((_plan(max_share=5), [8, 4], 2, 12), r"max_share 5 on 2 ranks holds at most 10 samples, not the global batch"),
+    ((_plan(max_share=7), [8, 4], 2, 12), "rank 0 starts at 8 samples, above balance.max_share 7"),
 ])
 def test_a_global_batch_that_cannot_hold_the_settings_is_refused_in_one_line(args, message):
     with pytest.raises(HetrainError, match=message) as info:
         balance_setup(*args)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("interval", [0, -3, 2.5, True])
+def test_a_balance_interval_that_is_no_count_of_steps_is_refused_in_one_line(interval):
+    with pytest.raises(HetrainError, match=r"balance_interval=.*an integer of at least 1"):
+        balance_setup(None, [], 2, 12, interval=interval)
+    assert balance_setup(_plan(max_share=7), [8, 4], 2, 12, balance=False).config.max_share == 7   # off: not held
