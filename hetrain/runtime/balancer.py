@@ -331,10 +331,12 @@ class Balancer:
         known = [c for c in fitted if c is not None]
         if not known:
             return False
-        # a rank without a measurement yet is assumed to cost what the average rank costs
+        # a rank without a measurement this interval (no samples: min_share 0) keeps its last model; one
+        # never measured is assumed to cost what the average rank costs
         fill = RankCost(per_sample=sum(c.per_sample for c in known) / len(known),
                         fixed=sum(c.fixed for c in known) / len(known))
-        costs = [c if c is not None else fill for c in fitted]
+        last = self.costs if self.costs is not None and len(self.costs) == ranks else [None] * ranks
+        costs = [c if c is not None else (last[r] or fill) for r, c in enumerate(fitted)]
         self.costs = costs
         # Windows shorter than an interval (just after a re-split) are too short to weigh a gap: a move
         # in flight keeps its streak while they grow, instead of starting over from a confirmation.

@@ -298,3 +298,31 @@ def test_measurements_saved_on_other_devices_are_not_restored():
     assert swapped.load_state_dict(state) is False and swapped.shares == [50, 78] and swapped.history == []
     same = Balancer(BalancePlan(interval=2), shares=[64, 64], devices=["a100-sxm4-80gb", "v100-sxm2-32gb"])
     assert same.load_state_dict(state) is True and same.shares == [78, 50] and same.history == saved.history
+
+
+def test_a_rank_pushed_to_no_samples_keeps_its_model_and_the_split_stays():
+    """min_share 0: a rank with 40 ms of fixed work and 2 ms a sample beside one at 0.1 ms a sample goes
+    to 0 samples; with nothing measured there, it was given the other rank's cost and flipped back to
+    13 samples (66 ms steps) every few intervals."""
+    import random
+
+    rng = random.Random(0)
+    bals = [Balancer(config=BalancePlan(min_share=0), shares=[128, 128], rank=r) for r in range(2)]
+
+    def seconds(r, n):
+        if r == 0:
+            return (2e-3 + n * 0.1e-3) * rng.uniform(0.99, 1.01)
+        return ((40e-3 + n * 2e-3) if n else 0.0) * rng.uniform(0.99, 1.01) + 1e-6
+
+    splits = []
+    for step in range(400):
+        shares = list(bals[0].shares)
+        for r in range(2):
+            bals[r].record(shares[r], seconds(r, shares[r]))
+        if bals[0].due(step + 1):
+            observed = [b.take_measurement() for b in bals]
+            for b in bals:
+                b.rebalance(step + 1, observed)
+            splits.append(list(bals[0].shares))
+    first = splits.index([256, 0])
+    assert all(s == [256, 0] for s in splits[first:]), splits
