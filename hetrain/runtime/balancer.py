@@ -23,7 +23,8 @@ Guards keep noise and outside load from moving samples:
 - medians ignore a step slowed by outside load;
 - a rank with two or more recent intervals (of the last ``LOAD_MEMORY * history``) at about its
   current share that took 0.8 of the modelled time or less is modelled at the second fastest one's
-  speed: outside load only adds time;
+  speed: outside load only adds time; unless its last ``LASTING`` intervals at about its share were
+  all slow, a slowdown that lasts (a device throttled, another job on it), which is the rank's speed;
 - the split changes only when the modelled step time falls by more than ``hysteresis`` *and* the
   gap between the slowest and the fastest rank exceeds three standard errors from the windows'
   own scatter, and two consecutive intervals ask for the same direction (the re-split right after
@@ -66,6 +67,7 @@ FIRST_MOVE = 0.1        # the first re-split moves a rank by at most this fracti
 OPENING_MOVE = 0.3      # ... the job's first re-split, when the gap is wide and far beyond the noise
 WIDE_GAP = 1.3          # slowest over fastest modelled step time that counts as wide
 LOADED = 0.8            # a window this much slower than the best recent interval (or more) was loaded
+LASTING = 6             # intervals in a row at about the share, none of them fast: a slowdown that lasts
 
 
 @dataclass
@@ -371,7 +373,8 @@ class Balancer:
             log.debug("step %d: split %s -> %s waits for the next interval to confirm it", step, self.shares, new)
             return False
         self.changes.append(SplitChange(step, list(self.shares), new, t_old, t_new))
-        self._reversed = self._reversed or (self._last_move is not None and not _agree(move, self._last_move))
+        # a reversal stops the bound growing for the rest of a run of re-splits; a new run starts afresh
+        self._reversed = streak and (self._reversed or (self._last_move is not None and not _agree(move, self._last_move)))
         self._last_move = move
         self._move_bound = bound
         self._streak = True
@@ -396,16 +399,16 @@ class Balancer:
     def _load_factor(self, rank: int, cost: RankCost | None) -> float:
         """How much of the rank's modelled time is outside load (1: none): the second fastest of its
         recent intervals at about its share against the model. Outside load only adds time, so a
-        rank's speed is what its best recent intervals show; a slowdown that lasts ``LOAD_MEMORY *
-        history`` intervals is the rank's speed."""
+        rank's speed is what its best recent intervals show; a slowdown that lasts ``LASTING`` intervals
+        (or ``LOAD_MEMORY * history``, when fast ones at other shares remain) is the rank's speed."""
         if cost is None or len(self.recent) <= rank:
             return 1.0
         share = self.shares[rank]
         # intervals near the current share only: the model is not trusted far from where it was measured
         ratios = [t / cost.time(n) for n, t in self.recent[rank]
                   if abs(n - share) <= NEAR * share and cost.time(n) > 0]
-        if len(ratios) < 2:
-            return 1.0
+        if len(ratios) < 2 or (len(ratios) >= LASTING and min(ratios[-LASTING:]) > LOADED):
+            return 1.0   # no two fast intervals to go by, or the slowdown has lasted: the rank's speed
         best = sorted(ratios)[1]   # the second best: one lucky interval is not the rank's speed
         return best if best <= LOADED else 1.0   # a smaller difference is noise, not load
 

@@ -326,3 +326,25 @@ def test_a_rank_pushed_to_no_samples_keeps_its_model_and_the_split_stays():
             splits.append(list(bals[0].shares))
     first = splits.index([256, 0])
     assert all(s == [256, 0] for s in splits[first:]), splits
+
+
+def test_a_slowdown_that_lasts_is_followed_within_a_few_intervals():
+    """Rank 1 becomes twice as slow for good at step 30 (a throttled device, another job on it): its
+    earlier, faster intervals stood for its speed until they aged out (24 intervals: still even at step
+    250); six slow intervals in a row are its speed."""
+    import random
+
+    rng = random.Random(0)
+    ranks = [Balancer(BalancePlan(), shares=[128, 128], rank=r) for r in range(2)]
+    split_at = {}
+    for step in range(1, 201):
+        shares = list(ranks[0].shares)
+        for r, b in enumerate(ranks):
+            per = 0.25e-3 * (2 if r == 1 and step > 30 else 1)
+            b.record(shares[r], shares[r] * per * rng.uniform(0.99, 1.01))
+        if ranks[0].due(step):
+            observed = [b.take_measurement() for b in ranks]
+            for b in ranks:
+                b.rebalance(step, observed)
+            split_at[step] = list(ranks[0].shares)
+    assert split_at[120][0] >= 150 and abs(split_at[200][0] - 171) <= 9, split_at
