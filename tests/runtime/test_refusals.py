@@ -286,17 +286,36 @@ def test_ranks_given_different_plans_are_refused_on_every_rank():
     assert all(e is not None and "different plans (rank 0: plan" in e and "same --plan file" in e for e in errors), errors
 
 
-def _forward_through_module(rank, world):
+def _through_module(session, model, x, y):
+    session.backward(F.cross_entropy(model.module(x), y))   # skips DDP: no gradient is all-reduced
+
+
+def _inside_no_sync(session, model, x, y):
+    with model.no_sync():   # a DDP script's accumulation, left in
+        session.backward(F.cross_entropy(model(x), y))
+
+
+def _train_with(rank, world, backward):
+    """Train on the digits-sized data with `backward(session, model, x, y)` in the loop: None, or the refusal."""
     import hetrain
 
     session = hetrain.Session()
     net = make_net()
     model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
     loader = session.loader(make_data(), global_batch_size=8, shuffle=False)
-    try:
+
+    def train():
         for x, y in loader:
-            session.backward(F.cross_entropy(model.module(x), y))   # skips DDP: no gradient is all-reduced
+            backward(session, model, x, y)
             session.step()
+
+    return _refusal(session, train)
+
+
+def _refusal(session, work):
+    """None when `work()` runs through, else the HetrainError's text; the session closed either way."""
+    try:
+        work()
         return None
     except HetrainError as e:
         return str(e)
@@ -306,51 +325,37 @@ def _forward_through_module(rank, world):
 
 def test_a_training_forward_through_model_module_is_refused():
     """Each rank stepped on its own gradients (clip norms 2.28 and 2.06 where the step's is 0.85), exit 0."""
-    errors = run_ranks(_forward_through_module, 2)
+    errors = run_ranks(_train_with, 2, _through_module)
     assert all(e is not None and "not all-reduced" in e and "model.module" in e for e in errors), errors
 
 
-def _leftover_no_sync(rank, world):
-    import hetrain
-
-    session = hetrain.Session()
-    net = make_net()
-    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
-    loader = session.loader(make_data(), global_batch_size=8, shuffle=False)
-    try:
-        for x, y in loader:
-            with model.no_sync():   # a DDP script's accumulation, left in
-                session.backward(F.cross_entropy(model(x), y))
-            session.step()
-        return None
-    except HetrainError as e:
-        return str(e)
-    finally:
-        session.close()
-
-
 def test_a_step_run_inside_no_sync_is_refused_naming_no_sync():
-    errors = run_ranks(_leftover_no_sync, 2)
+    errors = run_ranks(_train_with, 2, _inside_no_sync)
     assert all(e is not None and "ran inside model.no_sync()" in e and "model.module" not in e for e in errors), errors
 
 
-def _wrapped_twice(rank, world):
-    import hetrain
+def _wrapped_in_ddp():
     from torch.nn.parallel import DistributedDataParallel
 
+    return DistributedDataParallel(make_net())
+
+
+def _sync_batchnorm():
+    return torch.nn.SyncBatchNorm.convert_sync_batchnorm(
+        torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3)))
+
+
+def _prepare(rank, world, build):
+    """session.prepare() of the model `build()` makes: None, or the refusal."""
+    import hetrain
+
     session = hetrain.Session()
-    net = make_net()
-    try:
-        session.prepare(DistributedDataParallel(net), torch.optim.SGD(net.parameters(), lr=0.1))
-        return None
-    except HetrainError as e:
-        return str(e)
-    finally:
-        session.close()
+    net = build()
+    return _refusal(session, lambda: session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1)))
 
 
 def test_a_model_the_script_already_wrapped_in_ddp_is_refused():
-    errors = run_ranks(_wrapped_twice, 2)
+    errors = run_ranks(_prepare, 2, _wrapped_in_ddp)
     assert all(e is not None and "already wrapped in DistributedDataParallel" in e and "model.module" in e
                for e in errors), errors
 
@@ -383,21 +388,6 @@ def test_training_a_model_left_in_eval_mode_warns_once():
     assert all(len(w) == 1 and "call model.train() after evaluating" in w[0] for w in warnings), warnings
 
 
-def _sync_bn_on_cpu(rank, world):
-    import hetrain
-
-    session = hetrain.Session()
-    net = torch.nn.SyncBatchNorm.convert_sync_batchnorm(
-        torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3)))
-    try:
-        session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
-        return None
-    except HetrainError as e:
-        return str(e)
-    finally:
-        session.close()
-
-
 def test_a_model_converted_to_sync_batchnorm_on_cpu_ranks_names_the_fix():
-    errors = run_ranks(_sync_bn_on_cpu, 2)
+    errors = run_ranks(_prepare, 2, _sync_batchnorm)
     assert all(e is not None and "leave out nn.SyncBatchNorm.convert_sync_batchnorm" in e for e in errors), errors
