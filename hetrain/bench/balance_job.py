@@ -150,7 +150,7 @@ class UniformRunner:
         self.ddp = DistributedDataParallel(self.model)
         self.timer = StepTimer(speed=speed)
         self.ddp.register_comm_hook(TimedHookState(self.timer, None, default_hooks.allreduce_hook), timed_hook)
-        self.ddp.register_forward_pre_hook(self.timer.forward_pre_hook)
+        self.timer.attach_ddp(self.ddp)
         self.shares = Plan.even(world, args.global_batch).shares
         self.x, self.y = train.tensors
         self.order = GlobalBatchOrder(len(train), args.global_batch, seed=0)

@@ -109,7 +109,7 @@ class PlainDDP:
         self.ddp = DistributedDataParallel(self.model)
         self.timer = StepTimer(speed=_speed(slow))   # pads the compute (CNN and device wait) to the speed
         self.ddp.register_comm_hook(TimedHookState(self.timer, None, default_hooks.allreduce_hook), timed_hook)
-        self.ddp.register_forward_pre_hook(self.timer.forward_pre_hook)
+        self.timer.attach_ddp(self.ddp)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
         self.sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True)
         self.loader = DataLoader(data, batch_size=args.global_batch // world, sampler=self.sampler,

@@ -106,7 +106,7 @@ def apply_ddp(model: nn.Module, device: torch.device, comm: CommPlan | None, tim
 
         timed = inner_state = TimedHookState(timer, None, default_hooks.allreduce_hook, stats=CommStats())
     ddp.register_comm_hook(timed, timed_hook)
-    ddp.register_forward_pre_hook(timer.forward_pre_hook)
+    timer.attach_ddp(ddp)
 
     def note_sync(module: DistributedDataParallel, args: Any) -> None:
         """Whether a training forward will have its gradients all-reduced (False inside `no_sync()`)."""

@@ -5,7 +5,7 @@ ready, which DDP signals by calling the comm hook on its last bucket. Waiting fo
 happens after that point, so it is not counted. The optimizer step is timed separately. Under DDP
 the clock starts at the wrapped module's forward, after DDP's own pre-forward collectives (the
 bucket rebuild's broadcast in the second step, the buffer broadcast of a model with buffers):
-those wait for the other ranks, and were counted as compute before.
+those wait for the other ranks, and are not compute.
 
 Speed emulation (CPU ranks only): a rank at speed ``s`` pads each measured compute interval to
 ``1/s`` of its length, before its last bucket is sent, so the other ranks wait for it as they
@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -98,34 +98,33 @@ class StepTimer:
     last_optimizer_s: float = 0.0   # the optimizer time of the step that ended last
     on_grads_ready: Callable[[], None] | None = None   # told when this rank starts waiting on the others
     started_at: float | None = None  # the step's first forward (perf_counter), None until it runs
-    _inner: set[int] = field(default_factory=set, repr=False)   # ids of DDP-wrapped modules given our hook
     _armed: bool = False            # a forward through DDP began and has not reached the wrapped module
 
     def forward_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
-        """On the model the script calls: the step's first forward begins here (the script's own time
-        ends). On a DDP wrapper, compute begins at the wrapped module's forward, after DDP's pre-forward."""
-        now = time.perf_counter()
+        """On the model the script calls (not DDP-wrapped): the step's first forward begins compute here."""
+        self.compute_pre_hook(module, args)
+
+    def attach_ddp(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+        """Time a DDP model: the step's first forward begins at the wrapper (the script's own time ends),
+        compute at the wrapped module's forward, after DDP's pre-forward collectives."""
+        ddp.register_forward_pre_hook(self._ddp_pre_hook)
+        ddp.module.register_forward_pre_hook(self._wrapped_pre_hook, prepend=True)
+
+    def _ddp_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
         if self.started_at is None:
-            self.started_at = now
-        inner = module.module if isinstance(module, torch.nn.parallel.DistributedDataParallel) else None
-        if inner is None:
-            self.compute_pre_hook(module, args, now)
-            return
-        if id(inner) not in self._inner:
-            self._inner.add(id(inner))
-            inner.register_forward_pre_hook(self._inner_pre_hook, prepend=True)
+            self.started_at = time.perf_counter()
         self._armed = True   # this forward came through DDP: the wrapped module's next forward is compute
 
-    def _inner_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
+    def _wrapped_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
         """The wrapped module's forward: compute, where DDP called it (an evaluation through model.module
         between steps is neither compute nor the step's)."""
         if self._armed:
             self._armed = False
             self.compute_pre_hook(module, args)
 
-    def compute_pre_hook(self, module: torch.nn.Module, args: Any, now: float | None = None) -> None:
+    def compute_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
         if self._start is None:
-            self._start = time.perf_counter() if now is None else now
+            self._start = time.perf_counter()
             if self.started_at is None:
                 self.started_at = self._start
 
