@@ -87,6 +87,25 @@ def idle_fraction(wall_seconds, compute_seconds, last: int | None = None) -> flo
     return max(0.0, 1.0 - sum(comp) / sum(wall)) if wall and sum(wall) > 0 else 0.0
 
 
+class _WrappedHook:
+    """The wrapped module's forward pre-hook. The module is the script's model, which a script may pickle
+    or deep-copy (`torch.save(model.module)`): the hook then travels as one that does nothing."""
+
+    def __init__(self, timer: "StepTimer") -> None:
+        self.timer = timer
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        self.timer.wrapped_forward(module, args)
+
+    def __reduce__(self) -> tuple:
+        return (_NoHook, ())
+
+
+class _NoHook:
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        return None
+
+
 @dataclass
 class StepTimer:
     """Compute seconds of the current step on this rank (emulation included)."""
@@ -108,14 +127,15 @@ class StepTimer:
         """Time a DDP model: the step's first forward begins at the wrapper (the script's own time ends),
         compute at the wrapped module's forward, after DDP's pre-forward collectives."""
         ddp.register_forward_pre_hook(self._ddp_pre_hook)
-        ddp.module.register_forward_pre_hook(self._wrapped_pre_hook, prepend=True)
+        # the wrapped module is the script's own model: its hook pickles as one that does nothing
+        ddp.module.register_forward_pre_hook(_WrappedHook(self), prepend=True)
 
     def _ddp_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
         if self.started_at is None:
             self.started_at = time.perf_counter()
         self._armed = True   # this forward came through DDP: the wrapped module's next forward is compute
 
-    def _wrapped_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
+    def wrapped_forward(self, module: torch.nn.Module, args: Any) -> None:
         """The wrapped module's forward: compute, where DDP called it (an evaluation through model.module
         between steps is neither compute nor the step's)."""
         if self._armed:

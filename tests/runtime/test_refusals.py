@@ -223,6 +223,25 @@ def test_zero_grad_between_micro_batches_is_refused_and_harmless_elsewhere():
         session.close()
 
 
+def test_the_model_still_pickles_after_training_steps():
+    """The timer's hook on the script's own model (DDP's wrapped module) travels as one that does nothing:
+    torch.save(model.module) after training works, and the copy times nothing."""
+    import copy
+
+    session = _plan_session()
+    net = make_net()
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    for x, y in session.loader(make_data(), global_batch_size=8, shuffle=False, seed=0):
+        session.backward(F.cross_entropy(model(x), y))
+        session.step()
+        if session.step_count == 2:
+            break
+    copied = pickle.loads(pickle.dumps(net))
+    assert torch.equal(copied(torch.ones(1, 6)), net(torch.ones(1, 6)))
+    copy.deepcopy(net)(torch.ones(1, 6))
+    session.close()
+
+
 def test_gradients_zeroed_in_place_between_micro_batches_are_refused():
     """zero_grad(set_to_none=False) on each micro-batch changed the step's update silently (loss 1.1648
     against 1.1635): refused like a zero_grad() that sets them to None."""
