@@ -122,6 +122,9 @@ def apply_fsdp(model: nn.Module, blocks: Sequence[nn.Module], entry: RankPlan, d
     """FSDP2 over each block, then the root; optimizer state offloaded when the entry says so (CUDA)."""
     offload = entry.offload_optimizer and device.type == "cuda"  # on a CPU rank state is in host memory
     model = sharding.fully_shard_model(model, blocks, offload=offload)
+    # every micro-batch gathers, reshards and reduce-scatters, the root too (FSDP2 keeps the root
+    # gathered after forward unless told), so a rank holds only its shards between micro-batches
+    model.set_reshard_after_forward(True)
     model.register_forward_pre_hook(timer.forward_pre_hook)
     return model
 
@@ -180,9 +183,6 @@ def gradient_sync(prepared: Prepared, sharding_name: str, sync: bool):
     """
     import contextlib
 
-    if sharding_name == "fsdp":
-        prepared.model.set_requires_gradient_sync(True)
-        prepared.model.set_reshard_after_forward(True)
-        prepared.model.set_reshard_after_backward(True)
+    if sharding_name == "fsdp":   # set for every micro-batch once, in apply_fsdp
         return contextlib.nullcontext()
     return contextlib.nullcontext() if sync else prepared.model.no_sync()
