@@ -10,7 +10,6 @@ what a rank of that precision will run.
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
 import os
 import platform
 import shutil
@@ -18,6 +17,7 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from hetrain.errors import HetrainError
 from hetrain.workload.device_profile import BlockTiming, DeviceProfile, Stamp, StepTiming
@@ -267,15 +267,15 @@ def measure(runnable: RunnableModel, device, precisions: Sequence[str], micro_ba
                          optimizer_seconds=opt_s, blocks=timed_blocks)
 
 
-def _detached(value, grad: bool = False):
+def _detached(value):
     """An input of a block cut from the graph that made it (a tensor, or a tuple or list of them), taking
-    a gradient where it is floating-point and `grad` is set; anything else as it is."""
+    a gradient where it is floating-point, as in training; anything else as it is."""
     import torch
 
     if isinstance(value, torch.Tensor):
-        return value.detach().requires_grad_(grad and value.is_floating_point())
+        return value.detach().requires_grad_(value.is_floating_point())
     if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
-        return type(value)(_detached(v, grad) for v in value)
+        return type(value)(_detached(v) for v in value)
     return value
 
 
@@ -283,11 +283,11 @@ def _block_times(runnable, module, device, steps, clock, repeats, budget_s) -> l
     """Each block's forward + backward on the inputs it receives in a real forward."""
     import torch
 
-    from hetrain.workload.profile import top_level_blocks
+    from hetrain.workload.layers import profile_blocks
 
     precision = steps[0].precision
     mb = steps[len(steps) // 2].micro_batch if len(steps) > 1 else steps[0].micro_batch
-    blocks = top_level_blocks(module)
+    blocks = profile_blocks(module)
     captured: dict[str, tuple] = {}
     handles = [b.register_forward_pre_hook(lambda m, args, kwargs, name=name: captured.setdefault(name, (args, kwargs)),
                                            with_kwargs=True)
@@ -308,8 +308,8 @@ def _block_times(runnable, module, device, steps, clock, repeats, budget_s) -> l
             continue   # not called in the forward, or with inputs it cannot be called with again alone
         # positional and keyword inputs (hidden states, a layer's rotary embeddings, its mask) as the model
         # passed them, cut from the graph that made them; floating-point ones take a gradient, as in training
-        inputs = tuple(_detached(a, grad=True) for a in args)
-        options = {k: _detached(v, grad=True) for k, v in kwargs.items()}
+        inputs = tuple(_detached(a) for a in args)
+        options = {k: _detached(v) for k, v in kwargs.items()}
 
         def run(block=block, inputs=inputs, options=options):
             with _autocast(precision, device):

@@ -101,13 +101,6 @@ class WorkloadProfile(BaseModel):
                                "sample_input).save(path)") from None
 
 
-def top_level_blocks(model: "nn.Module") -> list[tuple[str, "nn.Module"]]:
-    """The blocks a profile counts one by one: the model cut around its layer stack (`layers.profile_blocks`)."""
-    from hetrain.workload.layers import profile_blocks
-
-    return profile_blocks(model)
-
-
 def _kind_of(model: "nn.Module") -> WorkloadKind:
     from torch import nn
 
@@ -156,9 +149,11 @@ def profile(model: "nn.Module", sample_input, name: str | None = None, kind: Wor
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
+    from hetrain.workload.layers import profile_blocks
+
     batch = _batch_of(sample_input)
     inputs = tuple(sample_input) if isinstance(sample_input, (tuple, list)) else (sample_input,)
-    blocks = top_level_blocks(model)
+    blocks = profile_blocks(model)
     param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: set[tuple[int, int]] = set()
     saved = {bname: 0 for bname, _ in blocks}

@@ -87,11 +87,11 @@ def test_a_gpt2_hf_config_is_profiled_as_embedding_layers_and_head(tmp_path):
     from transformers import GPT2Config
 
     from hetrain.runtime.memory import find_blocks
-    from hetrain.workload.profile import top_level_blocks
+    from hetrain.workload.layers import profile_blocks
 
     GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=3, n_head=2).save_pretrained(tmp_path)
     model = hf_module(str(tmp_path)).module
-    blocks = [b for _, b in top_level_blocks(model)]
+    blocks = [b for _, b in profile_blocks(model)]
     assert len(blocks) == 3 + 2 and all(any(b is layer for layer in find_blocks(model)) for b in blocks[1:-1])
 
 
@@ -124,7 +124,7 @@ def test_an_hf_config_of_another_architecture_is_profiled_layer_by_layer(tmp_pat
     from hetrain.runtime.memory import find_blocks
     from hetrain.workload import profile
     from hetrain.workload.measure import measure
-    from hetrain.workload.profile import top_level_blocks
+    from hetrain.workload.layers import profile_blocks
 
     if arch == "llama":
         LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
@@ -133,7 +133,7 @@ def test_an_hf_config_of_another_architecture_is_profiled_layer_by_layer(tmp_pat
         BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64,
                    max_position_embeddings=32).save_pretrained(tmp_path)
     runnable = hf_module(str(tmp_path), seq_len=16)
-    blocks = top_level_blocks(runnable.module)
+    blocks = profile_blocks(runnable.module)
     layers = find_blocks(runnable.module)
     assert [b for _, b in blocks if any(b is layer for layer in layers)] == layers and len(layers) == 3
     workload = profile(runnable.module, runnable.make_input(2))
