@@ -94,16 +94,18 @@ class RankMetrics:
         with self._lock:
             self.state.add_step(record, value)
         if self._log is not None:
-            if self._start is not None:
-                per_item = self.flops_per_item
-                if per_item is None and record.model_flops is not None and record.items:
-                    per_item = record.model_flops / record.items   # this step's FLOPs per item, as MFU used
-                self._begin_log(peak_flops=self._peak, flops_per_item=per_item)
+            per_item = None
+            if self.flops_per_item is None and record.model_flops is not None and record.items:
+                per_item = record.model_flops / record.items   # this step's FLOPs per item, as MFU used
+            self._begin_log(per_item)
             self._log.step(record, mfu=value)
 
-    def _begin_log(self, **figures: float | None) -> None:
-        """Write the start line (with `figures`) and the lines held for after it."""
-        self._log.write({"kind": "start", **self._start, **figures})
+    def _begin_log(self, flops_per_item: float | None = None) -> None:
+        """Once: write the start line (with the peak and the FLOPs per item) and the lines held for after it."""
+        if self._start is None:
+            return
+        self._log.write({"kind": "start", **self._start, "peak_flops": self._peak,
+                         "flops_per_item": self.flops_per_item if flops_per_item is None else flops_per_item})
         self._start = None
         for line in self._held:
             self._log.write(line)
@@ -113,8 +115,7 @@ class RankMetrics:
         with self._lock:
             self.state.add_checkpoint(record)
         if self._log is not None:
-            if self._start is not None:
-                self._begin_log(peak_flops=self._peak, flops_per_item=self.flops_per_item)
+            self._begin_log()
             self._log.checkpoint(record)
 
     def on_restart(self, count: int) -> None:
@@ -135,6 +136,5 @@ class RankMetrics:
             self._server.server_close()
             self._server = None
         if self._log is not None:
-            if self._start is not None:
-                self._begin_log(peak_flops=self._peak, flops_per_item=self.flops_per_item)
+            self._begin_log()
             self._log.close()
