@@ -185,8 +185,7 @@ def _fsdp_pieces(kinds: list[Kind], global_batch: int, choices: list[tuple[int, 
     per micro-batch, so all ranks run the most any share needs). `per_rank` is re-split, in place, for
     the time each share takes at that count, until the count holds."""
     def most(split: dict[int, tuple[int, int, bool]]) -> int:
-        return max(math.ceil(share / mb) for share, mb, _ in split.values() if share) if any(
-            share for share, _, _ in split.values()) else 1
+        return max((math.ceil(share / mb) for share, mb, _ in split.values() if share), default=1)
 
     pieces = most(per_rank)
     for _ in range(3):
