@@ -211,12 +211,12 @@ class HeteroLoader:
             self.run_step += 1
             yield from self._pieces(batch, local, shares)
         del batches
-        if self.stream and started_at == 0 and self._in_epoch == 0 and self.run_step > 0:
-            raise HetrainError(
-                f"the stream yielded no global batch in epoch {self._epoch} after earlier epochs did: its "
-                "__iter__ must start the stream again each time it is called (an iterator or generator object "
-                "stored in the dataset is read once); or loop over one epoch of it")
-        if self.stream and started_at == 0 and self._in_epoch == 0:
+        if self.stream and started_at == 0 and self._in_epoch == 0:   # a whole pass without a global batch
+            if self.run_step > 0:
+                raise HetrainError(
+                    f"the stream yielded no global batch in epoch {self._epoch} after earlier epochs did: its "
+                    "__iter__ must start the stream again each time it is called (an iterator or generator "
+                    "object stored in the dataset is read once); or loop over one epoch of it")
             raise HetrainError(
                 f"the stream ended before one global batch of {self.global_batch_size} samples"
                 + (" (drop_last=True drops a last, partial batch)" if self._source.stream.drop_last else "")
