@@ -203,12 +203,25 @@ def worker_env(cfg: LaunchConfig) -> dict[str, str]:
     return env
 
 
+def agent_args(cfg: LaunchConfig) -> Any:
+    """The elastic agent's arguments (torchrun's parser). No abbreviations: a script's own `--n 64` is the
+    script's, not an ambiguous launcher option."""
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.allow_abbrev = False
+    args = parser.parse_args(torchrun_argv(cfg))
+    if hasattr(args, "signals_to_handle"):   # torchrun's option where it has one; an older agent takes SIGTERM back
+        args.signals_to_handle = agent_signals(args.signals_to_handle)
+    return args
+
+
 def launch(cfg: LaunchConfig) -> int:
     """Run the job on the elastic agent; returns 0, or raises HetrainError naming the failed rank."""
     validate(cfg)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
+    from torch.distributed.run import run
 
     # the agent hands its own environment to the workers; this process's is restored afterwards, so
     # that one launch's settings (a plan, emulated speeds, the allocator's) never reach the next
@@ -217,9 +230,7 @@ def launch(cfg: LaunchConfig) -> int:
     if cfg.emulate_speeds is not None:
         print(f"hetrain launch: emulating device speeds {os.environ[Env.EMULATE_SPEEDS]} on CPU ranks; "
               "all timings from this run are emulated", file=sys.stderr, flush=True)
-    args = get_args_parser().parse_args(torchrun_argv(cfg))
-    if hasattr(args, "signals_to_handle"):   # torchrun's option where it has one; an older agent takes SIGTERM back
-        args.signals_to_handle = agent_signals(args.signals_to_handle)
+    args = agent_args(cfg)
     launch_id = adopt_orphans()
     stop = GracefulStop(launch_id)
     stop.install()

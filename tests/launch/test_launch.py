@@ -8,7 +8,7 @@ import pytest
 
 from hetrain.errors import HetrainError
 from tests.distributed import run_cli
-from hetrain.launch.launcher import LaunchConfig, torchrun_argv, validate
+from hetrain.launch.launcher import LaunchConfig, agent_args, torchrun_argv, validate
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -79,6 +79,9 @@ def test_every_argument_after_the_script_is_the_scripts():
     args = parser.parse_args(["--nproc-per-node", "2", "train.py", "--n", "64", "--log", "x", "--plan", "p.json"])
     assert (args.nproc_per_node, args.plan, args.script) == (2, None, "train.py")
     assert args.script_args == ["--n", "64", "--log", "x", "--plan", "p.json"]
+    # and the elastic agent's parser, which reads the same line again, keeps them too
+    agent = agent_args(LaunchConfig(script="train.py", script_args=args.script_args))
+    assert (agent.training_script, agent.training_script_args) == ("train.py", args.script_args)
 
 
 FAULTS_SNIPPET = """
