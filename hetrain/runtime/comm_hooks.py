@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CommStats", "FlatHookState", "build_comm_hook", "check_comm", "comm_hook", "ddp_kwargs", "flat_state",
-    "powersgd_bytes",
+    "forget_feedback", "powersgd_bytes",
 ]
 
 
@@ -66,6 +66,14 @@ class FlatHookState:
     def reduce(self, bucket: dist.GradBucket) -> torch.Tensor:
         """Average ``bucket`` over the group now (blocking); counts the bytes sent."""
         return _REDUCERS[self.compression](self, bucket)
+
+    def forget_feedback(self) -> None:
+        """Drop what the compression carries to the next step (residuals, PowerSGD's error and warm start)."""
+        if isinstance(self.inner, PowerSGDState):
+            for memory in (self.inner.error_dict, self.inner.p_memory_dict, self.inner.q_memory_dict):
+                memory.clear()
+        elif self.inner is not None:
+            self.inner.forget()
 
 
 def _allreduce(state: FlatHookState, bucket: dist.GradBucket) -> torch.Tensor:
@@ -137,6 +145,15 @@ def comm_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future:
         return out
 
     return state.runner.submit(job)
+
+
+def forget_feedback(state: Any) -> None:
+    """After a step skipped for non-finite gradients, on every rank: the compression's carried error holds
+    part of that step's gradients, or their inf/NaN, which would reach later steps (and make every one of
+    them non-finite); it starts again from zero. ``state`` is a hook state, or a timing state holding one."""
+    inner = getattr(state, "inner_state", state)
+    if hasattr(inner, "forget_feedback"):
+        inner.forget_feedback()
 
 
 # DDP checks the hook's annotations as objects; this module's annotations are strings.

@@ -5,7 +5,8 @@ After the last backward of a step the gradients hold `sum(items_i * grad_i) * sc
 and, for sharded gradients, whether they are finite) gives every rank the same global item count,
 the same verdict on overflow and the step's global mean loss; under DDP it is launched before the
 last backward and travels while backward computes, and the gradients are then divided by the loss
-scale and by `global_items / estimate` in one fused pass that also checks them. Sharded gradients
+scale and by `global_items / estimate` in one fused pass that also checks them (the ranks' verdicts
+then agree in one scalar all-reduce). Sharded gradients
 and pipeline stages check theirs first (the verdict travels in the all-reduce), then correct them
 in a second pass. A non-finite
 gradient on any rank, in any precision, makes every rank skip the step (docs/design.md, invariant 4).
@@ -97,9 +98,10 @@ def finish_gradients(params: Iterable[torch.nn.Parameter], state: StepState, los
                      launched: StepFigures | None = None, stop: bool = False) -> GradientStatus:
     """Unscale, agree on the step's figures, normalise by the global item count (collective).
 
-    With `launched` figures the gradients must be replicated (DDP, ZeRO-1): every rank then holds
-    the same averaged gradients, so its own check for NaN/inf is every rank's verdict. Otherwise
-    (sharded FSDP2 gradients, pipeline stages) the verdict travels in one all-reduce with the figures.
+    With `launched` figures the gradients are replicated (DDP, ZeRO-1): one fused pass unscales,
+    corrects and checks them, and the ranks' verdicts are all-reduced (a script may have changed
+    one rank's gradients). Otherwise (sharded FSDP2 gradients, pipeline stages) the verdict travels
+    in one all-reduce with the figures.
     """
     grads = [local_tensor(g) for g in gradients(params)]
     if launched is not None:   # the figures are known first: one fused pass unscales, corrects and checks
@@ -107,7 +109,11 @@ def finish_gradients(params: Iterable[torch.nn.Parameter], state: StepState, los
             launched.work.wait()
         global_items, _, loss_sum, losses, stops = launched.packet.tolist()
         correction = state.estimate() / global_items if global_items > 0 else 1.0
-        bad = float(_unscale_and_check(grads, correction / loss_scale, device).item())
+        found = _unscale_and_check(grads, correction / loss_scale, device)
+        # a script may change one rank's gradients after backward (a mask, an inf of its own): the ranks
+        # agree on the verdict, or one would skip the step the others take (one scalar all-reduce)
+        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+        bad = float(found.item())
     else:   # each rank's verdict on overflow travels with the figures: check first, correct after
         found = _unscale_and_check(grads, 1.0 / loss_scale, device)
         packet = _packet(state, device, stop)

@@ -109,6 +109,11 @@ class HierarchicalState:
             dist.broadcast(buf, src=g.leader, group=g.island_group)
         return buf
 
+    def forget_feedback(self) -> None:
+        """Drop what the compression between islands carries to the next step (leaders only hold any)."""
+        if self.across is not None:
+            self.across.forget_feedback()
+
 
 def hierarchical_state(
     comm: "CommPlan", process_group: dist.ProcessGroup | None = None, powersgd_error_feedback: bool = True

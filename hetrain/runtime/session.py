@@ -32,6 +32,7 @@ from hetrain.errors import HetrainError
 from hetrain.planning.plan import Plan, RankPlan
 from hetrain.runtime.balance_config import balance_setup
 from hetrain.runtime.balancer import Balancer
+from hetrain.runtime.comm_hooks import forget_feedback
 from hetrain.runtime.data import HeteroLoader, make_loader
 from hetrain.runtime.environment import (RankEnv, collective_timeout, configure_logging, env_int, init_process_group,
                                          pick_device, print_user_errors_as_one_line, progress_timeout)
@@ -40,8 +41,8 @@ from hetrain.runtime.gradients import (GradientStatus, SkipCounter, StepFigures,
                                        launch_step_figures, weighted_mean)
 from hetrain.runtime.reporting import Reports, comm_bytes
 from hetrain.runtime.parallelize import Prepared, gradient_sync, parallelize
-from hetrain.runtime.pipeline_schedule import PipelineRunner, item_counter, prepare_pipeline
-from hetrain.runtime.pipeline_stages import PipelineLayout, check_pipeline_plan
+from hetrain.runtime.pipeline_schedule import item_counter, prepare_pipeline
+from hetrain.runtime.pipeline_stages import check_pipeline_plan
 from hetrain.runtime.plan_entries import comm_for_world, find_entries, pipeline_assignment
 from hetrain.runtime.precision import JobLossScaler, autocast, configure_tf32
 from hetrain.runtime.resume import SessionCheckpoints
@@ -96,8 +97,7 @@ class Session:
             self.watch.start()
         self.local_rank, self.restart_count = env.local_rank, env.restart_count
         self.assignment = find_entries(plan, self.device, env.local_rank, self.world_size)
-        self.layout: PipelineLayout | None = None
-        self.pipeline: PipelineRunner | None = None
+        self.layout, self.pipeline = None, None   # PipelineLayout, PipelineRunner under a pipeline plan
         if plan is not None and plan.pipeline is not None:
             self.assignment, self.layout = pipeline_assignment(self.assignment, plan, self.rank)
         self.entry: RankPlan = self.assignment.entries[self.rank]
@@ -120,8 +120,7 @@ class Session:
         self.step_seconds, self.compute_seconds = self.clock.step_seconds, self.clock.compute_seconds
         self._status: GradientStatus | None = None
         self._launched: StepFigures | None = None   # the step's figures, on their way to every rank
-        self._launched_for: tuple | None = None
-        self._grad_norm: float | None = None
+        self._launched_for, self._grad_norm = None, None   # (step, micro-batch) launched for; last clip's norm
         self.skips = SkipCounter(max_skipped_steps)
         self._kept = KeptGradients()
         if self.is_main:
@@ -381,6 +380,8 @@ class Session:
             return False
         status = self._finish_gradients()
         applied = not status.found_inf
+        if not applied:   # what compression carries holds part of the skipped gradients (or their inf)
+            forget_feedback(self.prepared.comm_state)
         with self._step_guard.allowed():
             self.timer.time_optimizer(self.optimizer.step if applied else (lambda: None))
             self.optimizer.zero_grad(set_to_none=True)

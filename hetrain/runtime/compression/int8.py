@@ -32,7 +32,9 @@ def quantize(x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     padded[:, :cols] = x
     blocks = padded.view(rows, nc, chunk)
     scales = blocks.abs().amax(dim=2) / QMAX
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    # an all-zero chunk gets scale 1; a chunk holding inf or NaN keeps its non-finite scale, so that its
+    # values dequantise to NaN on every rank and the step is skipped (an overflow is never sent as zeros)
+    scales = torch.where(scales == 0, torch.ones_like(scales), scales)
     q = blocks.div_(scales.unsqueeze(2)).round_().clamp_(-QMAX, QMAX).to(torch.int8)
     return q.view(rows, nc * chunk)[:, :cols].contiguous(), scales
 
@@ -83,6 +85,12 @@ class Int8State:
             self.residual[key] = torch.zeros(numel)
             self.shard_residual[key] = torch.zeros(shard)
         return self.residual[key], self.shard_residual[key]
+
+    def forget(self) -> None:
+        """Drop the carried residuals (a skipped step's part of them, or its inf/NaN, must not be sent later)."""
+        self.residual.clear()
+        self.shard_residual.clear()
+        self._layout.clear()
 
 
 def int8_allreduce(state: Int8State, bucket: dist.GradBucket) -> torch.Tensor:

@@ -51,6 +51,11 @@ class TopkState:
             self.residual[key] = torch.zeros(numel)
         return self.residual[key]
 
+    def forget(self) -> None:
+        """Drop the carried residuals (a skipped step's part of them, or its inf/NaN, must not be sent later)."""
+        self.residual.clear()
+        self._layout.clear()
+
 
 def topk_allreduce(state: TopkState, bucket: dist.GradBucket) -> torch.Tensor:
     """Average ``bucket`` over the group from each rank's top-k entries (blocking)."""

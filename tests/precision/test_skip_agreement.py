@@ -1,0 +1,79 @@
+"""A step with a non-finite gradient anywhere is skipped on every rank, once.
+
+Two ways it went wrong: a gradient the script changed on one rank after backward was judged by that
+rank alone (the ranks' weights and loss scales parted under DDP; ZeRO-1 hung), and a compressing
+all-reduce hid an overflow (int8 sent it as zeros) or kept it in the error it carries to later steps
+(every later step overflowed, and the job stopped).
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hetrain.planning.plan import BalancePlan, CommPlan, Plan, RankPlan
+from tests.distributed import run_ranks
+from tests.precision.test_mixed_precision import GLOBAL, PRECISIONS, SEED, SHARES, full_loss, make_data, make_model
+
+STEPS = 12
+BAD_STEP = 4
+
+
+def _plan(sharding: str, compression: str) -> Plan:
+    comm = CommPlan(compression=compression, powersgd_warmup_steps=2, topk_ratio=0.25)
+    return Plan(global_batch_size=GLOBAL, sharding=sharding, comm=comm, balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=r, share=s, precision=p) for r, (s, p) in enumerate(zip(SHARES, PRECISIONS))])
+
+
+def _train(rank, world, sharding, compression, how):
+    import hetrain
+
+    session = hetrain.Session(_plan(sharding, compression))
+    net = make_model()
+    model, optimizer = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    loader = session.loader(make_data(), global_batch_size=GLOBAL, shuffle=True, seed=SEED)
+    applied, params = [], []
+    while len(applied) < STEPS:
+        for x, y in loader:
+            bad = len(applied) == BAD_STEP and rank == 1
+            handle = net[2].weight.register_hook(lambda g: g * float("inf")) if bad and how == "overflow" else None
+            with session.autocast():
+                loss = F.cross_entropy(model(x), y)
+            session.backward(loss)
+            if handle is not None:
+                handle.remove()
+            if bad and how == "edit":   # the script's own change of this rank's gradient, after backward
+                net[2].weight.grad.view(-1)[0] = float("inf")
+            applied.append(session.step())
+            params.append(torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
+            if len(applied) == STEPS:
+                break
+    session.close()
+    return {"applied": applied, "params": params, "loss": full_loss(net)}
+
+
+def _check_one_skip_everywhere(results):
+    for r in results:
+        assert r["applied"][BAD_STEP] is False, r["applied"]
+        assert all(r["applied"][:BAD_STEP]) and all(r["applied"][BAD_STEP + 1:]), r["applied"]
+        assert math.isfinite(r["loss"])
+    for step in range(STEPS):
+        for other in results[1:]:
+            assert torch.equal(results[0]["params"][step], other["params"][step]), step
+
+
+@pytest.mark.parametrize("sharding", ["none", "zero1"])
+def test_a_gradient_changed_on_one_rank_after_backward_skips_the_step_on_every_rank(sharding):
+    _check_one_skip_everywhere(run_ranks(_train, 3, sharding, "none", "edit", timeout=90))
+
+
+@pytest.mark.parametrize("compression", ["int8", "topk", "powersgd"])
+def test_an_overflow_under_compression_skips_one_step_and_the_rest_train(compression):
+    results = run_ranks(_train, 3, "none", compression, "overflow")
+    _check_one_skip_everywhere(results)
+    clean = run_ranks(_train, 3, "none", compression, "none")
+    assert all(clean[0]["applied"])
+    # every rank's samples still reach the weights after the overflow: the run ends where the clean one does
+    assert abs(results[0]["loss"] - clean[0]["loss"]) < 0.1 * clean[0]["loss"], (results[0]["loss"], clean[0]["loss"])
+    assert results[0]["loss"] < full_loss(make_model())
