@@ -60,12 +60,13 @@ def _bounds(total: int, costs: Sequence[Cost], counts: Sequence[int], min_share,
 
 @dataclass(frozen=True)
 class FunctionCost:
-    """A step time given as any non-decreasing function of the share (micro-batching, pipelines)."""
+    """A step time given as any non-decreasing function of the share >= 0 (micro-batching, pipelines);
+    a device given no samples may still take time (its optimizer step)."""
 
     fn: Callable[[int], float]
 
     def time(self, n: int) -> float:
-        return self.fn(n) if n > 0 else 0.0
+        return self.fn(max(n, 0))
 
 
 Cost = RankCost | FunctionCost

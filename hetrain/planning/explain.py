@@ -35,3 +35,21 @@ def why_not(chosen, other) -> str:
     flag = "pipeline" if other.strategy == "hybrid" else other.strategy   # --strategy pipeline weighs both
     return (f"not {other.strategy}, predicted {other.samples_per_s:.1f} samples/s against {chosen.samples_per_s:.1f}: "
             f"{reason}; {size}; pass --strategy {flag} to use it")
+
+
+def idle_devices_note(ranks) -> str | None:
+    """A note naming ranks the split gives no samples whose optimizer step alone is longer than the other ranks'
+    whole step: they slow the job down, and leaving them out of it is faster."""
+    busy = [r.predicted_step_seconds for r in ranks if r.share > 0 and r.predicted_step_seconds is not None]
+    idle = [r for r in ranks if r.share == 0 and r.predicted_step_seconds is not None]
+    if not busy or not idle:
+        return None
+    slow = [r for r in idle if r.predicted_step_seconds > max(busy)]
+    if not slow:
+        return None
+    names = ", ".join(sorted({r.device for r in slow}))
+    worst = max(r.predicted_step_seconds for r in slow)
+    many = len(slow) > 1
+    return (f"rank{'s' if many else ''} {', '.join(str(r.rank) for r in slow)} ({names}) "
+            f"{'get' if many else 'gets'} no samples and {'still run' if many else 'still runs'} every optimizer step, {worst * 1e3:.1f} ms, longer than the other ranks' whole step "
+            f"({max(busy) * 1e3:.1f} ms): the job is faster without them; plan and launch it on the other devices")

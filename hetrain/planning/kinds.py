@@ -77,8 +77,10 @@ class Kind:
         return self.optimizer_s * params / total_params if total_params > 0 else 0.0
 
     def time(self, share: int, micro_batch: int, ckpt: bool) -> float:
+        """Seconds of one step with `share` samples. A device with none still runs the optimizer step
+        (every data-parallel replica updates the whole model), so that is its time."""
         if share <= 0:
-            return 0.0
+            return self.rate.fixed_seconds if self.rate is not None else self.optimizer_s
         factor = cm.CHECKPOINT_COMPUTE_FACTOR if ckpt else 1.0
         if self.rate is not None:  # the balancer's per-step line, as the run measured it
             return self.rate.fixed_seconds + share * self.rate.per_sample_seconds * factor
@@ -94,8 +96,9 @@ class Kind:
     def pieces_time(self, share: int, pieces: int, ckpt: bool) -> float:
         """Seconds of a share run in exactly `pieces` near-equal micro-batches, as every FSDP2 rank runs
         the job's largest count: a piece the share leaves empty runs one stand-in sample."""
-        if share <= 0:
-            return 0.0
+        if share <= 0:   # empty pieces, then its shard's optimizer step
+            return self.time(0, 1, ckpt) + (pieces * self.fixed_s if self.rate is None and self.measured is None
+                                            else 0.0)
         samples = max(share, pieces)
         if self.rate is not None:   # a run's per-step line: samples, not pieces
             return self.time(samples, samples, ckpt)

@@ -15,7 +15,7 @@ from hetrain.planning.compression import PREFERENCE, compression_ratio, lossless
 from hetrain.planning.batch_split import FunctionCost, split_even, split_min_max
 from hetrain.planning.plan import BalancePlan, CommPlan, Plan, RankPlan
 from hetrain.planning.precision_policy import needs_loss_scaling
-from hetrain.planning.explain import PIPELINES_WEIGHED, why_not
+from hetrain.planning.explain import PIPELINES_WEIGHED, idle_devices_note, why_not
 from hetrain.planning.kinds import Kind, cpu_sharing_notes, extrapolation_notes, figures_notes, kinds_of
 from hetrain.planning.measured_rates import MeasuredRates
 from hetrain.workload.device_profile import DeviceProfile
@@ -419,6 +419,7 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
     notes += chosen.notes
     if chosen.strategy not in PIPELINE_STRATEGIES:   # a stage's time comes from the per-block timings
         notes += extrapolation_notes(kinds, chosen.plan.ranks)
+        notes += [n for n in [idle_devices_note(chosen.plan.ranks)] if n]
     if uniform.feasible and chosen is not uniform:
         notes.append(f"chose {chosen.strategy}: predicted {chosen.samples_per_s:.1f} samples/s against "
                      f"{uniform.samples_per_s:.1f} for uniform DDP ({chosen.samples_per_s / uniform.samples_per_s:.2f}x)")

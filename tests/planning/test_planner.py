@@ -228,3 +228,14 @@ def test_a_micro_batch_above_the_global_batch_is_the_global_batch():
     huge = plan_job(cluster, profile, 256, micro_batch=10**6).plan
     whole = plan_job(cluster, profile, 256, micro_batch=256).plan
     assert huge.strategy == whole.strategy and [r.micro_batch for r in huge.ranks] == [r.micro_batch for r in whole.ranks]
+
+
+def test_a_device_given_no_samples_is_priced_at_its_optimizer_step_and_named():
+    """A rank with share 0 still updates the whole model every step: the plan was priced as if it cost
+    nothing (1604 samples/s predicted for what runs at about 594)."""
+    r = plan_job(cluster_from_devices("cpu:1,a100:1"), get_profile("resnet50"), 64, strategy="balanced")
+    idle = next(rank for rank in r.plan.ranks if rank.share == 0)
+    busy = next(rank for rank in r.plan.ranks if rank.share > 0)
+    assert idle.device == "cpu" and idle.predicted_step_seconds > busy.predicted_step_seconds > 0
+    assert r.plan.predicted_samples_per_s <= 64 / idle.predicted_step_seconds
+    assert any("rank 0 (cpu) gets no samples" in n and "faster without" in n for n in r.notes), r.notes
