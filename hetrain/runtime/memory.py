@@ -8,6 +8,7 @@ and hooks that others put on the block (FSDP2's unshard/reshard) still run aroun
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -22,6 +23,8 @@ from hetrain.planning.batch_split import split_even
 from hetrain.runtime.batch_tree import map_leaves, map_tensors, per_sample_values
 from hetrain.runtime.gradients import local_tensor
 from hetrain.workload.layers import find_blocks
+
+log = logging.getLogger("hetrain")
 
 _CHECKPOINTED = "_hetrain_checkpointed"
 
@@ -74,6 +77,14 @@ def apply_activation_checkpointing(model: nn.Module, blocks: Sequence[nn.Module]
             "nn.Sequential of repeated blocks; pass them: session.prepare(model, optimizer, blocks=model.layers)"
         )
     checkpoint_blocks(chosen)
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False) is True:
+        # a Hugging Face model keeps a key/value cache in training forwards too: recomputing a block would
+        # append its keys a second time (a shape error with an attention mask). Its own checkpointing turns
+        # the cache off for training as well.
+        config.use_cache = False
+        log.info("activation checkpointing: %s's config.use_cache set to False (a block recomputed in "
+                 "backward would fill the key/value cache twice)", type(model).__name__)
     return chosen
 
 

@@ -1,0 +1,47 @@
+"""A plan's activation checkpointing on a Hugging Face causal LM given an attention mask: the gradient of
+plain PyTorch. The model's key/value cache, kept in training forwards too, was filled a second time
+when a block recomputed in backward (a shape error)."""
+
+import pytest
+import torch
+
+import hetrain
+from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+
+transformers = pytest.importorskip("transformers")
+
+
+def _model(arch: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if arch == "gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0))
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=32))
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_checkpointed_blocks_of_a_causal_lm_with_an_attention_mask_give_the_plain_gradient(arch):
+    ids = torch.randint(3, 64, (4, 10), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, 7:] = 0
+    samples = [{"input_ids": ids[i], "attention_mask": mask[i], "labels": ids[i].masked_fill(mask[i] == 0, -100)}
+               for i in range(4)]
+    plan = Plan(global_batch_size=4, balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=0, share=4, activation_checkpointing=True)])
+    with hetrain.Session(plan) as session:
+        net = _model(arch)
+        model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        for batch in session.loader(samples, global_batch_size=4, shuffle=False):
+            out = model(**batch)
+            session.backward(out.loss, num_items=(batch["labels"][:, 1:] != -100).sum())
+            session.clip_grad_norm_(1e9)   # the step's gradients made final, nothing clipped
+            got = {n: p.grad.clone() for n, p in net.named_parameters()}
+            session.step()
+    assert net.config.use_cache is False
+    ref = _model(arch)
+    ref(**{k: torch.stack([s[k] for s in samples]) for k in samples[0]}).loss.backward()
+    worst = max((got[n] - p.grad).abs().max().item() for n, p in ref.named_parameters())
+    assert worst < 1e-6, worst
