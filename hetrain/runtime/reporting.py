@@ -25,6 +25,21 @@ log = logging.getLogger("hetrain")
 RATES_EVERY_S = 30.0   # measured-rates.json is rewritten at most this often, and at each checkpoint and close
 
 
+def step_record(session: Any, totals: Any, times: Any, compute: float, data_wait: float, applied: bool,
+                changed: bool, grad_norm: float | None) -> StepRecord:
+    """The record of a step a session just finished (`totals`: its StepTotals, `times`: its StepTimes)."""
+    shares = session.train.loader.current_shares
+    return StepRecord(
+        step=session.train.step, rank=session.rank, world_size=session.world_size, device=session.entry.device,
+        precision=session.precision, share=shares[session.rank], samples=totals.local_samples,
+        items=int(totals.local_items), global_samples=totals.global_samples, global_items=int(totals.global_items),
+        step_seconds=times.wall, compute_seconds=compute, data_wait_seconds=data_wait,
+        optimizer_seconds=session.timer.last_optimizer_s, loss=totals.loss, grad_norm=grad_norm,
+        loss_scale=session.scaler.scale, skipped=not applied, skipped_total=session.skips.total,
+        shares=tuple(shares), split_changed=changed, comm_bytes=comm_bytes(session.prepared.comm_state),
+        emulated=session.emulated, script_seconds=times.script, checkpoint_seconds=times.checkpoint)
+
+
 class Reports:
     """A rank's observers and the files it writes for other tools."""
 

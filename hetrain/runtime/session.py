@@ -36,10 +36,9 @@ from hetrain.runtime.comm_hooks import forget_feedback
 from hetrain.runtime.data import HeteroLoader, make_loader
 from hetrain.runtime.environment import (RankEnv, collective_timeout, configure_logging, env_int, init_process_group,
                                          pick_device, print_user_errors_as_one_line, progress_timeout)
-from hetrain.metrics.events import StepRecord
 from hetrain.runtime.gradients import (GradientStatus, SkipCounter, StepFigures, clip_gradients, finish_gradients,
                                        launch_step_figures, weighted_mean)
-from hetrain.runtime.reporting import Reports, comm_bytes
+from hetrain.runtime.reporting import Reports, step_record
 from hetrain.runtime.parallelize import Prepared, gradient_sync, parallelize
 from hetrain.runtime.pipeline_schedule import item_counter, prepare_pipeline
 from hetrain.runtime.pipeline_stages import check_pipeline_plan
@@ -48,11 +47,12 @@ from hetrain.runtime.precision import JobLossScaler, autocast, configure_tf32
 from hetrain.runtime.resume import SessionCheckpoints
 from hetrain.runtime.schedulers import Schedulers
 from hetrain.runtime.step_state import StepState, items_as_number
-from hetrain.runtime.step_clock import StepClock, StepTimes
+from hetrain.runtime.step_clock import StepClock
 from hetrain.runtime.step_guard import (KeptGradients, OptimizerStepGuard, check_reduced, gradients_pending,
                                         warn_if_evaluating)
 from hetrain.runtime.timing import StepTimer, TimedHookState, emulated_speed, idle_fraction
 from hetrain.runtime.train_state import TrainState
+from hetrain.runtime.user_state import UserStates
 from hetrain.runtime.watchdog import ProgressWatch, die_with_parent
 from hetrain.vocabulary import Env
 
@@ -113,7 +113,7 @@ class Session:
         self.prepared: Prepared | None = None
         self.balancer: Balancer | None = None
         self.train: TrainState | None = None
-        self.schedulers = Schedulers()
+        self.schedulers, self.user_states = Schedulers(), UserStates()
         self.checkpoints: SessionCheckpoints | None = None
         self.reports = Reports(self.run_dir, is_main=self.is_main)
         self.clock = StepClock(TIMING_HISTORY)
@@ -197,6 +197,12 @@ class Session:
         self.schedulers.add(scheduler, self.optimizer)
         return scheduler
 
+    def add_state(self, name: str, obj: Any) -> Any:
+        """The script's own state (an EMA model, a metric, a dict of values), saved in every checkpoint and
+        restored on resume, as rank 0 holds it (hetrain.runtime.user_state, docs/checkpoints.md). Returns it."""
+        self.user_states.add(name, obj)
+        return obj
+
     def loader(self, dataset: Any, global_batch_size: int, *, shuffle: bool = True, seed: int = 0,
                drop_last: bool = True, **options: Any) -> HeteroLoader:
         """This rank's slices of one sequence of global batches (the same for any world size or split),
@@ -224,7 +230,8 @@ class Session:
         loader.gradients_pending = lambda: gradients_pending(self.prepared.model)
         self.balancer = balancer
         self.train = TrainState(self.prepared, self.sharding, self.scaler, self.balancer, loader, self.plan,
-                                self.world_size, self.rank, schedulers=self.schedulers, step_state=self.state)
+                                self.world_size, self.rank, schedulers=self.schedulers, step_state=self.state,
+                                user_states=self.user_states)
         self._start_checkpoints()
         self.skips.total = self.train.skipped_steps   # a resumed run keeps counting its skipped steps
         self._start_metrics()
@@ -400,7 +407,8 @@ class Session:
             self.reports.save_rates(self.assignment.entries, self.balancer, step=self.train.step, emulated=self.emulated)
         self.balancer.begin_exchange(self.device, step=self.train.step)   # when an interval ends here
         if self.reports.observers:
-            self.reports.step(self._record(totals, times, compute, data_wait, applied, bool(changed)))
+            self.reports.step(step_record(self, totals, times, compute, data_wait, applied, bool(changed),
+                                          self._grad_norm))
         self._status, self._grad_norm = None, None
         if self.checkpoints is not None:
             with self.clock.checkpoint():
@@ -434,18 +442,6 @@ class Session:
     @property
     def observers(self) -> list[Any]:
         return self.reports.observers
-
-    def _record(self, totals, times: StepTimes, compute: float, data_wait: float, applied: bool, changed: bool):
-        return StepRecord(
-            step=self.train.step, rank=self.rank, world_size=self.world_size, device=self.entry.device,
-            precision=self.precision, share=self.train.loader.current_shares[self.rank], samples=totals.local_samples,
-            items=int(totals.local_items), global_samples=totals.global_samples, global_items=int(totals.global_items),
-            step_seconds=times.wall, compute_seconds=compute, data_wait_seconds=data_wait,
-            optimizer_seconds=self.timer.last_optimizer_s, loss=totals.loss, grad_norm=self._grad_norm,
-            loss_scale=self.scaler.scale, skipped=not applied, skipped_total=self.skips.total,
-            shares=tuple(self.train.loader.current_shares), split_changed=changed,
-            comm_bytes=comm_bytes(self.prepared.comm_state), emulated=self.emulated, script_seconds=times.script,
-            checkpoint_seconds=times.checkpoint)
 
     def barrier(self) -> None:
         dist.barrier()

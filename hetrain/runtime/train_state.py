@@ -1,6 +1,6 @@
 """The checkpointable state of a session, as one object: what a checkpoint holds and how it returns.
 
-Model, optimizer, the LR schedulers given to the session, job-wide loss scale, balancer (split and
+Model, optimizer, the LR schedulers and the script's own states given to the session, job-wide loss scale, balancer (split and
 measurements), data position, step, plan, and every rank's RNG state (docs/design.md, invariant 5). Under ZeRO-1 the optimizer state is
 consolidated on rank 0 and saved whole (it loads on any number of ranks); under FSDP2 model and
 optimizer go through `torch.distributed.checkpoint.state_dict` into the checkpoint's sharded part.
@@ -26,6 +26,7 @@ from hetrain.runtime.precision import JobLossScaler
 from hetrain.runtime.schedulers import MOVED, Schedulers
 from hetrain.runtime.sharding import is_zero1
 from hetrain.runtime.step_state import StepState
+from hetrain.runtime.user_state import UserStates
 
 log = logging.getLogger("hetrain")
 
@@ -46,6 +47,7 @@ class TrainState:
     world_size: int
     rank: int
     schedulers: Schedulers = field(default_factory=Schedulers)
+    user_states: UserStates = field(default_factory=UserStates)
     step_state: StepState | None = None   # its items per sample weight the next step's backward
     step: int = 0
     skipped_steps: int = 0
@@ -88,6 +90,7 @@ class TrainState:
             "scaler": self.scaler.state_dict(),
             "items_per_sample": self.step_state.items_per_sample if self.step_state is not None else None,
             "schedulers": self.schedulers.state_dict(),
+            "user_state": self.user_states.state_dict(),
             "balancer": self.balancer.state_dict(),
             "loader": self.loader.state_dict(),
             "world_size": self.world_size,
@@ -128,6 +131,7 @@ class TrainState:
         self.schedulers.load_state_dict(shared.get("schedulers"), shared.get("optimizer_settings"), self.step,
                                         optimizer)
         self.skipped_steps = int(shared.get("skipped_steps", 0))
+        self.user_states.load_state_dict(shared.get("user_state"))
         if self.step_state is not None and shared.get("items_per_sample") is not None:
             self.step_state.items_per_sample = float(shared["items_per_sample"])
         if int(shared["world_size"]) == self.world_size and not self.balancer.load_state_dict(shared["balancer"]):

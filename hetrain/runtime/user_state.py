@@ -1,0 +1,73 @@
+"""The script's own state, saved in every checkpoint and restored on resume (`session.add_state`).
+
+An EMA of the weights (`torch.optim.swa_utils.AveragedModel`), a metric tracker, a best value: anything
+with `state_dict()` and `load_state_dict()`, or a plain dict (saved as it is, restored in place). The
+checkpoint holds rank 0's, so such state must be the same on every rank (as anything derived from the
+replicated weights and the global-batch loss is).
+
+A checkpoint is written inside `session.step()`, right after the update: state the script changes
+after `step()` returns is saved one step behind. Change it with the update instead, from a hook on the
+optimizer `prepare()` returned: `optimizer.register_step_post_hook(lambda *_: ema.update_parameters(net))`
+runs right after every applied update and before that step's checkpoint.
+
+State may be given before or after `session.loader()` (which resumes the newest checkpoint): given
+after, its saved state is loaded when it is given.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+from hetrain.errors import HetrainError
+
+log = logging.getLogger("hetrain")
+
+
+def _check(name: Any, obj: Any) -> None:
+    if not isinstance(name, str) or not name:
+        raise HetrainError(f"session.add_state(name, obj): name must be a non-empty string, got {name!r}")
+    if isinstance(obj, dict):
+        return
+    if not callable(getattr(obj, "state_dict", None)) or not callable(getattr(obj, "load_state_dict", None)):
+        raise HetrainError(
+            f"session.add_state({name!r}, ...) takes an object with state_dict() and load_state_dict() (a module, "
+            f"an AveragedModel, a metric) or a dict, not {type(obj).__name__}")
+
+
+class UserStates:
+    """The named states given to one session, and a checkpoint's states not yet given an object."""
+
+    def __init__(self) -> None:
+        self.items: dict[str, Any] = {}
+        self._saved: dict[str, Any] | None = None   # a restored checkpoint's states, by name, not yet loaded
+
+    def add(self, name: str, obj: Any) -> None:
+        _check(name, obj)
+        if name in self.items:
+            raise HetrainError(f"a state named {name!r} was already given to session.add_state(); give each once")
+        self.items[name] = obj
+        if self._saved is not None:
+            self._load(name, obj)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: dict(obj) if isinstance(obj, dict) else obj.state_dict() for name, obj in self.items.items()}
+
+    def load_state_dict(self, saved: dict[str, Any] | None) -> None:
+        """A checkpoint's states: loaded into the objects given so far, kept for those given later."""
+        self._saved = dict(saved or {})
+        for name, obj in self.items.items():
+            self._load(name, obj)
+
+    def _load(self, name: str, obj: Any) -> None:
+        if name not in self._saved:
+            log.warning("the checkpoint resumed holds no state named %r (session.add_state): it starts as the "
+                        "script built it", name)
+            return
+        value = self._saved.pop(name)
+        if isinstance(obj, dict):
+            obj.clear()
+            obj.update(copy.deepcopy(value))
+        else:
+            obj.load_state_dict(value)

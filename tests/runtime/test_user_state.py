@@ -1,0 +1,68 @@
+"""The script's own state (`session.add_state`) goes into every checkpoint and comes back on resume: an EMA
+of the weights updated with each applied update, and a dict of the script's values, end where an
+uninterrupted run's do."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hetrain.errors import HetrainError
+from tests.distributed import run_ranks
+
+
+def _train(rank, world, ckpt_dir, steps, stop_after, add_late):
+    import hetrain
+    from hetrain.bench.digits import digits_datasets, digits_mlp
+
+    torch.manual_seed(0)
+    session = hetrain.Session(balance=False, checkpoint_dir=ckpt_dir, checkpoint_interval=3)
+    train, _ = digits_datasets()
+    net = digits_mlp(hidden=32)
+    model, opt = session.prepare(net, torch.optim.Adam(net.parameters(), lr=1e-2))
+    ema = torch.optim.swa_utils.AveragedModel(net, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+    values = {"updates": 0, "losses": []}
+    # the EMA and the count move with each applied update, before that step's checkpoint
+    opt.register_step_post_hook(lambda *_: (ema.update_parameters(net), values.update(updates=values["updates"] + 1)))
+    if not add_late:
+        session.add_state("ema", ema)
+        session.add_state("values", values)
+    loader = session.loader(train, global_batch_size=64, seed=2)
+    if add_late:   # given after loader(), which resumed: loaded when given
+        session.add_state("ema", ema)
+        session.add_state("values", values)
+    resumed_at = session.step_count
+    while session.step_count < steps:
+        for x, y in loader:
+            session.backward(F.cross_entropy(model(x), y))
+            values["losses"].append(round(session.global_mean(F.cross_entropy(model(x), y).detach()), 6))
+            session.step()
+            if stop_after is not None and session.step_count == stop_after:
+                session.checkpoints.checkpointer.wait()
+                return {}                                   # a crash: no final save
+            if session.step_count >= steps:
+                break
+    session.close()
+    return {"ema": {k: v.clone() for k, v in ema.state_dict().items()}, "values": values, "resumed_at": resumed_at}
+
+
+@pytest.mark.parametrize("add_late", [False, True])
+def test_an_ema_and_the_scripts_values_resume_where_an_uninterrupted_run_has_them(tmp_path, add_late):
+    straight = run_ranks(_train, 2, str(tmp_path / "x"), 10, None, add_late)
+    run_ranks(_train, 2, str(tmp_path / "y"), 10, 7, add_late)      # stops after step 7 (saved at 6)
+    resumed = run_ranks(_train, 2, str(tmp_path / "y"), 10, None, add_late)
+    assert resumed[0]["resumed_at"] == 6
+    assert resumed[0]["values"] == straight[0]["values"]
+    assert resumed[0]["values"]["updates"] == 10 and len(resumed[0]["values"]["losses"]) == 10
+    for k, v in straight[0]["ema"].items():
+        assert torch.equal(v, resumed[0]["ema"][k]), k
+
+
+def test_state_without_state_dict_is_refused_naming_what_it_takes():
+    import hetrain
+
+    with hetrain.Session() as session:
+        with pytest.raises(HetrainError, match="state_dict"):
+            session.add_state("best", 0.5)
+        session.add_state("values", {})
+        with pytest.raises(HetrainError, match="already"):
+            session.add_state("values", {})
