@@ -27,6 +27,7 @@ from hetrain.runtime.batch_tree import map_leaves, per_sample_values
 from hetrain.runtime.batch_sampler import RankBatchSampler, ShareSchedule, step_shares
 from hetrain.runtime.batch_transfer import to_device
 from hetrain.runtime.data_order import GlobalBatchOrder, rank_slice
+from hetrain.runtime.sample_seeds import KeyedBatches, SeededSamples
 from hetrain.runtime.memory import equal_pieces, job_piece_count, micro_batch_sizes, split_batch
 from hetrain.runtime.step_state import StepState
 from hetrain.planning.batch_split import split_partial
@@ -117,10 +118,13 @@ class HeteroLoader:
                                          generator=self._generator, **dataloader_options)
         else:
             self.sampler = RankBatchSampler(order, self.schedule, rank)
-            fast = isinstance(dataset, TensorDataset) and collate_fn in (None, default_collate)
-            self.dataloader = DataLoader(_TensorGather(dataset) if fast else dataset, batch_sampler=self.sampler,
-                                         collate_fn=_as_is if fast else self.collate_fn,
-                                         generator=self._generator, **dataloader_options)
+            if isinstance(dataset, TensorDataset) and collate_fn in (None, default_collate):   # nothing random
+                self.dataloader = DataLoader(_TensorGather(dataset), batch_sampler=self.sampler, collate_fn=_as_is,
+                                             generator=self._generator, **dataloader_options)
+            else:   # each sample read with the generators seeded from (seed, epoch, index): sample_seeds.py
+                self.dataloader = DataLoader(SeededSamples(dataset, self.seed),
+                                             batch_sampler=KeyedBatches(self.sampler), collate_fn=self.collate_fn,
+                                             generator=self._generator, **dataloader_options)
 
     @property
     def epoch(self) -> int:
