@@ -19,6 +19,10 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rdzv-backend", "--rdzv_backend", default="c10d")
     parser.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None, help="HOST:PORT of the rendezvous")
     parser.add_argument("--rdzv-id", "--rdzv_id", default=None, help="job id shared by all nodes")
+    parser.add_argument("--rdzv-conf", "--rdzv_conf", default=None, metavar="K=V,...",
+                        help="rendezvous settings, e.g. join_timeout=120 (seconds nodes wait for each other; 600)")
+    parser.add_argument("--local-addr", "--local_addr", default=None, help="this node's address for the rendezvous")
+    parser.add_argument("--standalone", action="store_true", help="one node with its own local rendezvous")
     parser.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
                         help="restart the workers this many times after a failure")
     parser.add_argument("--monitor-interval", "--monitor_interval", type=float, default=None)
@@ -47,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
         script=args.script, script_args=list(args.script_args), module=args.module,
         nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
         rdzv_backend=args.rdzv_backend, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
+        rdzv_conf=args.rdzv_conf, local_addr=args.local_addr, standalone=args.standalone,
         max_restarts=args.max_restarts, monitor_interval=args.monitor_interval,
         master_addr=args.master_addr, master_port=args.master_port, log_dir=args.log_dir,
         emulate_speeds=parse_speeds(args.emulate_speeds) if args.emulate_speeds else None, plan=args.plan,

@@ -67,6 +67,10 @@ class LaunchConfig:
     rdzv_backend: str = "c10d"
     rdzv_endpoint: str | None = None
     rdzv_id: str | None = None
+    rdzv_conf: str | None = None
+    """torch's rendezvous settings, e.g. join_timeout=120 (seconds the nodes wait for each other; 600)"""
+    local_addr: str | None = None
+    standalone: bool = False
     max_restarts: int = 0
     monitor_interval: float | None = None
     master_addr: str | None = None
@@ -152,7 +156,7 @@ def torchrun_argv(cfg: LaunchConfig) -> list[str]:
     """The torch.distributed.run command line for this launch."""
     argv = [f"--nproc-per-node={cfg.nproc_per_node}", f"--nnodes={cfg.nnodes}",
             f"--max-restarts={cfg.max_restarts}"]
-    if cfg.rdzv_endpoint is None and cfg.nnodes == "1" and cfg.master_addr is None:
+    if cfg.standalone or (cfg.rdzv_endpoint is None and cfg.nnodes == "1" and cfg.master_addr is None):
         argv.append("--standalone")
     else:
         argv.append(f"--rdzv-backend={cfg.rdzv_backend}")
@@ -160,6 +164,10 @@ def torchrun_argv(cfg: LaunchConfig) -> list[str]:
             argv.append(f"--rdzv-endpoint={cfg.rdzv_endpoint}")
         if cfg.rdzv_id:
             argv.append(f"--rdzv-id={cfg.rdzv_id}")
+    if cfg.rdzv_conf:
+        argv.append(f"--rdzv-conf={cfg.rdzv_conf}")
+    if cfg.local_addr:
+        argv.append(f"--local-addr={cfg.local_addr}")
     if cfg.node_rank is not None:
         argv.append(f"--node-rank={cfg.node_rank}")
     if cfg.master_addr:
@@ -221,6 +229,7 @@ def launch(cfg: LaunchConfig) -> int:
     validate(cfg)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import run
 
     # the agent hands its own environment to the workers; this process's is restored afterwards, so
@@ -238,6 +247,8 @@ def launch(cfg: LaunchConfig) -> int:
         run(args)
     except ChildFailedError as e:
         raise HetrainError(failure_line(e.failures, cfg)) from None
+    except RendezvousError as e:
+        raise HetrainError(rendezvous_line(e, cfg)) from None
     except SignalException as e:
         name = signal.Signals(e.sigval).name
         raise JobStopped(
@@ -252,6 +263,28 @@ def launch(cfg: LaunchConfig) -> int:
             print(f"hetrain launch: ended {len(ended)} process(es) the workers left running (pids "
                   f"{', '.join(map(str, ended))}); a worker's children should end with it", file=sys.stderr, flush=True)
     return 0
+
+
+def rendezvous_line(error: BaseException, cfg: LaunchConfig) -> str:
+    """The launcher's one line when the nodes could not meet (torch's rendezvous raised)."""
+    endpoint = cfg.rdzv_endpoint or "the default endpoint"
+    timeout = next((kv.split("=", 1)[1] for kv in (cfg.rdzv_conf or "").split(",")
+                    if kv.strip().startswith("join_timeout=")), "600")
+    said = str(error).strip().splitlines()
+    detail = f" ({said[0][:200]})" if said else ""
+    same = (f"every node must run hetrain launch with the same --nnodes (here {cfg.nnodes}), --rdzv-endpoint and "
+            "--rdzv-id")
+    kind = type(error).__name__
+    if kind == "RendezvousTimeoutError":
+        return (f"the nodes did not all arrive at the rendezvous at {endpoint} within {timeout} s{detail}: {same}, "
+                "and reach that endpoint; --rdzv-conf join_timeout=S sets the wait")
+    if kind == "RendezvousConnectionError":
+        return (f"cannot reach the rendezvous at {endpoint}{detail}: the node that serves it (the endpoint's host) is "
+                f"not running, or ended; fix --rdzv-endpoint HOST:PORT or start that node; {same}")
+    if kind == "RendezvousClosedError":
+        return (f"the rendezvous at {endpoint} is closed{detail}: the job it served ended; start every node again, "
+                "or give a new --rdzv-id")
+    return f"the rendezvous at {endpoint} failed ({kind}{': ' + said[0][:200] if said else ''}); {same}"
 
 
 def failure_line(failures: dict[int, Any], cfg: LaunchConfig) -> str:

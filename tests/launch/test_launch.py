@@ -173,3 +173,26 @@ def test_several_nodes_get_a_store_per_attempt_that_a_returning_node_can_join(mo
     assert launcher.SHARED_STORE_OPT_OUT not in launcher.worker_env(LaunchConfig(script="train.py"))
     monkeypatch.setenv(launcher.SHARED_STORE_OPT_OUT, "0")   # the user's own choice wins
     assert launcher.SHARED_STORE_OPT_OUT not in launcher.worker_env(LaunchConfig(script="train.py", nnodes="2"))
+
+
+def test_nodes_that_never_all_arrive_end_with_one_line_naming_the_flags(tmp_path):
+    """--nnodes 2 with the other node missing (or started with another --nnodes) waited torch's 600 s and
+    ended in a traceback; with --rdzv-conf the wait is the user's, and the end is one line."""
+    import subprocess
+    import sys
+
+    from tests.ports import free_port
+
+    script = tmp_path / "job.py"
+    script.write_text("import hetrain\nhetrain.Session().close()\n")
+    out = subprocess.run([sys.executable, "-m", "hetrain.cli.main", "launch", "--nnodes", "2", "--rdzv-endpoint",
+                          f"localhost:{free_port()}", "--rdzv-id", "alone", "--rdzv-conf", "join_timeout=3",
+                          str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "Traceback" not in out.stderr, out.stderr[-2000:]
+    line = out.stderr.strip().splitlines()[-1]
+    assert "within 3 s" in line and "--nnodes (here 2)" in line and "--rdzv-conf join_timeout" in line, line
+    argv = torchrun_argv(LaunchConfig(script="t.py", nnodes="2", rdzv_endpoint="h:1", rdzv_conf="join_timeout=3",
+                                      local_addr="10.0.0.2"))
+    assert "--rdzv-conf=join_timeout=3" in argv and "--local-addr=10.0.0.2" in argv
+    assert "--standalone" in torchrun_argv(LaunchConfig(script="t.py", standalone=True, nnodes="1"))
