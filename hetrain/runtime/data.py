@@ -333,13 +333,23 @@ def prefetch_depth(options: dict[str, Any]) -> int:
     return workers * (2 if factor is None else int(factor))
 
 
-def agreed_lag(depth: int, device: torch.device) -> int:
-    """The largest prefetch depth of any rank: every rank schedules split changes the same steps ahead."""
+def agreed_lag(depth: int, device: torch.device, settings: dict[str, Any] | None = None) -> int:
+    """The largest prefetch depth of any rank: every rank schedules split changes the same steps ahead.
+    `settings` (what orders the global batches) must be the same on every rank: a difference is refused,
+    naming it, before any batch is read."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return depth
-    t = torch.tensor([depth], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (depth, settings))
+    differ = [key for key in (settings or {}) if len({repr(g[1].get(key)) for g in gathered}) > 1]
+    if differ:
+        by_rank = "; ".join(f"{key}: " + ", ".join(f"rank {r} {g[1].get(key)}" for r, g in enumerate(gathered))
+                            for key in differ)
+        raise HetrainError(
+            f"the ranks' session.loader() settings differ ({by_rank}): every rank must read one sequence of global "
+            "batches, or samples are lost and repeated; give every node the same dataset, global_batch_size, seed, "
+            "shuffle and drop_last")
+    return max(g[0] for g in gathered)
 
 
 def check_dataset(dataset: Any, options: dict[str, Any]) -> None:
@@ -368,6 +378,16 @@ def check_dataset(dataset: Any, options: dict[str, Any]) -> None:
                                   f"; its options: {', '.join(sorted(known - set(OWNED)))}"))
 
 
+def _length(dataset: Any) -> int:
+    try:
+        return len(dataset)
+    except TypeError:
+        raise HetrainError(
+            f"the dataset ({type(dataset).__name__}) has no len() and is not an IterableDataset; give it __len__ "
+            "and __getitem__, or make it a torch.utils.data.IterableDataset to read it as a stream"
+        ) from None
+
+
 def make_loader(dataset: Any, global_batch_size: int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = True,
                 rank: int, split: Any, step: StepState, device: torch.device, micro_batch: int | None = None,
                 grad_accum: int = 1, gradient_sync: Callable[[bool], ContextManager] | None = None,
@@ -380,7 +400,10 @@ def make_loader(dataset: Any, global_batch_size: int, *, shuffle: bool = True, s
     with DataLoader's meaning. Collective when ranks are initialised (they agree on the lag).
     """
     check_dataset(dataset, dataloader_options)
-    lag = agreed_lag(prefetch_depth(dataloader_options), device)
+    stream = isinstance(dataset, IterableDataset)
+    settings = {"global_batch_size": global_batch_size, "seed": seed, "shuffle": shuffle if not stream else None,
+                "drop_last": drop_last, "samples": "a stream" if stream else _length(dataset)}
+    lag = agreed_lag(prefetch_depth(dataloader_options), device, settings)
     common = dict(rank=rank, split=split, step=step, device=device, micro_batch=micro_batch, grad_accum=grad_accum,
                   gradient_sync=gradient_sync, same_piece_count=same_piece_count, collate_fn=collate_fn, lag=lag,
                   **dataloader_options)
@@ -396,12 +419,5 @@ def make_loader(dataset: Any, global_batch_size: int, *, shuffle: bool = True, s
             log.debug("a stream is read in its own order; shuffle it in the stream (e.g. a shuffle buffer)")
         return HeteroLoader(dataset, None, global_batch_size=global_batch_size, seed=seed, drop_last=drop_last,
                             **common)
-    try:
-        size = len(dataset)
-    except TypeError:
-        raise HetrainError(
-            f"the dataset ({type(dataset).__name__}) has no len() and is not an IterableDataset; give it __len__ "
-            "and __getitem__, or make it a torch.utils.data.IterableDataset to read it as a stream"
-        ) from None
-    order = GlobalBatchOrder(size, global_batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    order = GlobalBatchOrder(settings["samples"], global_batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last)
     return HeteroLoader(dataset, order, **common)

@@ -130,3 +130,28 @@ def test_a_resplit_reaches_every_rank_at_the_same_later_step():
             if t + r["lag"] < len(r["sizes"]):
                 assert r["sizes"][t + r["lag"] - 1] == old[rank] and r["sizes"][t + r["lag"]] == new[rank]
     assert all(a + b == 64 for a, b in zip(ranks[0]["sizes"], ranks[1]["sizes"]))
+
+
+def _loader_settings(rank, world, key):
+    import hetrain
+    from hetrain.errors import HetrainError
+
+    settings = {"seed": 0, "global_batch_size": 16, "samples": 64}
+    settings[key] = settings[key] + rank      # one node's script differs
+    with hetrain.Session(balance=False) as session:
+        net = torch.nn.Linear(4, 2)
+        session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        data = torch.utils.data.TensorDataset(torch.randn(settings["samples"], 4))
+        try:
+            session.loader(data, global_batch_size=settings["global_batch_size"], seed=settings["seed"])
+        except HetrainError as e:
+            return str(e)
+        return None
+
+
+def test_ranks_whose_loader_settings_differ_are_refused_naming_the_setting():
+    """One node with seed=1 lost 63 of 256 samples an epoch and read 63 twice, exit 0."""
+    for key, named in (("seed", "seed: rank 0 0, rank 1 1"), ("global_batch_size", "global_batch_size: rank 0 16"),
+                       ("samples", "samples: rank 0 64, rank 1 65")):
+        errors = run_ranks(_loader_settings, 2, key)
+        assert all(e is not None and named in e and "same dataset" in e for e in errors), errors
