@@ -26,6 +26,7 @@ from hetrain.errors import HetrainError
 from hetrain.runtime.batch_tree import map_leaves, per_sample_values
 from hetrain.runtime.batch_sampler import RankBatchSampler, ShareSchedule, step_shares
 from hetrain.runtime.batch_transfer import to_device
+from hetrain.runtime.environment import add_error_hint
 from hetrain.runtime.data_order import GlobalBatchOrder, rank_slice
 from hetrain.runtime.sample_seeds import KeyedBatches, SeededSamples
 from hetrain.runtime.memory import equal_pieces, job_piece_count, micro_batch_sizes, split_batch
@@ -111,6 +112,7 @@ class HeteroLoader:
         # hide (all of it without workers), collating and moving it to the device included
         self.data_wait_seconds = 0.0
         self._generator = torch.Generator()   # workers' base seed, apart from the global RNG
+        add_error_hint(self._empty_batch_hint)
         if self.stream:
             self._source = _GlobalBatchSource(dataset, self.global_batch_size, drop_last)
             self.sampler = None
@@ -156,6 +158,15 @@ class HeteroLoader:
             raise TypeError("a loader over a stream (IterableDataset) has no length: the stream decides when "
                             "the epoch ends")
         return self.order.steps_per_epoch
+
+    def _empty_batch_hint(self, error: BaseException) -> str | None:
+        """A note for an error that ends the rank while its batch of the step is empty (share 0)."""
+        if not (self.step.active and self.step.local_samples == 0):
+            return None
+        return ("hetrain: this rank has no samples in this step (share 0) and its batch is empty, which some models "
+                "cannot take (Hugging Face transformers); give every rank a sample: drop_last=True in "
+                "session.loader() where the epoch's last global batch has fewer samples than there are ranks, "
+                "min_share >= 1 in the plan's balance settings, or a plan that gives every device samples")
 
     def _epoch_done(self) -> bool:
         return self.order is not None and self._in_epoch >= self.order.steps_per_epoch
@@ -420,4 +431,9 @@ def make_loader(dataset: Any, global_batch_size: int, *, shuffle: bool = True, s
         return HeteroLoader(dataset, None, global_batch_size=global_batch_size, seed=seed, drop_last=drop_last,
                             **common)
     order = GlobalBatchOrder(settings["samples"], global_batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    tail, ranks = settings["samples"] % global_batch_size, len(split.shares)
+    if not drop_last and 0 < tail < ranks and rank == 0:
+        log.warning("the epoch's last global batch has %d sample(s) for %d ranks: %d rank(s) get an empty batch in "
+                    "that step, which some models cannot take (Hugging Face transformers); drop_last=True avoids it",
+                    tail, ranks, ranks - tail)
     return HeteroLoader(dataset, order, **common)

@@ -13,6 +13,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -174,6 +175,24 @@ def configure_logging(level: int | None) -> None:
         logger.setLevel(logging.INFO if env_int("RANK", 0) == 0 else logging.WARNING)
 
 
+_ERROR_HINTS: list[Callable[[BaseException], str | None]] = []
+
+
+def add_error_hint(hint: Callable[[BaseException], str | None]) -> None:
+    """`hint(error)` may name a likely cause of an error that ends this rank (a note under its traceback)."""
+    _ERROR_HINTS.append(hint)
+
+
+def _add_hints(error: BaseException) -> None:
+    for hint in _ERROR_HINTS:
+        try:
+            note = hint(error)
+        except Exception:   # a hint never hides the error itself
+            note = None
+        if note:
+            error.add_note(note)
+
+
 def print_user_errors_as_one_line() -> None:
     """In a worker, a HetrainError (bad input) ends the rank with one line, on every rank, and exit 2."""
     previous = sys.excepthook
@@ -183,6 +202,8 @@ def print_user_errors_as_one_line() -> None:
     def hook(kind, value, tb):
         from hetrain.runtime.watchdog import record_exception
 
+        if not isinstance(value, HetrainError):
+            _add_hints(value)
         record_exception(value)  # tells the launcher why this rank ended, and when
         if isinstance(value, HetrainError):
             rank = os.environ.get("RANK")

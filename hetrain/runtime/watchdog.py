@@ -98,14 +98,16 @@ def is_peer_loss(exc: BaseException) -> bool:
 
 def one_line(exc: BaseException) -> str:
     """`Type: the message's first paragraph` on one line (a sentence wrapped over lines stays whole;
-    torch's C++ frames after it are left out), at most 300 characters."""
+    torch's C++ frames after it are left out), at most 300 characters, then hetrain's notes on its cause."""
     first = []
     for text in str(exc).strip().splitlines():
         if not text.strip() or text.startswith(("Exception raised from", "frame #")):
             break
         first.append(text.strip())
     line = f"{type(exc).__name__}: {' '.join(first)}" if first else type(exc).__name__
-    return line if len(line) <= 300 else line[:297] + "..."
+    line = line if len(line) <= 300 else line[:297] + "..."
+    hints = [n.removeprefix("hetrain: ") for n in getattr(exc, "__notes__", ()) if n.startswith("hetrain: ")]
+    return line + "".join(f" ({hint})" for hint in hints)   # hetrain's notes on its likely cause, whole
 
 
 def record_failure(message: str, *, secondary: bool = False, blame: int | None = None,
