@@ -131,6 +131,8 @@ class StepTimer:
         ddp.module.register_forward_pre_hook(_WrappedHook(self), prepend=True)
 
     def _ddp_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
+        if not torch.is_grad_enabled():   # an evaluation (no_grad, generate()) between steps: not the step's
+            return
         if self.started_at is None:
             self.started_at = time.perf_counter()
         self._armed = True   # this forward came through DDP: the wrapped module's next forward is compute
@@ -143,7 +145,7 @@ class StepTimer:
             self.compute_pre_hook(module, args)
 
     def compute_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
-        if self._start is None:
+        if self._start is None and torch.is_grad_enabled():   # a training forward, not an evaluation
             self._start = time.perf_counter()
             if self.started_at is None:
                 self.started_at = self._start
