@@ -6,6 +6,7 @@ gradient compression, by comparing candidate strategies on the cost model's pred
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hetrain.errors import HetrainError, NoPlanFits
@@ -180,23 +181,34 @@ def _per_rank(strategy: str, kinds: list[Kind], global_batch: int, world: int,
 
 
 def _fsdp_pieces(kinds: list[Kind], global_batch: int, choices: list[tuple[int, bool]],
-                 per_rank: dict[int, tuple[int, int, bool]]) -> int:
+                 per_rank: dict[int, tuple[int, int, bool]],
+                 step_of: Callable[[dict[int, tuple[int, int, bool]], int], float]) -> int:
     """The micro-batch count every rank of a ZeRO-3 job runs (FSDP2's gathers and reduce-scatters run once
-    per micro-batch, so all ranks run the most any share needs). `per_rank` is re-split, in place, for
-    the time each share takes at that count, until the count holds."""
-    def most(split: dict[int, tuple[int, int, bool]]) -> int:
-        return max((math.ceil(share / mb) for share, mb, _ in split.values() if share), default=1)
+    per micro-batch, so all ranks run the most any share needs), and `per_rank` re-split, in place, for it.
 
-    pieces = most(per_rank)
-    for _ in range(3):
-        costs = [FunctionCost(lambda n, k=k, mb=mb, c=c, p=pieces: k.pieces_time(n, max(p, math.ceil(n / mb)), c))
-                 for k, (mb, c) in zip(kinds, choices)]
-        shares = iter(split_min_max(global_batch, costs, counts=[k.count for k in kinds]))
-        per_rank.update({r: (next(shares), mb, c) for k, (mb, c) in zip(kinds, choices) for r in k.ranks})
-        if most(per_rank) <= pieces:
-            break
-        pieces = most(per_rank)
-    return most(per_rank)
+    Each count P from the fewest that holds the global batch is weighed: shares split min-max at P pieces
+    each (at most P micro-batches of a kind's size), priced whole by `step_of(split, P)` (compute and the
+    P rounds of gathers); the fastest wins. Giving a slow device no samples can force every rank through
+    many small pieces, each gathering the model: an even split at fewer pieces was 6.4x faster there."""
+    counts = [k.count for k in kinds]
+
+    def split_at(pieces: int) -> dict[int, tuple[int, int, bool]]:
+        costs = [FunctionCost(lambda n, k=k, c=c, p=pieces: k.pieces_time(n, p, c))
+                 for k, (_, c) in zip(kinds, choices)]
+        shares = iter(split_min_max(global_batch, costs, max_share=[pieces * mb for mb, _ in choices], counts=counts))
+        return {r: (next(shares), mb, c) for k, (mb, c) in zip(kinds, choices) for r in k.ranks}
+
+    fewest = max(1, math.ceil(global_batch / sum(n * mb for n, (mb, _) in zip(counts, choices))))
+    most = max((math.ceil(share / mb) for share, mb, _ in per_rank.values() if share), default=1)
+    most = max(most, fewest)
+    tried = set(range(fewest, min(most, fewest + 32) + 1))
+    p = fewest
+    while p < most:   # beyond the first 32 counts, every tenth more
+        p = max(p + 1, math.ceil(p * 1.1))
+        tried.add(min(p, most))
+    best = min((step_of(split, p), p, split) for p in sorted(tried) for split in [split_at(p)])
+    per_rank.update(best[2])
+    return best[1]
 
 
 def _needed_choice(share: int, plain_limit: int, current: tuple[int, bool]) -> tuple[int, bool]:
@@ -247,8 +259,15 @@ def data_parallel(strategy: str, cluster, profile: WorkloadProfile, kinds: list[
             break
         choices = better
         per_rank = _per_rank(strategy, kinds, global_batch, world, choices)
-    pieces = _fsdp_pieces(kinds, global_batch, choices, per_rank) if zero >= 3 else None
     kind_of = {r: k for k in kinds for r in k.ranks}
+    topo = cm.topology_of(cluster)
+    kept = cm.data_parallel_efficiency(world)
+
+    def fsdp_step(split: dict[int, tuple[int, int, bool]], pieces: int) -> float:
+        t = max(kind_of[r].pieces_time(share, pieces, ckpt) for r, (share, _, ckpt) in split.items())
+        return (t + _comm(profile, topo, zero, hook, pieces, t)[0]) / kept
+
+    pieces = _fsdp_pieces(kinds, global_batch, choices, per_rank, fsdp_step) if zero >= 3 else None
     ranks, compute, slow_rank = [], {}, None
     for r in range(world):
         share, mb, ckpt = per_rank[r]
@@ -272,10 +291,8 @@ def data_parallel(strategy: str, cluster, profile: WorkloadProfile, kinds: list[
         if slow_rank is None or t > compute[slow_rank][0]:
             slow_rank = r
     t_slow, accum_slow = compute[slow_rank]
-    topo = cm.topology_of(cluster)
     overlap = t_slow if zero >= 3 else t_slow / accum_slow * cm.backward_fraction(per_rank[slow_rank][2])
     exposed, net_exposed = _comm(profile, topo, zero, hook, accum_slow, overlap)
-    kept = cm.data_parallel_efficiency(world)
     step = (t_slow + exposed) / kept
     cand.step_seconds, cand.samples_per_s = step, global_batch / step
     cand.exposed_comm_seconds, cand.inter_node_seconds = exposed, net_exposed

@@ -239,3 +239,15 @@ def test_a_device_given_no_samples_is_priced_at_its_optimizer_step_and_named():
     assert idle.device == "cpu" and idle.predicted_step_seconds > busy.predicted_step_seconds > 0
     assert r.plan.predicted_samples_per_s <= 64 / idle.predicted_step_seconds
     assert any("rank 0 (cpu) gets no samples" in n and "faster without" in n for n in r.notes), r.notes
+
+
+def test_zero3_with_faster_devices_in_place_of_slow_ones_plans_no_slower():
+    """ZeRO-3 split once, then fixed the piece count its split needed: two V100s in place of two of 14 T4s
+    took every sample, ran every rank through 32 pieces (each gathering the model) and planned 0.29
+    samples/s, where the 14 T4s alone plan 1.87."""
+    profile = get_profile("llama-7b")
+    t4s = plan_job(cluster_from_devices("t4:14"), profile, 64, strategy="zero3")
+    mixed = plan_job(cluster_from_devices("t4:12,v100-16gb:2"), profile, 64, strategy="zero3")
+    assert mixed.plan.predicted_samples_per_s >= t4s.plan.predicted_samples_per_s
+    assert sum(r.share for r in mixed.plan.ranks) == 64
+    assert all(r.memory_bytes <= r.memory_capacity_bytes for r in mixed.plan.ranks)
