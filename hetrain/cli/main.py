@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from hetrain.errors import HetrainError
@@ -71,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"hetrain {verb}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:   # `hetrain devices --json | head`: the reader had enough; say nothing more
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
     # Safety nets: a file or value a verb did not check itself still ends as one line, not a traceback.
     except OSError as e:
         if e.filename is None:

@@ -12,6 +12,8 @@ from hetrain.planning.planner import STRATEGIES
 from hetrain.planning.precision_policy import PRECISION_CHOICES
 from hetrain.vocabulary import OPTIMIZERS
 
+MAX_GLOBAL_BATCH = 2**53   # samples per step the planner counts exactly (a float holds them)
+
 
 def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     """--cluster FILE | --preset NAME | --devices MODEL:COUNT,... (exactly one)."""
@@ -83,7 +85,9 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", default="auto", choices=list(PRECISION_CHOICES),
                         help="auto: bf16 where the chip has it, fp16 with loss scaling elsewhere; "
                              "another forces that precision where the chip has it")
-    parser.add_argument("--micro-batch", type=int, default=None, help="fix the micro-batch on every device")
+    parser.add_argument("--micro-batch", type=int, default=None, metavar="N",
+                        help="the largest micro-batch on every device: shares run in equal pieces of at most N; "
+                             "every device must hold N")
     parser.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS),
                         help="the optimizer whose state and step the plan prices: torch.optim's AdamW, Adam "
                              "and SGD (with momentum) as constructed by default, or with fused=True (-fused)")
@@ -104,8 +108,9 @@ def run(args: argparse.Namespace) -> int:
         if rates is None:
             raise HetrainError("--global-batch-size is required (samples per optimizer step), e.g. --global-batch-size 256")
         args.global_batch_size = rates.global_batch_size  # re-plan the run's job
-    if args.global_batch_size < 1:
-        raise HetrainError(f"--global-batch-size must be a positive integer, got {args.global_batch_size}")
+    if not 1 <= args.global_batch_size <= MAX_GLOBAL_BATCH:
+        raise HetrainError(f"--global-batch-size must be a positive integer up to {MAX_GLOBAL_BATCH:,}, got "
+                           f"{args.global_batch_size:,}")
     if args.micro_batch is not None and args.micro_batch < 1:
         raise HetrainError(f"--micro-batch must be a positive integer, got {args.micro_batch}")
     profiles = load_profiles(args.profiles) if args.profiles else None

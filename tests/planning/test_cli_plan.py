@@ -130,3 +130,12 @@ def test_micro_batch_that_fits_no_strategy_under_auto_does_not_suggest_auto():
     p = _run("plan", "--preset", "a100x4+v100x4", "--model", "resnet152", "--global-batch-size", "8192",
              "--micro-batch", "8192")
     assert p.returncode == 2 and "does not fit with any strategy" in p.stderr and "--strategy auto" not in p.stderr
+
+
+def test_a_batch_beyond_counting_and_a_closed_pipe_end_without_a_traceback():
+    p = _run("plan", "--devices", "a100:2", "--model", "resnet50", "--global-batch-size", "99999999999999999999")
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "--global-batch-size must be a positive integer up to" in p.stderr
+    shell = subprocess.run(f"{sys.executable} -m hetrain.cli.main devices --preset mix1024 --json | head -c 20",
+                           shell=True, capture_output=True, text=True, timeout=120)
+    assert shell.stdout.startswith("{") and "Traceback" not in shell.stderr and "Broken" not in shell.stderr, shell.stderr
