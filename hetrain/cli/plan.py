@@ -104,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
     # not hidden behind a missing batch size
     cluster, profile = cluster_from_args(args), profile_from_args(args)
     rates = MeasuredRates.load(args.from_run) if args.from_run else None
+    if rates is not None:
+        rates.check_model(profile.params, profile.name, args.from_run)
     if args.global_batch_size is None:
         if rates is None:
             raise HetrainError("--global-batch-size is required (samples per optimizer step), e.g. --global-batch-size 256")

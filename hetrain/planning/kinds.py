@@ -173,6 +173,10 @@ def figures_notes(kinds: list[Kind], profile: WorkloadProfile, profiles: dict[st
                   rates: MeasuredRates | None) -> list[str]:
     """One note per device kind: where its speed figures come from."""
     notes = []
+    planned = {k.spec.name for k in kinds}
+    for r in (rates.devices if rates is not None else []):
+        if r.device not in planned:
+            notes.append(f"{r.device}: measured in the run, but not among this plan's devices: its rates are unused")
     for k in kinds:
         name = k.spec.name
         if k.source == "measured-run":

@@ -42,6 +42,16 @@ class MeasuredRates(BaseModel):
     step: int = Field(ge=0, description="the step at which they were measured")
     global_batch_size: int = Field(ge=1)
     devices: list[DeviceRate]
+    model_params: int | None = Field(None, description="parameters of the model the run trained (None: not "
+                                                        "recorded, or a pipeline stage's only)")
+
+    def check_model(self, params: float, name: str, source: str) -> None:
+        """A run's rates hold for the model it trained only: another model is refused, naming both."""
+        if self.model_params and params > 0 and not 0.9 <= params / self.model_params <= 1.1:
+            raise HetrainError(
+                f"{source} measured a model of {self.model_params:,} parameters, and this plan is for {name} "
+                f"({int(params):,}): a run's rates hold for its own model only; plan the model it trained "
+                "(--model, --profile or --hf-config), or leave out --from-run")
 
     def save(self, directory: str | Path) -> Path:
         path = Path(directory) / RATES_FILE

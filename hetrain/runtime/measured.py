@@ -22,7 +22,7 @@ log = logging.getLogger("hetrain")
 
 
 def rates_by_kind(entries: Sequence[RankPlan], costs: Sequence[RankCost], shares: Sequence[int], *, step: int,
-                  global_batch_size: int, emulated: bool) -> MeasuredRates:
+                  global_batch_size: int, emulated: bool, model_params: int | None = None) -> MeasuredRates:
     """Median cost line of each device kind's ranks."""
     kinds: dict[tuple[str, str], list[int]] = {}
     for r, entry in enumerate(entries):
@@ -34,7 +34,7 @@ def rates_by_kind(entries: Sequence[RankPlan], costs: Sequence[RankCost], shares
             per_sample_seconds=statistics.median(costs[r].per_sample for r in ranks),
             fixed_seconds=statistics.median(costs[r].fixed for r in ranks),
             share=int(statistics.median(shares[r] for r in ranks)), emulated=emulated))
-    return MeasuredRates(step=step, global_batch_size=global_batch_size, devices=devices)
+    return MeasuredRates(step=step, global_batch_size=global_batch_size, devices=devices, model_params=model_params)
 
 
 class FlopMeter:

@@ -50,16 +50,20 @@ class Reports:
         self._flop_meter: FlopMeter | None = None
         self._rates: tuple | None = None             # the newest rates not yet written
         self._rates_written: float | None = None     # when they were last written (monotonic seconds)
+        self.model_params: int | None = None         # of the model the rates are measured on
 
     def add(self, observer: Any) -> None:
         self.observers.append(observer)
 
     def start_metrics(self, *, port: int | None, rank: int, local_rank: int, world_size: int, device: torch.device,
                       device_name: str, job: str, predicted_step_seconds: float | None, restart_count: int,
-                      module: torch.nn.Module) -> None:
+                      module: torch.nn.Module, whole_model: bool = True) -> None:
         """Serve this rank's Prometheus metrics on `port` (None: none) and append its run log to the run
         directory, if any (collective: every rank stops with one line if any cannot)."""
         from hetrain.metrics import RankMetrics
+
+        # the rates a run saves hold for its model: --from-run compares (a pipeline stage holds part of it)
+        self.model_params = sum(p.numel() for p in module.parameters()) if whole_model else None
 
         error, metrics = None, None
         try:
@@ -112,7 +116,8 @@ class Reports:
         entries, balancer, step, emulated = self._rates
         self._rates, self._rates_written = None, time.monotonic()
         rates = rates_by_kind(entries, balancer.costs, balancer.shares, step=step,
-                              global_batch_size=sum(balancer.shares), emulated=emulated)
+                              global_batch_size=sum(balancer.shares), emulated=emulated,
+                              model_params=self.model_params)
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             rates.save(self.run_dir)

@@ -493,4 +493,4 @@ class Session:
                 port=self._metrics_port, rank=self.rank, local_rank=self.local_rank, world_size=self.world_size,
                 device=self.device, device_name=self.entry.device, job=os.environ.get("TORCHELASTIC_RUN_ID", "local"),
                 predicted_step_seconds=self.entry.predicted_step_seconds, restart_count=self.restart_count,
-                module=self.prepared.module)
+                module=self.prepared.module, whole_model=self.pipeline is None)

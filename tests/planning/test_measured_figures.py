@@ -278,6 +278,25 @@ def test_a_run_leaves_its_measured_rates_for_from_run(tmp_path):
     rates = MeasuredRates.load(tmp_path)
     assert rates.step >= 10 and rates.global_batch_size == 16   # the last re-split's figures, not the first's
     assert rates.devices and all(d.per_sample_seconds > 0 for d in rates.devices)
+    from tests.memory.models import make_model
+
+    assert rates.model_params == sum(p.numel() for p in make_model().parameters())   # what --from-run checks
+
+
+def test_from_run_of_another_model_is_refused_naming_both(tmp_path):
+    """A digits MLP's run re-planned ResNet-50 at 17,722 samples/s, labelled measured."""
+    rates = _rates(0.8e-3, 1.0e-3)
+    rates.model_params = 101_770
+    rates.save(tmp_path)
+    p = _plan_cli("--devices", "a100:1,v100:1", "--model", "resnet50", "--from-run", str(tmp_path))
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "measured a model of 101,770 parameters" in p.stderr and "resnet50" in p.stderr, p.stderr
+    rates.model_params = get_profile("resnet50").params
+    rates.devices[1].device = "t4"   # a kind the plan does not have: said, not dropped silently
+    rates.save(tmp_path)
+    p = _plan_cli("--devices", "a100:1,v100:1", "--model", "resnet50", "--from-run", str(tmp_path), "--json")
+    assert p.returncode == 0, p.stderr
+    assert any("t4: measured in the run, but not among this plan's devices" in n for n in json.loads(p.stdout)["notes"])
 
 
 def test_a_profiles_adamw_step_is_scaled_to_the_optimizer_the_plan_prices():
