@@ -109,10 +109,11 @@ def test_bad_batch_is_a_user_error(batch):
         plan_job(get_preset("a100x8"), get_profile("resnet50"), batch)
 
 
-@pytest.mark.parametrize("devices,model,batch", [("a100-sxm4-40gb:4,v100-sxm2-32gb:4", "gpt3-2.7b", 512),
-                                                 ("a100:1,v100:1", "resnet50", 512)])
-def test_the_ideal_bounds_every_candidate_pipelines_included(devices, model, batch):
-    result = plan_job(cluster_from_devices(devices), get_profile(model), batch)
+@pytest.mark.parametrize("devices,model,batch,strategy", [
+    ("a100-sxm4-40gb:4,v100-sxm2-32gb:4", "gpt3-2.7b", 512, "auto"), ("a100:1,v100:1", "resnet50", 512, "auto"),
+    ("a100-40gb:1,v100:1", "gpt2-1.5b", 1000, "pipeline")])   # the stages' micro-batches beat the fitting ones
+def test_the_ideal_bounds_every_candidate_pipelines_included(devices, model, batch, strategy):
+    result = plan_job(cluster_from_devices(devices), get_profile(model), batch, strategy=strategy)
     feasible = [c for c in result.candidates if c.feasible]
     assert feasible and all(c.samples_per_s <= result.ideal_samples_per_s for c in feasible)
 
