@@ -153,7 +153,7 @@ def print_result(result) -> None:
     for key, ranks in rows.items():
         dev, prec, share, mb, acc, mem, cap, ckpt, stage, t = key
         label = str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}..{ranks[-1]} ({len(ranks)})"
-        table.add_row(label, dev, prec, str(share), f"{mb} x {acc}", f"{(mem or 0) / 1e9:.1f} / {(cap or 0) / 1e9:.0f} GB",
+        table.add_row(label, dev, prec, str(share), f"{mb} x {acc}", f"{(mem or 0) / 1e9:.1f} / {(cap or 0) / 1e9:.{0 if (cap or 0) >= 10e9 else 1}f} GB",
                       "yes" if ckpt else "no", str(stage), f"{t:.3f}" if t is not None else "-",
                       result.figures.get(dev, "modelled"))
     console.print(table)

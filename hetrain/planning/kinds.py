@@ -3,6 +3,7 @@ rates, a measured device profile, or the cost model, each saying which."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -166,6 +167,15 @@ def kinds_of(cluster, profile: WorkloadProfile, precision: str, calib: cm.Calibr
                 kind.peaks = measured.peak_points(prec) or None
             kinds[d.spec.name] = kind
         kinds[d.spec.name].ranks.append(d.rank)
+    for kind in kinds.values():
+        if kind.spec.arch == "cpu":   # a node's CPU ranks share its memory
+            per_node = max(sum(g.count for g in node.devices if g.spec.name == kind.spec.name)
+                           for node in cluster.nodes)
+            if per_node > 1:
+                kind.spec = dataclasses.replace(kind.spec, memory_bytes=kind.spec.memory_bytes // per_node)
+                kind.note = ((kind.note + "; ") if kind.note else "") + (
+                    f"{kind.spec.name}: {per_node} ranks on a node share its memory, "
+                    f"{kind.spec.memory_bytes / 1e9:.1f} GB each")
     return list(kinds.values())
 
 

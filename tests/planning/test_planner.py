@@ -252,3 +252,13 @@ def test_zero3_with_faster_devices_in_place_of_slow_ones_plans_no_slower():
     assert mixed.plan.predicted_samples_per_s >= t4s.plan.predicted_samples_per_s
     assert sum(r.share for r in mixed.plan.ranks) == 64
     assert all(r.memory_bytes <= r.memory_capacity_bytes for r in mixed.plan.ranks)
+
+
+def test_cpu_ranks_of_one_node_share_its_memory():
+    """Each of 4 CPU ranks was planned with the whole host's memory (4 x 21.6 GB on a 23 GiB machine)."""
+    from hetrain.hardware.catalog import host_memory_bytes
+
+    r = plan_job(cluster_from_devices("cpu:4"), get_profile("gpt2-124m"), 64)
+    assert all(rank.memory_capacity_bytes == host_memory_bytes() // 4 for rank in r.plan.ranks)
+    assert all(rank.memory_bytes <= rank.memory_capacity_bytes for rank in r.plan.ranks)
+    assert any("4 ranks on a node share its memory" in n for n in r.notes), r.notes
