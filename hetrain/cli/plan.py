@@ -95,6 +95,16 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="PLAN.json", help="write the Plan document here")
 
 
+def rank_label(ranks: list[int]) -> str:
+    """`3`, `0..5 (6)` for consecutive ranks, `0,1,4,5` otherwise (the first eight, then a count)."""
+    if len(ranks) == 1:
+        return str(ranks[0])
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}..{ranks[-1]} ({len(ranks)})"
+    shown = ",".join(map(str, ranks[:8]))
+    return shown if len(ranks) <= 8 else f"{shown},... ({len(ranks)})"
+
+
 def run(args: argparse.Namespace) -> int:
     from hetrain.planning.measured_rates import MeasuredRates
     from hetrain.planning.planner import plan_job
@@ -152,7 +162,7 @@ def print_result(result) -> None:
         rows.setdefault(key, []).append(r.rank)
     for key, ranks in rows.items():
         dev, prec, share, mb, acc, mem, cap, ckpt, stage, t = key
-        label = str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}..{ranks[-1]} ({len(ranks)})"
+        label = rank_label(ranks)
         table.add_row(label, dev, prec, str(share), f"{mb} x {acc}", f"{(mem or 0) / 1e9:.1f} / {(cap or 0) / 1e9:.{0 if (cap or 0) >= 10e9 else 1}f} GB",
                       "yes" if ckpt else "no", str(stage), f"{t:.3f}" if t is not None else "-",
                       result.figures.get(dev, "modelled"))

@@ -145,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise HetrainError("--device cuda: torch sees no CUDA device here; use --device cpu (or auto)")
     devices = [torch.device("cpu")] if args.device == "cpu" else local_devices()
+    if args.threads is not None and args.threads < 1:
+        raise HetrainError(f"--threads {args.threads}: give a number of CPU threads >= 1, e.g. --threads 4")
     threads = set_cpu_threads(args.threads)
     if args.concurrent > 1 and any(d.type != "cpu" for d in devices):
         raise HetrainError("--concurrent applies to the CPU only; add --device cpu")

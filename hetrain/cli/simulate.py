@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     profile = get_profile(args.model)
     mix = _mix(args.mix)
     try:
-        sizes = [int(s) for s in args.sizes.split(",")]
+        sizes = sorted({int(s) for s in args.sizes.split(",")})   # the plot's lines go left to right
     except ValueError:
         raise HetrainError(f"--sizes {args.sizes!r}: write positive integers, e.g. 1,2,4,8") from None
     if any(s < 1 for s in sizes) or args.batch_per_device < 1 or args.per_node < 1:

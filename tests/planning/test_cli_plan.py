@@ -139,3 +139,11 @@ def test_a_batch_beyond_counting_and_a_closed_pipe_end_without_a_traceback():
     shell = subprocess.run(f"{sys.executable} -m hetrain.cli.main devices --preset mix1024 --json | head -c 20",
                            shell=True, capture_output=True, text=True, timeout=120)
     assert shell.stdout.startswith("{") and "Traceback" not in shell.stderr and "Broken" not in shell.stderr, shell.stderr
+
+
+def test_the_plan_table_names_the_ranks_of_a_row_as_they_are():
+    from hetrain.cli.plan import rank_label
+
+    assert [rank_label(r) for r in ([3], [0, 1, 2], [0, 1, 4, 5])] == ["3", "0..2 (3)", "0,1,4,5"]   # was 0..5 (4)
+    p = _run("profile", "--model", "resnet50", "--device", "cpu", "--threads", "0", "--out", "unused")
+    assert p.returncode == 2 and "--threads 0" in p.stderr and "Traceback" not in p.stderr, p.stderr
