@@ -13,11 +13,32 @@ overflow, double after `growth_interval` good steps) with a floor: it never fall
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 
 import torch
 
+from hetrain.errors import HetrainError
+
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def check_not_prescaled(loss: torch.Tensor) -> None:
+    """Refuse a loss the script already multiplied by a `torch.amp.GradScaler`'s scale (a power of two of
+    256 or more, as one float32 tensor): scaled twice, every step overflowed and was skipped, then one
+    update came 65536 times too large."""
+    fn = getattr(loss, "grad_fn", None)
+    if fn is None or fn.name() != "MulBackward0":
+        return
+    other = getattr(fn, "_saved_other", None)
+    if not (isinstance(other, torch.Tensor) and other.numel() == 1 and other.dtype == torch.float32):
+        return
+    value = float(other)
+    if value >= 256 and math.isfinite(value) and math.log2(value).is_integer():
+        raise HetrainError(
+            f"session.backward() was given a loss multiplied by {value:g}, a GradScaler's scale "
+            "(scaler.scale(loss)): the session keeps the loss scale itself, for every rank; pass the loss as "
+            "it is and drop the script's GradScaler (scaler.step and scaler.update go too)")
 
 
 class JobLossScaler:

@@ -43,7 +43,7 @@ from hetrain.runtime.parallelize import Prepared, gradient_sync, parallelize
 from hetrain.runtime.pipeline_schedule import item_counter, prepare_pipeline
 from hetrain.runtime.pipeline_stages import check_pipeline_plan
 from hetrain.runtime.plan_entries import comm_for_world, find_entries, pipeline_assignment
-from hetrain.runtime.precision import JobLossScaler, autocast, configure_tf32
+from hetrain.runtime.precision import JobLossScaler, autocast, check_not_prescaled, configure_tf32
 from hetrain.runtime.resume import SessionCheckpoints
 from hetrain.runtime.schedulers import Schedulers
 from hetrain.runtime.step_state import StepState, items_as_number
@@ -294,6 +294,7 @@ class Session:
             raise HetrainError("under a pipeline plan no rank holds the whole model: run each step with "
                                "session.forward_backward(inputs, target, loss_fn) instead of model(...) and backward()")
         self.state.require_batch("backward")
+        check_not_prescaled(loss)
         warn_if_evaluating(self.prepared.module)
         if self.sharding != "fsdp":   # FSDP2 keeps a step's earlier micro-batches' gradients off p.grad
             self._kept.check(self.prepared.module, self.state)

@@ -164,3 +164,20 @@ def test_loss_scale_has_a_floor():
     assert scaler.scale == 1.0
     scaler.load_state_dict({"enabled": True, "scale": 0.0, "good_steps": 0})
     assert scaler.scale == 1.0
+
+
+def test_a_loss_a_grad_scaler_already_scaled_is_refused_naming_it():
+    """Left over from a ported script, it was scaled twice: 16 steps skipped, then one 65536x too large."""
+    import hetrain
+
+    with hetrain.Session(balance=False) as session:
+        net = make_model()
+        model, _ = session.prepare(net, make_optimizer(net))
+        scaler = torch.amp.GradScaler("cpu")
+        for x, y in session.loader(make_data(), global_batch_size=GLOBAL):
+            loss = F.cross_entropy(model(x), y)
+            with pytest.raises(HetrainError, match="GradScaler"):
+                session.backward(scaler.scale(loss))
+            session.backward(loss * torch.tensor(3.0))   # a loss weighted by a tensor is the script's own
+            session.step()
+            break
