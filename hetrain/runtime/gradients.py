@@ -127,6 +127,15 @@ def finish_gradients(params: Iterable[torch.nn.Parameter], state: StepState, los
     return GradientStatus(found_inf=found_inf, global_items=global_items, loss=loss, stop=stops > 0)
 
 
+def agree_items_per_sample(items: float, samples: int, device: torch.device,
+                           group: dist.ProcessGroup | None = None) -> float:
+    """Items per sample over every rank's first backward of the run (collective): the first step's estimate."""
+    t = torch.tensor([float(items), float(samples)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=group)
+    total_items, total_samples = t.tolist()
+    return total_items / total_samples if total_samples > 0 and total_items > 0 else 1.0
+
+
 class SkipCounter:
     """Steps skipped for non-finite gradients; too many in a row stop the run with one line."""
 

@@ -36,8 +36,8 @@ from hetrain.runtime.comm_hooks import forget_feedback
 from hetrain.runtime.data import HeteroLoader, make_loader
 from hetrain.runtime.environment import (RankEnv, collective_timeout, configure_logging, env_int, init_process_group,
                                          pick_device, print_user_errors_as_one_line, progress_timeout)
-from hetrain.runtime.gradients import (GradientStatus, SkipCounter, StepFigures, clip_gradients, finish_gradients,
-                                       launch_step_figures, weighted_mean)
+from hetrain.runtime.gradients import (GradientStatus, SkipCounter, StepFigures, agree_items_per_sample,
+                                       clip_gradients, finish_gradients, launch_step_figures, weighted_mean)
 from hetrain.runtime.reporting import Reports, step_record
 from hetrain.runtime.parallelize import Prepared, gradient_sync, parallelize
 from hetrain.runtime.pipeline_schedule import item_counter, prepare_pipeline
@@ -301,6 +301,8 @@ class Session:
         items = self.state.current_samples() if num_items is None else items_as_number(num_items)
         if self.state.micro_samples == 0:
             items = 0   # a piece without samples of its own (a stand-in under FSDP2) counts nothing
+        if self.state.items_per_sample is None:   # the run's first backward: the ranks agree on an estimate
+            self.state.items_per_sample = agree_items_per_sample(items, self.state.current_samples(), self.device)
         self.state.record_backward(loss, items)
         self._launch_figures()
         if items == 0 and self.sharding == "fsdp":

@@ -9,7 +9,10 @@ are multiplied by `estimate / global_items` (together with the loss scale's divi
 makes them the gradient of the mean over all items of the global batch, for any split, any
 micro-batching and ranks with no items. For sample means the estimate is exact and the
 correction is 1; for tokens the estimate is the step's samples times the last step's tokens per
-sample, which keeps the loss near its usual magnitude (so fp16 loss scaling behaves as usual).
+sample, which keeps the loss near its usual magnitude (so fp16 loss scaling behaves as usual). The
+run's first step has no last step: its first backward agrees on tokens per sample (one small
+all-reduce of every rank's first items and samples), or a token-mean loss 50 times too heavy
+overflowed fp16 and skipped that step.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ class StepState:
         self.loss_sum: torch.Tensor | None = None   # sum of loss * items over this step's backwards
         self.backwards = 0
         self.micros = 0                         # micro-batches of the step handed out so far
-        self.items_per_sample = 1.0             # the last finished step's global items / global samples
+        # the last finished step's global items / global samples; None until the run's first step agrees on one
+        self.items_per_sample: float | None = None
         self.begun = 0                          # steps begun (tells one step's batch from the next)
         self.last: StepTotals | None = None
 
@@ -74,7 +78,7 @@ class StepState:
 
     def estimate(self) -> float:
         """The global item count the weights divide by before the true one is known (same on all ranks)."""
-        return max(self.global_samples * self.items_per_sample, 1.0)
+        return max(self.global_samples * (self.items_per_sample or 1.0), 1.0)
 
     def weight(self, num_items: float) -> float:
         """What this backward's mean loss is multiplied by."""

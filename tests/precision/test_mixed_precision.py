@@ -181,3 +181,32 @@ def test_a_loss_a_grad_scaler_already_scaled_is_refused_naming_it():
             session.backward(loss * torch.tensor(3.0))   # a loss weighted by a tensor is the script's own
             session.step()
             break
+
+
+def _token_mean_first_steps(rank, world):
+    import hetrain
+
+    session = hetrain.Session(make_plan(PRECISIONS))
+    net = make_model()
+    model, _ = session.prepare(net, make_optimizer(net))
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(24, 256, 8, generator=g)
+    y = torch.randint(0, 3, (24, 256), generator=g)
+    y[:, 200:] = -100                                   # padding: 200 tokens of 256 count
+    applied, scales = [], []
+    for xb, yb in session.loader(TensorDataset(x, y), global_batch_size=GLOBAL, shuffle=False):
+        with session.autocast():
+            loss = F.cross_entropy(model(xb).reshape(-1, 3).float(), yb.reshape(-1), ignore_index=-100)
+        session.backward(loss, num_items=(yb != -100).sum())
+        applied.append(session.step())
+        scales.append(session.scaler.scale)
+    session.close()
+    return applied, scales
+
+
+def test_a_token_mean_loss_does_not_overflow_the_first_fp16_step():
+    """Before any step had ended the estimate counted one item per sample: the first step's loss weighed 200
+    times too much, overflowed on the fp16 rank and was skipped on every rank."""
+    for applied, scales in run_ranks(_token_mean_first_steps, 3):
+        assert applied == [True, True], applied
+        assert scales == [2.0**16, 2.0**16], scales
