@@ -337,6 +337,28 @@ def with_compression(strategy: str, cluster, profile, kinds, global_batch, optim
 # ---------------------------------------------------------------- planner
 
 
+def _alone_note(cluster, profile, kinds: list[Kind], global_batch: int, optimizer: str, precision: str, calib,
+                profiles, rates, chosen: float) -> str | None:
+    """A note when the fastest kind's devices alone are predicted faster than the whole cluster: adding
+    devices can slow a job (their share of communication, a slower link between unlike devices, a
+    piece count or a pipeline bubble they force)."""
+    best = max(kinds, key=lambda k: global_batch / k.time(global_batch, global_batch, False))
+    name = best.spec.name
+    nodes = [node.model_copy(update={"devices": [g for g in node.devices if g.spec.name == name]})
+             for node in cluster.nodes if any(g.spec.name == name for g in node.devices)]
+    try:
+        alone = plan_job(cluster.model_copy(update={"nodes": nodes}), profile, global_batch, optimizer=optimizer,
+                         precision=precision, calib=calib, profiles=profiles, rates=rates)
+    except HetrainError:
+        return None
+    faster = alone.plan.predicted_samples_per_s
+    if faster <= chosen * 1.05:
+        return None
+    return (f"the {best.count} {name} alone are predicted at {faster:.1f} samples/s, faster than every device "
+            f"together ({chosen:.1f}): the others cost more in communication and synchronisation than their "
+            f"compute brings; plan them alone (--devices {name}:{best.count}, or a cluster file of those nodes)")
+
+
 def ideal_samples_per_s(profile: WorkloadProfile, kinds: list[Kind], global_batch: int, optimizer: str,
                         world: int, pipelines: bool = False) -> float:
     """Sum of each device's own best rate: the whole global batch alone, in micro-batches of its
@@ -444,6 +466,9 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
                      f"{uniform.samples_per_s:.1f} for uniform DDP ({chosen.samples_per_s / uniform.samples_per_s:.2f}x)")
     else:
         notes.append(f"chose {chosen.strategy}: predicted {chosen.samples_per_s:.1f} samples/s")
+    if strategy == "auto" and len(kinds) > 1:
+        notes += [n for n in [_alone_note(cluster, profile, kinds, global_batch, optimizer, precision, calib,
+                                          profiles, rates, chosen.samples_per_s)] if n]
     plan = chosen.plan.model_copy(update={"notes": chosen.plan.notes + notes})
     ideal = ideal_samples_per_s(profile, kinds, global_batch, optimizer, world,
                                 pipelines=any(c.feasible and c.strategy in PIPELINE_STRATEGIES for c in cands.values()))

@@ -262,3 +262,15 @@ def test_cpu_ranks_of_one_node_share_its_memory():
     assert all(rank.memory_capacity_bytes == host_memory_bytes() // 4 for rank in r.plan.ranks)
     assert all(rank.memory_bytes <= rank.memory_capacity_bytes for rank in r.plan.ranks)
     assert any("4 ranks on a node share its memory" in n for n in r.notes), r.notes
+
+
+def test_a_plan_slower_than_its_fastest_devices_alone_says_so():
+    """4 H100 PCIe plan 2349 samples/s on BERT-large; with 4 T4 beside them (no samples, and the unlike
+    devices' link staged through the host) 1045, and nothing said it."""
+    r = plan_job(cluster_from_devices("h100-pcie-80gb:4,t4:4"), get_profile("bert-large"), 256)
+    alone = plan_job(cluster_from_devices("h100-pcie-80gb:4"), get_profile("bert-large"), 256)
+    assert alone.plan.predicted_samples_per_s > 1.05 * r.plan.predicted_samples_per_s
+    note = next(n for n in r.notes if "alone are predicted" in n)
+    assert f"{alone.plan.predicted_samples_per_s:.1f} samples/s" in note and "--devices h100-pcie-80gb:4" in note
+    fine = plan_job(get_preset("a100x4+v100x4"), get_profile("resnet152"), 1024)   # the mix is faster: no note
+    assert not any("alone are predicted" in n for n in fine.notes)
