@@ -153,7 +153,7 @@ def print_result(result) -> None:
     plan = result.plan
     table = Table(title=f"hetrain plan: {plan.strategy}, global batch {plan.global_batch_size}")
     for col in ("ranks", "device", "precision", "share", "micro-batch x accum", "memory used / total",
-                "checkpointing", "stage", "step (s)", "figures"):
+                "checkpointing", "stage", "compute (s)", "figures"):
         table.add_column(col)
     rows: dict[tuple, list[int]] = {}
     for r in plan.ranks:
