@@ -57,3 +57,19 @@ def test_train_gpt2_runs_unchanged_under_a_pipeline_plan(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     losses = _losses(r.stdout)
     assert len(losses) == 3 and losses[-1] < 0.8 * losses[0], r.stdout
+
+
+def test_train_hf_causal_lm_learns_and_saves_a_model_that_reloads(tmp_path):
+    """The Hugging Face user's loop (the model's own loss, attention mask, padding collate, warm-up,
+    clipping, save_pretrained) on two ranks at speeds 1 and 0.5."""
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    r = run_cli([*HETRAIN, "launch", "--nproc-per-node", "2", "--emulate-speeds", "1,0.5",
+                 "examples/train_hf_causal_lm.py", "--out", str(tmp_path / "lm")], cwd=ROOT, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    losses = _losses(r.stdout)
+    assert len(losses) == 3 and losses[-1] < 0.8 * losses[0], r.stdout
+    assert "split [16, 16] ->" in r.stderr   # the faster rank took more of the batch
+    model = GPT2LMHeadModel.from_pretrained(tmp_path / "lm")
+    assert torch.isfinite(model(torch.tensor([[1, 2, 3, 4]])).logits).all()
