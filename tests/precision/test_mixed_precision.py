@@ -210,3 +210,32 @@ def test_a_token_mean_loss_does_not_overflow_the_first_fp16_step():
     for applied, scales in run_ranks(_token_mean_first_steps, 3):
         assert applied == [True, True], applied
         assert scales == [2.0**16, 2.0**16], scales
+
+
+def test_the_scripts_own_fp16_autocast_without_a_loss_scale_warns_once():
+    """No rank of the plan is fp16, so the job keeps no loss scale: fp16 gradients underflowed silently."""
+    import copy
+    import logging
+
+    import hetrain
+
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logging.getLogger("hetrain").addHandler(handler)
+    try:
+        with hetrain.Session(balance=False) as session:
+            net = make_model()
+            model, _ = session.prepare(net, make_optimizer(net))
+            copy.deepcopy(net)   # the watch does not stop the script's model from being copied or pickled
+            for step, (x, y) in enumerate(session.loader(make_data(), global_batch_size=GLOBAL)):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = F.cross_entropy(model(x), y)
+                session.backward(loss)
+                session.step()
+                if step == 2:
+                    break
+    finally:
+        logging.getLogger("hetrain").removeHandler(handler)
+    said = [r.getMessage() for r in records if "fp16 autocast" in r.getMessage()]
+    assert len(said) == 1 and "session.autocast()" in said[0]
