@@ -163,8 +163,9 @@ class HeteroLoader:
         """A note for an error that ends the rank while its batch of the step is empty (share 0)."""
         if not (self.step.active and self.step.local_samples == 0):
             return None
-        return ("hetrain: this rank has no samples in this step (share 0) and its batch is empty, which some models "
-                "cannot take (Hugging Face transformers); give every rank a sample: drop_last=True in "
+        return ("hetrain: this rank has no samples in this step (share 0) and its batch is empty; if the error came "
+                "from the model, some models cannot take one (Hugging Face transformers): give every rank a sample: "
+                "drop_last=True in "
                 "session.loader() where the epoch's last global batch has fewer samples than there are ranks, "
                 "min_share >= 1 in the plan's balance settings, or a plan that gives every device samples")
 

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import datetime
 import gc
+import inspect
 import logging
 import os
 import sys
 import time
+import weakref
 from dataclasses import dataclass
 from collections.abc import Callable
 from typing import Any
@@ -175,18 +177,21 @@ def configure_logging(level: int | None) -> None:
         logger.setLevel(logging.INFO if env_int("RANK", 0) == 0 else logging.WARNING)
 
 
-_ERROR_HINTS: list[Callable[[BaseException], str | None]] = []
+_ERROR_HINTS: list[Callable[[], Callable[[BaseException], str | None] | None]] = []
 
 
 def add_error_hint(hint: Callable[[BaseException], str | None]) -> None:
-    """`hint(error)` may name a likely cause of an error that ends this rank (a note under its traceback)."""
-    _ERROR_HINTS.append(hint)
+    """`hint(error)` may name a likely cause of an error that ends this rank (a note under its traceback).
+    A bound method is held weakly: its object (a loader and its workers) is not kept alive by it."""
+    _ERROR_HINTS.append(weakref.WeakMethod(hint) if inspect.ismethod(hint) else (lambda: hint))
 
 
 def _add_hints(error: BaseException) -> None:
-    for hint in _ERROR_HINTS:
+    _ERROR_HINTS[:] = [ref for ref in _ERROR_HINTS if ref() is not None]
+    for ref in _ERROR_HINTS:
+        hint = ref()
         try:
-            note = hint(error)
+            note = hint(error) if hint is not None else None
         except Exception:   # a hint never hides the error itself
             note = None
         if note:

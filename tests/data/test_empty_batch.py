@@ -32,3 +32,24 @@ def test_an_empty_batch_a_model_cannot_take_is_named_with_the_fix(tmp_path):
     assert "the epoch's last global batch has 1 sample(s) for 3 ranks" in out.stderr   # said before training
     line = out.stderr.strip().splitlines()[-1]
     assert "cannot reshape" in line and "share 0" in line and "drop_last=True" in line, line
+
+
+def test_a_dropped_loader_is_not_kept_alive_by_its_hint():
+    """The hint was held strongly: every loader, and its persistent workers, lived as long as the process."""
+    import gc
+    import weakref
+
+    import torch
+
+    from hetrain.runtime.data import make_loader
+    from hetrain.runtime.step_state import StepState
+
+    class _Split:
+        shares = [8]
+
+    loader = make_loader(torch.utils.data.TensorDataset(torch.arange(16)), 8, rank=0, split=_Split(),
+                         step=StepState(1), device=torch.device("cpu"))
+    gone = weakref.ref(loader)
+    del loader
+    gc.collect()
+    assert gone() is None

@@ -82,3 +82,33 @@ def test_reading_in_the_training_process_leaves_its_random_stream_alone():
     after = (torch.rand(1).item(), random.random(), float(np.random.rand()))
     torch.manual_seed(0), random.seed(0), np.random.seed(0)
     assert after == (torch.rand(1).item(), random.random(), float(np.random.rand()))
+
+
+class _PerWorkerHandle(Dataset):
+    """torch's pattern for a file or database handle opened in each worker by worker_init_fn."""
+
+    def __len__(self):
+        return N
+
+    def __getitem__(self, i):
+        if getattr(self, "handle", None) is None:
+            raise RuntimeError("handle not opened")
+        return i, torch.rand(2), random.random(), float(np.random.rand())
+
+
+def _open_handle(worker_id):
+    torch.utils.data.get_worker_info().dataset.handle = f"opened by worker {worker_id}"
+
+
+def test_a_worker_init_fn_reaches_the_scripts_dataset_and_a_stack_of_datasets_reads_sample_by_sample():
+    loader = make_loader(_PerWorkerHandle(), GLOBAL, shuffle=True, seed=5, rank=0, split=_Split([GLOBAL]),
+                         step=StepState(1), device=torch.device("cpu"), num_workers=2, worker_init_fn=_open_handle)
+    assert len(_draws([loader], epochs=1)) == N
+    stacked = [make_loader(torch.utils.data.StackDataset(Augmented()), GLOBAL, shuffle=True, seed=5, rank=r,
+                           split=_Split(shares), step=StepState(len(shares)), device=torch.device("cpu"))
+               for shares in ([GLOBAL], [3, 5]) for r in range(len(shares))]
+    one, two = [], []
+    for batches in zip(*stacked):   # StackDataset has __getitems__ even when its parts read sample by sample
+        one += [tuple(map(float, b[0][2].reshape(-1))) for b in batches[:1]]
+        two += [tuple(map(float, b[0][2].reshape(-1))) for b in batches[1:]]
+    assert sorted(x for xs in one for x in xs) == sorted(x for xs in two for x in xs)
