@@ -111,6 +111,9 @@ def validate(cfg: LaunchConfig) -> None:
     if cfg.max_restarts < 0:
         raise HetrainError(f"--max-restarts must be >= 0, got {cfg.max_restarts}")
     lo, hi = _max_nodes(cfg.nnodes)
+    if cfg.standalone and hi > 1:
+        raise HetrainError(f"--standalone runs one node with its own rendezvous, and --nnodes is {cfg.nnodes}: no "
+                           "other node can join it; drop --standalone and give every node --rdzv-endpoint HOST:PORT")
     if cfg.emulate_speeds is not None:
         for s in cfg.emulate_speeds:
             if not s > 0:

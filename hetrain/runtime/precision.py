@@ -59,12 +59,20 @@ def watch_unscaled_fp16(model: torch.nn.Module, device: torch.device) -> None:
 
 def check_not_prescaled(loss: torch.Tensor) -> None:
     """Refuse a loss the script already multiplied by a `torch.amp.GradScaler`'s scale (a power of two of
-    256 or more, as one float32 tensor): scaled twice, every step overflowed and was skipped, then one
-    update came 65536 times too large."""
+    256 or more, as one float32 tensor), found within the loss's last few single-input operations
+    (`scaler.scale(loss) / 2`, `.sum()`, `.mean()`): scaled twice, every step overflowed and was skipped,
+    then one update came 65536 times too large."""
     fn = getattr(loss, "grad_fn", None)
-    if fn is None or fn.name() != "MulBackward0":
-        return
-    other = getattr(fn, "_saved_other", None)
+    for _ in range(4):
+        if fn is None:
+            return
+        if fn.name() == "MulBackward0":
+            _refuse_a_scale(getattr(fn, "_saved_other", None))
+        inputs = [f for f, _ in fn.next_functions if f is not None]
+        fn = inputs[0] if len(inputs) == 1 else None
+
+
+def _refuse_a_scale(other: Any) -> None:
     if not (isinstance(other, torch.Tensor) and other.numel() == 1 and other.dtype == torch.float32):
         return
     value = float(other)

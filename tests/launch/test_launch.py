@@ -196,3 +196,5 @@ def test_nodes_that_never_all_arrive_end_with_one_line_naming_the_flags(tmp_path
                                       local_addr="10.0.0.2"))
     assert "--rdzv-conf=join_timeout=3" in argv and "--local-addr=10.0.0.2" in argv
     assert "--standalone" in torchrun_argv(LaunchConfig(script="t.py", standalone=True, nnodes="1"))
+    with pytest.raises(HetrainError, match="no other node can join"):
+        validate(LaunchConfig(script=str(script), standalone=True, nnodes="2"))

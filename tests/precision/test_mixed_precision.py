@@ -176,8 +176,9 @@ def test_a_loss_a_grad_scaler_already_scaled_is_refused_naming_it():
         scaler = torch.amp.GradScaler("cpu")
         for x, y in session.loader(make_data(), global_batch_size=GLOBAL):
             loss = F.cross_entropy(model(x), y)
-            with pytest.raises(HetrainError, match="GradScaler"):
-                session.backward(scaler.scale(loss))
+            for scaled in (scaler.scale(loss), scaler.scale(loss) / 2, scaler.scale(loss.unsqueeze(0)).mean()):
+                with pytest.raises(HetrainError, match="GradScaler"):
+                    session.backward(scaled)
             session.backward(loss * torch.tensor(3.0))   # a loss weighted by a tensor is the script's own
             session.step()
             break
