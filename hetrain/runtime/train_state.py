@@ -79,6 +79,8 @@ class TrainState:
         else:
             model_state = self.prepared.module.state_dict()
             optimizer_state = self._full_optimizer_state()
+        user_state = self.user_states.state_dict()
+        self.user_states.check_replicated(user_state, self.world_size)
         shared = {
             "step": self.step,
             "skipped_steps": self.skipped_steps,
@@ -90,7 +92,7 @@ class TrainState:
             "scaler": self.scaler.state_dict(),
             "items_per_sample": self.step_state.items_per_sample if self.step_state is not None else None,
             "schedulers": self.schedulers.state_dict(),
-            "user_state": self.user_states.state_dict(),
+            "user_state": user_state,
             "balancer": self.balancer.state_dict(),
             "loader": self.loader.state_dict(),
             "world_size": self.world_size,

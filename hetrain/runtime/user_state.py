@@ -20,6 +20,8 @@ import copy
 import logging
 from typing import Any
 
+import torch
+
 from hetrain.errors import HetrainError
 
 log = logging.getLogger("hetrain")
@@ -34,6 +36,29 @@ def _check(name: Any, obj: Any) -> None:
         raise HetrainError(
             f"session.add_state({name!r}, ...) takes an object with state_dict() and load_state_dict() (a module, "
             f"an AveragedModel, a metric) or a dict, not {type(obj).__name__}")
+
+
+def _digest(name: str, value: Any) -> Any:
+    """A fingerprint of a state to compare across ranks: tensors by shape and sum, other values as they are."""
+    sums: list[torch.Tensor] = []
+
+    def walk(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            if hasattr(v, "to_local"):
+                raise HetrainError(
+                    f"the state given to session.add_state({name!r}) holds sharded tensors (DTensor, FSDP2's "
+                    "shards): a checkpoint holds one copy of the script's state, rank 0's; keep full tensors there, "
+                    "the same on every rank")
+            sums.append(v.detach().double().sum().cpu() if v.numel() else torch.zeros((), dtype=torch.float64))
+            return ("tensor", tuple(v.shape), len(sums) - 1)
+        if isinstance(v, dict):
+            return {k: walk(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [walk(x) for x in v]
+        return repr(v)
+
+    shape = walk(value)
+    return shape, torch.stack(sums).tolist() if sums else []
 
 
 class UserStates:
@@ -60,14 +85,35 @@ class UserStates:
         for name, obj in self.items.items():
             self._load(name, obj)
 
+    def check_replicated(self, states: dict[str, Any], world_size: int) -> None:
+        """Refuse states that differ between ranks (collective): a checkpoint holds one copy, rank 0's, so
+        a rank holding its own part (an EMA of FSDP2's local shards) would resume with rank 0's."""
+        if world_size == 1 or not states:
+            return
+        import torch.distributed as dist
+
+        mine = {name: _digest(name, value) for name, value in states.items()}
+        every: list[Any] = [None] * world_size
+        dist.all_gather_object(every, mine)
+        for name in states:
+            differ = [r for r, d in enumerate(every) if d[name] != every[0][name]]
+            if differ:
+                raise HetrainError(
+                    f"the state given to session.add_state({name!r}) differs between ranks (rank 0 and rank "
+                    f"{differ[0]}), and a checkpoint holds one copy of it, rank 0's: every rank would resume with "
+                    "rank 0's; keep it the same on every rank (derived from the whole model and the global-batch "
+                    "loss), or save a rank's own part yourself")
+
     def _load(self, name: str, obj: Any) -> None:
         if name not in self._saved:
             log.warning("the checkpoint resumed holds no state named %r (session.add_state): it starts as the "
                         "script built it", name)
             return
         value = self._saved.pop(name)
-        if isinstance(obj, dict):
+        if isinstance(obj, dict):   # tensors go back to the devices the script's dict holds them on
+            value = {k: v.to(obj[k].device) if isinstance(v, torch.Tensor) and isinstance(obj.get(k), torch.Tensor)
+                     else copy.deepcopy(v) for k, v in value.items()}
             obj.clear()
-            obj.update(copy.deepcopy(value))
+            obj.update(value)
         else:
             obj.load_state_dict(value)

@@ -66,3 +66,26 @@ def test_state_without_state_dict_is_refused_naming_what_it_takes():
         session.add_state("values", {})
         with pytest.raises(HetrainError, match="already"):
             session.add_state("values", {})
+
+
+def _rank_own_state(rank, world, ckpt_dir):
+    import hetrain
+    from hetrain.bench.digits import digits_datasets, digits_mlp
+
+    session = hetrain.Session(balance=False, checkpoint_dir=ckpt_dir, checkpoint_interval=1)
+    net = digits_mlp(hidden=8)
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    session.add_state("mine", {"part": torch.full((3,), float(rank))})   # each rank's own, as FSDP2's shards are
+    try:
+        for x, y in session.loader(digits_datasets()[0], global_batch_size=32):
+            session.backward(F.cross_entropy(model(x), y))
+            session.step()
+    except HetrainError as e:
+        return str(e)
+    return None
+
+
+def test_state_that_differs_between_ranks_is_refused_at_the_first_checkpoint(tmp_path):
+    """A checkpoint holds rank 0's copy: rank 1's EMA of its own shards resumed as rank 0's (5.4e-1 off)."""
+    errors = run_ranks(_rank_own_state, 2, str(tmp_path))
+    assert all(e is not None and "add_state('mine') differs between ranks (rank 0 and rank 1)" in e for e in errors)
