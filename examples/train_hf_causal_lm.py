@@ -7,12 +7,15 @@ What hetrain changes: the loader (global batches split by speed), `session.autoc
 its plan's precision; fp16 ranks get the job's loss scale), `session.backward(loss, num_items=...)`
 (HF's loss is the mean over this rank's predicted tokens; with their count the update is the mean
 over every token of the global batch, whatever the split), `session.clip_grad_norm_`,
-`session.step()`, and the scheduler given to the session. Built from a config: nothing downloaded.
+`session.step()`, the scheduler given to the session, and the save: the whole model is gathered on
+every rank (under an FSDP2 plan each holds a shard) and written by rank 0. Built from a config:
+nothing downloaded.
 """
 
 import argparse
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.nn.utils.rnn import pad_sequence
 from transformers import GPT2Config, GPT2LMHeadModel, get_linear_schedule_with_warmup
 
@@ -67,6 +70,8 @@ if __name__ == "__main__":
                 print(f"step {session.step_count} loss {session.loss:.4f}", flush=True)
             if session.step_count >= args.steps:
                 break
-    if session.is_main and args.out:
-        getattr(model, "module", model).save_pretrained(args.out)   # the model inside DDP
+    if args.out:   # every rank gathers the whole model (collective under FSDP2), rank 0 writes it
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if session.is_main:
+            net.save_pretrained(args.out, state_dict=full)
     session.close()

@@ -323,9 +323,11 @@ def _alone_note(cluster, profile, kinds: list[Kind], global_batch: int, optimize
     faster = alone.plan.predicted_samples_per_s
     if faster <= chosen * 1.05:
         return None
-    return (f"the {best.count} {name} alone are predicted at {faster:.1f} samples/s, faster than every device "
-            f"together ({chosen:.1f}): the others cost more in communication and synchronisation than their "
-            f"compute brings; plan them alone (--devices {name}:{best.count}, or a cluster file of those nodes)")
+    how = (f"--devices {name}:{best.count}" if len(nodes) == 1 else
+           f"a cluster file of the {len(nodes)} nodes that hold them, with only them")
+    return (f"the {best.count} {name} alone are predicted at {faster:.1f} samples/s, faster than the plan "
+            f"chosen for every device ({chosen:.1f}): the others cost more in communication, synchronisation "
+            f"and the pieces or stages they need than their compute brings; plan them alone ({how})")
 
 
 def ideal_samples_per_s(profile: WorkloadProfile, kinds: list[Kind], global_batch: int, optimizer: str,

@@ -35,10 +35,14 @@ class UnscaledFp16Watch:
     def __init__(self, device_type: str) -> None:
         self.device_type = device_type
         self.handle: Any = None
+        self.done = False
 
     def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        if self.done or not torch.is_grad_enabled():   # an evaluation computes no gradient to underflow
+            return
+        self.done = True   # the first training forward tells
         if self.handle is not None:
-            self.handle.remove()   # the first forward tells
+            self.handle.remove()
             self.handle = None
         if torch.is_autocast_enabled(self.device_type) and \
                 torch.get_autocast_dtype(self.device_type) == torch.float16:
@@ -47,8 +51,8 @@ class UnscaledFp16Watch:
                         "(each rank in its plan's precision) or plan fp16 for this device (hetrain plan "
                         "--precision fp16)")
 
-    def __getstate__(self) -> dict:
-        return {"device_type": self.device_type, "handle": None}
+    def __getstate__(self) -> dict:   # a copy of the model (deepcopy, AveragedModel) carries an inert watch
+        return {"device_type": self.device_type, "handle": None, "done": True}
 
 
 def watch_unscaled_fp16(model: torch.nn.Module, device: torch.device) -> None:
@@ -57,30 +61,43 @@ def watch_unscaled_fp16(model: torch.nn.Module, device: torch.device) -> None:
     watch.handle = model.register_forward_pre_hook(watch)
 
 
+# the operations between a GradScaler's multiply and the loss passed on: reductions, shape and dtype changes,
+# a division or sum by the script (loss functions and the model's own operations stop the search)
+_THROUGH = ("DivBackward", "SumBackward", "MeanBackward", "SqueezeBackward", "UnsqueezeBackward", "ViewBackward",
+            "ReshapeAlias", "UnsafeViewBackward", "CloneBackward", "ToCopyBackward", "AddBackward", "SubBackward",
+            "MulBackward1", "ExpandBackward", "SelectBackward")
+
+
 def check_not_prescaled(loss: torch.Tensor) -> None:
-    """Refuse a loss the script already multiplied by a `torch.amp.GradScaler`'s scale (a power of two of
-    256 or more, as one float32 tensor), found within the loss's last few single-input operations
-    (`scaler.scale(loss) / 2`, `.sum()`, `.mean()`): scaled twice, every step overflowed and was skipped,
-    then one update came 65536 times too large."""
-    fn = getattr(loss, "grad_fn", None)
-    for _ in range(4):
+    """Refuse a loss the script already multiplied by a `torch.amp.GradScaler`'s scale, found through the
+    loss's last reductions, shape changes, sums and divisions (`scaler.scale(loss) / 2`, `+ aux`,
+    `.mean()`): scaled twice, every step overflowed and was skipped, then one update came 65536 times
+    too large. The scale is one float32 value, a power of two of 1024 or more, as the scaler keeps it."""
+    todo, seen = [getattr(loss, "grad_fn", None)], 0
+    while todo and seen < 16:
+        fn = todo.pop()
+        seen += 1
         if fn is None:
-            return
-        if fn.name() == "MulBackward0":
+            continue
+        name = fn.name()
+        if name == "MulBackward0":
             _refuse_a_scale(getattr(fn, "_saved_other", None))
-        inputs = [f for f, _ in fn.next_functions if f is not None]
-        fn = inputs[0] if len(inputs) == 1 else None
+            _refuse_a_scale(getattr(fn, "_saved_self", None))
+        elif name.startswith(_THROUGH):
+            todo += [f for f, _ in fn.next_functions if f is not None]
 
 
 def _refuse_a_scale(other: Any) -> None:
-    if not (isinstance(other, torch.Tensor) and other.numel() == 1 and other.dtype == torch.float32):
+    if not (isinstance(other, torch.Tensor) and other.numel() == 1 and other.dtype == torch.float32
+            and not other.requires_grad):
         return
     value = float(other)
-    if value >= 256 and math.isfinite(value) and math.log2(value).is_integer():
+    if value >= 1024 and math.isfinite(value) and math.log2(value).is_integer():
         raise HetrainError(
-            f"session.backward() was given a loss multiplied by {value:g}, a GradScaler's scale "
+            f"session.backward() was given a loss multiplied by a tensor of {value:g}, as a GradScaler scales it "
             "(scaler.scale(loss)): the session keeps the loss scale itself, for every rank; pass the loss as "
-            "it is and drop the script's GradScaler (scaler.step and scaler.update go too)")
+            "it is and drop the script's GradScaler (scaler.step and scaler.update go too); pass a mean loss "
+            "and its item count (num_items), not a sum")
 
 
 class JobLossScaler:

@@ -74,36 +74,39 @@ class SeededSamples(Dataset):
     """`dataset` read by (epoch, index) keys, each sample read with the generators seeded from its key."""
 
     def __init__(self, dataset: Any, seed: int) -> None:
-        object.__setattr__(self, "dataset", dataset)
-        object.__setattr__(self, "seed", int(seed))
+        object.__setattr__(self, "_hetrain_dataset", dataset)
+        object.__setattr__(self, "_hetrain_seed", int(seed))
 
-    # A worker_init_fn reaches the dataset through get_worker_info().dataset, which is this wrapper: what it
-    # reads and sets there (a file handle opened per worker) is the script's dataset's.
+    # A worker_init_fn reaches the dataset through get_worker_info().dataset, which is this wrapper: every
+    # name it reads or sets there (a file handle opened per worker, the dataset's own `seed`) is the script's
+    # dataset's.
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("dataset", "seed"):
+        if name.startswith(("__", "_hetrain_")):
             raise AttributeError(name)
-        return getattr(self.dataset, name)
+        return getattr(self._hetrain_dataset, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self.dataset, name, value)
+        setattr(self._hetrain_dataset, name, value)
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        return len(self._hetrain_dataset)
 
-    def __getitem__(self, key: tuple[int, int]) -> Any:
+    def __getitem__(self, key: Any) -> Any:
+        if not isinstance(key, tuple):   # an index of the script's own (a worker_init_fn reading a sample)
+            return self._hetrain_dataset[key]
         return self.__getitems__([key])[0]
 
     def __getitems__(self, keys: Sequence[tuple[int, int]]) -> list[Any]:
         in_worker = get_worker_info() is not None   # a worker's generators serve nothing else
         with contextlib.nullcontext() if in_worker else _generators_kept():
-            batched = _batched_read(self.dataset)
+            batched = _batched_read(self._hetrain_dataset)
             if batched is not None and keys:
-                _seed_all(sample_seed(self.seed, *keys[0]))
+                _seed_all(sample_seed(self._hetrain_seed, *keys[0]))
                 return batched([index for _, index in keys])
             out = []
             for epoch, index in keys:
-                _seed_all(sample_seed(self.seed, epoch, index))
-                out.append(self.dataset[index])
+                _seed_all(sample_seed(self._hetrain_seed, epoch, index))
+                out.append(self._hetrain_dataset[index])
             return out
 
 

@@ -39,7 +39,8 @@ def _check(name: Any, obj: Any) -> None:
 
 
 def _digest(name: str, value: Any) -> Any:
-    """A fingerprint of a state to compare across ranks: tensors by shape and sum, other values as they are."""
+    """A fingerprint of a state to compare across ranks: tensors by shape and the integer sum of their words,
+    other values as they are."""
     sums: list[torch.Tensor] = []
 
     def walk(v: Any) -> Any:
@@ -49,7 +50,12 @@ def _digest(name: str, value: Any) -> Any:
                     f"the state given to session.add_state({name!r}) holds sharded tensors (DTensor, FSDP2's "
                     "shards): a checkpoint holds one copy of the script's state, rank 0's; keep full tensors there, "
                     "the same on every rank")
-            sums.append(v.detach().double().sum().cpu() if v.numel() else torch.zeros((), dtype=torch.float64))
+            # an integer sum of the raw words: the same on every rank however its threads add (a float sum
+            # of identical values differed between 1 and 2 threads)
+            words = {8: torch.int64, 4: torch.int32, 2: torch.int16}.get(v.element_size(), torch.int8)
+            flat = v.detach().contiguous().reshape(-1)
+            sums.append(flat.view(words).sum(dtype=torch.int64).cpu() if v.numel()
+                        else torch.zeros((), dtype=torch.int64))
             return ("tensor", tuple(v.shape), len(sums) - 1)
         if isinstance(v, dict):
             return {k: walk(x) for k, x in v.items()}

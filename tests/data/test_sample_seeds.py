@@ -87,6 +87,9 @@ def test_reading_in_the_training_process_leaves_its_random_stream_alone():
 class _PerWorkerHandle(Dataset):
     """torch's pattern for a file or database handle opened in each worker by worker_init_fn."""
 
+    seed = 1234
+    handle = None
+
     def __len__(self):
         return N
 
@@ -97,7 +100,10 @@ class _PerWorkerHandle(Dataset):
 
 
 def _open_handle(worker_id):
-    torch.utils.data.get_worker_info().dataset.handle = f"opened by worker {worker_id}"
+    dataset = torch.utils.data.get_worker_info().dataset
+    assert dataset.seed == 1234 and dataset.handle is None   # the dataset's own names, not the loader's
+    dataset.handle = f"opened by worker {worker_id}"
+    assert dataset[3][0] == 3   # and its own indices
 
 
 def test_a_worker_init_fn_reaches_the_scripts_dataset_and_a_stack_of_datasets_reads_sample_by_sample():

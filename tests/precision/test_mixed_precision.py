@@ -179,7 +179,10 @@ def test_a_loss_a_grad_scaler_already_scaled_is_refused_naming_it():
             for scaled in (scaler.scale(loss), scaler.scale(loss) / 2, scaler.scale(loss.unsqueeze(0)).mean()):
                 with pytest.raises(HetrainError, match="GradScaler"):
                     session.backward(scaled)
-            session.backward(loss * torch.tensor(3.0))   # a loss weighted by a tensor is the script's own
+            with pytest.raises(HetrainError, match="GradScaler"):
+                session.backward(scaler.scale(loss) + 1e-4 * net[0].weight.square().sum())
+            scaled_inside = F.cross_entropy(model(x) * torch.tensor(1024.0), y)   # the model's own multiply
+            session.backward(scaled_inside + loss * torch.tensor(3.0))   # weighted by tensors: the script's own
             session.step()
             break
 
@@ -228,9 +231,11 @@ def test_the_scripts_own_fp16_autocast_without_a_loss_scale_warns_once():
         with hetrain.Session(balance=False) as session:
             net = make_model()
             model, _ = session.prepare(net, make_optimizer(net))
-            copy.deepcopy(net)   # the watch does not stop the script's model from being copied or pickled
+            copied = copy.deepcopy(net)   # the model still copies; a copy's watch says nothing
             for step, (x, y) in enumerate(session.loader(make_data(), global_batch_size=GLOBAL)):
                 with torch.autocast("cpu", dtype=torch.float16):
+                    with torch.no_grad():
+                        copied(x), model.module(x)   # evaluations: no gradient to underflow
                     loss = F.cross_entropy(model(x), y)
                 session.backward(loss)
                 session.step()

@@ -89,3 +89,26 @@ def test_state_that_differs_between_ranks_is_refused_at_the_first_checkpoint(tmp
     """A checkpoint holds rank 0's copy: rank 1's EMA of its own shards resumed as rank 0's (5.4e-1 off)."""
     errors = run_ranks(_rank_own_state, 2, str(tmp_path))
     assert all(e is not None and "add_state('mine') differs between ranks (rank 0 and rank 1)" in e for e in errors)
+
+
+def _same_state_other_threads(rank, world, ckpt_dir):
+    import hetrain
+    from hetrain.bench.digits import digits_datasets, digits_mlp
+
+    torch.set_num_threads(1 + rank)   # the ranks add a float sum in other orders
+    session = hetrain.Session(balance=False, checkpoint_dir=ckpt_dir, checkpoint_interval=1)
+    net = digits_mlp(hidden=8)
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    session.add_state("ema", {"w": torch.randn(5_000_000, generator=torch.Generator().manual_seed(0))})
+    for x, y in session.loader(digits_datasets()[0], global_batch_size=32):
+        session.backward(F.cross_entropy(model(x), y))
+        session.step()
+        if session.step_count == 2:
+            break
+    session.close()
+    return session.step_count
+
+
+def test_state_the_same_on_every_rank_is_never_refused(tmp_path):
+    """A float sum of identical values differed between 1 and 2 threads, and refused identical state."""
+    assert run_ranks(_same_state_other_threads, 2, str(tmp_path)) == [2, 2]
