@@ -166,3 +166,18 @@ def sigterm_when(cmd: list[str], ready: str, *, after: float, cwd=None, timeout:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def train_steps(session: Any, loader: Any, steps: int, stop_after: int | None, body: Callable[[Any], None]) -> bool:
+    """`body(batch)` then `session.step()` until `steps` steps are done. False when it stopped after `stop_after`
+    steps, as a crash does: no final save (the background save in flight is waited for)."""
+    while session.step_count < steps:
+        for batch in loader:
+            body(batch)
+            session.step()
+            if stop_after is not None and session.step_count == stop_after:
+                session.checkpoints.checkpointer.wait()
+                return False
+            if session.step_count >= steps:
+                break
+    return True

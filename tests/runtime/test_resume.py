@@ -4,7 +4,7 @@ the launcher, ending on the uninterrupted parameters, is in tests/faults/test_fa
 import torch
 import torch.nn.functional as F
 
-from tests.distributed import run_ranks
+from tests.distributed import run_ranks, train_steps
 
 
 def _train(rank, world, ckpt_dir, steps, record_steps):
@@ -70,15 +70,11 @@ def _train_params(rank, world, ckpt_dir, steps, stop_after):
     net = digits_mlp(hidden=32)
     model, opt = session.prepare(net, torch.optim.Adam(net.parameters(), lr=1e-2))
     loader = session.loader(train, global_batch_size=64, seed=2)
-    while session.step_count < steps:
-        for x, y in loader:
-            x = x + 0.05 * torch.randn_like(x)
-            session.backward(F.cross_entropy(model(x), y))
-            session.step()
-            if stop_after is not None and session.step_count == stop_after:
-                session.checkpoints.checkpointer.wait()
-                return {}                                   # a crash: no final save
-            if session.step_count >= steps:
-                break
+    def body(batch):
+        x, y = batch
+        session.backward(F.cross_entropy(model(x + 0.05 * torch.randn_like(x)), y))
+
+    if not train_steps(session, loader, steps, stop_after, body):
+        return {}                                   # a crash: no final save
     session.close()
     return {k: v.clone() for k, v in net.state_dict().items()}

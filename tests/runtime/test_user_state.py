@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from hetrain.errors import HetrainError
-from tests.distributed import run_ranks
+from tests.distributed import run_ranks, train_steps
 
 
 def _train(rank, world, ckpt_dir, steps, stop_after, add_late):
@@ -31,16 +31,14 @@ def _train(rank, world, ckpt_dir, steps, stop_after, add_late):
         session.add_state("ema", ema)
         session.add_state("values", values)
     resumed_at = session.step_count
-    while session.step_count < steps:
-        for x, y in loader:
-            session.backward(F.cross_entropy(model(x), y))
-            values["losses"].append(round(session.global_mean(F.cross_entropy(model(x), y).detach()), 6))
-            session.step()
-            if stop_after is not None and session.step_count == stop_after:
-                session.checkpoints.checkpointer.wait()
-                return {}                                   # a crash: no final save
-            if session.step_count >= steps:
-                break
+
+    def body(batch):
+        x, y = batch
+        session.backward(F.cross_entropy(model(x), y))
+        values["losses"].append(round(session.global_mean(F.cross_entropy(model(x), y).detach()), 6))
+
+    if not train_steps(session, loader, steps, stop_after, body):
+        return {}                                   # a crash: no final save
     session.close()
     return {"ema": {k: v.clone() for k, v in ema.state_dict().items()}, "values": values, "resumed_at": resumed_at}
 
