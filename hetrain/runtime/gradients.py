@@ -5,8 +5,8 @@ After the last backward of a step the gradients hold `sum(items_i * grad_i) * sc
 and, for sharded gradients, whether they are finite) gives every rank the same global item count,
 the same verdict on overflow and the step's global mean loss; under DDP it is launched before the
 last backward and travels while backward computes, and the gradients are then divided by the loss
-scale and by `global_items / estimate` in one fused pass that also checks them (the ranks' verdicts
-then agree in one scalar all-reduce). Sharded gradients
+scale and by `global_items / estimate` in one fused pass that also checks them (under ZeRO-1 the
+ranks' verdicts then agree in one scalar all-reduce). Sharded gradients
 and pipeline stages check theirs first (the verdict travels in the all-reduce), then correct them
 in a second pass. A non-finite
 gradient on any rank, in any precision, makes every rank skip the step (docs/design.md, invariant 4).
@@ -95,13 +95,16 @@ def launch_step_figures(state: StepState, device: torch.device, group: dist.Proc
 
 def finish_gradients(params: Iterable[torch.nn.Parameter], state: StepState, loss_scale: float,
                      device: torch.device, group: dist.ProcessGroup | None = None,
-                     launched: StepFigures | None = None, stop: bool = False) -> GradientStatus:
+                     launched: StepFigures | None = None, stop: bool = False, agree: bool = False) -> GradientStatus:
     """Unscale, agree on the step's figures, normalise by the global item count (collective).
 
     With `launched` figures the gradients are replicated (DDP, ZeRO-1): one fused pass unscales,
-    corrects and checks them, and the ranks' verdicts are all-reduced (a script may have changed
-    one rank's gradients). Otherwise (sharded FSDP2 gradients, pipeline stages) the verdict travels
-    in one all-reduce with the figures.
+    corrects and checks them, and each rank's check of the same gradients is every rank's verdict.
+    With `agree` (ZeRO-1, whose optimizer step is collective) the verdicts are all-reduced too, so a
+    gradient the script changed on one rank after backward cannot leave the others waiting in the
+    step's broadcast; under DDP that scalar all-reduce cost 4% of the demo's speed, and a rank's own
+    change of its gradients is its own (docs/precision.md). Otherwise (sharded FSDP2 gradients,
+    pipeline stages) the verdict travels in one all-reduce with the figures.
     """
     grads = [local_tensor(g) for g in gradients(params)]
     if launched is not None:   # the figures are known first: one fused pass unscales, corrects and checks
@@ -110,9 +113,8 @@ def finish_gradients(params: Iterable[torch.nn.Parameter], state: StepState, los
         global_items, _, loss_sum, losses, stops = launched.packet.tolist()
         correction = state.estimate() / global_items if global_items > 0 else 1.0
         found = _unscale_and_check(grads, correction / loss_scale, device)
-        # a script may change one rank's gradients after backward (a mask, an inf of its own): the ranks
-        # agree on the verdict, or one would skip the step the others take (one scalar all-reduce)
-        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+        if agree:   # ZeRO-1: a rank that skipped alone would leave the others in the step's broadcast
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
         bad = float(found.item())
     else:   # each rank's verdict on overflow travels with the figures: check first, correct after
         found = _unscale_and_check(grads, 1.0 / loss_scale, device)

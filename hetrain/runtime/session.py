@@ -349,7 +349,8 @@ class Session:
                 self.timer.compute_s = self.pipeline.take_busy_seconds()   # the stage's own compute this step
                 self.pipeline.sync_gradients()
             self._status = finish_gradients(self.prepared.parameters, self.state, self.scaler.scale,
-                                            self.device, launched=self._launched, stop=self._stopping)
+                                            self.device, launched=self._launched, stop=self._stopping,
+                                            agree=self.sharding != "none")   # ZeRO-1 steps collectively
             self._launched = None
         return self._status
 
