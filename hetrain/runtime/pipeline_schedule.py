@@ -26,7 +26,7 @@ from torch import nn
 from hetrain.errors import HetrainError
 from hetrain.planning.plan import PipelinePlan
 from hetrain.runtime.batch_tree import tensors
-from hetrain.runtime.gradients import local_tensor
+from hetrain.runtime.gradients import agree_items_per_sample, local_tensor
 from hetrain.runtime.parallelize import Prepared
 from hetrain.runtime.pipeline_batch import gather_replica_batch
 from hetrain.planning.partition import microbatches_for
@@ -204,6 +204,9 @@ class PipelineRunner:
     def _run(self, inputs: Any, target: Any, loss_fn: Callable, count: Callable[[Any], float], *, state: StepState,
              scaler: JobLossScaler) -> torch.Tensor | None:
         samples = _first_tensor(target if self.layout.is_last else _as_tuple(inputs)[0]).shape[0]
+        if state.items_per_sample is None:   # the run's first step: every rank agrees on items per sample
+            counted = (count(target), samples) if self.layout.is_last and samples else (0.0, 0)
+            state.items_per_sample = agree_items_per_sample(*counted, self.device)
         if samples == 0:
             return None
         # FSDP2 averages a stage's gradients over its replicas: weigh by their number to keep the sum.

@@ -10,9 +10,9 @@ makes them the gradient of the mean over all items of the global batch, for any 
 micro-batching and ranks with no items. For sample means the estimate is exact and the
 correction is 1; for tokens the estimate is the step's samples times the last step's tokens per
 sample, which keeps the loss near its usual magnitude (so fp16 loss scaling behaves as usual). The
-run's first step has no last step: its first backward agrees on tokens per sample (one small
-all-reduce of every rank's first items and samples), or a token-mean loss 50 times too heavy
-overflowed fp16 and skipped that step.
+run's first step has no last step: its first backward (under a pipeline, its first step, counted
+on the last stages) agrees on tokens per sample (one small all-reduce of every rank's items and
+samples), or a token-mean loss 200 times too heavy overflowed fp16 and skipped that step.
 """
 
 from __future__ import annotations

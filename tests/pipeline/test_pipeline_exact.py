@@ -79,3 +79,35 @@ def test_a_partial_last_batch_changes_the_micro_batch_shape_and_the_next_epoch_c
     plan = pipeline_plan(stages, "1f1b", microbatches=4, global_batch=36)
     results = run_ranks(functools.partial(train, drop_last=False), ranks, plan, 5)
     assert worst_difference(results, reference(5, 36, drop_last=False)) < 1e-5
+
+
+def _token_mean_first_steps(rank, world):
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import TensorDataset
+
+    import hetrain
+    from tests.pipeline.common import CLASSES, FEATURES, count_labels, make_model
+
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(16, 256, FEATURES, generator=g), torch.randint(0, CLASSES, (16, 256), generator=g)
+    y[:, 200:] = -100   # 200 of 256 tokens count
+    session = hetrain.Session(pipeline_plan([[0, 4], [4, 8]], "1f1b", 2, 8, precisions=["fp16", "fp32"]))
+    net = make_model()
+    session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    applied, scales = [], []
+    for xb, yb in session.loader(TensorDataset(x, y), global_batch_size=8, shuffle=False):
+        session.forward_backward(xb, yb, lambda out, t: F.cross_entropy(out.float().reshape(-1, CLASSES),
+                                                                         t.reshape(-1), ignore_index=-100),
+                                 num_items=count_labels)
+        applied.append(session.step())
+        scales.append(session.scaler.scale)
+    session.close()
+    return applied, scales
+
+
+def test_a_token_mean_does_not_overflow_the_first_fp16_step_of_a_pipeline():
+    """The first step assumed one item per sample: 200 tokens a sample weighed 200 times too much and the fp16
+    stage overflowed (step 1 skipped, the scale halved)."""
+    for applied, scales in run_ranks(_token_mean_first_steps, 2):
+        assert applied == [True, True] and scales == [2.0**16, 2.0**16], (applied, scales)
