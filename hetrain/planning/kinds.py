@@ -132,6 +132,11 @@ def stage_seconds_of(kind: Kind, n_blocks: int, a: int, b: int, micro_batch: int
     return seconds * (cm.CHECKPOINT_COMPUTE_FACTOR if ckpt else 1.0)
 
 
+def most_on_a_node(cluster, name: str) -> int:
+    """The most devices of catalog model `name` on one node of the cluster (ranks that share a host)."""
+    return max(sum(g.count for g in node.devices if g.spec.name == name) for node in cluster.nodes)
+
+
 def kinds_of(cluster, profile: WorkloadProfile, precision: str, calib: cm.Calibration,
              profiles: dict[str, DeviceProfile] | None = None, rates: MeasuredRates | None = None,
              optimizer: str | None = None) -> list[Kind]:
@@ -169,8 +174,7 @@ def kinds_of(cluster, profile: WorkloadProfile, precision: str, calib: cm.Calibr
         kinds[d.spec.name].ranks.append(d.rank)
     for kind in kinds.values():
         if kind.spec.arch == "cpu":   # a node's CPU ranks share its memory
-            per_node = max(sum(g.count for g in node.devices if g.spec.name == kind.spec.name)
-                           for node in cluster.nodes)
+            per_node = most_on_a_node(cluster, kind.spec.name)
             if per_node > 1:
                 kind.spec = dataclasses.replace(kind.spec, memory_bytes=kind.spec.memory_bytes // per_node)
                 kind.note = ((kind.note + "; ") if kind.note else "") + (
@@ -234,7 +238,7 @@ def cpu_sharing_notes(kinds: list[Kind], cluster) -> list[str]:
     for k in kinds:
         if k.source != "measured-profile" or k.spec.arch != "cpu":
             continue
-        per_node = max(sum(g.count for g in node.devices if g.spec.name == k.spec.name) for node in cluster.nodes)
+        per_node = most_on_a_node(cluster, k.spec.name)
         threads = rank_threads(per_node)
         stamp = k.measured.stamp
         if per_node == stamp.concurrent_copies and stamp.threads in (None, threads):
