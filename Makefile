@@ -4,6 +4,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_REQ ?= torch==2.13.0
+# Test processes: most tests start ranks that wait on each other, so two keep two cores busy.
+TEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.hetrain-installed
 
@@ -21,7 +23,7 @@ demo: $(STAMP)
 	$(BIN)/hetrain demo
 
 test: $(STAMP) prometheus
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 # The metrics tests scrape a real Prometheus server; installed from the distribution when missing.
 prometheus:
