@@ -69,7 +69,7 @@ class RankState:
         if r.grad_norm is not None:
             self.grad_norm = r.grad_norm
         self.loss_scale = r.loss_scale
-        self.skipped_steps = r.skipped_total
+        self.skipped_steps += int(r.skipped)   # this process's own: a counter restarts at zero with it
         if mfu is not None:
             self.mfu = mfu
 

@@ -58,7 +58,7 @@ def test_steps_fold_into_counters_and_gauges():
     m.on_step(step_record(2, rank=1, step_seconds=0.5, compute_seconds=0.3, data_wait_seconds=0.05, split_changed=True,
                           share=256, shares=(512, 256, 256), grad_norm=None, items=1000))
     m.on_step(step_record(3, rank=1, step_seconds=0.5, compute_seconds=0.3, data_wait_seconds=0.05, grad_norm=2.5, share=256,
-                          skipped_total=1, items=1000))
+                          skipped=True, skipped_total=1, items=1000))
     s = samples(m)
     assert one(m, "hetrain_step") == 3 and one(m, "hetrain_steps_total") == 3
     assert one(m, "hetrain_step_seconds_count") == 2 and one(m, "hetrain_step_seconds_sum") == pytest.approx(1.0)
@@ -75,6 +75,16 @@ def test_steps_fold_into_counters_and_gauges():
     m.on_restart(2)
     assert one(m, "hetrain_checkpoints_written_total") == 1 and one(m, "hetrain_checkpoint_save_seconds_sum") == 1.5
     assert one(m, "hetrain_restarts_total") == 2
+
+
+def test_a_resumed_process_counts_only_its_own_skipped_steps():
+    # A restart resumes with 2 skips in its checkpoint: Prometheus reads the new process's counter from
+    # zero, so a reloaded count would be counted twice by increase().
+    m = cpu_metrics()
+    m.on_step(step_record(21, rank=1, skipped_total=2))
+    assert one(m, "hetrain_skipped_steps_total") == 0
+    m.on_step(step_record(22, rank=1, skipped=True, skipped_total=3))
+    assert one(m, "hetrain_skipped_steps_total") == 1
 
 
 def test_mfu_uses_the_catalog_peak_of_the_device_in_its_precision():
