@@ -10,6 +10,7 @@ Only a machine that goes down loses what the OS had not yet stored.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import fields
@@ -27,6 +28,17 @@ BUFFER_BYTES = 1 << 16   # a line longer than this is written in pieces (a SIGKI
 def _flat(record: Any) -> dict[str, Any]:
     """A record's fields, shallow (dataclasses.asdict deep-copies: ten times slower on the step path)."""
     return {f.name: getattr(record, f.name) for f in fields(record)}
+
+
+def _finite(value: Any) -> Any:
+    """`value` with every inf and NaN float, at any depth, as None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def log_path(run_dir: str | Path, rank: int) -> Path:
@@ -48,7 +60,12 @@ class RunLog:
 
     def write(self, line: dict[str, Any]) -> None:
         """Append one record and hand it to the OS at once (write-through: nothing waits in this process)."""
-        self._file.write(json.dumps({"time": time.time(), **line}) + "\n")
+        record = {"time": time.time(), **line}
+        try:
+            text = json.dumps(record, allow_nan=False)
+        except ValueError:   # a skipped step's inf or NaN loss: JSON has no such number, null stands for it
+            text = json.dumps(_finite(record), allow_nan=False)
+        self._file.write(text + "\n")
         self._file.flush()
 
     def step(self, record: StepRecord, **extra: Any) -> None:

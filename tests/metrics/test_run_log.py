@@ -68,3 +68,23 @@ def test_the_start_line_carries_the_peak_and_flops_per_item_mfu_used(tmp_path):
     start, step = lines[0], lines[2]
     assert start["peak_flops"] == 312e12 and start["flops_per_item"] == 6.0e12 / record.items
     assert step["mfu"] == 6.0e12 / 0.5 / start["peak_flops"]
+
+
+def test_a_skipped_steps_inf_loss_is_written_as_strict_json_null(tmp_path):
+    from hetrain.metrics.report import loss_series
+    from hetrain.metrics.run_log import RunLog, log_path
+    from tests.metrics.fake_gpu_rank import step_record
+
+    log = RunLog(tmp_path, 0)
+    log.step(step_record(1, rank=0, world_size=1, shares=(512,), loss=1.5))
+    log.step(step_record(2, rank=0, world_size=1, shares=(512,), loss=float("inf"), skipped=True, skipped_total=1))
+    log.close()
+
+    def strict(token):
+        raise ValueError(f"{token} is not JSON")
+
+    lines = [json.loads(line, parse_constant=strict) for line in log_path(tmp_path, 0).read_text().splitlines()]
+    assert lines[1]["loss"] is None and lines[1]["skipped"] is True
+    run = load_run(tmp_path)
+    assert loss_series(run) == [(1, 1.5)]   # the skipped step is a gap in the loss, and still a step
+    assert summary_rows(run)[0]["steps"] == 2
