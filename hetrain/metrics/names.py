@@ -62,7 +62,7 @@ METRICS: tuple[Metric, ...] = (
            "Model FLOPs of the last step over its wall time and this device's peak in its precision.", source="mfu"),
     Metric("hetrain_peak_flops", "gauge", "The peak FLOP/s MFU is measured against (datasheet, dense).", source="mfu"),
     Metric("hetrain_checkpoint_blocking_seconds", "summary",
-           "The checkpointer's blocking part of a save (the wait for the previous save, then the copy or write).",
+           "The time a save held the loop: capturing the state, the wait for the previous save, the copy or write.",
            source="checkpoint"),
     Metric("hetrain_checkpoint_save_seconds", "summary", "Time until a checkpoint was committed on disk.",
            source="checkpoint"),
