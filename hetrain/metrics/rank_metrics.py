@@ -35,19 +35,20 @@ class RankMetrics:
     `/metrics` on port + local_rank; None serves nothing. `run_dir`: where the run log
     (run_dir/metrics/rank-N.jsonl) goes; None writes none. `peak_flops` defaults to the catalog's
     figure for `device_name` in the step's precision. `nvml`: an NVML module to use instead of
-    `pynvml` (tests pass a fake).
+    `pynvml` (tests pass a fake). `precision` and `emulated` label `hetrain_rank_info` before the first step.
     """
 
     def __init__(self, *, rank: int, local_rank: int, world_size: int, device: torch.device, device_name: str,
                  port: int | None, run_dir: str | Path | None, job: str,
                  predicted_step_seconds: float | None = None, peak_flops: float | None = None,
-                 flops_per_item: float | None = None, nvml: ModuleType | None = None) -> None:
+                 flops_per_item: float | None = None, nvml: ModuleType | None = None, precision: str | None = None,
+                 emulated: bool = False) -> None:
         self.rank, self.device, self.device_name = rank, torch.device(device), device_name
         self.flops_per_item = flops_per_item
         self._peak: float | None = peak_flops
         self._peak_resolved = peak_flops is not None
         self._lock = threading.Lock()
-        self.state = RankState()
+        self.state = RankState(precision=precision, emulated=emulated)   # in rank_info from the first scrape
         node = socket.gethostname()
         labels = {"job": job, "rank": str(rank), "node": node, "device": device_name}
         gpu = self._open_gpu(nvml, labels, node) if self.device.type == "cuda" else None

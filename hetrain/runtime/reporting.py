@@ -57,7 +57,8 @@ class Reports:
 
     def start_metrics(self, *, port: int | None, rank: int, local_rank: int, world_size: int, device: torch.device,
                       device_name: str, job: str, predicted_step_seconds: float | None, restart_count: int,
-                      module: torch.nn.Module, whole_model: bool = True) -> None:
+                      module: torch.nn.Module, whole_model: bool = True, precision: str | None = None,
+                      emulated: bool = False) -> None:
         """Serve this rank's Prometheus metrics on `port` (None: none) and append its run log to the run
         directory, if any (collective: every rank stops with one line if any cannot)."""
         from hetrain.metrics import RankMetrics
@@ -69,7 +70,7 @@ class Reports:
         try:
             metrics = RankMetrics(rank=rank, local_rank=local_rank, world_size=world_size, device=device,
                                   device_name=device_name, port=port, run_dir=self.run_dir, job=job,
-                                  predicted_step_seconds=predicted_step_seconds)
+                                  predicted_step_seconds=predicted_step_seconds, precision=precision, emulated=emulated)
         except HetrainError as e:
             error = e
         failed = torch.tensor([0.0 if error is None else 1.0 + rank], device=device)

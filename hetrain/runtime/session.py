@@ -484,8 +484,7 @@ class Session:
         directory, interval, keep, async_save = self._checkpoint_args
         if directory is None:
             return
-        self.checkpoints = SessionCheckpoints(self.train, directory, interval=interval, keep=keep,
-                                              async_save=async_save,
+        self.checkpoints = SessionCheckpoints(self.train, directory, interval=interval, keep=keep, async_save=async_save,
                                               recent_step_seconds=lambda: list(self.step_seconds)[-20:],
                                               on_saved=self.reports.checkpoint)
         self.checkpoints.resume()
@@ -495,6 +494,7 @@ class Session:
         if self._metrics_port is not None or self.run_dir is not None:
             self.reports.start_metrics(
                 port=self._metrics_port, rank=self.rank, local_rank=self.local_rank, world_size=self.world_size,
-                device=self.device, device_name=self.entry.device, job=os.environ.get("TORCHELASTIC_RUN_ID", "local"),
-                predicted_step_seconds=self.entry.predicted_step_seconds, restart_count=self.restart_count,
-                module=self.prepared.module, whole_model=self.pipeline is None)
+                device=self.device, device_name=self.entry.device, precision=self.precision, emulated=self.emulated,
+                job=os.environ.get("TORCHELASTIC_RUN_ID", "local"), restart_count=self.restart_count,
+                predicted_step_seconds=self.entry.predicted_step_seconds, module=self.prepared.module,
+                whole_model=self.pipeline is None)

@@ -87,6 +87,14 @@ def test_a_resumed_process_counts_only_its_own_skipped_steps():
     assert one(m, "hetrain_skipped_steps_total") == 1
 
 
+def test_rank_info_carries_the_ranks_precision_and_emulation_before_its_first_step():
+    m = cpu_metrics(precision="fp16", emulated=True)
+    [(labels, _)] = samples(m)["hetrain_rank_info"]
+    assert labels["precision"] == "fp16" and labels["emulated"] == "true"
+    m.on_step(step_record(1, rank=1, precision="fp16", emulated=True))
+    assert [labels for labels, _ in samples(m)["hetrain_rank_info"]] == [labels]   # one series, not a second
+
+
 def test_mfu_uses_the_catalog_peak_of_the_device_in_its_precision():
     m = cpu_metrics(device_name="a100-sxm4-80gb", flops_per_item=1e9)
     m.on_step(step_record(2, step_seconds=1.0, items=156, precision="bf16"))
