@@ -29,35 +29,43 @@ def check_port_range(base: int, nproc_per_node: int) -> None:
         )
 
 
-def _in_use(base: int, port: int) -> HetrainError:
-    return HetrainError(
-        f"--metrics-port {base}: port {port} is already in use; choose a base port whose ports "
-        f"{base}.. (one per local rank) are free, e.g. --metrics-port {base + 100}"
-    )
-
-
-def check_ports_free(base: int, nproc_per_node: int, addr: str = BIND_ADDR) -> None:
-    """Raise the one-line error when one of this node's metrics ports is taken now."""
-    check_port_range(base, nproc_per_node)
-    for port in range(base, base + nproc_per_node):
+def _taken(base: int, count: int, addr: str) -> int | None:
+    """The first of base..base+count-1 that cannot be bound now, or None when all are free."""
+    for port in range(base, base + count):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the HTTP server binds
             try:
                 s.bind((addr, port))
             except OSError as e:
                 if e.errno in (errno.EADDRINUSE, errno.EACCES):
-                    raise _in_use(base, port) from None
+                    return port
                 raise
+    return None
+
+
+def _in_use(base: int, port: int, count: int, addr: str) -> HetrainError:
+    """The one-line error, suggesting a base port whose ports are free now (checked, not guessed)."""
+    free = next((b for b in range(base + 100, MAX_PORT - count + 1, 100) if _taken(b, count, addr) is None), None)
+    hint = f", e.g. --metrics-port {free}" if free is not None else ""
+    return HetrainError(
+        f"--metrics-port {base}: port {port} is already in use; choose a base port whose ports "
+        f"{base}.. (one per local rank) are free{hint}"
+    )
+
+
+def check_ports_free(base: int, nproc_per_node: int, addr: str = BIND_ADDR) -> None:
+    """Raise the one-line error when one of this node's metrics ports is taken now."""
+    check_port_range(base, nproc_per_node)
+    port = _taken(base, nproc_per_node, addr)
+    if port is not None:
+        raise _in_use(base, port, nproc_per_node, addr)
 
 
 def free_base_port(count: int, start: int = 19400, addr: str = BIND_ADDR) -> int:
     """A base port with `count` free ports after it (for jobs hetrain starts itself, e.g. benchmarks)."""
     for base in range(start, MAX_PORT - count, count):
-        try:
-            check_ports_free(base, count, addr)
+        if _taken(base, count, addr) is None:
             return base
-        except HetrainError:
-            continue
     raise HetrainError(f"no {count} consecutive free ports from {start}; free some, or pass --metrics-port")
 
 
@@ -69,6 +77,6 @@ def serve(registry: CollectorRegistry, base: int, local_rank: int, addr: str = B
         server, _ = start_http_server(port, addr=addr, registry=registry)
     except OSError as e:
         if e.errno in (errno.EADDRINUSE, errno.EACCES):
-            raise _in_use(base, port) from None
+            raise _in_use(base, port, local_rank + 1, addr) from None
         raise
     return server

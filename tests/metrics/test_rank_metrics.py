@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import socket
 import sys
 import time
@@ -162,6 +163,23 @@ def test_port_in_use_is_one_line_naming_the_flag():
                      str(base), "examples/train_digits.py"], timeout=60)
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "--metrics-port" in lines[0], r.stderr
+
+
+def test_the_port_the_error_suggests_is_free():
+    base = free_ports(2)
+    with socket.socket() as busy, socket.socket() as next_busy:
+        busy.bind(("0.0.0.0", base + 1))
+        busy.listen()
+        try:   # the first base port a guess would offer is taken too
+            next_busy.bind(("0.0.0.0", base + 100))
+            next_busy.listen()
+        except OSError:
+            pass
+        with pytest.raises(HetrainError) as e:
+            check_ports_free(base, 2)
+        suggested = int(re.search(r"e\.g\. --metrics-port (\d+)$", str(e.value)).group(1))
+        assert suggested != base + 100
+        check_ports_free(suggested, 2)   # free now: no error
 
 
 def test_port_range_must_fit_the_local_ranks():
