@@ -102,6 +102,7 @@ def test_tensorboard_scalars(tmp_path):
 
     write_run(tmp_path)
     write_scalars(load_run(tmp_path), tmp_path / "tb")
+    write_scalars(load_run(tmp_path), tmp_path / "tb")   # a second export replaces the first, not adds to it
     events = EventAccumulator(str(tmp_path / "tb" / "rank-0")).Reload()
     loss = events.Scalars("hetrain/loss")
     assert [e.step for e in loss] == [1, 2, 3, 4, 5, 6]
