@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from hetrain.errors import HetrainError
+
 
 def map_leaves(fn: Callable[[Any], Any], batch: Any, is_leaf: Callable[[Any], bool] | None = None) -> Any:
     """The batch with every leaf replaced by fn(leaf); containers keep their types. `is_leaf` may make a
@@ -81,3 +83,26 @@ def flatten(batch: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
 def tensors(batch: Any) -> list[torch.Tensor]:
     """Every tensor in the batch, in `flatten`'s order."""
     return [x for x in flatten(batch)[0] if isinstance(x, torch.Tensor)]
+
+
+def cut_leaf(x: Any, start: int, stop: int, samples: int) -> Any:
+    """Samples [start, stop) of a batch's leaf that is not a tensor, the batch holding `samples`: a list of
+    one value per sample or an array whose first dimension is the samples is cut; a plain value (a count,
+    a name) belongs to the whole batch and is kept; anything else cannot be cut and is refused."""
+    if per_sample_values(x, samples):
+        return type(x)(x[start:stop])
+    shape = getattr(x, "shape", None)
+    if isinstance(shape, tuple) and hasattr(x, "dtype"):   # a NumPy array
+        return x[start:stop] if shape and shape[0] == samples else x
+    if isinstance(x, PLAIN):
+        return x
+    raise HetrainError(
+        f"the batch holds a {type(x).__name__} object, which hetrain cannot cut into a rank's samples (a rank "
+        "given fewer samples of a step, or none at the end of an epoch; micro-batches): have the collate_fn "
+        "return tensors, or lists of one value per sample, in a dict, tuple, list, named tuple or dataclass")
+
+
+def check_cuttable(batch: Any, samples: int) -> None:
+    """Refuse, in one line, a batch holding a value `cut_leaf` cannot cut (before a step needs to)."""
+    map_leaves(lambda x: x if isinstance(x, torch.Tensor) else cut_leaf(x, 0, samples, samples), batch,
+               is_leaf=lambda x: per_sample_values(x, samples))

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
 
 from hetrain.errors import HetrainError
-from hetrain.runtime.batch_tree import map_leaves, per_sample_values
+from hetrain.runtime.batch_tree import check_cuttable, cut_leaf, map_leaves, per_sample_values
 from hetrain.runtime.batch_sampler import RankBatchSampler, ShareSchedule, step_shares
 from hetrain.runtime.batch_transfer import to_device
 from hetrain.runtime.environment import add_error_hint
@@ -64,10 +64,13 @@ def _as_is(batch: list[Any]) -> list[Any]:
     return batch
 
 
+_END = object()
+
+
 def _empty_like(batch: Any) -> Any:
     """A one-sample batch with every tensor and per-sample list cut to length 0 (a rank with no samples)."""
-    return map_leaves(lambda x: x[:0] if not isinstance(x, torch.Tensor) or x.dim() > 0 else x, batch,
-                      is_leaf=lambda x: per_sample_values(x, 1))
+    return map_leaves(lambda x: (x[:0] if x.dim() > 0 else x) if isinstance(x, torch.Tensor) else cut_leaf(x, 0, 0, 1),
+                      batch, is_leaf=lambda x: per_sample_values(x, 1))
 
 
 class HeteroLoader:
@@ -208,10 +211,11 @@ class HeteroLoader:
             self.schedule.observe(self.run_step, self.split.shares)
             shares = self.schedule.at(self.run_step)
             started = time.perf_counter()
-            try:
-                batch = next(batches)
-            except StopIteration:
-                break   # the stream ended (a map-style epoch ends by its length above)
+            batch = next(batches, _END)   # _END: the stream ended (a map-style epoch ends by its length above)
+            if self.stream and self._in_epoch == started_at:
+                self._source.check_ranks(None if batch is _END else batch)
+            if batch is _END:
+                break
             if self.stream:
                 batch, local, total = self._source.take(batch, shares, self.rank, self.collate_fn)
             else:
@@ -219,6 +223,8 @@ class HeteroLoader:
                 local, total = used[self.rank], sum(used)
                 if local == 0:
                     batch = _empty_like(batch)
+            if self._in_epoch == started_at and local and (len(shares) > 1 or self.micro_batch):
+                check_cuttable(batch, local)   # what a later step may need to cut, refused at the first
             batch = to_device(batch, self.device)
             self.data_wait_seconds = time.perf_counter() - started
             self._check_last_step_ended()
@@ -240,6 +246,12 @@ class HeteroLoader:
         # the epoch is complete: the next iteration starts the next one
         self._epoch += 1
         self._in_epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """What a loop written for Accelerate or a DistributedSampler calls each epoch."""
+        raise HetrainError(
+            f"loader.set_epoch({epoch}): the loader orders each epoch itself and resumes mid-epoch; remove the "
+            "call and loop with 'while loader.epoch < epochs: for batch in loader' (docs/porting.md)")
 
     def _pieces(self, batch: Any, n: int, shares: Sequence[int]) -> Iterator[Any]:
         """The step's batch, or its micro-batches when the plan caps this rank's micro_batch below its share
@@ -324,6 +336,31 @@ class _GlobalBatchSource:
                 "the sample's position in the stream (docs/data.md, Streams)")
 
     @staticmethod
+    def check_ranks(item: tuple[str | None, list[Any]] | None) -> None:
+        """Every rank reads the same stream: the digests of a pass's first global batch (None for a stream
+        that ended) must agree (collective, once a pass)."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return
+        from hetrain.runtime.stream import fingerprint
+
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, None if item is None else fingerprint(item[1]))
+        if len(set(gathered)) > 1:
+            groups: dict[Any, list[int]] = {}
+            for rank, digest in enumerate(gathered):
+                groups.setdefault(digest, []).append(rank)
+            read = "; ".join(("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+                             + (" read none" if digest is None else "") for digest, ranks in groups.items())
+            raise HetrainError(
+                f"the ranks' streams gave different first global batches ({read}): hetrain has every rank read "
+                "the whole stream and keep its slice of each global batch, so a stream split by rank "
+                "(split_dataset_by_node, split_by_node, range(rank, n, world_size)) loses the other ranks' "
+                "samples, and a shuffle buffer seeded differently on each rank repeats some and loses others; "
+                "give every rank the whole stream in one order (seed any shuffle the same on every rank); "
+                "values drawn at random that are integers, or in samples of floats only, must come from the "
+                "sample's position in the stream (docs/data.md, Streams)")
+
+    @staticmethod
     def take(item: tuple[str | None, list[Any]], shares: list[int], rank: int,
              collate_fn: Callable) -> tuple[Any, int, int]:
         """(this rank's collated slice, its samples, the global batch's samples)."""
@@ -377,9 +414,12 @@ def check_dataset(dataset: Any, options: dict[str, Any]) -> None:
                            "batch must be that step's slice; drop in_order=False")
     for name, owner in OWNED.items():
         if name in options:
+            sampled = ("; a sampler's own order or weights cannot be kept: draw the epoch's indices yourself "
+                       "(e.g. torch.multinomial over the weights) and pass Subset(dataset, indices) with "
+                       "shuffle=False") if name in ("sampler", "batch_sampler") else ""
             raise HetrainError(
                 f"session.loader(..., {name}=) is decided by hetrain ({owner}): every rank takes its share of "
-                "one global batch; drop it and pass global_batch_size, shuffle and seed"
+                f"one global batch; drop it and pass global_batch_size, shuffle and seed{sampled}"
             )
     known = set(inspect.signature(DataLoader.__init__).parameters) - {"self", "dataset"}
     for name in options:

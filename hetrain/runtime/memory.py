@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hetrain.errors import HetrainError
 from hetrain.planning.batch_split import split_even
-from hetrain.runtime.batch_tree import map_leaves, map_tensors, per_sample_values
+from hetrain.runtime.batch_tree import cut_leaf, map_leaves, map_tensors, per_sample_values
 from hetrain.runtime.gradients import local_tensor
 from hetrain.workload.layers import find_blocks
 
@@ -116,7 +116,7 @@ def slice_batch(batch: Any, start: int, stop: int, local_n: int) -> Any:
     is shared by all pieces. A [T, B, ...] tensor (sequence-first) cannot be cut and is refused."""
     def cut(x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
-            return type(x)(x[start:stop])
+            return cut_leaf(x, start, stop, local_n)
         if x.dim() > 0 and x.shape[0] == local_n:
             return x[start:stop]
         if local_n > 1 and x.dim() >= 2 and x.shape[0] != 1 and x.shape[1] == local_n:   # [T, B, ...]

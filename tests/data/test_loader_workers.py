@@ -191,6 +191,14 @@ def test_a_distributed_samplers_set_epoch_left_in_the_loop_names_the_fix():
     loader = _loader(0, _Split([6, 6]))
     with pytest.raises(HetrainError, match=r"set_epoch\(\): the loader orders each epoch itself"):
         loader.sampler.set_epoch(1)
+    with pytest.raises(HetrainError, match=r"loader.set_epoch\(1\): the loader orders each epoch itself"):
+        loader.set_epoch(1)   # the habit of a loop written for Accelerate
+
+
+def test_a_weighted_sampler_is_refused_naming_how_to_keep_its_weights():
+    weighted = torch.utils.data.WeightedRandomSampler([1.0] * 12, 12)
+    with pytest.raises(HetrainError, match=r"sampler=\) is decided by hetrain.*Subset\(dataset, indices\) with shuffle=False"):
+        _loader(0, _Split([6, 6]), sampler=weighted)
 
 
 def test_a_stream_that_can_be_read_once_names_its_iter_at_the_second_epoch():

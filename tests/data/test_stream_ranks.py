@@ -1,0 +1,87 @@
+"""What every rank must read alike is checked before the first step: a stream split by rank or shuffled
+differently per rank (it would lose and repeat samples silently), and a batch holding an object hetrain
+cannot cut for a rank with fewer samples (it crashed at the end of the first epoch)."""
+
+import random
+
+import pytest
+import torch
+
+from hetrain.errors import HetrainError
+from hetrain.runtime.batch_tree import check_cuttable
+from hetrain.runtime.data import _empty_like
+from hetrain.runtime.memory import slice_batch
+from tests.distributed import run_ranks
+
+
+class Numbers(torch.utils.data.IterableDataset):
+    """Samples 0..n-1; `how` is what a ported DDP script already does to its stream."""
+
+    def __init__(self, n, how):
+        self.n, self.how = n, how
+
+    def __iter__(self):
+        import torch.distributed as dist
+
+        ids = list(range(self.n))
+        if self.how == "by-rank":
+            ids = ids[dist.get_rank()::dist.get_world_size()]
+        elif self.how == "shuffle-buffer":   # Python's global random: another state on every rank
+            random.seed(dist.get_rank())
+            random.shuffle(ids)
+        for i in ids:
+            yield torch.tensor([float(i)]), i
+
+
+class Batch:
+    def __init__(self, samples):
+        self.x = torch.stack([s[0] for s in samples])
+        self.y = torch.tensor([s[1] for s in samples])
+
+
+def _first_batches(rank, world):
+    import types
+
+    import torch.distributed as dist
+
+    from hetrain.runtime.data import make_loader
+    from hetrain.runtime.step_state import StepState
+
+    dist.init_process_group("gloo")
+    read = {}
+    for how in ("same", "by-rank", "shuffle-buffer", "object-batch"):
+        common = dict(rank=rank, split=types.SimpleNamespace(shares=[8, 8]), step=StepState(world),
+                      device=torch.device("cpu"))
+        if how == "object-batch":
+            data = torch.utils.data.TensorDataset(torch.randn(33, 1), torch.arange(33))
+            loader = make_loader(data, 16, collate_fn=Batch, **common)
+        else:
+            loader = make_loader(Numbers(96, how), 16, **common)
+        try:
+            next(iter(loader))
+            read[how] = "read"
+        except HetrainError as e:
+            read[how] = str(e)
+    return read
+
+
+def test_what_the_ranks_must_read_alike_is_checked_at_the_first_batch():
+    reads = run_ranks(_first_batches, 2)
+    assert [r["same"] for r in reads] == ["read", "read"]
+    for how in ("by-rank", "shuffle-buffer"):   # 48 of 96 samples lost; 25 lost and 25 repeated, before
+        messages = [r[how] for r in reads]
+        assert all("streams gave different first global batches (rank 0; rank 1)" in m for m in messages), messages
+        assert "split_by_node" in messages[0] and "shuffle" in messages[0] and "\n" not in messages[0]
+    # a batch object: refused at the first step, not a TypeError at the end of the first epoch
+    assert all("holds a Batch object" in r["object-batch"] and "dict, tuple, list" in r["object-batch"] for r in reads)
+
+
+def test_values_of_the_whole_batch_are_kept_and_unknown_objects_refused_in_one_line():
+    batch = {"x": torch.arange(4.0).view(4, 1), "names": ["a", "b", "c", "d"], "n": 5, "tag": "train"}
+    first, second = slice_batch(batch, 0, 3, 4), slice_batch(batch, 3, 4, 4)
+    assert first["names"] == ["a", "b", "c"] and second["x"].tolist() == [[3.0]] and second["n"] == 5
+    empty = _empty_like({"x": torch.zeros(1, 2), "n": 5, "names": ["a"]})
+    assert empty["x"].shape == (0, 2) and empty["n"] == 5 and empty["names"] == []
+    check_cuttable(batch, 4)
+    with pytest.raises(HetrainError, match="holds a Batch object"):
+        check_cuttable({"b": Batch([(torch.zeros(1), 0)])}, 1)
