@@ -48,8 +48,8 @@ from hetrain.runtime.resume import SessionCheckpoints
 from hetrain.runtime.schedulers import Schedulers
 from hetrain.runtime.step_state import StepState, items_as_number
 from hetrain.runtime.step_clock import StepClock
-from hetrain.runtime.step_guard import (KeptGradients, OptimizerStepGuard, check_reduced, gradients_pending,
-                                        warn_if_evaluating)
+from hetrain.runtime.step_guard import (KeptGradients, OptimizerStepGuard, SteadyLearningRate, check_reduced,
+                                        gradients_pending, warn_if_evaluating)
 from hetrain.runtime.timing import StepTimer, TimedHookState, emulated_speed, idle_fraction
 from hetrain.runtime.train_state import TrainState
 from hetrain.runtime.user_state import UserStates
@@ -121,8 +121,7 @@ class Session:
         self._status: GradientStatus | None = None
         self._launched: StepFigures | None = None   # the step's figures, on their way to every rank
         self._launched_for, self._grad_norm = None, None   # (step, micro-batch) launched for; last clip's norm
-        self.skips = SkipCounter(max_skipped_steps)
-        self._kept = KeptGradients()
+        self.skips, self._kept, self._steady_lr = SkipCounter(max_skipped_steps), KeptGradients(), SteadyLearningRate()
         if self.is_main:
             for note in self.assignment.notes:
                 log.info("%s", note)
@@ -387,6 +386,7 @@ class Session:
         if self.optimizer is None:
             raise HetrainError("session.step() needs an optimizer: pass it to session.prepare(model, optimizer)")
         self.state.require_batch("step")
+        self._steady_lr.check(self.optimizer, self.state.last_micro)
         if not self.state.last_micro:
             return False
         status = self._finish_gradients()

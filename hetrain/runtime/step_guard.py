@@ -10,7 +10,9 @@ rate 0, to create an optimizer's state before it is saved (`_init_optim_state`).
 `zero_grad()` of the optimizer or the model, a habit of ported loops, is harmless between steps
 (`session.step()` leaves no gradient), but between a step's micro-batches it discards the earlier
 ones' gradients: the next `session.backward()` finds them gone (set to None or zeroed in place) and
-refuses the step. On a job with an fp16 rank the gradients stay multiplied by the loss scale
+refuses the step; so does torch's clipping there, which clips part of the step's gradient, and a
+scheduler stepped after each micro-batch's `session.step()` (the learning rate moves mid-step). On a
+job with an fp16 rank the gradients stay multiplied by the loss scale
 until the session finishes them, and torch's clipping there clips the update to almost nothing: the
 session refuses the step when every gradient was scaled by one factor after the last backward. A
 change to some gradients only (a mask on an embedding's rows) is the script's own and is kept. (Neither the
@@ -38,6 +40,12 @@ OUTSIDE_STEP = ("optimizer.step() was called outside session.step(); call sessio
 MID_STEP_ZERO = ("the gradients of this step's earlier micro-batches are gone (set to None or zeroed): a "
                  "zero_grad() between a step's micro-batches discards them; remove it (session.step() zeroes the "
                  "gradients after each step)")
+MID_STEP_CLIP = ("the step's gradients were scaled between its micro-batches: torch.nn.utils.clip_grad_norm_ in a "
+                 "loop body that runs once per micro-batch clips part of the step's gradient; call "
+                 "session.clip_grad_norm_(max_norm), which clips the whole global-batch gradient once a step")
+MID_STEP_LR = ("the learning rate changed between the micro-batches of one step: a scheduler stepped after every "
+               "session.step() call runs once per micro-batch (the loop body does), so its schedule runs that many "
+               "times too fast; step it only when session.step() returns True, or give it to session.add_scheduler()")
 SCALED_CHANGED = ("the step's gradients were changed after session.backward() while they are still multiplied by "
                   "the job's fp16 loss scale: torch.nn.utils.clip_grad_norm_ there clips them to almost nothing; call "
                   "session.clip_grad_norm_(max_norm), which unscales and clips the global-batch gradient")
@@ -111,6 +119,9 @@ class KeptGradients:
         grads = gradients_of(module)
         if not grads or (self._changed(grads) and not any(bool(g.any()) for g in grads)):
             raise HetrainError(MID_STEP_ZERO)
+        left, self._norms = self._norms, None
+        if self._scaled_by_one_factor(grads, left):
+            raise HetrainError(MID_STEP_CLIP)
 
     def after_backward(self, module: torch.nn.Module, last_micro: bool, loss_scale: float) -> None:
         """Note the gradients a backward left, where a check reads them: before the step's next micro-batch,
@@ -121,25 +132,49 @@ class KeptGradients:
             return
         grads = gradients_of(module)
         self._versions = grad_versions(grads)
-        self._norms = norms_of(grads) if scaled and grads else None
+        self._norms = norms_of(grads) if grads else None
 
     def check_before_finish(self, module: torch.nn.Module) -> None:
         """Before the step's gradients are finished, while they are still multiplied by the loss scale."""
         left, self._norms = self._norms, None
-        if left is None:
-            return
-        grads = gradients_of(module)
-        if not self._changed(grads) or len(grads) != len(left):
-            return
+        if self._scaled_by_one_factor(gradients_of(module), left):
+            raise HetrainError(SCALED_CHANGED)
+
+    def _scaled_by_one_factor(self, grads: list[torch.Tensor], left: list[torch.Tensor] | None) -> bool:
+        """Whether every gradient was multiplied by one factor below 1 since the last backward left `left`."""
+        if left is None or not self._changed(grads) or len(grads) != len(left):
+            return False
         before, now = torch.stack(left), torch.stack(norms_of(grads))
         moved = before > 0
         ratios = now[moved] / before[moved]
-        if ratios.numel() and bool((ratios < 1 - 1e-6).all()) and float(ratios.max() - ratios.min()) <= 1e-4 * float(
-                ratios.max().clamp(min=1e-30)):
-            raise HetrainError(SCALED_CHANGED)
+        return bool(ratios.numel()) and bool((ratios < 1 - 1e-6).all()) and float(ratios.max() - ratios.min()) <= \
+            1e-4 * float(ratios.max().clamp(min=1e-30))
 
     def _changed(self, grads: list[torch.Tensor]) -> bool:
         return bool(self._versions) and grad_versions(grads) != self._versions
+
+
+class SteadyLearningRate:
+    """The learning rate stays put between a step's micro-batches (schedulers step after the update)."""
+
+    def __init__(self) -> None:
+        self._lrs: list | None = None   # at the step's earlier micro-batch, while it has more
+
+    def check(self, optimizer: torch.optim.Optimizer, last_micro: bool) -> None:
+        if last_micro and self._lrs is None:   # no micro-batches: nothing to compare
+            return
+        lrs = [g.get("lr") for g in optimizer.param_groups]
+        lrs = [lr.detach().clone() if isinstance(lr, torch.Tensor) else lr for lr in lrs]
+        if self._lrs is not None and not all(_same(a, b) for a, b in zip(self._lrs, lrs)):
+            self._lrs = None
+            raise HetrainError(MID_STEP_LR)
+        self._lrs = None if last_micro else lrs
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+    return a == b
 
 
 def norms_of(grads: list[torch.Tensor]) -> list[torch.Tensor]:

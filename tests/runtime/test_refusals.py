@@ -257,6 +257,38 @@ def test_gradients_zeroed_in_place_between_micro_batches_are_refused():
     session.close()
 
 
+@pytest.mark.parametrize("habit,refused", [
+    ("torch clip", "torch.nn.utils.clip_grad_norm_ in a loop body that runs once per micro-batch"),
+    ("scheduler each call", "the learning rate changed between the micro-batches of one step"),
+    ("session clip, scheduler on True", None),
+])
+def test_a_loop_body_habit_that_runs_once_per_micro_batch_is_refused(habit, refused):
+    """With a plan's micro-batches the loop body runs per micro-batch: torch's clipping there clipped part of
+    the step's gradient (0.145 off one process) and a scheduler stepped after every session.step() ran twice
+    as fast (0.22 off), both silently."""
+    session = _plan_session(micro_batch=4)
+    net = make_net()
+    model, optimizer = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    loader = session.loader(make_data(), global_batch_size=8, shuffle=False, seed=0)
+    try:
+        for x, y in loader:
+            session.backward(F.cross_entropy(model(x), y) * 50)   # large enough for a clip to clip
+            if habit == "torch clip":
+                torch.nn.utils.clip_grad_norm_(net.parameters(), 0.01)
+            else:
+                session.clip_grad_norm_(0.01)
+            applied = session.step()
+            if habit == "scheduler each call" or applied:
+                scheduler.step()
+            if session.step_count == 3:
+                break
+        assert refused is None and scheduler.last_epoch == 3
+    except HetrainError as e:
+        assert refused is not None and refused in str(e), e
+    session.close()
+
+
 @pytest.mark.parametrize("precision,clip,refused", [
     ("fp16", "torch", True),      # the gradients are still multiplied by the loss scale
     ("fp16", "mask", False),      # the script's own change to some gradients
