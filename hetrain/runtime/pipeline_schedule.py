@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ContextManager
 
 import torch
@@ -203,6 +203,11 @@ class PipelineRunner:
 
     def _run(self, inputs: Any, target: Any, loss_fn: Callable, count: Callable[[Any], float], *, state: StepState,
              scaler: JobLossScaler) -> torch.Tensor | None:
+        if isinstance(inputs, Mapping):
+            raise HetrainError(
+                "session.forward_backward() was given a dict of inputs under a pipeline plan: a stage passes "
+                "tensors to the next, and the first takes positional inputs; pass them as a tuple, e.g. "
+                "(batch['input_ids'],) (docs/pipeline.md)")
         samples = _first_tensor(target if self.layout.is_last else _as_tuple(inputs)[0]).shape[0]
         if state.items_per_sample is None:   # the run's first step: every rank agrees on items per sample
             counted = (count(target), samples) if self.layout.is_last and samples else (0.0, 0)
@@ -297,6 +302,14 @@ def make_tie_groups(layout: PipelineLayout, ties: list[tuple[tuple[int, ...], nn
 
 def _as_tuple(value: Any) -> tuple:
     return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+def call_model(model: nn.Module, inputs: Any) -> Any:
+    """`model(*inputs)` for a tuple or list, `model(**inputs)` for a mapping (a tokenizer's BatchEncoding),
+    else `model(inputs)`: how `forward_backward` calls a data-parallel model."""
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    return model(*_as_tuple(inputs))
 
 
 def prepare_pipeline(model: nn.Module, optimizer: torch.optim.Optimizer | None, pipeline: PipelinePlan,

@@ -40,7 +40,7 @@ from hetrain.runtime.gradients import (GradientStatus, SkipCounter, StepFigures,
                                        clip_gradients, finish_gradients, launch_step_figures, weighted_mean)
 from hetrain.runtime.reporting import Reports, step_record
 from hetrain.runtime.parallelize import Prepared, gradient_sync, parallelize
-from hetrain.runtime.pipeline_schedule import item_counter, prepare_pipeline
+from hetrain.runtime.pipeline_schedule import call_model, item_counter, prepare_pipeline
 from hetrain.runtime.pipeline_stages import check_pipeline_plan
 from hetrain.runtime.plan_entries import comm_for_world, find_entries, pipeline_assignment
 from hetrain.runtime.precision import JobLossScaler, autocast, check_not_prescaled, configure_tf32
@@ -261,8 +261,8 @@ class Session:
 
     def forward_backward(self, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
                          num_items: Any = None) -> torch.Tensor:
-        """Forward and backward of this rank's batch under any plan: `loss_fn(model(*inputs), target)` is
-        the mean over a (micro-)batch's items; `num_items(target)` counts them (default: samples).
+        """Forward and backward of this rank's batch under any plan: `loss_fn(model(*inputs), target)` (a dict:
+        `model(**inputs)`, data parallel) is a (micro-)batch's mean; `num_items(target)` counts its items.
 
         Data parallel: one forward under `autocast()` and `backward(loss, num_items)`. Pipeline: the
         replica's batch runs through every stage on the plan's schedule and micro-batches. Returns the
@@ -273,7 +273,7 @@ class Session:
         self.state.require_batch("forward_backward")
         if self.pipeline is None:
             with self.autocast():
-                output = self.prepared.model(*(inputs if isinstance(inputs, tuple) else (inputs,)))
+                output = call_model(self.prepared.model, inputs)
                 loss = loss_fn(output, target)
             items = num_items(target) if callable(num_items) else num_items
             self.backward(loss, items)
