@@ -22,6 +22,7 @@ from hetrain.errors import HetrainError
 from hetrain.planning.plan import CommPlan, RankPlan
 from hetrain.runtime import memory, sharding
 from hetrain.runtime.precision import watch_unscaled_fp16
+from hetrain.runtime.replicas import copy_from, module_tensors
 from hetrain.runtime.timing import StepTimer, TimedHookState, timed_hook
 from hetrain.vocabulary import ZERO1_SHARDINGS
 
@@ -122,6 +123,7 @@ def apply_fsdp(model: nn.Module, blocks: Sequence[nn.Module], entry: RankPlan, d
                timer: StepTimer) -> nn.Module:
     """FSDP2 over each block, then the root; optimizer state offloaded when the entry says so (CUDA)."""
     offload = entry.offload_optimizer and device.type == "cuda"  # on a CPU rank state is in host memory
+    copy_from(module_tensors(model), src=0)   # every rank shards rank 0's model, as DDP starts from it
     model = sharding.fully_shard_model(model, blocks, offload=offload)
     # every micro-batch gathers, reshards and reduce-scatters, the root too (FSDP2 keeps the root
     # gathered after forward unless told), so a rank holds only its shards between micro-batches

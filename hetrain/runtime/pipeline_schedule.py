@@ -30,8 +30,9 @@ from hetrain.runtime.gradients import agree_items_per_sample, local_tensor
 from hetrain.runtime.parallelize import Prepared
 from hetrain.runtime.pipeline_batch import gather_replica_batch
 from hetrain.planning.partition import microbatches_for
-from hetrain.runtime.pipeline_stages import PipelineLayout, compute_in_precision, rank_stages
+from hetrain.runtime.pipeline_stages import PipelineLayout, compute_in_precision, rank_stages, stage_modules
 from hetrain.runtime.precision import JobLossScaler
+from hetrain.runtime.replicas import module_tensors, receive_from, send_to
 from hetrain.runtime.step_state import StepState, items_as_number
 from hetrain.runtime.timing import pad_to_speed
 
@@ -312,6 +313,22 @@ def call_model(model: nn.Module, inputs: Any) -> Any:
     return model(*_as_tuple(inputs))
 
 
+def start_from_rank0(model: nn.Module, pipeline: PipelinePlan, layout: PipelineLayout, device: torch.device) -> None:
+    """Every stage starts from rank 0's model, as DDP starts every rank from it, whatever each rank's seed:
+    rank 0, which holds the whole model until it keeps its stages, sends every other rank its stages'
+    weights (tied weights included)."""
+    def tensors_at(position: int) -> list[torch.Tensor]:
+        return module_tensors(nn.ModuleList(stage_modules(model, pipeline, position)))
+
+    if dist.get_rank() != 0:
+        receive_from(tensors_at(layout.stage), 0, device)
+        return
+    for row in layout.grid:
+        for position, rank in enumerate(row):
+            if rank != 0:
+                send_to(tensors_at(position), rank, device)
+
+
 def prepare_pipeline(model: nn.Module, optimizer: torch.optim.Optimizer | None, pipeline: PipelinePlan,
                      layout: PipelineLayout, device: torch.device,
                      activation_checkpointing: bool, autocast: Callable[[], ContextManager],
@@ -322,9 +339,10 @@ def prepare_pipeline(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
 
     from hetrain.runtime.memory import checkpoint_blocks
     from hetrain.runtime.parallelize import check_master_weights
-    from hetrain.runtime.pipeline_stages import stage_modules, tied_parameters
+    from hetrain.runtime.pipeline_stages import tied_parameters
 
     check_master_weights(model)
+    start_from_rank0(model, pipeline, layout, device)
     ties = tied_parameters(model, pipeline)
     chunks = [chunk.to(device) for chunk in stage_modules(model, pipeline, layout.stage)]
     blocks = [block for chunk in chunks for block in chunk.children()]
@@ -338,6 +356,8 @@ def prepare_pipeline(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
         keep = {id(p) for p in module.parameters()}
         for group in optimizer.param_groups:   # the optimizer steps (and checkpoints) this stage's parameters
             group["params"] = [p for p in group["params"] if id(p) in keep]
+    if layout.stages > 1:   # each stage draws its own dropout masks (one seed repeated a stage's masks in the next)
+        torch.manual_seed(int(torch.randint(0, 2**62, ()).item()) + layout.stage)
     if sharded:
         from hetrain.runtime.pipeline_sharding import ShardedChunks, shard_stage
 

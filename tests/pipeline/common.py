@@ -91,12 +91,14 @@ def _reference(steps: int, global_batch: int, layers: int, bf16_blocks: int,
 
 
 def train(rank: int, world: int, plan: Plan, steps: int, layers: int = 6, ignored: bool = False,
-          checkpoint_dir: str | None = None, adam: bool = False, drop_last: bool = True) -> dict:
-    """The user's one script: the same loop for a data-parallel or a pipeline plan."""
+          checkpoint_dir: str | None = None, adam: bool = False, drop_last: bool = True,
+          seed_by_rank: bool = False) -> dict:
+    """The user's one script: the same loop for a data-parallel or a pipeline plan. With `seed_by_rank` each
+    rank initialises the model from its own seed (a common habit): the job still trains rank 0's model."""
     import hetrain
 
     session = hetrain.Session(plan, checkpoint_dir=checkpoint_dir, checkpoint_interval=2, async_checkpoints=False)
-    net = make_model(layers)
+    net = make_model(layers, seed=rank if seed_by_rank else 0)
     opt = torch.optim.AdamW(net.parameters(), lr=0.01) if adam else torch.optim.SGD(net.parameters(), lr=LR)
     model, _ = session.prepare(net, opt)
     loader = session.loader(make_data(ignored=ignored), global_batch_size=plan.global_batch_size, shuffle=True, seed=0,

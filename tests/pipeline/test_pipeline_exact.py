@@ -28,15 +28,19 @@ def test_three_uneven_stages(schedule):
 
 
 def test_hybrid_two_replicas_unequal_shares():
+    """Each rank seeds its own initialisation: a stage's replicas start from the first replica's weights
+    (they trained apart, 5.05 off each other after 4 steps, before)."""
     plan = pipeline_plan([[0, 5], [5, 8]], "1f1b", microbatches=2, global_batch=GLOBAL, replica_shares=[8, 4])
-    results = run_ranks(train, 4, plan, STEPS)
+    results = run_ranks(train, 4, plan, STEPS, 6, False, None, False, True, True)
     assert worst_difference(results, reference(STEPS, GLOBAL)) < 1e-5
 
 
-def test_same_script_runs_a_data_parallel_plan():
-    plan = Plan(global_batch_size=GLOBAL, balance=BalancePlan(enabled=False),
+@pytest.mark.parametrize("sharding", ["none", "fsdp"])
+def test_same_script_runs_a_data_parallel_plan(sharding):
+    """Seeded by rank too: DDP starts from rank 0's model, and so does FSDP2 (it sharded a mix before)."""
+    plan = Plan(global_batch_size=GLOBAL, sharding=sharding, balance=BalancePlan(enabled=False),
                 ranks=[RankPlan(rank=0, share=7), RankPlan(rank=1, share=5)])
-    results = run_ranks(train, 2, plan, STEPS)
+    results = run_ranks(train, 2, plan, STEPS, 6, False, None, False, True, True)
     assert worst_difference(results, reference(STEPS, GLOBAL)) < 1e-5
 
 
@@ -58,7 +62,7 @@ def test_hybrid_with_fsdp2_inside_stages():
     """Each stage sharded (FSDP2) over its 2 replicas, replicas with unequal shares."""
     plan = pipeline_plan([[0, 3], [3, 8]], "1f1b", microbatches=2, global_batch=GLOBAL, replica_shares=[8, 4])
     plan = plan.model_copy(update={"sharding": "fsdp"})
-    results = run_ranks(train, 4, plan, STEPS)
+    results = run_ranks(train, 4, plan, STEPS, 6, False, None, False, True, True)
     assert worst_difference(results, reference(STEPS, GLOBAL)) < 1e-5
 
 
@@ -111,3 +115,30 @@ def test_a_token_mean_does_not_overflow_the_first_fp16_step_of_a_pipeline():
     stage overflowed (step 1 skipped, the scale halved)."""
     for applied, scales in run_ranks(_token_mean_first_steps, 2):
         assert applied == [True, True] and scales == [2.0**16, 2.0**16], (applied, scales)
+
+
+def _draws_after_prepare(rank, world, plan):
+    import torch
+
+    import hetrain
+    from tests.pipeline.common import make_model
+
+    session = hetrain.Session(plan)
+    torch.manual_seed(0)   # every rank seeded alike, as the script does
+    net = make_model()
+    session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    draws = torch.rand(8)   # what a stage's dropout would draw first
+    session.close()
+    return draws
+
+
+def test_each_stage_draws_its_own_dropout_masks():
+    """Seeded alike, stage 1 drew exactly stage 0's dropout masks for the same samples (8 of 8 equal)."""
+    import torch
+
+    plan = pipeline_plan([[0, 4], [4, 8]], "1f1b", microbatches=2, global_batch=GLOBAL, replica_shares=[6, 6])
+    draws = run_ranks(_draws_after_prepare, 4, plan)
+    stage = {r.rank: r.stage for r in plan.ranks}
+    by_stage = {s: [draws[r] for r in stage if stage[r] == s] for s in set(stage.values())}
+    assert not torch.equal(by_stage[0][0], by_stage[1][0])
+    assert all(torch.equal(d, ds[0]) for ds in by_stage.values() for d in ds)   # a stage's replicas alike, as DDP's

@@ -1,0 +1,64 @@
+"""Every copy of a model starts as rank 0's: its parameters and buffers sent from rank 0.
+
+DDP does this when it wraps a model, so a script that seeds each rank differently (or not at all)
+still trains one model. FSDP2 and a pipeline's stages do not: FSDP2 would keep each rank's shard of
+its own initialisation (a mix), and a stage's replicas, or the stages holding a tied weight, would
+apply one summed gradient to different weights. hetrain copies rank 0's before sharding or training.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def module_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """The module's parameters and buffers, each once."""
+    return list({id(t): t for t in itertools.chain(module.parameters(), module.buffers())}.values())
+
+
+def _by_dtype(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t)
+    return list(groups.values())
+
+
+def _wire(dtype: torch.dtype) -> torch.dtype:
+    return torch.uint8 if dtype == torch.bool else dtype   # gloo carries no bool
+
+
+def _flat(ts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).to(device=device, dtype=_wire(t.dtype)) for t in ts])
+
+
+def _unflatten_into(ts: list[torch.Tensor], flat: torch.Tensor) -> None:
+    with torch.no_grad():
+        for t, part in zip(ts, torch.split(flat, [t.numel() for t in ts])):
+            t.copy_(part.view(t.shape))
+
+
+def send_to(tensors: Iterable[torch.Tensor], dst: int, device: torch.device) -> None:
+    """Send `tensors` to global rank `dst`, which calls `receive_from` with tensors of the same shapes."""
+    for ts in _by_dtype(tensors):
+        dist.send(_flat(ts, device), dst=dst)
+
+
+def receive_from(tensors: Iterable[torch.Tensor], src: int, device: torch.device) -> None:
+    """Overwrite `tensors` in place with what global rank `src` sends (`send_to`)."""
+    for ts in _by_dtype(tensors):
+        flat = torch.empty(sum(t.numel() for t in ts), dtype=_wire(ts[0].dtype), device=device)
+        dist.recv(flat, src=src)
+        _unflatten_into(ts, flat)
+
+
+def copy_from(tensors: Iterable[torch.Tensor], src: int, group: dist.ProcessGroup | None = None) -> None:
+    """Overwrite `tensors` in place with global rank `src`'s (one broadcast per dtype; collective in `group`)."""
+    for ts in _by_dtype(tensors):
+        flat = _flat(ts, ts[0].device)
+        dist.broadcast(flat, src=src, group=group)
+        _unflatten_into(ts, flat)
