@@ -202,6 +202,26 @@ def test_pipeline_stages_use_measured_block_times():
     assert last_stage[1] - last_stage[0] < plain.plan.pipeline.stages[-1][1] - plain.plan.pipeline.stages[-1][0]
 
 
+def test_a_stages_micro_batch_time_keeps_the_fixed_cost_the_profile_measured():
+    """The profile times micro-batch 2 at 0.77 of micro-batch 8 (mostly fixed cost): a stage's micro-batch
+    of 1 is not an eighth of its micro-batch of 8 (a planner that thought so cut 32 micro-batches of 1,
+    17x slower than its 4 of 8)."""
+    from hetrain.planning.kinds import Kind, stage_seconds_of
+    from hetrain.workload.device_profile import BlockTiming
+
+    prof = DeviceProfile(model="tiny", device="cpu", stamp=_stamp(),
+                         steps=[StepTiming(precision="fp32", micro_batch=b, seconds=t) for b, t in [(2, 0.77), (8, 1.0)]],
+                         blocks=[BlockTiming(name=str(i), precision="fp32", micro_batch=8, seconds=t)
+                                 for i, t in enumerate([0.1, 0.3, 0.6])])
+    kind = Kind(spec=None, ranks=[0], precision="fp32", note=None, sample_s=0.0, sample_s_ckpt=0.0, fixed_s=0.0,
+                measured=prof)
+    whole_at_1 = prof.microbatch_seconds("fp32", 1)
+    assert whole_at_1 == pytest.approx(0.77 - 0.23 / 6)
+    assert stage_seconds_of(kind, 3, 0, 2, 1, False) == pytest.approx(0.4 * whole_at_1)   # not 0.4 / 8
+    assert stage_seconds_of(kind, 3, 2, 3, 8, False) == pytest.approx(0.6)
+    assert stage_seconds_of(kind, 4, 0, 2, 1, False) is None   # blocks that do not line up: modelled
+
+
 def test_measured_peak_memory_sets_the_micro_batch_and_the_predicted_memory():
     """A CUDA profile's peaks replace the modelled activations: here they say each sample holds 2 GB
     (far more than the model's figure), so the A100's micro-batch drops to what 2 GB a sample allows,
