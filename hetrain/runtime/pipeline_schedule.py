@@ -249,6 +249,39 @@ class PipelineRunner:
             return None
         return sum(value * n for value, n in calls if n > 0) / items
 
+    def evaluate(self, inputs: Any, target: Any, loss_fn: Callable, count: Callable[[Any], float]
+                 ) -> tuple[float, float]:
+        """Forward only of the replica batch through every stage (torch's schedule `eval`): on last stages
+        (sum of each micro-batch's mean loss times its items, items), elsewhere (0, 0). Not the step's compute."""
+        if isinstance(inputs, Mapping):
+            raise HetrainError("session.evaluate() was given a dict of inputs under a pipeline plan: the first stage "
+                               "takes positional inputs; pass them as a tuple (docs/pipeline.md)")
+        samples = _first_tensor(target if self.layout.is_last else _as_tuple(inputs)[0]).shape[0]
+        if samples == 0:
+            return 0.0, 0.0
+        calls: list[tuple[float, float]] = []
+
+        def loss(output: Any, tgt: Any) -> torch.Tensor:
+            with self.autocast():
+                value = loss_fn(output, tgt)
+            calls.append((float(value.detach().float()), count(tgt)))
+            return value
+
+        m = self.microbatches(samples)
+        schedule = self._schedule(m, (inputs, target))
+        args = _as_tuple(inputs) if self.layout.is_first else ()
+        busy, self._loss, self._running = self.busy_seconds, loss, True
+        try:
+            with torch.no_grad():
+                if self.layout.is_last:
+                    schedule.eval(*args, target=target)
+                else:
+                    schedule.eval(*args)
+        finally:
+            self.busy_seconds, self._loss, self._running = busy, None, False
+        calls = calls[-m:]
+        return sum(v * n for v, n in calls if n > 0), float(sum(n for _, n in calls))
+
     def sync_gradients(self) -> None:
         """Sum the stage's gradients over its replicas (each is already weighted by its items), then
         tied parameters' gradients over the stages holding them."""

@@ -34,6 +34,7 @@ from hetrain.runtime.balance_config import balance_setup
 from hetrain.runtime.balancer import Balancer
 from hetrain.runtime.comm_hooks import forget_feedback
 from hetrain.runtime.data import HeteroLoader, make_loader
+from hetrain.runtime.evaluation import evaluate
 from hetrain.runtime.environment import (RankEnv, collective_timeout, configure_logging, env_int, init_process_group,
                                          pick_device, print_user_errors_as_one_line, progress_timeout)
 from hetrain.runtime.gradients import (GradientStatus, SkipCounter, StepFigures, agree_items_per_sample,
@@ -137,9 +138,10 @@ class Session:
         if self.watch is not None:
             self.watch.waiting(self.step_count + 1)
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
+    is_main = property(lambda self: self.rank == 0)
+    optimizer = property(lambda self: self.prepared.optimizer if self.prepared is not None else None)
+    blocks = property(lambda self: self.prepared.blocks if self.prepared is not None else [])
+    micro_batch = property(lambda self: self.entry.micro_batch)
 
     @property
     def model(self) -> torch.nn.Module | None:
@@ -147,21 +149,9 @@ class Session:
         return self.prepared.model if self.prepared is not None else None
 
     @property
-    def optimizer(self) -> torch.optim.Optimizer | None:
-        return self.prepared.optimizer if self.prepared is not None else None
-
-    @property
-    def blocks(self) -> list[torch.nn.Module]:
-        return self.prepared.blocks if self.prepared is not None else []
-
-    @property
     def step_count(self) -> int:
         """Steps finished (resumed steps included)."""
         return self.train.step if self.train is not None else 0
-
-    @property
-    def micro_batch(self) -> int | None:
-        return self.entry.micro_batch
 
     # -- the user's calls ---------------------------------------------------------------------------
 
@@ -283,6 +273,12 @@ class Session:
                                  scaler=self.scaler)
         self._status = None
         return loss if loss is not None else torch.tensor(float("nan"), device=self.device)
+
+    def evaluate(self, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
+                 num_items: Any = None) -> float:
+        """The item-weighted mean of `loss_fn(model(*inputs), target)` over every rank's batch, forward only,
+        under any plan, pipelines included (collective: each rank passes its part of the evaluation set)."""
+        return evaluate(self, inputs, target, loss_fn, num_items)
 
     def backward(self, loss: torch.Tensor, num_items: Any = None) -> None:
         """Backward of this rank's mean loss over `num_items` items (default: its samples), weighted so

@@ -142,3 +142,57 @@ def test_each_stage_draws_its_own_dropout_masks():
     by_stage = {s: [draws[r] for r in stage if stage[r] == s] for s in set(stage.values())}
     assert not torch.equal(by_stage[0][0], by_stage[1][0])
     assert all(torch.equal(d, ds[0]) for ds in by_stage.values() for d in ds)   # a stage's replicas alike, as DDP's
+
+
+def _evaluate_between_steps(rank, world, plan):
+    import torch
+    import torch.nn.functional as F
+
+    import hetrain
+    from tests.pipeline.common import LR, make_data, make_model
+
+    session = hetrain.Session(plan)
+    net = make_model()
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=LR))
+    x, y = make_data(n=20, seed=5).tensors
+    mine = slice(rank * 20 // world, (rank + 1) * 20 // world)   # each rank its part of the evaluation set
+    losses = []
+    loader = session.loader(make_data(), global_batch_size=GLOBAL, shuffle=True, seed=0)
+    for step, (bx, by) in enumerate(loader):
+        model.eval()
+        losses.append(session.evaluate(x[mine], y[mine], F.cross_entropy))
+        model.train()
+        session.forward_backward(bx, by, F.cross_entropy)
+        session.step()
+        if step == 1:
+            break
+    losses.append(session.evaluate(x[mine], y[mine], F.cross_entropy))
+    state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
+             for k, v in getattr(model, "module", model).state_dict().items()}
+    session.close()
+    return {"losses": losses, "states": [{k: v.detach().clone() for k, v in state.items()}]}
+
+
+@pytest.mark.parametrize("plan", ["pipeline", "data parallel"])
+def test_evaluate_between_steps_gives_one_processs_validation_loss(plan):
+    """Under a pipeline no rank can run model(x): evaluation had no way to run there."""
+    import torch
+    import torch.nn.functional as F
+
+    from tests.pipeline.common import make_data, make_model
+
+    plan = pipeline_plan([[0, 3], [3, 8]], "1f1b", microbatches=2, global_batch=GLOBAL) if plan == "pipeline" else \
+        Plan(global_batch_size=GLOBAL, balance=BalancePlan(enabled=False),
+             ranks=[RankPlan(rank=0, share=7), RankPlan(rank=1, share=5)])
+    results = run_ranks(_evaluate_between_steps, 2, plan)
+    want = reference(2, GLOBAL)
+    x, y = make_data(n=20, seed=5).tensors
+    expected = []
+    for state in [make_model().state_dict(), *want]:
+        net = make_model()
+        net.load_state_dict(state)
+        with torch.no_grad():
+            expected.append(float(F.cross_entropy(net.eval()(x), y)))
+    for r in results:
+        assert r["losses"] == pytest.approx(expected, abs=1e-5), (r["losses"], expected)
+    assert worst_difference([{"states": r["states"]} for r in results], want[-1:]) < 1e-5   # training unchanged

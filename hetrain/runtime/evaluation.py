@@ -1,0 +1,40 @@
+"""`session.evaluate`: a validation loss under any plan, pipelines included, forward only.
+
+Each rank passes its part of the evaluation set (a plain DataLoader over its slice, or its share of
+a batch); the result is the mean over every rank's items, weighted by them, the same on every rank.
+Under data parallelism the rank's batch runs through the prepared model under `torch.no_grad()`
+and the rank's autocast; under a pipeline the replica's ranks gather their parts into one batch and
+run it through every stage with torch's schedule `eval` (no stage holds the whole model, so
+`model(x)` cannot run there). Neither counts as the step's compute, nor moves the data position.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hetrain.errors import HetrainError
+from hetrain.runtime.pipeline_schedule import call_model, item_counter
+
+
+def evaluate(session: Any, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
+             num_items: Any = None) -> float:
+    """The item-weighted mean of `loss_fn(model(*inputs), target)` over every rank's batch (collective)."""
+    if session.prepared is None:
+        raise HetrainError("call session.prepare(model, optimizer) before session.evaluate()")
+    count = item_counter(num_items)
+    if session.pipeline is not None:
+        inputs, target = session.pipeline.gather_batch((inputs, target))
+        total, items = session.pipeline.evaluate(inputs, target, loss_fn, count)
+    else:
+        with torch.no_grad(), session.autocast():
+            loss = loss_fn(call_model(session.prepared.model, inputs), target)
+        items = count(target)
+        total = float(loss.detach().float()) * items if items > 0 else 0.0
+    sums = torch.tensor([total, items], dtype=torch.float64, device=session.device)
+    dist.all_reduce(sums)
+    return float(sums[0] / sums[1]) if float(sums[1]) > 0 else math.nan
