@@ -179,6 +179,12 @@ class HeteroLoader:
         """A new step's batch is about to be handed out: the last one must have ended in session.step()."""
         if not self.step.active:
             return
+        if self.step.backwards and not self.step.last_micro:
+            raise HetrainError(
+                "a new step's batch was drawn while the last step had micro-batches left: a new iter(loader) "
+                "(next(iter(loader)) each iteration) leaves the plan's other micro-batches of that step unread, "
+                "and session.step() returned False on the one it ran; keep one iterator, or loop with "
+                "'for batch in loader'")
         if self.step.backwards and self.gradients_pending():
             raise HetrainError(
                 "session.backward() ran on the last batch but no session.step() followed before the next one: "

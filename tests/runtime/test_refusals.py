@@ -289,6 +289,19 @@ def test_a_loop_body_habit_that_runs_once_per_micro_batch_is_refused(habit, refu
     session.close()
 
 
+def test_a_new_iterator_each_micro_batch_names_the_iterator_not_a_missing_step():
+    session = _plan_session(micro_batch=4)
+    net = make_net()
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    loader = session.loader(make_data(), global_batch_size=8, shuffle=False, seed=0)
+    with pytest.raises(HetrainError, match=r"micro-batches left: a new iter\(loader\).*keep one iterator"):
+        for _ in range(3):
+            x, y = next(iter(loader))   # a lazy habit: each iteration a fresh iterator
+            session.backward(F.cross_entropy(model(x), y))
+            session.step()
+    session.close()
+
+
 @pytest.mark.parametrize("precision,clip,refused", [
     ("fp16", "torch", True),      # the gradients are still multiplied by the loss scale
     ("fp16", "mask", False),      # the script's own change to some gradients
