@@ -19,8 +19,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from hetrain.errors import HetrainError
+from hetrain.errors import HetrainError, format_validation_error
 
 log = logging.getLogger("hetrain")
 
@@ -98,6 +99,29 @@ def _refuse_a_scale(other: Any) -> None:
             "(scaler.scale(loss)): the session keeps the loss scale itself, for every rank; pass the loss as "
             "it is and drop the script's GradScaler (scaler.step and scaler.update go too); pass a mean loss "
             "and its item count (num_items), not a sum")
+
+
+class LossScale(BaseModel):
+    """The job's dynamic loss scale, set as torch's `GradScaler` is (used when a rank of the plan is fp16):
+    `Session(loss_scale={"init_scale": 1024, "growth_interval": 500})`. A resumed run takes the
+    checkpoint's scale and count of good steps."""
+
+    model_config = ConfigDict(extra="forbid")
+    init_scale: float = Field(2.0**16, gt=0, allow_inf_nan=False)
+    growth_factor: float = Field(2.0, gt=1, allow_inf_nan=False)
+    backoff_factor: float = Field(0.5, gt=0, lt=1)
+    growth_interval: int = Field(2000, ge=1)
+    min_scale: float = Field(1.0, gt=0, allow_inf_nan=False)
+
+
+def loss_scale_settings(value: "LossScale | dict | None") -> LossScale:
+    """The settings a script gave (None: torch's defaults, with a floor of 1), or one line saying what is wrong."""
+    if isinstance(value, LossScale):
+        return value
+    try:
+        return LossScale.model_validate(value or {})
+    except ValidationError as e:
+        raise HetrainError(f"Session(loss_scale=...): {format_validation_error(e)}") from None
 
 
 class JobLossScaler:

@@ -44,7 +44,8 @@ from hetrain.runtime.parallelize import Prepared, gradient_sync, parallelize
 from hetrain.runtime.pipeline_schedule import call_model, item_counter, prepare_pipeline
 from hetrain.runtime.pipeline_stages import check_pipeline_plan
 from hetrain.runtime.plan_entries import comm_for_world, find_entries, pipeline_assignment
-from hetrain.runtime.precision import JobLossScaler, autocast, check_not_prescaled, configure_tf32
+from hetrain.runtime.precision import (JobLossScaler, LossScale, autocast, check_not_prescaled, configure_tf32,
+                                      loss_scale_settings)
 from hetrain.runtime.resume import SessionCheckpoints
 from hetrain.runtime.schedulers import Schedulers
 from hetrain.runtime.step_state import StepState, items_as_number
@@ -70,7 +71,7 @@ class Session:
                  device: str | torch.device | None = None, log_level: int | None = None,
                  checkpoint_dir: str | os.PathLike | None = None, checkpoint_interval: int | None = None,
                  keep_checkpoints: int = 3, async_checkpoints: bool = True, metrics_port: int | None = None,
-                 max_skipped_steps: int = 25) -> None:
+                 max_skipped_steps: int = 25, loss_scale: dict | LossScale | None = None) -> None:
         print_user_errors_as_one_line()
         if "TORCHELASTIC_RUN_ID" in os.environ:
             die_with_parent()   # a worker ends (saving on SIGTERM) when its launcher dies
@@ -81,6 +82,7 @@ class Session:
                                  checkpoint_interval or env_int(Env.CHECKPOINT_INTERVAL, 100), keep_checkpoints,
                                  async_checkpoints)
         self._metrics_port = metrics_port if metrics_port is not None else env_int(Env.METRICS_PORT, 0) or None
+        loss_scale = loss_scale_settings(loss_scale)
         collective_timeout()
         if plan is None and os.environ.get(Env.PLAN):
             plan = os.environ[Env.PLAN]
@@ -105,7 +107,7 @@ class Session:
         self.precision = self.entry.precision
         self.sharding: str = plan.sharding if plan is not None else "none"
         configure_tf32(self.precision, self.device)
-        self.scaler = JobLossScaler(enabled=any(e.precision == "fp16" for e in self.assignment.entries))
+        self.scaler = JobLossScaler(any(e.precision == "fp16" for e in self.assignment.entries), **dict(loss_scale))
         self.emulated_speed = emulated_speed(self.rank, self.world_size)
         self.emulated = self.emulated_speed is not None or self.assignment.stand_in
         self.timer = StepTimer(speed=self.emulated_speed, on_grads_ready=self._waiting)
