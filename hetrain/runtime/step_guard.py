@@ -104,8 +104,9 @@ class KeptGradients:
 
     Gradients that are views of one buffer (DDP's buckets) share one in-place version counter, so a
     change is first noticed by the counters, then told apart by the gradients themselves: all zero
-    (a zero_grad), or all scaled by one factor below 1 (a clipping: each tensor's norm against the
-    one the last backward left, kept on a loss-scaled job only)."""
+    (a zero_grad), or all scaled by one factor below 1 (a clipping: each tensor's 2-norm and 1-norm
+    against the ones the last backward left, kept after every backward but a step's last, and after
+    the last on a loss-scaled job)."""
 
     def __init__(self) -> None:
         self._versions: dict[int, int] = {}
@@ -144,9 +145,9 @@ class KeptGradients:
         """Whether every gradient was multiplied by one factor below 1 since the last backward left `left`."""
         if left is None or not self._changed(grads) or len(grads) != len(left):
             return False
-        before, now = torch.stack(left), torch.stack(norms_of(grads))
+        before, now = torch.stack(left), torch.stack(norms_of(grads))   # [tensors, 2]: each one's 2-norm and 1-norm
         moved = before > 0
-        ratios = now[moved] / before[moved]
+        ratios = now[moved] / before[moved]   # one factor for every tensor and both norms: scaled, not masked
         return bool(ratios.numel()) and bool((ratios < 1 - 1e-6).all()) and float(ratios.max() - ratios.min()) <= \
             1e-4 * float(ratios.max().clamp(min=1e-30))
 
@@ -178,8 +179,9 @@ def _same(a, b) -> bool:
 
 
 def norms_of(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each tensor's 2-norm, left on its device (no synchronisation)."""
-    return [torch.linalg.vector_norm(g) for g in grads]
+    """Each tensor's 2-norm and 1-norm, left on its device (no synchronisation): a clipping scales both by
+    one factor, a mask on some rows (even of the only tensor with a gradient) moves them apart."""
+    return [torch.stack([torch.linalg.vector_norm(g), torch.linalg.vector_norm(g, 1)]) for g in grads]
 
 
 def gradients_of(module: torch.nn.Module) -> list[torch.Tensor]:

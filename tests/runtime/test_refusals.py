@@ -289,6 +289,26 @@ def test_a_loop_body_habit_that_runs_once_per_micro_batch_is_refused(habit, refu
     session.close()
 
 
+def test_a_mask_on_the_only_trained_tensor_between_micro_batches_is_the_scripts_own():
+    """Fine-tuning one tensor and zeroing some of its rows' gradients was refused as a clipping: one
+    tensor's 2-norm alone cannot tell the two apart, its 1-norm with it can."""
+    session = _plan_session(micro_batch=4)
+    net = make_net()
+    trained = next(net.parameters())
+    for p in list(net.parameters())[1:]:
+        p.requires_grad_(False)
+    model, _ = session.prepare(net, torch.optim.SGD([trained], lr=0.1))
+    loader = session.loader(make_data(), global_batch_size=8, shuffle=False, seed=0)
+    for x, y in loader:
+        session.backward(F.cross_entropy(model(x), y))
+        trained.grad[:2] = 0
+        session.step()
+        if session.step_count == 2:
+            break
+    assert session.step_count == 2
+    session.close()
+
+
 def test_a_new_iterator_each_micro_batch_names_the_iterator_not_a_missing_step():
     session = _plan_session(micro_batch=4)
     net = make_net()
