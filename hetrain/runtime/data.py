@@ -350,7 +350,7 @@ class _GlobalBatchSource:
         from hetrain.runtime.stream import fingerprint
 
         gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, None if item is None else fingerprint(item[1]))
+        dist.all_gather_object(gathered, None if item is None else fingerprint(item[1], floats=False))
         if len(set(gathered)) > 1:
             groups: dict[Any, list[int]] = {}
             for rank, digest in enumerate(gathered):
@@ -363,8 +363,8 @@ class _GlobalBatchSource:
                 "(split_dataset_by_node, split_by_node, range(rank, n, world_size)) loses the other ranks' "
                 "samples, and a shuffle buffer seeded differently on each rank repeats some and loses others; "
                 "give every rank the whole stream in one order (seed any shuffle the same on every rank); "
-                "values drawn at random that are integers, or in samples of floats only, must come from the "
-                "sample's position in the stream (docs/data.md, Streams)")
+                "integers drawn at random (a token window, a mask) must come from the sample's position in the "
+                "stream (docs/data.md, Streams)")
 
     @staticmethod
     def take(item: tuple[str | None, list[Any]], shares: list[int], rank: int,

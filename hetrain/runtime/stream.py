@@ -23,10 +23,12 @@ from torch.utils.data import IterableDataset, get_worker_info
 from hetrain.runtime.batch_tree import flatten
 
 
-def fingerprint(samples: list[Any]) -> str:
+def fingerprint(samples: list[Any], floats: bool = True) -> str:
     """A digest of what a random augmentation leaves alone: the shapes of the samples' tensors and arrays,
     the values of the integer ones (token ids, labels), strings and integers. Samples with no such value
-    (all floating-point) are digested whole, float values too."""
+    (all floating-point) are digested whole, float values too, unless `floats` is False (then their
+    shapes alone: the ranks' generators part ways once dropout draws on shares of different sizes)."""
+    with_floats = floats
     exact: list[bytes] = []      # integers and strings, as they are
     floats: list[bytes] = []     # floating-point values, digested only where nothing else tells samples apart
     shapes: list[bytes] = []
@@ -43,7 +45,7 @@ def fingerprint(samples: list[Any]) -> str:
         elif isinstance(x, float):
             floats.append(repr(x).encode())
     digest = hashlib.blake2b(digest_size=16)
-    for part in shapes + (exact or floats):
+    for part in shapes + (exact or (floats if with_floats else [])):
         digest.update(part)
     return digest.hexdigest()
 
