@@ -85,12 +85,35 @@ def tensors(batch: Any) -> list[torch.Tensor]:
     return [x for x in flatten(batch)[0] if isinstance(x, torch.Tensor)]
 
 
+def per_sample_items(obj: Any, samples: int) -> bool:
+    """Whether `obj` is a list or tuple of one tensor or dict per sample (what a detection collate's
+    `tuple(zip(*batch))` leaves): all dicts, or all tensors of which some do not have the samples as their
+    first dimension (the batch's fields all would; images of as many channels as samples cannot be told
+    from them)."""
+    if not isinstance(obj, (list, tuple)) or hasattr(obj, "_fields") or samples < 1 or len(obj) != samples:
+        return False
+    if all(isinstance(v, Mapping) for v in obj):
+        return True
+    return all(isinstance(v, torch.Tensor) for v in obj) and any(v.dim() == 0 or v.shape[0] != samples for v in obj)
+
+
+def sample_leaf(obj: Any, samples: int) -> bool:
+    """A container `cut_leaf` takes whole: a list of one value, tensor or dict per sample."""
+    return per_sample_values(obj, samples) or per_sample_items(obj, samples)
+
+
 def cut_leaf(x: Any, start: int, stop: int, samples: int) -> Any:
     """Samples [start, stop) of a batch's leaf that is not a tensor, the batch holding `samples`: a list of
     one value per sample or an array whose first dimension is the samples is cut; a plain value (a count,
     a name) belongs to the whole batch and is kept; anything else cannot be cut and is refused."""
     if per_sample_values(x, samples):
         return type(x)(x[start:stop])
+    if per_sample_items(x, samples):
+        raise HetrainError(
+            f"the batch holds a {type(x).__name__} of one {type(x[0]).__name__} per sample (a detection-style "
+            "collate), which hetrain does not cut into micro-batches or empty for a rank without samples: "
+            "collate the samples into batch tensors (padding them), or plan no micro-batches and keep "
+            "drop_last=True")
     shape = getattr(x, "shape", None)
     if isinstance(shape, tuple) and hasattr(x, "dtype"):   # a NumPy array
         return x[start:stop] if shape and shape[0] == samples else x
@@ -105,4 +128,4 @@ def cut_leaf(x: Any, start: int, stop: int, samples: int) -> Any:
 def check_cuttable(batch: Any, samples: int) -> None:
     """Refuse, in one line, a batch holding a value `cut_leaf` cannot cut (before a step needs to)."""
     map_leaves(lambda x: x if isinstance(x, torch.Tensor) else cut_leaf(x, 0, samples, samples), batch,
-               is_leaf=lambda x: per_sample_values(x, samples))
+               is_leaf=lambda x: sample_leaf(x, samples))

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
 
 from hetrain.errors import HetrainError
-from hetrain.runtime.batch_tree import check_cuttable, cut_leaf, map_leaves, per_sample_values
+from hetrain.runtime.batch_tree import check_cuttable, cut_leaf, map_leaves, sample_leaf
 from hetrain.runtime.batch_sampler import RankBatchSampler, ShareSchedule, step_shares
 from hetrain.runtime.batch_transfer import to_device
 from hetrain.runtime.environment import add_error_hint
@@ -70,7 +70,7 @@ _END = object()
 def _empty_like(batch: Any) -> Any:
     """A one-sample batch with every tensor and per-sample list cut to length 0 (a rank with no samples)."""
     return map_leaves(lambda x: (x[:0] if x.dim() > 0 else x) if isinstance(x, torch.Tensor) else cut_leaf(x, 0, 0, 1),
-                      batch, is_leaf=lambda x: per_sample_values(x, 1))
+                      batch, is_leaf=lambda x: sample_leaf(x, 1))
 
 
 class HeteroLoader:
@@ -229,7 +229,7 @@ class HeteroLoader:
                 local, total = used[self.rank], sum(used)
                 if local == 0:
                     batch = _empty_like(batch)
-            if self._in_epoch == started_at and local and (len(shares) > 1 or self.micro_batch):
+            if self._in_epoch == started_at and local and self._may_cut(shares):
                 check_cuttable(batch, local)   # what a later step may need to cut, refused at the first
             batch = to_device(batch, self.device)
             self.data_wait_seconds = time.perf_counter() - started
@@ -252,6 +252,14 @@ class HeteroLoader:
         # the epoch is complete: the next iteration starts the next one
         self._epoch += 1
         self._in_epoch = 0
+
+    def _may_cut(self, shares: Sequence[int]) -> bool:
+        """Whether a step may cut a batch: micro-batches, or a rank given no samples (a share of 0, a last
+        partial global batch smaller than the ranks, a balancer allowed to give none)."""
+        pieces = self.micro_batch or self.same_piece_count or self.grad_accum > 1
+        drop_last = self._source.stream.drop_last if self.stream else self.order.drop_last
+        min_share = getattr(getattr(self.split, "config", None), "min_share", 1)
+        return bool(pieces) or (len(shares) > 1 and (0 in shares or not drop_last or min_share == 0))
 
     def set_epoch(self, epoch: int) -> None:
         """What a loop written for Accelerate or a DistributedSampler calls each epoch."""

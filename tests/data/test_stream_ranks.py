@@ -54,12 +54,15 @@ def _first_batches(rank, world):
 
     dist.init_process_group("gloo")
     read = {}
-    for how in ("same", "float-noise", "by-rank", "shuffle-buffer", "object-batch"):
+    for how in ("same", "float-noise", "by-rank", "shuffle-buffer", "object-never-cut", "object-batch"):
         common = dict(rank=rank, split=types.SimpleNamespace(shares=[8, 8]), step=StepState(world),
                       device=torch.device("cpu"))
-        if how == "object-batch":
+        if how == "object-never-cut":   # drop_last, no micro-batches: no step cuts it, so it is let be
             data = torch.utils.data.TensorDataset(torch.randn(33, 1), torch.arange(33))
             loader = make_loader(data, 16, collate_fn=Batch, **common)
+        elif how == "object-batch":
+            data = torch.utils.data.TensorDataset(torch.randn(33, 1), torch.arange(33))
+            loader = make_loader(data, 16, collate_fn=Batch, drop_last=False, **common)   # 33: a last batch of 1
         else:
             loader = make_loader(Numbers(96, how), 16, **common)
         try:
@@ -78,6 +81,7 @@ def test_what_the_ranks_must_read_alike_is_checked_at_the_first_batch():
         messages = [r[how] for r in reads]
         assert all("streams gave different first global batches (rank 0; rank 1)" in m for m in messages), messages
         assert "split_by_node" in messages[0] and "shuffle" in messages[0] and "\n" not in messages[0]
+    assert [r["object-never-cut"] for r in reads] == ["read", "read"]
     # a batch object: refused at the first step, not a TypeError at the end of the first epoch
     assert all("holds a Batch object" in r["object-batch"] and "dict, tuple, list" in r["object-batch"] for r in reads)
 
@@ -91,3 +95,15 @@ def test_values_of_the_whole_batch_are_kept_and_unknown_objects_refused_in_one_l
     check_cuttable(batch, 4)
     with pytest.raises(HetrainError, match="holds a Batch object"):
         check_cuttable({"b": Batch([(torch.zeros(1), 0)])}, 1)
+    # one tensor or dict per sample (a detection collate, sequences of their own lengths): every micro-batch
+    # got all 4 samples, and a sequence as long as the share was cut; refused in one line instead
+    detection = (tuple(torch.zeros(3, 5, 5) for _ in range(4)), tuple({"boxes": torch.zeros(2, 4)} for _ in range(4)))
+    sequences = [torch.zeros(3), torch.zeros(4), torch.zeros(2), torch.zeros(5)]
+    for per_sample in (detection, sequences):
+        with pytest.raises(HetrainError, match="one .* per sample") as e:
+            list(slice_batch(per_sample, 0, 2, 4))
+        assert "\n" not in str(e.value)
+    with pytest.raises(HetrainError, match="one dict per sample"):
+        _empty_like(({"boxes": torch.zeros(2, 4)},))
+    fields = (torch.zeros(4, 3), torch.zeros(4))   # the batch's own fields, as long as the share: cut
+    assert [t.shape[0] for t in slice_batch(fields, 0, 2, 4)] == [2, 2]
