@@ -21,11 +21,22 @@ def module_tensors(module: nn.Module) -> list[torch.Tensor]:
     return list({id(t): t for t in itertools.chain(module.parameters(), module.buffers())}.values())
 
 
+BUCKET_BYTES = 64 << 20   # at most this much copied at once: the copy costs no more memory than that
+
+
 def _by_dtype(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
-    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    """The tensors in buckets of one dtype and at most BUCKET_BYTES (a larger tensor is a bucket alone),
+    in the same order on every rank."""
+    groups: dict[torch.dtype, list[list[torch.Tensor]]] = {}
+    filled: dict[torch.dtype, int] = {}   # bytes in each dtype's last bucket
     for t in tensors:
-        groups.setdefault(t.dtype, []).append(t)
-    return list(groups.values())
+        buckets, nbytes = groups.setdefault(t.dtype, [[]]), t.numel() * t.element_size()
+        if buckets[-1] and filled[t.dtype] + nbytes > BUCKET_BYTES:
+            buckets.append([])
+            filled[t.dtype] = 0
+        buckets[-1].append(t)
+        filled[t.dtype] = filled.get(t.dtype, 0) + nbytes
+    return [b for buckets in groups.values() for b in buckets if b]
 
 
 def _wire(dtype: torch.dtype) -> torch.dtype:
@@ -33,10 +44,16 @@ def _wire(dtype: torch.dtype) -> torch.dtype:
 
 
 def _flat(ts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The bucket as one tensor on `device`: a lone contiguous tensor there is itself (written in place)."""
+    if len(ts) == 1 and ts[0].is_contiguous() and ts[0].device == torch.device(device) and \
+            _wire(ts[0].dtype) == ts[0].dtype:
+        return ts[0].detach()
     return torch.cat([t.detach().reshape(-1).to(device=device, dtype=_wire(t.dtype)) for t in ts])
 
 
 def _unflatten_into(ts: list[torch.Tensor], flat: torch.Tensor) -> None:
+    if len(ts) == 1 and flat.data_ptr() == ts[0].data_ptr():
+        return   # received in place
     with torch.no_grad():
         for t, part in zip(ts, torch.split(flat, [t.numel() for t in ts])):
             t.copy_(part.view(t.shape))
@@ -51,13 +68,14 @@ def send_to(tensors: Iterable[torch.Tensor], dst: int, device: torch.device) -> 
 def receive_from(tensors: Iterable[torch.Tensor], src: int, device: torch.device) -> None:
     """Overwrite `tensors` in place with what global rank `src` sends (`send_to`)."""
     for ts in _by_dtype(tensors):
-        flat = torch.empty(sum(t.numel() for t in ts), dtype=_wire(ts[0].dtype), device=device)
+        flat = _flat(ts, device) if len(ts) == 1 else \
+            torch.empty(sum(t.numel() for t in ts), dtype=_wire(ts[0].dtype), device=device)
         dist.recv(flat, src=src)
         _unflatten_into(ts, flat)
 
 
 def copy_from(tensors: Iterable[torch.Tensor], src: int, group: dist.ProcessGroup | None = None) -> None:
-    """Overwrite `tensors` in place with global rank `src`'s (one broadcast per dtype; collective in `group`)."""
+    """Overwrite `tensors` in place with global rank `src`'s (a broadcast per bucket; collective in `group`)."""
     for ts in _by_dtype(tensors):
         flat = _flat(ts, ts[0].device)
         dist.broadcast(flat, src=src, group=group)
