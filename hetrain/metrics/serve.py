@@ -7,6 +7,7 @@ runs in the server's daemon thread: it never waits on the training step or on an
 from __future__ import annotations
 
 import errno
+import os
 import socket
 from typing import Any
 
@@ -77,6 +78,8 @@ def serve(registry: CollectorRegistry, base: int, local_rank: int, addr: str = B
         server, _ = start_http_server(port, addr=addr, registry=registry)
     except OSError as e:
         if e.errno in (errno.EADDRINUSE, errno.EACCES):
-            raise _in_use(base, port, local_rank + 1, addr) from None
+            # the node's ranks (torchrun's LOCAL_WORLD_SIZE): a suggestion must leave room for all of them
+            count = max(local_rank + 1, int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0))
+            raise _in_use(base, port, count, addr) from None
         raise
     return server

@@ -165,13 +165,13 @@ def test_port_in_use_is_one_line_naming_the_flag():
     assert r.returncode == 2 and len(lines) == 1 and "--metrics-port" in lines[0], r.stderr
 
 
-def test_the_port_the_error_suggests_is_free():
+def test_the_port_the_error_suggests_is_free(monkeypatch):
     base = free_ports(2)
     with socket.socket() as busy, socket.socket() as next_busy:
-        busy.bind(("0.0.0.0", base + 1))
+        busy.bind(("0.0.0.0", base))
         busy.listen()
-        try:   # the first base port a guess would offer is taken too
-            next_busy.bind(("0.0.0.0", base + 100))
+        try:   # the node's second port at the first base a guess would offer is taken too
+            next_busy.bind(("0.0.0.0", base + 101))
             next_busy.listen()
         except OSError:
             pass
@@ -180,6 +180,13 @@ def test_the_port_the_error_suggests_is_free():
         suggested = int(re.search(r"e\.g\. --metrics-port (\d+)$", str(e.value)).group(1))
         assert suggested != base + 100
         check_ports_free(suggested, 2)   # free now: no error
+        # a worker (local rank 0 of 2) finding its port taken suggests room for the node's 2 ranks too
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        with pytest.raises(HetrainError) as e:
+            cpu_metrics(port=base, local_rank=0)
+        suggested = int(re.search(r"e\.g\. --metrics-port (\d+)$", str(e.value)).group(1))
+        assert suggested != base + 100
+        check_ports_free(suggested, 2)
 
 
 def test_port_range_must_fit_the_local_ranks():
