@@ -97,9 +97,11 @@ def per_sample_items(obj: Any, samples: int) -> bool:
     return all(isinstance(v, torch.Tensor) for v in obj) and any(v.dim() == 0 or v.shape[0] != samples for v in obj)
 
 
-def sample_leaf(obj: Any, samples: int) -> bool:
-    """A container `cut_leaf` takes whole: a list of one value, tensor or dict per sample."""
-    return per_sample_values(obj, samples) or per_sample_items(obj, samples)
+def sample_leaves(batch: Any, samples: int) -> Callable[[Any], bool]:
+    """Which containers of `batch` `cut_leaf` takes whole: a list of one plain value per sample anywhere (a
+    dataset of strings collates to one), a list of one tensor or dict per sample below the top level (the
+    top level holds fields, `(inputs, labels)`, whatever their number)."""
+    return lambda x: per_sample_values(x, samples) or (x is not batch and per_sample_items(x, samples))
 
 
 def cut_leaf(x: Any, start: int, stop: int, samples: int) -> Any:
@@ -128,4 +130,4 @@ def cut_leaf(x: Any, start: int, stop: int, samples: int) -> Any:
 def check_cuttable(batch: Any, samples: int) -> None:
     """Refuse, in one line, a batch holding a value `cut_leaf` cannot cut (before a step needs to)."""
     map_leaves(lambda x: x if isinstance(x, torch.Tensor) else cut_leaf(x, 0, samples, samples), batch,
-               is_leaf=lambda x: sample_leaf(x, samples))
+               is_leaf=sample_leaves(batch, samples))

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
 
 from hetrain.errors import HetrainError
-from hetrain.runtime.batch_tree import check_cuttable, cut_leaf, map_leaves, sample_leaf
+from hetrain.runtime.batch_tree import check_cuttable, cut_leaf, map_leaves, sample_leaves
 from hetrain.runtime.batch_sampler import RankBatchSampler, ShareSchedule, step_shares
 from hetrain.runtime.batch_transfer import to_device
 from hetrain.runtime.environment import add_error_hint
@@ -70,7 +70,7 @@ _END = object()
 def _empty_like(batch: Any) -> Any:
     """A one-sample batch with every tensor and per-sample list cut to length 0 (a rank with no samples)."""
     return map_leaves(lambda x: (x[:0] if x.dim() > 0 else x) if isinstance(x, torch.Tensor) else cut_leaf(x, 0, 0, 1),
-                      batch, is_leaf=lambda x: sample_leaf(x, 1))
+                      batch, is_leaf=sample_leaves(batch, 1))
 
 
 class HeteroLoader:
@@ -218,8 +218,8 @@ class HeteroLoader:
             shares = self.schedule.at(self.run_step)
             started = time.perf_counter()
             batch = next(batches, _END)   # _END: the stream ended (a map-style epoch ends by its length above)
-            if self.stream and self._in_epoch == started_at:
-                self._source.check_ranks(None if batch is _END else batch)
+            if self.stream and self._in_epoch == started_at:   # floats too at a fresh start, before generators part
+                self._source.check_ranks(None if batch is _END else batch, floats=self.run_step == 0)
             if batch is _END:
                 break
             if self.stream:
@@ -350,15 +350,17 @@ class _GlobalBatchSource:
                 "the sample's position in the stream (docs/data.md, Streams)")
 
     @staticmethod
-    def check_ranks(item: tuple[str | None, list[Any]] | None) -> None:
+    def check_ranks(item: tuple[str | None, list[Any]] | None, floats: bool) -> None:
         """Every rank reads the same stream: the digests of a pass's first global batch (None for a stream
-        that ended) must agree (collective, once a pass)."""
+        that ended) must agree (collective, once a pass). Float values count only with `floats` (a run's
+        first pass): later, dropout on unequal shares has moved the ranks' generators apart, and a float
+        augmentation drawn from them differs while every sample is still read once."""
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return
         from hetrain.runtime.stream import fingerprint
 
         gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, None if item is None else fingerprint(item[1], floats=False))
+        dist.all_gather_object(gathered, None if item is None else fingerprint(item[1], floats=floats))
         if len(set(gathered)) > 1:
             groups: dict[Any, list[int]] = {}
             for rank, digest in enumerate(gathered):
@@ -371,8 +373,8 @@ class _GlobalBatchSource:
                 "(split_dataset_by_node, split_by_node, range(rank, n, world_size)) loses the other ranks' "
                 "samples, and a shuffle buffer seeded differently on each rank repeats some and loses others; "
                 "give every rank the whole stream in one order (seed any shuffle the same on every rank); "
-                "integers drawn at random (a token window, a mask) must come from the sample's position in the "
-                "stream (docs/data.md, Streams)")
+                "values drawn at random (a token window, a mask; noise in samples of floats only) must come "
+                "from the sample's position in the stream (docs/data.md, Streams)")
 
     @staticmethod
     def take(item: tuple[str | None, list[Any]], shares: list[int], rank: int,

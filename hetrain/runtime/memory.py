@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hetrain.errors import HetrainError
 from hetrain.planning.batch_split import split_even
-from hetrain.runtime.batch_tree import cut_leaf, map_leaves, map_tensors, sample_leaf
+from hetrain.runtime.batch_tree import cut_leaf, map_leaves, map_tensors, sample_leaves
 from hetrain.runtime.gradients import local_tensor
 from hetrain.workload.layers import find_blocks
 
@@ -127,7 +127,7 @@ def slice_batch(batch: Any, start: int, stop: int, local_n: int) -> Any:
                 "micro-batches")
         return x
 
-    return map_leaves(cut, batch, is_leaf=lambda x: sample_leaf(x, local_n))
+    return map_leaves(cut, batch, is_leaf=sample_leaves(batch, local_n))
 
 
 def split_batch(batch: Any, sizes: Sequence[int], local_n: int) -> Iterator[Any]:

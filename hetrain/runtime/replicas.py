@@ -59,15 +59,38 @@ def _unflatten_into(ts: list[torch.Tensor], flat: torch.Tensor) -> None:
             t.copy_(part.view(t.shape))
 
 
+def _slices(t: torch.Tensor) -> list[torch.Tensor]:
+    """A tensor larger than a bucket as flat slices of at most BUCKET_BYTES (views of a contiguous tensor)."""
+    flat = t.detach().contiguous().view(-1)
+    step = max(1, BUCKET_BYTES // max(1, t.element_size()))
+    return list(flat.split(step))
+
+
 def send_to(tensors: Iterable[torch.Tensor], dst: int, device: torch.device) -> None:
-    """Send `tensors` to global rank `dst`, which calls `receive_from` with tensors of the same shapes."""
+    """Send `tensors` to global rank `dst`, which calls `receive_from` with tensors of the same shapes; no
+    more than a bucket is copied onto `device` at once."""
     for ts in _by_dtype(tensors):
-        dist.send(_flat(ts, device), dst=dst)
+        if len(ts) == 1 and ts[0].numel() * ts[0].element_size() > BUCKET_BYTES:
+            for part in _slices(ts[0]):
+                dist.send(part.to(device=device, dtype=_wire(part.dtype)), dst=dst)
+        else:
+            dist.send(_flat(ts, device), dst=dst)
 
 
 def receive_from(tensors: Iterable[torch.Tensor], src: int, device: torch.device) -> None:
     """Overwrite `tensors` in place with what global rank `src` sends (`send_to`)."""
     for ts in _by_dtype(tensors):
+        if len(ts) == 1 and ts[0].numel() * ts[0].element_size() > BUCKET_BYTES:
+            t = ts[0]
+            whole = t.detach() if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
+            with torch.no_grad():
+                for part in _slices(whole):   # views of `whole`: each slice received, then written in place
+                    buf = torch.empty(part.numel(), dtype=_wire(t.dtype), device=device)
+                    dist.recv(buf, src=src)
+                    part.copy_(buf)
+                if not t.is_contiguous():
+                    t.copy_(whole)
+            continue
         flat = _flat(ts, device) if len(ts) == 1 else \
             torch.empty(sum(t.numel() for t in ts), dtype=_wire(ts[0].dtype), device=device)
         dist.recv(flat, src=src)

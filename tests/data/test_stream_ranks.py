@@ -29,6 +29,10 @@ class Numbers(torch.utils.data.IterableDataset):
         elif self.how == "shuffle-buffer":   # Python's global random: another state on every rank
             random.seed(dist.get_rank())
             random.shuffle(ids)
+        if self.how == "float-split":   # floats only (a regression stream), split by rank
+            for i in ids[dist.get_rank()::dist.get_world_size()]:
+                yield torch.tensor([float(i)]), torch.tensor([2.0 * i])
+            return
         if self.how == "float-noise":   # an augmentation from each rank's own generator, floats only
             g = torch.Generator().manual_seed(dist.get_rank())
             for i in ids:
@@ -54,7 +58,7 @@ def _first_batches(rank, world):
 
     dist.init_process_group("gloo")
     read = {}
-    for how in ("same", "float-noise", "by-rank", "shuffle-buffer", "object-never-cut", "object-batch"):
+    for how in ("same", "float-noise", "float-split", "by-rank", "shuffle-buffer", "object-never-cut", "object-batch"):
         common = dict(rank=rank, split=types.SimpleNamespace(shares=[8, 8]), step=StepState(world),
                       device=torch.device("cpu"))
         if how == "object-never-cut":   # drop_last, no micro-batches: no step cuts it, so it is let be
@@ -76,8 +80,9 @@ def _first_batches(rank, world):
 def test_what_the_ranks_must_read_alike_is_checked_at_the_first_batch():
     reads = run_ranks(_first_batches, 2)
     assert [r["same"] for r in reads] == ["read", "read"]
-    assert [r["float-noise"] for r in reads] == ["read", "read"]   # each sample still read by one rank
-    for how in ("by-rank", "shuffle-buffer"):   # 48 of 96 samples lost; 25 lost and 25 repeated, before
+    # noise from each rank's own generator in samples of floats only: told from a split at a fresh start
+    assert all("noise in samples of floats only" in r["float-noise"] for r in reads)
+    for how in ("by-rank", "shuffle-buffer", "float-split"):   # 48 of 96 samples lost; 25 lost and 25 repeated
         messages = [r[how] for r in reads]
         assert all("streams gave different first global batches (rank 0; rank 1)" in m for m in messages), messages
         assert "split_by_node" in messages[0] and "shuffle" in messages[0] and "\n" not in messages[0]
@@ -98,12 +103,16 @@ def test_values_of_the_whole_batch_are_kept_and_unknown_objects_refused_in_one_l
     # one tensor or dict per sample (a detection collate, sequences of their own lengths): every micro-batch
     # got all 4 samples, and a sequence as long as the share was cut; refused in one line instead
     detection = (tuple(torch.zeros(3, 5, 5) for _ in range(4)), tuple({"boxes": torch.zeros(2, 4)} for _ in range(4)))
-    sequences = [torch.zeros(3), torch.zeros(4), torch.zeros(2), torch.zeros(5)]
+    sequences = {"tokens": [torch.zeros(3), torch.zeros(4), torch.zeros(2), torch.zeros(5)], "label": torch.zeros(4)}
     for per_sample in (detection, sequences):
         with pytest.raises(HetrainError, match="one .* per sample") as e:
             list(slice_batch(per_sample, 0, 2, 4))
         assert "\n" not in str(e.value)
     with pytest.raises(HetrainError, match="one dict per sample"):
-        _empty_like(({"boxes": torch.zeros(2, 4)},))
+        _empty_like(({"image": torch.zeros(1, 3)}, ({"boxes": torch.zeros(2, 4)},)))
     fields = (torch.zeros(4, 3), torch.zeros(4))   # the batch's own fields, as long as the share: cut
     assert [t.shape[0] for t in slice_batch(fields, 0, 2, 4)] == [2, 2]
+    two_dicts = ({"x": torch.zeros(2, 3)}, {"y": torch.zeros(2)})   # the top level is fields, even 2 of 2
+    first = slice_batch(two_dicts, 0, 1, 2)
+    assert first[0]["x"].shape == (1, 3) and first[1]["y"].shape == (1,)
+    assert slice_batch(["a", "b", "c", "d"], 0, 2, 4) == ["a", "b"]   # a dataset of strings collates to a list

@@ -14,7 +14,8 @@ def _copies(rank, world):
     replicas.BUCKET_BYTES = 64   # a few floats a bucket: many buckets, and tensors larger than one
     g = torch.Generator().manual_seed(rank)
     mine = [torch.randn(3, 4, generator=g).t(),            # not contiguous
-            torch.randn(40, generator=g),                    # larger than a bucket
+            torch.randn(40, generator=g),                    # larger than a bucket: sent in slices
+            torch.randn(8, 10, generator=g).t(),             # both
             torch.rand(5, generator=g) > 0.5,                # bool, which gloo does not carry
             torch.randint(0, 9, (6,), generator=g)]
     broadcast = [t.clone() for t in mine]
