@@ -293,8 +293,7 @@ class Session:
         self.state.require_batch("backward")
         check_not_prescaled(loss)
         warn_if_evaluating(self.prepared.module)
-        if self.sharding != "fsdp":   # FSDP2 keeps a step's earlier micro-batches' gradients off p.grad
-            self._kept.check(self.prepared.module, self.state)
+        self._kept.check(self.prepared.module, self.state, zeros=self.sharding != "fsdp")   # FSDP2: shards
         items = self.state.current_samples() if num_items is None else items_as_number(num_items)
         if self.state.micro_samples == 0:
             items = 0   # a piece without samples of its own (a stand-in under FSDP2) counts nothing
@@ -311,8 +310,7 @@ class Session:
         else:
             weighted = loss * self.state.weight(items)
         self.scaler.scale_loss(weighted).backward()
-        if self.sharding != "fsdp":
-            self._kept.after_backward(self.prepared.module, self.state.last_micro, self.scaler.scale)
+        self._kept.after_backward(self.prepared.module, self.state.last_micro, self.scaler.scale)
         self._status = None
 
     def _launch_figures(self) -> None:
@@ -337,8 +335,9 @@ class Session:
                 raise HetrainError("this step's batch had no session.backward(loss): call it in place of "
                                    "loss.backward(), which leaves each rank's gradient unweighted by its share "
                                    "of the global batch (a rank with no items calls it too)")
-            if self.pipeline is None and self.sharding != "fsdp":
+            if self.pipeline is None:
                 self._kept.check_before_finish(self.prepared.module)
+            if self.pipeline is None and self.sharding != "fsdp":
                 check_reduced(self.prepared.comm_state)
             if self.sharding == "fsdp":
                 self.timer.grads_ready()  # FSDP2 has no comm hook: backward (and its reduce-scatter) ended here

@@ -15,9 +15,10 @@ scheduler stepped after each micro-batch's `session.step()` (the learning rate m
 job with an fp16 rank the gradients stay multiplied by the loss scale
 until the session finishes them, and torch's clipping there clips the update to almost nothing: the
 session refuses the step when every gradient was scaled by one factor after the last backward. A
-change to some gradients only (a mask on an embedding's rows) is the script's own and is kept. (Neither the
-optimizer nor the model is patched for it: a module with a function of hetrain's among its
-attributes could no longer be pickled whole.)
+change to some gradients only (a mask on an embedding's rows) is the script's own and is kept. Under
+FSDP2 each rank reads its own shards for the clipping checks (a zero_grad there is not checked: a
+shard may be empty). (Neither the optimizer nor the model is patched for it: a module with a function
+of hetrain's among its attributes could no longer be pickled whole.)
 """
 
 from __future__ import annotations
@@ -112,13 +113,14 @@ class KeptGradients:
         self._versions: dict[int, int] = {}
         self._norms: list[torch.Tensor] | None = None
 
-    def check(self, module: torch.nn.Module, state) -> None:
-        """Before a backward: a step whose earlier micro-batches ran backward still holds their gradients."""
+    def check(self, module: torch.nn.Module, state, zeros: bool = True) -> None:
+        """Before a backward: a step whose earlier micro-batches ran backward still holds their gradients
+        (`zeros`: checked unless FSDP2, whose shards may be empty), not scaled down by a clipping."""
         if not state.between_micro_batches():
             self._versions, self._norms = {}, None
             return
         grads = gradients_of(module)
-        if not grads or (self._changed(grads) and not any(bool(g.any()) for g in grads)):
+        if zeros and (not grads or (self._changed(grads) and not any(bool(g.any()) for g in grads))):
             raise HetrainError(MID_STEP_ZERO)
         left, self._norms = self._norms, None
         if self._scaled_by_one_factor(grads, left):
@@ -185,8 +187,9 @@ def norms_of(grads: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def gradients_of(module: torch.nn.Module) -> list[torch.Tensor]:
-    """The gradients the module's parameters hold now."""
-    return [p.grad for p in module.parameters() if p.grad is not None]
+    """The gradients the module's parameters hold now (a sharded one: this rank's shard)."""
+    return [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in module.parameters()
+            if p.grad is not None]
 
 
 def grad_versions(grads: list[torch.Tensor]) -> dict[int, int]:

@@ -262,11 +262,12 @@ def test_gradients_zeroed_in_place_between_micro_batches_are_refused():
     ("scheduler each call", "the learning rate changed between the micro-batches of one step"),
     ("session clip, scheduler on True", None),
 ])
-def test_a_loop_body_habit_that_runs_once_per_micro_batch_is_refused(habit, refused):
+@pytest.mark.parametrize("sharding", ["none", "fsdp"])
+def test_a_loop_body_habit_that_runs_once_per_micro_batch_is_refused(habit, refused, sharding):
     """With a plan's micro-batches the loop body runs per micro-batch: torch's clipping there clipped part of
-    the step's gradient (0.145 off one process) and a scheduler stepped after every session.step() ran twice
-    as fast (0.22 off), both silently."""
-    session = _plan_session(micro_batch=4)
+    the step's gradient (0.145 off one process; 0.509 under FSDP2, where no check ran) and a scheduler
+    stepped after every session.step() ran twice as fast (0.22 off), all silently."""
+    session = _plan_session(sharding=sharding, micro_batch=4)
     net = make_net()
     model, optimizer = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
