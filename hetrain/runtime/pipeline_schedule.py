@@ -190,8 +190,17 @@ class PipelineRunner:
         return self._loss(output, target)
 
     def gather_batch(self, batch: Any) -> Any:
-        """The replica's batch from the slices its ranks' loaders read (all-gather in the replica, in rank order)."""
+        """The replica's (inputs, target) from the slices its ranks' loaders read (all-gather in the replica, in
+        rank order). The first stage takes positional inputs: a dict of them is refused."""
+        if isinstance(batch[0], Mapping):
+            raise HetrainError(
+                "a dict of inputs under a pipeline plan: a stage passes tensors to the next, and the first takes "
+                "positional inputs; pass them as a tuple, e.g. (batch['input_ids'],) (docs/pipeline.md)")
         return gather_replica_batch(batch, self.pipe_group, self.device)
+
+    def _samples(self, inputs: Any, target: Any) -> int:
+        """The replica batch's samples, read from what this rank's stages hold (the target on the last)."""
+        return _first_tensor(target if self.layout.is_last else _as_tuple(inputs)[0]).shape[0]
 
     def run(self, inputs: Any, target: Any, loss_fn: Callable, count: Callable[[Any], float], *, state: StepState,
             scaler: JobLossScaler) -> torch.Tensor | None:
@@ -204,12 +213,7 @@ class PipelineRunner:
 
     def _run(self, inputs: Any, target: Any, loss_fn: Callable, count: Callable[[Any], float], *, state: StepState,
              scaler: JobLossScaler) -> torch.Tensor | None:
-        if isinstance(inputs, Mapping):
-            raise HetrainError(
-                "session.forward_backward() was given a dict of inputs under a pipeline plan: a stage passes "
-                "tensors to the next, and the first takes positional inputs; pass them as a tuple, e.g. "
-                "(batch['input_ids'],) (docs/pipeline.md)")
-        samples = _first_tensor(target if self.layout.is_last else _as_tuple(inputs)[0]).shape[0]
+        samples = self._samples(inputs, target)
         if state.items_per_sample is None:   # the run's first step: every rank agrees on items per sample
             counted = (count(target), samples) if self.layout.is_last and samples else (0.0, 0)
             state.items_per_sample = agree_items_per_sample(*counted, self.device)
@@ -253,10 +257,7 @@ class PipelineRunner:
                  ) -> tuple[float, float]:
         """Forward only of the replica batch through every stage (torch's schedule `eval`): on last stages
         (sum of each micro-batch's mean loss times its items, items), elsewhere (0, 0). Not the step's compute."""
-        if isinstance(inputs, Mapping):
-            raise HetrainError("session.evaluate() was given a dict of inputs under a pipeline plan: the first stage "
-                               "takes positional inputs; pass them as a tuple (docs/pipeline.md)")
-        samples = _first_tensor(target if self.layout.is_last else _as_tuple(inputs)[0]).shape[0]
+        samples = self._samples(inputs, target)
         if samples == 0:
             return 0.0, 0.0
         calls: list[tuple[float, float]] = []
@@ -273,10 +274,7 @@ class PipelineRunner:
         busy, self._loss, self._running = self.busy_seconds, loss, True
         try:
             with torch.no_grad():
-                if self.layout.is_last:
-                    schedule.eval(*args, target=target)
-                else:
-                    schedule.eval(*args)
+                schedule.eval(*args, **({"target": target} if self.layout.is_last else {}))
         finally:
             self.busy_seconds, self._loss, self._running = busy, None, False
         calls = calls[-m:]

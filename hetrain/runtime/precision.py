@@ -127,14 +127,15 @@ def loss_scale_settings(value: "LossScale | dict | None") -> LossScale:
 class JobLossScaler:
     """A dynamic loss scale shared by every rank: same value, same backoffs, same growth."""
 
-    def __init__(self, enabled: bool, *, init_scale: float = 2.0**16, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000, min_scale: float = 1.0) -> None:
+    def __init__(self, enabled: bool, settings: LossScale | None = None, **overrides: Any) -> None:
+        """`settings` (a `LossScale`; its defaults when None), with `overrides` of its fields."""
+        s = LossScale(**{**(settings.model_dump() if settings is not None else {}), **overrides})
         self.enabled = enabled
-        self.scale = float(init_scale) if enabled else 1.0
-        self.growth_factor = growth_factor
-        self.backoff_factor = backoff_factor
-        self.growth_interval = growth_interval
-        self.min_scale = min_scale
+        self.scale = s.init_scale if enabled else 1.0
+        self.growth_factor = s.growth_factor
+        self.backoff_factor = s.backoff_factor
+        self.growth_interval = s.growth_interval
+        self.min_scale = s.min_scale
         self.good_steps = 0
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:

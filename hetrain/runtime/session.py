@@ -107,7 +107,7 @@ class Session:
         self.precision = self.entry.precision
         self.sharding: str = plan.sharding if plan is not None else "none"
         configure_tf32(self.precision, self.device)
-        self.scaler = JobLossScaler(any(e.precision == "fp16" for e in self.assignment.entries), **dict(loss_scale))
+        self.scaler = JobLossScaler(any(e.precision == "fp16" for e in self.assignment.entries), loss_scale)
         self.emulated_speed = emulated_speed(self.rank, self.world_size)
         self.emulated = self.emulated_speed is not None or self.assignment.stand_in
         self.timer = StepTimer(speed=self.emulated_speed, on_grads_ready=self._waiting)

@@ -28,9 +28,8 @@ def fingerprint(samples: list[Any], floats: bool = True) -> str:
     the values of the integer ones (token ids, labels), strings and integers. Samples with no such value
     (all floating-point) are digested whole, float values too, unless `floats` is False (then their
     shapes alone: the ranks' generators part ways once dropout draws on shares of different sizes)."""
-    with_floats = floats
     exact: list[bytes] = []      # integers and strings, as they are
-    floats: list[bytes] = []     # floating-point values, digested only where nothing else tells samples apart
+    inexact: list[bytes] = []    # floating-point values, digested only where nothing else tells samples apart
     shapes: list[bytes] = []
 
     for x in flatten(samples)[0]:
@@ -39,13 +38,13 @@ def fingerprint(samples: list[Any], floats: bool = True) -> str:
             x = x.float().numpy() if x.dtype == torch.bfloat16 else x.numpy()
         if hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "tobytes"):   # a numpy array
             shapes.append(repr((tuple(x.shape), str(x.dtype))).encode())
-            (exact if x.dtype.kind in "iub" else floats).append(x.tobytes())
+            (exact if x.dtype.kind in "iub" else inexact).append(x.tobytes())
         elif isinstance(x, (str, bytes, int)):
             exact.append(repr(x).encode())
         elif isinstance(x, float):
-            floats.append(repr(x).encode())
+            inexact.append(repr(x).encode())
     digest = hashlib.blake2b(digest_size=16)
-    for part in shapes + (exact or (floats if with_floats else [])):
+    for part in shapes + (exact or (inexact if floats else [])):
         digest.update(part)
     return digest.hexdigest()
 
