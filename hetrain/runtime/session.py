@@ -293,7 +293,7 @@ class Session:
         self.state.require_batch("backward")
         check_not_prescaled(loss)
         warn_if_evaluating(self.prepared.module)
-        self._kept.check(self.prepared.module, self.state, zeros=self.sharding != "fsdp")   # FSDP2: shards
+        self._kept.check(self.prepared.module, self.state, self.device if self.sharding == "fsdp" else None)
         items = self.state.current_samples() if num_items is None else items_as_number(num_items)
         if self.state.micro_samples == 0:
             items = 0   # a piece without samples of its own (a stand-in under FSDP2) counts nothing

@@ -16,8 +16,9 @@ job with an fp16 rank the gradients stay multiplied by the loss scale
 until the session finishes them, and torch's clipping there clips the update to almost nothing: the
 session refuses the step when every gradient was scaled by one factor after the last backward. A
 change to some gradients only (a mask on an embedding's rows) is the script's own and is kept. Under
-FSDP2 each rank reads its own shards for the clipping checks (a zero_grad there is not checked: a
-shard may be empty). (Neither the optimizer nor the model is patched for it: a module with a function
+FSDP2 each rank reads its own shards, which may be empty or all zero, and the ranks' verdicts travel
+in one small all-reduce before each micro-batch but the first (every rank runs the job's count of
+them): all gone on every rank, or scaled on any. (Neither the optimizer nor the model is patched for it: a module with a function
 of hetrain's among its attributes could no longer be pickled whole.)
 """
 
@@ -28,6 +29,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 
 from hetrain.errors import HetrainError
 
@@ -113,17 +115,22 @@ class KeptGradients:
         self._versions: dict[int, int] = {}
         self._norms: list[torch.Tensor] | None = None
 
-    def check(self, module: torch.nn.Module, state, zeros: bool = True) -> None:
+    def check(self, module: torch.nn.Module, state, sharded_on: torch.device | None = None) -> None:
         """Before a backward: a step whose earlier micro-batches ran backward still holds their gradients
-        (`zeros`: checked unless FSDP2, whose shards may be empty), not scaled down by a clipping."""
+        (not zeroed), not scaled down by a clipping. `sharded_on`: the gradients are this rank's FSDP2
+        shards (some may be empty), and the ranks agree on the verdicts (collective, tensors on that device)."""
         if not state.between_micro_batches():
             self._versions, self._norms = {}, None
             return
         grads = gradients_of(module)
-        if zeros and (not grads or (self._changed(grads) and not any(bool(g.any()) for g in grads))):
-            raise HetrainError(MID_STEP_ZERO)
+        gone = not grads or (self._changed(grads) and not any(bool(g.any()) for g in grads))
         left, self._norms = self._norms, None
-        if self._scaled_by_one_factor(grads, left):
+        scaled = self._scaled_by_one_factor(grads, left)
+        if sharded_on is not None:
+            gone, scaled = _agreed(gone, scaled, sharded_on)
+        if gone:
+            raise HetrainError(MID_STEP_ZERO)
+        if scaled:
             raise HetrainError(MID_STEP_CLIP)
 
     def after_backward(self, module: torch.nn.Module, last_micro: bool, loss_scale: float) -> None:
@@ -155,6 +162,16 @@ class KeptGradients:
 
     def _changed(self, grads: list[torch.Tensor]) -> bool:
         return bool(self._versions) and grad_versions(grads) != self._versions
+
+
+def _agreed(gone: bool, scaled: bool, device: torch.device) -> tuple[bool, bool]:
+    """(gone on every rank, scaled on any rank), in one all-reduce: a rank whose shards are empty, or all
+    zero, cannot tell on its own, and every rank must refuse together."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return gone, scaled
+    flags = torch.tensor([float(gone), float(not scaled)], device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    return bool(flags[0] > 0), not bool(flags[1] > 0)
 
 
 class SteadyLearningRate:
