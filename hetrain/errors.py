@@ -1,5 +1,7 @@
 """Errors a user can hit. The CLI prints them as one line and exits non-zero."""
 
+from collections.abc import Hashable, Iterable, Sequence
+
 
 class HetrainError(ValueError):
     """A problem with the user's input: the message names the value, the reason and the fix."""
@@ -22,3 +24,17 @@ def format_validation_error(e) -> str:
         msg = err["msg"].removeprefix("Value error, ")
         parts.append(f"{where}: {msg}")
     return "; ".join(parts)
+
+
+def ranks_text(ranks: Iterable[int]) -> str:
+    """`rank 3` or `ranks 0,2`: how a message names ranks."""
+    ranks = list(ranks)
+    return f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}"
+
+
+def ranks_by_value(values: Sequence[Hashable]) -> dict[Hashable, list[int]]:
+    """Each distinct value of `values` (one per rank, by rank) and the ranks that hold it, in first-seen order."""
+    groups: dict[Hashable, list[int]] = {}
+    for rank, value in enumerate(values):
+        groups.setdefault(value, []).append(rank)
+    return groups

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
 
-from hetrain.errors import HetrainError
+from hetrain.errors import HetrainError, ranks_by_value, ranks_text
 from hetrain.runtime.batch_tree import check_cuttable, cut_leaf, map_leaves, sample_leaves
 from hetrain.runtime.batch_sampler import RankBatchSampler, ShareSchedule, step_shares
 from hetrain.runtime.batch_transfer import to_device
@@ -362,11 +362,8 @@ class _GlobalBatchSource:
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, None if item is None else fingerprint(item[1], floats=floats))
         if len(set(gathered)) > 1:
-            groups: dict[Any, list[int]] = {}
-            for rank, digest in enumerate(gathered):
-                groups.setdefault(digest, []).append(rank)
-            read = "; ".join(("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
-                             + (" read none" if digest is None else "") for digest, ranks in groups.items())
+            read = "; ".join(ranks_text(ranks) + (" read none" if digest is None else "")
+                             for digest, ranks in ranks_by_value(gathered).items())
             raise HetrainError(
                 f"the ranks' streams gave different first global batches ({read}): hetrain has every rank read "
                 "the whole stream and keep its slice of each global batch, so a stream split by rank "

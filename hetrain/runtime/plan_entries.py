@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from hetrain.errors import HetrainError
+from hetrain.errors import HetrainError, ranks_by_value, ranks_text
 from hetrain.planning.batch_split import split_proportional
 from hetrain.planning.plan import Plan, RankPlan
 from hetrain.vocabulary import CPU_DEVICE, Env
@@ -95,12 +95,8 @@ def check_same_plan(digests: Sequence[str]) -> None:
     """Every rank of the job must run one plan: nodes given different plan files would each split the
     global batch their own way (samples taken twice or never, silently)."""
     if len(set(digests)) > 1:
-        groups: dict[str, list[int]] = defaultdict(list)
-        for rank, digest in enumerate(digests):
-            groups[digest].append(rank)
-        seen = "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}: "
-                         f"{'no plan' if d == 'none' else 'plan ' + d}"
-                         for d, ranks in groups.items())
+        seen = "; ".join(f"{ranks_text(ranks)}: {'no plan' if d == 'none' else 'plan ' + d}"
+                         for d, ranks in ranks_by_value(digests).items())
         raise HetrainError(f"the ranks were given different plans ({seen}); pass the same --plan file to "
                            f"hetrain launch on every node (or none on all)")
 

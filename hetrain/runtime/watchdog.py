@@ -27,6 +27,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from hetrain.errors import ranks_text
+
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 RECORD_KEY = "hetrain"
 STALL_EXIT = 124
@@ -213,7 +215,7 @@ def stall_message(stall: Stall, after: dict[int, Progress | None], own_seconds: 
     first = stall.culprits[0]
     entry = after.get(first)
     seconds = own_seconds if entry is None or first in stall.silent else max(entry.seconds, own_seconds)
-    who = f"rank {first}" if len(stall.culprits) == 1 else "ranks " + ",".join(map(str, stall.culprits))
+    who = ranks_text(stall.culprits)
     waiting = [r for r, p in after.items() if p is not None and r not in stall.culprits]
     if entry is None:
         doing = "it never reported"
@@ -221,7 +223,7 @@ def stall_message(stall: Stall, after: dict[int, Progress | None], own_seconds: 
         doing = f"it stopped responding while {entry.phase}"
     else:
         doing = f"{entry.phase}"
-    others = f"; ranks {','.join(map(str, sorted(waiting)))} wait on it" if waiting else ""
+    others = f"; {ranks_text(sorted(waiting))} wait{'s' if len(waiting) == 1 else ''} on it" if waiting else ""
     return (f"{who} made no progress at step {stall.step} for {seconds:.0f} s ({doing}{others}; "
             f"limit {timeout_s:g} s, hetrain launch --collective-timeout)")
 
@@ -239,8 +241,8 @@ def ended_early(after: dict[int, Progress | None]) -> str | None:
         return None
     closed, last, waiting = sorted(done), first_untaken - 1, sorted(ahead)
     step = min(ahead[r].step for r in waiting)
-    return (f"rank{'s' if len(closed) > 1 else ''} {','.join(map(str, closed))} closed the session after {last} "
-            f"step(s) while rank{'s' if len(waiting) > 1 else ''} {','.join(map(str, waiting))} wait(s) in step "
+    return (f"{ranks_text(closed)} closed the session after {last} "
+            f"step(s) while {ranks_text(waiting)} wait(s) in step "
             f"{step}: every rank must take the same steps; end the loop on session.step_count or the loader's "
             "epoch, not on a count of batches (micro-batches make that count differ between ranks)")
 
