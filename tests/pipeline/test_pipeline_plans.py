@@ -3,6 +3,7 @@
 import math
 
 import pytest
+import torch
 
 
 from hetrain.hardware.cluster import cluster_from_devices, get_preset
@@ -247,3 +248,36 @@ def test_the_counts_the_runtime_keeps_for_a_prime_batch():
 
     assert microbatches_at_most(6007, 3) == 6007 and microbatches_for(6007, 2003) == 1
     assert microbatches_at_most(6006, 4) == 2002 and microbatches_for(6006, 2002) == 2002
+
+
+def _dict_inputs(rank, world, plan):
+    import torch.nn.functional as F
+
+    import hetrain
+    from hetrain.errors import HetrainError
+    from tests.pipeline.common import make_data
+
+    session = hetrain.Session(plan)
+    net = make_model()
+    session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    loader = session.loader(make_data(), global_batch_size=plan.global_batch_size, shuffle=False)
+    x, y = next(iter(loader))
+    errors = []
+    for call in (lambda: session.evaluate({"x": x}, y, F.cross_entropy),
+                 lambda: session.forward_backward({"x": x}, y, F.cross_entropy)):
+        try:
+            call()
+            errors.append(None)
+        except HetrainError as e:
+            errors.append(str(e))
+    session.close()
+    return errors
+
+
+def test_a_dict_of_inputs_under_a_pipeline_is_refused_naming_the_tuple_to_pass():
+    """A Hugging Face habit (model(**batch)) cannot reach a pipeline's first stage, which takes positional
+    tensors: evaluation and training both say to pass a tuple, on every rank."""
+    plan = pipeline_plan([[0, 4], [4, 8]], "1f1b", 2, 8)
+    for errors in run_ranks(_dict_inputs, 2, plan):
+        assert len(errors) == 2 and all(e is not None and "a dict of inputs under a pipeline plan" in e
+                                        and "(batch['input_ids'],)" in e for e in errors), errors
