@@ -36,7 +36,7 @@ from typing import Any
 
 from hetrain.checkpoint.checkpointer import Checkpointer
 from hetrain.errors import HetrainError
-from hetrain.runtime.environment import env_float
+from hetrain.runtime.environment import env_float, env_int
 from hetrain.metrics.events import CheckpointRecord
 from hetrain.runtime.train_state import TrainState
 from hetrain.vocabulary import Env
@@ -46,11 +46,29 @@ log = logging.getLogger("hetrain.checkpoint")
 SIGTERM_EXIT = 143
 
 
+def checkpoint_settings(directory: str | os.PathLike | None, interval: int | None, keep: int | None,
+                        async_save: bool) -> tuple[str | os.PathLike | None, int, int | None, bool]:
+    """Session's checkpoint arguments, checked before the process group exists: (directory, interval, keep,
+    async_save), the interval from HETRAIN_CHECKPOINT_INTERVAL (default 100) where not given."""
+    if interval is None:
+        interval = env_int(Env.CHECKPOINT_INTERVAL, 100)
+        if interval < 1:
+            raise HetrainError(f"{Env.CHECKPOINT_INTERVAL}={interval}: a checkpoint every {interval} steps; set it to "
+                               "a whole number >= 1, or unset it (default 100)")
+    elif isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+        raise HetrainError(f"checkpoint_interval={interval!r}: pass a whole number of steps >= 1 (None reads "
+                           f"{Env.CHECKPOINT_INTERVAL}, default 100; without checkpoint_dir nothing is saved)")
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise HetrainError(f"keep_checkpoints={keep!r}: at least the newest checkpoint must be kept to resume from it; "
+                           "pass keep_checkpoints>=1, or None to keep every checkpoint")
+    return directory or os.environ.get(Env.CHECKPOINT_DIR) or None, interval, keep, bool(async_save)
+
+
 class SessionCheckpoints:
     """Saves a run's TrainState every `interval` steps, on SIGTERM and at close; resumes the newest."""
 
     def __init__(self, state: TrainState, directory: str | os.PathLike, *, interval: int = 100,
-                 keep: int = 3, async_save: bool = True,
+                 keep: int | None = 3, async_save: bool = True,
                  recent_step_seconds: Callable[[], Sequence[float]] = list,
                  on_saved: Callable[[CheckpointRecord], None] | None = None) -> None:
         if interval < 1:

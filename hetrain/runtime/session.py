@@ -46,7 +46,7 @@ from hetrain.runtime.pipeline_stages import check_pipeline_plan
 from hetrain.runtime.plan_entries import comm_for_world, find_entries, pipeline_assignment
 from hetrain.runtime.precision import (JobLossScaler, LossScale, autocast, check_not_prescaled, configure_tf32,
                                       loss_scale_settings)
-from hetrain.runtime.resume import SessionCheckpoints
+from hetrain.runtime.resume import SessionCheckpoints, checkpoint_settings
 from hetrain.runtime.schedulers import Schedulers
 from hetrain.runtime.step_state import StepState, items_as_number
 from hetrain.runtime.step_clock import StepClock
@@ -70,7 +70,7 @@ class Session:
                  balance: bool | None = None, balance_interval: int | None = None,
                  device: str | torch.device | None = None, log_level: int | None = None,
                  checkpoint_dir: str | os.PathLike | None = None, checkpoint_interval: int | None = None,
-                 keep_checkpoints: int = 3, async_checkpoints: bool = True, metrics_port: int | None = None,
+                 keep_checkpoints: int | None = 3, async_checkpoints: bool = True, metrics_port: int | None = None,
                  max_skipped_steps: int = 25, loss_scale: dict | LossScale | None = None) -> None:
         print_user_errors_as_one_line()
         if "TORCHELASTIC_RUN_ID" in os.environ:
@@ -78,9 +78,8 @@ class Session:
         env = RankEnv.from_environ()
         configure_logging(log_level)
         # Every setting is read and checked before the process group exists: a bad value stops here.
-        self._checkpoint_args = (checkpoint_dir or os.environ.get(Env.CHECKPOINT_DIR) or None,
-                                 checkpoint_interval or env_int(Env.CHECKPOINT_INTERVAL, 100), keep_checkpoints,
-                                 async_checkpoints)
+        self._checkpoint_args = checkpoint_settings(checkpoint_dir, checkpoint_interval, keep_checkpoints,
+                                                    async_checkpoints)
         self._metrics_port = metrics_port if metrics_port is not None else env_int(Env.METRICS_PORT, 0) or None
         loss_scale = loss_scale_settings(loss_scale)
         collective_timeout()

@@ -122,9 +122,8 @@ class TrainState:
                 if shared["optimizer"] is not None and optimizer is not None:
                     optimizer.load_state_dict(shared["optimizer"])
         except (RuntimeError, KeyError, ValueError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise HetrainError(
-                f"{where} was saved from a different model or optimizer ({first[:200]}); resume with the model "
+                f"{where} was saved from a different model or optimizer ({load_error_summary(e)}); resume with the model "
                 "and optimizer it was saved with, or start in an empty checkpoint directory"
             ) from None
         self.scaler.load_state_dict(shared["scaler"])
@@ -230,3 +229,15 @@ def load_stage_state(module: torch.nn.Module, optimizer: Any, state: dict) -> No
     if optimizer is not None and "optimizer" in state:
         set_optimizer_state_dict(module, optimizer, state["optimizer"],
                                  options=StateDictOptions(flatten_optimizer_state_dict=True))
+
+
+def load_error_summary(e: BaseException) -> str:
+    """torch's load_state_dict error in one line: its first difference (a key and both shapes), not its
+    header alone, and how many more it lists."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(e).__name__
+    details = lines[1:] if lines[0].endswith(":") and len(lines) > 1 else lines
+    more = f" (and {len(details) - 1} more)" if len(details) > 1 else ""
+    first = details[0] if len(details[0]) <= 240 else details[0][:237] + "..."
+    return first + more

@@ -66,3 +66,48 @@ def test_a_relaunch_on_damaged_checkpoints_stops_and_a_fresh_start_keeps_its_sav
     names = sorted(p.name for p in root.iterdir() if "step-" in p.name)
     assert names == ["damaged-step-000010", "damaged-step-000015", "damaged-step-000020", "step-000005",
                      "step-000009"]
+
+
+def _steps(root: Path, width: int, steps: int):
+    import hetrain
+
+    session = hetrain.Session(balance=False, checkpoint_dir=str(root), checkpoint_interval=steps)
+    net = make_model(width=width)
+    model, _ = session.prepare(net, torch.optim.Adam(net.parameters(), lr=1e-2))
+    try:
+        for x, y in session.loader(make_data(), global_batch_size=8, seed=2):
+            session.backward(F.cross_entropy(model(x), y))
+            session.step()
+            if session.step_count == steps:
+                break
+    finally:
+        session.close()
+
+
+def test_a_resume_with_another_model_names_the_first_parameter_and_both_shapes(tmp_path):
+    """The refusal kept only torch's header ('Error(s) in loading state_dict for ...:'), not what differs."""
+    import pytest
+
+    from hetrain.errors import HetrainError
+
+    _steps(tmp_path, 16, 2)
+    with pytest.raises(HetrainError, match=r"different model or optimizer \(size mismatch for [\w.]+weight: .*"
+                                           r"torch.Size\(\[16, 6\]\).*torch.Size\(\[32, 6\]\).*\(and \d+ more\)"):
+        _steps(tmp_path, 32, 4)
+
+
+def test_checkpoint_settings_that_cannot_work_are_refused_by_their_names(monkeypatch):
+    """keep_checkpoints=0 was refused as the checkpointer's `keep=0`, at the first loader; an interval of 0
+    silently meant every 100 steps."""
+    import pytest
+
+    import hetrain
+    from hetrain.errors import HetrainError
+
+    with pytest.raises(HetrainError, match="keep_checkpoints=0: .*keep_checkpoints>=1, or None"):
+        hetrain.Session(checkpoint_dir="unused", keep_checkpoints=0)
+    with pytest.raises(HetrainError, match="checkpoint_interval=0: pass a whole number of steps >= 1"):
+        hetrain.Session(checkpoint_dir="unused", checkpoint_interval=0)
+    monkeypatch.setenv(Env.CHECKPOINT_INTERVAL, "-5")
+    with pytest.raises(HetrainError, match=f"{Env.CHECKPOINT_INTERVAL}=-5.*whole number >= 1"):
+        hetrain.Session(checkpoint_dir="unused")
