@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import operator
 import os
 import signal
 import threading
@@ -55,13 +56,24 @@ def checkpoint_settings(directory: str | os.PathLike | None, interval: int | Non
         if interval < 1:
             raise HetrainError(f"{Env.CHECKPOINT_INTERVAL}={interval}: a checkpoint every {interval} steps; set it to "
                                "a whole number >= 1, or unset it (default 100)")
-    elif isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+    elif _whole(interval) is None or interval < 1:
         raise HetrainError(f"checkpoint_interval={interval!r}: pass a whole number of steps >= 1 (None reads "
                            f"{Env.CHECKPOINT_INTERVAL}, default 100; without checkpoint_dir nothing is saved)")
-    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+    if keep is not None and (_whole(keep) is None or keep < 1):
         raise HetrainError(f"keep_checkpoints={keep!r}: at least the newest checkpoint must be kept to resume from it; "
                            "pass keep_checkpoints>=1, or None to keep every checkpoint")
-    return directory or os.environ.get(Env.CHECKPOINT_DIR) or None, interval, keep, bool(async_save)
+    return (directory or os.environ.get(Env.CHECKPOINT_DIR) or None, int(interval), None if keep is None else int(keep),
+            bool(async_save))
+
+
+def _whole(value: Any) -> int | None:
+    """`value` as an int where it is a whole number (a NumPy integer too), else None (a bool is not one)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 class SessionCheckpoints:
