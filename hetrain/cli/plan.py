@@ -86,8 +86,9 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
                         help="auto: bf16 where the chip has it, fp16 with loss scaling elsewhere; "
                              "another forces that precision where the chip has it")
     parser.add_argument("--micro-batch", type=int, default=None, metavar="N",
-                        help="the largest micro-batch on every device: shares run in equal pieces of at most N; "
-                             "every device must hold N")
+                        help="the largest micro-batch on every device: shares run in equal pieces of at most N "
+                             "(with activation checkpointing where a device needs it to hold N); a device that "
+                             "cannot hold N runs as without the flag, and a note says so")
     parser.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS),
                         help="the optimizer whose state and step the plan prices: torch.optim's AdamW, Adam "
                              "and SGD (with momentum) as constructed by default, or with fused=True (-fused)")

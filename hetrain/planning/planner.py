@@ -19,6 +19,7 @@ from hetrain.planning.precision_policy import needs_loss_scaling
 from hetrain.planning.explain import PIPELINES_WEIGHED, idle_devices_note, why_not
 from hetrain.planning.kinds import Kind, cpu_sharing_notes, extrapolation_notes, figures_notes, kinds_of
 from hetrain.planning.measured_rates import MeasuredRates
+from hetrain.planning.no_fit import no_fit_message
 from hetrain.workload.device_profile import DeviceProfile
 from hetrain.workload.profile import WorkloadProfile
 from hetrain.vocabulary import OPTIMIZERS, PIPELINE_STRATEGIES
@@ -212,12 +213,19 @@ def data_parallel(strategy: str, cluster, profile: WorkloadProfile, kinds: list[
         plain = max_micro_batch(profile, k, optimizer, zero, world, False, limit)
         # checkpointing only where the micro-batch asked for (or else 1) does not fit without it
         ckpt = max_micro_batch(profile, k, optimizer, zero, world, True, limit) if plain < (micro_batch or 1) else 0
-        if max(plain, ckpt) < (micro_batch or 1):
-            short, text = _memory_note(profile, k, optimizer, zero, world, micro_batch or 1)
+        most = max(plain, ckpt)
+        if most < 1:
+            short, text = _memory_note(profile, k, optimizer, zero, world, 1)
             cand.reason, cand.shortfall_bytes = f"does not fit: {text}", short
             return cand
+        if micro_batch is not None and most < micro_batch:
+            # a cap this device cannot reach: it runs as without one, checkpointing only where 1 needs it
+            ckpt = ckpt if plain < 1 else 0
+            cand.notes.append(f"{strategy}: {k.spec.name} cannot hold the {micro_batch} of --micro-batch (at most "
+                              f"{most}, with activation checkpointing): its pieces stay at or below "
+                              + (f"{plain}, the largest without checkpointing" if plain else f"{ckpt}"))
         plain_limits.append(plain)
-        choices.append((ckpt, True) if ckpt else (plain, False))
+        choices.append((ckpt, True) if ckpt > plain else (plain, False))
     # a fixed --micro-batch larger than a device's share: once the shares are known, a device that
     # needed checkpointing for the micro-batch asked for may hold its own share without it
     per_rank = _per_rank(strategy, kinds, global_batch, world, choices)
@@ -427,7 +435,7 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
             pick = max(options, key=lambda c: c.samples_per_s) if options else cands["pipeline"]
         chosen = pick if pick is not None and pick.feasible else None
     if chosen is None:
-        raise NoPlanFits(*_no_fit_message(profile, kinds, cands, strategy, optimizer, world, micro_batch))
+        raise NoPlanFits(*no_fit_message(profile, kinds, cands, strategy, optimizer, world, micro_batch))
     notes += chosen.notes
     if chosen.strategy not in PIPELINE_STRATEGIES:   # a stage's time comes from the per-block timings
         notes += extrapolation_notes(kinds, chosen.plan.ranks)
@@ -446,48 +454,3 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
     return PlanResult(plan=plan, candidates=list(cands.values()), ideal_samples_per_s=ideal,
                       uniform_ddp_samples_per_s=uniform.samples_per_s if uniform.feasible else 0.0, notes=notes,
                       figures={k.spec.name: k.source for k in kinds})
-
-
-def _devices_to_add(profile, kinds, best, optimizer, world, limit: int = 4096) -> str:
-    """How many more devices of the kind with the most room would let ZeRO-3 at micro-batch 1 fit every
-    device (each holds 1/world of the state), or which kind never fits however many share it."""
-    def fits(k: Kind, n: int) -> bool:
-        return k.memory(profile, 1, optimizer=optimizer, zero=3, world=n, ckpt=True).total <= k.spec.memory_bytes
-
-    never = [k.spec.name for k in kinds if not fits(k, world + limit)]
-    if never:
-        return (f"the {' and '.join(never)} cannot hold micro-batch 1 however many devices share the model's "
-                f"state (leave {'them' if len(never) > 1 else 'it'} out)")
-    lo, hi = 1, limit   # the least n with every kind fitting over world + n devices (fits is monotone in n)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if all(fits(k, world + mid) for k in kinds) else (mid + 1, hi)
-    return f"add {lo} more {best.spec.name} (ZeRO-3 over {world + lo} devices fits)"
-
-
-def _no_fit_message(profile, kinds, cands, strategy, optimizer, world, micro_batch) -> tuple[str, str | None]:
-    """(the error, "DEVICE is N GB short" where even the least a plan needs does not fit)."""
-    zero = 3 if world > 1 else 0   # one device has nothing to shard over
-    need = {k.spec.name: k.memory(profile, 1, optimizer=optimizer, zero=zero, world=world, ckpt=True).total
-            for k in kinds}
-    best = max(kinds, key=lambda k: k.spec.memory_bytes - need[k.spec.name])
-    missing = need[best.spec.name] - best.spec.memory_bytes
-    what = f"strategy {strategy}" if strategy != "auto" else "any strategy"
-    if missing > 0:   # the least any plan needs: the candidates' own shortfalls say no more
-        even = f"sharded over all {world} devices with ZeRO-3, " if world > 1 else "on its own, with "
-        short = f"{best.spec.name} is {missing / GB:.1f} GB short"
-        return (f"model {profile.name!r} fits no plan with {what}: even {even}activation checkpointing and "
-                f"micro-batch 1, {short}; {_devices_to_add(profile, kinds, best, optimizer, world)}, "
-                "use devices with more memory, or a smaller model or sequence length"), short
-    if strategy == "auto":   # the candidate closest to fitting says what is missing
-        own = min((c for c in cands.values() if c.shortfall_bytes > 0), key=lambda c: c.shortfall_bytes, default=None)
-    else:   # the strategy asked for says why it does not fit
-        own = cands.get(strategy)
-    detail = f" ({own.strategy}: {own.reason.removeprefix('does not fit: ')})" if own is not None and own.reason else ""
-    fits = max((c for c in cands.values() if c.feasible), key=lambda c: c.samples_per_s, default=None)
-    tries = [f"--strategy {fits.strategy} ({fits.samples_per_s:.1f} samples/s)"] if fits is not None else \
-        ["--strategy auto (it also weighs pipelines)"] if strategy not in ("auto", "pipeline") else []
-    tries += ["a smaller --micro-batch"] if micro_batch is not None and micro_batch > 1 else []
-    tries += ["devices with more memory"]
-    options = tries[0] if len(tries) == 1 else f"{', '.join(tries[:-1])} or {tries[-1]}"
-    return f"model {profile.name!r} does not fit with {what}{detail}; try {options}", None

@@ -1,0 +1,52 @@
+"""What a plan that fits nowhere says: the device, the GBs it misses, and what would fit."""
+
+from __future__ import annotations
+
+from hetrain.planning.kinds import Kind
+
+GB = 1e9
+
+
+def devices_to_add(profile, kinds, best, optimizer, world, limit: int = 4096) -> str:
+    """How many more devices of the kind with the most room would let ZeRO-3 at micro-batch 1 fit every
+    device (each holds 1/world of the state), or which kind never fits however many share it."""
+    def fits(k: Kind, n: int) -> bool:
+        return k.memory(profile, 1, optimizer=optimizer, zero=3, world=n, ckpt=True).total <= k.spec.memory_bytes
+
+    never = [k.spec.name for k in kinds if not fits(k, world + limit)]
+    if never:
+        return (f"the {' and '.join(never)} cannot hold micro-batch 1 however many devices share the model's "
+                f"state (leave {'them' if len(never) > 1 else 'it'} out)")
+    lo, hi = 1, limit   # the least n with every kind fitting over world + n devices (fits is monotone in n)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if all(fits(k, world + mid) for k in kinds) else (mid + 1, hi)
+    return f"add {lo} more {best.spec.name} (ZeRO-3 over {world + lo} devices fits)"
+
+
+def no_fit_message(profile, kinds, cands, strategy, optimizer, world, micro_batch) -> tuple[str, str | None]:
+    """(the error, "DEVICE is N GB short" where even the least a plan needs does not fit)."""
+    zero = 3 if world > 1 else 0   # one device has nothing to shard over
+    need = {k.spec.name: k.memory(profile, 1, optimizer=optimizer, zero=zero, world=world, ckpt=True).total
+            for k in kinds}
+    best = max(kinds, key=lambda k: k.spec.memory_bytes - need[k.spec.name])
+    missing = need[best.spec.name] - best.spec.memory_bytes
+    what = f"strategy {strategy}" if strategy != "auto" else "any strategy"
+    if missing > 0:   # the least any plan needs: the candidates' own shortfalls say no more
+        even = f"sharded over all {world} devices with ZeRO-3, " if world > 1 else "on its own, with "
+        short = f"{best.spec.name} is {missing / GB:.1f} GB short"
+        return (f"model {profile.name!r} fits no plan with {what}: even {even}activation checkpointing and "
+                f"micro-batch 1, {short}; {devices_to_add(profile, kinds, best, optimizer, world)}, "
+                "use devices with more memory, or a smaller model or sequence length"), short
+    if strategy == "auto":   # the candidate closest to fitting says what is missing
+        own = min((c for c in cands.values() if c.shortfall_bytes > 0), key=lambda c: c.shortfall_bytes, default=None)
+    else:   # the strategy asked for says why it does not fit
+        own = cands.get(strategy)
+    detail = f" ({own.strategy}: {own.reason.removeprefix('does not fit: ')})" if own is not None and own.reason else ""
+    fits = max((c for c in cands.values() if c.feasible), key=lambda c: c.samples_per_s, default=None)
+    tries = [f"--strategy {fits.strategy} ({fits.samples_per_s:.1f} samples/s)"] if fits is not None else \
+        ["--strategy auto (it also weighs pipelines)"] if strategy not in ("auto", "pipeline") else []
+    tries += ["a smaller --micro-batch"] if micro_batch is not None and micro_batch > 1 else []
+    tries += ["devices with more memory"]
+    options = tries[0] if len(tries) == 1 else f"{', '.join(tries[:-1])} or {tries[-1]}"
+    return f"model {profile.name!r} does not fit with {what}{detail}; try {options}", None
