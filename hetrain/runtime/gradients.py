@@ -72,8 +72,11 @@ class StepFigures:
 
 
 def _packet(state: StepState, device: torch.device, stop: bool) -> torch.Tensor:
+    """(items, ranks that skipped the last step, loss sum, losses, stop): summed over the ranks. With sharded
+    gradients the second figure is replaced by this step's verdict on them."""
     has_loss = 1.0 if state.loss_sum is not None else 0.0
-    packet = torch.tensor([state.items, 0.0, 0.0, has_loss, float(stop)], dtype=torch.float64, device=device)
+    packet = torch.tensor([state.items, float(state.skipped_last), 0.0, has_loss, float(stop)], dtype=torch.float64,
+                          device=device)
     if state.loss_sum is not None:
         packet[2] = state.loss_sum.to(device=device, dtype=torch.float64)
     return packet
@@ -110,7 +113,8 @@ def finish_gradients(params: Iterable[torch.nn.Parameter], state: StepState, los
     if launched is not None:   # the figures are known first: one fused pass unscales, corrects and checks
         if launched.work is not None:
             launched.work.wait()
-        global_items, _, loss_sum, losses, stops = launched.packet.tolist()
+        global_items, skipped_last, loss_sum, losses, stops = launched.packet.tolist()
+        check_skips_agreed(skipped_last, dist.get_world_size(group))
         correction = state.estimate() / global_items if global_items > 0 else 1.0
         found = _unscale_and_check(grads, correction / loss_scale, device)
         if agree:   # ZeRO-1: a rank that skipped alone would leave the others in the step's broadcast
@@ -127,6 +131,18 @@ def finish_gradients(params: Iterable[torch.nn.Parameter], state: StepState, los
     found_inf = bad > 0 or loss_sum != loss_sum
     loss = loss_sum / global_items if losses > 0 and global_items > 0 else None
     return GradientStatus(found_inf=found_inf, global_items=global_items, loss=loss, stop=stops > 0)
+
+
+def check_skips_agreed(skipped: float, world: int) -> None:
+    """Replicated gradients give every rank the same verdict on overflow, unless they changed on some ranks
+    after the all-reduce: then some ranks skipped the last step and others applied it, and the model copies
+    (and an fp16 job's loss scales) differ from then on, silently. The next step's figures say so."""
+    if 0 < round(skipped) < world:
+        raise HetrainError(
+            f"{round(skipped)} of {world} ranks skipped the last step for non-finite gradients and the others applied "
+            "it: the gradients changed on some ranks after they were all-reduced (a hook or code between "
+            "session.backward() and session.step() that writes them on one rank, or a faulty device), and the ranks' "
+            "copies of the model now differ; remove that change and restart from the last checkpoint")
 
 
 def agree_items_per_sample(items: float, samples: int, device: torch.device,

@@ -387,6 +387,7 @@ class Session:
             return False
         status = self._finish_gradients()
         applied = not status.found_inf
+        self.state.skipped_last = not applied
         if not applied:   # what compression carries holds part of the skipped gradients (or their inf)
             forget_feedback(self.prepared.comm_state)
         with self._step_guard.allowed():

@@ -52,6 +52,8 @@ class StepState:
         self.items_per_sample: float | None = None
         self.begun = 0                          # steps begun (tells one step's batch from the next)
         self.last: StepTotals | None = None
+        self.skipped_last = False               # this rank skipped its last finished step (replicated gradients:
+                                                # the next step's figures check every rank did the same)
 
     @property
     def active(self) -> bool:
