@@ -161,6 +161,20 @@ class SkipCounter:
         self.limit = limit
         self.in_a_row = 0
         self.total = 0
+        self.without_items_total = 0
+
+    def without_items(self, status: GradientStatus, step: int, report: bool) -> bool:
+        """Whether `step`'s global batch had no items at all (every rank's num_items 0: a token-mean loss over
+        sequences with no predicted token): there is no gradient to apply, so the optimizer, its weight
+        decay and momentum, the schedulers and the loss scale stay as they are; logged on the first."""
+        if status.found_inf or status.global_items > 0:
+            return False
+        self.without_items_total += 1
+        if report and self.without_items_total == 1:
+            log.warning("step %d: its global batch had no items (num_items 0 on every rank): no update, the "
+                        "schedulers and the loss scale stay as they are; session.step() returns False (logged once)",
+                        step)
+        return True
 
     def count(self, applied: bool, step: int, loss_scale: float, report: bool) -> int:
         """Note whether `step` was applied; returns 1 for a skipped step, 0 otherwise."""

@@ -386,16 +386,18 @@ class Session:
         if not self.state.last_micro:
             return False
         status = self._finish_gradients()
-        applied = not status.found_inf
-        self.state.skipped_last = not applied
-        if not applied:   # what compression carries holds part of the skipped gradients (or their inf)
+        applied = not status.found_inf and not self.skips.without_items(status, self.train.step + 1, self.is_main)
+        self.state.skipped_last = status.found_inf
+        if status.found_inf:   # what compression carries holds part of the skipped gradients (or their inf)
             forget_feedback(self.prepared.comm_state)
         with self._step_guard.allowed():
             self.timer.time_optimizer(self.optimizer.step if applied else (lambda: None))
             self.optimizer.zero_grad(set_to_none=True)
         self.schedulers.step(applied)
-        self.scaler.update(applied)
-        self.train.skipped_steps += self.skips.count(applied, self.train.step + 1, self.scaler.scale, self.is_main)
+        if applied or status.found_inf:   # a step without items leaves the loss scale as it is
+            self.scaler.update(applied)
+        self.train.skipped_steps += self.skips.count(not status.found_inf, self.train.step + 1, self.scaler.scale,
+                                                     self.is_main)
         first_forward = self.timer.started_at
         compute = self.timer.end_step()
         data_wait = self.train.loader.data_wait_seconds
@@ -408,7 +410,7 @@ class Session:
             self.reports.save_rates(self.assignment.entries, self.balancer, step=self.train.step, emulated=self.emulated)
         self.balancer.begin_exchange(self.device, step=self.train.step)   # when an interval ends here
         if self.reports.observers:
-            self.reports.step(step_record(self, totals, times, compute, data_wait, applied, bool(changed),
+            self.reports.step(step_record(self, totals, times, compute, data_wait, not status.found_inf, bool(changed),
                                           self._grad_norm))
         self._status, self._grad_norm = None, None
         if self.checkpoints is not None:

@@ -88,3 +88,37 @@ def test_token_mean_without_micro_batches_equals_with_them():
 
 def test_token_mean_fsdp2():
     _check("fsdp", {1: 1})
+
+
+def _no_items_first(rank, world):
+    import hetrain
+
+    plan = Plan(global_batch_size=GLOBAL, balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=r, share=GLOBAL // world) for r in range(world)])
+    session = hetrain.Session(plan)
+    net, data = tiny_gpt2(context=16), lm_data()
+    data.labels[:GLOBAL] = -100                           # the first global batch: prompts only, nothing to predict
+    optimizer = torch.optim.AdamW(net.parameters(), lr=0.1, weight_decay=0.5)
+    model, _ = session.prepare(net, optimizer)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    session.add_scheduler(scheduler)
+    loader = session.loader(data, global_batch_size=GLOBAL, shuffle=False)
+    start = [p.detach().clone() for p in net.parameters()]
+    applied, moved = [], []
+    for batch in loader:
+        session.backward(model(**batch).loss, num_items=predicted_tokens(batch["labels"]))
+        applied.append(session.step())
+        moved.append(max((p - s).abs().max().item() for p, s in zip(net.parameters(), start)))
+        if session.step_count == 2:
+            break
+    figures = {"applied": applied, "moved": moved, "epoch": scheduler.last_epoch, "skipped": session.skips.total}
+    session.close()
+    return figures
+
+
+def test_a_global_batch_without_items_leaves_the_weights_and_schedules_as_they_are():
+    """A token-mean step over prompts only (0 items on every rank) was applied as a zero-gradient update:
+    AdamW's weight decay moved the weights (0.01) and the schedule advanced, with no word."""
+    for r in run_ranks(_no_items_first, 2):
+        assert r["applied"] == [False, True] and r["moved"][0] == 0.0 and r["moved"][1] > 0, r
+        assert r["epoch"] == 1 and r["skipped"] == 0, r
