@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from hetrain.errors import HetrainError
+from hetrain.runtime.batch_tree import tensors
 from hetrain.runtime.pipeline_schedule import call_model, item_counter
 
 
@@ -30,6 +31,8 @@ def evaluate(session: Any, inputs: Any, target: Any, loss_fn: Callable[[Any, Any
     if session.pipeline is not None:
         inputs, target = session.pipeline.gather_batch((inputs, target))
         total, items = session.pipeline.evaluate(inputs, target, loss_fn, count)
+    elif _agreed_empty(inputs, session):   # a rank whose part is empty runs no forward and counts nothing
+        total, items = 0.0, 0.0
     else:
         with torch.no_grad(), session.autocast():
             loss = loss_fn(call_model(session.prepared.model, inputs), target)
@@ -38,3 +41,20 @@ def evaluate(session: Any, inputs: Any, target: Any, loss_fn: Callable[[Any, Any
     sums = torch.tensor([total, items], dtype=torch.float64, device=session.device)
     dist.all_reduce(sums)
     return float(sums[0] / sums[1]) if float(sums[1]) > 0 else math.nan
+
+
+def _agreed_empty(inputs: Any, session: Any) -> bool:
+    """Whether this rank's part holds no sample (every tensor in it has 0 rows). Under FSDP2 every rank's
+    forward gathers the weights with the others', so the ranks agree first and refuse an empty part."""
+    leaves = tensors(inputs)
+    empty = bool(leaves) and all(t.dim() > 0 and t.shape[0] == 0 for t in leaves)
+    if session.sharding != "fsdp":
+        return empty
+    flag = torch.tensor([float(empty)], device=session.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if float(flag) > 0:
+        raise HetrainError("session.evaluate() under sharding 'fsdp' got an empty part on some rank: each rank's "
+                           "forward gathers the weights with the other ranks', so every rank needs at least one "
+                           "sample; use an evaluation set of at least as many samples as ranks, split so that "
+                           "none is left empty (DistributedSampler pads it)")
+    return False

@@ -1,0 +1,53 @@
+"""session.evaluate with a rank whose part of the evaluation set is empty (a set smaller than the ranks, or
+split unevenly): that rank counts nothing; under FSDP2, whose forward is collective, every rank refuses."""
+
+import torch
+from torch.utils.data import default_collate
+
+from hetrain.bench.tiny_lm import PaddedTokens, predicted_tokens, tiny_gpt2
+from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+from tests.distributed import run_ranks
+
+EVAL = 6
+
+
+def _lm_loss(out, labels):
+    return out.loss
+
+
+def _evaluate_with_an_empty_part(rank, world, sharding):
+    import hetrain
+    from hetrain.errors import HetrainError
+
+    plan = Plan(global_batch_size=8, sharding=sharding, balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=r, share=4) for r in range(world)])
+    session = hetrain.Session(plan)
+    torch.manual_seed(0)
+    net = tiny_gpt2(context=16)
+    session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    data = PaddedTokens(n=EVAL, length=12, seed=3)
+    rows = range(EVAL) if rank == 0 else range(0)          # rank 1 has nothing to evaluate
+    batch = default_collate([data[i] for i in rows]) if rows else {k: v[:0] for k, v in
+                                                                    default_collate([data[0]]).items()}
+    labels = batch.pop("labels")
+    try:
+        loss = session.evaluate(dict(batch, labels=labels), labels, _lm_loss, num_items=predicted_tokens)
+    except HetrainError as e:
+        loss = str(e)
+    session.close()
+    return loss
+
+
+def test_a_rank_with_an_empty_part_counts_nothing_and_the_loss_is_the_other_parts():
+    """Its forward crashed inside GPT-2 (cannot reshape a tensor of 0 elements), with no hint."""
+    torch.manual_seed(0)
+    net, data = tiny_gpt2(context=16), PaddedTokens(n=EVAL, length=12, seed=3)
+    with torch.no_grad():
+        want = net(**default_collate([data[i] for i in range(EVAL)])).loss.item()
+    for loss in run_ranks(_evaluate_with_an_empty_part, 2, "none"):
+        assert abs(loss - want) < 1e-5, (loss, want)
+
+
+def test_under_fsdp2_an_empty_part_is_refused_on_every_rank():
+    for loss in run_ranks(_evaluate_with_an_empty_part, 2, "fsdp"):
+        assert isinstance(loss, str) and "at least one sample" in loss and "sharding 'fsdp'" in loss, loss
