@@ -8,6 +8,7 @@ import json
 from hetrain.cli.console import stdout_console
 from hetrain.errors import HetrainError
 from hetrain.userfiles import check_writable_file, read_text
+from hetrain.planning.compression_choice import COMPRESSION_CHOICES
 from hetrain.planning.planner import STRATEGIES
 from hetrain.planning.precision_policy import PRECISION_CHOICES
 from hetrain.vocabulary import OPTIMIZERS
@@ -89,6 +90,11 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
                         help="the largest micro-batch on every device: shares run in equal pieces of at most N "
                              "(with activation checkpointing where a device needs it to hold N); a device that "
                              "cannot hold N runs as without the flag, and a note says so")
+    parser.add_argument("--compression", default="auto", choices=list(COMPRESSION_CHOICES),
+                        help="gradient compression of the all-reduce (DDP and ZeRO-1): auto (the default) sends fp32, "
+                             "or a 16-bit all-reduce where the link between nodes is the bottleneck; powersgd, int8 "
+                             "and topk carry part of each gradient to later steps (the update differs from one "
+                             "process's) and run only when named here")
     parser.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS),
                         help="the optimizer whose state and step the plan prices: torch.optim's AdamW, Adam "
                              "and SGD (with momentum) as constructed by default, or with fused=True (-fused)")
@@ -133,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
     with Console(stderr=True).status("weighing strategies, shares and partitions..."):
         result = plan_job(cluster, profile, args.global_batch_size,
                           optimizer=args.optimizer, strategy=args.strategy, precision=args.precision,
-                          micro_batch=args.micro_batch, profiles=profiles, rates=rates)
+                          micro_batch=args.micro_batch, profiles=profiles, rates=rates,
+                          compression=args.compression)
     if args.out:
         check_writable_file(args.out, "--out")
         result.plan.save(args.out)

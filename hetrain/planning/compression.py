@@ -21,9 +21,6 @@ INT8_CHUNK_ELEMENTS = 1024  # one fp32 scale per chunk of int8 values
 # (it all-gathers: 0.020 on 2 ranks, 0.040 on 4), so both stay analytic.
 MEASURED_RATIOS: dict[str, float] = {"fp16": 0.5, "bf16": 0.5, "int8": 0.252}
 
-# The order the planner tries hooks in: nearly lossless first, then low-rank.
-PREFERENCE = ("none", "bf16", "fp16", "powersgd")
-
 
 def powersgd_ratio(profile: WorkloadProfile, rank: int = 2) -> float:
     """rank*(m+n) per (m x n) matrix sent instead of m*n; vectors (biases, norms) go uncompressed."""

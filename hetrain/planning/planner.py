@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from hetrain.errors import HetrainError, NoPlanFits
 from hetrain.hardware.cluster import HOST_STAGED_SHARE
 from hetrain.planning import cost_model as cm
-from hetrain.planning.compression import PREFERENCE, compression_ratio, lossless_for
+from hetrain.planning.compression import compression_ratio, lossless_for
+from hetrain.planning.compression_choice import COMPRESSION_CHOICES, choose_compression
 from hetrain.planning.batch_split import FunctionCost, split_even, split_min_max
 from hetrain.planning.pieces import fsdp_pieces
 from hetrain.planning.plan import BalancePlan, CommPlan, Plan, RankPlan
@@ -28,8 +29,6 @@ from hetrain.vocabulary import STRATEGIES as VOCABULARY_STRATEGIES
 STRATEGIES = ("auto", *(s for s in VOCABULARY_STRATEGIES if s != "hybrid"))  # hybrid plans come from "pipeline"
 _ZERO = {"ddp": 0, "balanced": 0, "zero1": 1, "zero3": 3}
 _SHARDING = {"ddp": "none", "balanced": "none", "zero1": "zero1", "zero3": "fsdp"}
-COMM_BOUND_FRACTION = 0.05  # exposed network time above this share of a step makes the link the bottleneck
-GOOD_ENOUGH = 0.95  # a more preferred (less lossy) hook wins when within this fraction of the best
 GB = 1e9
 
 
@@ -287,30 +286,6 @@ def data_parallel(strategy: str, cluster, profile: WorkloadProfile, kinds: list[
     return cand
 
 
-def with_compression(strategy: str, cluster, profile, kinds, global_batch, optimizer, micro_batch) -> Candidate:
-    """A data-parallel candidate, compressed only if the network between nodes is the bottleneck."""
-    plain = data_parallel(strategy, cluster, profile, kinds, global_batch, optimizer, micro_batch)
-    if not plain.feasible or strategy == "zero3":
-        return plain
-    share = plain.inter_node_seconds / plain.step_seconds
-    if share <= COMM_BOUND_FRACTION:
-        if len(cluster.nodes) > 1:
-            plain.notes.append(f"{strategy}: network time not hidden under backward is {share:.1%} of a step; "
-                         "no gradient compression needed")
-        return plain
-    order = [h for h in PREFERENCE if h not in ("fp16", "bf16")]
-    order.insert(1, lossless_for(k.spec for k in kinds))
-    tried = [plain] + [data_parallel(strategy, cluster, profile, kinds, global_batch, optimizer, micro_batch, h)
-                       for h in order[1:]]
-    best = max(c.samples_per_s for c in tried)
-    chosen = next(c for c in tried if c.samples_per_s >= GOOD_ENOUGH * best)
-    speeds = ", ".join(f"{c.compression} {c.samples_per_s:.0f}/s" for c in tried)
-    chosen.notes.append(f"{strategy}: the link between nodes is the bottleneck (exposed network time {share:.0%} of a "
-                 f"step without compression); predicted {speeds}; chose {chosen.compression}"
-                 + (" (the least lossy within 5% of the best)" if chosen is not tried[-1] or len(tried) == 1 else ""))
-    return chosen
-
-
 # ---------------------------------------------------------------- planner
 
 
@@ -359,11 +334,12 @@ def ideal_samples_per_s(profile: WorkloadProfile, kinds: list[Kind], global_batc
 def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer: str = "adamw",
              strategy: str = "auto", precision: str = "auto", micro_batch: int | None = None,
              calib: cm.Calibration | None = None, profiles: dict[str, DeviceProfile] | None = None,
-             rates: MeasuredRates | None = None) -> PlanResult:
+             rates: MeasuredRates | None = None, compression: str = "auto") -> PlanResult:
     """Choose the plan for `profile` on `cluster` at `global_batch` samples per step.
 
     `profiles` (device kind -> measured DeviceProfile) and `rates` (a run's MeasuredRates) replace
     the cost model's speed figures for the kinds they cover; the notes say which figures are which.
+    `compression`: "auto" (none, or a 16-bit all-reduce where the network is the bottleneck) or one by name.
     """
     if global_batch is None or global_batch < 1:
         raise HetrainError(f"global batch must be a positive integer, got {global_batch}; use e.g. --global-batch-size 256")
@@ -373,6 +349,8 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
         raise HetrainError(f"unknown strategy {strategy!r}; choose one of: {', '.join(STRATEGIES)}")
     if optimizer not in OPTIMIZERS:
         raise HetrainError(f"unknown optimizer {optimizer!r}; choose one of: {', '.join(OPTIMIZERS)}")
+    if compression not in COMPRESSION_CHOICES:
+        raise HetrainError(f"unknown compression {compression!r}; choose one of: {', '.join(COMPRESSION_CHOICES)}")
     calib = calib or cm.default_calibration()
     kinds = kinds_of(cluster, profile, precision, calib, profiles, rates, optimizer)
     world = sum(k.count for k in kinds)
@@ -390,8 +368,13 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
     args = (cluster, profile, kinds, global_batch, optimizer, micro_batch)
     uniform = data_parallel("ddp", *args)
     cands: dict[str, Candidate] = {"ddp": uniform}
-    for s in ("balanced", "zero1", "zero3"):
-        cands[s] = with_compression(s, *args) if strategy in ("auto", s) else data_parallel(s, *args)
+    half = lossless_for(k.spec for k in kinds)
+    for s in ("balanced", "zero1"):
+        cands[s] = choose_compression(lambda hook, s=s: data_parallel(s, *args, hook), s, len(cluster.nodes), half,
+                                      compression if strategy in ("auto", s) else "none")
+    cands["zero3"] = data_parallel("zero3", *args) if compression in ("auto", "none") else Candidate(
+        "zero3", reason=f"not evaluated: --compression {compression} runs as a DDP communication hook, which "
+                        "FSDP2 (zero3) has none of")
     fits_one = any(max_micro_batch(profile, k, optimizer, 0, 1, True, 1) >= 1 for k in kinds)
     # auto weighs pipelines wherever plain data parallelism does not fit every device, and chooses
     # one only where no single device holds the model (a pipeline plan asks more of the script)

@@ -31,10 +31,29 @@ def test_resnet152_on_mixed_preset_near_ideal_and_beats_uniform():
 def test_slow_network_chooses_compression_and_says_why():
     cluster = get_preset("a100x4+v100x4").model_copy(update={"inter_node_gbps": 1.0})
     r = plan_job(cluster, get_profile("resnet152"), 1024)
-    assert r.plan.comm.compression != "none"
+    assert r.plan.comm.compression == "fp16"   # the V100s have no bf16
     assert any("bottleneck" in n for n in r.plan.notes)
     fast = plan_job(get_preset("a100x4+v100x4"), get_profile("resnet152"), 1024)
     assert r.plan.predicted_samples_per_s < fast.plan.predicted_samples_per_s
+
+
+def test_a_lossy_compression_is_planned_only_when_named():
+    """auto chose PowerSGD on a slow link with only a "chose powersgd" note, and no flag could keep the
+    exact update: the planner now names what PowerSGD would gain, and plans it when asked."""
+    cluster = get_preset("a100x4+v100x4").model_copy(update={"inter_node_gbps": 1.0})
+    auto = plan_job(cluster, get_profile("resnet152"), 1024)
+    assert auto.plan.comm.compression not in ("powersgd", "int8", "topk")
+    note = next(n for n in auto.plan.notes if "PowerSGD (rank 2) is predicted at" in n)
+    assert "the update differs from one process's; --compression powersgd uses it" in note
+    asked = plan_job(cluster, get_profile("resnet152"), 1024, compression="powersgd")
+    assert asked.plan.comm.compression == "powersgd"
+    assert asked.plan.predicted_samples_per_s > auto.plan.predicted_samples_per_s / 0.95
+    zero3 = next(c for c in asked.candidates if c.strategy == "zero3")
+    assert not zero3.feasible and "FSDP2 (zero3)" in zero3.reason
+    exact = plan_job(cluster, get_profile("resnet152"), 1024, compression="none")
+    assert exact.plan.comm.compression == "none"
+    with pytest.raises(HetrainError, match="unknown compression 'zip'; choose one of: auto, none"):
+        plan_job(cluster, get_profile("resnet152"), 1024, compression="zip")
 
 
 def test_fixed_strategy_and_precision_are_respected():
