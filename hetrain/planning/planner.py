@@ -276,7 +276,8 @@ def data_parallel(strategy: str, cluster, profile: WorkloadProfile, kinds: list[
     two_level = zero < 3 and cm.allreduce_cost(4.0 * profile.params, topo).algorithm == "two-level"
     cand.plan = Plan(
         global_batch_size=global_batch, strategy=strategy, sharding=_SHARDING[strategy], ranks=ranks,
-        balance=BalancePlan(enabled=strategy != "ddp"),
+        # a device planned idle stays so: its balancer may not hand it the min_share of 1 it has by default
+        balance=BalancePlan(enabled=strategy != "ddp", min_share=0 if any(r.share == 0 for r in ranks) else 1),
         comm=CommPlan(compression=hook, hierarchical=two_level, islands=cluster.islands() if two_level else None),
         predicted_samples_per_s=cand.samples_per_s,
     )

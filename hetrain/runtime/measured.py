@@ -21,12 +21,14 @@ from hetrain.runtime.batch_tree import tensors
 log = logging.getLogger("hetrain")
 
 
-def rates_by_kind(entries: Sequence[RankPlan], costs: Sequence[RankCost], shares: Sequence[int], *, step: int,
+def rates_by_kind(entries: Sequence[RankPlan], costs: Sequence[RankCost | None], shares: Sequence[int], *, step: int,
                   global_batch_size: int, emulated: bool, model_params: int | None = None) -> MeasuredRates:
-    """Median cost line of each device kind's ranks."""
+    """Median cost line of each device kind's ranks (those measured: a rank the plan gave no samples has
+    no cost line, and a kind with none of its ranks measured is left out)."""
     kinds: dict[tuple[str, str], list[int]] = {}
     for r, entry in enumerate(entries):
-        kinds.setdefault((entry.device, entry.precision), []).append(r)
+        if costs[r] is not None:
+            kinds.setdefault((entry.device, entry.precision), []).append(r)
     devices = []
     for (device, precision), ranks in kinds.items():
         devices.append(DeviceRate(

@@ -264,6 +264,9 @@ def test_a_device_given_no_samples_is_priced_at_its_optimizer_step_and_named():
     assert idle.device == "cpu" and idle.predicted_step_seconds > busy.predicted_step_seconds > 0
     assert r.plan.predicted_samples_per_s <= 64 / idle.predicted_step_seconds
     assert any("rank 0 (cpu) gets no samples" in n and "faster without" in n for n in r.notes), r.notes
+    # its balancer keeps it idle: the default min_share of 1 would hand it a sample at the first re-split
+    assert r.plan.balance.min_share == 0
+    assert plan_job(cluster_from_devices("a100:2"), get_profile("resnet50"), 64).plan.balance.min_share == 1
 
 
 def test_zero3_with_faster_devices_in_place_of_slow_ones_plans_no_slower():

@@ -88,6 +88,23 @@ def test_bounds_and_ranks_without_a_measurement():
     assert b.shares[2] == 10
 
 
+def test_a_rank_the_plan_gave_no_samples_keeps_none_and_reports_no_rate():
+    """A plan leaving a slow device idle ([64, 0]: its optimizer step alone outlasts the other's whole
+    step) had its balancer move samples there on an assumed average cost (a step of 18.5 ms became 42),
+    and write that assumed cost to measured-rates.json as the device's measured rate."""
+    from hetrain.planning.plan import RankPlan
+    from hetrain.runtime.measured import rates_by_kind
+
+    none = (float("nan"), float("nan"))
+    b = Balancer(BalancePlan(interval=5, min_share=1, hysteresis=0.0), shares=[64, 0])
+    for step in range(5, 60, 5):
+        b.rebalance(step, exacts((b.shares[0], b.shares[0] * 1e-3 + 5e-3), none))
+    assert b.shares == [64, 0] and b.costs[1] is None
+    entries = [RankPlan(rank=0, device="h100-sxm5-80gb", share=64), RankPlan(rank=1, device="t4", share=0)]
+    rates = rates_by_kind(entries, b.costs, b.shares, step=55, global_batch_size=64, emulated=False)
+    assert [d.device for d in rates.devices] == ["h100-sxm5-80gb"]
+
+
 def test_partial_batches_count_for_the_interval_not_the_window():
     b = Balancer(BalancePlan(), shares=[6, 2], warmup_steps=0, rank=0)
     b.record(3, 0.3)        # the last, partial global batch of an epoch
