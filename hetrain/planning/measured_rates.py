@@ -51,7 +51,8 @@ class MeasuredRates(BaseModel):
             raise HetrainError(
                 f"{source} measured a model of {self.model_params:,} parameters, and this plan is for {name} "
                 f"({int(params):,}): a run's rates hold for its own model only; plan the model it trained "
-                "(--model, --profile or --hf-config), or leave out --from-run")
+                "(--model NAME, --profile FILE, or --profiles DIR from hetrain profile --script FILE.py:FACTORY "
+                "or --hf-config NAME_OR_PATH --out DIR), or leave out --from-run")
 
     def save(self, directory: str | Path) -> Path:
         path = Path(directory) / RATES_FILE
