@@ -311,6 +311,15 @@ def test_from_run_of_another_model_is_refused_naming_both(tmp_path):
     p = _plan_cli("--devices", "a100:1,v100:1", "--model", "resnet50", "--from-run", str(tmp_path))
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert "measured a model of 101,770 parameters" in p.stderr and "resnet50" in p.stderr, p.stderr
+    # every flag it names is one of hetrain plan's or hetrain profile's (it named a --hf-config plan lacks)
+    import re
+
+    plan_help = _plan_cli("--help").stdout
+    helps = plan_help + subprocess.run([sys.executable, "-m", "hetrain.cli.main", "profile", "--help"],
+                                       capture_output=True, text=True, timeout=60).stdout
+    named = set(re.findall(r"--[a-z][a-z-]+", p.stderr))
+    assert named and all(flag in helps for flag in named), named
+    assert "--hf-config" not in plan_help and "hetrain profile --script" in p.stderr
     rates.model_params = get_profile("resnet50").params
     rates.devices[1].device = "t4"   # a kind the plan does not have: said, not dropped silently
     rates.save(tmp_path)
