@@ -56,7 +56,8 @@ def _unscale_and_check(grads: Sequence[torch.Tensor], inv_scale: float, device: 
         by_device[(g.device, g.dtype)].append(g)
     for (dev, _), group in by_device.items():
         here = found if dev == device else torch.zeros(1, dtype=torch.float32, device=dev)
-        torch._amp_foreach_non_finite_check_and_unscale_(group, here, torch.full((), inv_scale, device=dev))
+        inv = torch.full((), inv_scale, dtype=torch.float32, device=dev)   # the kernel's type, whatever the default
+        torch._amp_foreach_non_finite_check_and_unscale_(group, here, inv)
         if here is not found:
             found += here.to(device)
     return found
