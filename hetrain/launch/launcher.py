@@ -118,14 +118,17 @@ def validate(cfg: LaunchConfig) -> None:
         for s in cfg.emulate_speeds:
             if not s > 0:
                 raise HetrainError(f"speed {s} must be above 0 (1 = full speed, 0.5 = half)")
-        world_lo, world_hi = lo * cfg.nproc_per_node, hi * cfg.nproc_per_node
-        if lo == hi and len(cfg.emulate_speeds) != world_hi:
+        if hi == 1 and len(cfg.emulate_speeds) != cfg.nproc_per_node:
             raise HetrainError(
-                f"{len(cfg.emulate_speeds)} emulated speeds for {world_hi} ranks; give one speed per rank "
-                f"(e.g. --emulate-speeds {','.join(['1'] * world_hi)})"
+                f"{len(cfg.emulate_speeds)} emulated speeds for {cfg.nproc_per_node} ranks; give one speed per rank "
+                f"(e.g. --emulate-speeds {','.join(['1'] * cfg.nproc_per_node)})"
             )
-        if len(cfg.emulate_speeds) < world_hi:
-            raise HetrainError(f"give at least {world_hi} emulated speeds, one per rank the job may have (up to {world_hi}); between {world_lo} and {world_hi} ranks may run")
+        # on several nodes the job's ranks are every node's --nproc-per-node together, which no one launcher
+        # knows: every node passes the same list, one speed per rank of the job, and the ranks check its length
+        if len(cfg.emulate_speeds) < cfg.nproc_per_node:
+            raise HetrainError(f"{len(cfg.emulate_speeds)} emulated speeds, fewer than this node's "
+                               f"{cfg.nproc_per_node} ranks; give every node the same list, one speed per rank of "
+                               "the whole job (on several nodes ranks are numbered in arrival order)")
     if cfg.master_port is not None and not 1 <= cfg.master_port <= 65535:
         raise HetrainError(f"--master-port {cfg.master_port} is not a TCP port; fix: use a port from 1 to 65535, e.g. 29500")
     if cfg.collective_timeout is not None and not (math.isfinite(cfg.collective_timeout) and cfg.collective_timeout > 0):

@@ -101,13 +101,23 @@ def check_same_plan(digests: Sequence[str]) -> None:
                            f"hetrain launch on every node (or none on all)")
 
 
+def check_same_speeds(lists: Sequence[str | None]) -> None:
+    """Emulated speeds go by the job's rank: every node must pass the same list (each launcher knows its
+    own ranks only, so a node given its own part would have its ranks read other ranks' speeds)."""
+    if len(set(lists)) > 1:
+        seen = "; ".join(f"{ranks_text(ranks)}: {text or 'none'}" for text, ranks in ranks_by_value(lists).items())
+        raise HetrainError(f"the nodes were given different --emulate-speeds ({seen}); give every node the same "
+                           "list, one speed per rank of the whole job, in the order the ranks are numbered")
+
+
 def find_entries(plan: Plan | None, device: torch.device, local_rank: int, world_size: int) -> Assignment:
     """Every rank's plan entry, looked up by the device kind each rank has (collective: all-gathered)."""
     kind, stand_in = local_device_kind(device, local_rank)
     gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, (kind, stand_in, plan_digest(plan)))
-    kinds, emulated = [k for k, _, _ in gathered], [s for _, s, _ in gathered]
-    check_same_plan([d for _, _, d in gathered])
+    dist.all_gather_object(gathered, (kind, stand_in, plan_digest(plan), os.environ.get(Env.EMULATE_SPEEDS)))
+    kinds, emulated = [k for k, _, _, _ in gathered], [s for _, s, _, _ in gathered]
+    check_same_plan([d for _, _, d, _ in gathered])
+    check_same_speeds([e for _, _, _, e in gathered])
     if plan is None:
         note = (f"no plan (hetrain launch --plan, or {Env.PLAN}): {world_size} rank(s) start from an even "
                 "split in fp32, without micro-batches")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from hetrain.errors import HetrainError
-from tests.distributed import run_cli
+from tests.distributed import run_cli, run_ranks
 from hetrain.launch.launcher import LaunchConfig, agent_args, torchrun_argv, validate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -198,3 +198,37 @@ def test_nodes_that_never_all_arrive_end_with_one_line_naming_the_flags(tmp_path
     assert "--standalone" in torchrun_argv(LaunchConfig(script="t.py", standalone=True, nnodes="1"))
     with pytest.raises(HetrainError, match="no other node can join"):
         validate(LaunchConfig(script=str(script), standalone=True, nnodes="2"))
+
+
+def test_emulated_speeds_on_nodes_of_different_sizes_are_one_list_for_the_whole_job():
+    """Nodes with 1 and 2 ranks could not emulate speeds at all: each launcher took the job for
+    nnodes x its own ranks and refused the job's 3 speeds (and the rank refused what it asked for)."""
+    script = str(ROOT / "examples/train_digits.py")
+    for nproc in (1, 2):   # node A with one rank, node B with two: the same list on both
+        validate(LaunchConfig(script=script, nnodes="2", nproc_per_node=nproc, emulate_speeds=[1, 0.5, 0.5],
+                              rdzv_endpoint="localhost:29400"))
+    with pytest.raises(HetrainError, match="fewer than this node's 2 ranks; give every node the same list"):
+        validate(LaunchConfig(script=script, nnodes="2", nproc_per_node=2, emulate_speeds=[1],
+                              rdzv_endpoint="localhost:29400"))
+    with pytest.raises(HetrainError, match="3 emulated speeds for 2 ranks"):   # one node: exactly its ranks
+        validate(LaunchConfig(script=script, nproc_per_node=2, emulate_speeds=[1, 0.5, 0.5]))
+
+
+def _speeds_of_my_node(rank, world):
+    import os
+
+    import hetrain
+    from hetrain.vocabulary import Env
+
+    os.environ[Env.EMULATE_SPEEDS] = ["1,0.5,0.5", "1,0.5,0.5", "0.5,0.5"][rank]   # the last node passed its own
+    try:
+        hetrain.Session()
+    except HetrainError as e:
+        return str(e)
+    return None
+
+
+def test_nodes_given_different_speed_lists_are_refused_on_every_rank():
+    errors = run_ranks(_speeds_of_my_node, 3)
+    assert all(e is not None and "different --emulate-speeds (ranks 0,1: 1,0.5,0.5; rank 2: 0.5,0.5)" in e
+               for e in errors), errors
