@@ -15,6 +15,7 @@ every rank is a plain CPU and the plan has no CPU entries, in the plan's order.
 from __future__ import annotations
 
 import os
+import socket
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,8 @@ class Assignment:
     stand_in: bool = False          # CPU ranks stand in for the plan's devices
     resplit: bool = False           # the shares were re-split for the devices present
     notes: list[str] = field(default_factory=list)
+    plan_ranks: list[int] | None = None   # by rank, the plan rank whose entry it took
+    nodes: list[str] | None = None        # by rank, the node it runs on
 
     @property
     def shares(self) -> list[int]:
@@ -114,20 +117,22 @@ def find_entries(plan: Plan | None, device: torch.device, local_rank: int, world
     """Every rank's plan entry, looked up by the device kind each rank has (collective: all-gathered)."""
     kind, stand_in = local_device_kind(device, local_rank)
     gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, (kind, stand_in, plan_digest(plan), os.environ.get(Env.EMULATE_SPEEDS)))
-    kinds, emulated = [k for k, _, _, _ in gathered], [s for _, s, _, _ in gathered]
-    check_same_plan([d for _, _, d, _ in gathered])
-    check_same_speeds([e for _, _, _, e in gathered])
+    node = os.environ.get("GROUP_RANK") or socket.gethostname()   # the elastic agent numbers the nodes
+    dist.all_gather_object(gathered, (kind, stand_in, plan_digest(plan), os.environ.get(Env.EMULATE_SPEEDS), node))
+    kinds, emulated = [g[0] for g in gathered], [g[1] for g in gathered]
+    check_same_plan([g[2] for g in gathered])
+    check_same_speeds([g[3] for g in gathered])
     if plan is None:
         note = (f"no plan (hetrain launch --plan, or {Env.PLAN}): {world_size} rank(s) start from an even "
                 "split in fp32, without micro-batches")
         return Assignment([RankPlan(rank=r, device=k, share=0) for r, k in enumerate(kinds)],
                           stand_in=any(emulated), notes=[note])
-    return assign_entries(plan, kinds, emulated)
+    return assign_entries(plan, kinds, emulated, nodes=[g[4] for g in gathered])
 
 
-def assign_entries(plan: Plan, kinds: Sequence[str], emulated: Sequence[bool] | None = None) -> Assignment:
-    """Each rank's entry of `plan`, given the device kind of every rank (by rank)."""
+def assign_entries(plan: Plan, kinds: Sequence[str], emulated: Sequence[bool] | None = None,
+                   nodes: Sequence[str] | None = None) -> Assignment:
+    """Each rank's entry of `plan`, given the device kind (and node) of every rank (by rank)."""
     world = len(kinds)
     if world < 1:
         raise HetrainError("a job needs at least one rank")
@@ -152,12 +157,14 @@ def assign_entries(plan: Plan, kinds: Sequence[str], emulated: Sequence[bool] | 
         free[entry.device].append(entry)
     used_each_once = world == plan.world_size
     picked: list[RankPlan] = []
+    taken: list[int] = []   # by rank, the plan rank of its entry
     for r, kind in enumerate(kinds):
         if free[kind]:
             entry = free[kind].pop(0)
         else:
             entry = next(e for e in plan.ranks if e.device == kind)
             used_each_once = False
+        taken.append(entry.rank)
         picked.append(entry.model_copy(update={"rank": r}))
     shares = [e.share for e in picked]
     resplit = not used_each_once or sum(shares) != plan.global_batch_size
@@ -173,19 +180,42 @@ def assign_entries(plan: Plan, kinds: Sequence[str], emulated: Sequence[bool] | 
             and not resplit:
         notes.append("ranks found their entries by device: " + ", ".join(
             f"rank {e.rank} runs {e.device} ({e.precision})" for e in entries))
-    return Assignment(entries=entries, stand_in=stand_in, resplit=resplit, notes=notes)
+    return Assignment(entries=entries, stand_in=stand_in, resplit=resplit, notes=notes,
+                      plan_ranks=taken, nodes=list(nodes) if nodes is not None else None)
 
 
-def comm_for_world(plan: Plan, world: int) -> tuple[Any, str | None]:
-    """The plan's comm section for a job of `world` ranks, and a note when it had to change: the
-    islands of a two-level all-reduce name the plan's ranks, so a job on another number of ranks
-    (an elastic restart on fewer or more devices) all-reduces flat."""
-    comm = plan.comm
-    if comm.islands is None or world == plan.world_size:
+def comm_for_world(plan: Plan, assignment: Assignment) -> tuple[Any, str | None]:
+    """The plan's comm section for the ranks of `assignment`, and a note when it had to change. The islands
+    of a two-level all-reduce name the plan's ranks: where the ranks arrived in another order (torchrun
+    numbers nodes as they join) they follow the ranks that took those entries, or, where that would put
+    one island on two nodes, become this job's nodes; a job on another number of ranks (an elastic restart
+    on fewer or more devices) all-reduces flat."""
+    comm, world = plan.comm, len(assignment.entries)
+    if comm.islands is None:
         return comm, None
-    note = (f"the plan's islands {comm.islands} name its {plan.world_size} ranks and this job has {world}: "
-            "gradients all-reduce flat, not in two levels (re-plan for these devices to get them back)")
-    return comm.model_copy(update={"hierarchical": False, "islands": None}), note
+    if world != plan.world_size:
+        note = (f"the plan's islands {comm.islands} name its {plan.world_size} ranks and this job has {world}: "
+                "gradients all-reduce flat, not in two levels (re-plan for these devices to get them back)")
+        return comm.model_copy(update={"hierarchical": False, "islands": None}), note
+    taken = assignment.plan_ranks
+    if taken is None or taken == list(range(world)):
+        return comm, None
+    nodes = assignment.nodes
+    if sorted(taken) == list(range(world)):
+        where = {p: r for r, p in enumerate(taken)}
+        islands = [sorted(where[p] for p in island) for island in comm.islands]
+        if nodes is None or all(len({nodes[r] for r in island}) == 1 for island in islands):
+            return comm.model_copy(update={"islands": islands}), (
+                f"the ranks took the plan's entries in another order: its islands {comm.islands} are ranks "
+                f"{islands} of this job")
+    if nodes is None:
+        return comm.model_copy(update={"hierarchical": False, "islands": None}), (
+            f"the ranks took the plan's entries in another order and their nodes are unknown: the plan's islands "
+            f"{comm.islands} give way to a flat all-reduce")
+    islands = list(ranks_by_value(nodes).values())
+    return comm.model_copy(update={"islands": islands}), (
+        f"the ranks took the plan's entries in another order, and its islands {comm.islands} would join ranks of "
+        f"different nodes: the islands are this job's nodes, ranks {islands}")
 
 
 def pipeline_assignment(assignment: Assignment, plan: Plan, rank: int) -> tuple[Assignment, "PipelineLayout"]:

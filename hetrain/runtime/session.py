@@ -169,7 +169,7 @@ class Session:
                 self.entry.activation_checkpointing, self.autocast, self.emulated_speed, self.sharding == "fsdp")
             self._guard_optimizer()
             return self.prepared.model, self.prepared.optimizer
-        comm, note = comm_for_world(self.plan, self.world_size) if self.plan is not None else (None, None)
+        comm, note = comm_for_world(self.plan, self.assignment) if self.plan is not None else (None, None)
         if note is not None and self.is_main:
             log.info("%s", note)
         self.prepared = parallelize(model, optimizer, sharding_name=self.sharding, entries=self.assignment.entries,

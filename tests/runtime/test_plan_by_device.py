@@ -131,8 +131,29 @@ def test_a_plans_islands_give_way_to_a_flat_all_reduce_on_another_number_of_rank
     from hetrain.runtime.plan_entries import comm_for_world
 
     plan = mixed_plan().model_copy(update={"comm": CommPlan(hierarchical=True, islands=[[0], [1, 2]])})
-    same, note = comm_for_world(plan, 3)
+    same, note = comm_for_world(plan, assign_entries(plan, [A100, V100, V100]))
     assert same is plan.comm and note is None
-    flat, note = comm_for_world(plan, 2)
+    flat, note = comm_for_world(plan, assign_entries(plan, [A100, V100]))
     assert not flat.hierarchical and flat.islands is None and flat.compression == plan.comm.compression
     assert note.startswith("the plan's islands [[0], [1, 2]] name its 3 ranks and this job has 2: gradients all-reduce flat")
+
+
+def test_a_plans_islands_follow_the_ranks_when_the_nodes_arrive_in_another_order():
+    """Node B (two V100s) joining first took ranks 0 and 1: the shares and precisions followed the devices,
+    but the islands stayed [[0], [1, 2]], joining B's second V100 with A's A100 over the network."""
+    from hetrain.planning.plan import CommPlan
+    from hetrain.runtime.plan_entries import comm_for_world
+
+    plan = mixed_plan().model_copy(update={"comm": CommPlan(hierarchical=True, islands=[[0], [1, 2]])})
+    b_first = assign_entries(plan, [V100, V100, A100], nodes=["1", "1", "0"])
+    comm, note = comm_for_world(plan, b_first)
+    assert comm.hierarchical and comm.islands == [[2], [0, 1]], comm
+    assert "its islands [[0], [1, 2]] are ranks [[2], [0, 1]]" in note
+    # entries of one kind on two nodes: following the entries would join nodes, so the islands are the nodes
+    two_kinds = Plan(global_batch_size=8, balance=BalancePlan(enabled=False),
+                     comm=CommPlan(hierarchical=True, islands=[[0, 1], [2, 3]]), ranks=[
+                         RankPlan(rank=0, device=A100, share=2), RankPlan(rank=1, device=A100, share=2),
+                         RankPlan(rank=2, device=V100, share=2), RankPlan(rank=3, device=A100, share=2)])
+    mixed_first = assign_entries(two_kinds, [V100, A100, A100, A100], nodes=["1", "1", "0", "0"])
+    comm, note = comm_for_world(two_kinds, mixed_first)
+    assert comm.islands == [[0, 1], [2, 3]] and "the islands are this job's nodes" in note, (comm, note)
