@@ -98,6 +98,18 @@ def _max_nodes(nnodes: str) -> tuple[int, int]:
     return lo, hi
 
 
+def check_endpoint(endpoint: str) -> None:
+    """HOST or HOST:PORT (an IPv6 host in brackets), the port a TCP port: one line naming the fix otherwise."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or (host.count(":") and not host.startswith("[")):   # no port, or an IPv6 address without brackets
+        host, port = endpoint, None
+    if not host.strip("[]"):
+        raise HetrainError(f"--rdzv-endpoint {endpoint!r} names no host; fix: give HOST:PORT, e.g. node0:29400")
+    if port is not None and not (port.isdigit() and 1 <= int(port) <= 65535):
+        raise HetrainError(f"--rdzv-endpoint {endpoint!r}: {port!r} is not a TCP port; fix: use HOST:PORT with a port "
+                           "from 1 to 65535, e.g. node0:29400")
+
+
 def validate(cfg: LaunchConfig) -> None:
     """User errors, each as one line that names the fix."""
     if not cfg.module and not Path(cfg.script).is_file():
@@ -129,6 +141,8 @@ def validate(cfg: LaunchConfig) -> None:
             raise HetrainError(f"{len(cfg.emulate_speeds)} emulated speeds, fewer than this node's "
                                f"{cfg.nproc_per_node} ranks; give every node the same list, one speed per rank of "
                                "the whole job (on several nodes ranks are numbered in arrival order)")
+    if cfg.rdzv_endpoint:
+        check_endpoint(cfg.rdzv_endpoint)
     if cfg.master_port is not None and not 1 <= cfg.master_port <= 65535:
         raise HetrainError(f"--master-port {cfg.master_port} is not a TCP port; fix: use a port from 1 to 65535, e.g. 29500")
     if cfg.collective_timeout is not None and not (math.isfinite(cfg.collective_timeout) and cfg.collective_timeout > 0):

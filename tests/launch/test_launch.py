@@ -35,6 +35,10 @@ def test_two_ranks_train_and_the_loss_falls():
     (["launch", "--nproc-per-node", "2", "--emulate-speeds", "1,-2", "examples/train_digits.py"], "must be above 0"),
     (["launch", "--nproc-per-node", "2", "--emulate-speeds", "1,x", "examples/train_digits.py"], "is not a number"),
     (["launch", "--nproc-per-node", "2", "--emulate-speeds", "1,nan", "examples/train_digits.py"], "must be a finite number above 0"),
+    (["launch", "--nnodes", "2", "--rdzv-endpoint", "localhost:70000", "examples/train_digits.py"],
+     "'70000' is not a TCP port; fix: use HOST:PORT"),   # a 38-line traceback from torch's parser
+    (["launch", "--nnodes", "2", "--rdzv-endpoint", "localhost:2953B", "examples/train_digits.py"],
+     "'2953B' is not a TCP port"),
     (["bench", "balance", "--speeds", "1,inf"], "speed inf must be a finite number above 0"),
     (["bench", "balance", "--speeds", "1,-inf"], "speed -inf must be a finite number above 0"),
     (["bench", "balance", "--speeds", "1,0.5", "--global-batch", "1"], "smaller than the number of ranks"),
