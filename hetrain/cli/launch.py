@@ -20,7 +20,8 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None, help="HOST:PORT of the rendezvous")
     parser.add_argument("--rdzv-id", "--rdzv_id", default=None, help="job id shared by all nodes")
     parser.add_argument("--rdzv-conf", "--rdzv_conf", default=None, metavar="K=V,...",
-                        help="rendezvous settings, e.g. join_timeout=120 (seconds nodes wait for each other; 600)")
+                        help="rendezvous settings, e.g. join_timeout=120 (seconds nodes wait for each other; 600), "
+                             "read_timeout=10 (seconds per connection attempt to the endpoint; 60)")
     parser.add_argument("--local-addr", "--local_addr", default=None, help="this node's address for the rendezvous")
     parser.add_argument("--standalone", action="store_true", help="one node with its own local rendezvous")
     parser.add_argument("--max-restarts", "--max_restarts", type=int, default=0,

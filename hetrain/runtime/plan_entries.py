@@ -148,8 +148,9 @@ def assign_entries(plan: Plan, kinds: Sequence[str], emulated: Sequence[bool] | 
     unknown = sorted({k for k in kinds if k not in plan_kinds})
     if unknown:
         have = ", ".join(sorted(set(plan_kinds)))
+        where = ", ".join(f"{u} on {ranks_text([r for r, k in enumerate(kinds) if k == u])}" for u in unknown)
         raise HetrainError(
-            f"this job runs {', '.join(unknown)}, which the plan has no entry for (its devices: {have}); "
+            f"this job runs {where}, which the plan has no entry for (its devices: {have}); "
             "re-plan for the devices you have: `hetrain plan --devices KIND:COUNT,... --out plan.json`"
         )
     free: dict[str, list[RankPlan]] = defaultdict(list)

@@ -45,7 +45,8 @@ def test_more_devices_of_a_known_kind_copy_its_entry():
 
 
 def test_a_device_the_plan_does_not_know_is_refused_with_the_fix():
-    with pytest.raises(HetrainError, match=r"l4.*no entry.*a100-sxm4-80gb, v100-sxm2-32gb.*hetrain plan --devices"):
+    with pytest.raises(HetrainError, match=r"runs l4 on rank 1, which the plan has no entry.*a100-sxm4-80gb, "
+                                          r"v100-sxm2-32gb.*hetrain plan --devices"):
         assign_entries(mixed_plan(), [A100, L4, V100])
 
 
