@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from hetrain.errors import HetrainError
-from hetrain.launch.k8s import K8sJob, checkpoint_note, manifests, parse_node_selector, to_yaml
+from hetrain.launch.k8s import K8sJob, checkpoint_note, manifests, parse_node_selector, plan_notes, to_yaml
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
@@ -33,11 +33,14 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    plan_json = None
+    plan_json, notes = None, []
+    selectors = [parse_node_selector(s) for s in args.node_selector]
     if args.plan is not None:
         from hetrain.planning.plan import Plan
 
-        Plan.load(args.plan)  # one-line error when missing or invalid
+        plan = Plan.load(args.plan)  # one-line error when missing or invalid
+        notes = plan_notes(plan, selectors, args.min_replicas,
+                           args.min_replicas if args.max_replicas is None else args.max_replicas, args.gpus_per_node)
         plan_json = Path(args.plan).read_text(encoding="utf-8")
     script_args = list(args.script_args)
     if script_args[:1] == ["--"]:
@@ -47,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         namespace=args.namespace, min_replicas=args.min_replicas,
         max_replicas=args.min_replicas if args.max_replicas is None else args.max_replicas,
         max_restarts=args.max_restarts, gpus_per_node=args.gpus_per_node,
-        node_selectors=[parse_node_selector(s) for s in args.node_selector], plan_json=plan_json,
+        node_selectors=selectors, plan_json=plan_json,
         checkpoint_pvc=args.checkpoint_pvc, checkpoint_dir=args.checkpoint_dir, metrics_port=args.metrics_port,
     )
     text = to_yaml(manifests(job))
@@ -59,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         except OSError as e:
             raise HetrainError(f"cannot write --out {args.out!r} ({e.strerror}); choose a writable path") from None
         print(f"wrote {args.out}", file=sys.stderr)
-    note = checkpoint_note(job)
-    if note is not None:
-        print(note, file=sys.stderr)
+    for note in [*notes, checkpoint_note(job)]:
+        if note is not None:
+            print(note, file=sys.stderr)
     return 0

@@ -44,6 +44,9 @@ def parse_node_selector(text: str) -> NodeSelector:
             f"e.g. A100=nvidia.com/gpu.product=NVIDIA-A100-SXM4-80GB"
         )
     kind, key, value = parts
+    from hetrain.hardware.catalog import get_gpu
+
+    kind = get_gpu(kind).name   # the catalog's name, as the plan's entries and the ranks' devices are written
     if not _LABEL_KEY.match(key) or len(key.split("/")[-1]) > 63:
         raise HetrainError(f"--node-selector {text!r}: {key!r} is not a Kubernetes label key; use e.g. nvidia.com/gpu.product")
     if not _LABEL_VALUE.match(value) or len(value) > 63:
@@ -51,6 +54,25 @@ def parse_node_selector(text: str) -> NodeSelector:
             f"--node-selector {text!r}: {value!r} is not a Kubernetes label value (up to 63 letters, digits, '-', '_', '.')"
         )
     return NodeSelector(kind, key, value)
+
+
+def plan_notes(plan: Any, selectors: list[NodeSelector], min_replicas: int, max_replicas: int,
+               gpus_per_node: int) -> list[str]:
+    """A node selector for a kind the plan has no entry for is refused (every rank on such a pod would stop
+    at each restart); a plan for another number of ranks than the job may have is said, not refused (the
+    ranks re-split its shares)."""
+    kinds = sorted({e.device for e in plan.ranks})
+    for s in selectors:
+        if s.kind not in kinds:
+            raise HetrainError(f"--node-selector {s.kind}={s.key}={s.value}: the plan has no entry for {s.kind} (its "
+                               f"devices: {', '.join(kinds)}); every rank on such a pod would stop; re-plan for the "
+                               "kinds the job runs on, or leave out that selector")
+    lo, hi = min_replicas * gpus_per_node, max_replicas * gpus_per_node
+    if not lo <= plan.world_size <= hi:
+        span = f"{lo}" if lo == hi else f"{lo} to {hi}"
+        return [f"the plan has {plan.world_size} ranks and the job runs {span} ({gpus_per_node} per pod): the ranks "
+                "re-split its shares for the devices present; re-plan for the job's devices to run the plan as made"]
+    return []
 
 
 @dataclass

@@ -16,7 +16,9 @@ SCHEMA = yaml.safe_load((Path(__file__).parent / "fixtures" / "pytorchjob_crd_su
 
 def test_writes_a_valid_manifest_with_plan(tmp_path, capsys):
     plan = tmp_path / "plan.json"
-    Plan.even(16, 512).save(plan)
+    even = Plan.even(16, 512)
+    even.model_copy(update={"ranks": [r.model_copy(update={"device": "a100-sxm4-80gb" if r.rank < 8 else
+                                                           "v100-sxm2-32gb"}) for r in even.ranks]}).save(plan)
     out = tmp_path / "job.yaml"
     rc = main(["k8s", "--image", "reg/train:1", "--script", "train.py", "--min-replicas", "1", "--max-replicas", "2",
                "--max-restarts", "3", "--gpus-per-node", "8", "--plan", str(plan),
@@ -42,3 +44,23 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     assert main(["k8s", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith("hetrain k8s: error:") and message in err
+
+
+def test_a_node_selector_for_a_kind_the_plan_lacks_is_refused_and_another_size_is_said(tmp_path, capsys):
+    """Every rank on an H100 pod would stop with 'no entry for h100' at every restart: the manifest was
+    written without a word, as it was for a plan of 3 ranks on 2 to 4 pods of 8."""
+    from hetrain.planning.plan import RankPlan
+
+    plan = tmp_path / "plan.json"
+    Plan(global_batch_size=64, ranks=[RankPlan(rank=0, device="a100-sxm4-80gb", share=32),
+                                      RankPlan(rank=1, device="v100-sxm2-32gb", share=16),
+                                      RankPlan(rank=2, device="v100-sxm2-32gb", share=16)]).save(plan)
+    common = ["k8s", "--image", "x", "--script", "t.py", "--min-replicas", "2", "--max-replicas", "4",
+              "--gpus-per-node", "8", "--plan", str(plan), "--checkpoint-pvc", "ck", "--out", str(tmp_path / "j.yaml")]
+    assert main([*common, "--node-selector", "h100=nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3"]) == 2
+    err = capsys.readouterr().err
+    assert "the plan has no entry for h100-sxm5-80gb (its devices: a100-sxm4-80gb, v100-sxm2-32gb)" in err, err
+    assert main([*common, "--node-selector", "a100=k=a", "--node-selector", "v100=k=v"]) == 0
+    err = capsys.readouterr().err
+    assert "the plan has 3 ranks and the job runs 16 to 32 (8 per pod)" in err, err
+    assert "gpu-kinds: a100-sxm4-80gb,v100-sxm2-32gb" in (tmp_path / "j.yaml").read_text()

@@ -148,7 +148,11 @@ def test_bad_jobs_are_refused_with_the_fix(kw, message):
 
 
 def test_parse_node_selector():
-    assert parse_node_selector("A100=nvidia.com/gpu.product=NVIDIA-A100-SXM4-80GB") == A100
+    # the kind is written as the catalog names it, as the plan's entries and the ranks' devices are
+    assert parse_node_selector("A100=nvidia.com/gpu.product=NVIDIA-A100-SXM4-80GB") == NodeSelector(
+        "a100-sxm4-80gb", A100.key, A100.value)
+    with pytest.raises(HetrainError, match="unknown GPU model 'foo'; closest catalog names"):
+        parse_node_selector("foo=a=b")
     for bad in ("A100", "A100=nvidia.com/gpu.product", "A100=bad key=x", "A100=k=has space"):
         with pytest.raises(HetrainError, match="--node-selector"):
             parse_node_selector(bad)
