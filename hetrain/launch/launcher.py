@@ -300,7 +300,8 @@ def rendezvous_line(error: BaseException, cfg: LaunchConfig) -> str:
                 "and reach that endpoint; --rdzv-conf join_timeout=S sets the wait")
     if kind == "RendezvousConnectionError":
         return (f"cannot reach the rendezvous at {endpoint}{detail}: the node that serves it (the endpoint's host) is "
-                f"not running, or ended; fix --rdzv-endpoint HOST:PORT or start that node; {same}")
+                "not running, or ended (a job that failed there ends it: that node's output says why); fix "
+                f"--rdzv-endpoint HOST:PORT or start that node; {same}")
     if kind == "RendezvousClosedError":
         return (f"the rendezvous at {endpoint} is closed{detail}: the job it served ended; start every node again, "
                 "or give a new --rdzv-id")

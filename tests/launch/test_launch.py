@@ -236,3 +236,19 @@ def test_nodes_given_different_speed_lists_are_refused_on_every_rank():
     errors = run_ranks(_speeds_of_my_node, 3)
     assert all(e is not None and "different --emulate-speeds (ranks 0,1: 1,0.5,0.5; rank 2: 0.5,0.5)" in e
                for e in errors), errors
+
+
+def test_rendezvous_failures_are_one_line_naming_what_to_check():
+    from hetrain.launch.launcher import rendezvous_line
+
+    cfg = LaunchConfig(script="train.py", nnodes="2", rdzv_endpoint="node0:29400", rdzv_conf="join_timeout=30")
+    kinds = {name: type(name, (Exception,), {}) for name in
+             ("RendezvousTimeoutError", "RendezvousConnectionError", "RendezvousClosedError")}
+    late = rendezvous_line(kinds["RendezvousTimeoutError"]("timed out"), cfg)
+    assert "did not all arrive at the rendezvous at node0:29400 within 30 s (timed out)" in late and "--nnodes" in late
+    gone = rendezvous_line(kinds["RendezvousConnectionError"]("refused"), cfg)
+    # the serving node may have ended because a rank failed there: its own output says why
+    assert "cannot reach the rendezvous at node0:29400" in gone and "that node's output says why" in gone
+    closed = rendezvous_line(kinds["RendezvousClosedError"](""), cfg)
+    assert "is closed: the job it served ended" in closed
+    assert all("\n" not in line for line in (late, gone, closed))
