@@ -1,5 +1,6 @@
 """Errors a user can hit. The CLI prints them as one line and exits non-zero."""
 
+import difflib
 from collections.abc import Hashable, Iterable, Sequence
 
 
@@ -16,14 +17,37 @@ class NoPlanFits(HetrainError):
         self.shortfall = shortfall
 
 
-def format_validation_error(e) -> str:
-    """A pydantic ValidationError as one readable line: where, and what is wrong."""
+def format_validation_error(e, model=None) -> str:
+    """A pydantic ValidationError as one readable line: where, and what is wrong. A field written wrong is
+    both unknown and missing: where a part of the document has one of each, they are one fix, naming both
+    spellings; another unknown field is matched against the field names of `model` (a pydantic model
+    class), where given."""
+    errors = list(e.errors())
+    names = _field_names(model.model_json_schema()) if model is not None else set()
+    by_parent: dict[tuple, dict[str, list[int]]] = {}
+    for i, err in enumerate(errors):
+        by_parent.setdefault(tuple(err["loc"][:-1]), {}).setdefault(err["type"], []).append(i)
+    renamed: dict[int, str] = {}   # an unknown field's error -> the missing field it is
+    hidden: set[int] = set()       # the missing fields those renames account for
+    for kinds in by_parent.values():
+        extra, missing = kinds.get("extra_forbidden", []), kinds.get("missing", [])
+        if len(extra) == 1 and len(missing) == 1:
+            renamed[extra[0]] = str(errors[missing[0]]["loc"][-1])
+            hidden.add(missing[0])
     parts = []
-    for err in e.errors():
+    for i, err in enumerate(errors):
+        if i in hidden:
+            continue
         where = ".".join(str(p) for p in err["loc"]) or "document"
-        msg = err["msg"].removeprefix("Value error, ")
-        parts.append(f"{where}: {msg}")
-    return "; ".join(parts)
+        if err["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(str(err["loc"][-1]), sorted(names), n=1, cutoff=0.75)
+            target = renamed.get(i) or (close[0] if close else None)
+            parts.append(f"{where}: unknown field; fix: "
+                         + (f"rename it to {target!r}" if target else "remove it or correct its name"))
+        else:
+            parts.append(f"{where}: {err['msg'].removeprefix('Value error, ')}")
+    shown = 3   # a file of another kind altogether misses every field: the first few say so
+    return "; ".join(parts[:shown]) + (f" (and {len(parts) - shown} more)" if len(parts) > shown else "")
 
 
 def ranks_text(ranks: Iterable[int]) -> str:
@@ -38,3 +62,16 @@ def ranks_by_value(values: Sequence[Hashable]) -> dict[Hashable, list[int]]:
     for rank, value in enumerate(values):
         groups.setdefault(value, []).append(rank)
     return groups
+
+
+def _field_names(schema: object) -> set[str]:
+    """Every property name in a JSON schema (its definitions included)."""
+    found: set[str] = set()
+    if isinstance(schema, dict):
+        found.update(schema.get("properties", {}) if isinstance(schema.get("properties"), dict) else {})
+        for value in schema.values():
+            found |= _field_names(value)
+    elif isinstance(schema, list):
+        for value in schema:
+            found |= _field_names(value)
+    return found

@@ -77,4 +77,4 @@ class MeasuredRates(BaseModel):
         except ValidationError as e:
             from hetrain.errors import format_validation_error
 
-            raise HetrainError(f"{path}: {format_validation_error(e)}") from None
+            raise HetrainError(f"{path}: {format_validation_error(e, cls)}") from None

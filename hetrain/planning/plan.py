@@ -40,9 +40,20 @@ class RankPlan(_Strict):
     activation_checkpointing: bool = Field(False, description="recompute block activations in backward")
     stage: int = Field(0, ge=0, description="pipeline stage this rank runs")
     offload_optimizer: bool = Field(False, description="keep optimizer state in host memory")
-    memory_bytes: int | None = Field(None, description="predicted peak memory on this device")
-    memory_capacity_bytes: int | None = Field(None, description="usable memory of this device")
-    predicted_step_seconds: float | None = Field(None, description="predicted compute time per step")
+    memory_bytes: int | None = Field(None, ge=0, description="predicted peak memory on this device")
+    memory_capacity_bytes: int | None = Field(None, gt=0, description="usable memory of this device")
+    predicted_step_seconds: float | None = Field(None, ge=0, description="predicted compute time per step")
+
+    @model_validator(mode="after")
+    def _chip_has_precision(self) -> "RankPlan":
+        if self.precision == "bf16" and self.device != "cpu":
+            from hetrain.hardware.catalog import load_catalog
+
+            spec = load_catalog().get(self.device)   # an unknown device is refused where the ranks meet
+            if spec is not None and not spec.bf16:
+                raise ValueError(f"precision bf16 on {self.device}, which has no bf16: use fp16 (the job scales its "
+                                 "loss) or fp32, or re-plan with hetrain plan")
+        return self
 
 
 class BalancePlan(_Strict):
@@ -153,7 +164,7 @@ class Plan(_Strict):
         except json.JSONDecodeError as e:
             raise HetrainError(f"{source}: not valid JSON ({e})") from None
         except ValidationError as e:
-            raise HetrainError(f"{source}: {format_validation_error(e)}") from None
+            raise HetrainError(f"{source}: {format_validation_error(e, cls)}") from None
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":

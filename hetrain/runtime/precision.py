@@ -121,7 +121,7 @@ def loss_scale_settings(value: "LossScale | dict | None") -> LossScale:
     try:
         return LossScale.model_validate(value or {})
     except ValidationError as e:
-        raise HetrainError(f"Session(loss_scale=...): {format_validation_error(e)}") from None
+        raise HetrainError(f"Session(loss_scale=...): {format_validation_error(e, LossScale)}") from None
 
 
 class JobLossScaler:

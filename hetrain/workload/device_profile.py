@@ -122,7 +122,7 @@ class DeviceProfile(_Strict):
         except ValidationError as e:
             from hetrain.errors import format_validation_error
 
-            raise HetrainError(f"{path}: {format_validation_error(e)}") from None
+            raise HetrainError(f"{path}: {format_validation_error(e, cls)}") from None
 
 
 def interpolate(points: list[tuple[int, float]], micro_batch: float) -> float:

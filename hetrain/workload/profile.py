@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from hetrain.errors import HetrainError
+from hetrain.errors import HetrainError, format_validation_error
 
 if TYPE_CHECKING:  # torch is imported only when a model is profiled, so planning starts fast
     import torch
@@ -90,10 +90,7 @@ class WorkloadProfile(BaseModel):
             return cls.model_validate(json.loads(path.read_text()))
         except (json.JSONDecodeError, ValidationError) as e:
             if isinstance(e, ValidationError):
-                first = e.errors()[0]
-                where = ".".join(str(p) for p in first["loc"]) or "document"
-                more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
-                why = f"{where}: {first['msg']}{more}"
+                why = format_validation_error(e, cls)
             else:
                 why = f"not JSON ({e.msg}, line {e.lineno})"
             raise HetrainError(f"profile file {str(path)!r} is not a workload profile: {why}; write one with "

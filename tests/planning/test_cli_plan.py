@@ -120,7 +120,15 @@ def test_a_file_that_is_no_workload_profile_is_one_line_naming_the_fix(tmp_path)
     bad.write_text('{"a": 1}')
     p = _run("plan", "--preset", "a100x8", "--profile", str(bad), "--global-batch-size", "64")
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
-    assert "is not a workload profile: name: Field required (and 4 more); write one with hetrain profile" in p.stderr
+    assert "is not a workload profile: name: Field required; params: Field required" in p.stderr, p.stderr
+    assert "more); write one with hetrain profile" in p.stderr, p.stderr
+    from hetrain.workload import get_profile
+
+    typo = get_profile("resnet50").model_dump(mode="json")
+    typo["parms"] = typo.pop("params")   # the one line names the typo, not 'params: Field required (and 1 more)'
+    bad.write_text(json.dumps(typo))
+    p = _run("plan", "--preset", "a100x8", "--profile", str(bad), "--global-batch-size", "64")
+    assert "is not a workload profile: parms: unknown field; fix: rename it to 'params'; write one" in p.stderr, p.stderr
     bad.write_text("not json")
     p = _run("plan", "--preset", "a100x8", "--profile", str(bad), "--global-batch-size", "64")
     assert p.returncode == 2 and "is not a workload profile: not JSON" in p.stderr, p.stderr
