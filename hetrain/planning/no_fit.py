@@ -7,24 +7,39 @@ from hetrain.planning.kinds import Kind
 GB = 1e9
 
 
-def devices_to_add(profile, kinds, best, optimizer, world, limit: int = 4096) -> str:
+def devices_to_add(profile, kinds, best, optimizer, world, global_batch: int | None = None, limit: int = 4096) -> str:
     """How many more devices of the kind with the most room would let ZeRO-3 at micro-batch 1 fit every
-    device (each holds 1/world of the state), or which kind never fits however many share it."""
+    device (each holds 1/world of the state), or which kind never fits however many share it; and, where
+    fewer devices of that kind alone would do, that too (the smaller cards are what needs the many)."""
     def fits(k: Kind, n: int) -> bool:
         return k.memory(profile, 1, optimizer=optimizer, zero=3, world=n, ckpt=True).total <= k.spec.memory_bytes
+
+    def least(group: list[Kind], start: int) -> int:   # the least n >= start with every kind fitting over n
+        lo, hi = start, start + limit
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if all(fits(k, mid) for k in group) else (mid + 1, hi)
+        return lo
+
+    def batch(n: int) -> str:   # every rank reads part of each global batch
+        return f", with a global batch of at least {n}" if global_batch is not None and global_batch < n else ""
 
     never = [k.spec.name for k in kinds if not fits(k, world + limit)]
     if never:
         return (f"the {' and '.join(never)} cannot hold micro-batch 1 however many devices share the model's "
                 f"state (leave {'them' if len(never) > 1 else 'it'} out)")
-    lo, hi = 1, limit   # the least n with every kind fitting over world + n devices (fits is monotone in n)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if all(fits(k, world + mid) for k in kinds) else (mid + 1, hi)
-    return f"add {lo} more {best.spec.name} (ZeRO-3 over {world + lo} devices fits)"
+    total = least(kinds, world + 1)
+    advice = f"add {total - world} more {best.spec.name} (ZeRO-3 over {total} devices fits{batch(total)})"
+    alone = least([best], 1)
+    if len(kinds) > 1 and alone < total:
+        others = " and ".join(k.spec.name for k in kinds if k is not best)
+        advice += (f", or leave out the {others} and run {alone} {best.spec.name} (ZeRO-3 over {alone} "
+                   f"fits{batch(alone)})")
+    return advice
 
 
-def no_fit_message(profile, kinds, cands, strategy, optimizer, world, micro_batch) -> tuple[str, str | None]:
+def no_fit_message(profile, kinds, cands, strategy, optimizer, world, micro_batch,
+                   global_batch: int | None = None) -> tuple[str, str | None]:
     """(the error, "DEVICE is N GB short" where even the least a plan needs does not fit)."""
     zero = 3 if world > 1 else 0   # one device has nothing to shard over
     need = {k.spec.name: k.memory(profile, 1, optimizer=optimizer, zero=zero, world=world, ckpt=True).total
@@ -36,7 +51,7 @@ def no_fit_message(profile, kinds, cands, strategy, optimizer, world, micro_batc
         even = f"sharded over all {world} devices with ZeRO-3, " if world > 1 else "on its own, with "
         short = f"{best.spec.name} is {missing / GB:.1f} GB short"
         return (f"model {profile.name!r} fits no plan with {what}: even {even}activation checkpointing and "
-                f"micro-batch 1, {short}; {devices_to_add(profile, kinds, best, optimizer, world)}, "
+                f"micro-batch 1, {short}; {devices_to_add(profile, kinds, best, optimizer, world, global_batch)}, "
                 "use devices with more memory, or a smaller model or sequence length"), short
     if strategy == "auto":   # the candidate closest to fitting says what is missing
         own = min((c for c in cands.values() if c.shortfall_bytes > 0), key=lambda c: c.shortfall_bytes, default=None)

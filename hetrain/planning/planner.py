@@ -419,7 +419,7 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
             pick = max(options, key=lambda c: c.samples_per_s) if options else cands["pipeline"]
         chosen = pick if pick is not None and pick.feasible else None
     if chosen is None:
-        raise NoPlanFits(*no_fit_message(profile, kinds, cands, strategy, optimizer, world, micro_batch))
+        raise NoPlanFits(*no_fit_message(profile, kinds, cands, strategy, optimizer, world, micro_batch, global_batch))
     notes += chosen.notes
     if chosen.strategy not in PIPELINE_STRATEGIES:   # a stage's time comes from the per-block timings
         notes += extrapolation_notes(kinds, chosen.plan.ranks)

@@ -122,6 +122,18 @@ def test_the_devices_to_add_are_counted_so_that_the_model_fits():
     assert plan_job(cluster_from_devices("rtx-4090:9"), get_profile("llama-7b"), 64).plan.ranks
 
 
+def test_the_advice_for_mixed_cards_names_leaving_out_the_small_one_and_the_batch_it_needs():
+    """A 3090 beside a 12 GB 3060: 'add 19 more rtx-3090' (21 devices, past the global batch of 16, so the
+    advice followed failed again), where 9 3090s alone plan."""
+    with pytest.raises(HetrainError) as e:
+        plan_job(cluster_from_devices("rtx-3090:1,rtx-3060:1"), get_profile("llama-7b"), 16)
+    message = str(e.value)
+    assert "add 19 more rtx-3090 (ZeRO-3 over 21 devices fits, with a global batch of at least 21)" in message
+    assert "or leave out the rtx-3060 and run 9 rtx-3090 (ZeRO-3 over 9 fits)" in message, message
+    assert plan_job(cluster_from_devices("rtx-3090:9"), get_profile("llama-7b"), 16).plan.ranks
+    assert plan_job(cluster_from_devices("rtx-3090:20,rtx-3060:1"), get_profile("llama-7b"), 21).plan.ranks
+
+
 @pytest.mark.parametrize("batch", [0, -3])
 def test_bad_batch_is_a_user_error(batch):
     with pytest.raises(HetrainError, match="positive"):
