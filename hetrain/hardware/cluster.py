@@ -215,6 +215,19 @@ def _keys_at(loc: tuple[Any, ...]) -> tuple[str, ...]:
     return _KEYS["cluster"] if depth <= 1 else _KEYS["node"] if depth == 2 else _KEYS["group"]
 
 
+def _repeated_name_line(root: yaml.Node | None) -> int | None:
+    """The line of the second node whose `name` an earlier node already has."""
+    nodes = next((v for k, v in root.value if k.value == "nodes"), None) if isinstance(root, yaml.MappingNode) else None
+    seen: set[str] = set()
+    for item in nodes.value if isinstance(nodes, yaml.SequenceNode) else []:
+        name = next((v for k, v in item.value if k.value == "name"), None) if isinstance(item, yaml.MappingNode) else None
+        if isinstance(name, yaml.ScalarNode):
+            if name.value in seen:
+                return name.start_mark.line + 1
+            seen.add(name.value)
+    return None
+
+
 def _line_of(root: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
     """The 1-based YAML line of the value at `loc`, walking the composed node tree."""
     node, line = root, None
@@ -294,7 +307,7 @@ def _validation_message(source: str, exc: ValidationError, root: yaml.Node | Non
             err, told = typo, 2
             explained = f"unknown key {typo['loc'][-1]!r}, and {key!r} is missing; fix: rename it to {key!r}"
     loc = tuple(err["loc"])
-    line = _line_of(root, loc)
+    line = _line_of(root, loc) or (_repeated_name_line(root) if "appears twice" in err["msg"] else None)
     place = f"{source}:{line}" if line else source
     more = f" (and {len(errors) - told} more)" if len(errors) > told else ""
     return f"{place}: {_where(loc)}: {explained}{more}"

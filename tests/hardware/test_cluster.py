@@ -160,7 +160,7 @@ def test_bad_link_and_duplicates(tmp_path: Path) -> None:
     msg = _error(tmp_path, "nodes:\n  - name: n\n    intra_link: nvlink\n    devices:\n      - model: l4\n")
     assert "the catalog lists no NVLink for l4" in msg
     msg = _error(tmp_path, "nodes:\n  - {name: n, devices: [{model: l4}]}\n  - {name: n, devices: [{model: t4}]}\n")
-    assert "node name 'n' appears twice" in msg
+    assert "bad.yaml:3: top level: node name 'n' appears twice" in msg   # the line of the second one
     msg = _error(tmp_path, "inter_node_gbps: 0\nnodes:\n  - {name: n, devices: [{model: l4}]}\n")
     assert ":1: inter_node_gbps: inter_node_gbps must be more than 0" in msg
 
