@@ -38,7 +38,9 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrent", type=int, default=1,
                         help="CPU only: time this many copies at once, as that many ranks share the CPU")
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per point (the median counts)")
-    parser.add_argument("--seconds", type=float, default=5.0, help="time budget per point")
+    parser.add_argument("--seconds", type=float, default=5.0,
+                        help="time budget per point: timed runs stop once it is spent, after at least 3 (and 2 "
+                             "warm-up runs), so a slow model takes longer")
     parser.add_argument("--no-blocks", action="store_true", help="skip the per-block timings")
     parser.add_argument("--json", action="store_true", help="print the profiles as one JSON object")
 
@@ -161,6 +163,8 @@ def run(args: argparse.Namespace) -> int:
 
         def shown(done: int, total: int, what: str) -> None:
             bar.update(task, completed=done, total=total, description=what)
+            if not sys.stderr.isatty() and done < total:   # a log gets one line a point instead of the bar
+                print(f"hetrain profile: {what} ({done + 1}/{total})", file=sys.stderr, flush=True)
 
         for device in devices:
             sizes = _host_micro_batches(micro_batches, workload, args.concurrent) if device.type == "cpu" \

@@ -159,6 +159,8 @@ def test_cpu_profile_then_plan_with_it(tmp_path):
                         "--device", "cpu", "--micro-batches", "4,16", "--repeats", "3", "--seconds", "0.5",
                         "--threads", "1", "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
+    # a log (stderr not a terminal) gets one line a point: the README's ResNet-50 profile ran for minutes silent
+    assert "hetrain profile: cpu: fp32 at micro-batch 4 (1/4)" in p.stderr, p.stderr
     profiles = load_profiles(out)
     cpu = profiles["cpu"]
     assert [s.micro_batch for s in cpu.steps] == [4, 16] and all(s.seconds > 0 for s in cpu.steps)
