@@ -385,3 +385,22 @@ def test_profiles_dir_without_its_workload_names_hetrain_profile(tmp_path):
     p = _plan_cli("--devices", "a100:2", "--profiles", str(tmp_path), "--global-batch-size", "64")
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert "no workload.json there; profile into it with hetrain profile --model NAME --out DIR" in p.stderr
+
+
+def test_a_modelled_kind_beside_a_measured_one_leaves_out_the_input_pipeline_term():
+    """The published rows' per-image input pipeline (199 us, CNNs) stayed on a modelled A100 beside a
+    CPU profile timed on inputs in memory: a small CNN's split gave the CPU 659 of 1024 samples."""
+    from hetrain.planning import cost_model as cm
+    from hetrain.planning.kinds import kinds_of
+
+    profile = get_profile("resnet50")
+    host = cm.default_calibration().host_seconds_per_sample["cnn"]
+    alone = kinds_of(cluster_from_devices("a100:1,v100:1"), profile, "auto", cm.default_calibration())
+    beside = kinds_of(cluster_from_devices("a100:1,v100:1"), profile, "auto", cm.default_calibration(),
+                      profiles={A100: _profile(A100, [(8, 0.010), (32, 0.030)])})
+    v100_alone, v100_beside = alone[1], beside[1]
+    assert beside[0].source == "measured-profile" and v100_beside.source == "modelled"
+    assert v100_beside.sample_s == pytest.approx(v100_alone.sample_s - host)
+    assert v100_beside.sample_s_ckpt == pytest.approx(v100_alone.sample_s_ckpt - host)
+    assert "without the 199 us per sample of the published rows' input pipeline" in v100_beside.note
+    assert alone[0].sample_s > host   # all modelled: the term stays
