@@ -334,14 +334,13 @@ class Balancer:
         if not known:
             return False
         # a rank without a measurement this interval (no samples: min_share 0) keeps its last model; one
-        # never measured is assumed to cost what the average rank costs, and one the plan gave no samples
-        # (a device slower than the others' whole step) keeps none: nothing measured says otherwise
+        # never measured is assumed to cost what the average rank costs (a share the plan left at 0 is
+        # tried, and given back once measured slow), and has no model of its own (`costs` None)
         fill = RankCost(per_sample=sum(c.per_sample for c in known) / len(known),
                         fixed=sum(c.fixed for c in known) / len(known))
         last = self.costs if self.costs is not None and len(self.costs) == ranks else [None] * ranks
         self.costs = [c if c is not None else last[r] for r, c in enumerate(fitted)]   # None: never measured
         costs = [c or fill for c in self.costs]
-        held = [self.costs[r] is None and self.shares[r] == 0 for r in range(ranks)]
         # Windows shorter than an interval (just after a re-split) are too short to weigh a gap: a move
         # in flight keeps its streak while they grow, instead of starting over from a confirmation.
         young = any(m.has_window() and m.window_steps < self.config.interval for m in observed)
@@ -350,9 +349,8 @@ class Balancer:
             self._asked, self._streak = None, self._streak and young
             return False
         min_share = min(self.config.min_share, sum(self.shares) // len(self.shares))
-        most = self.config.max_share if self.config.max_share is not None else sum(self.shares)
-        new, t_old, t_new = rebalance(self.shares, costs, min_share=[0 if h else min_share for h in held],
-                                      max_share=[0 if h else most for h in held], hysteresis=self.config.hysteresis)
+        new, t_old, t_new = rebalance(self.shares, costs, min_share=min_share,
+                                      max_share=self.config.max_share, hysteresis=self.config.hysteresis)
         asked, self._asked = self._asked, None
         streak, self._streak = self._streak, False
         if new == self.shares:

@@ -88,21 +88,27 @@ def test_bounds_and_ranks_without_a_measurement():
     assert b.shares[2] == 10
 
 
-def test_a_rank_the_plan_gave_no_samples_keeps_none_and_reports_no_rate():
-    """A plan leaving a slow device idle ([64, 0]: its optimizer step alone outlasts the other's whole
-    step) had its balancer move samples there on an assumed average cost (a step of 18.5 ms became 42),
-    and write that assumed cost to measured-rates.json as the device's measured rate."""
+def test_a_rank_the_plan_left_idle_is_tried_then_given_back_and_reports_no_rate_unmeasured():
+    """A plan leaving a slow device idle ([64, 0]: its step alone outlasts the other's whole step) wrote
+    min_share 1: once tried, the rank kept a sample for good (a step of 18.5 ms became 25). With the
+    min_share 0 such a plan now writes, the balancer tries it, measures it and gives its samples back;
+    an assumed cost, before any measurement, is not written to measured-rates.json as the device's rate."""
     from hetrain.planning.plan import RankPlan
     from hetrain.runtime.measured import rates_by_kind
 
+    true = [RankCost(per_sample=1e-3, fixed=5e-3), RankCost(per_sample=2e-3, fixed=150e-3)]
     none = (float("nan"), float("nan"))
-    b = Balancer(BalancePlan(interval=5, min_share=1, hysteresis=0.0), shares=[64, 0])
-    for step in range(5, 60, 5):
-        b.rebalance(step, exacts((b.shares[0], b.shares[0] * 1e-3 + 5e-3), none))
-    assert b.shares == [64, 0] and b.costs[1] is None
+    b = Balancer(BalancePlan(interval=5, min_share=0, hysteresis=0.0), shares=[64, 0])
+    b.rebalance(5, exacts((64, true[0].time(64)), none))
+    assert b.costs[1] is None
     entries = [RankPlan(rank=0, device="h100-sxm5-80gb", share=64), RankPlan(rank=1, device="t4", share=0)]
-    rates = rates_by_kind(entries, b.costs, b.shares, step=55, global_batch_size=64, emulated=False)
+    rates = rates_by_kind(entries, b.costs, b.shares, step=5, global_batch_size=64, emulated=False)
     assert [d.device for d in rates.devices] == ["h100-sxm5-80gb"]
+    tried = False
+    for step in range(10, 200, 5):
+        tried = tried or b.shares[1] > 0
+        b.rebalance(step, exacts(*[(n, true[r].time(n)) if n else none for r, n in enumerate(b.shares)]))
+    assert tried and b.shares == [64, 0], b.shares
 
 
 def test_partial_batches_count_for_the_interval_not_the_window():
