@@ -2,10 +2,11 @@
 
 Each rank passes its part of the evaluation set (a plain DataLoader over its slice, or its share of
 a batch); the result is the mean over every rank's items, weighted by them, the same on every rank.
-Under data parallelism the rank's batch runs through the prepared model under `torch.no_grad()`
-and the rank's autocast; under a pipeline the replica's ranks gather their parts into one batch and
-run it through every stage with torch's schedule `eval` (no stage holds the whole model, so
-`model(x)` cannot run there). Neither counts as the step's compute, nor moves the data position.
+Under data parallelism the rank's batch runs through the script's model (inside DDP's wrapper:
+no collective, so a rank with an empty part runs none; FSDP2's sharded model gathers its weights
+on every rank) under `torch.no_grad()` and the rank's autocast; under a pipeline the replica's
+ranks gather their parts into one batch and run it through every stage with torch's schedule
+`eval` (no stage holds the whole model, so `model(x)` cannot run there). Neither counts as the step's compute, nor moves the data position.
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ def evaluate(session: Any, inputs: Any, target: Any, loss_fn: Callable[[Any, Any
         total, items = session.pipeline.evaluate(inputs, target, loss_fn, count)
     elif _agreed_empty(inputs, session):   # a rank whose part is empty runs no forward and counts nothing
         total, items = 0.0, 0.0
-    else:
+    else:   # the model inside DDP's wrapper: DDP's forward broadcasts buffers, which a rank left out would hang
         with torch.no_grad(), session.autocast():
-            loss = loss_fn(call_model(session.prepared.model, inputs), target)
+            loss = loss_fn(call_model(session.prepared.module, inputs), target)
         items = count(target)
         total = float(loss.detach().float()) * items if items > 0 else 0.0
     sums = torch.tensor([total, items], dtype=torch.float64, device=session.device)

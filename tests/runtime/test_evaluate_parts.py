@@ -51,3 +51,31 @@ def test_a_rank_with_an_empty_part_counts_nothing_and_the_loss_is_the_other_part
 def test_under_fsdp2_an_empty_part_is_refused_on_every_rank():
     for loss in run_ranks(_evaluate_with_an_empty_part, 2, "fsdp"):
         assert isinstance(loss, str) and "at least one sample" in loss and "sharding 'fsdp'" in loss, loss
+
+
+def _evaluate_batchnorm(rank, world):
+    import hetrain
+
+    plan = Plan(global_batch_size=8, balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=r, share=4) for r in range(world)])
+    session = hetrain.Session(plan)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1)).eval()
+    session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
+    part = x if rank == 0 else x[:0]
+    loss = session.evaluate(part, torch.zeros(part.shape[0], 1), torch.nn.functional.mse_loss)
+    session.close()
+    return loss
+
+
+def test_an_empty_part_beside_a_model_with_buffers_does_not_hang():
+    """DDP's forward broadcasts the model's buffers (BatchNorm's statistics): run through it, the other
+    ranks waited in that broadcast for the rank whose part was empty, and both hung."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1)).eval()
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = torch.nn.functional.mse_loss(net(x), torch.zeros(6, 1)).item()
+    for loss in run_ranks(_evaluate_batchnorm, 2, timeout=60):
+        assert abs(loss - want) < 1e-6, (loss, want)
