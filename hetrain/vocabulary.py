@@ -17,6 +17,9 @@ ZERO1_SHARDINGS = ("zero1", "zero1-proportional")
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "int8", "topk")
 """Gradient compression of the data-parallel all-reduce."""
 
+LOSSY_COMPRESSIONS = ("powersgd", "int8", "topk")
+"""Those that send part of each gradient and carry the rest to later steps (error feedback)."""
+
 STRATEGIES = ("ddp", "balanced", "zero1", "zero3", "pipeline", "hybrid")
 """What a plan does: plain even DDP, balanced data parallelism, sharded variants, pipeline stages."""
 

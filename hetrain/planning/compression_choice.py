@@ -15,7 +15,6 @@ from typing import Any
 from hetrain.vocabulary import COMPRESSIONS
 
 COMPRESSION_CHOICES = ("auto", *COMPRESSIONS)
-LOSSY = ("powersgd", "int8", "topk")
 COMM_BOUND_FRACTION = 0.05  # exposed network time above this share of a step makes the link the bottleneck
 GOOD_ENOUGH = 0.95  # a less lossy hook wins when within this fraction of the best
 

@@ -158,27 +158,34 @@ def agree_items_per_sample(items: float, samples: int, device: torch.device,
 class SkipCounter:
     """Steps skipped for non-finite gradients; too many in a row stop the run with one line."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, carried: bool = False) -> None:
         self.limit = limit
         self.in_a_row = 0
         self.total = 0
         self.without_items_total = 0
+        self.carried = carried   # a lossy compression carries part of earlier steps' gradients into each step
+        self._empty = False
 
     def without_items(self, status: GradientStatus, step: int, report: bool) -> bool:
         """Whether `step`'s global batch had no items at all (every rank's num_items 0: a token-mean loss over
         sequences with no predicted token): there is no gradient to apply, so the optimizer, its weight
-        decay and momentum, the schedulers and the loss scale stay as they are; logged on the first."""
-        if status.found_inf or status.global_items > 0:
-            return False
-        self.without_items_total += 1
-        if report and self.without_items_total == 1:
-            log.warning("step %d: its global batch had no items (num_items 0 on every rank): no update, the "
-                        "schedulers and the loss scale stay as they are; session.step() returns False (logged once)",
-                        step)
-        return True
+        decay and momentum, the schedulers and the loss scale stay as they are; logged on the first in a
+        process. Under a lossy compression the step still carries what earlier steps left, and is applied."""
+        self._empty = not status.found_inf and status.global_items <= 0 and not self.carried
+        if self._empty:
+            self.without_items_total += 1
+            if report and self.without_items_total == 1:
+                log.warning("step %d: its global batch had no items (num_items 0 on every rank): no update, the "
+                            "schedulers and the loss scale stay as they are; session.step() returns False (logged "
+                            "the first time)", step)
+        return self._empty
 
     def count(self, applied: bool, step: int, loss_scale: float, report: bool) -> int:
-        """Note whether `step` was applied; returns 1 for a skipped step, 0 otherwise."""
+        """Note whether `step` was applied; returns 1 for a step skipped for non-finite gradients, 0 otherwise
+        (a step without items neither counts nor ends a run of skipped steps)."""
+        if self._empty:
+            self._empty = False
+            return 0
         if applied:
             self.in_a_row = 0
             return 0

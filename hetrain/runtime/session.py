@@ -56,7 +56,7 @@ from hetrain.runtime.timing import StepTimer, TimedHookState, emulated_speed, id
 from hetrain.runtime.train_state import TrainState
 from hetrain.runtime.user_state import UserStates
 from hetrain.runtime.watchdog import ProgressWatch, die_with_parent
-from hetrain.vocabulary import Env
+from hetrain.vocabulary import LOSSY_COMPRESSIONS, Env
 
 log = logging.getLogger("hetrain")
 
@@ -123,7 +123,8 @@ class Session:
         self._status: GradientStatus | None = None
         self._launched: StepFigures | None = None   # the step's figures, on their way to every rank
         self._launched_for, self._grad_norm = None, None   # (step, micro-batch) launched for; last clip's norm
-        self.skips, self._kept, self._steady_lr = SkipCounter(max_skipped_steps), KeptGradients(), SteadyLearningRate()
+        self.skips = SkipCounter(max_skipped_steps, plan is not None and plan.comm.compression in LOSSY_COMPRESSIONS)
+        self._kept, self._steady_lr = KeptGradients(), SteadyLearningRate()
         if self.is_main:
             for note in self.assignment.notes:
                 log.info("%s", note)
@@ -396,8 +397,7 @@ class Session:
         self.schedulers.step(applied)
         if applied or status.found_inf:   # a step without items leaves the loss scale as it is
             self.scaler.update(applied)
-        self.train.skipped_steps += self.skips.count(not status.found_inf, self.train.step + 1, self.scaler.scale,
-                                                     self.is_main)
+        self.train.skipped_steps += self.skips.count(applied, self.train.step + 1, self.scaler.scale, self.is_main)
         first_forward = self.timer.started_at
         compute = self.timer.end_step()
         data_wait = self.train.loader.data_wait_seconds

@@ -122,3 +122,17 @@ def test_a_global_batch_without_items_leaves_the_weights_and_schedules_as_they_a
     for r in run_ranks(_no_items_first, 2):
         assert r["applied"] == [False, True] and r["moved"][0] == 0.0 and r["moved"][1] > 0, r
         assert r["epoch"] == 1 and r["skipped"] == 0, r
+
+
+def test_a_step_without_items_keeps_a_run_of_skips_and_applies_what_a_lossy_compression_carries():
+    """A step without items ended a run of skipped steps (so skips between such steps never stopped the job);
+    under top-k, int8 or PowerSGD it threw away the part of earlier gradients the hook had sent."""
+    from hetrain.runtime.gradients import GradientStatus, SkipCounter
+
+    skips = SkipCounter(limit=3)
+    inf, empty = GradientStatus(True, 8.0, None), GradientStatus(False, 0.0, None)
+    assert skips.count(False, 1, 1.0, False) == 1 and skips.in_a_row == 1
+    assert skips.without_items(empty, 2, False) and skips.count(False, 2, 1.0, False) == 0
+    assert skips.in_a_row == 1 and skips.total == 1                    # neither counted nor a reset
+    assert not skips.without_items(inf, 3, False) and skips.count(False, 3, 1.0, False) == 1
+    assert not SkipCounter(limit=3, carried=True).without_items(empty, 1, False)   # error feedback: applied
