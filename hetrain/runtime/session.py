@@ -336,7 +336,7 @@ class Session:
                                    "loss.backward(), which leaves each rank's gradient unweighted by its share "
                                    "of the global batch (a rank with no items calls it too)")
             if self.pipeline is None:
-                self._kept.check_before_finish(self.prepared.module)
+                self._kept.check_before_finish(self.prepared.module, self.device if self.sharding == "fsdp" else None)
             if self.pipeline is None and self.sharding != "fsdp":
                 check_reduced(self.prepared.comm_state)
             if self.sharding == "fsdp":

@@ -118,16 +118,26 @@ class KeptGradients:
     def check(self, module: torch.nn.Module, state, sharded_on: torch.device | None = None) -> None:
         """Before a backward: a step whose earlier micro-batches ran backward still holds their gradients
         (not zeroed), not scaled down by a clipping. `sharded_on`: the gradients are this rank's FSDP2
-        shards (some may be empty), and the ranks agree on the verdicts (collective, tensors on that device)."""
+        shards (some may be empty), and the ranks agree on the verdicts (collective, tensors on that device).
+        Gradients the last backward left all zero (a first micro-batch without items) are not gone."""
         if not state.between_micro_batches():
             self._versions, self._norms = {}, None
             return
         grads = gradients_of(module)
-        gone = not grads or (self._changed(grads) and not any(bool(g.any()) for g in grads))
         left, self._norms = self._norms, None
-        scaled = self._scaled_by_one_factor(grads, left)
-        if sharded_on is not None:
-            gone, scaled = _agreed(gone, scaled, sharded_on)
+
+        def had() -> bool:   # the last backward left a gradient that is not zero
+            return left is not None and any(bool((n > 0).any()) for n in left)
+
+        if sharded_on is None:   # replicated: every rank reads the same; the version counters say what changed
+            changed = self._changed(grads)
+            gone = not grads or (changed and not any(bool(g.any()) for g in grads) and had())
+            scaled = changed and self._scaled_by_one_factor(grads, left)
+        else:   # FSDP2: an in-place change of a sharded gradient moves no version counter that can be read
+            now = any(bool(g.any()) for g in grads)
+            held, was, now, scaled = _agreed([bool(grads), had(), now, self._scaled_by_one_factor(grads, left)],
+                                             sharded_on)
+            gone = not held or (was and not now)
         if gone:
             raise HetrainError(MID_STEP_ZERO)
         if scaled:
@@ -144,15 +154,22 @@ class KeptGradients:
         self._versions = grad_versions(grads)
         self._norms = norms_of(grads) if grads else None
 
-    def check_before_finish(self, module: torch.nn.Module) -> None:
-        """Before the step's gradients are finished, while they are still multiplied by the loss scale."""
+    def check_before_finish(self, module: torch.nn.Module, sharded_on: torch.device | None = None) -> None:
+        """Before the step's gradients are finished, while they are still multiplied by the loss scale
+        (`sharded_on`: as for `check`, the ranks agree; collective wherever a loss scale is kept)."""
         left, self._norms = self._norms, None
-        if self._scaled_by_one_factor(gradients_of(module), left):
+        if left is None:   # no loss scale on this job: nothing was kept to compare (on every rank alike)
+            return
+        grads = gradients_of(module)
+        scaled = (sharded_on is not None or self._changed(grads)) and self._scaled_by_one_factor(grads, left)
+        if sharded_on is not None:
+            scaled, = _agreed([scaled], sharded_on)
+        if scaled:
             raise HetrainError(SCALED_CHANGED)
 
     def _scaled_by_one_factor(self, grads: list[torch.Tensor], left: list[torch.Tensor] | None) -> bool:
         """Whether every gradient was multiplied by one factor below 1 since the last backward left `left`."""
-        if left is None or not self._changed(grads) or len(grads) != len(left):
+        if left is None or len(grads) != len(left):
             return False
         before, now = torch.stack(left), torch.stack(norms_of(grads))   # [tensors, 2]: each one's 2-norm and 1-norm
         moved = before > 0
@@ -164,14 +181,14 @@ class KeptGradients:
         return bool(self._versions) and grad_versions(grads) != self._versions
 
 
-def _agreed(gone: bool, scaled: bool, device: torch.device) -> tuple[bool, bool]:
-    """(gone on every rank, scaled on any rank), in one all-reduce: a rank whose shards are empty, or all
-    zero, cannot tell on its own, and every rank must refuse together."""
+def _agreed(flags: list[bool], device: torch.device) -> list[bool]:
+    """Each flag true on any rank, in one all-reduce: a rank whose shards are empty, or all zero, cannot
+    tell on its own, and every rank must refuse together."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return gone, scaled
-    flags = torch.tensor([float(gone), float(not scaled)], device=device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-    return bool(flags[0] > 0), not bool(flags[1] > 0)
+        return flags
+    t = torch.tensor([float(f) for f in flags], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [bool(v > 0) for v in t.tolist()]
 
 
 class SteadyLearningRate:
@@ -204,9 +221,12 @@ def norms_of(grads: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def gradients_of(module: torch.nn.Module) -> list[torch.Tensor]:
-    """The gradients the module's parameters hold now (a sharded one: this rank's shard)."""
-    return [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in module.parameters()
-            if p.grad is not None]
+    """The gradients the module's parameters hold now (a sharded one: this rank's shard, the same tensor
+    at every call: with grad mode on, `to_local()` returns a new view each time, whose identity the
+    version check would take for a new gradient)."""
+    with torch.no_grad():
+        return [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in module.parameters()
+                if p.grad is not None]
 
 
 def grad_versions(grads: list[torch.Tensor]) -> dict[int, int]:

@@ -58,3 +58,32 @@ def test_a_mid_step_habit_under_fsdp2_is_refused_on_every_rank_even_one_whose_sh
 def test_fsdp2_micro_batches_without_a_habit_are_not_refused():
     results = run_ranks(_fsdp_habit, 2, "none")
     assert all(error is None for error, _ in results), results
+
+
+def _first_micro_batch_without_items(rank, world, sharding):
+    import hetrain
+
+    plan = Plan(global_batch_size=8, sharding=sharding, balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=r, share=4, micro_batch=2) for r in range(world)])
+    session = hetrain.Session(plan)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    for x, y in session.loader(make_data(), global_batch_size=8, shuffle=False, seed=0):
+        first = session.state.micros == 1
+        session.backward(F.mse_loss(model(x).squeeze(-1), y.float()), num_items=0 if first else x.shape[0])
+        session.step()
+        if session.step_count == 2:
+            break
+    params = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in model.parameters()]
+    session.close()
+    return params
+
+
+def test_a_first_micro_batch_without_items_under_fsdp2_is_no_zero_grad():
+    """Its all-zero shards were taken for a zero_grad() between micro-batches and the step refused on every
+    rank (in-place changes of FSDP2 gradients move no version counter, so every read counted as a change)."""
+    fsdp = run_ranks(_first_micro_batch_without_items, 2, "fsdp")
+    ddp = run_ranks(_first_micro_batch_without_items, 2, "none")
+    for a, b in zip(fsdp[0], ddp[0]):
+        assert torch.allclose(a, b, atol=1e-6)
