@@ -101,8 +101,8 @@ def _max_nodes(nnodes: str) -> tuple[int, int]:
 def check_endpoint(endpoint: str) -> None:
     """HOST or HOST:PORT (an IPv6 host in brackets), the port a TCP port: one line naming the fix otherwise."""
     host, sep, port = endpoint.rpartition(":")
-    if not sep or (host.count(":") and not host.startswith("[")):   # no port, or an IPv6 address without brackets
-        host, port = endpoint, None
+    if not sep or endpoint.endswith("]") or (host.count(":") and not host.startswith("[")):
+        host, port = endpoint, None   # no port: a name, a bracketed IPv6 address, or one without brackets
     if not host.strip("[]"):
         raise HetrainError(f"--rdzv-endpoint {endpoint!r} names no host; fix: give HOST:PORT, e.g. node0:29400")
     if port is not None and not (port.isdigit() and 1 <= int(port) <= 65535):

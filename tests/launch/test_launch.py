@@ -252,3 +252,13 @@ def test_rendezvous_failures_are_one_line_naming_what_to_check():
     closed = rendezvous_line(kinds["RendezvousClosedError"](""), cfg)
     assert "is closed: the job it served ended" in closed
     assert all("\n" not in line for line in (late, gone, closed))
+
+
+def test_rendezvous_endpoints_torch_accepts_pass_and_bad_ports_do_not():
+    from hetrain.launch.launcher import check_endpoint
+
+    for fine in ("node0", "node0:29400", "[::1]", "[::1]:29400", "::1", "10.0.0.7:1"):
+        check_endpoint(fine)
+    for bad, port in (("node0:0", "'0'"), ("node0:65536", "'65536'"), ("[::1]:x", "'x'"), ("node0:", "''")):
+        with pytest.raises(HetrainError, match=f"{port} is not a TCP port"):
+            check_endpoint(bad)
