@@ -352,6 +352,10 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
         raise HetrainError(f"unknown optimizer {optimizer!r}; choose one of: {', '.join(OPTIMIZERS)}")
     if compression not in COMPRESSION_CHOICES:
         raise HetrainError(f"unknown compression {compression!r}; choose one of: {', '.join(COMPRESSION_CHOICES)}")
+    if compression not in ("auto", "none") and strategy in ("zero3", "pipeline"):
+        raise HetrainError(f"--compression {compression} runs as a DDP communication hook, which --strategy {strategy} "
+                           "has none of (FSDP2 and pipeline stages reduce their own way); use --strategy balanced, "
+                           "ddp or zero1, or leave out --compression")
     calib = calib or cm.default_calibration()
     kinds = kinds_of(cluster, profile, precision, calib, profiles, rates, optimizer)
     world = sum(k.count for k in kinds)
@@ -367,7 +371,7 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
     notes += [f"{k.spec.name}: fp16 with dynamic loss scaling" + (" (no bf16 on this chip)" if precision == "auto" else "")
               for k in kinds if needs_loss_scaling(k.precision)]
     args = (cluster, profile, kinds, global_batch, optimizer, micro_batch)
-    uniform = data_parallel("ddp", *args)
+    uniform = data_parallel("ddp", *args, compression if strategy == "ddp" and compression != "auto" else "none")
     cands: dict[str, Candidate] = {"ddp": uniform}
     half = lossless_for(k.spec for k in kinds)
     for s in ("balanced", "zero1"):
@@ -421,6 +425,8 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
     if chosen is None:
         raise NoPlanFits(*no_fit_message(profile, kinds, cands, strategy, optimizer, world, micro_batch, global_batch))
     notes += chosen.notes
+    if compression not in ("auto", "none") and chosen.compression != compression:
+        notes.append(f"{chosen.strategy} runs no DDP communication hook: --compression {compression} does not apply")
     if chosen.strategy not in PIPELINE_STRATEGIES:   # a stage's time comes from the per-block timings
         notes += extrapolation_notes(kinds, chosen.plan.ranks)
         notes += [n for n in [idle_devices_note(chosen.plan.ranks)] if n]

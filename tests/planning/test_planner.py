@@ -54,6 +54,13 @@ def test_a_lossy_compression_is_planned_only_when_named():
     assert exact.plan.comm.compression == "none"
     with pytest.raises(HetrainError, match="unknown compression 'zip'; choose one of: auto, none"):
         plan_job(cluster, get_profile("resnet152"), 1024, compression="zip")
+    # named with a strategy: plain DDP runs it; FSDP2 and pipelines, which run no DDP hook, are refused up front
+    ddp = plan_job(cluster, get_profile("resnet152"), 1024, strategy="ddp", compression="powersgd")
+    assert ddp.plan.strategy == "ddp" and ddp.plan.comm.compression == "powersgd"
+    for strategy in ("zero3", "pipeline"):
+        with pytest.raises(HetrainError, match=f"--compression powersgd runs as a DDP communication hook, which "
+                                               f"--strategy {strategy} has none of"):
+            plan_job(cluster, get_profile("resnet152"), 1024, strategy=strategy, compression="powersgd")
 
 
 def test_fixed_strategy_and_precision_are_respected():
