@@ -19,11 +19,11 @@ class NoPlanFits(HetrainError):
 
 def format_validation_error(e, model=None) -> str:
     """A pydantic ValidationError as one readable line: where, and what is wrong. A field written wrong is
-    both unknown and missing: where a part of the document has one of each, they are one fix, naming both
-    spellings; another unknown field is matched against the field names of `model` (a pydantic model
-    class), where given."""
+    both unknown and missing: where a part of the document has one of each, spelt alike, they are one fix
+    naming both spellings; another unknown field is matched against the fields `model` (a pydantic model
+    class, where given) allows at its place."""
     errors = list(e.errors())
-    names = _field_names(model.model_json_schema()) if model is not None else set()
+    schema = model.model_json_schema() if model is not None else None
     by_parent: dict[tuple, dict[str, list[int]]] = {}
     for i, err in enumerate(errors):
         by_parent.setdefault(tuple(err["loc"][:-1]), {}).setdefault(err["type"], []).append(i)
@@ -31,7 +31,8 @@ def format_validation_error(e, model=None) -> str:
     hidden: set[int] = set()       # the missing fields those renames account for
     for kinds in by_parent.values():
         extra, missing = kinds.get("extra_forbidden", []), kinds.get("missing", [])
-        if len(extra) == 1 and len(missing) == 1:
+        if len(extra) == 1 and len(missing) == 1 and difflib.get_close_matches(
+                str(errors[extra[0]]["loc"][-1]), [str(errors[missing[0]]["loc"][-1])], n=1, cutoff=0.6):
             renamed[extra[0]] = str(errors[missing[0]]["loc"][-1])
             hidden.add(missing[0])
     parts = []
@@ -40,7 +41,8 @@ def format_validation_error(e, model=None) -> str:
             continue
         where = ".".join(str(p) for p in err["loc"]) or "document"
         if err["type"] == "extra_forbidden":
-            close = difflib.get_close_matches(str(err["loc"][-1]), sorted(names), n=1, cutoff=0.75)
+            names = _names_at(schema, tuple(err["loc"][:-1])) if schema is not None else []
+            close = difflib.get_close_matches(str(err["loc"][-1]), names, n=1, cutoff=0.75)
             target = renamed.get(i) or (close[0] if close else None)
             parts.append(f"{where}: unknown field; fix: "
                          + (f"rename it to {target!r}" if target else "remove it or correct its name"))
@@ -64,14 +66,18 @@ def ranks_by_value(values: Sequence[Hashable]) -> dict[Hashable, list[int]]:
     return groups
 
 
-def _field_names(schema: object) -> set[str]:
-    """Every property name in a JSON schema (its definitions included)."""
-    found: set[str] = set()
-    if isinstance(schema, dict):
-        found.update(schema.get("properties", {}) if isinstance(schema.get("properties"), dict) else {})
-        for value in schema.values():
-            found |= _field_names(value)
-    elif isinstance(schema, list):
-        for value in schema:
-            found |= _field_names(value)
-    return found
+def _names_at(schema: dict, loc: tuple) -> list[str]:
+    """The field names a JSON schema allows at `loc` (keys and list indices from the document's root)."""
+    node: object = schema
+    for part in (*loc, None):
+        while isinstance(node, dict):   # follow references and the first branch of a union with fields
+            if "$ref" in node:
+                node = schema.get("$defs", {}).get(node["$ref"].rsplit("/", 1)[-1], {})
+            elif "anyOf" in node:
+                node = next((b for b in node["anyOf"] if isinstance(b, dict) and b.get("type") != "null"), {})
+            else:
+                break
+        if part is None or not isinstance(node, dict):
+            break
+        node = node.get("items", {}) if isinstance(part, int) else node.get("properties", {}).get(part, {})
+    return sorted(node.get("properties", {})) if isinstance(node, dict) else []

@@ -23,6 +23,17 @@ def test_a_misspelt_field_names_the_spelling_to_use():
         Plan.from_json(_doc(micro_bach=2))   # an optional field: matched against the plan's field names
     with pytest.raises(HetrainError, match=r"ranks\.0\.zzz: unknown field; fix: remove it or correct its name"):
         Plan.from_json(_doc(zzz=1))
+    # a rank's field at the top level is not told to rename itself to itself; an unrelated field beside a
+    # missing one is not told to become it
+    with pytest.raises(HetrainError, match=r"^plan: micro_batch: unknown field; fix: remove it or correct its name$"):
+        Plan.from_json(json.dumps({**json.loads(_doc()), "micro_batch": 2}))
+    doc = json.loads(_doc())
+    doc["ranks"][0]["comment"] = doc["ranks"][0].pop("share")
+    with pytest.raises(HetrainError, match=r"ranks\.0\.share: Field required; ranks\.0\.comment: unknown field; "
+                                           r"fix: remove it"):
+        Plan.from_json(json.dumps(doc))
+    with pytest.raises(HetrainError, match=r"pipeline\.microbatch: unknown field; fix: rename it to 'microbatches'"):
+        Plan.from_json(json.dumps({**json.loads(_doc()), "pipeline": {"stages": [[0, 1]], "microbatch": 2}}))
 
 
 def test_memory_and_precision_a_device_cannot_have_are_refused():
