@@ -198,14 +198,15 @@ def comm_for_world(plan: Plan, assignment: Assignment) -> tuple[Any, str | None]
         note = (f"the plan's islands {comm.islands} name its {plan.world_size} ranks and this job has {world}: "
                 "gradients all-reduce flat, not in two levels (re-plan for these devices to get them back)")
         return comm.model_copy(update={"hierarchical": False, "islands": None}), note
-    taken = assignment.plan_ranks
-    if taken is None or taken == list(range(world)):
+    taken, nodes = assignment.plan_ranks, assignment.nodes
+    if taken is None:
         return comm, None
-    nodes = assignment.nodes
     if sorted(taken) == list(range(world)):
         where = {p: r for r, p in enumerate(taken)}
         islands = [sorted(where[p] for p in island) for island in comm.islands]
         if nodes is None or all(len({nodes[r] for r in island}) == 1 for island in islands):
+            if islands == comm.islands:
+                return comm, None
             return comm.model_copy(update={"islands": islands}), (
                 f"the ranks took the plan's entries in another order: its islands {comm.islands} are ranks "
                 f"{islands} of this job")
@@ -215,8 +216,9 @@ def comm_for_world(plan: Plan, assignment: Assignment) -> tuple[Any, str | None]
             f"{comm.islands} give way to a flat all-reduce")
     islands = list(ranks_by_value(nodes).values())
     return comm.model_copy(update={"islands": islands}), (
-        f"the ranks took the plan's entries in another order, and its islands {comm.islands} would join ranks of "
-        f"different nodes: the islands are this job's nodes, ranks {islands}")
+        f"the plan's islands {comm.islands}, followed to the ranks that took their entries, would join ranks of "
+        f"different nodes (nodes of different sizes join in arrival order): the islands are this job's nodes, "
+        f"ranks {islands}")
 
 
 def pipeline_assignment(assignment: Assignment, plan: Plan, rank: int) -> tuple[Assignment, "PipelineLayout"]:

@@ -158,3 +158,13 @@ def test_a_plans_islands_follow_the_ranks_when_the_nodes_arrive_in_another_order
     mixed_first = assign_entries(two_kinds, [V100, A100, A100, A100], nodes=["1", "1", "0", "0"])
     comm, note = comm_for_world(two_kinds, mixed_first)
     assert comm.islands == [[0, 1], [2, 3]] and "the islands are this job's nodes" in note, (comm, note)
+    # one kind on nodes of 4 and 2 ranks, the smaller joining first: every rank keeps its own entry, yet
+    # the plan's island [0..3] would span both nodes
+    one_kind = Plan(global_batch_size=12, balance=BalancePlan(enabled=False),
+                    comm=CommPlan(hierarchical=True, islands=[[0, 1, 2, 3], [4, 5]]),
+                    ranks=[RankPlan(rank=r, device=A100, share=2) for r in range(6)])
+    small_first = assign_entries(one_kind, [A100] * 6, nodes=["1", "1", "0", "0", "0", "0"])
+    comm, note = comm_for_world(one_kind, small_first)
+    assert comm.islands == [[0, 1], [2, 3, 4, 5]] and "the islands are this job's nodes" in note, (comm, note)
+    same, note = comm_for_world(one_kind, assign_entries(one_kind, [A100] * 6, nodes=["0"] * 4 + ["1"] * 2))
+    assert same is one_kind.comm and note is None
