@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 from hetrain.errors import HetrainError
-from hetrain.launch.k8s import K8sJob, checkpoint_note, manifests, parse_node_selector, plan_notes, to_yaml
+from hetrain.launch.k8s import (K8sJob, catalog_kinds, checkpoint_note, manifests, parse_node_selector, plan_notes,
+                                to_yaml)
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
@@ -33,15 +34,16 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    plan_json, notes = None, []
+    plan, plan_json, notes = None, None, []
     selectors = [parse_node_selector(s) for s in args.node_selector]
     if args.plan is not None:
         from hetrain.planning.plan import Plan
 
         plan = Plan.load(args.plan)  # one-line error when missing or invalid
-        notes = plan_notes(plan, selectors, args.min_replicas,
+        notes = plan_notes(plan, args.min_replicas,
                            args.min_replicas if args.max_replicas is None else args.max_replicas, args.gpus_per_node)
         plan_json = Path(args.plan).read_text(encoding="utf-8")
+    selectors = catalog_kinds(selectors, plan)
     script_args = list(args.script_args)
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]

@@ -46,7 +46,10 @@ def parse_node_selector(text: str) -> NodeSelector:
     kind, key, value = parts
     from hetrain.hardware.catalog import get_gpu
 
-    kind = get_gpu(kind).name   # the catalog's name, as the plan's entries and the ranks' devices are written
+    try:
+        get_gpu(kind)   # a kind the catalog does not know is a typo: said here, not at every pod's start
+    except HetrainError as e:
+        raise HetrainError(f"--node-selector {text!r}: {e}") from None
     if not _LABEL_KEY.match(key) or len(key.split("/")[-1]) > 63:
         raise HetrainError(f"--node-selector {text!r}: {key!r} is not a Kubernetes label key; use e.g. nvidia.com/gpu.product")
     if not _LABEL_VALUE.match(value) or len(value) > 63:
@@ -56,17 +59,32 @@ def parse_node_selector(text: str) -> NodeSelector:
     return NodeSelector(kind, key, value)
 
 
-def plan_notes(plan: Any, selectors: list[NodeSelector], min_replicas: int, max_replicas: int,
-               gpus_per_node: int) -> list[str]:
-    """A node selector for a kind the plan has no entry for is refused (every rank on such a pod would stop
-    at each restart); a plan for another number of ranks than the job may have is said, not refused (the
-    ranks re-split its shares)."""
-    kinds = sorted({e.device for e in plan.ranks})
+def catalog_kinds(selectors: list[NodeSelector], plan: Any = None) -> list[NodeSelector]:
+    """The selectors with their kinds as the catalog names them (as the plan's entries and the ranks' devices
+    are written). With a plan, a short name (A100) is the plan's device it names (a100-pcie-40gb), and a
+    kind the plan has no entry for is refused: every rank on such a pod would stop at each restart."""
+    from hetrain.hardware.catalog import get_gpu
+
+    kinds = sorted({e.device for e in plan.ranks}) if plan is not None else []
+    out = []
     for s in selectors:
-        if s.kind not in kinds:
-            raise HetrainError(f"--node-selector {s.kind}={s.key}={s.value}: the plan has no entry for {s.kind} (its "
-                               f"devices: {', '.join(kinds)}); every rank on such a pod would stop; re-plan for the "
-                               "kinds the job runs on, or leave out that selector")
+        name = get_gpu(s.kind).name
+        if plan is not None and name not in kinds:
+            named = [k for k in kinds if k.startswith(s.kind.lower())]
+            if len(named) != 1:
+                raise HetrainError(
+                    f"--node-selector {s.kind}={s.key}={s.value}: the plan has no entry for {s.kind} ({name} in the "
+                    f"catalog; the plan's devices: {', '.join(kinds)}); every rank on such a pod would stop; write "
+                    "one of the plan's device names as KIND, re-plan for the kinds the job runs on, or leave out "
+                    "that selector")
+            name = named[0]
+        out.append(NodeSelector(name, s.key, s.value))
+    return out
+
+
+def plan_notes(plan: Any, min_replicas: int, max_replicas: int, gpus_per_node: int) -> list[str]:
+    """A plan for another number of ranks than the job may have is said, not refused (the ranks re-split
+    its shares for the devices present)."""
     lo, hi = min_replicas * gpus_per_node, max_replicas * gpus_per_node
     if not lo <= plan.world_size <= hi:
         span = f"{lo}" if lo == hi else f"{lo} to {hi}"

@@ -59,8 +59,16 @@ def test_a_node_selector_for_a_kind_the_plan_lacks_is_refused_and_another_size_i
               "--gpus-per-node", "8", "--plan", str(plan), "--checkpoint-pvc", "ck", "--out", str(tmp_path / "j.yaml")]
     assert main([*common, "--node-selector", "h100=nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3"]) == 2
     err = capsys.readouterr().err
-    assert "the plan has no entry for h100-sxm5-80gb (its devices: a100-sxm4-80gb, v100-sxm2-32gb)" in err, err
+    assert "the plan has no entry for h100 (h100-sxm5-80gb in the catalog; the plan's devices: a100-sxm4-80gb, " \
+        "v100-sxm2-32gb)" in err and "write one of the plan's device names as KIND" in err, err
     assert main([*common, "--node-selector", "a100=k=a", "--node-selector", "v100=k=v"]) == 0
     err = capsys.readouterr().err
     assert "the plan has 3 ranks and the job runs 16 to 32 (8 per pod)" in err, err
     assert "gpu-kinds: a100-sxm4-80gb,v100-sxm2-32gb" in (tmp_path / "j.yaml").read_text()
+    # a short name is the plan's device it names: A100 for a plan of A100 PCIe 40 GB cards
+    pcie = tmp_path / "pcie.json"
+    Plan(global_batch_size=8, ranks=[RankPlan(rank=0, device="a100-pcie-40gb", share=8)]).save(pcie)
+    assert main(["k8s", "--image", "x", "--script", "t.py", "--gpus-per-node", "1", "--plan", str(pcie),
+                 "--node-selector", "A100=nvidia.com/gpu.product=NVIDIA-A100-PCIE-40GB",
+                 "--out", str(tmp_path / "p.yaml")]) == 0, capsys.readouterr().err
+    assert "gpu-kinds: a100-pcie-40gb" in (tmp_path / "p.yaml").read_text()
