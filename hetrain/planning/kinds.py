@@ -188,15 +188,16 @@ def kinds_of(cluster, profile: WorkloadProfile, precision: str, calib: cm.Calibr
                     f"{kind.spec.name}: {per_node} ranks on a node share its memory, "
                     f"{kind.spec.memory_bytes / 1e9:.1f} GB each")
     host = calib.host_seconds_per_sample.get(profile.kind, 0.0)
-    if host > 0 and any(k.source != "modelled" for k in kinds.values()):
-        # measured figures time the model on inputs already in memory: a modelled kind beside them leaves out
-        # the published rows' input pipeline too, or the split would favour the measured kinds by that much
+    if host > 0 and any(k.source == "measured-profile" for k in kinds.values()):
+        # a profile times the model on inputs already in memory: a modelled kind beside it leaves out the
+        # published rows' input pipeline too, or the split would favour the profiled kinds by that much (a
+        # run's rates count the time its steps waited for data, as the published rows do)
         for kind in kinds.values():
             if kind.source == "modelled":
                 kind.sample_s, kind.sample_s_ckpt = kind.sample_s - host, kind.sample_s_ckpt - host
                 kind.note = ((kind.note + "; ") if kind.note else "") + (
                     f"{kind.spec.name}: modelled without the {host * 1e6:.0f} us per sample of the published rows' "
-                    "input pipeline, as the measured figures beside it are")
+                    "input pipeline, as the measured profiles beside it are")
     return list(kinds.values())
 
 

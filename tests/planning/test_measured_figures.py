@@ -404,3 +404,7 @@ def test_a_modelled_kind_beside_a_measured_one_leaves_out_the_input_pipeline_ter
     assert v100_beside.sample_s_ckpt == pytest.approx(v100_alone.sample_s_ckpt - host)
     assert "without the 199 us per sample of the published rows' input pipeline" in v100_beside.note
     assert alone[0].sample_s > host   # all modelled: the term stays
+    # a run's rates count its data waits, as the published rows do: the modelled kind beside them keeps it
+    run = kinds_of(cluster_from_devices("a100:1,v100:1"), profile, "auto", cm.default_calibration(),
+                   rates=_rates(0.8e-3, 1.0e-3).model_copy(update={"devices": _rates(0.8e-3, 1.0e-3).devices[:1]}))
+    assert run[0].source == "measured-run" and run[1].sample_s == pytest.approx(v100_alone.sample_s)
