@@ -61,7 +61,9 @@ def no_fit_message(profile, kinds, cands, strategy, optimizer, world, micro_batc
     fits = max((c for c in cands.values() if c.feasible), key=lambda c: c.samples_per_s, default=None)
     tries = [f"--strategy {fits.strategy} ({fits.samples_per_s:.1f} samples/s)"] if fits is not None else \
         ["--strategy auto (it also weighs pipelines)"] if strategy not in ("auto", "pipeline") else []
-    tries += ["a smaller --micro-batch"] if micro_batch is not None and micro_batch > 1 else []
+    # a data-parallel strategy takes --micro-batch as a cap; a pipeline's micro-batch must fit its stages
+    tries += ["a smaller --micro-batch"] if micro_batch is not None and micro_batch > 1 and strategy in (
+        "auto", "pipeline") else []
     tries += ["devices with more memory"]
     options = tries[0] if len(tries) == 1 else f"{', '.join(tries[:-1])} or {tries[-1]}"
     return f"model {profile.name!r} does not fit with {what}{detail}; try {options}", None
