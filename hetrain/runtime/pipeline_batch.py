@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hetrain.errors import HetrainError
 from hetrain.runtime.batch_tree import flatten, map_tensors, tensors
 
 
@@ -87,5 +88,14 @@ def _concat(parts: list[Any]) -> Any:
     dimension, anything else taken from the first part."""
     leaves, rebuild = flatten(parts[0])
     columns = [flatten(p)[0] for p in parts]
+    for i, leaf in enumerate(leaves):
+        shapes = {tuple(c[i].shape[1:]) for c in columns if isinstance(c[i], torch.Tensor)}
+        if len(shapes) > 1:
+            seen = " and ".join(str(list(s)) for s in sorted(shapes))
+            raise HetrainError(
+                f"the ranks of a pipeline replica collated their slices of its batch to different shapes (per sample "
+                f"{seen}): each rank collates its own slice, so padding to each batch's longest pads each slice to "
+                "its own longest; pad to one length for the whole step (a fixed max_length, or batches bucketed by "
+                "length) (docs/pipeline.md)")
     return rebuild([torch.cat([c[i] for c in columns]) if isinstance(leaf, torch.Tensor) else leaf
                     for i, leaf in enumerate(leaves)])

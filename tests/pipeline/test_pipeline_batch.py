@@ -40,3 +40,28 @@ def test_other_batches_go_as_objects():
     for got in run_ranks(gather, 2, counts, True):
         assert got[0].shape == (5, 3) and got[1]["labels"].shape == (5,)
         assert got[2] == "rank0"   # a non-tensor leaf: the first slice's
+
+
+def gather_padded(rank: int, world: int):
+    import torch.distributed as dist
+
+    from hetrain.errors import HetrainError
+    from hetrain.runtime.pipeline_batch import gather_replica_batch
+
+    dist.init_process_group("gloo")
+    group = dist.new_group(list(range(world)))
+    ids = torch.ones(4, 11 if rank == 0 else 8, dtype=torch.int64)   # each slice padded to its own longest
+    try:
+        gather_replica_batch((ids, ids.clone()), group, torch.device("cpu"))
+        error = None
+    except HetrainError as e:
+        error = str(e)
+    dist.destroy_process_group()
+    return error
+
+
+def test_slices_padded_to_their_own_longest_are_refused_naming_a_fixed_length():
+    """A collate padding to each batch's longest crashed every pipeline run with torch.cat's traceback."""
+    for error in run_ranks(gather_padded, 2):
+        assert error is not None and "collated their slices of its batch to different shapes (per sample [8] and " \
+            "[11])" in error and "pad to one length for the whole step" in error, error
