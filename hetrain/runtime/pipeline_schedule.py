@@ -112,6 +112,7 @@ class PipelineRunner:
             compute_in_precision(chunk, autocast)
         self.speed = speed
         self.busy_seconds = 0.0   # this step's forward and backward compute (padded when emulating a speed)
+        self.step_samples = 0     # the samples of the last replica batch this stage ran (its ranks' slices)
         self._schedules: dict[tuple, Any] = {}   # by micro-batch count and shapes, most recent last
         self._loss: Callable | None = None
         self._running = False
@@ -213,7 +214,7 @@ class PipelineRunner:
 
     def _run(self, inputs: Any, target: Any, loss_fn: Callable, count: Callable[[Any], float], *, state: StepState,
              scaler: JobLossScaler) -> torch.Tensor | None:
-        samples = self._samples(inputs, target)
+        samples = self.step_samples = self._samples(inputs, target)
         if state.items_per_sample is None:   # the run's first step: every rank agrees on items per sample
             counted = (count(target), samples) if self.layout.is_last and samples else (0.0, 0)
             state.items_per_sample = agree_items_per_sample(*counted, self.device)

@@ -29,9 +29,12 @@ def step_record(session: Any, totals: Any, times: Any, compute: float, data_wait
                 changed: bool, grad_norm: float | None) -> StepRecord:
     """The record of a step a session just finished (`totals`: its StepTotals, `times`: its StepTimes)."""
     shares = session.train.loader.current_shares
+    share, samples = shares[session.rank], totals.local_samples
+    if session.pipeline is not None:   # a stage runs its replica's whole batch, read spread over the replica's ranks
+        share, samples = sum(shares[r] for r in session.layout.replica_ranks()), session.pipeline.step_samples
     return StepRecord(
         step=session.train.step, rank=session.rank, world_size=session.world_size, device=session.entry.device,
-        precision=session.precision, share=shares[session.rank], samples=totals.local_samples,
+        precision=session.precision, share=share, samples=samples,
         items=int(totals.local_items), global_samples=totals.global_samples, global_items=int(totals.global_items),
         step_seconds=times.wall, compute_seconds=compute, data_wait_seconds=data_wait,
         optimizer_seconds=session.timer.last_optimizer_s, loss=totals.loss, grad_norm=grad_norm,

@@ -1,0 +1,42 @@
+"""What a pipeline rank reports per step: its stage ran the replica's whole batch, not the slice its loader
+read (a replica's batch is read spread over its ranks)."""
+
+import torch.nn.functional as F
+
+from tests.distributed import run_ranks
+from tests.pipeline.common import make_data, make_model, pipeline_plan
+
+
+def _records(rank, world, plan):
+    import torch
+
+    import hetrain
+
+    session = hetrain.Session(plan)
+    records = []
+
+    class Keep:
+        def on_step(self, record):
+            records.append((record.samples, record.share, record.shares))
+
+    session.add_observer(Keep())
+    net = make_model()
+    session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    for x, y in session.loader(make_data(), global_batch_size=plan.global_batch_size, shuffle=False):
+        session.forward_backward(x, y, F.cross_entropy)
+        session.step()
+        if session.step_count == 2:
+            break
+    session.close()
+    return records
+
+
+def test_a_stage_reports_its_replicas_samples_and_share():
+    """Replica shares [5, 3] over 2 stages: ranks reported 3, 2, 2 and 1 samples (their loader slices),
+    shares 37.5/25/25/12.5%, and samples/s in proportion, where each stage computed 5 or 3."""
+    plan = pipeline_plan([[0, 4], [4, 8]], "1f1b", 1, 8, replica_shares=[5, 3])
+    results = run_ranks(_records, 4, plan)
+    for rank, records in enumerate(results):
+        want = 5 if rank < 2 else 3   # ranks 0, 1: replica 0's stages; 2, 3: replica 1's
+        assert len(records) == 2 and all(samples == want and share == want and sum(shares) == 8
+                                         for samples, share, shares in records), (rank, records)
