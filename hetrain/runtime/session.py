@@ -35,6 +35,7 @@ from hetrain.runtime.balancer import Balancer
 from hetrain.runtime.comm_hooks import forget_feedback
 from hetrain.runtime.data import HeteroLoader, make_loader
 from hetrain.runtime.evaluation import evaluate
+from hetrain.runtime.export import full_model_state
 from hetrain.runtime.environment import (RankEnv, collective_timeout, configure_logging, env_int, init_process_group,
                                          pick_device, print_user_errors_as_one_line, progress_timeout)
 from hetrain.runtime.gradients import (GradientStatus, SkipCounter, StepFigures, agree_items_per_sample,
@@ -242,10 +243,7 @@ class Session:
             raise HetrainError("no split yet: call session.loader(dataset, global_batch_size) first")
         return self.train.loader.current_shares
 
-    @property
-    def local_batch_size(self) -> int | None:
-        """Samples this rank computes in the current step."""
-        return self.state.local_samples
+    local_batch_size = property(lambda self: self.state.local_samples)   # this rank's samples in the current step
 
     def autocast(self):
         """This rank's precision for the forward pass (bf16/fp16 autocast, or none)."""
@@ -442,12 +440,15 @@ class Session:
         """Something with `on_step(StepRecord)` (and optionally `on_checkpoint`, `close`), called each step."""
         self.reports.add(observer)
 
-    @property
-    def observers(self) -> list[Any]:
-        return self.reports.observers
+    observers = property(lambda self: self.reports.observers)
 
     def barrier(self) -> None:
         dist.barrier()
+
+    def model_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's state dict, on rank 0 (None elsewhere), under any plan: CPU tensors under the
+        names of the model given to prepare(), pipeline stages and FSDP2 shards gathered (collective)."""
+        return full_model_state(self)
 
     def close(self) -> None:
         """Save a final checkpoint (when checkpointing), then leave the process group if this session started it."""

@@ -1,0 +1,51 @@
+"""`session.model_state_dict()`: the whole trained model, in one place, under any plan.
+
+Under DDP and ZeRO-1 every rank holds the whole model and rank 0's copy is returned. FSDP2 shards
+are gathered with torch's `get_model_state_dict(full_state_dict=True, cpu_offload=True)`, which
+hands the result to rank 0. Under a pipeline each stage holds part of the blocks, under the whole
+model's parameter names (as its checkpoints store them): the first replica's stages send their
+parts to rank 0, which joins them. The names are those of the model passed to `session.prepare()`,
+so `model.load_state_dict(state)` on a fresh copy of it (a Hugging Face model's blocks wrapper
+under a pipeline) restores the trained weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hetrain.errors import HetrainError
+
+
+def full_model_state(session: Any) -> dict[str, torch.Tensor] | None:
+    """The whole model's state dict on rank 0 (CPU tensors), None on the other ranks (collective)."""
+    if session.prepared is None:
+        raise HetrainError("call session.prepare(model, optimizer) before session.model_state_dict()")
+    module = session.prepared.module
+    if session.sharding == "fsdp":   # every rank of the shards' group gathers; their rank 0 receives
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        state = module.state_dict() if session.pipeline is None else _stage_state(module)
+    state = {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    if session.pipeline is None:
+        return state if session.rank == 0 else None
+    part = state if session.layout.replica == 0 else {}
+    parts: list[Any] | None = [None] * dist.get_world_size() if session.rank == 0 else None
+    dist.gather_object(part, parts, dst=0)
+    if session.rank != 0:
+        return None
+    whole: dict[str, torch.Tensor] = {}
+    for p in parts:
+        whole.update(p or {})
+    return whole
+
+
+def _stage_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A stage's tensors under the whole model's names (as its checkpoint stores them)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(module)
