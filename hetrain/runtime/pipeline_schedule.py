@@ -125,7 +125,9 @@ class PipelineRunner:
         if not self._running:
             raise HetrainError("under a pipeline plan this rank holds some of the model's blocks only, so "
                                "model(inputs) cannot run here: run each step with "
-                               "session.forward_backward(inputs, target, loss_fn) (docs/pipeline.md)")
+                               "session.forward_backward(inputs, target, loss_fn), evaluate with "
+                               "session.evaluate(inputs, target, loss_fn), and save with "
+                               "session.model_state_dict() (docs/pipeline.md)")
 
     def _timed(self, work: Callable, speed: float | None) -> Callable:
         """The stage's compute of one micro-batch, timed (transfers are outside it) and, on a CPU rank

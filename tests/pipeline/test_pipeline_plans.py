@@ -281,3 +281,30 @@ def test_a_dict_of_inputs_under_a_pipeline_is_refused_naming_the_tuple_to_pass()
     for errors in run_ranks(_dict_inputs, 2, plan):
         assert len(errors) == 2 and all(e is not None and "a dict of inputs under a pipeline plan" in e
                                         and "(batch['input_ids'],)" in e for e in errors), errors
+
+
+def _direct_call(rank, world, plan):
+    import hetrain
+    from hetrain.errors import HetrainError
+    from tests.pipeline.common import make_data
+
+    session = hetrain.Session(plan)
+    net = make_model()
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    x, _ = next(iter(session.loader(make_data(), global_batch_size=plan.global_batch_size, shuffle=False)))
+    try:
+        with torch.no_grad():
+            model(x)   # an evaluation habit
+        error = None
+    except HetrainError as e:
+        error = str(e)
+    session.close()
+    return error
+
+
+def test_a_direct_call_under_a_pipeline_names_the_calls_for_training_evaluating_and_saving():
+    """An evaluation's model(x) under no_grad was told to use forward_backward, a training call."""
+    plan = pipeline_plan([[0, 4], [4, 8]], "1f1b", 2, 8)
+    for error in run_ranks(_direct_call, 2, plan):
+        assert error is not None and "session.forward_backward(inputs, target, loss_fn)" in error
+        assert "session.evaluate(inputs, target, loss_fn)" in error and "session.model_state_dict()" in error
