@@ -80,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
         console = stdout_console()
         console.print(_table(rows))
         if emulated:
-            console.print("timings are emulated (--emulate-speeds): CPU ranks standing in for other devices")
+            console.print("timings are emulated: CPU ranks standing in for other devices (a plan's devices, or "
+                          "--emulate-speeds)")
         console.print(f"figure: {out}")
     if args.tensorboard is not None:
         from hetrain.metrics.tensorboard import write_scalars
