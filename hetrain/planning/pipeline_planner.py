@@ -234,8 +234,8 @@ def _pipeline_plan(label, profile, kinds, stage_kinds, per, d, bounds, mb, m, ch
                 predicted_samples_per_s=global_batch / step)
     c = Candidate(label, samples_per_s=global_batch / step, step_seconds=step, plan=plan)
     bubble = pipeline_bubble(p, m, chunks)
-    c.reason = (f"{d} replica(s) of a {p}-stage {name} pipeline, {m} micro-batches of {mb}; "
-                f"predicted bubble {bubble:.1%}; stages {[list(x) for x in bounds]}")
+    c.reason = (f"{d} replica(s) of a {p}-rank {name} pipeline, {m} micro-batches of {mb}; "
+                f"predicted bubble {bubble:.1%}; stages {[list(x) for x in stages]}")
     held = (lambda a, b: f"blocks {a}-{b - 1}") if chunks == 1 else (lambda a, b: f"{b - a} blocks")
     kinds_by_stage = ", ".join(f"{j}: {k.spec.name} {held(a, b)}" for j, (k, (a, b)) in
                                enumerate(zip(stage_kinds, bounds)))
