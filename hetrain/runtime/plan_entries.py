@@ -145,6 +145,13 @@ def assign_entries(plan: Plan, kinds: Sequence[str], emulated: Sequence[bool] | 
         stand_in = True
         notes.append("CPU ranks stand in for the plan's devices in its order: "
                      + ", ".join(f"rank {r} as {k}" for r, k in enumerate(kinds)))
+    elif all(k == CPU_DEVICE for k in plan_kinds) and any(k != CPU_DEVICE for k in kinds):
+        # a plan written by hand without devices (RankPlan's default is cpu): its entries go by rank
+        plan = plan.model_copy(update={"ranks": [e.model_copy(update={"device": kinds[r]}) if r < world else e
+                                                 for r, e in enumerate(plan.ranks)]})
+        plan_kinds = [e.device for e in plan.ranks]
+        notes.append("the plan names no device (cpu, RankPlan's default): its entries go to the ranks in order, on "
+                     "the devices they have")
     unknown = sorted({k for k in kinds if k not in plan_kinds})
     if unknown:
         have = ", ".join(sorted(set(plan_kinds)))

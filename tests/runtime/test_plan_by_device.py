@@ -168,3 +168,13 @@ def test_a_plans_islands_follow_the_ranks_when_the_nodes_arrive_in_another_order
     assert comm.islands == [[0, 1], [2, 3, 4, 5]] and "the islands are this job's nodes" in note, (comm, note)
     same, note = comm_for_world(one_kind, assign_entries(one_kind, [A100] * 6, nodes=["0"] * 4 + ["1"] * 2))
     assert same is one_kind.comm and note is None
+
+
+def test_a_plan_written_without_devices_runs_on_the_devices_the_ranks_have():
+    """porting.md's hand-written plan (RankPlan's device defaults to cpu) stopped every GPU rank with
+    'this job runs a100..., which the plan has no entry for (its devices: cpu)'."""
+    plan = Plan(global_batch_size=64, ranks=[RankPlan(rank=r, share=32, micro_batch=8) for r in range(2)])
+    got = assign_entries(plan, [A100, V100])
+    assert [(e.device, e.share, e.micro_batch) for e in got.entries] == [(A100, 32, 8), (V100, 32, 8)]
+    assert any("the plan names no device" in n for n in got.notes)
+    assert not got.stand_in
