@@ -34,7 +34,7 @@ def _table(rows: list[dict]) -> "Table":
 
     # one space between columns and no side borders: sixteen columns and whole device names fit 136 columns
     table = Table(title="hetrain run report", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 0))
-    columns = [("rank", "d"), ("device", "s"), ("steps", "d"), ("step s", ".4f"), ("predicted compute s", ".4f"),
+    columns = [("rank", "d"), ("device", "s"), ("steps", "d"), ("step s", ".4f"), ("predicted step s", ".4f"),
                ("samples/s", ".1f"), ("share", ".1%"), ("compute", ".1%"), ("wait ranks", ".1%"),
                ("wait data", ".1%"), ("script", ".1%"), ("wait ckpt", ".1%"), ("MFU", ".2%"), ("comm sent", "s"),
                ("ckpts", "d"), ("restarts", "d")]

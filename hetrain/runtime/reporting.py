@@ -25,6 +25,15 @@ log = logging.getLogger("hetrain")
 RATES_EVERY_S = 30.0   # measured-rates.json is rewritten at most this often, and at each checkpoint and close
 
 
+def plan_step_seconds(plan: Any) -> float | None:
+    """The plan's predicted step time (its global batch over its predicted samples/s: compute, the
+    communication it leaves exposed, the bubble), the same on every rank; None without a prediction.
+    A rank entry's `predicted_step_seconds` is that rank's compute only."""
+    if plan is None or not plan.predicted_samples_per_s:
+        return None
+    return plan.global_batch_size / plan.predicted_samples_per_s
+
+
 def step_record(session: Any, totals: Any, times: Any, compute: float, data_wait: float, applied: bool,
                 changed: bool, grad_norm: float | None) -> StepRecord:
     """The record of a step a session just finished (`totals`: its StepTotals, `times`: its StepTimes)."""

@@ -40,7 +40,7 @@ from hetrain.runtime.environment import (RankEnv, collective_timeout, configure_
                                          pick_device, print_user_errors_as_one_line, progress_timeout)
 from hetrain.runtime.gradients import (GradientStatus, SkipCounter, StepFigures, agree_items_per_sample,
                                        clip_gradients, finish_gradients, launch_step_figures, weighted_mean)
-from hetrain.runtime.reporting import Reports, step_record
+from hetrain.runtime.reporting import Reports, plan_step_seconds, step_record
 from hetrain.runtime.parallelize import Prepared, gradient_sync, parallelize
 from hetrain.runtime.pipeline_schedule import call_model, item_counter, prepare_pipeline
 from hetrain.runtime.pipeline_stages import check_pipeline_plan
@@ -496,5 +496,5 @@ class Session:
                 port=self._metrics_port, rank=self.rank, local_rank=self.local_rank, world_size=self.world_size,
                 device=self.device, device_name=self.entry.device, precision=self.precision, emulated=self.emulated,
                 job=os.environ.get("TORCHELASTIC_RUN_ID", "local"), restart_count=self.restart_count,
-                predicted_step_seconds=self.entry.predicted_step_seconds, module=self.prepared.module,
+                predicted_step_seconds=plan_step_seconds(self.plan), module=self.prepared.module,
                 whole_model=self.pipeline is None)

@@ -88,3 +88,30 @@ def test_a_skipped_steps_inf_loss_is_written_as_strict_json_null(tmp_path):
     run = load_run(tmp_path)
     assert loss_series(run) == [(1, 1.5)]   # the skipped step is a gap in the loss, and still a step
     assert summary_rows(run)[0]["steps"] == 2
+
+
+def test_the_predicted_step_time_is_the_plans_step_not_a_ranks_compute(tmp_path):
+    """It was the rank entry's predicted compute time (0.178 s where the plan's step is 0.202 s), so the
+    dashboard's predicted-against-measured panel always showed the measured step about 12% slower."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import TensorDataset
+
+    import hetrain
+    from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+    from hetrain.runtime.reporting import plan_step_seconds
+
+    plan = Plan(global_batch_size=8, balance=BalancePlan(enabled=False), predicted_samples_per_s=40.0,
+                ranks=[RankPlan(rank=0, share=8, predicted_step_seconds=0.15)])
+    assert plan_step_seconds(plan) == pytest.approx(0.2) and plan_step_seconds(None) is None
+    assert plan_step_seconds(plan.model_copy(update={"predicted_samples_per_s": None})) is None
+    session = hetrain.Session(plan, checkpoint_dir=str(tmp_path))
+    net = torch.nn.Linear(4, 2)
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    data = TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))
+    for x, y in session.loader(data, global_batch_size=8):
+        session.backward(F.cross_entropy(model(x), y))
+        session.step()
+    session.close()
+    (rank0,) = [r for r in summary_rows(load_run(tmp_path)) if r["rank"] == 0]
+    assert rank0["predicted_step_seconds"] == pytest.approx(0.2)
