@@ -32,6 +32,6 @@ while loader.epoch < args.epochs:          # resumes mid-epoch after a restart
         if session.step():                  # True once the update is applied (after a step's last micro-batch)
             losses.append(session.loss)     # the global batch's mean loss, the same on every rank
     if session.is_main:
-        print(f"epoch {loader.epoch} loss {sum(losses) / max(len(losses), 1):.4f} shares {session.shares} "
+        print(f"epoch {loader.epoch - 1} loss {sum(losses) / max(len(losses), 1):.4f} shares {session.shares} "
               f"test accuracy {accuracy(model.module, test):.3f}", flush=True)
 session.close()
