@@ -64,14 +64,16 @@ def sync_batchnorm(model: nn.Module, device: torch.device, world_size: int, warn
     """SyncBatchNorm on CUDA; on CPU ranks statistics stay local (with a warning)."""
     # torch's base of every BatchNorm kind, the class its convert_sync_batchnorm looks for
     has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
-    if not has_bn or world_size == 1:
+    if not has_bn:
         return model
-    if device.type == "cuda":
-        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    if any(isinstance(m, nn.SyncBatchNorm) for m in model.modules()):
+    if device.type != "cuda" and any(isinstance(m, nn.SyncBatchNorm) for m in model.modules()):
         raise HetrainError("the model holds SyncBatchNorm, which runs on CUDA only, and this rank is a CPU rank: "
                            "leave out nn.SyncBatchNorm.convert_sync_batchnorm (hetrain converts BatchNorm on "
                            "CUDA ranks itself)")
+    if world_size == 1:
+        return model
+    if device.type == "cuda":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if warn:
         warnings.warn(
             "BatchNorm statistics stay local to each CPU rank (SyncBatchNorm needs CUDA); with uneven "

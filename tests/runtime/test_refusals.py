@@ -478,4 +478,9 @@ def test_training_a_model_left_in_eval_mode_warns_once():
 def test_a_model_converted_to_sync_batchnorm_on_cpu_ranks_names_the_fix():
     errors = run_ranks(_prepare, 2, _sync_batchnorm)
     assert all(e is not None and "leave out nn.SyncBatchNorm.convert_sync_batchnorm" in e for e in errors), errors
+    # one rank too (it reached torch's ValueError at the first forward)
+    session = _plan_session()
+    with pytest.raises(HetrainError, match="leave out nn.SyncBatchNorm.convert_sync_batchnorm"):
+        session.prepare(_sync_batchnorm(), None)
+    session.close()
 
