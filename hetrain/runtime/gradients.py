@@ -196,8 +196,9 @@ class SkipCounter:
                         step, loss_scale, self.total)
         if self.in_a_row >= self.limit:
             raise HetrainError(
-                f"{self.in_a_row} steps in a row had non-finite gradients (up to step {step}); the last "
-                "checkpoint holds the last good weights: lower the learning rate, clip gradients, or check the data"
+                f"{self.in_a_row} steps in a row had non-finite gradients (up to step {step}): lower the learning "
+                "rate, clip gradients, or check the data (a run that keeps checkpoints has the last good weights in "
+                "its last one)"
             )
         return 1
 
