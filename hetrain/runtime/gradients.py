@@ -63,6 +63,11 @@ def _unscale_and_check(grads: Sequence[torch.Tensor], inv_scale: float, device: 
     return found
 
 
+def has_non_finite(grads: Sequence[torch.Tensor], device: torch.device) -> bool:
+    """Whether any of `grads` holds inf or NaN (torch's fused AMP check at scale 1: one kernel per device)."""
+    return bool(grads) and bool(_unscale_and_check(grads, 1.0, device).item())
+
+
 @dataclass
 class StepFigures:
     """The step's (items, -, loss sum, losses, stop) all-reduce, launched before the last backward so that it
@@ -99,16 +104,14 @@ def launch_step_figures(state: StepState, device: torch.device, group: dist.Proc
 
 def finish_gradients(params: Iterable[torch.nn.Parameter], state: StepState, loss_scale: float,
                      device: torch.device, group: dist.ProcessGroup | None = None,
-                     launched: StepFigures | None = None, stop: bool = False, agree: bool = False) -> GradientStatus:
+                     launched: StepFigures | None = None, stop: bool = False) -> GradientStatus:
     """Unscale, agree on the step's figures, normalise by the global item count (collective).
 
     With `launched` figures the gradients are replicated (DDP, ZeRO-1): one fused pass unscales,
-    corrects and checks them, and each rank's check of the same gradients is every rank's verdict.
-    With `agree` (ZeRO-1, whose optimizer step is collective) the verdicts are all-reduced too, so a
-    gradient the script changed on one rank after backward cannot leave the others waiting in the
-    step's broadcast; under DDP that scalar all-reduce cost 4% of the demo's speed, and a rank's own
-    change of its gradients is its own (docs/precision.md). Otherwise (sharded FSDP2 gradients,
-    pipeline stages) the verdict travels in one all-reduce with the figures.
+    corrects and checks them, and each rank's check of the same gradients is every rank's verdict (a
+    gradient a script makes non-finite on one rank later is the step's own check, in `session.step()`).
+    Otherwise (sharded FSDP2 gradients, pipeline stages) the verdict travels in one all-reduce with
+    the figures.
     """
     grads = [local_tensor(g) for g in gradients(params)]
     if launched is not None:   # the figures are known first: one fused pass unscales, corrects and checks
@@ -118,8 +121,6 @@ def finish_gradients(params: Iterable[torch.nn.Parameter], state: StepState, los
         check_skips_agreed(skipped_last, dist.get_world_size(group))
         correction = state.estimate() / global_items if global_items > 0 else 1.0
         found = _unscale_and_check(grads, correction / loss_scale, device)
-        if agree:   # ZeRO-1: a rank that skipped alone would leave the others in the step's broadcast
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
         bad = float(found.item())
     else:   # each rank's verdict on overflow travels with the figures: check first, correct after
         found = _unscale_and_check(grads, 1.0 / loss_scale, device)

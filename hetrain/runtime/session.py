@@ -57,7 +57,7 @@ from hetrain.runtime.timing import StepTimer, TimedHookState, emulated_speed, id
 from hetrain.runtime.train_state import TrainState
 from hetrain.runtime.user_state import UserStates
 from hetrain.runtime.watchdog import ProgressWatch, die_with_parent
-from hetrain.vocabulary import LOSSY_COMPRESSIONS, Env
+from hetrain.vocabulary import LOSSY_COMPRESSIONS, ZERO1_SHARDINGS, Env
 
 log = logging.getLogger("hetrain")
 
@@ -146,10 +146,7 @@ class Session:
     blocks = property(lambda self: self.prepared.blocks if self.prepared is not None else [])
     micro_batch = property(lambda self: self.entry.micro_batch)
 
-    @property
-    def model(self) -> torch.nn.Module | None:
-        """The prepared (wrapped) model."""
-        return self.prepared.model if self.prepared is not None else None
+    model = property(lambda self: self.prepared.model if self.prepared is not None else None)   # prepared, wrapped
 
     @property
     def step_count(self) -> int:
@@ -308,8 +305,10 @@ class Session:
         else:
             weighted = loss * self.state.weight(items)
         self.scaler.scale_loss(weighted).backward()
-        self._kept.after_backward(self.prepared.module, self.state.last_micro, self.scaler.scale)
+        self._kept.after_backward(self.prepared.module, self.state.last_micro)
         self._status = None
+        if self.state.last_micro:   # finished now: what the script does before step() (torch's clipping,
+            self._finish_gradients()   # logging a norm) sees the global batch's final, unscaled gradients
 
     def _launch_figures(self) -> None:
         """Before the step's last backward, start the all-reduce of its items and loss (replicated gradients)."""
@@ -333,8 +332,6 @@ class Session:
                 raise HetrainError("this step's batch had no session.backward(loss): call it in place of "
                                    "loss.backward(), which leaves each rank's gradient unweighted by its share "
                                    "of the global batch (a rank with no items calls it too)")
-            if self.pipeline is None:
-                self._kept.check_before_finish(self.prepared.module, self.device if self.sharding == "fsdp" else None)
             if self.pipeline is None and self.sharding != "fsdp":
                 check_reduced(self.prepared.comm_state)
             if self.sharding == "fsdp":
@@ -343,9 +340,10 @@ class Session:
                 self.timer.compute_s = self.pipeline.take_busy_seconds()   # the stage's own compute this step
                 self.pipeline.sync_gradients()
             self._status = finish_gradients(self.prepared.parameters, self.state, self.scaler.scale,
-                                            self.device, launched=self._launched, stop=self._stopping,
-                                            agree=self.sharding != "none")   # ZeRO-1 steps collectively
+                                            self.device, launched=self._launched, stop=self._stopping)
             self._launched = None
+            if self.pipeline is None and self.sharding != "fsdp":   # replicated: step() tells a later change
+                self._kept.note_finished(self.prepared.module)
         return self._status
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
@@ -385,6 +383,8 @@ class Session:
         if not self.state.last_micro:
             return False
         status = self._finish_gradients()
+        if self._kept.broke_since_finish(self.prepared.module, self.device, agree=self.sharding in ZERO1_SHARDINGS):
+            status = GradientStatus(True, status.global_items, status.loss, status.stop)   # skipped too
         applied = not status.found_inf and not self.skips.without_items(status, self.train.step + 1, self.is_main)
         self.state.skipped_last = status.found_inf
         if status.found_inf:   # what compression carries holds part of the skipped gradients (or their inf)

@@ -1,25 +1,24 @@
 """The prepared optimizer steps only inside `session.step()`.
 
-`session.step()` finishes the step's gradients first: divided by the global batch's item count,
-unscaled, checked for inf and NaN on every rank, clipped if asked. An `optimizer.step()` of the
-user's own would apply them unfinished (a gradient norm 13x the single process's was measured), and
-one before `session.step()` would update twice. A step pre-hook refuses both with one line. A
-step over zero gradients is let through: torch's distributed checkpoint takes one, at learning
-rate 0, to create an optimizer's state before it is saved (`_init_optim_state`).
+The step's last `session.backward()` finishes the gradients at once: divided by the global batch's
+item count, unscaled, checked for inf and NaN on every rank; so what a script does before
+`session.step()` (torch's clipping, logging a norm) sees the global batch's final gradients. An
+`optimizer.step()` of the user's own outside `session.step()` would skip the session's checks and
+its bookkeeping (a gradient norm 13x the single process's was measured when gradients were still
+unfinished), and one before `session.step()` would update twice. A step pre-hook refuses both with
+one line. A step over zero gradients is let through: torch's distributed checkpoint takes one, at
+learning rate 0, to create an optimizer's state before it is saved (`_init_optim_state`).
 
 `zero_grad()` of the optimizer or the model, a habit of ported loops, is harmless between steps
 (`session.step()` leaves no gradient), but between a step's micro-batches it discards the earlier
 ones' gradients: the next `session.backward()` finds them gone (set to None or zeroed in place) and
 refuses the step; so does torch's clipping there, which clips part of the step's gradient, and a
-scheduler stepped after each micro-batch's `session.step()` (the learning rate moves mid-step). On a
-job with an fp16 rank the gradients stay multiplied by the loss scale
-until the session finishes them, and torch's clipping there clips the update to almost nothing: the
-session refuses the step when every gradient was scaled by one factor after the last backward. A
+scheduler stepped after each micro-batch's `session.step()` (the learning rate moves mid-step). A
 change to some gradients only (a mask on an embedding's rows) is the script's own and is kept. Under
 FSDP2 each rank reads its own shards, which may be empty or all zero, and the ranks' verdicts travel
 in one small all-reduce before each micro-batch but the first (every rank runs the job's count of
-them): all gone on every rank, or scaled on any. (Neither the optimizer nor the model is patched for it: a module with a function
-of hetrain's among its attributes could no longer be pickled whole.)
+them). (Neither the optimizer nor the model is patched for it: a module with a function of
+hetrain's among its attributes could no longer be pickled whole.)
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from hetrain.errors import HetrainError
+from hetrain.runtime.gradients import has_non_finite
 
 log = logging.getLogger("hetrain")
 
@@ -49,10 +49,6 @@ MID_STEP_CLIP = ("the step's gradients were scaled between its micro-batches: to
 MID_STEP_LR = ("the learning rate changed between the micro-batches of one step: a scheduler stepped after every "
                "session.step() call runs once per micro-batch (the loop body does), so its schedule runs that many "
                "times too fast; step it only when session.step() returns True, or give it to session.add_scheduler()")
-SCALED_CHANGED = ("the step's gradients were changed after session.backward() while they are still multiplied by "
-                  "the job's fp16 loss scale: torch.nn.utils.clip_grad_norm_ there clips them to almost nothing; call "
-                  "session.clip_grad_norm_(max_norm), which unscales and clips the global-batch gradient")
-
 
 class OptimizerStepGuard:
     """Refuses the optimizer's step unless `session.step()` is running it."""
@@ -114,6 +110,7 @@ class KeptGradients:
     def __init__(self) -> None:
         self._versions: dict[int, int] = {}
         self._norms: list[torch.Tensor] | None = None
+        self._finished: dict[int, int] | None = None   # versions of the step's gradients when finished
 
     def check(self, module: torch.nn.Module, state, sharded_on: torch.device | None = None) -> None:
         """Before a backward: a step whose earlier micro-batches ran backward still holds their gradients
@@ -143,29 +140,31 @@ class KeptGradients:
         if scaled:
             raise HetrainError(MID_STEP_CLIP)
 
-    def after_backward(self, module: torch.nn.Module, last_micro: bool, loss_scale: float) -> None:
-        """Note the gradients a backward left, where a check reads them: before the step's next micro-batch,
-        and (with their norms) after a loss-scaled step's last one."""
-        scaled = last_micro and loss_scale != 1.0
-        if last_micro and not scaled:
+    def after_backward(self, module: torch.nn.Module, last_micro: bool) -> None:
+        """Note the gradients a backward left before the step's next micro-batch, where a check reads them
+        (after the step's last one the session finishes them at once)."""
+        if last_micro:
             self._versions, self._norms = {}, None
             return
         grads = gradients_of(module)
         self._versions = grad_versions(grads)
         self._norms = norms_of(grads) if grads else None
 
-    def check_before_finish(self, module: torch.nn.Module, sharded_on: torch.device | None = None) -> None:
-        """Before the step's gradients are finished, while they are still multiplied by the loss scale
-        (`sharded_on`: as for `check`, the ranks agree; collective wherever a loss scale is kept)."""
-        left, self._norms = self._norms, None
-        if left is None:   # no loss scale on this job: nothing was kept to compare (on every rank alike)
-            return
+    def note_finished(self, module: torch.nn.Module) -> None:
+        """The session finished the step's (replicated) gradients: their versions, to tell a later write."""
+        self._finished = grad_versions(gradients_of(module))
+
+    def broke_since_finish(self, module: torch.nn.Module, device: torch.device, agree: bool) -> bool:
+        """Whether a gradient became non-finite after the session finished them (a hook's or the script's
+        write on this rank: a pass over them only where their versions moved); with `agree` (ZeRO-1, whose
+        step is collective) on any rank, in one all-reduce every rank makes. Under DDP a rank that skips
+        alone is told apart at the next step (`gradients.check_skips_agreed`)."""
+        finished, self._finished = self._finished, None
         grads = gradients_of(module)
-        scaled = (sharded_on is not None or self._changed(grads)) and self._scaled_by_one_factor(grads, left)
-        if sharded_on is not None:
-            scaled, = _agreed([scaled], sharded_on)
-        if scaled:
-            raise HetrainError(SCALED_CHANGED)
+        broke = finished is not None and grad_versions(grads) != finished and has_non_finite(grads, device)
+        if agree:
+            broke, = _agreed([broke], device)
+        return broke
 
     def _scaled_by_one_factor(self, grads: list[torch.Tensor], left: list[torch.Tensor] | None) -> bool:
         """Whether every gradient was multiplied by one factor below 1 since the last backward left `left`."""
