@@ -21,6 +21,7 @@ import torch.distributed as dist
 from hetrain.errors import HetrainError
 from hetrain.runtime.batch_tree import tensors
 from hetrain.runtime.pipeline_schedule import call_model, item_counter
+from hetrain.runtime.step_guard import warn_if_training
 
 
 def evaluate(session: Any, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
@@ -29,6 +30,7 @@ def evaluate(session: Any, inputs: Any, target: Any, loss_fn: Callable[[Any, Any
     if session.prepared is None:
         raise HetrainError("call session.prepare(model, optimizer) before session.evaluate()")
     count = item_counter(num_items)
+    warn_if_training(session.prepared.module)
     if session.pipeline is not None:
         inputs, target = session.pipeline.gather_batch((inputs, target))
         total, items = session.pipeline.evaluate(inputs, target, loss_fn, count)
@@ -56,6 +58,6 @@ def _agreed_empty(inputs: Any, session: Any) -> bool:
     if float(flag) > 0:
         raise HetrainError("session.evaluate() under sharding 'fsdp' got an empty part on some rank: each rank's "
                            "forward gathers the weights with the other ranks', so every rank needs at least one "
-                           "sample; use an evaluation set of at least as many samples as ranks, split so that "
-                           "none is left empty (DistributedSampler pads it)")
+                           "sample; split an evaluation set of at least as many samples as ranks so that no part "
+                           "is empty (padding by repeating samples would weigh them twice in the mean)")
     return False

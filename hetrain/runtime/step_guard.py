@@ -266,3 +266,15 @@ def warn_if_evaluating(model: torch.nn.Module) -> None:
         _WARNED_EVALUATING.add(id(model))
         log.warning("session.backward() on a model in eval mode: dropout and batch norm run as in evaluation; "
                     "call model.train() after evaluating")
+
+
+_WARNED_TRAINING: set[int] = set()
+
+
+def warn_if_training(model: torch.nn.Module) -> None:
+    """Once per model: an evaluation on a model left in train mode, where dropout drops and batch norm
+    updates its statistics (a loop's evaluation that did not call model.eval() first)."""
+    if model.training and id(model) not in _WARNED_TRAINING:
+        _WARNED_TRAINING.add(id(model))
+        log.warning("session.evaluate() on a model in train mode: dropout and batch norm run as in training; "
+                    "call model.eval() before evaluating and model.train() after")
