@@ -23,13 +23,17 @@ def full_model_state(session: Any) -> dict[str, torch.Tensor] | None:
     """The whole model's state dict on rank 0 (CPU tensors), None on the other ranks (collective)."""
     if session.prepared is None:
         raise HetrainError("call session.prepare(model, optimizer) before session.model_state_dict()")
-    module = session.prepared.module
-    if session.sharding == "fsdp":   # every rank of the shards' group gathers; their rank 0 receives
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    module = session.prepared.module
+    if session.sharding == "fsdp" and session.pipeline is not None:
+        # a stage sharded over its replicas: every rank of the stage gets the stage whole (cpu_offload would
+        # hand it to global rank 0 only), and the first replica's send it on below
+        state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+    elif session.sharding == "fsdp":   # every rank of the shards' group gathers; rank 0 receives
         state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     else:
-        state = module.state_dict() if session.pipeline is None else _stage_state(module)
+        state = module.state_dict() if session.pipeline is None else get_model_state_dict(module)
     state = {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
     if session.pipeline is None:
         return state if session.rank == 0 else None
@@ -43,9 +47,3 @@ def full_model_state(session: Any) -> dict[str, torch.Tensor] | None:
         whole.update(p or {})
     return whole
 
-
-def _stage_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A stage's tensors under the whole model's names (as its checkpoint stores them)."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    return get_model_state_dict(module)

@@ -43,7 +43,10 @@ def _data_parallel(sharding: str) -> Plan:
         update={"pipeline": pipeline_plan([[0, 2], [2, 4], [4, 6], [6, 8]], "interleaved-1f1b", 2,
                                           GLOBAL).pipeline.model_copy(update={"chunks": 2}),
                 "ranks": [RankPlan(rank=r, share=GLOBAL, stage=r) for r in range(2)]}), 2),
-], ids=["ddp", "fsdp", "1f1b", "hybrid", "interleaved"])
+    (pipeline_plan([[0, 3], [3, 8]], "1f1b", 2, GLOBAL).model_copy(update={"sharding": "fsdp"}), 2),
+    (pipeline_plan([[0, 3], [3, 8]], "1f1b", 2, GLOBAL, replica_shares=[5, 3]).model_copy(
+        update={"sharding": "fsdp"}), 4),
+], ids=["ddp", "fsdp", "1f1b", "hybrid", "interleaved", "fsdp-stages", "hybrid-fsdp-stages"])
 def test_the_whole_trained_model_reaches_rank_0(plan, world):
     results = run_ranks(_train_and_export, world, plan, timeout=180)
     assert all(r is None for r in results[1:])
