@@ -57,7 +57,7 @@ from hetrain.runtime.timing import StepTimer, TimedHookState, emulated_speed, id
 from hetrain.runtime.train_state import TrainState
 from hetrain.runtime.user_state import UserStates
 from hetrain.runtime.watchdog import ProgressWatch, die_with_parent
-from hetrain.vocabulary import LOSSY_COMPRESSIONS, ZERO1_SHARDINGS, Env
+from hetrain.vocabulary import LOSSY_COMPRESSIONS, Env
 
 log = logging.getLogger("hetrain")
 
@@ -383,7 +383,7 @@ class Session:
         if not self.state.last_micro:
             return False
         status = self._finish_gradients()
-        if self._kept.broke_since_finish(self.prepared.module, self.device, agree=self.sharding in ZERO1_SHARDINGS):
+        if self._kept.broke_since_finish(self.prepared.module, self.device, None if self.pipeline else self.sharding):
             status = GradientStatus(True, status.global_items, status.loss, status.stop)   # skipped too
         applied = not status.found_inf and not self.skips.without_items(status, self.train.step + 1, self.is_main)
         self.state.skipped_last = status.found_inf

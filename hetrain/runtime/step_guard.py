@@ -154,15 +154,23 @@ class KeptGradients:
         """The session finished the step's (replicated) gradients: their versions, to tell a later write."""
         self._finished = grad_versions(gradients_of(module))
 
-    def broke_since_finish(self, module: torch.nn.Module, device: torch.device, agree: bool) -> bool:
-        """Whether a gradient became non-finite after the session finished them (a hook's or the script's
-        write on this rank: a pass over them only where their versions moved); with `agree` (ZeRO-1, whose
-        step is collective) on any rank, in one all-reduce every rank makes. Under DDP a rank that skips
-        alone is told apart at the next step (`gradients.check_skips_agreed`)."""
+    def broke_since_finish(self, module: torch.nn.Module, device: torch.device, sharding: str | None) -> bool:
+        """Whether a gradient became non-finite after the session finished them at the last backward (a
+        hook's or the script's write on one rank), by `sharding` (None: a pipeline, which finishes them in
+        step() itself). Replicated gradients are read again only where their version counters moved;
+        under ZeRO-1, whose step is collective, the verdict is all-reduced (one scalar all-reduce each
+        step); under DDP a rank that skips alone is told apart at the next step
+        (`gradients.check_skips_agreed`). FSDP2's shards move no version counter that can be read, and
+        no rank sees the others': every rank reads its shards and the verdict is all-reduced."""
         finished, self._finished = self._finished, None
+        if sharding is None:
+            return False
         grads = gradients_of(module)
-        broke = finished is not None and grad_versions(grads) != finished and has_non_finite(grads, device)
-        if agree:
+        if sharding == "fsdp":
+            broke = has_non_finite(grads, device)
+        else:
+            broke = finished is not None and grad_versions(grads) != finished and has_non_finite(grads, device)
+        if sharding != "none":
             broke, = _agreed([broke], device)
         return broke
 
