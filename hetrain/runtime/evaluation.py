@@ -6,7 +6,8 @@ Under data parallelism the rank's batch runs through the script's model (inside 
 no collective, so a rank with an empty part runs none; FSDP2's sharded model gathers its weights
 on every rank) under `torch.no_grad()` and the rank's autocast; under a pipeline the replica's
 ranks gather their parts into one batch and run it through every stage with torch's schedule
-`eval` (no stage holds the whole model, so `model(x)` cannot run there). Neither counts as the step's compute, nor moves the data position.
+`eval` (no stage holds the whole model, so `model(x)` cannot run there). Neither counts as the
+step's compute, nor moves the data position.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from hetrain.errors import HetrainError
 from hetrain.runtime.batch_tree import tensors
 from hetrain.runtime.pipeline_schedule import call_model, item_counter
-from hetrain.runtime.step_guard import warn_if_training
+from hetrain.runtime.step_guard import any_rank, warn_if_training
 
 
 def evaluate(session: Any, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
@@ -53,9 +54,7 @@ def _agreed_empty(inputs: Any, session: Any) -> bool:
     empty = bool(leaves) and all(t.dim() > 0 and t.shape[0] == 0 for t in leaves)
     if session.sharding != "fsdp":
         return empty
-    flag = torch.tensor([float(empty)], device=session.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if float(flag) > 0:
+    if any_rank([empty], session.device)[0]:
         raise HetrainError("session.evaluate() under sharding 'fsdp' got an empty part on some rank: each rank's "
                            "forward gathers the weights with the other ranks', so every rank needs at least one "
                            "sample; split an evaluation set of at least as many samples as ranks so that no part "

@@ -132,7 +132,7 @@ class KeptGradients:
             scaled = changed and self._scaled_by_one_factor(grads, left)
         else:   # FSDP2: an in-place change of a sharded gradient moves no version counter that can be read
             now = any(bool(g.any()) for g in grads)
-            held, was, now, scaled = _agreed([bool(grads), had(), now, self._scaled_by_one_factor(grads, left)],
+            held, was, now, scaled = any_rank([bool(grads), had(), now, self._scaled_by_one_factor(grads, left)],
                                              sharded_on)
             gone = not held or (was and not now)
         if gone:
@@ -171,7 +171,7 @@ class KeptGradients:
         else:
             broke = finished is not None and grad_versions(grads) != finished and has_non_finite(grads, device)
         if sharding != "none":
-            broke, = _agreed([broke], device)
+            broke, = any_rank([broke], device)
         return broke
 
     def _scaled_by_one_factor(self, grads: list[torch.Tensor], left: list[torch.Tensor] | None) -> bool:
@@ -188,9 +188,9 @@ class KeptGradients:
         return bool(self._versions) and grad_versions(grads) != self._versions
 
 
-def _agreed(flags: list[bool], device: torch.device) -> list[bool]:
-    """Each flag true on any rank, in one all-reduce: a rank whose shards are empty, or all zero, cannot
-    tell on its own, and every rank must refuse together."""
+def any_rank(flags: list[bool], device: torch.device) -> list[bool]:
+    """Each flag true on any rank, in one all-reduce every rank makes (a verdict no rank can reach alone,
+    such as one on its own shards, that every rank must act on together)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return flags
     t = torch.tensor([float(f) for f in flags], device=device)
