@@ -147,6 +147,14 @@ def check_skips_agreed(skipped: float, world: int) -> None:
             "copies of the model now differ; remove that change and restart from the last checkpoint")
 
 
+def settle_last_skip(skipped_last: bool, device: torch.device) -> None:
+    """At the end of a run, compare every rank's verdict on its last step (collective): under replicated
+    gradients a rank that alone skipped the last step has no next step whose figures would tell."""
+    t = torch.tensor([float(skipped_last)], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    check_skips_agreed(t.item(), dist.get_world_size())
+
+
 def agree_items_per_sample(items: float, samples: int, device: torch.device,
                            group: dist.ProcessGroup | None = None) -> float:
     """Items per sample over every rank's first backward of the run (collective): the first step's estimate."""

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from hetrain.errors import HetrainError
 from hetrain.planning.plan import CommPlan, RankPlan
 from hetrain.runtime import memory, sharding
-from hetrain.runtime.precision import watch_unscaled_fp16
+from hetrain.runtime.precision import watch_precision
 from hetrain.runtime.replicas import copy_from, module_tensors
 from hetrain.runtime.timing import StepTimer, TimedHookState, timed_hook
 from hetrain.vocabulary import ZERO1_SHARDINGS
@@ -161,8 +161,7 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, sh
     check_master_weights(model)
     model = sync_batchnorm(model.to(device), device, len(entries), warn=rank == 0)
     chosen = apply_activation_checkpointing(model, entry, blocks)
-    if not any(e.precision == "fp16" for e in entries):
-        watch_unscaled_fp16(model, device)   # the script's own fp16 autocast would run without a loss scale
+    watch_precision(model, device, entry.precision, any(e.precision == "fp16" for e in entries))
     if sharding_name == "fsdp":
         names = {id(p): n for n, p in model.named_parameters()}
         model = apply_fsdp(model, chosen, entry, device, timer)

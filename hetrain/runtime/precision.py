@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from hetrain.errors import HetrainError, format_validation_error
 
@@ -28,13 +28,17 @@ log = logging.getLogger("hetrain")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class UnscaledFp16Watch:
-    """A forward pre-hook for a job with no fp16 rank (so no loss scale): warns once, at the first forward,
-    if it runs under the script's own fp16 autocast, whose small gradients underflow to zero unscaled (1.1%
-    of them exactly zero in a measured run). A plain object, so the script's model still pickles."""
+class PrecisionWatch:
+    """A forward pre-hook that looks once, at the first training forward, at the autocast it runs under:
+    a bf16/fp16 rank whose forward runs without autocast computes in fp32 (the same update, slower, with
+    the memory of fp32 activations); a job with no fp16 rank (so no loss scale) whose forward runs under
+    the script's own fp16 autocast underflows small gradients to zero unscaled (1.1% of them exactly zero
+    in a measured run). A plain object, so the script's model still pickles."""
 
-    def __init__(self, device_type: str) -> None:
+    def __init__(self, device_type: str, precision: str, job_has_fp16: bool) -> None:
         self.device_type = device_type
+        self.precision = precision
+        self.job_has_fp16 = job_has_fp16
         self.handle: Any = None
         self.done = False
 
@@ -45,21 +49,26 @@ class UnscaledFp16Watch:
         if self.handle is not None:
             self.handle.remove()
             self.handle = None
-        if torch.is_autocast_enabled(self.device_type) and \
-                torch.get_autocast_dtype(self.device_type) == torch.float16:
+        enabled = torch.is_autocast_enabled(self.device_type)
+        if not enabled and self.precision in _DTYPES:
+            log.warning("this rank's plan computes in %s, and its forward runs without autocast, so in fp32 (the "
+                        "same update, slower and with fp32 activations): run the forward inside `with "
+                        "session.autocast():`", self.precision)
+        elif enabled and not self.job_has_fp16 and torch.get_autocast_dtype(self.device_type) == torch.float16:
             log.warning("the forward runs under fp16 autocast, and no rank of this plan is fp16, so the job keeps "
                         "no loss scale: small fp16 gradients underflow to zero; use `with session.autocast():` "
                         "(each rank in its plan's precision) or plan fp16 for this device (hetrain plan "
                         "--precision fp16)")
 
     def __getstate__(self) -> dict:   # a copy of the model (deepcopy, AveragedModel) carries an inert watch
-        return {"device_type": self.device_type, "handle": None, "done": True}
+        return {**self.__dict__, "handle": None, "done": True}
 
 
-def watch_unscaled_fp16(model: torch.nn.Module, device: torch.device) -> None:
-    """Look at the first forward of `model` for the script's own fp16 autocast (a job without loss scale)."""
-    watch = UnscaledFp16Watch(device.type)
-    watch.handle = model.register_forward_pre_hook(watch)
+def watch_precision(model: torch.nn.Module, device: torch.device, precision: str, job_has_fp16: bool) -> None:
+    """Look at the first training forward of `model` for the autocast its plan asks for (or a risky one)."""
+    if precision in _DTYPES or not job_has_fp16:
+        watch = PrecisionWatch(device.type, precision, job_has_fp16)
+        watch.handle = model.register_forward_pre_hook(watch)
 
 
 # the operations between a GradScaler's multiply and the loss passed on: reductions, shape and dtype changes,
@@ -113,15 +122,32 @@ class LossScale(BaseModel):
     growth_interval: int = Field(2000, ge=1)
     min_scale: float = Field(1.0, gt=0, allow_inf_nan=False)
 
+    @model_validator(mode="after")
+    def _starts_above_its_floor(self) -> "LossScale":
+        if self.init_scale < self.min_scale:
+            raise ValueError(f"init_scale {self.init_scale:g} is below min_scale {self.min_scale:g}, the floor the "
+                             "scale never goes under: raise init_scale or lower min_scale")
+        return self
 
-def loss_scale_settings(value: "LossScale | dict | None") -> LossScale:
-    """The settings a script gave (None: torch's defaults, with a floor of 1), or one line saying what is wrong."""
-    if isinstance(value, LossScale):
+
+def loss_scale_settings(value: "LossScale | dict | None") -> LossScale | None:
+    """The settings a script gave (None: none given, torch's defaults with a floor of 1), or one line saying
+    what is wrong."""
+    if value is None or isinstance(value, LossScale):
         return value
     try:
-        return LossScale.model_validate(value or {})
+        return LossScale.model_validate(value)
     except ValidationError as e:
         raise HetrainError(f"Session(loss_scale=...): {format_validation_error(e, LossScale)}") from None
+
+
+def job_loss_scaler(enabled: bool, settings: LossScale | None, *, warn: bool) -> "JobLossScaler":
+    """The job's loss scale (enabled when a rank of the plan is fp16); settings given to a job without one are
+    said to be unused, once (`warn`)."""
+    if settings is not None and not enabled and warn:
+        log.warning("Session(loss_scale=...) is unused: no rank of this plan is fp16 (bf16 and fp32 need no loss "
+                    "scale)")
+    return JobLossScaler(enabled, settings)
 
 
 class JobLossScaler:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import os
 from pathlib import Path
 from collections.abc import Callable
@@ -38,14 +39,14 @@ from hetrain.runtime.evaluation import evaluate
 from hetrain.runtime.export import full_model_state
 from hetrain.runtime.environment import (RankEnv, collective_timeout, configure_logging, env_int, init_process_group,
                                          pick_device, print_user_errors_as_one_line, progress_timeout)
-from hetrain.runtime.gradients import (GradientStatus, SkipCounter, StepFigures, agree_items_per_sample,
-                                       clip_gradients, finish_gradients, launch_step_figures, weighted_mean)
+from hetrain.runtime.gradients import (GradientStatus, SkipCounter, StepFigures, agree_items_per_sample, clip_gradients,
+                                       finish_gradients, launch_step_figures, settle_last_skip, weighted_mean)
 from hetrain.runtime.reporting import Reports, plan_step_seconds, step_record
 from hetrain.runtime.parallelize import Prepared, gradient_sync, parallelize
 from hetrain.runtime.pipeline_schedule import call_model, item_counter, prepare_pipeline
 from hetrain.runtime.pipeline_stages import check_pipeline_plan
 from hetrain.runtime.plan_entries import comm_for_world, find_entries, pipeline_assignment
-from hetrain.runtime.precision import (JobLossScaler, LossScale, autocast, check_not_prescaled, configure_tf32,
+from hetrain.runtime.precision import (LossScale, autocast, check_not_prescaled, configure_tf32, job_loss_scaler,
                                       loss_scale_settings)
 from hetrain.runtime.resume import SessionCheckpoints, checkpoint_settings
 from hetrain.runtime.schedulers import Schedulers
@@ -107,7 +108,8 @@ class Session:
         self.precision = self.entry.precision
         self.sharding: str = plan.sharding if plan is not None else "none"
         configure_tf32(self.precision, self.device)
-        self.scaler = JobLossScaler(any(e.precision == "fp16" for e in self.assignment.entries), loss_scale)
+        self.scaler = job_loss_scaler(any(e.precision == "fp16" for e in self.assignment.entries), loss_scale,
+                                      warn=self.is_main)
         self.emulated_speed = emulated_speed(self.rank, self.world_size)
         self.emulated = self.emulated_speed is not None or self.assignment.stand_in
         self.timer = StepTimer(speed=self.emulated_speed, on_grads_ready=self._waiting)
@@ -172,8 +174,7 @@ class Session:
         if note is not None and self.is_main:
             log.info("%s", note)
         self.prepared = parallelize(model, optimizer, sharding_name=self.sharding, entries=self.assignment.entries,
-                                    rank=self.rank, comm=comm,
-                                    device=self.device, timer=self.timer, blocks=blocks)
+                                    rank=self.rank, comm=comm, device=self.device, timer=self.timer, blocks=blocks)
         self._guard_optimizer()
         return self.prepared.model, self.prepared.optimizer
 
@@ -199,10 +200,8 @@ class Session:
         torch DataLoader's (num_workers, pin_memory, prefetch_factor, persistent_workers, collate_fn,
         worker_init_fn, ...; see `hetrain.runtime.data.make_loader` and docs/data.md)."""
         if global_batch_size < self.world_size:
-            raise HetrainError(
-                f"global batch size {global_batch_size} is smaller than the number of ranks "
-                f"({self.world_size}); use a global batch of at least {self.world_size}"
-            )
+            raise HetrainError(f"global batch size {global_batch_size} is smaller than the number of ranks "
+                               f"({self.world_size}); use a global batch of at least {self.world_size}")
         if self.balancer is not None:
             raise HetrainError("session.loader() was already called; a session reads one dataset")
         if self.prepared is None:
@@ -360,12 +359,10 @@ class Session:
             return None
         status = self._finish_gradients()
         params = [p for p in self.prepared.parameters if p.grad is not None]
-        if status.found_inf:
-            norm = torch.tensor(float("inf"), device=self.device)
-        elif self.pipeline is not None:
+        if self.pipeline is not None:
             norm = self.pipeline.total_norm(norm_type)
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-        else:
+        else:   # a step skipped for non-finite gradients tells their norm (inf or NaN), as torch's clipping does
             norm = clip_gradients(params, max_norm, norm_type)
         self._grad_norm = float(norm)
         if not math.isfinite(self._grad_norm):
@@ -393,9 +390,9 @@ class Session:
             self.timer.time_optimizer(self.optimizer.step if applied else (lambda: None))
             self.optimizer.zero_grad(set_to_none=True)
         self.schedulers.step(applied)
+        self.train.skipped_steps += self.skips.count(applied, self.train.step + 1, self.scaler.scale, self.is_main)
         if applied or status.found_inf:   # a step without items leaves the loss scale as it is
             self.scaler.update(applied)
-        self.train.skipped_steps += self.skips.count(applied, self.train.step + 1, self.scaler.scale, self.is_main)
         first_forward = self.timer.started_at
         compute = self.timer.end_step()
         data_wait = self.train.loader.data_wait_seconds
@@ -455,6 +452,8 @@ class Session:
         if self.watch is not None:
             self.watch.stop()
             self.watch = None
+        if self.train is not None and self.train.step > 0 and sys.exc_info()[0] is None and dist.is_initialized():
+            settle_last_skip(self.state.skipped_last, self.device)   # no next step's figures tell a lone skip
         if self.checkpoints is not None:
             self.checkpoints.close()
             self.checkpoints = None

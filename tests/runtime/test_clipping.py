@@ -1,6 +1,8 @@
 """session.clip_grad_norm_ under a plan with an fp16 rank: the global-batch norm and the clipped update,
 under DDP, ZeRO-1 and FSDP2, equal one process computing each rank's slice in that rank's precision."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -128,7 +130,7 @@ def test_a_nan_loss_on_one_rank_skips_the_step_on_every_rank_in_any_precision(pr
     for applied, finite, norms in run_ranks(_nan_at, 2, precision):
         assert applied == [True, True, False, True]
         assert finite
-        assert norms[2] == float("inf")
+        assert math.isnan(norms[2])   # what torch's clip_grad_norm_ returns for NaN gradients (it said inf)
 
 
 def _adamw(rank, world, sharding):
