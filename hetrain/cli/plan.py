@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 from hetrain.cli.console import stdout_console
 from hetrain.errors import HetrainError
@@ -171,7 +172,9 @@ def print_result(result) -> None:
     for key, ranks in rows.items():
         dev, prec, share, mb, acc, mem, cap, ckpt, stage, t = key
         label = rank_label(ranks)
-        table.add_row(label, dev, prec, str(share), f"{mb} x {acc}", f"{(mem or 0) / 1e9:.1f} / {(cap or 0) / 1e9:.{0 if (cap or 0) >= 10e9 else 1}f} GB",
+        # the pieces this share runs in (a data-parallel entry's micro_batch is the largest its device holds)
+        pieces = (f"{math.ceil(share / acc)} x {acc}" if share else "-") if plan.pipeline is None else f"{mb} x {acc}"
+        table.add_row(label, dev, prec, str(share), pieces, f"{(mem or 0) / 1e9:.1f} / {(cap or 0) / 1e9:.1f} GB",
                       "yes" if ckpt else "no", str(stage), f"{t:.3f}" if t is not None else "-",
                       result.figures.get(dev, "modelled"))
     console.print(table)

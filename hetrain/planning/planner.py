@@ -199,19 +199,38 @@ def even_micro_batch(share: int, limit: int) -> int:
     return max(1, math.ceil(share / accum))
 
 
+def _choice_sets(choices: list[tuple[int, bool]], others: list[tuple[int, bool] | None]
+                 ) -> list[list[tuple[int, bool]]]:
+    """Each kind's (limit, checkpointing) as chosen, and with its other choice where it has one (larger
+    micro-batches with checkpointing): every combination for up to 4 such kinds, else all one way or the other."""
+    where = [i for i, o in enumerate(others) if o is not None]
+    if len(where) > 4:
+        return [choices, [o or c for c, o in zip(choices, others)]]
+    sets = []
+    for mask in range(2 ** len(where)):
+        flip = {i for b, i in enumerate(where) if mask >> b & 1}
+        sets.append([others[i] if i in flip else c for i, c in enumerate(choices)])
+    return sets
+
+
 def data_parallel(strategy: str, cluster, profile: WorkloadProfile, kinds: list[Kind], global_batch: int,
                   optimizer: str, micro_batch: int | None, hook: str = "none") -> Candidate:
-    """Uniform DDP ("ddp"), balanced DDP, ZeRO-1 or ZeRO-3 (FSDP) over every device."""
+    """Uniform DDP ("ddp"), balanced DDP, ZeRO-1 or ZeRO-3 (FSDP) over every device.
+
+    A kind that holds only small micro-batches without activation checkpointing is also priced with it
+    (larger micro-batches, recomputed activations): under ZeRO-3 every rank runs the count of micro-batches
+    the job needs, each gathering the model, so a fast card held to 2 samples a piece left it nearly idle."""
     zero = _ZERO[strategy]
     world = sum(k.count for k in kinds)
     cand = Candidate(strategy, compression=hook)
     micro_batch = min(micro_batch, global_batch) if micro_batch is not None else None   # no share is larger
     limit = global_batch if micro_batch is None else micro_batch
-    plain_limits, choices = [], []
+    plain_limits, choices, others = [], [], []
     for k in kinds:
         plain = max_micro_batch(profile, k, optimizer, zero, world, False, limit)
+        with_ckpt = max_micro_batch(profile, k, optimizer, zero, world, True, limit)
         # checkpointing only where the micro-batch asked for (or else 1) does not fit without it
-        ckpt = max_micro_batch(profile, k, optimizer, zero, world, True, limit) if plain < (micro_batch or 1) else 0
+        ckpt = with_ckpt if plain < (micro_batch or 1) else 0
         most = max(plain, ckpt)
         if most < 1:
             short, text = _memory_note(profile, k, optimizer, zero, world, 1)
@@ -225,6 +244,19 @@ def data_parallel(strategy: str, cluster, profile: WorkloadProfile, kinds: list[
                               + (f"{plain}, the largest without checkpointing" if plain else f"{ckpt}"))
         plain_limits.append(plain)
         choices.append((ckpt, True) if ckpt > plain else (plain, False))
+        others.append((with_ckpt, True) if strategy != "ddp" and micro_batch is None and with_ckpt > plain
+                      and not choices[-1][1] else None)
+    priced = [_priced(strategy, cand, cluster, profile, kinds, global_batch, optimizer, hook, plain_limits, choice)
+              for choice in _choice_sets(choices, others)]
+    return max(priced, key=lambda c: c.samples_per_s)
+
+
+def _priced(strategy: str, asked: Candidate, cluster, profile: WorkloadProfile, kinds: list[Kind], global_batch: int,
+            optimizer: str, hook: str, plain_limits: list[int], choices: list[tuple[int, bool]]) -> Candidate:
+    """The plan and predicted speed of one (limit, checkpointing) choice per kind."""
+    zero = _ZERO[strategy]
+    world = sum(k.count for k in kinds)
+    cand = Candidate(strategy, compression=hook, notes=list(asked.notes))
     # a fixed --micro-batch larger than a device's share: once the shares are known, a device that
     # needed checkpointing for the micro-batch asked for may hold its own share without it
     per_rank = _per_rank(strategy, kinds, global_batch, world, choices)
