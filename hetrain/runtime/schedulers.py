@@ -14,7 +14,9 @@ checkpoint's.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -32,6 +34,18 @@ def position(scheduler: Any) -> int | None:
     return getattr(scheduler, "last_epoch", None)
 
 
+@contextlib.contextmanager
+def keeping_scheduler_settings(optimizer: Any) -> Iterator[None]:
+    """Loading an optimizer's state replaces its parameter groups with the checkpoint's: the settings a
+    scheduler built in this run added to them (initial_lr, max_lr, base_momentum, ...) that the checkpoint
+    lacks (it was saved without that scheduler) are put back, so the schedule can start from its beginning."""
+    before = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else []
+    yield
+    for group, settings in zip(optimizer.param_groups if optimizer else [], before):
+        for key, value in settings.items():
+            group.setdefault(key, value)
+
+
 def on_metric(scheduler: Any) -> bool:
     """A scheduler stepped on a metric (ReduceLROnPlateau): the script steps it, the session only saves it."""
     return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
@@ -46,6 +60,7 @@ class Schedulers:
         self._saved: list[dict] | None = None         # a checkpoint's states not yet given a scheduler
         self._saved_settings: list[dict] = []         # that checkpoint's optimizer settings, by parameter group
         self._saved_step = 0
+        self._start: list[list[dict]] = []              # each scheduler's starting settings, by parameter group
 
     def add(self, scheduler: Any, optimizer: Any) -> None:
         """Take `scheduler`, which must drive `optimizer` (the one session.prepare() returned)."""
@@ -64,6 +79,8 @@ class Schedulers:
             )
         self.items.append(scheduler)
         self._stepped_to.append(position(scheduler))
+        # the settings the schedule starts from (building it set them): a checkpoint without its state restarts it
+        self._start.append([{k: g[k] for k in MOVED if k in g} for g in optimizer.param_groups])
         index = len(self.items) - 1
         if self._saved is not None:
             self._load(index, optimizer)
@@ -71,6 +88,11 @@ class Schedulers:
     def step(self, applied: bool) -> None:
         """At the end of a step: after an applied update, step every scheduler not stepped on a metric."""
         self.check_not_stepped_elsewhere()
+        if self._saved is not None and len(self._saved) > len(self.items):   # said once, at the first step
+            log.warning("the checkpoint of step %d holds the state of %d LR scheduler(s) and this run gave %d to "
+                        "session.add_scheduler(): the learning rate of a schedule not given stays at the "
+                        "checkpoint's", self._saved_step, len(self._saved), len(self.items))
+            self._saved = self._saved[:len(self.items)]
         if not applied:
             return
         for i, scheduler in enumerate(self.items):
@@ -109,8 +131,17 @@ class Schedulers:
             if self._saved_step > 0:
                 log.warning("the checkpoint of step %d holds no state for LR scheduler %d (%s): it starts from "
                             "its beginning", self._saved_step, index, type(scheduler).__name__)
+                for group, start in zip(optimizer.param_groups, self._start[index]):
+                    group.update(start)   # the checkpoint's optimizer state replaced them with its own
             return
-        scheduler.load_state_dict(self._saved[index])
+        saved, own = self._saved[index], scheduler.state_dict()
+        missing = sorted(k for k in own if k not in saved and not k.startswith("_"))
+        if missing:
+            raise HetrainError(
+                f"the checkpoint of step {self._saved_step} holds LR scheduler {index}'s state for another kind of "
+                f"scheduler than {type(scheduler).__name__} (it lacks {', '.join(missing[:3])}): give the scheduler "
+                "the checkpoint was saved with, or start in an empty checkpoint directory")
+        scheduler.load_state_dict(saved)
         self._stepped_to[index] = position(scheduler)
         # Building the scheduler moved the optimizer's settings to the schedule's start: back to the checkpoint's.
         for group, saved in zip(optimizer.param_groups, self._saved_settings):

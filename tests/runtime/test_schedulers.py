@@ -33,10 +33,10 @@ def _run(directory, steps, *, schedule=_one_cycle, given="after", nan_at=None, s
     session = hetrain.Session(plan, checkpoint_dir=directory, checkpoint_interval=3, async_checkpoints=False)
     net = make_net()
     model, optimizer = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
-    if given == "before":
+    if given == "before" and schedule is not None:
         session.add_scheduler(schedule(optimizer))
     loader = session.loader(make_data(), global_batch_size=8, shuffle=True, seed=0)
-    if given == "after":
+    if given == "after" and schedule is not None:
         session.add_scheduler(schedule(optimizer))
     seen = []
     while session.step_count < steps:
@@ -67,6 +67,32 @@ def test_a_scheduler_given_to_the_session_resumes_the_same_schedule(tmp_path, gi
     assert first + resumed == straight
     assert len({lr for lr, _ in straight}) == 12   # the schedule moved every step
     assert all(torch.equal(a, b) for a, b in zip(end, end_resumed))
+
+
+@pytest.mark.parametrize("given", ["before", "after"])
+def test_a_scheduler_added_on_resuming_a_checkpoint_without_one_starts_its_schedule(tmp_path, given):
+    """Given before the loader, the checkpoint's parameter groups replaced the ones OneCycleLR had built,
+    and the first step failed with KeyError: 'initial_lr'. The schedule now starts from its beginning."""
+    fresh, _ = _run(str(tmp_path / "fresh"), 5, given=given)
+    _run(str(tmp_path / "b"), 6, schedule=None)
+    resumed, _ = _run(str(tmp_path / "b"), 11, given=given)
+    assert resumed == fresh, (resumed, fresh)   # lr and momentum of each step, as a fresh schedule's first 5
+
+
+def test_another_kind_of_scheduler_on_resume_is_refused_naming_it(tmp_path):
+    """A checkpoint saved with LambdaLR resumed under OneCycleLR failed at the first step with KeyError."""
+    _run(str(tmp_path), 6, schedule=_warm_up)
+    with pytest.raises(HetrainError, match=r"another kind of scheduler than OneCycleLR .*give the scheduler the "
+                                           r"checkpoint was saved with"):
+        _run(str(tmp_path), 9)
+
+
+def test_a_checkpoints_scheduler_state_not_given_again_is_said(tmp_path, caplog):
+    _run(str(tmp_path), 6, schedule=_warm_up)
+    with caplog.at_level("WARNING", logger="hetrain"):
+        _run(str(tmp_path), 8, schedule=None)
+    assert sum("holds the state of 1 LR scheduler(s) and this run gave 0" in r.getMessage()
+               for r in caplog.records) == 1, caplog.text
 
 
 def test_a_skipped_step_does_not_advance_the_schedule(tmp_path):
