@@ -17,6 +17,17 @@ class BalanceSetup:
     config: BalancePlan
 
 
+def balance_overrides(balance: object, interval: object) -> tuple[bool | None, int | None]:
+    """`Session(balance=, balance_interval=)`, checked (one line naming the setting): a string such as
+    "no" would count as true and turn the balancer on."""
+    if balance is not None and not isinstance(balance, bool):
+        raise HetrainError(f"Session(balance={balance!r}): give True, False or None (the plan's setting)")
+    if interval is not None and (isinstance(interval, bool) or not isinstance(interval, int) or interval < 1):
+        raise HetrainError(f"Session(balance_interval={interval!r}): give the steps between re-splits, "
+                           "an integer of at least 1")
+    return balance, interval
+
+
 def balance_setup(plan: Plan | None, plan_shares: list[int], world_size: int, global_batch_size: int, *,
                   balance: bool | None = None, interval: int | None = None, pipeline: bool = False) -> BalanceSetup:
     """The plan's shares (`plan_shares`, by rank; an even split without a plan) and its balance
@@ -34,10 +45,8 @@ def balance_setup(plan: Plan | None, plan_shares: list[int], world_size: int, gl
         config.enabled = balance
     if pipeline:
         config.enabled = False
+    balance, interval = balance_overrides(balance, interval)
     if interval is not None:
-        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-            raise HetrainError(f"Session(balance_interval={interval!r}): give the steps between re-splits, "
-                               "an integer of at least 1")
         config.interval = interval
     if config.min_share * world_size > global_batch_size:
         raise HetrainError(

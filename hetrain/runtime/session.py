@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from hetrain.errors import HetrainError
 from hetrain.planning.plan import Plan, RankPlan
-from hetrain.runtime.balance_config import balance_setup
+from hetrain.runtime.balance_config import balance_overrides, balance_setup
 from hetrain.runtime.balancer import Balancer
 from hetrain.runtime.comm_hooks import forget_feedback
 from hetrain.runtime.data import HeteroLoader, make_loader
@@ -83,7 +83,7 @@ class Session:
         self._checkpoint_args = checkpoint_settings(checkpoint_dir, checkpoint_interval, keep_checkpoints,
                                                     async_checkpoints)
         self._metrics_port = metrics_port if metrics_port is not None else env_int(Env.METRICS_PORT, 0) or None
-        loss_scale = loss_scale_settings(loss_scale)
+        loss_scale, self._balance_overrides = loss_scale_settings(loss_scale), balance_overrides(balance, balance_interval)
         collective_timeout()
         if plan is None and os.environ.get(Env.PLAN):
             plan = os.environ[Env.PLAN]
@@ -114,7 +114,6 @@ class Session:
         self.emulated = self.emulated_speed is not None or self.assignment.stand_in
         self.timer = StepTimer(speed=self.emulated_speed, on_grads_ready=self._waiting)
         self.state = StepState(self.world_size)
-        self._balance_overrides = (balance, balance_interval)
         self.prepared: Prepared | None = None
         self.balancer: Balancer | None = None
         self.train: TrainState | None = None

@@ -52,3 +52,21 @@ def test_a_balance_interval_that_is_no_count_of_steps_is_refused_in_one_line(int
     with pytest.raises(HetrainError, match=r"balance_interval=.*an integer of at least 1"):
         balance_setup(None, [], 2, 12, interval=interval)
     assert balance_setup(_plan(max_share=7), [8, 4], 2, 12, balance=False).config.max_share == 7   # off: not held
+
+
+@pytest.mark.parametrize("balance", ["no", 0, "false"])
+def test_a_balance_setting_that_is_not_a_bool_is_refused_before_the_job_starts(balance):
+    """Session(balance="no") turned the balancer on (a non-empty string is true); now refused in one line,
+    from the same check Session() runs before its process group exists."""
+    from hetrain.runtime.balance_config import balance_overrides
+
+    with pytest.raises(HetrainError, match=r"Session\(balance=.*give True, False or None"):
+        balance_overrides(balance, None)
+    with pytest.raises(HetrainError, match=r"Session\(balance="):
+        balance_setup(None, [], 2, 8, balance=balance)
+    import hetrain
+    import torch.distributed as dist
+
+    with pytest.raises(HetrainError, match=r"Session\(balance="):
+        hetrain.Session(balance=balance)
+    assert not dist.is_initialized()   # refused before the process group exists
