@@ -128,8 +128,8 @@ def validate(cfg: LaunchConfig) -> None:
                            "other node can join it; drop --standalone and give every node --rdzv-endpoint HOST:PORT")
     if cfg.emulate_speeds is not None:
         for s in cfg.emulate_speeds:
-            if not s > 0:
-                raise HetrainError(f"speed {s} must be above 0 (1 = full speed, 0.5 = half)")
+            if not 0 < s <= 1:
+                raise HetrainError(f"speed {s} must be above 0 and at most 1 (1 = full speed, 0.5 = half)")
         if hi == 1 and len(cfg.emulate_speeds) != cfg.nproc_per_node:
             raise HetrainError(
                 f"{len(cfg.emulate_speeds)} emulated speeds for {cfg.nproc_per_node} ranks; give one speed per rank "

@@ -9,7 +9,7 @@ from hetrain.errors import HetrainError
 
 
 def parse_speeds(text: str) -> list[float]:
-    """'1,0.5' -> [1.0, 0.5]; every speed must be a positive number."""
+    """'1,0.5' -> [1.0, 0.5]; every speed must be above 0 and at most 1 (full speed)."""
     speeds = []
     for part in text.split(","):
         part = part.strip()
@@ -21,6 +21,9 @@ def parse_speeds(text: str) -> list[float]:
             raise HetrainError(f"speed {part} must be a finite number above 0 (1 = full speed, 0.5 = half); got {value}")
         if not value > 0:
             raise HetrainError(f"speed {part} must be above 0 (1 = full speed, 0.5 = half); got {value}")
+        if value > 1:
+            raise HetrainError(f"speed {part} is above 1, full speed: emulation only slows a rank down; give the "
+                               "fastest rank 1 and the others their fraction of it (2,1 is 1,0.5)")
         speeds.append(value)
     if not speeds:
         raise HetrainError("no speeds given; write speeds like --emulate-speeds 1,0.5")

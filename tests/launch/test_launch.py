@@ -39,6 +39,9 @@ def test_two_ranks_train_and_the_loss_falls():
      "'70000' is not a TCP port; fix: use HOST:PORT"),   # a 38-line traceback from torch's parser
     (["launch", "--nnodes", "2", "--rdzv-endpoint", "localhost:2953B", "examples/train_digits.py"],
      "'2953B' is not a TCP port"),
+    # a speed above 1 ran at 1 while the figures said 2 (the emulation only slows a rank)
+    (["launch", "--nproc-per-node", "2", "--emulate-speeds", "2,1", "examples/train_digits.py"], "(2,1 is 1,0.5)"),
+    (["bench", "balance", "--speeds", "2,1"], "speed 2 is above 1, full speed"),
     (["bench", "balance", "--speeds", "1,inf"], "speed inf must be a finite number above 0"),
     (["bench", "balance", "--speeds", "1,-inf"], "speed -inf must be a finite number above 0"),
     (["bench", "balance", "--speeds", "1,0.5", "--global-batch", "1"], "smaller than the number of ranks"),
