@@ -17,12 +17,18 @@ class NoPlanFits(HetrainError):
         self.shortfall = shortfall
 
 
-def format_validation_error(e, model=None) -> str:
+def format_validation_error(e, model=None, kind: str | None = None) -> str:
     """A pydantic ValidationError as one readable line: where, and what is wrong. A field written wrong is
     both unknown and missing: where a part of the document has one of each, spelt alike, they are one fix
     naming both spellings; another unknown field is matched against the fields `model` (a pydantic model
-    class, where given) allows at its place."""
+    class, where given) allows at its place. A document that misses most of the fields `model` requires is
+    said not to be `kind` (what it should be and what writes one), first."""
     errors = list(e.errors())
+    missing_top = [err for err in errors if err["type"] == "missing" and len(err["loc"]) == 1]
+    required = (model.model_json_schema().get("required", []) if model is not None else [])
+    if kind and len(missing_top) >= 2 and 2 * len(missing_top) >= len(required):
+        return f"not {kind} (it lacks {', '.join(str(err['loc'][0]) for err in missing_top[:3])}" \
+               + (f" and {len(missing_top) - 3} more" if len(missing_top) > 3 else "") + ")"
     schema = model.model_json_schema() if model is not None else None
     by_parent: dict[tuple, dict[str, list[int]]] = {}
     for i, err in enumerate(errors):

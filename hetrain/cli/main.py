@@ -27,6 +27,13 @@ VERBS: dict[str, tuple[str, str]] = {
 }
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A verb's parser whose errors are one line naming the fix (argparse prints its whole usage first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
+
+
 def _top_parser() -> argparse.ArgumentParser:
     lines = "\n".join(f"  {verb:<10} {text}" for verb, (_, text) in VERBS.items())
     return argparse.ArgumentParser(
@@ -61,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"hetrain {verb}: error: this verb is not part of this build", file=sys.stderr)
             return 2
         raise
-    parser = argparse.ArgumentParser(prog=f"hetrain {verb}", description=text)
+    parser = OneLineParser(prog=f"hetrain {verb}", description=text)
     module.build_parser(parser)
     args = parser.parse_args(argv[1:])
     try:

@@ -66,8 +66,8 @@ def profile_from_args(args: argparse.Namespace):
 
 def add_global_batch_arg(parser: argparse.ArgumentParser, **kwargs) -> None:
     """--global-batch-size N (--global-batch is the same flag)."""
-    parser.add_argument("--global-batch-size", "--global-batch", dest="global_batch_size", type=int,
-                        help="samples per optimizer step", **kwargs)
+    kwargs.setdefault("help", "samples per optimizer step")
+    parser.add_argument("--global-batch-size", "--global-batch", dest="global_batch_size", type=int, **kwargs)
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
@@ -76,7 +76,7 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--model", help="reference model: resnet50, resnet152, bert-base, bert-large, "
                        "bert-large-512, gpt2-124m, gpt2-1.5b, gpt3-2.7b, llama-7b, ...")
     model.add_argument("--profile", metavar="FILE", help="profile saved by hetrain.workload.profile(...).save()")
-    add_global_batch_arg(parser)
+    add_global_batch_arg(parser, help="samples per optimizer step (required; with --from-run, the run's by default)")
     parser.add_argument("--profiles", metavar="DIR", help="measured device profiles written by hetrain profile --out DIR; "
                         "their figures replace the model's for the device kinds they cover")
     parser.add_argument("--from-run", metavar="DIR", help="re-plan with the per-device-kind rates a run measured "

@@ -8,6 +8,7 @@ memory: their node's link is "host".
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -302,7 +303,10 @@ def _validation_message(source: str, exc: ValidationError, root: yaml.Node | Non
     explained = _explain(err)
     if err["type"] == "missing":   # a key written wrong is both unknown and missing: name it by its spelling
         key, parent = err["loc"][-1], tuple(err["loc"][:-1])
-        typo = next((e for e in errors if e["type"] == "extra_forbidden" and tuple(e["loc"][:-1]) == parent), None)
+        unknown = [e for e in errors if e["type"] == "extra_forbidden" and tuple(e["loc"][:-1]) == parent]
+        # the one unknown key there, or the one spelt like it (of several, the others are not a rename)
+        typo = next((e for e in unknown if len(unknown) == 1
+                     or difflib.get_close_matches(str(e["loc"][-1]), [str(key)], n=1, cutoff=0.6)), None)
         if typo is not None:
             err, told = typo, 2
             explained = f"unknown key {typo['loc'][-1]!r}, and {key!r} is missing; fix: rename it to {key!r}"
@@ -322,6 +326,9 @@ def cluster_from_dict(data: Any, source: str = "cluster", root: yaml.Node | None
             f"{source}: expected a mapping with a 'nodes' list, got {type(data).__name__}; "
             "fix: see docs/cluster-file.md for the format"
         )
+    if "nodes" not in data and {"ranks", "global_batch_size", "plan"} & set(data):
+        raise HetrainError(f"{source}: this is a plan (hetrain plan's output), not a cluster file; fix: pass it to "
+                           "`hetrain launch --plan`; a cluster file lists the cluster's 'nodes' (docs/cluster-file.md)")
     try:
         return Cluster.model_validate(data)
     except ValidationError as e:

@@ -77,4 +77,5 @@ class MeasuredRates(BaseModel):
         except ValidationError as e:
             from hetrain.errors import format_validation_error
 
-            raise HetrainError(f"{path}: {format_validation_error(e, cls)}") from None
+            raise HetrainError(f"{path}: {format_validation_error(e, cls, 'the measured rates a hetrain run writes')}"
+                               ) from None

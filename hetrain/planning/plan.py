@@ -160,11 +160,15 @@ class Plan(_Strict):
     @classmethod
     def from_json(cls, text: str, source: str = "plan") -> "Plan":
         try:
-            return cls.model_validate(json.loads(text))
+            data = json.loads(text)
+            if isinstance(data, dict) and "candidates" in data and isinstance(data.get("plan"), dict):
+                data = data["plan"]   # `hetrain plan --json` output: its plan
+            return cls.model_validate(data)
         except json.JSONDecodeError as e:
             raise HetrainError(f"{source}: not valid JSON ({e})") from None
         except ValidationError as e:
-            raise HetrainError(f"{source}: {format_validation_error(e, cls)}") from None
+            raise HetrainError(f"{source}: {format_validation_error(e, cls, 'a plan: hetrain plan --out FILE writes one')}"
+                               ) from None
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":

@@ -341,7 +341,7 @@ def _alone_note(cluster, profile, kinds: list[Kind], global_batch: int, optimize
         return None
     how = (f"--devices {name}:{best.count}" if len(nodes) == 1 else
            f"a cluster file of the {len(nodes)} nodes that hold them, with only them")
-    return (f"the {best.count} {name} alone are predicted at {faster:.1f} samples/s, faster than the plan "
+    return (f"{f'the {best.count} {name} alone are' if best.count > 1 else f'the {name} alone is'} predicted at {faster:.1f} samples/s, faster than the plan "
             f"chosen for every device ({chosen:.1f}): the others cost more in communication, synchronisation "
             f"and the pieces or stages they need than their compute brings; plan them alone ({how})")
 

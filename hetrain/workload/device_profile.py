@@ -122,7 +122,8 @@ class DeviceProfile(_Strict):
         except ValidationError as e:
             from hetrain.errors import format_validation_error
 
-            raise HetrainError(f"{path}: {format_validation_error(e, cls)}") from None
+            raise HetrainError(f"{path}: {format_validation_error(e, cls, 'a device profile: hetrain profile writes them')}"
+                               ) from None
 
 
 def interpolate(points: list[tuple[int, float]], micro_batch: float) -> float:

@@ -8,6 +8,7 @@ and head; activations count the tensors torchvision's bottleneck saves for backw
 from __future__ import annotations
 
 import csv
+import difflib
 import io
 from dataclasses import dataclass
 from functools import lru_cache
@@ -90,8 +91,9 @@ def get_profile(name: str, other_ways: str = "") -> WorkloadProfile:
     key = name.strip().lower()
     facts = _facts_by_name().get(key)
     if facts is None:
-        raise HetrainError(f"unknown model {name!r}; choose one of: {', '.join(zoo_names())}"
-                           + (f", or {other_ways}" if other_ways else ""))
+        close = difflib.get_close_matches(key, zoo_names(), n=3, cutoff=0.6)
+        raise HetrainError(f"unknown model {name!r}; " + (f"closest: {', '.join(close)}; " if close else "")
+                           + f"choose one of: {', '.join(zoo_names())}" + (f", or {other_ways}" if other_ways else ""))
     if facts.model in _RESNET_LAYERS:
         return _resnet(key, facts)
     return transformer_profile(key, facts)

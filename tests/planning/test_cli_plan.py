@@ -167,3 +167,37 @@ def test_the_plan_table_names_the_ranks_of_a_row_as_they_are():
     assert [rank_label(r) for r in ([3], [0, 1, 2], [0, 1, 4, 5])] == ["3", "0..2 (3)", "0,1,4,5"]   # was 0..5 (4)
     p = _run("profile", "--model", "resnet50", "--device", "cpu", "--threads", "0", "--out", "unused")
     assert p.returncode == 2 and "--threads 0" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_plan_json_output_saved_to_a_file_is_a_plan_the_launcher_reads(tmp_path):
+    """`hetrain plan --json > plan.json` then `hetrain launch --plan plan.json` was refused with a list of
+    'Field required' errors; the file's plan is used."""
+    p = _run("plan", "--devices", "a100:1,v100:1", "--model", "resnet50", "--global-batch", "256", "--json")
+    (tmp_path / "plan.json").write_text(p.stdout)
+    plan = Plan.load(tmp_path / "plan.json")
+    assert plan.shares == [r["share"] for r in json.loads(p.stdout)["ranks"]] and plan.global_batch_size == 256
+
+
+def test_files_of_another_kind_say_what_they_are_not(tmp_path):
+    """A plan given as a cluster file was told to rename 'strategy' to 'nodes'; a file that is no device profile
+    or measured rates got a list of 'Field required'; a model name typed wrong named no candidate."""
+    plan = tmp_path / "plan.json"
+    assert _run("plan", "--devices", "a100:1", "--model", "resnet50", "--global-batch", "64", "--out",
+                str(plan)).returncode == 0
+    (tmp_path / "profiles").mkdir()
+    (tmp_path / "profiles" / "a100.json").write_text(json.dumps({"name": "x", "params": 3}))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "measured-rates.json").write_text(json.dumps({"rates": {}}))
+    m = ("--model", "resnet50", "--global-batch", "64")
+    for args, said in [
+        (("--cluster", str(plan), *m), "this is a plan (hetrain plan's output), not a cluster file; fix: pass it "
+                                       "to `hetrain launch --plan`"),
+        (("--devices", "a100:1", "--profiles", str(tmp_path / "profiles"), *m),
+         "not a device profile: hetrain profile writes them (it lacks"),
+        (("--devices", "a100:1", "--from-run", str(tmp_path / "run"), *m), "not the measured rates a hetrain run writes"),
+        (("--devices", "a100:1", "--model", "resnt50", "--global-batch", "64"), "closest: resnet50"),
+        (("--devices", "a100:1", "--strategy", "fast", *m), "invalid choice: 'fast'"),   # argparse: 11 lines before
+    ]:
+        r = _run("plan", *args)
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert r.returncode == 2 and len(lines) == 1 and said in lines[0], (args, r.stderr)
