@@ -31,6 +31,7 @@ from hetrain.runtime.data_order import GlobalBatchOrder, rank_slice
 from hetrain.runtime.sample_seeds import KeyedBatches, SeededSamples
 from hetrain.runtime.memory import equal_pieces, job_piece_count, micro_batch_sizes, split_batch
 from hetrain.runtime.step_state import StepState
+from hetrain.runtime.stream import unpack
 from hetrain.planning.batch_split import split_partial
 
 __all__ = ["GlobalBatchOrder", "HeteroLoader", "make_loader", "rank_slice"]
@@ -207,7 +208,7 @@ class HeteroLoader:
             self._source.new_pass(self._in_epoch)
         else:
             self.sampler.start(self._epoch, self._in_epoch, self.run_step)
-        batches = iter(self.dataloader)
+        batches = map(unpack, iter(self.dataloader)) if self.stream else iter(self.dataloader)
         if self.stream and self.dataloader.num_workers > 1:   # every worker's first batch, before any step
             head = list(itertools.islice(batches, self.dataloader.num_workers))
             self._source.check_workers(head)

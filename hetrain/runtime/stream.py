@@ -8,7 +8,11 @@ That needs every worker to read the same stream: a stream that splits itself by 
 gives each worker another, and its samples would be lost; the workers' first global batches are
 compared (`fingerprint`) and such a stream is refused.
 The slice is cut in the training process when the loop takes the step, so a split change takes
-effect at the next step and needs no lag. See docs/data.md for what holds for streams.
+effect at the next step and needs no lag. A worker sends a global batch's tensors stacked by shape
+and dtype (`pack`), one shared-memory block each instead of one per sample's tensor (64 samples of a
+tensor and a label took 11.8 ms a global batch to pass, against 0.08 ms read in the training
+process); the training process takes the samples back as they were (`unpack`), rows of those blocks.
+See docs/data.md for what holds for streams.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from hetrain.runtime.batch_tree import flatten
+from hetrain.runtime.batch_tree import flatten, map_leaves
 
 
 def fingerprint(samples: list[Any], floats: bool = True) -> str:
@@ -49,6 +53,50 @@ def fingerprint(samples: list[Any], floats: bool = True) -> str:
     return digest.hexdigest()
 
 
+class _Row:
+    """Where a sample's tensor went in a packed global batch: row `row` of stacked block `block`."""
+
+    __slots__ = ("block", "row")
+
+    def __init__(self, block: int, row: int) -> None:
+        self.block, self.row = block, row
+
+    def __getstate__(self) -> tuple[int, int]:
+        return self.block, self.row
+
+    def __setstate__(self, state: tuple[int, int]) -> None:
+        self.block, self.row = state
+
+
+class Packed:
+    """A global batch whose samples' tensors travel stacked by (shape, dtype): what a worker sends."""
+
+    def __init__(self, samples: list[Any]) -> None:
+        groups: dict[tuple, list[torch.Tensor]] = {}   # (shape, dtype, device) -> its tensors, in order
+        index: dict[tuple, int] = {}                     # ... -> its block
+
+        def slot(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor) or x.layout != torch.strided or x.requires_grad:
+                return x
+            key = (tuple(x.shape), x.dtype, x.device)
+            rows = groups.setdefault(key, [])
+            rows.append(x)
+            return _Row(index.setdefault(key, len(index)), len(rows) - 1)
+
+        self.samples = [map_leaves(slot, sample) for sample in samples]
+        self.blocks = [torch.stack(rows) for rows in groups.values()]
+
+
+def unpack(item: Any) -> Any:
+    """A (fingerprint, global batch) item as the loop takes it: a packed batch's samples rebuilt."""
+    first, batch = item
+    if not isinstance(batch, Packed):
+        return item
+    rows = [block.unbind(0) for block in batch.blocks]
+    return first, [map_leaves(lambda x: rows[x.block][x.row] if isinstance(x, _Row) else x, sample)
+                   for sample in batch.samples]
+
+
 class GlobalBatchStream(IterableDataset):
     """The samples of a stream grouped into global batches (lists), from batch ``skip`` on."""
 
@@ -72,11 +120,12 @@ class GlobalBatchStream(IterableDataset):
                 if number == self.skip and workers > 1:
                     first = fingerprint(batch)
                 if self._mine(number, worker, workers):
-                    yield first, batch
+                    yield first, (Packed(batch) if info is not None else batch)   # a worker's: stacked
                     first = None
                 batch, number = [], number + 1
         if batch and not self.drop_last and self._mine(number, worker, workers):
-            yield (fingerprint(batch) if number == self.skip and workers > 1 else first), batch
+            yield (fingerprint(batch) if number == self.skip and workers > 1 else first), \
+                (Packed(batch) if info is not None else batch)
 
     def _mine(self, number: int, worker: int, workers: int) -> bool:
         return number >= self.skip and (number - self.skip) % workers == worker
