@@ -253,13 +253,24 @@ def _reachable(host: str, timeout_s: float = 5.0) -> bool:
 
 
 def _hf_model(cfg, config: str):
-    """A causal LM for the config where transformers has one, else its base model, random weights."""
+    """The model the config's `architectures` names; else a causal LM for a decoder (an architecture with a
+    causal LM and no masked one: BERT's causal head would make an encoder a decoder); else its base
+    model (`AutoModel`). Random weights."""
+    import transformers
     from transformers import AutoModel, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES)
 
-    try:
-        return AutoModelForCausalLM.from_config(cfg)
-    except ValueError:
-        pass
+    named = next((getattr(transformers, a) for a in (getattr(cfg, "architectures", None) or [])
+                  if hasattr(transformers, a)), None)
+    if named is not None:
+        return named(cfg)
+    decoder = cfg.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and cfg.model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    if decoder:
+        try:
+            return AutoModelForCausalLM.from_config(cfg)
+        except ValueError:
+            pass
     try:
         return AutoModel.from_config(cfg)
     except ValueError as e:

@@ -168,3 +168,18 @@ def test_cpu_micro_batches_that_would_exhaust_host_memory_are_left_out_with_a_no
     fit = host_micro_batches([1, 2, 4, 8], 2.2 * gb, 124_000_000, copies=2, available=22 * gb)
     assert fit.kept == [1, 2] and "(2 copies)" in fit.note and fit.left == [4, 8]
     assert host_micro_batches([1, 2], 2.2 * gb, 124_000_000, available=None).kept == [1, 2]
+
+
+def test_hf_config_builds_the_architecture_it_names_else_an_encoder_stays_an_encoder(tmp_path):
+    """A BERT config was profiled as BertLMHeadModel (a causal head that makes the encoder a decoder, with
+    transformers' is_decoder warning), where docs/planner.md said AutoModel."""
+    from transformers import BertConfig, LlamaConfig
+
+    tiny = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                max_position_embeddings=16)
+    BertConfig(**tiny).save_pretrained(tmp_path / "bert")
+    BertConfig(**tiny, architectures=["BertForMaskedLM"]).save_pretrained(tmp_path / "mlm")
+    LlamaConfig(**tiny).save_pretrained(tmp_path / "llama")
+    assert type(hf_module(str(tmp_path / "bert")).module).__name__ == "BertModel"
+    assert type(hf_module(str(tmp_path / "mlm")).module).__name__ == "BertForMaskedLM"
+    assert type(hf_module(str(tmp_path / "llama")).module).__name__ == "LlamaForCausalLM"
