@@ -45,11 +45,15 @@ def no_fit_message(profile, kinds, cands, strategy, optimizer, world, micro_batc
     need = {k.spec.name: k.memory(profile, 1, optimizer=optimizer, zero=zero, world=world, ckpt=True).total
             for k in kinds}
     best = max(kinds, key=lambda k: k.spec.memory_bytes - need[k.spec.name])
-    missing = need[best.spec.name] - best.spec.memory_bytes
+    # when no strategy fits (auto weighed them all), the device that cannot hold the least a data-parallel
+    # plan needs is named: of a 3090 and a 3060, the 3060 (zero1 on the 3090, closest to fitting, said
+    # nothing of it); a strategy asked for names its own shortfall below, unless even the best device misses
+    short_kind = min(kinds, key=lambda k: k.spec.memory_bytes - need[k.spec.name]) if strategy == "auto" else best
+    missing = need[short_kind.spec.name] - short_kind.spec.memory_bytes
     what = f"strategy {strategy}" if strategy != "auto" else "any strategy"
     if missing > 0:   # the least any plan needs: the candidates' own shortfalls say no more
         even = f"sharded over all {world} devices with ZeRO-3, " if world > 1 else "on its own, with "
-        short = f"{best.spec.name} is {missing / GB:.1f} GB short"
+        short = f"{short_kind.spec.name} is {missing / GB:.1f} GB short"
         return (f"model {profile.name!r} fits no plan with {what}: even {even}activation checkpointing and "
                 f"micro-batch 1, {short}; {devices_to_add(profile, kinds, best, optimizer, world, global_batch)}, "
                 "use devices with more memory, or a smaller model or sequence length"), short

@@ -336,3 +336,14 @@ def test_zero3_prices_checkpointing_where_a_fast_card_holds_only_small_pieces_wi
                                                                                       rtx.predicted_step_seconds)
     asked = plan_job(cluster, profile, 4096, strategy="zero3", micro_batch=16).plan.predicted_samples_per_s
     assert result.plan.predicted_samples_per_s >= asked   # no slower than a cap the user had to find by hand
+
+
+def test_when_nothing_fits_the_device_that_cannot_hold_the_least_is_named():
+    """GPT-2 1.5B on a 3090 and a 3060: the error cited zero1's 4.5 GB missing on the 3090 and said 'try devices
+    with more memory'; the 3060 is what no plan can hold, and more 3090s would do."""
+    from hetrain.errors import NoPlanFits
+
+    with pytest.raises(NoPlanFits) as e:
+        plan_job(cluster_from_devices("rtx-3090:1,rtx-3060:1"), get_profile("gpt2-1.5b"), 64)
+    message = str(e.value)
+    assert "rtx-3060 is 9.0 GB short" in message and "more rtx-3090" in message and "leave out the rtx-3060" in message
