@@ -52,6 +52,7 @@ class Attempt:
     checkpoints: list[dict[str, Any]] = field(default_factory=list)
     restarts: int = 0
     first_device: str | None = None   # the device of its first step, for a log that lost its start line
+    first_step: int | None = None     # the first step it logged: a resumed attempt's checkpoint is the one before
 
     @property
     def device(self) -> str | None:
@@ -78,6 +79,14 @@ class RankRun:
     @property
     def checkpoints(self) -> list[dict[str, Any]]:
         return [c for a in self.attempts for c in a.checkpoints]
+
+    @property
+    def checkpoint_steps(self) -> list[int]:
+        """The steps a checkpoint was committed at: those logged, and those a later attempt resumed from (a
+        background save that committed just before its process was killed logged nothing)."""
+        logged = {c.get("step") for c in self.checkpoints}
+        resumed = {a.first_step - 1 for a in self.attempts[1:] if isinstance(a.first_step, int) and a.first_step > 1}
+        return sorted(s for s in logged | resumed if isinstance(s, int) and not isinstance(s, bool))
 
     @property
     def restarts(self) -> int:
@@ -140,6 +149,7 @@ def read_rank(rank: int, path: Path) -> RankRun:
         if kind == "step" and complete_step(line):
             by_step[line["step"]] = (line, len(run.attempts) - 1)
             attempt.first_device = attempt.first_device or line["device"]
+            attempt.first_step = line["step"] if attempt.first_step is None else attempt.first_step
         elif kind == "checkpoint":
             attempt.checkpoints.append(line)
         elif kind == "restart" and _number(line.get("count")):
@@ -205,7 +215,7 @@ def summary_row(run: RankRun) -> dict[str, Any]:
         "mfu": fmean(mfus) if mfus else None,
         # None where no step measured its traffic (FSDP2's collectives are not counted), never 0 for it
         "comm_bytes": sum(sum(d.values()) for d in sent) if sent else None,
-        "checkpoints": len(run.checkpoints), "restarts": run.restarts,
+        "checkpoints": len(run.checkpoint_steps), "restarts": run.restarts,
         "emulated": any(s.get("emulated") for s in run.steps),
     }
 
