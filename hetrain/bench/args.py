@@ -42,3 +42,25 @@ def number(above: float | None = None, least: float | None = None, most: float |
 
     parse.__name__ = "number"
     return parse
+
+
+def wholes(least: int = 1) -> Callable[[str], list[int]]:
+    """Comma-separated whole numbers, each at least `least` (e.g. 32,128,512)."""
+    def parse(text: str) -> list[int]:
+        items = [item.strip() for item in text.split(",")]
+        values = []
+        for item in items:
+            try:
+                value = int(item)
+            except ValueError:
+                where = "" if item == text else f" in {text!r}"
+                raise argparse.ArgumentTypeError(
+                    f"{item!r}{where} is not a whole number; write whole numbers of at least {least}, "
+                    "comma-separated, e.g. 32,128,512") from None
+            if value < least:
+                raise argparse.ArgumentTypeError(f"each must be at least {least}, got {value} in {text!r}")
+            values.append(value)
+        return values
+
+    parse.__name__ = f"comma-separated whole numbers >= {least}"
+    return parse

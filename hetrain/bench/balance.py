@@ -94,6 +94,9 @@ def outside_load(args: argparse.Namespace) -> dict:
 
 def run(args: argparse.Namespace) -> dict:
     if args.outside_load is not None:
+        if args.metrics:   # it runs hetrain alone: there is no balanced mode to hold metrics-on against
+            raise HetrainError("--metrics cannot be used with --outside-load (which runs hetrain alone, with "
+                               "nothing to compare metrics on against); drop one of them")
         return outside_load(args)
     phases = "solo,uniform,balanced" + (",metrics" if args.metrics else "")
     r = run_job(args, progress=False, schedule="interleaved", phases=phases)

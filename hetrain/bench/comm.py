@@ -30,8 +30,37 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--powersgd-warmup-steps", type=whole(0), default=10)
     parser.add_argument("--topk-ratio", type=number(above=0, most=1), default=0.01)
     parser.add_argument("--bucket-cap-mb", type=number(above=0), default=0.25, help="DDP bucket size (several buckets overlap)")
-    parser.add_argument("--islands", default=None, help="two-level all-reduce over islands, e.g. '0,1;2,3'")
+    parser.add_argument("--islands", type=island_text, default=None,
+                        help="two-level all-reduce over islands of ranks, e.g. '0,1;2,3' (every rank once)")
     parser.add_argument("--seed", type=whole(0), default=0)
+
+
+def parse_islands(text: str) -> list[list[int]]:
+    """'0,1;2,3' -> [[0, 1], [2, 3]]: islands split by ';', the ranks of each by ','."""
+    return [[int(r) for r in part.split(",")] for part in text.split(";")]
+
+
+def island_text(text: str) -> str:
+    """--islands' argparse type: the text, once it reads as islands of whole numbers."""
+    try:
+        parse_islands(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not islands of ranks; write the ranks of each island comma-separated and the islands "
+            "separated by ';', e.g. '0,1;2,3'") from None
+    return text
+
+
+def check_islands(text: str | None, ranks: int) -> None:
+    """Refuse islands that do not name each of the ``ranks`` ranks exactly once, before any rank starts."""
+    if text is None:
+        return
+    islands = parse_islands(text)
+    if sorted(r for island in islands for r in island) != list(range(ranks)):
+        half = max(1, ranks // 2)
+        example = ",".join(map(str, range(half))) + ";" + ",".join(map(str, range(half, ranks)))
+        raise HetrainError(f"--islands {text!r} must name every rank 0..{ranks - 1} of --ranks {ranks} exactly "
+                           f"once; fix the islands to match the rank count, e.g. --islands '{example}'")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -45,6 +74,7 @@ def run(args: argparse.Namespace) -> dict:
             f"--ranks {args.ranks} with --global-batch-size {args.global_batch_size}: the batch must split evenly; "
             "pick a batch size divisible by the rank count"
         )
+    check_islands(args.islands, args.ranks)
     if args.powersgd_warmup_steps < 0 or args.steps <= args.powersgd_warmup_steps:
         raise HetrainError(
             f"--steps {args.steps} must be larger than --powersgd-warmup-steps {args.powersgd_warmup_steps} "

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-from hetrain.bench.comm import WIDTH
+from hetrain.bench.comm import WIDTH, parse_islands
 from hetrain.planning.plan import CommPlan
 from hetrain.runtime.comm_hooks import build_comm_hook, ddp_kwargs
 from hetrain.runtime.environment import collect_at_exit
@@ -86,7 +86,7 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, store_path: str,
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
     collect_at_exit()   # at exit: collect, and let gloo's workers free their last tensors (settle_at_exit)
-    islands = [[int(r) for r in part.split(",")] for part in args.islands.split(";")] if args.islands else None
+    islands = parse_islands(args.islands) if args.islands else None
     data = _digits(args.seed)
     results = {}
     for name in args.hooks.split(","):

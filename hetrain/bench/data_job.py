@@ -153,7 +153,8 @@ class Hetrain:
         self.loader = self.session.loader(data, global_batch_size=args.global_batch, shuffle=True, seed=0,
                                           num_workers=workers, persistent_workers=workers > 0)
         self.batches = _cycle(lambda: iter(self.loader))
-        self.waits: list[float] = []
+        self.waits: list[float] = []   # each step's wait for its batch
+        self.untimed = args.warmup     # compare() runs this many warm-up steps before the timed ones
         os.environ.pop(Env.EMULATE_SPEEDS, None)
 
     def step(self) -> None:
@@ -163,8 +164,11 @@ class Hetrain:
         self.session.step()
 
     def figures(self) -> dict:
-        timed = self.waits[-40:]
-        return {"shares": list(self.session.shares),
+        timed = self.waits[self.untimed:] or self.waits   # the timed steps after the warm-up
+        # The balancer's final split, and the split of the last batch handed out: the loader's prefetched
+        # batches keep the old split, so it trails a re-split by the prefetch depth (`Session.shares`).
+        return {"balancer_shares": list(self.session.balancer.shares),
+                "loader_shares": list(self.session.shares),
                 "split_changes": [{"step": c.step, "new": c.new} for c in self.session.balancer.changes],
                 "data_wait_ms_per_step": _gather(1e3 * sum(timed) / len(timed))}
 

@@ -20,7 +20,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from hetrain.bench.args import whole
+from hetrain.bench.args import whole, wholes
 from hetrain.errors import HetrainError
 from hetrain.hardware.catalog import rank_threads
 
@@ -31,8 +31,9 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=whole(1), default=64, help="channels of the benchmark's small CNN")
     parser.add_argument("--steps", type=whole(1), default=20, help="steps the job runs")
     parser.add_argument("--warmup", type=whole(0), default=5, help="first steps not timed")
-    parser.add_argument("--micro-batches", default="32,128,512", help="micro-batch sizes the profile times")
-    parser.add_argument("--rounds", type=whole(1), default=5, help="profile-plan-run rounds (the median ratio counts)")
+    parser.add_argument("--micro-batches", type=wholes(1), default=[32, 128, 512],
+                        help="micro-batch sizes the profile times, comma-separated (default 32,128,512)")
+    parser.add_argument("--rounds", type=whole(1), default=5, help="profile-plan-run rounds (the middle round's ratio counts)")
 
 
 def _profile(args: argparse.Namespace, directory: Path, threads: int):
@@ -44,7 +45,7 @@ def _profile(args: argparse.Namespace, directory: Path, threads: int):
     from hetrain.workload.measure import measure_cpu_copies
     from hetrain.workload.modules import RunnableModel
 
-    sizes = [int(s) for s in args.micro_batches.split(",")]
+    sizes = sorted(set(args.micro_batches))
     runnable = RunnableModel("digits-cnn", digits_cnn(args.width), lambda n: torch.randn(n, 64), "cnn")
     workload = profile(runnable.module, runnable.make_input(8), name="digits-cnn", kind="cnn")
     workload.save(directory / WORKLOAD_FILE)
@@ -117,4 +118,5 @@ def run(args: argparse.Namespace) -> dict:
         "round_cpu_predicted_over_measured": [round(r, 4) for r in cpu_ratios],
         "cpu_predicted_over_measured": round(statistics.median(cpu_ratios), 4),
         "predicted_over_measured": round(ratios[mid], 4),
+        "emulated": False,   # measured on this machine's CPU, profile and job alike
     }

@@ -151,4 +151,5 @@ def run(args: argparse.Namespace) -> dict:
         "monitor_interval": args.monitor_interval,
         "uninterrupted_run_seconds": clean_seconds,
         "killed_run_seconds": killed_seconds,
+        "emulated": False,   # a real kill and restart on CPU ranks
     }

@@ -121,19 +121,31 @@ def _devices(n: int) -> str:
 
 
 def _plot(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = sweep_figure(rows, title)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def sweep_figure(rows: list[dict], title: str):
+    """The sweep's two panels: predicted samples/s with the ideal, and the fraction of ideal; the
+    strategy `hetrain plan` chooses is ringed in both."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 5.5))
     for strategy in dict.fromkeys(r["strategy"] for r in rows):
         pts = [r for r in rows if r["strategy"] == strategy]
         xs = [r["devices"] for r in pts]
         ax1.plot(xs, [r["samples_per_s"] for r in pts], marker="o", label=strategy)
         ax2.plot(xs, [r["scaling_efficiency"] for r in pts], marker="o", label=strategy)
     ideal = sorted({(r["devices"], r["ideal_samples_per_s"]) for r in rows})
-    ax1.plot([x for x, _ in ideal], [y for _, y in ideal], "k--", label="ideal (sum of devices)")
+    # a marker too: with one size plotted, a dashed line alone draws nothing
+    ax1.plot([x for x, _ in ideal], [y for _, y in ideal], "k--", marker="x", markersize=8,
+             label="ideal (sum of devices)")
     for ax, label in ((ax1, "predicted samples/s"), (ax2, "fraction of ideal")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("GPUs")
@@ -144,8 +156,9 @@ def _plot(rows: list[dict], path: str, title: str) -> None:
         names = ", ".join(dict.fromkeys(r["strategy"] for r in chosen))
         ax.scatter([r["devices"] for r in chosen], [r[key] for r in chosen], s=160, facecolors="none",
                    edgecolors="black", linewidths=1.6, zorder=5, label=f"chosen by hetrain plan ({names})")
-        ax.legend(fontsize=8)
+        # below the panel: inside it, a legend can sit on the ringed point ("best" weighs points' centres,
+        # not the ring around one, and a lone size puts its points on the panel's edges)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
     fig.suptitle(title + " (predicted by hetrain's cost model)")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig

@@ -4,6 +4,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.distributed import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,9 +22,28 @@ def test_bench_data_prints_its_figures_as_one_json_object():
     for name, (num, den) in ratios.items():
         assert d[num] > 0 and d[den] > 0
         assert abs(d[name] - d[num] / d[den]) < 1e-9, name
-    for key in ("shares_1_1", "shares_1_0.5", "shares_slow_loader"):
-        assert sum(d[key]) == 16 and len(d[key]) == 2
+    for mode in ("1_1", "1_0.5", "slow_loader"):
+        for key in (f"balancer_shares_{mode}", f"loader_shares_{mode}"):   # the decision, and the batches
+            assert sum(d[key]) == 16 and len(d[key]) == 2, key
+    assert "shares_1_1" not in d   # which split: named
     assert d["emulated"] is True and d["workers"] == 1 and d["slow_workers"] == 0
+
+
+def test_data_wait_is_the_mean_over_the_timed_steps_and_both_splits_are_named(monkeypatch):
+    """The wait averaged a fixed last 40 steps, warm-up included when --steps was under 40; and `shares`
+    was the loader's split, which trails the balancer's by the prefetch depth."""
+    from types import SimpleNamespace
+
+    from hetrain.bench import data_job
+
+    monkeypatch.setattr(data_job, "_gather", lambda value: [value])
+    balancer = SimpleNamespace(shares=[43, 21], changes=[SimpleNamespace(step=16, new=[43, 21])])
+    mode = SimpleNamespace(waits=[0.5] * 10 + [0.002] * 8, untimed=10,   # 10 warm-up steps, 8 timed
+                           session=SimpleNamespace(shares=[42, 22], balancer=balancer))
+    got = data_job.Hetrain.figures(mode)
+    assert got["data_wait_ms_per_step"] == [pytest.approx(2.0)]
+    assert got["balancer_shares"] == [43, 21] and got["loader_shares"] == [42, 22]
+    assert got["split_changes"] == [{"step": 16, "new": [43, 21]}]
 
 
 def test_bench_data_refuses_a_slowed_loader_that_is_not_slower():
