@@ -135,24 +135,32 @@ def finish_gradients(params: Iterable[torch.nn.Parameter], state: StepState, los
     return GradientStatus(found_inf=found_inf, global_items=global_items, loss=loss, stop=stops > 0)
 
 
-def check_skips_agreed(skipped: float, world: int) -> None:
+def skips_disagree(skipped: float, world: int) -> str | None:
     """Replicated gradients give every rank the same verdict on overflow, unless they changed on some ranks
     after the all-reduce: then some ranks skipped the last step and others applied it, and the model copies
-    (and an fp16 job's loss scales) differ from then on, silently. The next step's figures say so."""
+    (and an fp16 job's loss scales) differ from then on, silently. What to say when they did."""
     if 0 < round(skipped) < world:
-        raise HetrainError(
-            f"{round(skipped)} of {world} ranks skipped the last step for non-finite gradients and the others applied "
-            "it: the gradients changed on some ranks after they were all-reduced (a hook or code between "
-            "session.backward() and session.step() that writes them on one rank, or a faulty device), and the ranks' "
-            "copies of the model now differ; remove that change and restart from the last checkpoint")
+        return (f"{round(skipped)} of {world} ranks skipped the last step for non-finite gradients and the others "
+                "applied it: the gradients changed on some ranks after they were all-reduced (a hook or code between "
+                "session.backward() and session.step() that writes them on one rank, or a faulty device), and the "
+                "ranks' copies of the model now differ; remove that change and restart from the last checkpoint")
+    return None
 
 
-def settle_last_skip(skipped_last: bool, device: torch.device) -> None:
-    """At the end of a run, compare every rank's verdict on its last step (collective): under replicated
-    gradients a rank that alone skipped the last step has no next step whose figures would tell."""
+def check_skips_agreed(skipped: float, world: int) -> None:
+    """The next step's figures tell a lone skip: one line that stops every rank."""
+    message = skips_disagree(skipped, world)
+    if message is not None:
+        raise HetrainError(message)
+
+
+def settle_last_skip(skipped_last: bool, device: torch.device) -> str | None:
+    """At the end of a run, compare every rank's verdict on its last step (collective; every rank joins,
+    one leaving on an error too): under replicated gradients a rank that alone skipped the last step has
+    no next step whose figures would tell. What to say when they disagree."""
     t = torch.tensor([float(skipped_last)], dtype=torch.float64, device=device)
     dist.all_reduce(t)
-    check_skips_agreed(t.item(), dist.get_world_size())
+    return skips_disagree(t.item(), dist.get_world_size())
 
 
 def agree_items_per_sample(items: float, samples: int, device: torch.device,

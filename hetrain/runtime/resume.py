@@ -153,11 +153,12 @@ class SessionCheckpoints:
         if self.state.step % self.interval == 0:
             self.save()
 
-    def close(self) -> None:
-        """Save the last step (unless saved already), finish pending saves, restore the SIGTERM handler."""
+    def close(self, save: bool = True) -> None:
+        """Save the last step (unless saved already, or not `save`), finish pending saves, restore the SIGTERM
+        handler."""
         self._watch.reached()
         try:
-            if self.last_saved_step != self.state.step and self.state.step > 0:
+            if save and self.last_saved_step != self.state.step and self.state.step > 0:
                 self.save(blocking=True)
             self.checkpointer.close()
             self._report_committed()

@@ -451,10 +451,10 @@ class Session:
         if self.watch is not None:
             self.watch.stop()
             self.watch = None
-        if self.train is not None and self.train.step > 0 and sys.exc_info()[0] is None and dist.is_initialized():
-            settle_last_skip(self.state.skipped_last, self.device)   # no next step's figures tell a lone skip
+        # no next step's figures tell a rank that alone skipped the last step: every rank compares (collective)
+        diverged = settle_last_skip(self.state.skipped_last, self.device) if self.step_count and dist.is_initialized() else None
         if self.checkpoints is not None:
-            self.checkpoints.close()
+            self.checkpoints.close(save=diverged is None)   # no final checkpoint of copies that differ
             self.checkpoints = None
         self.reports.close()
         if self._owns_group and dist.is_initialized():
@@ -463,6 +463,8 @@ class Session:
                 self.balancer.arrived()
             dist.barrier()   # destroying gloo's group while a peer is still in a collective can abort at exit
             dist.destroy_process_group()
+        if diverged is not None and sys.exc_info()[0] is None:
+            raise HetrainError(diverged)
 
     def __enter__(self) -> "Session":
         return self

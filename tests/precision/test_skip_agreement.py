@@ -111,3 +111,28 @@ def test_an_overflow_under_compression_skips_one_step_and_the_rest_train(compres
     # every rank's samples still reach the weights after the overflow: the run ends where the clean one does
     assert abs(results[0]["loss"] - clean[0]["loss"]) < 0.1 * clean[0]["loss"], (results[0]["loss"], clean[0]["loss"])
     assert results[0]["loss"] < full_loss(make_model())
+
+
+def _raises_after_the_loop(rank, world):
+    import hetrain
+
+    try:
+        with hetrain.Session(_plan("none", "none")) as session:
+            net = make_model()
+            model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+            for x, y in session.loader(make_data(), global_batch_size=GLOBAL):
+                session.backward(F.cross_entropy(model(x), y))
+                session.step()
+                if session.step_count == 3:
+                    break
+            if rank == 0:
+                raise OSError("disk full while writing rank 0's report")
+    except OSError:
+        return "raised"
+    return "closed"
+
+
+def test_a_rank_leaving_the_session_on_an_error_does_not_hang_the_others_at_close():
+    """close() compares the ranks' last verdicts in a collective: a rank leaving on an exception skipped it
+    and went to the closing barrier, and every rank hung there until the collective timeout."""
+    assert run_ranks(_raises_after_the_loop, 3, timeout=90) == ["raised", "closed", "closed"]
