@@ -199,27 +199,14 @@ def even_micro_batch(share: int, limit: int) -> int:
     return max(1, math.ceil(share / accum))
 
 
-def _choice_sets(choices: list[tuple[int, bool]], others: list[tuple[int, bool] | None]
-                 ) -> list[list[tuple[int, bool]]]:
-    """Each kind's (limit, checkpointing) as chosen, and with its other choice where it has one (larger
-    micro-batches with checkpointing): every combination for up to 4 such kinds, else all one way or the other."""
-    where = [i for i, o in enumerate(others) if o is not None]
-    if len(where) > 4:
-        return [choices, [o or c for c, o in zip(choices, others)]]
-    sets = []
-    for mask in range(2 ** len(where)):
-        flip = {i for b, i in enumerate(where) if mask >> b & 1}
-        sets.append([others[i] if i in flip else c for i, c in enumerate(choices)])
-    return sets
-
-
 def data_parallel(strategy: str, cluster, profile: WorkloadProfile, kinds: list[Kind], global_batch: int,
                   optimizer: str, micro_batch: int | None, hook: str = "none") -> Candidate:
     """Uniform DDP ("ddp"), balanced DDP, ZeRO-1 or ZeRO-3 (FSDP) over every device.
 
-    A kind that holds only small micro-batches without activation checkpointing is also priced with it
-    (larger micro-batches, recomputed activations): under ZeRO-3 every rank runs the count of micro-batches
-    the job needs, each gathering the model, so a fast card held to 2 samples a piece left it nearly idle."""
+    Under ZeRO-3 a kind that holds only small micro-batches without activation checkpointing is also
+    priced with it (larger micro-batches, recomputed activations), one kind at a time while that is faster:
+    every rank runs the count of micro-batches the job needs, each gathering the model, so a fast card
+    held to 2 samples a piece left it nearly idle."""
     zero = _ZERO[strategy]
     world = sum(k.count for k in kinds)
     cand = Candidate(strategy, compression=hook)
@@ -244,11 +231,23 @@ def data_parallel(strategy: str, cluster, profile: WorkloadProfile, kinds: list[
                               + (f"{plain}, the largest without checkpointing" if plain else f"{ckpt}"))
         plain_limits.append(plain)
         choices.append((ckpt, True) if ckpt > plain else (plain, False))
-        others.append((with_ckpt, True) if strategy != "ddp" and micro_batch is None and with_ckpt > plain
+        # under ZeRO-3 only: data parallelism without it runs any count of micro-batches a rank needs
+        others.append((with_ckpt, True) if zero >= 3 and micro_batch is None and with_ckpt > plain
                       and not choices[-1][1] else None)
-    priced = [_priced(strategy, cand, cluster, profile, kinds, global_batch, optimizer, hook, plain_limits, choice)
-              for choice in _choice_sets(choices, others)]
-    return max(priced, key=lambda c: c.samples_per_s)
+    def priced(choice: list[tuple[int, bool]]) -> Candidate:
+        return _priced(strategy, cand, cluster, profile, kinds, global_batch, optimizer, hook, plain_limits, choice)
+
+    best = priced(choices)
+    improved = True
+    while improved:   # one kind at a time to its other choice, while that is faster (a few pricings a kind)
+        improved = False
+        for i, other in enumerate(others):
+            if other is not None and choices[i] != other:
+                trial = [other if j == i else c for j, c in enumerate(choices)]
+                candidate = priced(trial)
+                if candidate.samples_per_s > best.samples_per_s:
+                    best, choices, improved = candidate, trial, True
+    return best
 
 
 def _priced(strategy: str, asked: Candidate, cluster, profile: WorkloadProfile, kinds: list[Kind], global_batch: int,
@@ -279,6 +278,8 @@ def _priced(strategy: str, asked: Candidate, cluster, profile: WorkloadProfile, 
     ranks, compute, slow_rank = [], {}, None
     for r in range(world):
         share, mb, ckpt = per_rank[r]
+        ckpt = ckpt and share > 0   # an idle rank recomputes nothing (nor hides more communication)
+        per_rank[r] = (share, mb, ckpt)
         k = kind_of[r]
         if pieces is not None:   # every rank runs the job's count of micro-batches, priced at their size
             accum, mb_even = pieces, max(1, math.ceil(share / pieces))
