@@ -8,6 +8,7 @@ and hooks that others put on the block (FSDP2's unshard/reshard) still run aroun
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import math
@@ -83,8 +84,10 @@ def apply_activation_checkpointing(model: nn.Module, blocks: Sequence[nn.Module]
         # a Hugging Face model keeps a key/value cache in training forwards too: recomputing a block would
         # append its keys a second time (a shape error with an attention mask). Its own checkpointing turns
         # the cache off for training forwards; its config (saved with the weights) and generate() keep it.
-        if "use_cache" in inspect.signature(model.forward).parameters:
-            model.register_forward_pre_hook(no_cache_in_training, with_kwargs=True)
+        names = list(inspect.signature(model.forward).parameters)
+        if "use_cache" in names:
+            model.register_forward_pre_hook(functools.partial(no_cache_in_training, names.index("use_cache")),
+                                            with_kwargs=True)
         else:
             config.use_cache = False
             log.info("activation checkpointing: %s's config.use_cache set to False (a block recomputed in "
@@ -92,9 +95,10 @@ def apply_activation_checkpointing(model: nn.Module, blocks: Sequence[nn.Module]
     return chosen
 
 
-def no_cache_in_training(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-    """A forward pre-hook: a forward that computes gradients runs with `use_cache=False` unless it says."""
-    if torch.is_grad_enabled() and "use_cache" not in kwargs:
+def no_cache_in_training(position: int, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """A forward pre-hook: a forward that computes gradients runs with `use_cache=False` unless it says
+    (by name, or as positional argument `position`)."""
+    if torch.is_grad_enabled() and "use_cache" not in kwargs and len(args) <= position:
         return args, {**kwargs, "use_cache": False}
     return None
 

@@ -49,3 +49,27 @@ def test_checkpointed_blocks_of_a_causal_lm_with_an_attention_mask_give_the_plai
     ref(**{k: torch.stack([s[k] for s in samples]) for k in samples[0]}).loss.backward()
     worst = max((got[n] - p.grad).abs().max().item() for n, p in ref.named_parameters())
     assert worst < 1e-6, worst
+
+
+def test_use_cache_given_positionally_is_left_to_the_caller():
+    """The hook that turns the cache off in training forwards added use_cache=False to a call that passed it
+    positionally: 'got multiple values for argument use_cache'."""
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = transformers.GPT2Config()   # use_cache True
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+
+        def forward(self, x, use_cache=None):
+            for layer in self.layers:
+                x = layer(x)
+            return x, use_cache
+
+    from hetrain.runtime.memory import apply_activation_checkpointing
+
+    model = LM()
+    apply_activation_checkpointing(model)
+    x = torch.randn(2, 4)
+    assert model(x, True)[1] is True and model(x)[1] is False and model(x, use_cache=True)[1] is True
+    with torch.no_grad():
+        assert model(x)[1] is None   # a forward without gradients keeps the model's own default
