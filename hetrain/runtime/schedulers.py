@@ -27,6 +27,7 @@ log = logging.getLogger("hetrain")
 
 # The optimizer settings a scheduler moves, restored from a checkpoint with the scheduler's state.
 MOVED = ("lr", "momentum", "betas")
+KIND = "hetrain_scheduler_class"   # the scheduler's class, saved beside its state
 
 
 def position(scheduler: Any) -> int | None:
@@ -114,8 +115,9 @@ class Schedulers:
     # -- checkpoints --------------------------------------------------------------------------------
 
     def state_dict(self) -> list[dict]:
+        """Each scheduler's state, with its class's name (a resume compares it)."""
         self.check_not_stepped_elsewhere()
-        return [scheduler.state_dict() for scheduler in self.items]
+        return [{**scheduler.state_dict(), KIND: type(scheduler).__name__} for scheduler in self.items]
 
     def load_state_dict(self, states: list[dict] | None, settings: list[dict] | None, step: int,
                         optimizer: Any) -> None:
@@ -134,13 +136,17 @@ class Schedulers:
                 for group, start in zip(optimizer.param_groups, self._start[index]):
                     group.update(start)   # the checkpoint's optimizer state replaced them with its own
             return
-        saved, own = self._saved[index], scheduler.state_dict()
+        saved, own, name = dict(self._saved[index]), scheduler.state_dict(), type(scheduler).__name__
+        kind = saved.pop(KIND, None)   # None in a checkpoint written before kinds were saved
         missing = sorted(k for k in own if k not in saved and not k.startswith("_"))
-        if missing:
+        if (kind is not None and kind != name) or missing:
+            what = f"a {kind}" if kind not in (None, name) else (
+                f"a {name} built with other arguments" if kind == name else f"another kind of scheduler than {name}")
             raise HetrainError(
-                f"the checkpoint of step {self._saved_step} holds LR scheduler {index}'s state for another kind of "
-                f"scheduler than {type(scheduler).__name__} (it lacks {', '.join(missing[:3])}): give the scheduler "
-                "the checkpoint was saved with, or start in an empty checkpoint directory")
+                f"the checkpoint of step {self._saved_step} holds LR scheduler {index}'s state for {what}"
+                + (f" (it lacks {', '.join(missing[:3])})" if missing and kind in (None, name) else "")
+                + f", and this run gives {name}: give the scheduler the checkpoint was saved with, or start in an "
+                "empty checkpoint directory")
         scheduler.load_state_dict(saved)
         self._stepped_to[index] = position(scheduler)
         # Building the scheduler moved the optimizer's settings to the schedule's start: back to the checkpoint's.

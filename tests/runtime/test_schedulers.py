@@ -80,11 +80,19 @@ def test_a_scheduler_added_on_resuming_a_checkpoint_without_one_starts_its_sched
 
 
 def test_another_kind_of_scheduler_on_resume_is_refused_naming_it(tmp_path):
-    """A checkpoint saved with LambdaLR resumed under OneCycleLR failed at the first step with KeyError."""
-    _run(str(tmp_path), 6, schedule=_warm_up)
-    with pytest.raises(HetrainError, match=r"another kind of scheduler than OneCycleLR .*give the scheduler the "
-                                           r"checkpoint was saved with"):
-        _run(str(tmp_path), 9)
+    """A checkpoint saved with LambdaLR resumed under OneCycleLR failed at the first step with KeyError; StepLR
+    resumed as ExponentialLR loaded silently and took StepLR's gamma."""
+    _run(str(tmp_path / "a"), 6, schedule=_warm_up)
+    with pytest.raises(HetrainError, match=r"state for a LambdaLR, and this run gives OneCycleLR: give the "
+                                           r"scheduler the checkpoint was saved with"):
+        _run(str(tmp_path / "a"), 9)
+    _run(str(tmp_path / "b"), 6, schedule=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5))
+    with pytest.raises(HetrainError, match=r"state for a StepLR, and this run gives ExponentialLR"):
+        _run(str(tmp_path / "b"), 9, schedule=lambda o: torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.9))
+    _run(str(tmp_path / "c"), 6, schedule=lambda o: torch.optim.lr_scheduler.OneCycleLR(
+        o, max_lr=0.5, total_steps=20, cycle_momentum=False))
+    with pytest.raises(HetrainError, match=r"state for a OneCycleLR built with other arguments \(it lacks use_beta1\)"):
+        _run(str(tmp_path / "c"), 9)
 
 
 def test_a_checkpoints_scheduler_state_not_given_again_is_said(tmp_path, caplog):
