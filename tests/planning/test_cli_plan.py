@@ -201,3 +201,12 @@ def test_files_of_another_kind_say_what_they_are_not(tmp_path):
         r = _run("plan", *args)
         lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
         assert r.returncode == 2 and len(lines) == 1 and said in lines[0], (args, r.stderr)
+
+
+def test_a_plan_with_its_required_fields_misspelt_is_told_the_renames_not_that_it_is_no_plan(tmp_path):
+    """Two required fields written wrong made 'not a plan: hetrain plan --out FILE writes one', hiding the
+    rename the message gave before."""
+    (tmp_path / "plan.json").write_text(json.dumps({"global_batch": 8, "rank": [], "strategy": "balanced"}))
+    with pytest.raises(Exception) as e:
+        Plan.load(tmp_path / "plan.json")
+    assert "rename it to 'global_batch_size'" in str(e.value) and "not a plan" not in str(e.value)
