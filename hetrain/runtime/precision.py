@@ -29,46 +29,60 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class PrecisionWatch:
-    """A forward pre-hook that looks once, at the first training forward, at the autocast it runs under:
-    a bf16/fp16 rank whose forward runs without autocast computes in fp32 (the same update, slower, with
-    the memory of fp32 activations); a job with no fp16 rank (so no loss scale) whose forward runs under
-    the script's own fp16 autocast underflows small gradients to zero unscaled (1.1% of them exactly zero
-    in a measured run). A plain object, so the script's model still pickles."""
+    """Forward hooks that look once, at the first training forward, at the autocast it runs under: a
+    bf16/fp16 rank whose forward runs without autocast anywhere (not around the model, nor inside its
+    forward around any submodule) computes in fp32 (the same update, slower, with the memory of fp32
+    activations); a job with no fp16 rank (so no loss scale) whose forward runs under the script's own
+    fp16 autocast underflows small gradients to zero unscaled (1.1% of them exactly zero in a measured
+    run). The hooks go at the end of that forward. A plain object, so the script's model still pickles."""
 
     def __init__(self, device_type: str, precision: str, job_has_fp16: bool) -> None:
         self.device_type = device_type
         self.precision = precision
         self.job_has_fp16 = job_has_fp16
-        self.handle: Any = None
-        self.done = False
+        self.handles: list[Any] = []
+        self.started = self.seen = self.done = False
 
-    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+    def attach(self, model: torch.nn.Module) -> None:
+        self.handles = [model.register_forward_pre_hook(self.before), model.register_forward_hook(self.after)]
+        if self.precision in _DTYPES:   # autocast the model enters inside its own forward counts too
+            self.handles += [m.register_forward_pre_hook(self.inside) for m in model.modules() if m is not model]
+
+    def before(self, module: torch.nn.Module, args: Any) -> None:
         if self.done or not torch.is_grad_enabled():   # an evaluation computes no gradient to underflow
             return
-        self.done = True   # the first training forward tells
-        if self.handle is not None:
-            self.handle.remove()
-            self.handle = None
-        enabled = torch.is_autocast_enabled(self.device_type)
-        if not enabled and self.precision in _DTYPES:
-            log.warning("this rank's plan computes in %s, and its forward runs without autocast, so in fp32 (the "
-                        "same update, slower and with fp32 activations): run the forward inside `with "
-                        "session.autocast():`", self.precision)
-        elif enabled and not self.job_has_fp16 and torch.get_autocast_dtype(self.device_type) == torch.float16:
+        self.started = True
+        self.seen = torch.is_autocast_enabled(self.device_type)
+        if self.seen and not self.job_has_fp16 and torch.get_autocast_dtype(self.device_type) == torch.float16:
             log.warning("the forward runs under fp16 autocast, and no rank of this plan is fp16, so the job keeps "
                         "no loss scale: small fp16 gradients underflow to zero; use `with session.autocast():` "
                         "(each rank in its plan's precision) or plan fp16 for this device (hetrain plan "
                         "--precision fp16)")
 
+    def inside(self, module: torch.nn.Module, args: Any) -> None:
+        if self.started and not self.seen and torch.is_autocast_enabled(self.device_type):
+            self.seen = True
+
+    def after(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if not self.started or self.done:
+            return
+        self.done = True   # the first training forward tells
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        if self.precision in _DTYPES and not self.seen:
+            log.warning("this rank's plan computes in %s, and its forward runs without autocast, so in fp32 (the "
+                        "same update, slower and with fp32 activations): run the forward inside `with "
+                        "session.autocast():`", self.precision)
+
     def __getstate__(self) -> dict:   # a copy of the model (deepcopy, AveragedModel) carries an inert watch
-        return {**self.__dict__, "handle": None, "done": True}
+        return {**self.__dict__, "handles": [], "done": True}
 
 
 def watch_precision(model: torch.nn.Module, device: torch.device, precision: str, job_has_fp16: bool) -> None:
     """Look at the first training forward of `model` for the autocast its plan asks for (or a risky one)."""
     if precision in _DTYPES or not job_has_fp16:
-        watch = PrecisionWatch(device.type, precision, job_has_fp16)
-        watch.handle = model.register_forward_pre_hook(watch)
+        PrecisionWatch(device.type, precision, job_has_fp16).attach(model)
 
 
 # the operations between a GradScaler's multiply and the loss passed on: reductions, shape and dtype changes,

@@ -5,6 +5,7 @@ import contextlib
 import logging
 
 import pytest
+import torch
 import torch.nn.functional as F
 
 from hetrain.errors import HetrainError
@@ -51,6 +52,35 @@ def test_a_forward_outside_the_plans_autocast_warns_once(precision):
     outside = [m for m in said if "without autocast" in m]
     assert len(outside) == 1 and precision in outside[0] and "session.autocast()" in outside[0], said
     assert not [m for m in _warnings_of(lambda: _train(precision, use_autocast=True)) if "autocast" in m]
+
+
+class _AutocastInside(torch.nn.Module):
+    """A model that enters autocast inside its own forward (as some model code does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = make_model()
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.net(x).float()
+
+
+def test_a_model_that_enters_autocast_inside_its_forward_is_not_warned():
+    """The watch looked only around the model: a forward that autocasts inside itself was told it ran in fp32."""
+    import hetrain
+
+    def run():
+        with hetrain.Session(_one_rank("bf16")) as session:
+            net = _AutocastInside()
+            model, _ = session.prepare(net, make_optimizer(net))
+            for step, (x, y) in enumerate(session.loader(make_data(), global_batch_size=GLOBAL)):
+                session.backward(F.cross_entropy(model(x), y))
+                session.step()
+                if step == 1:
+                    break
+
+    assert not [m for m in _warnings_of(run) if "without autocast" in m]
 
 
 def test_loss_scale_settings_on_a_plan_without_fp16_are_said_to_be_unused():
