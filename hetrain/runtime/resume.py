@@ -92,6 +92,7 @@ class SessionCheckpoints:
         self.checkpointer = Checkpointer(Path(directory), keep=keep, async_save=async_save)
         self.last_saved_step: int | None = None
         self._blocking: dict[int, float] = {}   # step -> seconds its save held the loop, until reported
+        self._captured: dict[int, float] = {}   # step -> seconds capturing its state took
         self.resumed_from: int | None = None
         self._sigterm = False
         self._previous_handler = None
@@ -120,6 +121,7 @@ class SessionCheckpoints:
         """Collective: write a checkpoint of the current step."""
         start = time.perf_counter()
         shared, per_rank, sharded = self.state.capture()
+        self._captured[self.state.step] = time.perf_counter() - start   # part of the save's time until committed
         self.checkpointer.save(self.state.step, shared, per_rank, sharded, blocking=blocking)
         self.last_saved_step = self.state.step
         self._blocking[self.state.step] = time.perf_counter() - start   # the loop held: capture, then the save
@@ -129,9 +131,9 @@ class SessionCheckpoints:
         """One CheckpointRecord per checkpoint committed since the last report: a background save's
         is known once it is on disk (its size and save time are its own, not the previous one's)."""
         for step, total, nbytes in self.checkpointer.take_committed():
-            blocking = self._blocking.pop(step, 0.0)
-            if self.on_saved is not None:
-                self.on_saved(CheckpointRecord(step, blocking, total, nbytes))
+            blocking, captured = self._blocking.pop(step, 0.0), self._captured.pop(step, 0.0)
+            if self.on_saved is not None:   # until committed: from the capture of the state on
+                self.on_saved(CheckpointRecord(step, blocking, captured + total, nbytes))
 
     @property
     def stop_requested(self) -> bool:
