@@ -263,9 +263,9 @@ class Session:
             items = num_items(target) if callable(num_items) else num_items
             self.backward(loss, items)
             return loss.detach()
+        self.timer.step_begins()   # the script's own time ends (no module hook sees a pipeline's step begin)
         inputs, target = self.pipeline.gather_batch((inputs, target))
-        loss = self.pipeline.run(inputs, target, loss_fn, item_counter(num_items), state=self.state,
-                                 scaler=self.scaler)
+        loss = self.pipeline.run(inputs, target, loss_fn, item_counter(num_items), state=self.state, scaler=self.scaler)
         self._status = None
         return loss if loss is not None else torch.tensor(float("nan"), device=self.device)
 

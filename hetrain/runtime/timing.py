@@ -144,6 +144,12 @@ class StepTimer:
             self._armed = False
             self.compute_pre_hook(module, args)
 
+    def step_begins(self) -> None:
+        """The step's work begins here (a pipeline's forward_backward, which no module hook sees): the
+        script's own time since the last step ends."""
+        if self.started_at is None:
+            self.started_at = time.perf_counter()
+
     def compute_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
         if self._start is None and torch.is_grad_enabled():   # a training forward, not an evaluation
             self._start = time.perf_counter()

@@ -40,3 +40,39 @@ def test_a_stage_reports_its_replicas_samples_and_share():
         want = 5 if rank < 2 else 3   # ranks 0, 1: replica 0's stages; 2, 3: replica 1's
         assert len(records) == 2 and all(samples == want and share == want and sum(shares) == 8
                                          for samples, share, shares in records), (rank, records)
+
+
+def _script_time(rank, world, plan):
+    import time
+
+    import torch
+
+    import hetrain
+
+    session = hetrain.Session(plan)
+    records = []
+
+    class Keep:
+        def on_step(self, record):
+            records.append((record.script_seconds, record.waiting_seconds))
+
+    session.add_observer(Keep())
+    net = make_model()
+    session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    for x, y in session.loader(make_data(), global_batch_size=plan.global_batch_size, shuffle=False):
+        session.forward_backward(x, y, F.cross_entropy)
+        session.step()
+        time.sleep(0.1)   # the script's own work between steps (logging, evaluation)
+        if session.step_count == 3:
+            break
+    session.close()
+    return records
+
+
+def test_a_stage_counts_the_scripts_own_time_as_the_scripts():
+    """No module hook sees a pipeline's step begin: the script's 0.1 s between steps was reported as 0 and
+    counted as waiting on the other ranks."""
+    plan = pipeline_plan([[0, 4], [4, 8]], "1f1b", 1, 8)
+    for records in run_ranks(_script_time, 2, plan):
+        for script, waiting in records[1:]:   # a process's first step has no step before it
+            assert script >= 0.09 and waiting < 0.09, records
