@@ -7,7 +7,10 @@ from tests.distributed import run_ranks
 from tests.pipeline.common import make_data, make_model, pipeline_plan
 
 
-def _records(rank, world, plan):
+def _records(rank, world, plan, fields=("samples", "share", "shares"), sleep=0.0):
+    """Each step's record `fields`, over 2 steps (3 with a pause of `sleep` s after each, the script's own)."""
+    import time
+
     import torch
 
     import hetrain
@@ -17,7 +20,7 @@ def _records(rank, world, plan):
 
     class Keep:
         def on_step(self, record):
-            records.append((record.samples, record.share, record.shares))
+            records.append(tuple(getattr(record, f) for f in fields))
 
     session.add_observer(Keep())
     net = make_model()
@@ -25,7 +28,8 @@ def _records(rank, world, plan):
     for x, y in session.loader(make_data(), global_batch_size=plan.global_batch_size, shuffle=False):
         session.forward_backward(x, y, F.cross_entropy)
         session.step()
-        if session.step_count == 2:
+        time.sleep(sleep)
+        if session.step_count == (3 if sleep else 2):
             break
     session.close()
     return records
@@ -42,37 +46,10 @@ def test_a_stage_reports_its_replicas_samples_and_share():
                                          for samples, share, shares in records), (rank, records)
 
 
-def _script_time(rank, world, plan):
-    import time
-
-    import torch
-
-    import hetrain
-
-    session = hetrain.Session(plan)
-    records = []
-
-    class Keep:
-        def on_step(self, record):
-            records.append((record.script_seconds, record.waiting_seconds))
-
-    session.add_observer(Keep())
-    net = make_model()
-    session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
-    for x, y in session.loader(make_data(), global_batch_size=plan.global_batch_size, shuffle=False):
-        session.forward_backward(x, y, F.cross_entropy)
-        session.step()
-        time.sleep(0.1)   # the script's own work between steps (logging, evaluation)
-        if session.step_count == 3:
-            break
-    session.close()
-    return records
-
-
 def test_a_stage_counts_the_scripts_own_time_as_the_scripts():
     """No module hook sees a pipeline's step begin: the script's 0.1 s between steps was reported as 0 and
     counted as waiting on the other ranks."""
     plan = pipeline_plan([[0, 4], [4, 8]], "1f1b", 1, 8)
-    for records in run_ranks(_script_time, 2, plan):
+    for records in run_ranks(_records, 2, plan, ("script_seconds", "waiting_seconds"), 0.1):
         for script, waiting in records[1:]:   # a process's first step has no step before it
             assert script >= 0.09 and waiting < 0.09, records
