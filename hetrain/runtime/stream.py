@@ -8,10 +8,10 @@ That needs every worker to read the same stream: a stream that splits itself by 
 gives each worker another, and its samples would be lost; the workers' first global batches are
 compared (`fingerprint`) and such a stream is refused.
 The slice is cut in the training process when the loop takes the step, so a split change takes
-effect at the next step and needs no lag. A worker sends a global batch's tensors stacked by shape
-and dtype (`pack`), one shared-memory block each instead of one per sample's tensor (64 samples of a
-tensor and a label took 11.8 ms a global batch to pass, against 0.08 ms read in the training
-process); the training process takes the samples back as they were (`unpack`), rows of those blocks.
+effect at the next step and needs no lag. A worker sends a plain global batch's small tensors stacked
+by shape and dtype (`Packed`), one shared-memory block each instead of one per sample's tensor (a
+step's data wait, 64 samples of a tensor and a label: 92 ms, then 2.1 ms); the training process takes
+the samples back as they were (`unpack`), rows of those blocks. Other samples travel as they are.
 See docs/data.md for what holds for streams.
 """
 
@@ -21,10 +21,11 @@ import hashlib
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from hetrain.runtime.batch_tree import flatten, map_leaves
+from hetrain.runtime.batch_tree import flatten
 
 
 def fingerprint(samples: list[Any], floats: bool = True) -> str:
@@ -38,7 +39,8 @@ def fingerprint(samples: list[Any], floats: bool = True) -> str:
 
     for x in flatten(samples)[0]:
         if isinstance(x, torch.Tensor):
-            x = x.detach().cpu().contiguous()
+            x = x.detach().cpu()
+            x = (x.to_dense() if x.layout != torch.strided else x).contiguous()   # a sparse one: its values
             x = x.float().numpy() if x.dtype == torch.bfloat16 else x.numpy()
         if hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "tobytes"):   # a numpy array
             shapes.append(repr((tuple(x.shape), str(x.dtype))).encode())
@@ -68,22 +70,65 @@ class _Row:
         self.block, self.row = state
 
 
+# a tensor larger than this travels on its own (its block costs little beside its bytes, and stacking copies it)
+PACK_MAX_BYTES = 1 << 16
+_PLAIN_VALUES = (str, bytes, int, float, bool, complex, type(None), np.ndarray, np.generic)
+
+
+def _plain(obj: Any, tensors: list[torch.Tensor], storages: set[int]) -> bool:
+    """Whether `obj` is built of dicts, lists and tuples (those types exactly) around plain values and
+    small tensors that each own their whole storage, none shared: what stacks and rebuilds exactly.
+    Collects its tensors in order."""
+    kind = type(obj)
+    if kind is torch.Tensor:   # not a Parameter or another subclass, which stacking would make plain
+        nbytes = obj.numel() * obj.element_size()
+        if (obj.layout != torch.strided or obj.requires_grad or obj.is_quantized or nbytes > PACK_MAX_BYTES
+                or obj.storage_offset() != 0 or not obj.is_contiguous()
+                or obj.untyped_storage().nbytes() != nbytes or (nbytes and obj.data_ptr() in storages)):
+            return False   # a view, a shared or expanded tensor, a large one: stacking would copy or part them
+        storages.add(obj.data_ptr())
+        tensors.append(obj)
+        return True
+    if kind is dict:
+        return all(_plain(v, tensors, storages) for v in obj.values())
+    if kind is list or kind is tuple:
+        return all(_plain(v, tensors, storages) for v in obj)
+    return isinstance(obj, _PLAIN_VALUES) and not isinstance(obj, torch.Tensor)
+
+
+def _rebuilt(obj: Any, tensor: Any) -> Any:
+    """A plain sample (see `_plain`) with each tensor replaced by `tensor(it)`."""
+    kind = type(obj)
+    if kind is torch.Tensor or kind is _Row:
+        return tensor(obj)
+    if kind is dict:
+        return {k: _rebuilt(v, tensor) for k, v in obj.items()}
+    if kind is list or kind is tuple:
+        return kind(_rebuilt(v, tensor) for v in obj)
+    return obj
+
+
 class Packed:
-    """A global batch whose samples' tensors travel stacked by (shape, dtype): what a worker sends."""
+    """A global batch whose samples' small tensors travel stacked by (shape, dtype): what a worker sends.
+    Samples of any other form (a dataclass, a container subclass, a tensor shared, a view or large) travel
+    as they are: rebuilding them could lose their attributes or part what they share."""
 
     def __init__(self, samples: list[Any]) -> None:
+        tensors: list[torch.Tensor] = []
+        storages: set[int] = set()   # a tensor two samples share travels as it is, shared
+        if not all(_plain(sample, tensors, storages) for sample in samples) or not tensors:
+            self.samples, self.blocks = samples, None
+            return
         groups: dict[tuple, list[torch.Tensor]] = {}   # (shape, dtype, device) -> its tensors, in order
         index: dict[tuple, int] = {}                     # ... -> its block
 
-        def slot(x: Any) -> Any:
-            if not isinstance(x, torch.Tensor) or x.layout != torch.strided or x.requires_grad:
-                return x
+        def slot(x: torch.Tensor) -> _Row:
             key = (tuple(x.shape), x.dtype, x.device)
             rows = groups.setdefault(key, [])
             rows.append(x)
             return _Row(index.setdefault(key, len(index)), len(rows) - 1)
 
-        self.samples = [map_leaves(slot, sample) for sample in samples]
+        self.samples = [_rebuilt(sample, slot) for sample in samples]
         self.blocks = [torch.stack(rows) for rows in groups.values()]
 
 
@@ -92,9 +137,10 @@ def unpack(item: Any) -> Any:
     first, batch = item
     if not isinstance(batch, Packed):
         return item
+    if batch.blocks is None:
+        return first, batch.samples
     rows = [block.unbind(0) for block in batch.blocks]
-    return first, [map_leaves(lambda x: rows[x.block][x.row] if isinstance(x, _Row) else x, sample)
-                   for sample in batch.samples]
+    return first, [_rebuilt(sample, lambda x: rows[x.block][x.row]) for sample in batch.samples]
 
 
 class GlobalBatchStream(IterableDataset):

@@ -1,6 +1,8 @@
 """The loader on torch's DataLoader: invariants with workers and prefetch, split changes scheduled
 ahead, resume mid-epoch with batches in flight, and one-line errors for what a DataLoader user passes."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -283,3 +285,61 @@ def test_a_streams_samples_come_from_workers_as_they_were_read():
     assert first == "digest" and [s["text"] for s in back] == [s["text"] for s in samples]
     assert all(torch.equal(a["ids"], b["ids"]) and a["pair"][1].dtype == b["pair"][1].dtype
                for a, b in zip(samples, back))
+
+
+@dataclasses.dataclass
+class _Labelled:
+    x: torch.Tensor
+    label: torch.Tensor = dataclasses.field(init=False, default=None)
+
+
+class _Tagged(list):
+    tag = None
+
+
+class _Unusual(torch.utils.data.IterableDataset):
+    """Samples that stacking and rebuilding would change: a dataclass field set after construction, a list
+    subclass's attribute, a tensor held twice and as a view, a Parameter, a sparse tensor."""
+
+    def __iter__(self):
+        shared = torch.arange(4.0)
+        for i in range(24):
+            labelled = _Labelled(torch.tensor([float(i)]))
+            labelled.label = torch.tensor(i % 3)
+            tagged = _Tagged([torch.tensor(i)])
+            tagged.tag = f"src{i % 2}"
+            x = torch.full((4,), float(i))
+            yield {"labelled": labelled, "tagged": tagged, "x": x, "same": x, "head": x[:2], "shared": shared,
+                   "param": torch.nn.Parameter(torch.tensor([float(i)])),
+                   "sparse": torch.sparse_coo_tensor([[0], [i % 3]], [float(i)], (2, 3))}
+
+
+def _as_read(samples):
+    """What a collate sees of each sample: its attributes read here, its x changed in place."""
+    for s in samples:
+        s["x"].sub_(1000)   # in place: a sample's "same" and "head" are its "x"
+        s["labelled"], s["tagged"] = s["labelled"].label, s["tagged"].tag
+    return samples
+
+
+def _unusual_batches(**options):
+    loader = make_loader(_Unusual(), 8, shuffle=False, seed=0, rank=0, split=_Split([8]), step=StepState(1),
+                         device=torch.device("cpu"), collate_fn=_as_read, **options)
+    batches = []
+    for batch in loader:
+        batches.append(batch)
+        loader.step.finish(8, None)
+    return batches
+
+
+def test_samples_that_stacking_would_change_come_from_workers_as_they_were_read():
+    """Stacking every tensor lost a dataclass field set after construction and a list subclass's attribute,
+    parted a tensor from its alias and its view, made a Parameter plain; a sparse tensor crashed the
+    workers' comparison of their first batches."""
+    for got, want in zip(_unusual_batches(num_workers=2), _unusual_batches(), strict=True):
+        for g, w in zip(got, want, strict=True):
+            assert g["labelled"] is not None and torch.equal(g["labelled"], w["labelled"])
+            assert g["tagged"] == w["tagged"] is not None
+            assert torch.equal(g["same"], w["x"]) and torch.equal(g["head"], w["x"][:2]) and g["x"][0] < -900
+            assert type(g["param"]) is torch.nn.Parameter and torch.equal(g["sparse"].to_dense(),
+                                                                           w["sparse"].to_dense())
