@@ -29,7 +29,9 @@ def devices_to_add(profile, kinds, best, optimizer, world, global_batch: int | N
         return (f"the {' and '.join(never)} cannot hold micro-batch 1 however many devices share the model's "
                 f"state (leave {'them' if len(never) > 1 else 'it'} out)")
     total = least(kinds, world + 1)
-    advice = f"add {total - world} more {best.spec.name} (ZeRO-3 over {total} devices fits{batch(total)})"
+    # CPU ranks of one machine share its memory: more of them there hold no more, on other machines they do
+    where = " on other machines (CPU ranks of one machine share its memory)" if best.spec.arch == "cpu" else ""
+    advice = f"add {total - world} more {best.spec.name}{where} (ZeRO-3 over {total} devices fits{batch(total)})"
     alone = least([best], 1)
     if len(kinds) > 1 and alone < total:
         others = " and ".join(k.spec.name for k in kinds if k is not best)

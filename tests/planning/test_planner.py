@@ -356,3 +356,11 @@ def test_an_idle_rank_is_not_planned_to_checkpoint_nor_credited_for_it():
     idle = [r for r in result.plan.ranks if r.share == 0]
     assert idle and not any(r.activation_checkpointing for r in idle)
     assert result.plan.predicted_samples_per_s == pytest.approx(20733.6, abs=0.1)
+
+
+def test_more_cpu_ranks_are_advised_on_other_machines():
+    """'add 2 more cpu' could not be followed on the machine: its CPU ranks share its memory."""
+    from hetrain.errors import NoPlanFits
+
+    with pytest.raises(NoPlanFits, match=r"add \d+ more cpu on other machines \(CPU ranks of one machine share"):
+        plan_job(cluster_from_devices("cpu:2"), get_profile("gpt2-1.5b"), 64)
