@@ -53,6 +53,7 @@ class Attempt:
     restarts: int = 0
     first_device: str | None = None   # the device of its first step, for a log that lost its start line
     first_step: int | None = None     # the first step it logged: a resumed attempt's checkpoint is the one before
+    unlogged: set[int] = field(default_factory=set)   # steps it committed a checkpoint at that a later one resumed
 
     @property
     def device(self) -> str | None:
@@ -85,7 +86,7 @@ class RankRun:
         """The steps a checkpoint was committed at: those logged, and those a later attempt resumed from (a
         background save that committed just before its process was killed logged nothing)."""
         logged = {c.get("step") for c in self.checkpoints}
-        resumed = {a.first_step - 1 for a in self.attempts[1:] if isinstance(a.first_step, int) and a.first_step > 1}
+        resumed = {step for a in self.attempts for step in a.unlogged}
         return sorted(s for s in logged | resumed if isinstance(s, int) and not isinstance(s, bool))
 
     @property
@@ -157,6 +158,10 @@ def read_rank(rank: int, path: Path) -> RankRun:
     ordered = [by_step[k] for k in sorted(by_step)]
     run.steps = [line for line, _ in ordered]
     run.step_attempts = [a for _, a in ordered]
+    ran = {line["step"]: a for line, a in ordered}   # the checkpoint a later attempt resumed from: its writer's
+    for later in run.attempts[1:]:
+        if isinstance(later.first_step, int) and later.first_step - 1 in ran:
+            run.attempts[ran[later.first_step - 1]].unlogged.add(later.first_step - 1)
     return run
 
 

@@ -214,15 +214,16 @@ def test_a_split_is_marked_where_the_loader_began_using_it():
 def test_a_checkpoint_committed_just_before_a_crash_is_counted_from_the_resume(tmp_path):
     """A background save that committed just before its rank was killed logged no checkpoint line: the
     report said 3 checkpoints where the job had committed 4 and resumed from the unlogged one."""
-    for steps, logged in ((range(1, 11), (4,)), (range(9, 17), (12, 16))):   # steps 4 and 8 saved, 8 unlogged
-        m = RankMetrics(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), device_name="cpu",
-                        port=None, run_dir=tmp_path, job="crash", predicted_step_seconds=0.1)
-        for step in steps:
-            m.on_step(step_record(step, rank=0, world_size=1, device="cpu", share=8, samples=8, shares=(8,),
-                                  step_seconds=None if step == steps[0] else 0.2, compute_seconds=0.1))
-            if step in logged:
-                m.on_checkpoint(CheckpointRecord(step=step, blocking_seconds=0.1, total_seconds=0.3, bytes=100))
-        m.close()
-    runs = load_run(tmp_path)
-    assert runs[0].checkpoint_steps == [4, 8, 12, 16]
-    assert summary_rows(runs)[0]["checkpoints"] == 4
+    for run_dir, second in ((tmp_path / "same", "cpu"), (tmp_path / "other", "cpu-b")):   # resumed on another device too
+        for device, steps, logged in (("cpu", range(1, 11), (4,)), (second, range(9, 17), (12, 16))):   # 8 unlogged
+            m = RankMetrics(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), device_name=device,
+                            port=None, run_dir=run_dir, job="crash", predicted_step_seconds=0.1)
+            for step in steps:
+                m.on_step(step_record(step, rank=0, world_size=1, device=device, share=8, samples=8, shares=(8,),
+                                      step_seconds=None if step == steps[0] else 0.2, compute_seconds=0.1))
+                if step in logged:
+                    m.on_checkpoint(CheckpointRecord(step=step, blocking_seconds=0.1, total_seconds=0.3, bytes=100))
+            m.close()
+        runs = load_run(run_dir)
+        assert runs[0].checkpoint_steps == [4, 8, 12, 16]
+        assert sum(row["checkpoints"] for row in summary_rows(runs)) == 4   # step 8 in the row of the device that wrote it
