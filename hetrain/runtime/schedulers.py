@@ -138,7 +138,7 @@ class Schedulers:
             return
         saved, own, name = dict(self._saved[index]), scheduler.state_dict(), type(scheduler).__name__
         kind = saved.pop(KIND, None)   # None in a checkpoint written before kinds were saved
-        missing = sorted(k for k in own if k not in saved and not k.startswith("_"))
+        missing = sorted(k for k in own if k not in saved and not k.startswith("_") and k != KIND)
         if (kind is not None and kind != name) or missing:
             what = f"a {kind}" if kind not in (None, name) else (
                 f"a {name} built with other arguments" if kind == name else f"another kind of scheduler than {name}")

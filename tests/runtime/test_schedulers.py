@@ -95,6 +95,22 @@ def test_another_kind_of_scheduler_on_resume_is_refused_naming_it(tmp_path):
         _run(str(tmp_path / "c"), 9)
 
 
+def test_a_scheduler_once_loaded_from_a_checkpoint_with_plain_torch_resumes(tmp_path):
+    """torch's load_state_dict keeps the class name saved beside a scheduler's state as an attribute, which its
+    next state_dict returns: a resume of that run took it for a missing setting and refused."""
+    step_lr = torch.optim.lr_scheduler.StepLR
+    _run(str(tmp_path / "a"), 4, schedule=lambda o: step_lr(o, step_size=2, gamma=0.5))
+    saved = torch.load(next((tmp_path / "a").glob("step-*/shared.pt")), weights_only=False)["schedulers"][0]
+
+    def warm_started(optimizer):
+        scheduler = step_lr(optimizer, step_size=2, gamma=0.5)
+        scheduler.load_state_dict(saved)   # a warm start from another run's checkpoint, read with plain torch
+        return scheduler
+
+    _run(str(tmp_path / "b"), 6, schedule=warm_started)
+    _run(str(tmp_path / "b"), 8, schedule=warm_started)   # resumed: refused before
+
+
 def test_a_checkpoints_scheduler_state_not_given_again_is_said(tmp_path, caplog):
     _run(str(tmp_path), 6, schedule=_warm_up)
     with caplog.at_level("WARNING", logger="hetrain"):
