@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import logging
 import math
 from collections.abc import Iterator, Sequence
@@ -84,10 +85,12 @@ def apply_activation_checkpointing(model: nn.Module, blocks: Sequence[nn.Module]
         # a Hugging Face model keeps a key/value cache in training forwards too: recomputing a block would
         # append its keys a second time (a shape error with an attention mask). Its own checkpointing turns
         # the cache off for training forwards; its config (saved with the weights) and generate() keep it.
-        names = list(inspect.signature(model.forward).parameters)
-        if "use_cache" in names:
-            model.register_forward_pre_hook(functools.partial(no_cache_in_training, names.index("use_cache")),
-                                            with_kwargs=True)
+        params = list(inspect.signature(model.forward).parameters.values())
+        if any(p.name == "use_cache" for p in params):
+            positional = [p.name for p in itertools.takewhile(lambda p: p.kind in (p.POSITIONAL_ONLY,
+                                                                                   p.POSITIONAL_OR_KEYWORD), params)]
+            at = positional.index("use_cache") if "use_cache" in positional else math.inf   # keyword-only: never
+            model.register_forward_pre_hook(functools.partial(no_cache_in_training, at), with_kwargs=True)
         else:
             config.use_cache = False
             log.info("activation checkpointing: %s's config.use_cache set to False (a block recomputed in "
@@ -95,7 +98,7 @@ def apply_activation_checkpointing(model: nn.Module, blocks: Sequence[nn.Module]
     return chosen
 
 
-def no_cache_in_training(position: int, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+def no_cache_in_training(position: float, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """A forward pre-hook: a forward that computes gradients runs with `use_cache=False` unless it says
     (by name, or as positional argument `position`)."""
     if torch.is_grad_enabled() and "use_cache" not in kwargs and len(args) <= position:

@@ -73,3 +73,25 @@ def test_use_cache_given_positionally_is_left_to_the_caller():
     assert model(x, True)[1] is True and model(x)[1] is False and model(x, use_cache=True)[1] is True
     with torch.no_grad():
         assert model(x)[1] is None   # a forward without gradients keeps the model's own default
+
+
+def test_use_cache_after_a_variable_count_of_positional_arguments_is_found_by_name():
+    """forward(x, *extra, use_cache=None): its position was taken as 1, so a call with two or more
+    positional arguments kept the cache in a training forward."""
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = transformers.GPT2Config()
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+
+        def forward(self, x, *extra, use_cache=None):
+            for layer in self.layers:
+                x = layer(x)
+            return x, use_cache
+
+    from hetrain.runtime.memory import apply_activation_checkpointing
+
+    model = LM()
+    apply_activation_checkpointing(model)
+    x = torch.randn(2, 4)
+    assert [model(*([x] * n))[1] for n in (1, 2, 3)] == [False, False, False]
