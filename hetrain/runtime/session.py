@@ -448,11 +448,11 @@ class Session:
 
     def close(self) -> None:
         """Save a final checkpoint (when checkpointing), then leave the process group if this session started it."""
-        if self.watch is not None:
+        diverged = None
+        if self.watch is not None:   # no next step's figures tell a rank that alone skipped the last step: the store does
             self.watch.stop()
-            self.watch = None
-        # no next step's figures tell a rank that alone skipped the last step: every rank compares (collective)
-        diverged = settle_last_skip(self.state.skipped_last, self.device) if self.step_count and dist.is_initialized() else None
+            diverged, self.watch = settle_last_skip(self.watch.store, self.rank, self.world_size, self.step_count,
+                                                    self.state.skipped_last, wait=sys.exc_info()[0] is None), None
         if self.checkpoints is not None:
             self.checkpoints.close(save=diverged is None)   # no final checkpoint of copies that differ
             self.checkpoints = None

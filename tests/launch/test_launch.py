@@ -265,3 +265,35 @@ def test_rendezvous_endpoints_torch_accepts_pass_and_bad_ports_do_not():
     for bad, port in (("node0:0", "'0'"), ("node0:65536", "'65536'"), ("[::1]:x", "'x'"), ("node0:", "''")):
         with pytest.raises(HetrainError, match=f"{port} is not a TCP port"):
             check_endpoint(bad)
+
+
+RAISES_MID_LOOP = """
+import torch, torch.nn.functional as F
+from torch.utils.data import TensorDataset
+import hetrain
+
+g = torch.Generator().manual_seed(0)
+data = TensorDataset(torch.randn(256, 6, generator=g), torch.randint(0, 3, (256,), generator=g))
+with hetrain.Session() as session:
+    net = torch.nn.Linear(6, 3)
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    for x, y in session.loader(data, global_batch_size=16, seed=0):
+        if session.rank == 1 and session.step_count == 2:
+            raise MemoryError("out of memory (stand-in) on rank 1")
+        session.backward(F.cross_entropy(model(x), y))
+        session.step()
+        if session.step_count == 6:
+            break
+"""
+
+
+def test_a_rank_that_fails_mid_loop_is_named_with_its_own_error(tmp_path):
+    """close() compared the ranks' last verdicts in an all-reduce: a rank leaving mid-loop on an error paired
+    it with the others' step all-reduce, and gloo aborted it before its own error was printed."""
+    script = tmp_path / "job.py"
+    script.write_text(RAISES_MID_LOOP)
+    r = hetrain("launch", "--nproc-per-node", "2", str(script), timeout=120)
+    assert r.returncode != 0
+    assert "MemoryError: out of memory (stand-in) on rank 1" in r.stderr, r.stderr[-3000:]
+    assert "rank 1 closed the session after 2 step(s) while rank 0 wait(s) in step 3" in r.stderr
+    assert "terminate called" not in r.stderr and "EnforceNotMet" not in r.stderr
