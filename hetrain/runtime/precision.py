@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from hetrain.errors import HetrainError, format_validation_error
@@ -28,55 +29,75 @@ log = logging.getLogger("hetrain")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+class _AutocastSeen(TorchFunctionMode):
+    """Notes whether any torch function of a forward runs under autocast (one the model enters itself too)."""
+
+    def __init__(self, device_type: str) -> None:
+        super().__init__()
+        self.device_type = device_type
+        self.seen = False
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if not self.seen and torch.is_autocast_enabled(self.device_type):
+            self.seen = True
+        return func(*args, **(kwargs or {}))
+
+
 class PrecisionWatch:
     """Forward hooks that look once, at the first training forward, at the autocast it runs under: a
     bf16/fp16 rank whose forward runs without autocast anywhere (not around the model, nor inside its
-    forward around any submodule) computes in fp32 (the same update, slower, with the memory of fp32
-    activations); a job with no fp16 rank (so no loss scale) whose forward runs under the script's own
-    fp16 autocast underflows small gradients to zero unscaled (1.1% of them exactly zero in a measured
-    run). The hooks go at the end of that forward. A plain object, so the script's model still pickles."""
+    forward: a torch function mode watches that one forward) computes in fp32 (the same update, slower,
+    with the memory of fp32 activations); a job with no fp16 rank (so no loss scale) whose forward runs
+    under the script's own fp16 autocast underflows small gradients to zero unscaled (1.1% of them
+    exactly zero in a measured run). The hooks go at the end of that forward. A plain object, so the
+    script's model still pickles, and a copy of the model carries inert hooks on its root only."""
 
     def __init__(self, device_type: str, precision: str, job_has_fp16: bool) -> None:
         self.device_type = device_type
         self.precision = precision
         self.job_has_fp16 = job_has_fp16
         self.handles: list[Any] = []
-        self.started = self.seen = self.done = False
+        self.mode: _AutocastSeen | None = None
+        self.done = False
 
     def attach(self, model: torch.nn.Module) -> None:
-        self.handles = [model.register_forward_pre_hook(self.before), model.register_forward_hook(self.after)]
-        if self.precision in _DTYPES:   # autocast the model enters inside its own forward counts too
-            self.handles += [m.register_forward_pre_hook(self.inside) for m in model.modules() if m is not model]
+        self.handles = [model.register_forward_pre_hook(self.before),
+                        model.register_forward_hook(self.after, always_call=True)]   # a forward that raises too
 
     def before(self, module: torch.nn.Module, args: Any) -> None:
-        if self.done or not torch.is_grad_enabled():   # an evaluation computes no gradient to underflow
+        if self.done or self.mode is not None or not torch.is_grad_enabled():   # an evaluation: no gradient
             return
-        self.started = True
-        self.seen = torch.is_autocast_enabled(self.device_type)
-        if self.seen and not self.job_has_fp16 and torch.get_autocast_dtype(self.device_type) == torch.float16:
+        enabled = torch.is_autocast_enabled(self.device_type)
+        if enabled and not self.job_has_fp16 and torch.get_autocast_dtype(self.device_type) == torch.float16:
             log.warning("the forward runs under fp16 autocast, and no rank of this plan is fp16, so the job keeps "
                         "no loss scale: small fp16 gradients underflow to zero; use `with session.autocast():` "
                         "(each rank in its plan's precision) or plan fp16 for this device (hetrain plan "
                         "--precision fp16)")
-
-    def inside(self, module: torch.nn.Module, args: Any) -> None:
-        if self.started and not self.seen and torch.is_autocast_enabled(self.device_type):
-            self.seen = True
+        if enabled or self.precision not in _DTYPES:
+            self._finish()
+            return
+        self.mode = _AutocastSeen(self.device_type)   # autocast the model enters inside its forward counts too
+        self.mode.__enter__()
 
     def after(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if not self.started or self.done:
+        if self.mode is None:
             return
-        self.done = True   # the first training forward tells
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
-        if self.precision in _DTYPES and not self.seen:
+        mode, self.mode = self.mode, None
+        mode.__exit__(None, None, None)
+        self._finish()
+        if not mode.seen:
             log.warning("this rank's plan computes in %s, and its forward runs without autocast, so in fp32 (the "
                         "same update, slower and with fp32 activations): run the forward inside `with "
                         "session.autocast():`", self.precision)
 
+    def _finish(self) -> None:
+        self.done = True   # the first training forward tells
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
     def __getstate__(self) -> dict:   # a copy of the model (deepcopy, AveragedModel) carries an inert watch
-        return {**self.__dict__, "handles": [], "done": True}
+        return {**self.__dict__, "handles": [], "mode": None, "done": True}
 
 
 def watch_precision(model: torch.nn.Module, device: torch.device, precision: str, job_has_fp16: bool) -> None:
