@@ -164,8 +164,7 @@ class Session:
         if self.prepared is not None:
             raise HetrainError("session.prepare() was already called; a session trains one model")
         if self.layout is not None:
-            self.prepared, self.pipeline = prepare_pipeline(
-                model, optimizer, self.plan.pipeline, self.layout, self.device,
+            self.prepared, self.pipeline = prepare_pipeline(model, optimizer, self.plan.pipeline, self.layout, self.device,
                 self.entry.activation_checkpointing, self.autocast, self.emulated_speed, self.sharding == "fsdp")
             self._guard_optimizer()
             return self.prepared.model, self.prepared.optimizer
@@ -447,23 +446,24 @@ class Session:
         return full_model_state(self)
 
     def close(self) -> None:
-        """Save a final checkpoint (when checkpointing), then leave the process group if this session started it."""
-        diverged = None
+        """Save a final checkpoint (when checkpointing), leave the process group if this session started it."""
+        # leaving alone on an error (not the agreed SIGTERM stop): the others may be inside a step
+        diverged, failing = None, self.world_size > 1 and sys.exc_info()[0] not in (None, SystemExit)
         if self.watch is not None:   # no next step's figures tell a rank that alone skipped the last step: the store does
             self.watch.stop()
             diverged, self.watch = settle_last_skip(self.watch.store, self.rank, self.world_size, self.step_count,
-                                                    self.state.skipped_last, wait=sys.exc_info()[0] is None), None
-        if self.checkpoints is not None:
-            self.checkpoints.close(save=diverged is None)   # no final checkpoint of copies that differ
+                                                    self.state.skipped_last, wait=not failing), None
+        if self.checkpoints is not None:   # no final checkpoint of copies that differ, nor one the others cannot join
+            self.checkpoints.close(save=diverged is None and not failing)
             self.checkpoints = None
         self.reports.close()
-        if self._owns_group and dist.is_initialized():
+        if self._owns_group and dist.is_initialized() and not failing:
             # Every rank gets here (its last balancer exchange landed) before the group is torn down:
             if self.balancer is not None:
                 self.balancer.arrived()
             dist.barrier()   # destroying gloo's group while a peer is still in a collective can abort at exit
             dist.destroy_process_group()
-        if diverged is not None and sys.exc_info()[0] is None:
+        if diverged is not None and not failing:
             raise HetrainError(diverged)
 
     def __enter__(self) -> "Session":

@@ -129,10 +129,15 @@ def _raises_after_the_loop(rank, world):
                 raise OSError("disk full while writing rank 0's report")
     except OSError:
         return "raised"
+    except RuntimeError as e:   # the closing barrier, which the failing rank no longer joins
+        return "peer gone" if "closed by peer" in str(e) or "Connection" in str(e) else str(e)
     return "closed"
 
 
 def test_a_rank_leaving_the_session_on_an_error_does_not_hang_the_others_at_close():
-    """close() compares the ranks' last verdicts in a collective: a rank leaving on an exception skipped it
-    and went to the closing barrier, and every rank hung there until the collective timeout."""
-    assert run_ranks(_raises_after_the_loop, 3, timeout=90) == ["raised", "closed", "closed"]
+    """close() compared the ranks' last verdicts in a collective: a rank leaving on an exception skipped it
+    and went to the closing barrier, and every rank hung there until the collective timeout. A rank leaving
+    on an error now leaves at once (the others may be inside a step it would never join); the others end
+    too, at their closing barrier."""
+    results = run_ranks(_raises_after_the_loop, 3, timeout=60)
+    assert results[0] == "raised" and all(r in ("closed", "peer gone") for r in results[1:]), results
