@@ -256,9 +256,10 @@ def _padded(samples):
             "text": [s["text"] for s in samples], "label": torch.tensor([s["label"] for s in samples])}
 
 
-def _stream_batches(**options):
-    loader = make_loader(_Varied(), 8, shuffle=False, seed=0, rank=1, split=_Split([5, 3]), step=StepState(2),
-                         device=torch.device("cpu"), collate_fn=_padded, **options)
+def _stream_batches(stream=None, rank=1, shares=(5, 3), collate_fn=_padded, **options):
+    """One rank's batches of a stream, global batches of 8 (`_Varied`, rank 1 of shares 5/3, by default)."""
+    loader = make_loader(stream or _Varied(), 8, shuffle=False, seed=0, rank=rank, split=_Split(shares),
+                         step=StepState(len(shares)), device=torch.device("cpu"), collate_fn=collate_fn, **options)
     batches = []
     for batch in loader:
         batches.append(batch)
@@ -323,13 +324,7 @@ def _as_read(samples):
 
 
 def _unusual_batches(**options):
-    loader = make_loader(_Unusual(), 8, shuffle=False, seed=0, rank=0, split=_Split([8]), step=StepState(1),
-                         device=torch.device("cpu"), collate_fn=_as_read, **options)
-    batches = []
-    for batch in loader:
-        batches.append(batch)
-        loader.step.finish(8, None)
-    return batches
+    return _stream_batches(_Unusual(), 0, (8,), _as_read, **options)
 
 
 def test_samples_that_stacking_would_change_come_from_workers_as_they_were_read():

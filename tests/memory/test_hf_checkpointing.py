@@ -51,25 +51,42 @@ def test_checkpointed_blocks_of_a_causal_lm_with_an_attention_mask_give_the_plai
     assert worst < 1e-6, worst
 
 
+class _LM(torch.nn.Module):
+    """Two checkpointed layers and a config with the cache on; forward returns the use_cache it was given."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = transformers.GPT2Config()   # use_cache True
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+
+    def run(self, x, use_cache):
+        for layer in self.layers:
+            x = layer(x)
+        return x, use_cache
+
+
+class _Positional(_LM):
+    def forward(self, x, use_cache=None):
+        return self.run(x, use_cache)
+
+
+class _AfterArgs(_LM):
+    def forward(self, x, *extra, use_cache=None):
+        return self.run(x, use_cache)
+
+
+def _checkpointed(cls):
+    from hetrain.runtime.memory import apply_activation_checkpointing
+
+    model = cls()
+    apply_activation_checkpointing(model)
+    return model
+
+
 def test_use_cache_given_positionally_is_left_to_the_caller():
     """The hook that turns the cache off in training forwards added use_cache=False to a call that passed it
     positionally: 'got multiple values for argument use_cache'."""
-    class LM(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.config = transformers.GPT2Config()   # use_cache True
-            self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
-
-        def forward(self, x, use_cache=None):
-            for layer in self.layers:
-                x = layer(x)
-            return x, use_cache
-
-    from hetrain.runtime.memory import apply_activation_checkpointing
-
-    model = LM()
-    apply_activation_checkpointing(model)
-    x = torch.randn(2, 4)
+    model, x = _checkpointed(_Positional), torch.randn(2, 4)
     assert model(x, True)[1] is True and model(x)[1] is False and model(x, use_cache=True)[1] is True
     with torch.no_grad():
         assert model(x)[1] is None   # a forward without gradients keeps the model's own default
@@ -78,20 +95,5 @@ def test_use_cache_given_positionally_is_left_to_the_caller():
 def test_use_cache_after_a_variable_count_of_positional_arguments_is_found_by_name():
     """forward(x, *extra, use_cache=None): its position was taken as 1, so a call with two or more
     positional arguments kept the cache in a training forward."""
-    class LM(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.config = transformers.GPT2Config()
-            self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
-
-        def forward(self, x, *extra, use_cache=None):
-            for layer in self.layers:
-                x = layer(x)
-            return x, use_cache
-
-    from hetrain.runtime.memory import apply_activation_checkpointing
-
-    model = LM()
-    apply_activation_checkpointing(model)
-    x = torch.randn(2, 4)
+    model, x = _checkpointed(_AfterArgs), torch.randn(2, 4)
     assert [model(*([x] * n))[1] for n in (1, 2, 3)] == [False, False, False]
