@@ -84,6 +84,8 @@ class PrecisionWatch:
             return
         mode, self.mode = self.mode, None
         mode.__exit__(None, None, None)
+        if output is None:   # the forward raised (an out-of-memory, say): the next one tells
+            return
         self._finish()
         if not mode.seen:
             log.warning("this rank's plan computes in %s, and its forward runs without autocast, so in fp32 (the "

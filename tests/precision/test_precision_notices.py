@@ -102,3 +102,31 @@ def test_a_starting_scale_below_its_floor_is_refused():
 
     with pytest.raises(HetrainError, match="init_scale 0.25 is below min_scale 1"):
         hetrain.Session(_one_rank("fp16"), loss_scale={"init_scale": 0.25, "min_scale": 1})
+
+
+def test_a_first_forward_that_raises_says_nothing_of_precision_and_the_next_one_is_watched():
+    """The end-of-forward hook also runs when the forward raises: a first forward that failed (an
+    out-of-memory, say) was told it ran in fp32, and the forward after it was never looked at."""
+    from hetrain.runtime.precision import watch_precision
+
+    model, calls = make_model(), []
+    inner = model.forward
+
+    def forward(x):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("bad batch")
+        return inner(x)
+
+    model.forward = forward
+    watch_precision(model, torch.device("cpu"), "bf16", False)
+
+    def run():
+        with pytest.raises(ValueError):
+            model(torch.randn(2, 8))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(torch.randn(2, 8))
+
+    assert not [m for m in _warnings_of(run) if "without autocast" in m]
+    said = _warnings_of(lambda: model(torch.randn(2, 8)))   # watched once, by the forward that ran
+    assert not said
