@@ -14,7 +14,6 @@ gradient on any rank, in any precision, makes every rank skip the step (docs/des
 
 from __future__ import annotations
 
-import datetime
 import logging
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -153,29 +152,6 @@ def check_skips_agreed(skipped: float, world: int) -> None:
     message = skips_disagree(skipped, world)
     if message is not None:
         raise HetrainError(message)
-
-
-LAST_VERDICT_WAIT_S = 30.0   # how long a closing rank waits for the others' verdicts on the last step
-
-
-def settle_last_skip(store: Any, rank: int, world: int, step: int, skipped_last: bool, *, wait: bool) -> str | None:
-    """At the end of a run, compare every rank's verdict on its last step through the job's store (not a
-    collective, which a rank still inside a step would take for its own and abort on): under replicated
-    gradients a rank that alone skipped the last step has no next step whose figures would tell. Each
-    rank leaves its verdict; one that `wait`s (none leaving on an error) reads the others' for the same
-    step, up to LAST_VERDICT_WAIT_S, and says what is wrong when they disagree (None when they agree, or
-    some rank did not close at that step)."""
-    if step == 0:
-        return None
-    store.set(f"hetrain/last-verdict/{step}/{rank}", "1" if skipped_last else "0")
-    if not wait or world < 2:
-        return None
-    keys = [f"hetrain/last-verdict/{step}/{r}" for r in range(world)]
-    try:
-        store.wait(keys, datetime.timedelta(seconds=LAST_VERDICT_WAIT_S))
-    except Exception:   # a rank ended elsewhere (an error, another step): nothing to compare
-        return None
-    return skips_disagree(sum(int(store.get(key)) for key in keys), world)
 
 
 def agree_items_per_sample(items: float, samples: int, device: torch.device,

@@ -40,7 +40,7 @@ from hetrain.runtime.export import full_model_state
 from hetrain.runtime.environment import (RankEnv, collective_timeout, configure_logging, env_int, init_process_group,
                                          pick_device, print_user_errors_as_one_line, progress_timeout)
 from hetrain.runtime.gradients import (GradientStatus, SkipCounter, StepFigures, agree_items_per_sample, clip_gradients,
-                                       finish_gradients, launch_step_figures, settle_last_skip, weighted_mean)
+                                       finish_gradients, launch_step_figures, weighted_mean)
 from hetrain.runtime.reporting import Reports, plan_step_seconds, step_record
 from hetrain.runtime.parallelize import Prepared, gradient_sync, parallelize
 from hetrain.runtime.pipeline_schedule import call_model, item_counter, prepare_pipeline
@@ -448,13 +448,12 @@ class Session:
     def close(self) -> None:
         """Save a final checkpoint (when checkpointing), leave the process group if this session started it."""
         # leaving alone on an error (not the agreed SIGTERM stop): the others may be inside a step
-        diverged, failing = None, self.world_size > 1 and sys.exc_info()[0] not in (None, SystemExit)
-        if self.watch is not None:   # no next step's figures tell a rank that alone skipped the last step: the store does
+        failing = self.world_size > 1 and sys.exc_info()[0] not in (None, SystemExit)
+        if self.watch is not None:
             self.watch.stop()
-            diverged, self.watch = settle_last_skip(self.watch.store, self.rank, self.world_size, self.step_count,
-                                                    self.state.skipped_last, wait=not failing), None
-        if self.checkpoints is not None:   # no final checkpoint of copies that differ, nor one the others cannot join
-            self.checkpoints.close(save=diverged is None and not failing)
+            self.watch = None
+        if self.checkpoints is not None:   # no final checkpoint the others, in a step, could not join
+            self.checkpoints.close(save=not failing)
             self.checkpoints = None
         self.reports.close()
         if self._owns_group and dist.is_initialized() and not failing:
@@ -463,8 +462,6 @@ class Session:
                 self.balancer.arrived()
             dist.barrier()   # destroying gloo's group while a peer is still in a collective can abort at exit
             dist.destroy_process_group()
-        if diverged is not None and not failing:
-            raise HetrainError(diverged)
 
     def __enter__(self) -> "Session":
         return self

@@ -40,10 +40,7 @@ def _train(rank, world, sharding, compression, how, bad_step=BAD_STEP):
     except HetrainError as e:
         session.close()
         return {"applied": applied, "error": str(e)}
-    try:
-        session.close()
-    except HetrainError as e:
-        return {"applied": applied, "error": str(e), "at_close": True}
+    session.close()
     return {"applied": applied, "params": params, "loss": full_loss(net)}
 
 
@@ -93,15 +90,6 @@ def test_a_gradient_changed_on_one_rank_after_ddps_all_reduce_stops_the_job_at_t
         assert "1 of 3 ranks skipped the last step" in r["error"] and "restart from the last checkpoint" in r["error"]
 
 
-def test_a_gradient_changed_on_one_rank_at_the_last_step_stops_the_job_at_close():
-    """The last step has no next step whose figures tell a rank that skipped it alone: the ranks ended with
-    different models and the job exited 0. `close()` compares the verdicts before its final checkpoint."""
-    results = run_ranks(_train, 3, "none", "none", "edit", STEPS - 1, timeout=90)
-    for rank, r in enumerate(results):
-        assert len(r["applied"]) == STEPS and all(r["applied"][:-1]) and r["applied"][-1] is (rank != 1), r["applied"]
-        assert r.get("at_close") and "1 of 3 ranks skipped the last step" in r["error"], r
-
-
 @pytest.mark.parametrize("compression", ["int8", "topk", "powersgd"])
 def test_an_overflow_under_compression_skips_one_step_and_the_rest_train(compression):
     results = run_ranks(_train, 3, "none", compression, "overflow")
@@ -135,9 +123,7 @@ def _raises_after_the_loop(rank, world):
 
 
 def test_a_rank_leaving_the_session_on_an_error_does_not_hang_the_others_at_close():
-    """close() compared the ranks' last verdicts in a collective: a rank leaving on an exception skipped it
-    and went to the closing barrier, and every rank hung there until the collective timeout. A rank leaving
-    on an error now leaves at once (the others may be inside a step it would never join); the others end
-    too, at their closing barrier."""
+    """A rank leaving on an error leaves at once (the others may be inside a step it would never join): it
+    saves no final checkpoint and skips the closing barrier; the others end too, at theirs."""
     results = run_ranks(_raises_after_the_loop, 3, timeout=60)
     assert results[0] == "raised" and all(r in ("closed", "peer gone") for r in results[1:]), results
