@@ -135,23 +135,16 @@ def finish_gradients(params: Iterable[torch.nn.Parameter], state: StepState, los
     return GradientStatus(found_inf=found_inf, global_items=global_items, loss=loss, stop=stops > 0)
 
 
-def skips_disagree(skipped: float, world: int) -> str | None:
+def check_skips_agreed(skipped: float, world: int) -> None:
     """Replicated gradients give every rank the same verdict on overflow, unless they changed on some ranks
     after the all-reduce: then some ranks skipped the last step and others applied it, and the model copies
-    (and an fp16 job's loss scales) differ from then on, silently. What to say when they did."""
+    (and an fp16 job's loss scales) differ from then on, silently. The next step's figures say so."""
     if 0 < round(skipped) < world:
-        return (f"{round(skipped)} of {world} ranks skipped the last step for non-finite gradients and the others "
-                "applied it: the gradients changed on some ranks after they were all-reduced (a hook or code between "
-                "session.backward() and session.step() that writes them on one rank, or a faulty device), and the "
-                "ranks' copies of the model now differ; remove that change and restart from the last checkpoint")
-    return None
-
-
-def check_skips_agreed(skipped: float, world: int) -> None:
-    """The next step's figures tell a lone skip: one line that stops every rank."""
-    message = skips_disagree(skipped, world)
-    if message is not None:
-        raise HetrainError(message)
+        raise HetrainError(
+            f"{round(skipped)} of {world} ranks skipped the last step for non-finite gradients and the others applied "
+            "it: the gradients changed on some ranks after they were all-reduced (a hook or code between "
+            "session.backward() and session.step() that writes them on one rank, or a faulty device), and the ranks' "
+            "copies of the model now differ; remove that change and restart from the last checkpoint")
 
 
 def agree_items_per_sample(items: float, samples: int, device: torch.device,

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 import os
+import sys
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any
