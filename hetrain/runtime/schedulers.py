@@ -14,9 +14,7 @@ checkpoint's.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -33,18 +31,6 @@ KIND = "hetrain_scheduler_class"   # the scheduler's class, saved beside its sta
 def position(scheduler: Any) -> int | None:
     """How many steps the scheduler has taken (None for one that does not count them, a ChainedScheduler)."""
     return getattr(scheduler, "last_epoch", None)
-
-
-@contextlib.contextmanager
-def keeping_scheduler_settings(optimizer: Any) -> Iterator[None]:
-    """Loading an optimizer's state replaces its parameter groups with the checkpoint's: the settings a
-    scheduler built in this run added to them (initial_lr, max_lr, base_momentum, ...) that the checkpoint
-    lacks (it was saved without that scheduler) are put back, so the schedule can start from its beginning."""
-    before = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else []
-    yield
-    for group, settings in zip(optimizer.param_groups if optimizer else [], before):
-        for key, value in settings.items():
-            group.setdefault(key, value)
 
 
 def on_metric(scheduler: Any) -> bool:
@@ -80,8 +66,9 @@ class Schedulers:
             )
         self.items.append(scheduler)
         self._stepped_to.append(position(scheduler))
-        # the settings the schedule starts from (building it set them): a checkpoint without its state restarts it
-        self._start.append([{k: g[k] for k in MOVED if k in g} for g in optimizer.param_groups])
+        # the settings the schedule starts from (building it set them, and added its own: initial_lr, max_lr, ...):
+        # a checkpoint without its state, whose optimizer groups replaced these, restarts it
+        self._start.append([{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups])
         index = len(self.items) - 1
         if self._saved is not None:
             self._load(index, optimizer)
@@ -134,7 +121,8 @@ class Schedulers:
                 log.warning("the checkpoint of step %d holds no state for LR scheduler %d (%s): it starts from "
                             "its beginning", self._saved_step, index, type(scheduler).__name__)
                 for group, start in zip(optimizer.param_groups, self._start[index]):
-                    group.update(start)   # the checkpoint's optimizer state replaced them with its own
+                    for key, value in start.items():   # the scheduled ones as at its start; its own, where gone
+                        group[key] = value if key in MOVED else group.get(key, value)
             return
         saved, own, name = dict(self._saved[index]), scheduler.state_dict(), type(scheduler).__name__
         kind = saved.pop(KIND, None)   # None in a checkpoint written before kinds were saved

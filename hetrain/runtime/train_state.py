@@ -23,7 +23,7 @@ from hetrain.runtime.gradients import local_tensor
 from hetrain.runtime.data import HeteroLoader
 from hetrain.runtime.parallelize import Prepared
 from hetrain.runtime.precision import JobLossScaler
-from hetrain.runtime.schedulers import MOVED, Schedulers, keeping_scheduler_settings
+from hetrain.runtime.schedulers import MOVED, Schedulers
 from hetrain.runtime.sharding import is_zero1
 from hetrain.runtime.step_state import StepState
 from hetrain.runtime.user_state import UserStates
@@ -109,19 +109,18 @@ class TrainState:
         model, optimizer = self.prepared.model, self.prepared.optimizer
         self._check_optimizer(shared, where)
         try:
-            with keeping_scheduler_settings(optimizer):   # a scheduler built in this run keeps its settings
-                if self.pipelined:
-                    load_stage_state(self.prepared.module, optimizer, sharded)
-                elif self.fsdp:
-                    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+            if self.pipelined:
+                load_stage_state(self.prepared.module, optimizer, sharded)
+            elif self.fsdp:
+                from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-                    set_model_state_dict(model, sharded["model"])
-                    if optimizer is not None:
-                        set_optimizer_state_dict(model, optimizer, sharded["optimizer"])
-                else:
-                    self.prepared.module.load_state_dict(shared["model"])
-                    if shared["optimizer"] is not None and optimizer is not None:
-                        optimizer.load_state_dict(shared["optimizer"])
+                set_model_state_dict(model, sharded["model"])
+                if optimizer is not None:
+                    set_optimizer_state_dict(model, optimizer, sharded["optimizer"])
+            else:
+                self.prepared.module.load_state_dict(shared["model"])
+                if shared["optimizer"] is not None and optimizer is not None:
+                    optimizer.load_state_dict(shared["optimizer"])
         except (RuntimeError, KeyError, ValueError) as e:
             raise HetrainError(
                 f"{where} was saved from a different model or optimizer ({load_error_summary(e)}); resume with the model "
