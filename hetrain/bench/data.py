@@ -9,8 +9,8 @@ rate is the median over its blocks. Figures are ratios measured in the same run:
 `slow_loader_speedup` = hetrain balanced / even split with one rank's loader slowed. The device is
 emulated: the CNN runs on the CPU, and each rank then waits `--device-ms` per sample over its speed,
 leaving the CPU cores to the input pipeline as a GPU host does (hetrain/bench/emulated_device.py).
-Beside them: `balancer_shares_*`, the balancer's final split, and `loader_shares_*`, the split of the
-last batch handed out, which trails a re-split by the loader's prefetch depth; and
+Beside them: `shares_*`, the split of the last batch handed out, which trails a re-split by the
+loader's prefetch depth, and `balancer_shares_*`, the balancer's final split; and
 `data_wait_ms_per_step_slow_loader_*`, each rank's mean wait for its batch over the timed steps.
 """
 
@@ -79,9 +79,9 @@ def run(args: argparse.Namespace) -> dict:
         "balancer_shares_1_1": r["hetrain_1_1"]["balancer_shares"],
         "balancer_shares_1_0.5": r["hetrain_1_0.5"]["balancer_shares"],
         "balancer_shares_slow_loader": r["slow_loader_hetrain"]["balancer_shares"],
-        "loader_shares_1_1": r["hetrain_1_1"]["loader_shares"],
-        "loader_shares_1_0.5": r["hetrain_1_0.5"]["loader_shares"],
-        "loader_shares_slow_loader": r["slow_loader_hetrain"]["loader_shares"],
+        "shares_1_1": r["hetrain_1_1"]["loader_shares"],
+        "shares_1_0.5": r["hetrain_1_0.5"]["loader_shares"],
+        "shares_slow_loader": r["slow_loader_hetrain"]["loader_shares"],
         "split_changes_slow_loader": r["slow_loader_hetrain"]["split_changes"],
         "data_wait_ms_per_step_slow_loader_even": r["slow_loader_even"]["data_wait_ms_per_step"],
         "data_wait_ms_per_step_slow_loader_hetrain": r["slow_loader_hetrain"]["data_wait_ms_per_step"],

@@ -1,10 +1,10 @@
 """`hetrain bench pipeline`: the planner's uneven layer partition against an even one and against
 data parallelism, on CPU ranks at emulated speeds (default 1, 0.5, 0.5), in one run.
 
-Figures (one JSON object); every `X_over_Y` of two plans is X's speed over Y's (Y's step time over
-X's): `uneven_over_even` = even / uneven step time (and `uneven_over_even_ideal`, the same ratio for
-stages with no transfer or overhead, in the order the schedule runs them); `dp_over_uneven` = uneven /
-data parallel step time (above 1: data parallelism is faster); `bubble_measured` = 1 - busy / schedule time
+Figures (one JSON object): `uneven_over_even` = even / uneven step time, the uneven plan's speed over
+the even one's (and `uneven_over_even_ideal`, the same ratio for stages with no transfer or overhead,
+in the order the schedule runs them); `dp_over_uneven` = data parallel / uneven step time, a ratio of
+step times (above 1: the uneven pipeline is faster); `bubble_measured` = 1 - busy / schedule time
 of the uneven pipeline's busiest stage (the schedule's time: the longest run of `forward_backward`;
 the optimizer step and data are outside it), against `bubble_predicted` = (p-1)/(m+p-1), or (p-1)/(v*m+p-1) for interleaved
 1F1B with v chunks per rank, and `bubble_error_pp` their difference in percentage points;
@@ -161,7 +161,7 @@ def figures(args: argparse.Namespace, measured: dict) -> dict:
         "step_seconds": {name: round(r["step_seconds"], 5) for name, r in measured.items()},
         "uneven_over_even": measured["even"]["step_seconds"] / step,
         "uneven_over_even_ideal": _ideal(even, args) / _ideal(uneven, args),
-        "dp_over_uneven": step / measured["data_parallel"]["step_seconds"],   # dp's speed over uneven's
+        "dp_over_uneven": measured["data_parallel"]["step_seconds"] / step,   # step times: above 1, the pipeline is faster
         "bubble_measured": bubble,
         "bubble_predicted": predicted_bubble,
         "bubble_error_pp": abs(bubble - predicted_bubble) * 100.0,

@@ -23,9 +23,8 @@ def test_bench_data_prints_its_figures_as_one_json_object():
         assert d[num] > 0 and d[den] > 0
         assert abs(d[name] - d[num] / d[den]) < 1e-9, name
     for mode in ("1_1", "1_0.5", "slow_loader"):
-        for key in (f"balancer_shares_{mode}", f"loader_shares_{mode}"):   # the decision, and the batches
+        for key in (f"balancer_shares_{mode}", f"shares_{mode}"):   # the decision, and the batches
             assert sum(d[key]) == 16 and len(d[key]) == 2, key
-    assert "shares_1_1" not in d   # which split: named
     assert d["emulated"] is True and d["workers"] == 1 and d["slow_workers"] == 0
 
 
