@@ -7,15 +7,14 @@ What hetrain changes: the loader (global batches split by speed), `session.autoc
 its plan's precision; fp16 ranks get the job's loss scale), `session.backward(loss, num_items=...)`
 (HF's loss is the mean over this rank's predicted tokens; with their count the update is the mean
 over every token of the global batch, whatever the split), `session.clip_grad_norm_`,
-`session.step()`, the scheduler given to the session, and the save: the whole model is gathered on
-every rank (under an FSDP2 plan each holds a shard) and written by rank 0. Built from a config:
+`session.step()`, the scheduler given to the session, and the save: `session.model_state_dict()`
+gathers the whole model (FSDP2 shards, pipeline stages) on rank 0, which writes it. Built from a config:
 nothing downloaded.
 """
 
 import argparse
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.nn.utils.rnn import pad_sequence
 from transformers import GPT2Config, GPT2LMHeadModel, get_linear_schedule_with_warmup
 
@@ -65,13 +64,13 @@ if __name__ == "__main__":
                 loss = model(**batch).loss                         # mean over this rank's predicted tokens
             session.backward(loss, num_items=(batch["labels"][:, 1:] != -100).sum())   # HF shifts the labels
             session.clip_grad_norm_(1.0)
-            session.step()
-            if session.is_main and session.step_count % 20 == 0:
+            stepped = session.step()   # False after a micro-batch that is not its step's last
+            if stepped and session.is_main and session.step_count % 20 == 0:
                 print(f"step {session.step_count} loss {session.loss:.4f}", flush=True)
             if session.step_count >= args.steps:
                 break
-    if args.out:   # every rank gathers the whole model (collective under FSDP2), rank 0 writes it
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if args.out:   # every rank gathers the whole model (collective under FSDP2 and pipelines), rank 0 writes it
+        full = session.model_state_dict()
         if session.is_main:
             net.save_pretrained(args.out, state_dict=full)
     session.close()

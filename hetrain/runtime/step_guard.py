@@ -35,7 +35,8 @@ from hetrain.runtime.gradients import has_non_finite
 
 log = logging.getLogger("hetrain")
 
-OUTSIDE_STEP = ("optimizer.step() was called outside session.step(); call session.step() alone: it finishes "
+OUTSIDE_STEP = ("optimizer.step() was called outside session.step() (a GradScaler's scaler.step(optimizer) calls "
+                "it: delete the GradScaler); call session.step() alone: it finishes "
                 "the gradients over the global batch (item count, loss scale, inf check, clipping), then steps "
                 "the optimizer and zeroes the gradients")
 

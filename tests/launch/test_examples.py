@@ -73,3 +73,17 @@ def test_train_hf_causal_lm_learns_and_saves_a_model_that_reloads(tmp_path):
     assert "split [16, 16] ->" in r.stderr   # the faster rank took more of the batch
     model = GPT2LMHeadModel.from_pretrained(tmp_path / "lm")
     assert torch.isfinite(model(torch.tensor([[1, 2, 3, 4]])).logits).all()
+
+
+def test_train_hf_causal_lm_logs_only_finished_steps_under_a_plan_with_micro_batches(tmp_path):
+    """Each rank's share runs in pieces of 8: session.step() returns False after the first piece, and
+    the example logs the loss of finished steps only (session.loss is None before the step's last piece)."""
+    from hetrain.planning.plan import Plan, RankPlan
+
+    plan = tmp_path / "plan.json"
+    plan.write_text(Plan(global_batch_size=32, ranks=[RankPlan(rank=r, share=16, micro_batch=8, grad_accum=2)
+                                                     for r in range(2)]).model_dump_json())
+    r = run_cli([*HETRAIN, "launch", "--nproc-per-node", "2", "--plan", str(plan),
+                 "examples/train_hf_causal_lm.py", "--steps", "40"], cwd=ROOT, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert re.findall(r"step (\d+) loss", r.stdout) == ["20", "40"], r.stdout

@@ -162,6 +162,8 @@ def test_the_prepared_optimizer_refuses_a_step_outside_session_step():
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(HetrainError, match="optimizer.step\\(\\) was called outside session.step\\(\\)"):
         optimizer.step()
+    with pytest.raises(HetrainError, match="GradScaler's scaler.step\\(optimizer\\).*delete the GradScaler"):
+        torch.amp.GradScaler("cpu", enabled=False).step(optimizer)   # a ported loop's leftover
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     assert session.step() and not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     session.close()
