@@ -85,6 +85,17 @@ def tensors(batch: Any) -> list[torch.Tensor]:
     return [x for x in flatten(batch)[0] if isinstance(x, torch.Tensor)]
 
 
+def _plain_list(obj: Any) -> bool:
+    return isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields") and all(isinstance(v, PLAIN) for v in obj)
+
+
+def per_sample_lists(obj: Any, samples: int) -> bool:
+    """Whether `obj` is a list or tuple of one list of plain values per sample (token ids of their own
+    lengths, as a collate that does not pad leaves them): a field to cut with the samples."""
+    return (isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields") and samples > 0 and len(obj) == samples
+            and all(_plain_list(v) for v in obj))
+
+
 def per_sample_items(obj: Any, samples: int) -> bool:
     """Whether `obj` is a list or tuple of one tensor or dict per sample (what a detection collate's
     `tuple(zip(*batch))` leaves): all dicts, or all tensors of which some do not have the samples as their
@@ -99,16 +110,17 @@ def per_sample_items(obj: Any, samples: int) -> bool:
 
 def sample_leaves(batch: Any, samples: int) -> Callable[[Any], bool]:
     """Which containers of `batch` `cut_leaf` takes whole: a list of one plain value per sample anywhere (a
-    dataset of strings collates to one), a list of one tensor or dict per sample below the top level (the
-    top level holds fields, `(inputs, labels)`, whatever their number)."""
-    return lambda x: per_sample_values(x, samples) or (x is not batch and per_sample_items(x, samples))
+    dataset of strings collates to one), a list of one list of plain values, tensor or dict per sample below
+    the top level (the top level holds fields, `(inputs, labels)`, whatever their number)."""
+    return lambda x: per_sample_values(x, samples) or (
+        x is not batch and (per_sample_lists(x, samples) or per_sample_items(x, samples)))
 
 
 def cut_leaf(x: Any, start: int, stop: int, samples: int) -> Any:
     """Samples [start, stop) of a batch's leaf that is not a tensor, the batch holding `samples`: a list of
-    one value per sample or an array whose first dimension is the samples is cut; a plain value (a count,
+    one value (or one list of values) per sample or an array whose first dimension is the samples is cut; a plain value (a count,
     a name) belongs to the whole batch and is kept; anything else cannot be cut and is refused."""
-    if per_sample_values(x, samples):
+    if per_sample_values(x, samples) or per_sample_lists(x, samples):
         return type(x)(x[start:stop])
     if per_sample_items(x, samples):
         raise HetrainError(

@@ -23,13 +23,13 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
 
 from hetrain.errors import HetrainError, ranks_by_value, ranks_text
-from hetrain.runtime.batch_tree import check_cuttable, cut_leaf, map_leaves, sample_leaves
+from hetrain.runtime.batch_tree import check_cuttable
 from hetrain.runtime.batch_sampler import RankBatchSampler, ShareSchedule, step_shares
 from hetrain.runtime.batch_transfer import to_device
 from hetrain.runtime.environment import add_error_hint
 from hetrain.runtime.data_order import GlobalBatchOrder, rank_slice
 from hetrain.runtime.sample_seeds import KeyedBatches, SeededSamples
-from hetrain.runtime.memory import equal_pieces, job_piece_count, micro_batch_sizes, split_batch
+from hetrain.runtime.memory import empty_batch, equal_pieces, job_piece_count, micro_batch_sizes, split_batch
 from hetrain.runtime.step_state import StepState
 from hetrain.runtime.stream import unpack
 from hetrain.planning.batch_split import split_partial
@@ -66,12 +66,6 @@ def _as_is(batch: list[Any]) -> list[Any]:
 
 
 _END = object()
-
-
-def _empty_like(batch: Any) -> Any:
-    """A one-sample batch with every tensor and per-sample list cut to length 0 (a rank with no samples)."""
-    return map_leaves(lambda x: (x[:0] if x.dim() > 0 else x) if isinstance(x, torch.Tensor) else cut_leaf(x, 0, 0, 1),
-                      batch, is_leaf=sample_leaves(batch, 1))
 
 
 class HeteroLoader:
@@ -229,7 +223,7 @@ class HeteroLoader:
                 used = step_shares(self.order, self._in_epoch, shares)
                 local, total = used[self.rank], sum(used)
                 if local == 0:
-                    batch = _empty_like(batch)
+                    batch = empty_batch(batch)
             if self._in_epoch == started_at and local and self._may_cut(shares):
                 check_cuttable(batch, local)   # what a later step may need to cut, refused at the first
             batch = to_device(batch, self.device)
@@ -383,7 +377,7 @@ class _GlobalBatchSource:
             shares = split_partial(len(samples), shares)
         mine = rank_slice(samples, shares, rank)
         if not mine:
-            return _empty_like(collate_fn(samples[:1])), 0, len(samples)
+            return empty_batch(collate_fn(samples[:1])), 0, len(samples)
         return collate_fn(mine), len(mine), len(samples)
 
 

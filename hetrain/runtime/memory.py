@@ -130,7 +130,7 @@ def job_piece_count(shares: Sequence[int], caps: Sequence[tuple[int | None, int]
 
 def slice_batch(batch: Any, start: int, stop: int, local_n: int) -> Any:
     """Samples [start, stop) of a collated batch: every tensor whose first dimension is `local_n`, and every
-    list of one plain value per sample (`per_sample_values`); anything else (a scalar, a [1, T] broadcast)
+    list of one plain value, or one list of them, per sample (`cut_leaf`); anything else (a scalar, a [1, T] broadcast)
     is shared by all pieces. A [T, B, ...] tensor (sequence-first) cannot be cut and is refused."""
     def cut(x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
@@ -146,6 +146,12 @@ def slice_batch(batch: Any, start: int, stop: int, local_n: int) -> Any:
         return x
 
     return map_leaves(cut, batch, is_leaf=sample_leaves(batch, local_n))
+
+
+def empty_batch(batch: Any) -> Any:
+    """A one-sample batch with its samples taken out (a rank with no samples in a step): what `slice_batch`
+    cuts, cut to none; what belongs to the whole batch (a shared mask, a count) kept."""
+    return slice_batch(batch, 0, 0, 1)
 
 
 def split_batch(batch: Any, sizes: Sequence[int], local_n: int) -> Iterator[Any]:

@@ -162,6 +162,47 @@ def test_per_sample_strings_are_cut_with_their_samples_and_emptied_on_a_rank_wit
     _assert_single_process_updates(results, sum(BE_SHARES))
 
 
+def _collate_ragged(samples):
+    """A collate that leaves each sample's token ids a list of its own length, beside the batch tensors,
+    and a tensor that belongs to the whole batch (a class weight)."""
+    return {"x": torch.stack([s[0] for s in samples]), "ids": [[int(s[1])] * (1 + int(s[1]) % 3) for s in samples],
+            "weight": torch.ones(4)}
+
+
+def _train_ragged(rank, world):
+    session, net, model, loader = _session(BE_SHARES, BE_MICRO, collate_fn=_collate_ragged)
+    params, sizes = [], []
+    for batch in loader:
+        labels = torch.tensor([ids[0] for ids in batch["ids"]], dtype=torch.long)   # the loop reads the lists
+        assert len(labels) == len(batch["x"]) and batch["weight"].shape == (4,)
+        sizes.append(len(labels))
+        session.backward(torch.nn.functional.cross_entropy(model(batch["x"]), labels))
+        if session.step():
+            params.append([p.detach().clone() for p in net.parameters()])
+        if session.step_count == STEPS:
+            break
+    return {"params": params, "sizes": sizes}
+
+
+def test_per_sample_lists_are_cut_with_their_samples_and_a_rank_without_samples_keeps_whole_batch_tensors():
+    """Token ids as one list per sample were handed whole to every micro-batch (0.30 from the single
+    process's parameters after one step); a rank without samples had its whole-batch tensors cut to 0."""
+    results = run_ranks(_train_ragged, 3)
+    assert results[0]["sizes"] == [2, 2, 2] * STEPS and results[2]["sizes"] == [0] * STEPS
+    _assert_single_process_updates(results, sum(BE_SHARES))
+
+
+def test_a_list_of_lists_is_cut_by_sample_below_the_top_level_only():
+    from hetrain.runtime.memory import empty_batch
+
+    pieces = list(split_batch({"x": torch.zeros(4, 1), "ids": [[1, 2], [3], [4, 5, 6], [0]]}, [3, 1], 4))
+    assert [p["ids"] for p in pieces] == [[[1, 2], [3], [4, 5, 6]], [[0]]]
+    assert empty_batch({"x": torch.zeros(1, 2), "ids": [[0]], "n": torch.ones(3)})["ids"] == []
+    assert empty_batch({"x": torch.zeros(1, 2), "ids": [[0]], "n": torch.ones(3)})["n"].shape == (3,)
+    fields = (["a", "b"], ["c", "d"])   # the top level: two fields of one string per sample, not two samples
+    assert list(split_batch(fields, [1, 1], 2))[1] == (["b"], ["d"])
+
+
 def test_a_sequence_first_tensor_is_refused_where_the_batch_is_cut_not_handed_whole():
     import pytest
 
