@@ -102,12 +102,27 @@ class SeededSamples(Dataset):
             batched = _batched_read(self._hetrain_dataset)
             if batched is not None and keys:
                 _seed_all(sample_seed(self._hetrain_seed, *keys[0]))
-                return batched([index for _, index in keys])
+                with _named_on_error(keys):
+                    return batched([index for _, index in keys])
             out = []
             for epoch, index in keys:
                 _seed_all(sample_seed(self._hetrain_seed, epoch, index))
-                out.append(self._hetrain_dataset[index])
+                with _named_on_error([(epoch, index)]):
+                    out.append(self._hetrain_dataset[index])
             return out
+
+
+@contextlib.contextmanager
+def _named_on_error(keys: Sequence[tuple[int, int]]) -> Iterator[None]:
+    """An error of the dataset's read carries the samples it was reading (a note, shown with it)."""
+    try:
+        yield
+    except Exception as exc:
+        indices = [index for _, index in keys]
+        what = (f"sample {indices[0]}" if len(indices) == 1 else
+                f"samples {indices[:8]}".rstrip("]") + (", ...]" if len(indices) > 8 else "]"))
+        exc.add_note(f"hetrain: while reading {what} of epoch {keys[0][0]} of the dataset")
+        raise
 
 
 class KeyedBatches(Sampler[list[tuple[int, int]]]):

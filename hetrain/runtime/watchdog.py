@@ -100,15 +100,25 @@ def is_peer_loss(exc: BaseException) -> bool:
 
 def one_line(exc: BaseException) -> str:
     """`Type: the message's first paragraph` on one line (a sentence wrapped over lines stays whole;
-    torch's C++ frames after it are left out), at most 300 characters, then hetrain's notes on its cause."""
+    torch's C++ frames after it are left out), at most 300 characters, then hetrain's notes on its cause.
+    A DataLoader worker's error is told by its own last lines (type, message, notes), not torch's wrapper."""
+    message, kind = str(exc).strip(), type(exc).__name__
+    hints = [n.removeprefix("hetrain: ") for n in getattr(exc, "__notes__", ()) if n.startswith("hetrain: ")]
+    head, sep, original = message.partition("\nOriginal Traceback (most recent call last):\n")
+    if sep:   # "Caught ValueError in DataLoader worker process 1.", the worker's traceback
+        lines = original.splitlines()
+        last_frame = max((i for i, t in enumerate(lines) if t[:1].isspace()), default=-1)
+        tail = lines[last_frame + 1:]
+        hints = ["in " + head.strip().rstrip(".").split(" in ", 1)[-1]] + \
+            [t.removeprefix("hetrain: ") for t in tail if t.startswith("hetrain: ")] + hints
+        kind, _, message = "\n".join(t for t in tail if not t.startswith("hetrain: ")).partition(": ")
     first = []
-    for text in str(exc).strip().splitlines():
+    for text in message.splitlines():
         if not text.strip() or text.startswith(("Exception raised from", "frame #")):
             break
         first.append(text.strip())
-    line = f"{type(exc).__name__}: {' '.join(first)}" if first else type(exc).__name__
+    line = f"{kind}: {' '.join(first)}" if first else kind
     line = line if len(line) <= 300 else line[:297] + "..."
-    hints = [n.removeprefix("hetrain: ") for n in getattr(exc, "__notes__", ()) if n.startswith("hetrain: ")]
     return line + "".join(f" ({hint})" for hint in hints)   # hetrain's notes on its likely cause, whole
 
 

@@ -338,3 +338,42 @@ def test_samples_that_stacking_would_change_come_from_workers_as_they_were_read(
             assert torch.equal(g["same"], w["x"]) and torch.equal(g["head"], w["x"][:2]) and g["x"][0] < -900
             assert type(g["param"]) is torch.nn.Parameter and torch.equal(g["sparse"].to_dense(),
                                                                            w["sparse"].to_dense())
+
+
+class _Failing(torch.utils.data.Dataset):
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        if i == 17:
+            raise ValueError("boom")
+        return torch.tensor([float(i)])
+
+
+class _FailingBatched(_Failing):
+    def __getitems__(self, indices):
+        return [self[i] for i in indices]
+
+
+def test_a_sample_that_fails_to_read_is_named_by_index_and_epoch_also_from_a_worker():
+    """The launcher's one line named the rank only, and from a worker not even the error (torch's wrapper
+    and the worker's frames filled it): now the dataset's own error and the sample it was reading."""
+    from torch._utils import ExceptionWrapper
+
+    from hetrain.runtime.sample_seeds import SeededSamples
+    from hetrain.runtime.watchdog import one_line
+
+    with pytest.raises(ValueError) as raised:
+        SeededSamples(_Failing(), seed=0)[(3, 17)]
+    assert one_line(raised.value) == "ValueError: boom (while reading sample 17 of epoch 3 of the dataset)"
+    with pytest.raises(ValueError) as raised:
+        SeededSamples(_FailingBatched(), seed=0).__getitems__([(0, i) for i in range(10, 20)])
+    assert "while reading samples [10, 11, 12, 13, 14, 15, 16, 17, ...] of epoch 0" in one_line(raised.value)
+    try:   # what a DataLoader worker sends back, raised again in the training process
+        SeededSamples(_Failing(), seed=0)[(0, 17)]
+    except ValueError:
+        wrapped = ExceptionWrapper(where="in DataLoader worker process 1")
+    with pytest.raises(ValueError) as raised:
+        wrapped.reraise()
+    assert one_line(raised.value) == ("ValueError: boom (in DataLoader worker process 1) "
+                                      "(while reading sample 17 of epoch 0 of the dataset)")
