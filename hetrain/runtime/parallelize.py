@@ -179,6 +179,13 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, sh
     return Prepared(ddp, optimizer, chosen, comm_state)
 
 
+def equal_piece_counts(model: nn.Module, sharding_name: str, layout: Any) -> bool:
+    """Whether every rank runs the job's count of micro-batches a step: data-parallel FSDP2 and SyncBatchNorm
+    run collectives in every forward (a rank with fewer pieces than another would pair its gradient
+    all-reduce with the other's statistics). A rank short of pieces runs stand-ins (its first sample, 0 items)."""
+    return layout is None and (sharding_name == "fsdp" or any(isinstance(m, nn.SyncBatchNorm) for m in model.modules()))
+
+
 def gradient_sync(prepared: Prepared, sharding_name: str, sync: bool):
     """DDP's no_sync for all but a step's last micro-batch.
 

@@ -42,7 +42,7 @@ from hetrain.runtime.environment import (RankEnv, collective_timeout, configure_
 from hetrain.runtime.gradients import (GradientStatus, SkipCounter, StepFigures, agree_items_per_sample, clip_gradients,
                                        finish_gradients, launch_step_figures, weighted_mean)
 from hetrain.runtime.reporting import Reports, plan_step_seconds, step_record
-from hetrain.runtime.parallelize import Prepared, gradient_sync, parallelize
+from hetrain.runtime.parallelize import Prepared, equal_piece_counts, gradient_sync, parallelize
 from hetrain.runtime.pipeline_schedule import call_model, item_counter, prepare_pipeline
 from hetrain.runtime.pipeline_stages import check_pipeline_plan
 from hetrain.runtime.plan_entries import comm_for_world, find_entries, pipeline_assignment
@@ -209,9 +209,8 @@ class Session:
                              rank=self.rank, split=balancer, step=self.state, device=self.device,
                              micro_batch=self.entry.micro_batch, grad_accum=self.entry.grad_accum,
                              gradient_sync=lambda sync: gradient_sync(self.prepared, self.sharding, sync),
-                             # under FSDP2 (data parallel) every rank runs as many micro-batches: collectives run in each
                              same_piece_count=[(e.micro_batch, e.grad_accum) for e in self.assignment.entries]
-                             if self.sharding == "fsdp" and self.layout is None else None, **options)
+                             if equal_piece_counts(self.prepared.model, self.sharding, self.layout) else None, **options)
         balancer.lag = loader.lag   # a new split reaches the loop this many steps after it is decided
         loader.gradients_pending = lambda: gradients_pending(self.prepared.model)
         self.balancer = balancer

@@ -47,3 +47,43 @@ def test_model_without_repeated_blocks_needs_them_named():
     assert len(apply_activation_checkpointing(model, [model[0], model[2]])) == 2
     with pytest.raises(HetrainError, match="not a submodule"):
         apply_activation_checkpointing(model, [nn.Linear(2, 2)])
+
+
+class _NormBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.bn, self.inorm = nn.Linear(8, 8), nn.BatchNorm1d(8), nn.InstanceNorm1d(8, track_running_stats=True)
+
+    def forward(self, x):
+        return x + self.bn(self.fc(x)) + self.inorm(x[:, None, :].expand(-1, 8, -1)).mean(-1)
+
+
+def test_a_recomputed_block_updates_running_statistics_once():
+    """The recompute in backward ran BatchNorm's forward again: the count doubled (12 after 6 steps) and
+    the running mean and variance moved twice, beside the same weights."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[_NormBlock() for _ in range(3)])
+    ckpt = nn.Sequential(*[_NormBlock() for _ in range(3)])
+    ckpt.load_state_dict(plain.state_dict())
+    apply_activation_checkpointing(ckpt)
+    for step in range(6):
+        x = torch.randn(8, 8, generator=torch.Generator().manual_seed(step))
+        for model in (plain, ckpt):
+            model(x).square().mean().backward()
+    for (name, a), b in zip(plain.state_dict().items(), ckpt.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert ckpt[0].bn.num_batches_tracked.item() == 6
+    for a, b in zip(plain.parameters(), ckpt.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-6)
+
+
+def test_ranks_run_equal_micro_batch_counts_where_every_forward_runs_a_collective():
+    """SyncBatchNorm (CUDA ranks) gathers statistics in every forward, as FSDP2 gathers weights: a rank
+    with fewer micro-batches than another would pair its gradient all-reduce with their statistics."""
+    from hetrain.runtime.parallelize import equal_piece_counts
+
+    plain = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    synced = nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
+    assert not equal_piece_counts(plain, "none", None) and equal_piece_counts(plain, "fsdp", None)
+    assert equal_piece_counts(synced, "none", None) and equal_piece_counts(synced, "zero1", None)
+    assert not equal_piece_counts(synced, "none", layout=object())   # pipeline stages keep their own schedule
