@@ -124,7 +124,7 @@ class Session:
         self.step_seconds, self.compute_seconds = self.clock.step_seconds, self.clock.compute_seconds
         self._status: GradientStatus | None = None
         self._launched: StepFigures | None = None   # the step's figures, on their way to every rank
-        self._launched_for, self._grad_norm = None, None   # (step, micro-batch) launched for; last clip's norm
+        self._grad_norm = None   # the last clip's norm
         self.skips = SkipCounter(max_skipped_steps, plan is not None and plan.comm.compression in LOSSY_COMPRESSIONS)
         self._kept, self._steady_lr = KeptGradients(), SteadyLearningRate()
         if self.is_main:
@@ -282,6 +282,9 @@ class Session:
             raise HetrainError("under a pipeline plan no rank holds the whole model: run each step with "
                                "session.forward_backward(inputs, target, loss_fn) instead of model(...) and backward()")
         self.state.require_batch("backward")
+        if self.state.backwards >= max(self.state.micros, 1):   # the batch's gradients are weighted (or finished)
+            raise HetrainError("session.backward() was called twice for one batch; add the losses and call it "
+                               "once: session.backward(loss_a + loss_b) (with num_items of the combined loss)")
         check_not_prescaled(loss)
         warn_if_evaluating(self.prepared.module)
         self._kept.check(self.prepared.module, self.state, self.device if self.sharding == "fsdp" else None)
@@ -310,13 +313,8 @@ class Session:
         """Before the step's last backward, start the all-reduce of its items and loss (replicated gradients)."""
         if not self.state.last_micro or self.sharding == "fsdp" or self.pipeline is not None:
             return
-        if self._launched is not None:
-            if self._launched_for == (self.state.begun, self.state.micro_samples):
-                raise HetrainError("session.backward() was called twice for one batch; add the losses and call it "
-                                   "once (with num_items of the combined loss)")
-            if self._launched.work is not None:   # a step left without step(): its figures are not needed
-                self._launched.work.wait()
-        self._launched_for = (self.state.begun, self.state.micro_samples)
+        if self._launched is not None and self._launched.work is not None:   # a step left without step()
+            self._launched.work.wait()
         # plain DDP: the figures ride in the last gradient bucket's all-reduce, no collective of their own
         carrier = self.prepared.comm_state if isinstance(self.prepared.comm_state, TimedHookState) else None
         self._launched = launch_step_figures(self.state, self.device, with_gradients=carrier, stop=self._stopping)

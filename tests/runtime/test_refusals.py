@@ -141,6 +141,34 @@ def _session_and_loader():
     return session, model, optimizer, session.loader(make_data(), global_batch_size=8, shuffle=False, seed=0)
 
 
+def test_two_backwards_of_one_batch_are_refused_also_after_the_gradients_are_finished():
+    """Two losses of one batch, each through session.backward: the first finished the step's gradients,
+    and the second added to them weighted again ((g1 + g2) / 2 at the first step, g1 + g2 / 2 after)."""
+    import hetrain
+    from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+
+    session, model, _, loader = _session_and_loader()
+    x, y = next(iter(loader))
+    session.backward(F.cross_entropy(model(x), y))
+    with pytest.raises(HetrainError, match="called twice for one batch.*session.backward\\(loss_a \\+ loss_b\\)"):
+        session.backward(F.cross_entropy(model(x), y) * 0.5)
+    assert session.step()
+    session.close()
+    plan = Plan(global_batch_size=8, balance=BalancePlan(enabled=False), ranks=[RankPlan(rank=0, share=8, micro_batch=4)])
+    session = hetrain.Session(plan)   # under micro-batches: one backward a piece
+    net = make_net()
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    pieces = iter(session.loader(make_data(), global_batch_size=8, shuffle=False, seed=0))
+    x, y = next(pieces)
+    session.backward(F.cross_entropy(model(x), y))
+    with pytest.raises(HetrainError, match="called twice for one batch"):
+        session.backward(F.cross_entropy(model(x), y))
+    x, y = next(pieces)
+    session.backward(F.cross_entropy(model(x), y))
+    assert session.step()
+    session.close()
+
+
 def test_accumulating_over_batches_before_one_step_is_refused_at_the_next_batch():
     """A ported loop's own accumulation (backward on two batches, then one step) would mix two steps'
     gradients and divide them by one step's items: the next batch is refused, naming the fix."""
