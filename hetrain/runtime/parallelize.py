@@ -37,6 +37,8 @@ class Prepared:
     optimizer: torch.optim.Optimizer | None
     blocks: list[nn.Module]
     comm_state: Any = None      # the comm hook's state (its `stats` count bytes), when one is set
+    ddp_reduces: frozenset[int] = frozenset()   # ids of the parameters DDP's buckets reduce (trainable at prepare)
+    late_trainable_said: bool = False
 
     @property
     def module(self) -> nn.Module:
@@ -91,14 +93,15 @@ def apply_activation_checkpointing(model: nn.Module, entry: RankPlan,
     return memory.resolve_blocks(model, blocks)
 
 
-def apply_ddp(model: nn.Module, device: torch.device, comm: CommPlan | None, timer: StepTimer
-              ) -> tuple[DistributedDataParallel, Any]:
+def apply_ddp(model: nn.Module, device: torch.device, comm: CommPlan | None, timer: StepTimer,
+              find_unused_parameters: bool = False) -> tuple[DistributedDataParallel, Any]:
     """DistributedDataParallel with the plan's comm hook, timed (the last bucket ends the compute)."""
     ddp = DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         bucket_cap_mb=comm.bucket_cap_mb if comm else 25.0,
         gradient_as_bucket_view=comm.gradient_as_bucket_view if comm else True,
+        find_unused_parameters=find_unused_parameters,
     )
     if comm is not None and (comm.compression != "none" or comm.hierarchical):
         from hetrain.runtime.comm_hooks import build_comm_hook
@@ -148,7 +151,8 @@ def apply_zero1(optimizer: torch.optim.Optimizer, model: nn.Module, sharding_nam
 
 def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, sharding_name: str,
                 entries: Sequence[RankPlan], rank: int, comm: CommPlan | None, device: torch.device,
-                timer: StepTimer, blocks: Sequence[nn.Module] | None = None) -> Prepared:
+                timer: StepTimer, blocks: Sequence[nn.Module] | None = None,
+                find_unused_parameters: bool = False) -> Prepared:
     """The model on this rank's device with every choice of its plan entry applied, in order."""
     entry = entries[rank]
     fsdp = sys.modules.get("torch.distributed.fsdp")   # loaded where a script wrapped the model in it
@@ -173,10 +177,32 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, sh
             f"rank {rank} asks for offload_optimizer with sharding {sharding_name!r}; optimizer state is "
             "offloaded through FSDP2's CPUOffloadPolicy: set the plan's sharding to 'fsdp'"
         )
-    ddp, comm_state = apply_ddp(model, device, comm, timer)
+    ddp, comm_state = apply_ddp(model, device, comm, timer, find_unused_parameters)
     if optimizer is not None and sharding_name in ZERO1_SHARDINGS:
         optimizer = apply_zero1(optimizer, model, sharding_name, entries, device)
-    return Prepared(ddp, optimizer, chosen, comm_state)
+    return Prepared(ddp, optimizer, chosen, comm_state, frozenset(id(p) for p in model.parameters() if p.requires_grad))
+
+
+def reduce_late_trainable(prepared: Prepared) -> None:
+    """All-reduce the gradients of parameters made trainable after prepare() (a backbone unfrozen mid-run):
+    DDP's buckets hold the parameters trainable when it was built, and the others' gradients stayed each
+    rank's own (the ranks' copies parted, 0.03 apart in 5 steps). Averaged as DDP averages, before the
+    step's gradients are finished; every rank must unfreeze the same parameters at the same step."""
+    late = [p for p in prepared.parameters if p.requires_grad and id(p) not in prepared.ddp_reduces]
+    if not late or not isinstance(prepared.model, DistributedDataParallel):
+        return
+    if not prepared.late_trainable_said:
+        prepared.late_trainable_said = True
+        log.info("%d parameter(s) became trainable after session.prepare(): their gradients are all-reduced after "
+                 "backward each step, outside DDP's buckets", len(late))
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in late]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    torch.distributed.all_reduce(flat)
+    flat /= torch.distributed.get_world_size()
+    offset = 0
+    for p in late:
+        p.grad = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
 
 
 def equal_piece_counts(model: nn.Module, sharding_name: str, layout: Any) -> bool:

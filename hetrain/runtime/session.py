@@ -42,7 +42,8 @@ from hetrain.runtime.environment import (RankEnv, collective_timeout, configure_
 from hetrain.runtime.gradients import (GradientStatus, SkipCounter, StepFigures, agree_items_per_sample, clip_gradients,
                                        finish_gradients, launch_step_figures, weighted_mean)
 from hetrain.runtime.reporting import Reports, plan_step_seconds, step_record
-from hetrain.runtime.parallelize import Prepared, equal_piece_counts, gradient_sync, parallelize
+from hetrain.runtime.parallelize import (Prepared, equal_piece_counts, gradient_sync, parallelize,
+                                         reduce_late_trainable)
 from hetrain.runtime.pipeline_schedule import call_model, item_counter, prepare_pipeline
 from hetrain.runtime.pipeline_stages import check_pipeline_plan
 from hetrain.runtime.plan_entries import comm_for_world, find_entries, pipeline_assignment
@@ -157,10 +158,11 @@ class Session:
     # -- the user's calls ---------------------------------------------------------------------------
 
     def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-                blocks: list[torch.nn.Module] | None = None
+                blocks: list[torch.nn.Module] | None = None, find_unused_parameters: bool = False
                 ) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
         """The model on this rank's device with its plan entry applied (activation checkpointing of
-        `blocks`, found when not given; FSDP2 or DDP with the plan's comm hook; ZeRO-1)."""
+        `blocks`, found when not given; FSDP2 or DDP with the plan's comm hook; ZeRO-1). Under DDP,
+        `find_unused_parameters=True` is DDP's: for forwards that leave some parameters without a gradient."""
         if self.prepared is not None:
             raise HetrainError("session.prepare() was already called; a session trains one model")
         if self.layout is not None:
@@ -172,7 +174,8 @@ class Session:
         if note is not None and self.is_main:
             log.info("%s", note)
         self.prepared = parallelize(model, optimizer, sharding_name=self.sharding, entries=self.assignment.entries,
-                                    rank=self.rank, comm=comm, device=self.device, timer=self.timer, blocks=blocks)
+                                    rank=self.rank, comm=comm, device=self.device, timer=self.timer, blocks=blocks,
+                                    find_unused_parameters=find_unused_parameters)
         self._guard_optimizer()
         return self.prepared.model, self.prepared.optimizer
 
@@ -328,6 +331,7 @@ class Session:
                                    "of the global batch (a rank with no items calls it too)")
             if self.pipeline is None and self.sharding != "fsdp":
                 check_reduced(self.prepared.comm_state)
+                reduce_late_trainable(self.prepared)
             if self.sharding == "fsdp":
                 self.timer.grads_ready()  # FSDP2 has no comm hook: backward (and its reduce-scatter) ended here
             if self.pipeline is not None:

@@ -255,6 +255,11 @@ def check_reduced(comm_state) -> None:
             "this step's gradients were not all-reduced: its last forward ran inside model.no_sync(); remove "
             "no_sync from the loop (hetrain runs the plan's micro-batches without syncing all but the last; "
             "to accumulate over more samples, raise global_batch_size)")
+    if not comm_state.reduced and synced:
+        raise HetrainError(
+            "this step's gradients were not all-reduced: some parameters got no gradient in its backward (a "
+            "branch or head the forward did not use, or a parameter frozen after session.prepare()); pass "
+            "session.prepare(model, optimizer, find_unused_parameters=True), as with DDP")
     if not comm_state.reduced:
         raise HetrainError(
             "this step's gradients were not all-reduced: its forward ran through the unwrapped model "
