@@ -68,9 +68,40 @@ def constructor_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return {k: v for k, v in optimizer.defaults.items() if k in accepted}
 
 
+def _stepped(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer has stepped: state of its own, but not what a constructor makes at step 0
+    (Adagrad's sums)."""
+    return any(float(state.get("step", 1)) != 0 for state in optimizer.state.values())
+
+
+_TORCH_OPTIMIZER_ATTRIBUTES = frozenset(vars(torch.optim.SGD([torch.zeros(1, requires_grad=True)])))
+
+
+def check_rebuilt_alike(old: torch.optim.Optimizer, new: torch.optim.Optimizer, sharding: str) -> None:
+    """The re-created optimizer keeps every plain setting of the user's (numbers, strings, flags): a class
+    that keeps one outside its `defaults` (`self.scale = scale`) was re-created with the constructor's
+    default, silently."""
+    new_vars = vars(new)
+    for name, value in vars(old).items():
+        if name.startswith("_") or name in _TORCH_OPTIMIZER_ATTRIBUTES or not _plain(value):
+            continue
+        if name not in new_vars or new_vars[name] != value:
+            raise HetrainError(
+                f"{type(old).__name__} keeps {name!r} outside its defaults ({value!r} here, "
+                f"{new_vars.get(name, 'nothing')!r} in the optimizer sharding {sharding!r} re-creates from its "
+                "parameter groups and defaults); pass it to Optimizer.__init__ in the defaults dict, so that "
+                "param_groups carry it")
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, (tuple, list)):
+        return all(_plain(v) for v in value)
+    return isinstance(value, (bool, int, float, str, type(None)))
+
+
 def check_fresh(optimizer: torch.optim.Optimizer, sharding: str) -> None:
     """An optimizer that sharding may re-create: one holding nothing another object depends on."""
-    if optimizer.state:
+    if _stepped(optimizer):
         raise HetrainError(
             f"the optimizer already holds state, which sharding {sharding!r} would drop; pass a freshly built "
             "optimizer to session.prepare() and load optimizer state through the session's checkpoints"
@@ -135,7 +166,9 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], m
             "model.parameters() before session.prepare()"
         )
     new_by_old = {pid: by_name[name] for pid, name in names.items() if name in by_name}
-    return type(optimizer)(param_groups_for(optimizer, new_by_old), **constructor_settings(optimizer))
+    rebuilt = type(optimizer)(param_groups_for(optimizer, new_by_old), **constructor_settings(optimizer))
+    check_rebuilt_alike(optimizer, rebuilt, "fsdp")
+    return rebuilt
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

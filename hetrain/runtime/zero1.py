@@ -16,7 +16,8 @@ import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from hetrain.errors import HetrainError
-from hetrain.runtime.sharding import check_fresh, constructor_settings, param_groups_for, proportional_partition
+from hetrain.runtime.sharding import (check_fresh, check_rebuilt_alike, constructor_settings, param_groups_for,
+                                      proportional_partition)
 
 
 class ProportionalZeroRedundancyOptimizer(ZeroRedundancyOptimizer):
@@ -50,5 +51,8 @@ def zero1_optimizer(optimizer: torch.optim.Optimizer, weights: Sequence[float] |
     groups = param_groups_for(optimizer)
     cls = type(optimizer)
     if weights is None:
-        return ZeroRedundancyOptimizer(groups, cls, **constructor_settings(optimizer))
-    return ProportionalZeroRedundancyOptimizer(groups, cls, weights=weights, **constructor_settings(optimizer))
+        zero = ZeroRedundancyOptimizer(groups, cls, **constructor_settings(optimizer))
+    else:
+        zero = ProportionalZeroRedundancyOptimizer(groups, cls, weights=weights, **constructor_settings(optimizer))
+    check_rebuilt_alike(optimizer, zero.optim, "zero1")
+    return zero

@@ -126,3 +126,53 @@ def test_a_session_imports_torch_s_zero_pipelining_and_checkpoint_modules_only_w
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.splitlines() == ["[]", "hetrain.runtime.zero1 True"], out.stdout
+
+
+class _ScaledSGD(torch.optim.SGD):
+    """A user's optimizer that keeps a setting of its own outside `defaults`."""
+
+    def __init__(self, params, lr=0.1, scale=0.5):
+        super().__init__(params, lr=lr)
+        self.scale = scale
+
+
+def _rebuilt(rank, world, sharding, kind):
+    import hetrain
+
+    plan = Plan(global_batch_size=8, sharding=sharding, balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=r, share=s) for r, s in enumerate([5, 3])])
+    session = hetrain.Session(plan)
+    net = make_model()
+    optimizer = (_ScaledSGD(net.parameters(), lr=0.1, scale=0.25) if kind == "scaled"
+                 else torch.optim.Adagrad(net.parameters(), lr=0.1))   # Adagrad builds its state at once
+    try:
+        model, _ = session.prepare(net, optimizer)
+    except hetrain.HetrainError as e:
+        session.close()
+        return str(e)
+    for step, (x, y) in enumerate(session.loader(make_data(), global_batch_size=8, shuffle=False)):
+        session.backward(torch.nn.functional.cross_entropy(model(x), y))
+        session.step()
+        if step == 2:
+            break
+    state = session.model_state_dict()
+    session.close()
+    return state
+
+
+def test_an_optimizer_re_created_by_sharding_keeps_its_settings_or_is_refused():
+    """A setting kept outside `defaults` was silently reset when ZeRO-1 or FSDP2 re-created the optimizer
+    (scale 0.25 trained as 0.5); Adagrad, whose constructor makes its state, was refused as used."""
+    for sharding in ("zero1", "fsdp"):
+        errors = run_ranks(_rebuilt, 2, sharding, "scaled")
+        assert all("_ScaledSGD keeps 'scale' outside its defaults (0.25 here, 0.5 in" in e for e in errors), errors
+        got = run_ranks(_rebuilt, 2, sharding, "adagrad")[0]
+        net = make_model()
+        opt = torch.optim.Adagrad(net.parameters(), lr=0.1)
+        x, y = make_data().tensors
+        for step in range(3):
+            torch.nn.functional.cross_entropy(net(x[step * 8:(step + 1) * 8]), y[step * 8:(step + 1) * 8]).backward()
+            opt.step()
+            opt.zero_grad()
+        for name, p in net.state_dict().items():
+            torch.testing.assert_close(got[name], p, rtol=0, atol=1e-5)   # Adagrad divides by small sums
