@@ -176,3 +176,19 @@ def test_an_optimizer_re_created_by_sharding_keeps_its_settings_or_is_refused():
             opt.zero_grad()
         for name, p in net.state_dict().items():
             torch.testing.assert_close(got[name], p, rtol=0, atol=1e-5)   # Adagrad divides by small sums
+
+
+def test_an_optimizer_that_has_stepped_is_refused_before_sharding_re_creates_it():
+    import pytest
+
+    from hetrain.errors import HetrainError
+    from hetrain.runtime.sharding import check_fresh
+
+    for cls in (torch.optim.Adam, torch.optim.SGD, torch.optim.Adagrad):
+        net = make_model()
+        opt = cls(net.parameters(), lr=0.1, **({"momentum": 0.9} if cls is torch.optim.SGD else {}))
+        check_fresh(opt, "zero1")   # fresh: Adagrad's sums made by its constructor too
+        net(torch.randn(2, 6)).sum().backward()
+        opt.step()
+        with pytest.raises(HetrainError, match="already holds state"):
+            check_fresh(opt, "zero1")
