@@ -6,6 +6,7 @@ that can be called and tested alone; `parallelize` composes them.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import sys
 import warnings
@@ -49,6 +50,24 @@ class Prepared:
     def parameters(self) -> tuple[nn.Parameter, ...]:
         """The model's parameters, listed once: every step reads their gradients."""
         return tuple(self.model.parameters())
+
+
+def check_optimizer(optimizer: Any) -> None:
+    """One torch optimizer whose step needs no closure: what `session.step()` can step once a step."""
+    if optimizer is None:
+        return
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise HetrainError(
+            f"session.prepare() takes one torch.optim.Optimizer, got {type(optimizer).__name__}: a session trains "
+            "one model with one optimizer; put several models' parameters in one optimizer's groups "
+            "(torch.optim.Adam([{'params': a.parameters()}, {'params': b.parameters(), 'lr': 1e-4}])), or give "
+            "each its own job")
+    closure = inspect.signature(optimizer.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise HetrainError(
+            f"{type(optimizer).__name__}.step() needs a closure that evaluates the model again, and session.step() "
+            "applies one update from the global batch's gradient with none; use an optimizer that steps "
+            "without one (SGD, Adam, AdamW, ...)")
 
 
 def check_master_weights(model: nn.Module) -> None:
@@ -155,6 +174,7 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, sh
                 find_unused_parameters: bool = False) -> Prepared:
     """The model on this rank's device with every choice of its plan entry applied, in order."""
     entry = entries[rank]
+    check_optimizer(optimizer)
     fsdp = sys.modules.get("torch.distributed.fsdp")   # loaded where a script wrapped the model in it
     wrappers = (DistributedDataParallel,) + ((fsdp.FSDPModule, fsdp.FullyShardedDataParallel) if fsdp else ())
     if isinstance(model, wrappers):

@@ -536,3 +536,18 @@ def test_a_model_converted_to_sync_batchnorm_on_cpu_ranks_names_the_fix():
         session.prepare(_sync_batchnorm(), None)
     session.close()
 
+
+
+@pytest.mark.parametrize("kind", ["two", "lbfgs"])
+def test_two_optimizers_or_one_that_needs_a_closure_are_refused_at_prepare(kind):
+    """A GAN's two optimizers crashed on a list's missing method; LBFGS at the first step, on its closure."""
+    import hetrain
+
+    session = hetrain.Session()
+    net = make_net()
+    optimizer = ([torch.optim.SGD(net.parameters(), lr=0.1)] * 2 if kind == "two"
+                 else torch.optim.LBFGS(net.parameters()))
+    match = "takes one torch.optim.Optimizer, got list" if kind == "two" else "LBFGS.step\\(\\) needs a closure"
+    with pytest.raises(HetrainError, match=match):
+        session.prepare(net, optimizer)
+    session.close()
