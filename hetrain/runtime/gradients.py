@@ -53,6 +53,7 @@ def _unscale_and_check(grads: Sequence[torch.Tensor], inv_scale: float, device: 
     found = torch.zeros(1, dtype=torch.float32, device=device)
     by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
     for g in grads:
+        g = torch.view_as_real(g) if g.is_complex() else g   # the kernel takes real tensors; a view unscales in place
         by_device[(g.device, g.dtype)].append(g)
     for (dev, _), group in by_device.items():
         here = found if dev == device else torch.zeros(1, dtype=torch.float32, device=dev)

@@ -95,3 +95,13 @@ def test_plan_compression_keeps_weighted_gradients_to_its_precision():
     for grads in run_ranks(_compressed_grads, 3, "fp16"):
         for got, want in zip(grads, ref):
             assert (got - want).abs().max().item() < 2e-3 * max(1.0, want.abs().max().item())
+
+
+def test_complex_gradients_are_checked_and_unscaled():
+    """A model with complex parameters crashed in the fused inf check (no complex kernel)."""
+    from hetrain.runtime.gradients import has_non_finite
+
+    g = torch.ones(3, dtype=torch.cfloat)
+    assert not has_non_finite([g], torch.device("cpu"))
+    g[1] = complex(0, float("inf"))
+    assert has_non_finite([g, torch.ones(2)], torch.device("cpu"))
