@@ -43,7 +43,7 @@ def _share_errors(strategies: dict, world: int, params_bytes: int) -> dict:
 # ---------------------------------------------------------------- predicted: largest model per approach
 
 
-def _profile(layers: int, hidden: int = 4096, heads: int = 32, seq: int = 2048, vocab: int = 32000):
+def transformer_of_layers(layers: int, hidden: int = 4096, heads: int = 32, seq: int = 2048, vocab: int = 32000):
     from hetrain.workload.zoo import ModelFacts, transformer_profile
 
     params = 12 * layers * hidden * hidden + vocab * hidden
@@ -60,13 +60,28 @@ def _fits(approach: str, profile, devices: list[tuple[str, int]]) -> bool:
         zero = {"none": 0, "zero1": 1, "fsdp": 3}[approach]
         return all(cm.memory_estimate(profile, prec, 1, zero=zero, world=world, checkpointing=True).total <= cap
                    for prec, cap in devices)
-    # zero1-proportional: rank r can hold a fraction f_r of the optimizer state; the fractions must cover it.
+    # zero1-proportional: rank r can hold a fraction f_r of the optimizer state; the fractions must cover it,
+    # and every device must hold the rest (weights, gradients, activations) with no state at all.
     covered = 0.0
     for prec, cap in devices:
         est = cm.memory_estimate(profile, prec, 1, zero=0, world=world, checkpointing=True)
-        per_fraction = est.optimizer * (1 + cm.FRAGMENTATION)
-        covered += min(1.0, max(0.0, (cap - (est.total - per_fraction)) / per_fraction))
-    return covered >= 1.0
+        context = est.overhead - cm.FRAGMENTATION * (est.weights + est.gradients + est.optimizer
+                                                     + max(est.activations, est.step_temporaries))
+
+        def peak(f: float) -> float:   # holding a fraction f of the state (and of the step's temporaries)
+            held = est.weights + est.gradients + f * est.optimizer + max(est.activations, f * est.step_temporaries)
+            return held * (1 + cm.FRAGMENTATION) + context
+
+        if peak(0.0) > cap:
+            return False
+        lo, hi = 0.0, 1.0
+        if peak(1.0) <= cap:
+            lo = 1.0
+        else:
+            for _ in range(40):
+                lo, hi = ((lo + hi) / 2, hi) if peak((lo + hi) / 2) <= cap else (lo, (lo + hi) / 2)
+        covered += lo
+    return covered >= 1.0 - 1e-9
 
 
 def largest_models(preset: str = "a100x4+v100x4") -> dict:
@@ -81,8 +96,8 @@ def largest_models(preset: str = "a100x4+v100x4") -> dict:
         lo, hi = 0, 4096  # layers of a hidden-4096 transformer (seq 2048, vocab 32000)
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if _fits(approach, _profile(mid), devices) else (lo, mid - 1)
-        out[approach] = {"layers": lo, "params_billion": round(_profile(lo).params / 1e9, 2) if lo else 0.0}
+            lo, hi = (mid, hi) if _fits(approach, transformer_of_layers(mid), devices) else (lo, mid - 1)
+        out[approach] = {"layers": lo, "params_billion": round(transformer_of_layers(lo).params / 1e9, 2) if lo else 0.0}
     base = out["zero1"]["params_billion"]
     for approach in out:
         out[approach]["ratio_to_zero1"] = round(out[approach]["params_billion"] / base, 3) if base else None

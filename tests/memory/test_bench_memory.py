@@ -29,3 +29,19 @@ def test_bench_memory_shards_the_same_state_and_keeps_the_same_losses():
             base = per_rank[name[:-len("+ckpt")]]["saved_activation_bytes"]
             assert all(c < b / 2 for c, b in zip(figures["saved_activation_bytes"], base)), name
     assert all(got["checks"].values()), got["checks"]
+
+
+def test_the_largest_model_by_free_memory_leaves_every_device_its_weights_and_gradients():
+    """A V100 that could not hold the model's weights and gradients (68 GB at 21 layers) passed, its room for
+    optimizer state counted as none, while the A100s covered the state: 4.36 B parameters, 1.86x."""
+    from hetrain.bench.memory import largest_models, transformer_of_layers
+    from hetrain.planning import cost_model as cm
+
+    approaches = largest_models("a100x4+v100x4")["approaches"]
+    layers = approaches["zero1-proportional"]["layers"]
+    assert approaches["zero1"]["layers"] <= layers <= approaches["fsdp"]["layers"]
+    v100 = 32 * 10**9
+    bare = cm.memory_estimate(transformer_of_layers(layers), "fp16", 1, zero=0, world=8, checkpointing=True)
+    assert bare.weights + bare.gradients + bare.activations < v100
+    more = cm.memory_estimate(transformer_of_layers(layers + 1), "fp16", 1, zero=0, world=8, checkpointing=True)
+    assert (more.weights + more.gradients + more.activations) * (1 + cm.FRAGMENTATION) > 0.9 * v100
