@@ -64,7 +64,7 @@ class LaunchConfig:
     nproc_per_node: int = 1
     nnodes: str = "1"
     node_rank: int | None = None
-    rdzv_backend: str = "c10d"
+    rdzv_backend: str | None = None   # None: static where --master-addr/--master-port/--node-rank say so, else c10d
     rdzv_endpoint: str | None = None
     rdzv_id: str | None = None
     rdzv_conf: str | None = None
@@ -110,6 +110,44 @@ def check_endpoint(endpoint: str) -> None:
                            "from 1 to 65535, e.g. node0:29400")
 
 
+def rendezvous_backend(cfg: LaunchConfig) -> str:
+    """The rendezvous torchrun runs: the one given, else torchrun's static one where the command names a
+    master (`--master-addr`, `--master-port`) or a `--node-rank` and no `--rdzv-endpoint` (the classic
+    two-node command), else c10d."""
+    if cfg.rdzv_backend:
+        return cfg.rdzv_backend
+    classic = cfg.master_addr is not None or cfg.master_port is not None or cfg.node_rank is not None
+    return "static" if classic and not cfg.rdzv_endpoint else "c10d"
+
+
+def rendezvous_endpoint(cfg: LaunchConfig) -> str:
+    """Where the nodes meet, in words for a message."""
+    if cfg.rdzv_endpoint:
+        return cfg.rdzv_endpoint
+    if rendezvous_backend(cfg) == "static":
+        return f"{cfg.master_addr or '127.0.0.1'}:{cfg.master_port or 29500}"
+    return "the default endpoint (localhost:29400)"
+
+
+def check_rendezvous(cfg: LaunchConfig, lo: int, hi: int) -> None:
+    """Flags that torchrun would ignore or that would leave nodes waiting alone: one line naming the fix."""
+    backend = rendezvous_backend(cfg)
+    if backend == "static" and hi > 1:
+        if lo != hi:
+            raise HetrainError(f"--nnodes {cfg.nnodes} asks for an elastic job, and --master-addr/--node-rank for "
+                               "torchrun's static rendezvous, which runs a fixed number of nodes; give every node "
+                               "--rdzv-endpoint HOST:PORT (the c10d rendezvous) in place of them")
+        if cfg.node_rank is None:
+            raise HetrainError(f"--nnodes {cfg.nnodes} with --master-addr (torchrun's static rendezvous) needs each "
+                               "node's --node-rank: 0 on the --master-addr host, 1 ... on the others")
+        if cfg.node_rank >= hi:
+            raise HetrainError(f"--node-rank {cfg.node_rank} is not one of the {hi} nodes (0 to {hi - 1})")
+    if backend != "static" and not cfg.rdzv_endpoint and hi > 1 and (cfg.master_addr or cfg.master_port):
+        raise HetrainError(f"--master-addr and --master-port are read by torchrun's static rendezvous only, and "
+                           f"--rdzv-backend {backend} would meet at localhost:29400 on every node; give "
+                           "--rdzv-endpoint MASTER:PORT, or leave --rdzv-backend out")
+
+
 def validate(cfg: LaunchConfig) -> None:
     """User errors, each as one line that names the fix."""
     if not cfg.module and not Path(cfg.script).is_file():
@@ -140,9 +178,11 @@ def validate(cfg: LaunchConfig) -> None:
         if len(cfg.emulate_speeds) < cfg.nproc_per_node:
             raise HetrainError(f"{len(cfg.emulate_speeds)} emulated speeds, fewer than this node's "
                                f"{cfg.nproc_per_node} ranks; give every node the same list, one speed per rank of "
-                               "the whole job (on several nodes ranks are numbered in arrival order)")
+                               "the whole job (on several nodes torchrun numbers the ranks by --node-rank under --master-addr, "
+                               "else by node address)")
     if cfg.rdzv_endpoint:
         check_endpoint(cfg.rdzv_endpoint)
+    check_rendezvous(cfg, lo, hi)
     if cfg.master_port is not None and not 1 <= cfg.master_port <= 65535:
         raise HetrainError(f"--master-port {cfg.master_port} is not a TCP port; fix: use a port from 1 to 65535, e.g. 29500")
     if cfg.collective_timeout is not None and not (math.isfinite(cfg.collective_timeout) and cfg.collective_timeout > 0):
@@ -179,7 +219,7 @@ def torchrun_argv(cfg: LaunchConfig) -> list[str]:
     if cfg.standalone or (cfg.rdzv_endpoint is None and cfg.nnodes == "1" and cfg.master_addr is None):
         argv.append("--standalone")
     else:
-        argv.append(f"--rdzv-backend={cfg.rdzv_backend}")
+        argv.append(f"--rdzv-backend={rendezvous_backend(cfg)}")
         if cfg.rdzv_endpoint:
             argv.append(f"--rdzv-endpoint={cfg.rdzv_endpoint}")
         if cfg.rdzv_id:
@@ -287,7 +327,7 @@ def launch(cfg: LaunchConfig) -> int:
 
 def rendezvous_line(error: BaseException, cfg: LaunchConfig) -> str:
     """The launcher's one line when the nodes could not meet (torch's rendezvous raised)."""
-    endpoint = cfg.rdzv_endpoint or "the default endpoint"
+    endpoint = rendezvous_endpoint(cfg)
     timeout = next((kv.split("=", 1)[1] for kv in (cfg.rdzv_conf or "").split(",")
                     if kv.strip().startswith("join_timeout=")), "600")
     said = str(error).strip().splitlines()

@@ -1,6 +1,6 @@
 """Which entry of a plan each rank runs: found by the device it has, never by its rank number.
 
-torchrun's rendezvous numbers ranks in arrival order, and an elastic restart may bring more or
+torchrun's rendezvous numbers nodes by node rank or by address, and an elastic restart may bring more or
 fewer devices, so a rank looks up its device kind (a catalog name) among the plan's entries:
 the first unused entry of that kind is its own. A device of a kind the plan has more of than
 entries takes a copy of that kind's first entry; a kind the plan does not have is an error that
@@ -224,7 +224,7 @@ def comm_for_world(plan: Plan, assignment: Assignment) -> tuple[Any, str | None]
     islands = list(ranks_by_value(nodes).values())
     return comm.model_copy(update={"islands": islands}), (
         f"the plan's islands {comm.islands}, followed to the ranks that took their entries, would join ranks of "
-        f"different nodes (nodes of different sizes join in arrival order): the islands are this job's nodes, "
+        f"different nodes (nodes of different sizes, numbered by the rendezvous): the islands are this job's nodes, "
         f"ranks {islands}")
 
 

@@ -299,3 +299,37 @@ def test_a_rank_that_fails_mid_loop_is_named_with_its_own_error(tmp_path):
     assert "MemoryError: out of memory (stand-in) on rank 1" in r.stderr, r.stderr[-3000:]
     assert "rank 1 exited with code 1: MemoryError" in r.stderr, r.stderr[-3000:]
     assert "terminate called" not in r.stderr and "EnforceNotMet" not in r.stderr
+
+
+def test_the_classic_two_node_command_meets_at_the_master_and_numbers_ranks_by_node_rank(tmp_path):
+    """`--nnodes 2 --node-rank R --master-addr H --master-port P` ran the c10d rendezvous at localhost:29400,
+    which ignores all three: on two hosts each node waited alone. It is torchrun's static rendezvous now:
+    node 1 started first still gets rank 1."""
+    import subprocess
+
+    from tests.ports import free_port
+
+    script = tmp_path / "job.py"
+    script.write_text("import os, hetrain\ns = hetrain.Session()\n"
+                      "print(f\"node {os.environ['GROUP_RANK']} rank {s.rank} of {s.world_size}\", flush=True)\n"
+                      "s.close()\n")
+    port = str(free_port())
+    cmd = [sys.executable, "-m", "hetrain.cli.main", "launch", "--nnodes", "2", "--master-addr", "127.0.0.1",
+           "--master-port", port]
+    second = subprocess.Popen([*cmd, "--node-rank", "1", str(script)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    first = subprocess.run([*cmd, "--node-rank", "0", str(script)], capture_output=True, text=True, timeout=120)
+    rest = second.communicate(timeout=120)[0]
+    assert first.returncode == 0 and second.returncode == 0, first.stderr[-2000:] + rest[-2000:]
+    assert "node 0 rank 0 of 2" in first.stdout and "node 1 rank 1 of 2" in rest
+    argv = torchrun_argv(LaunchConfig(script="t.py", nnodes="2", node_rank=1, master_addr="h", master_port=1234))
+    assert "--rdzv-backend=static" in argv and "--master-addr=h" in argv and "--node-rank=1" in argv
+    train = str(ROOT / "examples/train_digits.py")
+    for cfg, message in [
+        (LaunchConfig(script=train, nnodes="2", master_addr="h"), "needs each node's --node-rank"),
+        (LaunchConfig(script=train, nnodes="1:2", node_rank=0, master_addr="h"), "runs a fixed number of nodes"),
+        (LaunchConfig(script=train, nnodes="2", rdzv_backend="c10d", master_addr="h"), "--rdzv-endpoint MASTER:PORT"),
+        (LaunchConfig(script=train, nnodes="2", node_rank=2, master_addr="h"), "not one of the 2 nodes"),
+    ]:
+        with pytest.raises(HetrainError, match=message):
+            validate(cfg)
