@@ -52,6 +52,8 @@ class Env:
     METRICS_PORT = "HETRAIN_METRICS_PORT"
     RUN_DIR = "HETRAIN_RUN_DIR"
     COLLECTIVE_TIMEOUT = "HETRAIN_COLLECTIVE_TIMEOUT"
+    NNODES = "HETRAIN_NNODES"
+    """The launcher's --nnodes, compared across the job's ranks (the rendezvous runs with the first node's)."""
     LAUNCH_ID = "HETRAIN_LAUNCH_ID"
     """Set by `hetrain launch` for its workers: their descendants carry it, so the launcher can end
     any the job leaves behind."""

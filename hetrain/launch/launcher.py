@@ -247,7 +247,7 @@ SHARED_STORE_OPT_OUT = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"   # torch's rendezvo
 
 
 def worker_env(cfg: LaunchConfig) -> dict[str, str]:
-    env = {}
+    env = {Env.NNODES: cfg.nnodes}
     if cfg.emulate_speeds is not None:
         env[Env.EMULATE_SPEEDS] = ",".join(f"{s:g}" for s in cfg.emulate_speeds)
     if cfg.plan is not None:

@@ -94,23 +94,11 @@ def plan_digest(plan: Plan | None) -> str:
     return "none" if plan is None else hashlib.sha256(plan.to_json().encode()).hexdigest()[:12]
 
 
-def check_same_plan(digests: Sequence[str]) -> None:
-    """Every rank of the job must run one plan: nodes given different plan files would each split the
-    global batch their own way (samples taken twice or never, silently)."""
-    if len(set(digests)) > 1:
-        seen = "; ".join(f"{ranks_text(ranks)}: {'no plan' if d == 'none' else 'plan ' + d}"
-                         for d, ranks in ranks_by_value(digests).items())
-        raise HetrainError(f"the ranks were given different plans ({seen}); pass the same --plan file to "
-                           f"hetrain launch on every node (or none on all)")
-
-
-def check_same_speeds(lists: Sequence[str | None]) -> None:
-    """Emulated speeds go by the job's rank: every node must pass the same list (each launcher knows its
-    own ranks only, so a node given its own part would have its ranks read other ranks' speeds)."""
-    if len(set(lists)) > 1:
-        seen = "; ".join(f"{ranks_text(ranks)}: {text or 'none'}" for text, ranks in ranks_by_value(lists).items())
-        raise HetrainError(f"the nodes were given different --emulate-speeds ({seen}); give every node the same "
-                           "list, one speed per rank of the whole job, in the order the ranks are numbered")
+def check_same(values: Sequence[str | None], what: str, fix: str) -> None:
+    """One setting every node must share, gathered by rank: one line naming which ranks had which."""
+    if len(set(values)) > 1:
+        seen = "; ".join(f"{ranks_text(ranks)}: {value or 'none'}" for value, ranks in ranks_by_value(values).items())
+        raise HetrainError(f"the ranks were given different {what} ({seen}); {fix}")
 
 
 def find_entries(plan: Plan | None, device: torch.device, local_rank: int, world_size: int) -> Assignment:
@@ -118,10 +106,17 @@ def find_entries(plan: Plan | None, device: torch.device, local_rank: int, world
     kind, stand_in = local_device_kind(device, local_rank)
     gathered: list[Any] = [None] * world_size
     node = os.environ.get("GROUP_RANK") or socket.gethostname()   # the elastic agent numbers the nodes
-    dist.all_gather_object(gathered, (kind, stand_in, plan_digest(plan), os.environ.get(Env.EMULATE_SPEEDS), node))
+    dist.all_gather_object(gathered, (kind, stand_in, plan_digest(plan), os.environ.get(Env.EMULATE_SPEEDS), node,
+                                      os.environ.get(Env.NNODES)))
     kinds, emulated = [g[0] for g in gathered], [g[1] for g in gathered]
-    check_same_plan([g[2] for g in gathered])
-    check_same_speeds([g[3] for g in gathered])
+    # nodes given different plan files would each split the global batch their own way (samples taken twice
+    # or never); speeds go by the job's rank, and a node given its own part would read others' speeds
+    check_same([None if g[2] == "none" else f"plan {g[2]}" for g in gathered], "plans",
+               "pass the same --plan file to hetrain launch on every node (or none on all)")
+    check_same([g[3] for g in gathered], "--emulate-speeds", "give every node the same list, one speed per rank of "
+               "the whole job, in the order the ranks are numbered")
+    check_same([g[5] for g in gathered], "--nnodes (the rendezvous took the first node's)",
+               "start every node with the same --nnodes")
     if plan is None:
         note = (f"no plan (hetrain launch --plan, or {Env.PLAN}): {world_size} rank(s) start from an even "
                 "split in fp32, without micro-batches")

@@ -425,6 +425,25 @@ def test_ranks_given_different_plans_are_refused_on_every_rank():
     assert all(e is not None and "different plans (rank 0: plan" in e and "same --plan file" in e for e in errors), errors
 
 
+def _session_on_a_node_of_its_own_size(rank, world):
+    import os
+
+    import hetrain
+
+    os.environ["HETRAIN_NNODES"] = ["3", "2"][rank]   # what each node's launcher was given
+    try:
+        hetrain.Session()
+    except HetrainError as e:
+        return str(e)
+    return None
+
+
+def test_nodes_started_with_different_nnodes_are_refused_on_every_rank():
+    """The rendezvous runs with the first node's --nnodes: a node started with 3 and one with 2 trained on 2."""
+    errors = run_ranks(_session_on_a_node_of_its_own_size, 2)
+    assert all(e is not None and "different --nnodes" in e and "rank 0: 3; rank 1: 2" in e for e in errors), errors
+
+
 def _through_module(session, model, x, y):
     session.backward(F.cross_entropy(model.module(x), y))   # skips DDP: no gradient is all-reduced
 
