@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import os
 import socket
-from collections import defaultdict
-from collections.abc import Sequence
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -125,6 +125,11 @@ def find_entries(plan: Plan | None, device: torch.device, local_rank: int, world
     return assign_entries(plan, kinds, emulated, nodes=[g[4] for g in gathered])
 
 
+def _counts(kinds: Iterable[str]) -> str:
+    """'a100: 1, v100: 2'."""
+    return ", ".join(f"{kind}: {n}" for kind, n in sorted(Counter(kinds).items()))
+
+
 def assign_entries(plan: Plan, kinds: Sequence[str], emulated: Sequence[bool] | None = None,
                    nodes: Sequence[str] | None = None) -> Assignment:
     """Each rank's entry of `plan`, given the device kind (and node) of every rank (by rank)."""
@@ -174,7 +179,13 @@ def assign_entries(plan: Plan, kinds: Sequence[str], emulated: Sequence[bool] | 
     if resplit and plan.pipeline is None:
         floor = max(plan.global_batch_size * 1e-3, 1e-6)
         shares = split_proportional(plan.global_batch_size, [max(float(s), floor) for s in shares])
-        notes.append(f"the plan has {plan.world_size} entries for {world} ranks: shares re-split to {shares}")
+        if world != plan.world_size:
+            why = f"the plan has {plan.world_size} entries for {world} ranks"
+        elif not used_each_once:
+            why = f"the job's devices ({_counts(kinds)}) are not the plan's ({_counts(e.device for e in plan.ranks)})"
+        else:
+            why = f"the plan's shares sum to {sum(e.share for e in plan.ranks)}, not {plan.global_batch_size}"
+        notes.append(f"{why}: shares re-split to {shares}")
     entries = [e.model_copy(update={"share": s}) for e, s in zip(picked, shares)]
     if emulated and any(emulated):
         notes.append(f"CPU ranks stand in for the devices {Env.EMULATE_DEVICES} names: " + ", ".join(

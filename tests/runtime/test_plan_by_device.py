@@ -44,6 +44,14 @@ def test_more_devices_of_a_known_kind_copy_its_entry():
     assert sum(got.shares) == 12 and got.shares[0] > got.shares[1]
 
 
+def test_the_re_split_note_says_why():
+    """Three ranks on three entries whose devices differ from the plan's were told "3 entries for 3 ranks"."""
+    assert assign_entries(mixed_plan(), [V100, A100]).notes[-1].startswith("the plan has 3 entries for 2 ranks")
+    got = assign_entries(mixed_plan(), [A100, A100, V100])
+    assert got.resplit and got.notes[-1].startswith(
+        f"the job's devices ({A100}: 2, {V100}: 1) are not the plan's ({A100}: 1, {V100}: 2): shares re-split")
+
+
 def test_a_device_the_plan_does_not_know_is_refused_with_the_fix():
     with pytest.raises(HetrainError, match=r"runs l4 on rank 1, which the plan has no entry.*a100-sxm4-80gb, "
                                           r"v100-sxm2-32gb.*hetrain plan --devices"):
