@@ -172,9 +172,22 @@ def pipeline_candidates(cluster, profile: WorkloadProfile, kinds: list[Kind], gl
                 search(d, 3)
     for label, c in out.items():
         if not c.feasible:
-            c.reason = c.reason or ("no partition fits: the stages lack memory" if label == "pipeline" or
-                                    math.gcd(*counts) > 1 else "device counts share no divisor > 1 for replicas")
+            c.reason = c.reason or _no_plan_reason(label, counts, divisors, n_blocks)
     return list(out.values())
+
+
+def _no_plan_reason(label: str, counts: list[int], divisors: list[int], n_blocks: int) -> str:
+    """Why no pipeline (d = 1) or hybrid (d > 1 replicas) plan exists: the grid, else memory."""
+    grids = [(d, sum(c // d for c in counts)) for d in divisors if (d == 1) == (label == "pipeline")]
+    if not grids:
+        return "device counts share no divisor > 1 for replicas"
+    if all(stages < 2 for _, stages in grids):
+        return ("a pipeline needs 2 or more devices" if label == "pipeline" else
+                f"each replica would hold one device: hybrid needs 2 or more replicas of 2 or more devices "
+                f"(these {sum(counts)} devices make none)")
+    if all(stages > n_blocks for _, stages in grids if stages >= 2):
+        return f"more stages than the model's {n_blocks} blocks"
+    return "no partition fits: the stages lack memory"
 
 
 def held_blocks(bounds: list[tuple[int, int]], chunks: int) -> list[list[tuple[int, int]]]:

@@ -210,3 +210,14 @@ def test_a_plan_with_its_required_fields_misspelt_is_told_the_renames_not_that_i
     with pytest.raises(Exception) as e:
         Plan.load(tmp_path / "plan.json")
     assert "rename it to 'global_batch_size'" in str(e.value) and "not a plan" not in str(e.value)
+
+
+def test_a_hybrid_plan_no_grid_allows_says_so_not_that_memory_lacks():
+    """Two A100s hold GPT-2 124M with room to spare, and hybrid was said to "lack memory": one device per
+    replica is no hybrid at all."""
+    p = _run("plan", "--devices", "a100-sxm4-80gb:2", "--model", "gpt2-124m", "--strategy", "pipeline",
+             "--global-batch-size", "64", "--json")
+    assert p.returncode == 0, p.stderr
+    reasons = {c["strategy"]: c.get("reason") for c in json.loads(p.stdout)["candidates"]}
+    assert "each replica would hold one device" in reasons["hybrid"], reasons
+    assert "memory" not in reasons["hybrid"]
