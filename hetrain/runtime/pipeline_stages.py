@@ -120,6 +120,11 @@ def model_blocks(model: nn.Module, pipeline: PipelinePlan) -> list[tuple[str, nn
             f"{type(model).__name__}; wrap it, e.g. nn.Sequential(embed, *layers, head)"
         )
     blocks = list(model.named_children())
+    empty = [j for j, (a, b) in enumerate(pipeline.stages) if a >= b]
+    if empty:
+        raise HetrainError(
+            f"the plan's pipeline stage {empty[0]} ({pipeline.stages[empty[0]]}) holds no block: each stage holds "
+            f"[first, last) with first < last; re-plan (`hetrain plan --strategy pipeline`) or give it a block")
     ends = [b for _, b in pipeline.stages]
     starts = [a for a, _ in pipeline.stages]
     if starts[0] != 0 or ends[-1] != len(blocks) or any(a != b for a, b in zip(starts[1:], ends[:-1])) \

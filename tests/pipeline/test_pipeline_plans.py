@@ -308,3 +308,19 @@ def test_a_direct_call_under_a_pipeline_names_the_calls_for_training_evaluating_
     for error in run_ranks(_direct_call, 2, plan):
         assert error is not None and "session.forward_backward(inputs, target, loss_fn)" in error
         assert "session.evaluate(inputs, target, loss_fn)" in error and "session.model_state_dict()" in error
+
+
+def test_a_partition_that_leaves_a_stage_empty_or_a_gap_is_refused_naming_it():
+    import pytest
+    from torch import nn
+
+    from hetrain.errors import HetrainError
+    from hetrain.planning.plan import PipelinePlan
+    from hetrain.runtime.pipeline_stages import model_blocks
+
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(6)])
+    assert len(model_blocks(model, PipelinePlan(stages=[[0, 2], [2, 6]]))) == 6
+    with pytest.raises(HetrainError, match=r"stage 1 \(\[6, 6\]\) holds no block"):
+        model_blocks(model, PipelinePlan(stages=[[0, 6], [6, 6]]))
+    with pytest.raises(HetrainError, match="do not cover the model's 6 blocks in order"):
+        model_blocks(model, PipelinePlan(stages=[[0, 2], [3, 6]]))
