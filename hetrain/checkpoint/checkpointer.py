@@ -337,15 +337,26 @@ class Checkpointer:
         problem = self._first_error(store.check_directory(self.directory, probe))
         if problem is not None:
             raise CheckpointError(problem)
-        key = problem = None
+        key = problem = token = None
         if self.rank == 0:
             try:
                 key = lease.hold(self.directory)
+                token = lease.holder_of(self.directory).token
             except CheckpointError as e:
                 problem = str(e)
-        problem = self._broadcast(problem)
+        problem, token = self._broadcast((problem, token))
         if problem is not None:
             raise CheckpointError(problem)
+        nodes = self._gather(os.environ.get("GROUP_RANK") or socket.gethostname())   # the agent numbers nodes
+        if len(set(nodes)) > 1:   # ranks on other nodes must see the lease rank 0 took: one directory for all
+            problem = self._first_error(None if lease.seen_within(self.directory, token, SHARED_WAIT_SECONDS) else (
+                f"it does not see the lease rank 0 took in {self.directory} within "
+                f"{SHARED_WAIT_SECONDS:.0f} s: every rank must see one checkpoint directory, on a file system all "
+                "nodes share; pass such a path as --checkpoint-dir on every node"))
+            if problem is not None:
+                if key is not None:
+                    lease.let_go(key)
+                raise CheckpointError(problem)
         if key is not None:
             self._lease_key = key
             # given back at close(), or when the Checkpointer is dropped or the process exits without close()
@@ -389,6 +400,11 @@ class Checkpointer:
         box = [obj]
         dist.broadcast_object_list(box, src=dist.get_global_rank(self._group, 0), group=self._group)
         return box[0]
+
+
+SHARED_WAIT_SECONDS = 65.0
+"""How long a rank on another host looks for rank 0's lease file: a network file system may cache a directory's
+listing for up to a minute (NFS's acdirmax), so a fresh file can take that long to appear."""
 
 
 def _coordination_group(process_group: Any) -> Any:

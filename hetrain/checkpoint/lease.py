@@ -312,6 +312,18 @@ def lost(key: str) -> str | None:
     return entry[0].check()
 
 
+def seen_within(directory: Path, token: str, seconds: float) -> bool:
+    """Whether `directory`'s lease file, with this token, is seen here within `seconds` (polled)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        holder = read_holder(Path(directory) / LEASE_NAME)
+        if holder is not None and holder.token == token:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.5)
+
+
 def holder_of(directory: Path) -> Holder | None:
     """The holder named in `directory`'s lease file (None when free): for messages and tests."""
     return read_holder(directory / LEASE_NAME)

@@ -140,3 +140,29 @@ def test_ranks_agree_on_the_newest_good_checkpoint(tmp_path):
     assert [r["step"] for r in results] == [1, 1]
     assert [r["per_rank"] for r in results] == [{"rank": 0, "step": 1}, {"rank": 1, "step": 1}]
     assert any("step-000002" in w and "rank-00001.pt" in w for w in results[0]["warned"])
+
+
+def _own_directories(rank: int, world: int, root: str, shared: bool) -> str | None:
+    """Two nodes (GROUP_RANK), each given its own --checkpoint-dir as on two hosts' local disks, or one."""
+    import os
+
+    import hetrain.checkpoint.checkpointer as checkpointer
+    from hetrain.checkpoint.errors import CheckpointError
+
+    os.environ["GROUP_RANK"] = str(rank)
+    checkpointer.SHARED_WAIT_SECONDS = 1.0
+    dist.init_process_group("gloo")
+    try:
+        Checkpointer(Path(root) / ("shared" if shared else f"node{rank}")).close()
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def test_nodes_that_do_not_share_the_checkpoint_directory_are_refused_before_training(tmp_path):
+    """Caught at the first save (step 100 by default), and each restart trained those steps again."""
+    errors = run_ranks(_own_directories, 2, str(tmp_path), False)
+    assert all(e is not None and "rank 1: it does not see the lease rank 0 took" in e
+               and "on a file system all nodes share" in e for e in errors), errors
+    assert run_ranks(_own_directories, 2, str(tmp_path), True) == [None, None]
+    assert not (tmp_path / "node0" / "lease.json").exists()   # let go when refused
