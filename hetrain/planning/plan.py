@@ -36,7 +36,9 @@ class RankPlan(_Strict):
     share: int = Field(ge=0, description="samples of each global batch this rank computes")
     precision: Precision = Field("fp32", description="autocast precision of this rank")
     micro_batch: int | None = Field(None, ge=1, description="samples per forward; None = the whole share")
-    grad_accum: int = Field(1, ge=1, description="micro-batches per step (share / micro_batch, rounded up)")
+    grad_accum: int = Field(1, ge=1, description="micro-batches per step (share / micro_batch, rounded up); with "
+                                                 "micro_batch set the runtime cuts the share (which re-splits change) "
+                                                 "into pieces of at most micro_batch, and this is informative")
     activation_checkpointing: bool = Field(False, description="recompute block activations in backward")
     stage: int = Field(0, ge=0, description="pipeline stage this rank runs")
     offload_optimizer: bool = Field(False, description="keep optimizer state in host memory")

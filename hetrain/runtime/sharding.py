@@ -147,6 +147,11 @@ def fully_shard_model(model: nn.Module, blocks: Sequence[nn.Module], *, offload:
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     policy = CPUOffloadPolicy(pin_memory=True) if offload else OffloadPolicy()
+    if not blocks:
+        log.warning("FSDP2 shards %s as one group: it has no nn.ModuleList or nn.Sequential of repeated blocks, so "
+                    "every forward gathers all its weights at once and the peak holds the whole model; pass "
+                    "session.prepare(model, optimizer, blocks=[...]) to gather one block at a time",
+                    type(model).__name__)
     for block in blocks:
         fully_shard(block, offload_policy=policy)
     fully_shard(model, offload_policy=policy)

@@ -192,3 +192,26 @@ def test_an_optimizer_that_has_stepped_is_refused_before_sharding_re_creates_it(
         opt.step()
         with pytest.raises(HetrainError, match="already holds state"):
             check_fresh(opt, "zero1")
+
+
+def _shard_without_blocks(rank, world):
+    import logging
+
+    import torch.distributed as dist
+
+    from hetrain.runtime.sharding import fully_shard_model
+
+    dist.init_process_group("gloo")
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("hetrain").addHandler(handler)
+    fully_shard_model(torch.nn.Sequential(torch.nn.Linear(2, 2)), [])
+    model = make_model()
+    fully_shard_model(model, list(model.layers))   # one group a block: nothing to say
+    return seen
+
+
+def test_fsdp2_over_a_model_without_blocks_says_it_gathers_the_whole_model_at_once():
+    seen = run_ranks(_shard_without_blocks, 1)[0]
+    assert len(seen) == 1 and "gathers all its weights at once" in seen[0] and "blocks=[...]" in seen[0], seen
