@@ -60,6 +60,15 @@ def format_validation_error(e, model=None, kind: str | None = None) -> str:
     return "; ".join(parts[:shown]) + (f" (and {len(parts) - shown} more)" if len(parts) > shown else "")
 
 
+def add_note(error: BaseException, note: str) -> None:
+    """`error.add_note(note)` (Python 3.11), or the same `__notes__` list on 3.10, which hetrain's one-line
+    reports read (3.10's traceback does not print it)."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    else:
+        error.__notes__ = [*getattr(error, "__notes__", ()), note]
+
+
 def ranks_text(ranks: Iterable[int]) -> str:
     """`rank 3` or `ranks 0,2`: how a message names ranks."""
     ranks = list(ranks)

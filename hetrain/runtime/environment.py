@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hetrain.errors import HetrainError
+from hetrain.errors import HetrainError, add_note
 from hetrain.runtime.exiting import once_at_exit
 from hetrain.vocabulary import Env
 
@@ -195,7 +195,7 @@ def _add_hints(error: BaseException) -> None:
         except Exception:   # a hint never hides the error itself
             note = None
         if note:
-            error.add_note(note)
+            add_note(error, note)
 
 
 def print_user_errors_as_one_line() -> None:

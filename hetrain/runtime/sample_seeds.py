@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, Sampler, StackDataset, Subset, get_worker_info
 
+from hetrain.errors import add_note
+
 _MASK = (1 << 64) - 1
 
 
@@ -121,7 +123,7 @@ def _named_on_error(keys: Sequence[tuple[int, int]]) -> Iterator[None]:
         indices = [index for _, index in keys]
         what = (f"sample {indices[0]}" if len(indices) == 1 else
                 f"samples {indices[:8]}".rstrip("]") + (", ...]" if len(indices) > 8 else "]"))
-        exc.add_note(f"hetrain: while reading {what} of epoch {keys[0][0]} of the dataset")
+        add_note(exc, f"hetrain: while reading {what} of epoch {keys[0][0]} of the dataset")
         raise
 
 

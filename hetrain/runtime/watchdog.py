@@ -105,13 +105,18 @@ def one_line(exc: BaseException) -> str:
     message, kind = str(exc).strip(), type(exc).__name__
     hints = [n.removeprefix("hetrain: ") for n in getattr(exc, "__notes__", ()) if n.startswith("hetrain: ")]
     head, sep, original = message.partition("\nOriginal Traceback (most recent call last):\n")
-    if sep:   # "Caught ValueError in DataLoader worker process 1.", the worker's traceback
+    if sep and head.startswith("Caught ") and " in DataLoader worker process " in head:   # torch's wrapper
         lines = original.splitlines()
-        last_frame = max((i for i, t in enumerate(lines) if t[:1].isspace()), default=-1)
-        tail = lines[last_frame + 1:]
-        hints = ["in " + head.strip().rstrip(".").split(" in ", 1)[-1]] + \
-            [t.removeprefix("hetrain: ") for t in tail if t.startswith("hetrain: ")] + hints
-        kind, _, message = "\n".join(t for t in tail if not t.startswith("hetrain: ")).partition(": ")
+        frames = [i for i, t in enumerate(lines) if t.startswith('  File "')]
+        start = frames[-1] + 1 if frames else 0
+        while start < len(lines) and lines[start][:1].isspace():   # the frame's code line and carets
+            start += 1
+        tail = lines[start:]   # the worker's own "Type: message" (with its lines) and notes
+        if tail and tail[0].strip():
+            hints = ["in " + head.strip().rstrip(".").split(" in ", 1)[-1]] + \
+                [t.removeprefix("hetrain: ") for t in tail if t.startswith("hetrain: ")] + hints
+            kind, _, message = "\n".join(t for t in tail if not t.startswith("hetrain: ")).partition(": ")
+            kind = kind.rsplit(".", 1)[-1]   # a module-qualified name, as traceback writes it
     first = []
     for text in message.splitlines():
         if not text.strip() or text.startswith(("Exception raised from", "frame #")):

@@ -377,3 +377,24 @@ def test_a_sample_that_fails_to_read_is_named_by_index_and_epoch_also_from_a_wor
         wrapped.reraise()
     assert one_line(raised.value) == ("ValueError: boom (in DataLoader worker process 1) "
                                       "(while reading sample 17 of epoch 0 of the dataset)")
+
+
+@pytest.mark.parametrize("error, line", [
+    (ValueError("shape mismatch:\n    expected (3,)\n    got (4,)"), "ValueError: shape mismatch: expected (3,) got (4,)"),
+    (ValueError(), "ValueError"),
+    (KeyError("label"), "KeyError: 'label'"),
+])
+def test_a_worker_error_of_several_lines_or_none_keeps_its_type_and_message(error, line):
+    from torch._utils import ExceptionWrapper
+
+    from hetrain.runtime.watchdog import one_line
+
+    try:
+        raise error
+    except Exception:
+        wrapped = ExceptionWrapper(where="in DataLoader worker process 0")
+    with pytest.raises(type(error)) as raised:
+        wrapped.reraise()
+    assert one_line(raised.value) == f"{line} (in DataLoader worker process 0)"
+    quoted = RuntimeError("rank 1 failed: " + str(raised.value))   # not torch's wrapper: its own type stays
+    assert one_line(quoted).startswith("RuntimeError: rank 1 failed: Caught")
