@@ -17,7 +17,8 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nnodes", default="1", help="nodes, or MIN:MAX for an elastic job")
     parser.add_argument("--node-rank", "--node_rank", type=int, default=None)
     parser.add_argument("--rdzv-backend", "--rdzv_backend", default=None,
-                        help="c10d (default), or static where --master-addr/--node-rank name the master, as torchrun")
+                        help="c10d (default; at --master-addr:--master-port on several nodes without "
+                             "--rdzv-endpoint), or static")
     parser.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None, help="HOST:PORT of the rendezvous")
     parser.add_argument("--rdzv-id", "--rdzv_id", default=None, help="job id shared by all nodes")
     parser.add_argument("--rdzv-conf", "--rdzv_conf", default=None, metavar="K=V,...",

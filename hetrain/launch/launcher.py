@@ -111,41 +111,39 @@ def check_endpoint(endpoint: str) -> None:
 
 
 def rendezvous_backend(cfg: LaunchConfig) -> str:
-    """The rendezvous torchrun runs: the one given, else torchrun's static one where the command names a
-    master (`--master-addr`, `--master-port`) or a `--node-rank` and no `--rdzv-endpoint` (the classic
-    two-node command), else c10d."""
-    if cfg.rdzv_backend:
-        return cfg.rdzv_backend
-    classic = cfg.master_addr is not None or cfg.master_port is not None or cfg.node_rank is not None
-    return "static" if classic and not cfg.rdzv_endpoint else "c10d"
+    """The rendezvous torchrun runs: the one given, else c10d (which `--nnodes MIN:MAX` and restarts need)."""
+    return cfg.rdzv_backend or "c10d"
+
+
+def rendezvous_at(cfg: LaunchConfig) -> str | None:
+    """The c10d rendezvous endpoint: the one given, else, for torchrun's classic multi-node command
+    (`--master-addr HOST --master-port PORT` on every node), HOST:PORT, served by the node at HOST. torchrun
+    reads those flags only under its static rendezvous (a fixed number of nodes); c10d ignores them, and
+    every node would wait alone at its own localhost:29400."""
+    if cfg.rdzv_endpoint or rendezvous_backend(cfg) != "c10d" or _max_nodes(cfg.nnodes)[1] == 1:
+        return cfg.rdzv_endpoint
+    if cfg.master_addr is None and cfg.master_port is None:
+        return None
+    return f"{cfg.master_addr or '127.0.0.1'}:{cfg.master_port or 29500}"
 
 
 def rendezvous_endpoint(cfg: LaunchConfig) -> str:
     """Where the nodes meet, in words for a message."""
-    if cfg.rdzv_endpoint:
-        return cfg.rdzv_endpoint
     if rendezvous_backend(cfg) == "static":
-        return f"{cfg.master_addr or '127.0.0.1'}:{cfg.master_port or 29500}"
-    return "the default endpoint (localhost:29400)"
+        return cfg.rdzv_endpoint or f"{cfg.master_addr or '127.0.0.1'}:{cfg.master_port or 29500}"
+    return rendezvous_at(cfg) or "the default endpoint (localhost:29400)"
 
 
 def check_rendezvous(cfg: LaunchConfig, lo: int, hi: int) -> None:
-    """Flags that torchrun would ignore or that would leave nodes waiting alone: one line naming the fix."""
-    backend = rendezvous_backend(cfg)
-    if backend == "static" and hi > 1:
-        if lo != hi:
-            raise HetrainError(f"--nnodes {cfg.nnodes} asks for an elastic job, and --master-addr/--node-rank for "
-                               "torchrun's static rendezvous, which runs a fixed number of nodes; give every node "
-                               "--rdzv-endpoint HOST:PORT (the c10d rendezvous) in place of them")
-        if cfg.node_rank is None:
-            raise HetrainError(f"--nnodes {cfg.nnodes} with --master-addr (torchrun's static rendezvous) needs each "
-                               "node's --node-rank: 0 on the --master-addr host, 1 ... on the others")
-        if cfg.node_rank >= hi:
-            raise HetrainError(f"--node-rank {cfg.node_rank} is not one of the {hi} nodes (0 to {hi - 1})")
-    if backend != "static" and not cfg.rdzv_endpoint and hi > 1 and (cfg.master_addr or cfg.master_port):
-        raise HetrainError(f"--master-addr and --master-port are read by torchrun's static rendezvous only, and "
-                           f"--rdzv-backend {backend} would meet at localhost:29400 on every node; give "
-                           "--rdzv-endpoint MASTER:PORT, or leave --rdzv-backend out")
+    """torchrun's static rendezvous (asked for by name) on several nodes: a fixed count, each node's rank."""
+    if rendezvous_backend(cfg) != "static" or hi == 1:
+        return
+    if lo != hi:
+        raise HetrainError(f"--nnodes {cfg.nnodes} asks for an elastic job, and --rdzv-backend static runs a fixed "
+                           "number of nodes; leave --rdzv-backend out (c10d)")
+    if cfg.node_rank is None or not 0 <= cfg.node_rank < hi:
+        raise HetrainError(f"--rdzv-backend static on {hi} nodes needs each node's --node-rank, 0 to {hi - 1} (0 on "
+                           "the --master-addr host)")
 
 
 def validate(cfg: LaunchConfig) -> None:
@@ -178,8 +176,7 @@ def validate(cfg: LaunchConfig) -> None:
         if len(cfg.emulate_speeds) < cfg.nproc_per_node:
             raise HetrainError(f"{len(cfg.emulate_speeds)} emulated speeds, fewer than this node's "
                                f"{cfg.nproc_per_node} ranks; give every node the same list, one speed per rank of "
-                               "the whole job (on several nodes torchrun numbers the ranks by --node-rank under --master-addr, "
-                               "else by node address)")
+                               "the whole job (on several nodes the rendezvous numbers the ranks by node address)")
     if cfg.rdzv_endpoint:
         check_endpoint(cfg.rdzv_endpoint)
     check_rendezvous(cfg, lo, hi)
@@ -220,8 +217,8 @@ def torchrun_argv(cfg: LaunchConfig) -> list[str]:
         argv.append("--standalone")
     else:
         argv.append(f"--rdzv-backend={rendezvous_backend(cfg)}")
-        if cfg.rdzv_endpoint:
-            argv.append(f"--rdzv-endpoint={cfg.rdzv_endpoint}")
+        if rendezvous_at(cfg):
+            argv.append(f"--rdzv-endpoint={rendezvous_at(cfg)}")
         if cfg.rdzv_id:
             argv.append(f"--rdzv-id={cfg.rdzv_id}")
     if cfg.rdzv_conf:
@@ -247,7 +244,8 @@ SHARED_STORE_OPT_OUT = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"   # torch's rendezvo
 
 
 def worker_env(cfg: LaunchConfig) -> dict[str, str]:
-    env = {Env.NNODES: cfg.nnodes}
+    lo, hi = _max_nodes(cfg.nnodes)
+    env = {Env.NNODES: str(lo) if lo == hi else f"{lo}:{hi}"}   # "2" and "2:2" alike
     if cfg.emulate_speeds is not None:
         env[Env.EMULATE_SPEEDS] = ",".join(f"{s:g}" for s in cfg.emulate_speeds)
     if cfg.plan is not None:
