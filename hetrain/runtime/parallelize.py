@@ -40,6 +40,9 @@ class Prepared:
     comm_state: Any = None      # the comm hook's state (its `stats` count bytes), when one is set
     ddp_reduces: frozenset[int] = frozenset()   # ids of the parameters DDP's buckets reduce (trainable at prepare)
     late_trainable_said: bool = False
+    zeros_through_graph: bool = False
+    """A backward without items gives its zeros through the forward's graph, not every parameter: DDP's
+    find_unused_parameters marked the unused ones ready already, SyncBatchNorm's backward all-reduces."""
 
     @property
     def module(self) -> nn.Module:
@@ -200,14 +203,17 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, sh
     ddp, comm_state = apply_ddp(model, device, comm, timer, find_unused_parameters)
     if optimizer is not None and sharding_name in ZERO1_SHARDINGS:
         optimizer = apply_zero1(optimizer, model, sharding_name, entries, device)
-    return Prepared(ddp, optimizer, chosen, comm_state, frozenset(id(p) for p in model.parameters() if p.requires_grad))
+    return Prepared(ddp, optimizer, chosen, comm_state, frozenset(id(p) for p in model.parameters() if p.requires_grad),
+                    zeros_through_graph=find_unused_parameters or any(isinstance(m, nn.SyncBatchNorm)
+                                                                      for m in model.modules()))
 
 
 def reduce_late_trainable(prepared: Prepared) -> None:
     """All-reduce the gradients of parameters made trainable after prepare() (a backbone unfrozen mid-run):
     DDP's buckets hold the parameters trainable when it was built, and the others' gradients stayed each
     rank's own (the ranks' copies parted, 0.03 apart in 5 steps). Averaged as DDP averages, before the
-    step's gradients are finished; every rank must unfreeze the same parameters at the same step."""
+    step's gradients are finished; a parameter no rank gave a gradient keeps none (the optimizer skips it,
+    as one process would). Every rank must unfreeze the same parameters at the same step."""
     late = [p for p in prepared.parameters if p.requires_grad and id(p) not in prepared.ddp_reduces]
     if not late or not isinstance(prepared.model, DistributedDataParallel):
         return
@@ -215,14 +221,22 @@ def reduce_late_trainable(prepared: Prepared) -> None:
         prepared.late_trainable_said = True
         log.info("%d parameter(s) became trainable after session.prepare(): their gradients are all-reduced after "
                  "backward each step, outside DDP's buckets", len(late))
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in late]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    torch.distributed.all_reduce(flat)
-    flat /= torch.distributed.get_world_size()
-    offset = 0
-    for p in late:
-        p.grad = flat[offset:offset + p.numel()].view_as(p)
-        offset += p.numel()
+    groups: dict[torch.dtype, list[nn.Parameter]] = {}
+    for p in late:   # one all-reduce per real dtype (a complex gradient travels as its real view)
+        groups.setdefault(torch.view_as_real(p.detach()).dtype if p.is_complex() else p.dtype, []).append(p)
+    world = torch.distributed.get_world_size()
+    for dtype, params in groups.items():
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flats = [(torch.view_as_real(g) if g.is_complex() else g).reshape(-1) for g in grads]
+        given = torch.tensor([float(p.grad is not None) for p in params], dtype=dtype, device=flats[0].device)
+        flat = torch.cat([*flats, given])
+        torch.distributed.all_reduce(flat)
+        offset = 0
+        for p, part, seen in zip(params, flats, flat[-len(params):].tolist()):
+            mean = flat[offset:offset + part.numel()] / world
+            offset += part.numel()
+            p.grad = None if seen == 0 else (torch.view_as_complex(mean.view(*p.shape, 2)) if p.is_complex()
+                                             else mean.view_as(p))
 
 
 def equal_piece_counts(model: nn.Module, sharding_name: str, layout: Any) -> bool:

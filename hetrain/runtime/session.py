@@ -298,8 +298,8 @@ class Session:
             self.state.items_per_sample = agree_items_per_sample(items, self.state.current_samples(), self.device)
         self.state.record_backward(loss, items)
         self._launch_figures()
-        if items == 0 and self.sharding == "fsdp":
-            # No items: exact zeros through the forward's graph, which FSDP2's reduce-scatter needs.
+        if items == 0 and (self.sharding == "fsdp" or self.prepared.zeros_through_graph):
+            # No items: zeros through the forward's graph (FSDP2's reduce-scatter, SyncBatchNorm, unused params).
             weighted = torch.nan_to_num(loss) * 0.0
         elif items == 0:
             # No items: contribute exact zeros to every gradient, still joining every collective.
