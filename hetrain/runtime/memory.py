@@ -61,10 +61,16 @@ def checkpoint_blocks(blocks: Sequence[nn.Module]) -> int:
             continue
         inner = block.forward
 
-        def forward(*args: Any, _inner=inner, _contexts=functools.partial(_recompute_contexts, block),
-                    **kwargs: Any) -> Any:
+        # only a block with running statistics needs its recompute to leave them alone; under torch.compile,
+        # which takes no such context, the compiled recompute does not update them again
+        tracks = any(getattr(m, "track_running_stats", False) is True for m in block.modules())
+        contexts = functools.partial(_recompute_contexts, block) if tracks else None
+
+        def forward(*args: Any, _inner=inner, _contexts=contexts, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
                 return _inner(*args, **kwargs)
+            if _contexts is None or torch.compiler.is_compiling():
+                return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
             return checkpoint(_inner, *args, use_reentrant=False, context_fn=_contexts, **kwargs)
 
         block.forward = forward

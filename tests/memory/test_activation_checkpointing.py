@@ -87,3 +87,13 @@ def test_ranks_run_equal_micro_batch_counts_where_every_forward_runs_a_collectiv
     assert not equal_piece_counts(plain, "none", None) and equal_piece_counts(plain, "fsdp", None)
     assert equal_piece_counts(synced, "none", None) and equal_piece_counts(synced, "zero1", None)
     assert not equal_piece_counts(synced, "none", layout=object())   # pipeline stages keep their own schedule
+
+
+def test_a_checkpointed_block_with_running_statistics_compiles_and_counts_once():
+    """The recompute's context (which keeps running statistics) failed torch.compile's check."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_NormBlock(), _NormBlock())
+    apply_activation_checkpointing(model)
+    compiled = torch.compile(model, backend="aot_eager")
+    compiled(torch.randn(4, 8)).square().mean().backward()
+    assert [b.bn.num_batches_tracked.item() for b in model] == [1, 1]
