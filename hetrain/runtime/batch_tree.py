@@ -85,15 +85,17 @@ def tensors(batch: Any) -> list[torch.Tensor]:
     return [x for x in flatten(batch)[0] if isinstance(x, torch.Tensor)]
 
 
-def _plain_list(obj: Any) -> bool:
-    return isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields") and all(isinstance(v, PLAIN) for v in obj)
+def _plain_nest(obj: Any) -> bool:
+    """A list or tuple of plain values, or of such lists (offsets as (start, end) pairs), at any depth."""
+    return isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields") and all(
+        isinstance(v, PLAIN) or _plain_nest(v) for v in obj)
 
 
 def per_sample_lists(obj: Any, samples: int) -> bool:
     """Whether `obj` is a list or tuple of one list of plain values per sample (token ids of their own
-    lengths, as a collate that does not pad leaves them): a field to cut with the samples."""
+    lengths, a tokenizer's unpadded offsets as lists of pairs): a field to cut with the samples."""
     return (isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields") and samples > 0 and len(obj) == samples
-            and all(_plain_list(v) for v in obj))
+            and all(_plain_nest(v) for v in obj))
 
 
 def per_sample_items(obj: Any, samples: int) -> bool:

@@ -78,13 +78,16 @@ _TORCH_OPTIMIZER_ATTRIBUTES = frozenset(vars(torch.optim.SGD([torch.zeros(1, req
 
 
 def check_rebuilt_alike(old: torch.optim.Optimizer, new: torch.optim.Optimizer, sharding: str) -> None:
-    """The re-created optimizer keeps every plain setting of the user's (numbers, strings, flags): a class
-    that keeps one outside its `defaults` (`self.scale = scale`) was re-created with the constructor's
-    default, silently."""
+    """The re-created optimizer keeps every plain setting the user gave (numbers, strings, flags): a class
+    that keeps a constructor argument outside its `defaults` (`self.scale = scale`) was re-created with the
+    constructor's default, silently."""
+    import inspect
+
+    arguments = set(inspect.signature(type(old)).parameters)   # kept as given: `self.scale = scale`
     new_vars = vars(new)
     for name, value in vars(old).items():
-        if name.startswith("_") or name in _TORCH_OPTIMIZER_ATTRIBUTES or not _plain(value):
-            continue
+        if name not in arguments or name in _TORCH_OPTIMIZER_ATTRIBUTES or not _plain(value):
+            continue   # what the instance derives itself (a parameter count) may differ on a shard
         if name not in new_vars or new_vars[name] != value:
             raise HetrainError(
                 f"{type(old).__name__} keeps {name!r} outside its defaults ({value!r} here, "

@@ -197,6 +197,9 @@ def test_a_list_of_lists_is_cut_by_sample_below_the_top_level_only():
 
     pieces = list(split_batch({"x": torch.zeros(4, 1), "ids": [[1, 2], [3], [4, 5, 6], [0]]}, [3, 1], 4))
     assert [p["ids"] for p in pieces] == [[[1, 2], [3], [4, 5, 6]], [[0]]]
+    offsets = [[(0, 1), (1, 3)], [(0, 2)], [(0, 1)], []]   # a tokenizer's unpadded offsets: pairs per token
+    pieces = list(split_batch({"x": torch.zeros(4, 1), "offsets": offsets}, [1, 3], 4))
+    assert [p["offsets"] for p in pieces] == [offsets[:1], offsets[1:]]
     assert empty_batch({"x": torch.zeros(1, 2), "ids": [[0]], "n": torch.ones(3)})["ids"] == []
     assert empty_batch({"x": torch.zeros(1, 2), "ids": [[0]], "n": torch.ones(3)})["n"].shape == (3,)
     fields = (["a", "b"], ["c", "d"])   # the top level: two fields of one string per sample, not two samples

@@ -129,11 +129,13 @@ def test_a_session_imports_torch_s_zero_pipelining_and_checkpoint_modules_only_w
 
 
 class _ScaledSGD(torch.optim.SGD):
-    """A user's optimizer that keeps a setting of its own outside `defaults`."""
+    """A user's optimizer that keeps a setting of its own outside `defaults`, and one it derives (a count,
+    smaller on a rank's shard: not a setting)."""
 
     def __init__(self, params, lr=0.1, scale=0.5):
         super().__init__(params, lr=lr)
         self.scale = scale
+        self.num_params = sum(len(g["params"]) for g in self.param_groups)
 
 
 def _rebuilt(rank, world, sharding, kind):
@@ -143,8 +145,9 @@ def _rebuilt(rank, world, sharding, kind):
                 ranks=[RankPlan(rank=r, share=s) for r, s in enumerate([5, 3])])
     session = hetrain.Session(plan)
     net = make_model()
-    optimizer = (_ScaledSGD(net.parameters(), lr=0.1, scale=0.25) if kind == "scaled"
-                 else torch.optim.Adagrad(net.parameters(), lr=0.1))   # Adagrad builds its state at once
+    optimizer = (_ScaledSGD(net.parameters(), lr=0.1, scale=0.25) if kind == "scaled" else
+                 _ScaledSGD(net.parameters(), lr=0.1) if kind == "counting" else
+                 torch.optim.Adagrad(net.parameters(), lr=0.1))   # Adagrad builds its state at once
     try:
         model, _ = session.prepare(net, optimizer)
     except hetrain.HetrainError as e:
@@ -166,6 +169,7 @@ def test_an_optimizer_re_created_by_sharding_keeps_its_settings_or_is_refused():
     for sharding in ("zero1", "fsdp"):
         errors = run_ranks(_rebuilt, 2, sharding, "scaled")
         assert all("_ScaledSGD keeps 'scale' outside its defaults (0.25 here, 0.5 in" in e for e in errors), errors
+        assert not any(isinstance(out, str) for out in run_ranks(_rebuilt, 2, sharding, "counting"))   # no refusal
         got = run_ranks(_rebuilt, 2, sharding, "adagrad")[0]
         net = make_model()
         opt = torch.optim.Adagrad(net.parameters(), lr=0.1)
