@@ -9,8 +9,7 @@ import torch
 
 from hetrain.errors import HetrainError
 from hetrain.runtime.batch_tree import check_cuttable
-from hetrain.runtime.data import _empty_like
-from hetrain.runtime.memory import slice_batch
+from hetrain.runtime.memory import empty_batch, slice_batch
 from tests.distributed import run_ranks
 
 
@@ -95,7 +94,7 @@ def test_values_of_the_whole_batch_are_kept_and_unknown_objects_refused_in_one_l
     batch = {"x": torch.arange(4.0).view(4, 1), "names": ["a", "b", "c", "d"], "n": 5, "tag": "train"}
     first, second = slice_batch(batch, 0, 3, 4), slice_batch(batch, 3, 4, 4)
     assert first["names"] == ["a", "b", "c"] and second["x"].tolist() == [[3.0]] and second["n"] == 5
-    empty = _empty_like({"x": torch.zeros(1, 2), "n": 5, "names": ["a"]})
+    empty = empty_batch({"x": torch.zeros(1, 2), "n": 5, "names": ["a"]})
     assert empty["x"].shape == (0, 2) and empty["n"] == 5 and empty["names"] == []
     check_cuttable(batch, 4)
     with pytest.raises(HetrainError, match="holds a Batch object"):
@@ -109,7 +108,7 @@ def test_values_of_the_whole_batch_are_kept_and_unknown_objects_refused_in_one_l
             list(slice_batch(per_sample, 0, 2, 4))
         assert "\n" not in str(e.value)
     with pytest.raises(HetrainError, match="one dict per sample"):
-        _empty_like(({"image": torch.zeros(1, 3)}, ({"boxes": torch.zeros(2, 4)},)))
+        empty_batch(({"image": torch.zeros(1, 3)}, ({"boxes": torch.zeros(2, 4)},)))
     fields = (torch.zeros(4, 3), torch.zeros(4))   # the batch's own fields, as long as the share: cut
     assert [t.shape[0] for t in slice_batch(fields, 0, 2, 4)] == [2, 2]
     two_dicts = ({"x": torch.zeros(2, 3)}, {"y": torch.zeros(2)})   # the top level is fields, even 2 of 2
