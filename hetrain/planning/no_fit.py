@@ -35,8 +35,9 @@ def devices_to_add(profile, kinds, best, optimizer, world, global_batch: int | N
     alone = least([best], 1)
     if len(kinds) > 1 and alone < total:
         others = " and ".join(k.spec.name for k in kinds if k is not best)
-        advice += (f", or leave out the {others} and run {alone} {best.spec.name} (ZeRO-3 over {alone} "
-                   f"fits{batch(alone)})")
+        more = alone - len(best.ranks)
+        count = f"{alone} {best.spec.name} in all" + (f" ({more} more)" if more > 0 else "")
+        advice += f", or leave out the {others} and run {count} (ZeRO-3 over {alone} fits{batch(alone)})"
     return advice
 
 

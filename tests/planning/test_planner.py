@@ -136,7 +136,7 @@ def test_the_advice_for_mixed_cards_names_leaving_out_the_small_one_and_the_batc
         plan_job(cluster_from_devices("rtx-3090:1,rtx-3060:1"), get_profile("llama-7b"), 16)
     message = str(e.value)
     assert "add 19 more rtx-3090 (ZeRO-3 over 21 devices fits, with a global batch of at least 21)" in message
-    assert "or leave out the rtx-3060 and run 9 rtx-3090 (ZeRO-3 over 9 fits)" in message, message
+    assert "or leave out the rtx-3060 and run 9 rtx-3090 in all (8 more) (ZeRO-3 over 9 fits)" in message, message
     assert plan_job(cluster_from_devices("rtx-3090:9"), get_profile("llama-7b"), 16).plan.ranks
     assert plan_job(cluster_from_devices("rtx-3090:20,rtx-3060:1"), get_profile("llama-7b"), 21).plan.ranks
 
