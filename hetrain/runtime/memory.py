@@ -24,7 +24,8 @@ from torch.utils.checkpoint import checkpoint
 
 from hetrain.errors import HetrainError
 from hetrain.planning.batch_split import split_even
-from hetrain.runtime.batch_tree import cut_leaf, map_leaves, map_tensors, sample_leaves
+from hetrain.runtime.batch_tree import (cut_leaf, map_leaves, map_tensors, per_sample_lists, per_sample_values,
+                                         sample_leaves, tensors)
 from hetrain.runtime.gradients import local_tensor
 from hetrain.workload.layers import find_blocks
 
@@ -174,7 +175,11 @@ def slice_batch(batch: Any, start: int, stop: int, local_n: int) -> Any:
                 "micro-batches")
         return x
 
-    return map_leaves(cut, batch, is_leaf=sample_leaves(batch, local_n))
+    piece = map_leaves(cut, batch, is_leaf=sample_leaves(batch, local_n))
+    encodings = getattr(piece, "_encodings", None)   # a BatchEncoding's per-sample word_ids(), tokens(), ...
+    if isinstance(encodings, list) and piece is not batch:
+        piece._encodings = encodings[start:stop] if len(encodings) == local_n else None
+    return piece
 
 
 def empty_batch(batch: Any) -> Any:
@@ -183,13 +188,38 @@ def empty_batch(batch: Any) -> Any:
     return slice_batch(batch, 0, 0, 1)
 
 
+def has_per_sample_values(batch: Any, samples: int) -> bool:
+    """Whether anything in the batch has one entry per sample: a tensor whose first dimension is the
+    samples, or a list of one value (or list of values) per sample."""
+    found = []
+
+    def look(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            found.append(x.dim() > 0 and x.shape[0] == samples)
+        else:
+            found.append(per_sample_values(x, samples) or per_sample_lists(x, samples))
+        return x
+
+    map_leaves(look, batch, is_leaf=sample_leaves(batch, samples))
+    return any(found)
+
+
 def split_batch(batch: Any, sizes: Sequence[int], local_n: int) -> Iterator[Any]:
     """The batch cut into consecutive pieces of the given sizes. A piece with no samples of a batch that has
     some is a stand-in, the batch's first sample (a model need not take an empty batch), which the session
-    counts as 0 items (its micro-batch size is 0)."""
+    counts as 0 items (its micro-batch size is 0). A batch with nothing of one entry per sample (rows that
+    are not samples: a tokenizer's overflowing windows, sequences packed into one row) is refused: every
+    piece would get all of it."""
     if len(sizes) == 1:
         yield batch
         return
+    if local_n > 1 and not has_per_sample_values(batch, local_n):
+        shapes = [tuple(t.shape) for t in tensors(batch)][:3]
+        raise HetrainError(
+            f"nothing in this rank's batch of {local_n} samples has one entry per sample (tensors of shapes "
+            f"{shapes}): rows that are not samples (a tokenizer's return_overflowing_tokens windows, sequences "
+            "packed into one row) cannot be cut into micro-batches, and every piece would get all of them; "
+            "collate one row per sample, or plan no micro-batches (micro_batch null)")
     start = 0
     for size in sizes:
         yield slice_batch(batch, start, start + size, local_n) if size or local_n == 0 else \

@@ -223,3 +223,37 @@ def test_a_sequence_first_tensor_is_refused_where_the_batch_is_cut_not_handed_wh
     assert pieces[0]["ids"] == ("a",) * 3
     scale = torch.tensor(2.0)                                       # a 0-d tensor: shared
     assert all(p[1] is scale for p in split_batch((torch.zeros(8, 3), scale), [4, 4], 8))
+
+
+def test_a_batch_of_rows_that_are_not_samples_is_refused_where_it_would_be_cut():
+    """A tokenizer's overflowing windows (9 rows for 6 samples) and sequences packed into one row went whole
+    to every micro-batch (0.020 off the single process in 3 steps); 12 windows of 6 tokens for 6 samples were
+    called sequence-first."""
+    import pytest
+
+    from hetrain.errors import HetrainError
+
+    overflow = {"input_ids": torch.zeros(9, 7), "overflow_to_sample_mapping": torch.arange(9)}
+    windows = {"input_ids": torch.zeros(12, 6), "attention_mask": torch.ones(12, 6)}
+    packed = {"input_ids": torch.zeros(1, 40), "position_ids": torch.zeros(1, 40)}
+    for batch in (overflow, windows, packed):
+        with pytest.raises(HetrainError, match="nothing in this rank's batch of 6 samples has one entry per sample"):
+            list(split_batch(batch, [2, 2, 2], 6))
+        assert list(split_batch(batch, [6], 6))[0] is batch   # one piece: nothing to cut
+
+
+def test_a_batch_encoding_s_per_sample_encodings_follow_their_piece():
+    """word_ids() and tokens() of a piece answered for the rank's first samples."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from hetrain.runtime.memory import empty_batch
+
+    words = Tokenizer(models.WordLevel({"[PAD]": 0, "[UNK]": 1, "a": 2, "b": 3, "c": 4}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="[PAD]", unk_token="[UNK]")
+    batch = tokenizer(["a b", "c", "b c a", "a"], padding=True, return_tensors="pt")
+    pieces = list(split_batch(batch, [2, 2], 4))
+    assert [pieces[1].tokens(i) for i in range(2)] == [batch.tokens(2), batch.tokens(3)]
+    assert pieces[0].word_ids(1) == batch.word_ids(1) and len(batch.encodings) == 4   # the batch kept whole
+    assert empty_batch(tokenizer(["a b"], return_tensors="pt")).encodings == []
