@@ -213,7 +213,8 @@ def torchrun_argv(cfg: LaunchConfig) -> list[str]:
     """The torch.distributed.run command line for this launch."""
     argv = [f"--nproc-per-node={cfg.nproc_per_node}", f"--nnodes={cfg.nnodes}",
             f"--max-restarts={cfg.max_restarts}"]
-    if cfg.standalone or (cfg.rdzv_endpoint is None and cfg.nnodes == "1" and cfg.master_addr is None):
+    # one node without an endpoint: a rendezvous of its own on a free port (two jobs on a host never meet)
+    if cfg.standalone or (cfg.rdzv_endpoint is None and _max_nodes(cfg.nnodes)[1] == 1):
         argv.append("--standalone")
     else:
         argv.append(f"--rdzv-backend={rendezvous_backend(cfg)}")
@@ -221,8 +222,14 @@ def torchrun_argv(cfg: LaunchConfig) -> list[str]:
             argv.append(f"--rdzv-endpoint={rendezvous_at(cfg)}")
         if cfg.rdzv_id:
             argv.append(f"--rdzv-id={cfg.rdzv_id}")
-    if cfg.rdzv_conf:
-        argv.append(f"--rdzv-conf={cfg.rdzv_conf}")
+    conf = [kv for kv in (cfg.rdzv_conf or "").split(",") if kv.strip()]
+    if rendezvous_at(cfg) and not cfg.rdzv_endpoint and cfg.node_rank is not None and \
+            not any(kv.strip().startswith("is_host=") for kv in conf):
+        # torch finds the node that serves it by matching the endpoint's host to its own names and addresses,
+        # which misses a second network's address or an alias: the master is node rank 0
+        conf.append(f"is_host={int(cfg.node_rank == 0)}")
+    if conf:
+        argv.append(f"--rdzv-conf={','.join(conf)}")
     if cfg.local_addr:
         argv.append(f"--local-addr={cfg.local_addr}")
     if cfg.node_rank is not None:

@@ -324,7 +324,12 @@ def test_the_classic_two_node_command_meets_at_the_master(tmp_path):
     assert sorted(re.findall(r"rank (\d) of 2", first.stdout + rest)) == ["0", "1"]
     argv = torchrun_argv(LaunchConfig(script="t.py", nnodes="2", node_rank=1, master_addr="h", master_port=1234))
     assert "--rdzv-backend=c10d" in argv and "--rdzv-endpoint=h:1234" in argv
-    assert "--rdzv-endpoint" not in " ".join(torchrun_argv(LaunchConfig(script="t.py", master_addr="h")))   # one node
+    # the master serves it by its node rank: torch's match of H to its own names misses a second network's address
+    assert "--rdzv-conf=is_host=0" in argv
+    assert "--rdzv-conf=join_timeout=5,is_host=1" in torchrun_argv(LaunchConfig(
+        script="t.py", nnodes="2", node_rank=0, master_addr="h", master_port=1234, rdzv_conf="join_timeout=5"))
+    one = torchrun_argv(LaunchConfig(script="t.py", master_addr="h", master_port=1234))   # one node: its own, on a
+    assert "--standalone" in one and "--rdzv-endpoint" not in " ".join(one)               # free port (two jobs)
     train = str(ROOT / "examples/train_digits.py")
     for cfg, message in [
         (LaunchConfig(script=train, nnodes="2", rdzv_backend="static", master_addr="h"), "needs each node's --node-rank"),
