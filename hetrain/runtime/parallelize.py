@@ -40,9 +40,8 @@ class Prepared:
     comm_state: Any = None      # the comm hook's state (its `stats` count bytes), when one is set
     ddp_reduces: frozenset[int] = frozenset()   # ids of the parameters DDP's buckets reduce (trainable at prepare)
     late_trainable_said: bool = False
-    zeros_through_graph: bool = False
-    """A backward without items gives its zeros through the forward's graph, not every parameter: DDP's
-    find_unused_parameters marked the unused ones ready already, SyncBatchNorm's backward all-reduces."""
+    find_unused: bool = False   # DDP's find_unused_parameters
+    sync_batchnorm: bool = False   # SyncBatchNorm's backward all-reduces: a backward must go through it
 
     @property
     def module(self) -> nn.Module:
@@ -204,8 +203,35 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, sh
     if optimizer is not None and sharding_name in ZERO1_SHARDINGS:
         optimizer = apply_zero1(optimizer, model, sharding_name, entries, device)
     return Prepared(ddp, optimizer, chosen, comm_state, frozenset(id(p) for p in model.parameters() if p.requires_grad),
-                    zeros_through_graph=find_unused_parameters or any(isinstance(m, nn.SyncBatchNorm)
-                                                                      for m in model.modules()))
+                    find_unused=find_unused_parameters,
+                    sync_batchnorm=any(isinstance(m, nn.SyncBatchNorm) for m in model.modules()))
+
+
+def exact_zeros(prepared: Prepared, loss: torch.Tensor) -> torch.Tensor:
+    """What a backward without items runs: exact zeros for every trainable parameter (every rank joins every
+    bucket's all-reduce), or under find_unused_parameters for those the loss reaches only (DDP marked the
+    others ready after the forward; a gradient for them stopped it, 'marked ready twice'). Not the loss
+    times 0: a token mean over no tokens is 0/0, and its backward NaN."""
+    params = [p for p in prepared.parameters if p.requires_grad]
+    if prepared.find_unused:
+        reached = reachable_parameters(loss)
+        params = [p for p in params if id(p) in reached]
+    return sum((p.sum() * 0.0 for p in params), torch.nan_to_num(loss.detach()) * 0.0)
+
+
+def reachable_parameters(loss: torch.Tensor) -> set[int]:
+    """ids of the leaf tensors the loss's autograd graph reaches (as DDP's search for unused parameters)."""
+    found, seen, todo = set(), set(), [loss.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        variable = getattr(fn, "variable", None)   # an AccumulateGrad node: a leaf's gradient
+        if variable is not None:
+            found.add(id(variable))
+        todo.extend(next_fn for next_fn, _ in fn.next_functions)
+    return found
 
 
 def reduce_late_trainable(prepared: Prepared) -> None:

@@ -42,7 +42,7 @@ from hetrain.runtime.environment import (RankEnv, collective_timeout, configure_
 from hetrain.runtime.gradients import (GradientStatus, SkipCounter, StepFigures, agree_items_per_sample, clip_gradients,
                                        finish_gradients, launch_step_figures, weighted_mean)
 from hetrain.runtime.reporting import Reports, plan_step_seconds, step_record
-from hetrain.runtime.parallelize import (Prepared, equal_piece_counts, gradient_sync, parallelize,
+from hetrain.runtime.parallelize import (Prepared, equal_piece_counts, exact_zeros, gradient_sync, parallelize,
                                          reduce_late_trainable)
 from hetrain.runtime.pipeline_schedule import call_model, item_counter, prepare_pipeline
 from hetrain.runtime.pipeline_stages import check_pipeline_plan
@@ -298,12 +298,11 @@ class Session:
             self.state.items_per_sample = agree_items_per_sample(items, self.state.current_samples(), self.device)
         self.state.record_backward(loss, items)
         self._launch_figures()
-        if items == 0 and (self.sharding == "fsdp" or self.prepared.zeros_through_graph):
-            # No items: zeros through the forward's graph (FSDP2's reduce-scatter, SyncBatchNorm, unused params).
+        if items == 0 and (self.sharding == "fsdp" or self.prepared.sync_batchnorm):
+            # No items: zeros through the forward's graph (FSDP2's reduce-scatter, SyncBatchNorm's backward).
             weighted = torch.nan_to_num(loss) * 0.0
-        elif items == 0:
-            # No items: contribute exact zeros to every gradient, still joining every collective.
-            weighted = sum((p.sum() * 0.0) for p in self.prepared.parameters if p.requires_grad)
+        elif items == 0:   # no items: exact zeros, still joining every collective
+            weighted = exact_zeros(self.prepared, loss)
         else:
             weighted = loss * self.state.weight(items)
         self.scaler.scale_loss(weighted).backward()
