@@ -316,7 +316,10 @@ def seen_within(directory: Path, token: str, seconds: float) -> bool:
     """Whether `directory`'s lease file, with this token, is seen here within `seconds` (polled)."""
     deadline = time.monotonic() + seconds
     while True:
-        holder = read_holder(Path(directory) / LEASE_NAME)
+        try:
+            holder = read_holder(Path(directory) / LEASE_NAME)
+        except OSError:   # a network file system's passing error ("stale file handle"): not seen yet
+            holder = None
         if holder is not None and holder.token == token:
             return True
         if time.monotonic() >= deadline:

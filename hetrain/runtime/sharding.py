@@ -77,17 +77,17 @@ def _stepped(optimizer: torch.optim.Optimizer) -> bool:
 _TORCH_OPTIMIZER_ATTRIBUTES = frozenset(vars(torch.optim.SGD([torch.zeros(1, requires_grad=True)])))
 
 
-def check_rebuilt_alike(old: torch.optim.Optimizer, new: torch.optim.Optimizer, sharding: str) -> None:
-    """The re-created optimizer keeps every plain setting the user gave (numbers, strings, flags): a class
-    that keeps a constructor argument outside its `defaults` (`self.scale = scale`) was re-created with the
-    constructor's default, silently."""
-    import inspect
-
-    arguments = set(inspect.signature(type(old)).parameters)   # kept as given: `self.scale = scale`
-    new_vars = vars(new)
+def check_rebuilt_alike(old: torch.optim.Optimizer, sharding: str) -> None:
+    """The optimizer sharding re-creates from its class, parameter groups and defaults keeps every plain
+    setting of the user's (numbers, strings, flags): a class that keeps one outside its `defaults`
+    (`self.scale = scale`, or through **kwargs) was re-created with the constructor's default, silently.
+    Compared with a re-creation over the same groups, unsharded, so what the instance derives from its
+    parameters (a count) agrees."""
+    again = type(old)(param_groups_for(old), **constructor_settings(old))
+    new_vars = vars(again)
     for name, value in vars(old).items():
-        if name not in arguments or name in _TORCH_OPTIMIZER_ATTRIBUTES or not _plain(value):
-            continue   # what the instance derives itself (a parameter count) may differ on a shard
+        if name.startswith("_") or name in _TORCH_OPTIMIZER_ATTRIBUTES or not _plain(value):
+            continue
         if name not in new_vars or new_vars[name] != value:
             raise HetrainError(
                 f"{type(old).__name__} keeps {name!r} outside its defaults ({value!r} here, "
@@ -174,9 +174,8 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], m
             "model.parameters() before session.prepare()"
         )
     new_by_old = {pid: by_name[name] for pid, name in names.items() if name in by_name}
-    rebuilt = type(optimizer)(param_groups_for(optimizer, new_by_old), **constructor_settings(optimizer))
-    check_rebuilt_alike(optimizer, rebuilt, "fsdp")
-    return rebuilt
+    check_rebuilt_alike(optimizer, "fsdp")
+    return type(optimizer)(param_groups_for(optimizer, new_by_old), **constructor_settings(optimizer))
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

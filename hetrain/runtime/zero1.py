@@ -48,11 +48,9 @@ class ProportionalZeroRedundancyOptimizer(ZeroRedundancyOptimizer):
 def zero1_optimizer(optimizer: torch.optim.Optimizer, weights: Sequence[float] | None = None) -> ZeroRedundancyOptimizer:
     """The user's optimizer (class, groups, hyper-parameters) as ZeRO-1: even, or by `weights`."""
     check_fresh(optimizer, "zero1")
+    check_rebuilt_alike(optimizer, "zero1")
     groups = param_groups_for(optimizer)
     cls = type(optimizer)
     if weights is None:
-        zero = ZeroRedundancyOptimizer(groups, cls, **constructor_settings(optimizer))
-    else:
-        zero = ProportionalZeroRedundancyOptimizer(groups, cls, weights=weights, **constructor_settings(optimizer))
-    check_rebuilt_alike(optimizer, zero.optim, "zero1")
-    return zero
+        return ZeroRedundancyOptimizer(groups, cls, **constructor_settings(optimizer))
+    return ProportionalZeroRedundancyOptimizer(groups, cls, weights=weights, **constructor_settings(optimizer))

@@ -138,6 +138,14 @@ class _ScaledSGD(torch.optim.SGD):
         self.num_params = sum(len(g["params"]) for g in self.param_groups)
 
 
+class _KeywordSGD(torch.optim.SGD):
+    """One that takes its own setting through **kwargs, under another name."""
+
+    def __init__(self, params, lr=0.1, **options):
+        super().__init__(params, lr=lr)
+        self.factor = options.get("scale", 0.5)
+
+
 def _rebuilt(rank, world, sharding, kind):
     import hetrain
 
@@ -146,6 +154,7 @@ def _rebuilt(rank, world, sharding, kind):
     session = hetrain.Session(plan)
     net = make_model()
     optimizer = (_ScaledSGD(net.parameters(), lr=0.1, scale=0.25) if kind == "scaled" else
+                 _KeywordSGD(net.parameters(), lr=0.1, scale=0.25) if kind == "keyword" else
                  _ScaledSGD(net.parameters(), lr=0.1) if kind == "counting" else
                  torch.optim.Adagrad(net.parameters(), lr=0.1))   # Adagrad builds its state at once
     try:
@@ -170,6 +179,8 @@ def test_an_optimizer_re_created_by_sharding_keeps_its_settings_or_is_refused():
         errors = run_ranks(_rebuilt, 2, sharding, "scaled")
         assert all("_ScaledSGD keeps 'scale' outside its defaults (0.25 here, 0.5 in" in e for e in errors), errors
         assert not any(isinstance(out, str) for out in run_ranks(_rebuilt, 2, sharding, "counting"))   # no refusal
+        errors = run_ranks(_rebuilt, 2, sharding, "keyword")
+        assert all("_KeywordSGD keeps 'factor' outside its defaults (0.25 here, 0.5 in" in e for e in errors), errors
         got = run_ranks(_rebuilt, 2, sharding, "adagrad")[0]
         net = make_model()
         opt = torch.optim.Adagrad(net.parameters(), lr=0.1)
