@@ -181,3 +181,17 @@ def train_steps(session: Any, loader: Any, steps: int, stop_after: int | None, b
             if session.step_count >= steps:
                 break
     return True
+
+
+def session_error(rank: int, world: int, env: dict[str, list[str]] | None = None, plans: list | None = None) -> str | None:
+    """`hetrain.Session()` on this rank with its own environment variables and plan, as nodes given different
+    settings start (`env[name][rank]`, `plans[rank]`): the error it raises, or None."""
+    import hetrain
+
+    for name, values in (env or {}).items():
+        os.environ[name] = values[rank]
+    try:
+        hetrain.Session(plans[rank] if plans is not None else None)
+    except hetrain.HetrainError as e:
+        return str(e)
+    return None

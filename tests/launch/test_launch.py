@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from hetrain.errors import HetrainError
-from tests.distributed import run_cli, run_ranks
+from tests.distributed import run_cli, run_ranks, session_error
 from hetrain.launch.launcher import LaunchConfig, agent_args, torchrun_argv, validate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -221,22 +221,11 @@ def test_emulated_speeds_on_nodes_of_different_sizes_are_one_list_for_the_whole_
         validate(LaunchConfig(script=script, nproc_per_node=2, emulate_speeds=[1, 0.5, 0.5]))
 
 
-def _speeds_of_my_node(rank, world):
-    import os
-
-    import hetrain
+def test_nodes_given_different_speed_lists_are_refused_on_every_rank():
     from hetrain.vocabulary import Env
 
-    os.environ[Env.EMULATE_SPEEDS] = ["1,0.5,0.5", "1,0.5,0.5", "0.5,0.5"][rank]   # the last node passed its own
-    try:
-        hetrain.Session()
-    except HetrainError as e:
-        return str(e)
-    return None
-
-
-def test_nodes_given_different_speed_lists_are_refused_on_every_rank():
-    errors = run_ranks(_speeds_of_my_node, 3)
+    speeds = ["1,0.5,0.5", "1,0.5,0.5", "0.5,0.5"]   # the last node passed its own part
+    errors = run_ranks(session_error, 3, {Env.EMULATE_SPEEDS: speeds})
     assert all(e is not None and "different --emulate-speeds (ranks 0,1: 1,0.5,0.5; rank 2: 0.5,0.5)" in e
                for e in errors), errors
 

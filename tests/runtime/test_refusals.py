@@ -9,7 +9,7 @@ from torch.utils.data import TensorDataset
 
 from hetrain.errors import HetrainError
 from hetrain.planning.plan import BalancePlan, Plan, RankPlan
-from tests.distributed import run_ranks
+from tests.distributed import run_ranks, session_error
 
 
 def make_data(n: int = 32) -> TensorDataset:
@@ -406,41 +406,17 @@ def test_a_mask_on_loss_scaled_gradients_is_the_scripts_own():
     session.close()
 
 
-def _session_with_plan_of_my_own(rank, world):
-    import hetrain
-
-    shares = [[4, 4], [2, 6]][rank]   # two nodes given two different plan files
-    plan = Plan(global_batch_size=8, balance=BalancePlan(enabled=False),
-                ranks=[RankPlan(rank=r, share=n) for r, n in enumerate(shares)])
-    try:
-        hetrain.Session(plan)
-    except HetrainError as e:
-        return str(e)
-    return None
-
-
 def test_ranks_given_different_plans_are_refused_on_every_rank():
     """Each node splitting the global batch its own way took 80 of 640 samples twice an epoch, silently."""
-    errors = run_ranks(_session_with_plan_of_my_own, 2)
+    plans = [Plan(global_batch_size=8, balance=BalancePlan(enabled=False),   # two nodes, two plan files
+                  ranks=[RankPlan(rank=r, share=n) for r, n in enumerate(shares)]) for shares in ([4, 4], [2, 6])]
+    errors = run_ranks(session_error, 2, None, plans)
     assert all(e is not None and "different plans (rank 0: plan" in e and "same --plan file" in e for e in errors), errors
-
-
-def _session_on_a_node_of_its_own_size(rank, world):
-    import os
-
-    import hetrain
-
-    os.environ["HETRAIN_NNODES"] = ["3", "2"][rank]   # what each node's launcher was given
-    try:
-        hetrain.Session()
-    except HetrainError as e:
-        return str(e)
-    return None
 
 
 def test_nodes_started_with_different_nnodes_are_refused_on_every_rank():
     """The rendezvous runs with the first node's --nnodes: a node started with 3 and one with 2 trained on 2."""
-    errors = run_ranks(_session_on_a_node_of_its_own_size, 2)
+    errors = run_ranks(session_error, 2, {"HETRAIN_NNODES": ["3", "2"]})   # what each node's launcher was given
     assert all(e is not None and "different --nnodes" in e and "rank 0: 3; rank 1: 2" in e for e in errors), errors
 
 
