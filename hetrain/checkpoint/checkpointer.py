@@ -349,8 +349,10 @@ class Checkpointer:
             raise CheckpointError(problem)
         nodes = self._gather(os.environ.get("GROUP_RANK") or socket.gethostname())   # the agent numbers nodes
         if len(set(nodes)) > 1:   # ranks on other nodes must see the lease rank 0 took: one directory for all
-            problem = self._first_error(None if lease.seen_within(self.directory, token, SHARED_WAIT_SECONDS) else (
-                f"it does not see the lease rank 0 took in {self.directory} within "
+            seen, error = lease.seen_within(self.directory, token, SHARED_WAIT_SECONDS)
+            problem = self._first_error(None if seen else (
+                f"it cannot read the lease rank 0 took in {self.directory} ({error}) within {SHARED_WAIT_SECONDS:.0f} "
+                "s" if error else f"it does not see the lease rank 0 took in {self.directory} within "
                 f"{SHARED_WAIT_SECONDS:.0f} s: every rank must see one checkpoint directory, on a file system all "
                 "nodes share; pass such a path as --checkpoint-dir on every node"))
             if problem is not None:

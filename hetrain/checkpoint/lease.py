@@ -312,18 +312,19 @@ def lost(key: str) -> str | None:
     return entry[0].check()
 
 
-def seen_within(directory: Path, token: str, seconds: float) -> bool:
-    """Whether `directory`'s lease file, with this token, is seen here within `seconds` (polled)."""
-    deadline = time.monotonic() + seconds
+def seen_within(directory: Path, token: str, seconds: float) -> tuple[bool, str | None]:
+    """(whether `directory`'s lease file, with this token, is seen here within `seconds` (polled), the
+    last error reading it: a network file system's passing one, "stale file handle", is polled past)."""
+    deadline, error = time.monotonic() + seconds, None
     while True:
         try:
-            holder = read_holder(Path(directory) / LEASE_NAME)
-        except OSError:   # a network file system's passing error ("stale file handle"): not seen yet
-            holder = None
+            holder, error = read_holder(Path(directory) / LEASE_NAME), None
+        except OSError as e:
+            holder, error = None, describe_os_error(e)
         if holder is not None and holder.token == token:
-            return True
+            return True, None
         if time.monotonic() >= deadline:
-            return False
+            return False, error
         time.sleep(0.5)
 
 

@@ -214,7 +214,8 @@ def torchrun_argv(cfg: LaunchConfig) -> list[str]:
     argv = [f"--nproc-per-node={cfg.nproc_per_node}", f"--nnodes={cfg.nnodes}",
             f"--max-restarts={cfg.max_restarts}"]
     # one node without an endpoint: a rendezvous of its own on a free port (two jobs on a host never meet)
-    if cfg.standalone or (cfg.rdzv_endpoint is None and _max_nodes(cfg.nnodes)[1] == 1):
+    if cfg.standalone or (cfg.rdzv_endpoint is None and _max_nodes(cfg.nnodes)[1] == 1
+                          and rendezvous_backend(cfg) == "c10d"):
         argv.append("--standalone")
     else:
         argv.append(f"--rdzv-backend={rendezvous_backend(cfg)}")

@@ -194,8 +194,9 @@ def has_per_sample_values(batch: Any, samples: int) -> bool:
     found = []
 
     def look(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            found.append(x.dim() > 0 and x.shape[0] == samples)
+        shape = getattr(x, "shape", None)
+        if isinstance(x, torch.Tensor) or (isinstance(shape, tuple) and hasattr(x, "dtype")):   # NumPy too
+            found.append(len(x.shape) > 0 and x.shape[0] == samples)
         else:
             found.append(per_sample_values(x, samples) or per_sample_lists(x, samples))
         return x

@@ -166,3 +166,6 @@ def test_nodes_that_do_not_share_the_checkpoint_directory_are_refused_before_tra
                and "on a file system all nodes share" in e for e in errors), errors
     assert run_ranks(_own_directories, 2, str(tmp_path), True) == [None, None]
     assert not (tmp_path / "node0" / "lease.json").exists()   # let go when refused
+    from hetrain.checkpoint import lease
+
+    assert lease.seen_within(tmp_path / "nowhere", "token", 0.0) == (False, None)

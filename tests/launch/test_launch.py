@@ -319,6 +319,8 @@ def test_the_classic_two_node_command_meets_at_the_master(tmp_path):
         script="t.py", nnodes="2", node_rank=0, master_addr="h", master_port=1234, rdzv_conf="join_timeout=5"))
     one = torchrun_argv(LaunchConfig(script="t.py", master_addr="h", master_port=1234))   # one node: its own, on a
     assert "--standalone" in one and "--rdzv-endpoint" not in " ".join(one)               # free port (two jobs)
+    asked = torchrun_argv(LaunchConfig(script="t.py", rdzv_backend="static", master_addr="h", master_port=1234))
+    assert "--standalone" not in asked and "--rdzv-backend=static" in asked   # a backend asked for by name stays
     train = str(ROOT / "examples/train_digits.py")
     for cfg, message in [
         (LaunchConfig(script=train, nnodes="2", rdzv_backend="static", master_addr="h"), "needs each node's --node-rank"),

@@ -240,6 +240,10 @@ def test_a_batch_of_rows_that_are_not_samples_is_refused_where_it_would_be_cut()
         with pytest.raises(HetrainError, match="nothing in this rank's batch of 6 samples has one entry per sample"):
             list(split_batch(batch, [2, 2, 2], 6))
         assert list(split_batch(batch, [6], 6))[0] is batch   # one piece: nothing to cut
+    import numpy as np
+
+    arrays = list(split_batch({"x": np.zeros((6, 5)), "y": np.zeros(6)}, [2, 4], 6))   # NumPy fields are samples
+    assert [p["x"].shape for p in arrays] == [(2, 5), (4, 5)]
 
 
 def test_a_batch_encoding_s_per_sample_encodings_follow_their_piece():
