@@ -288,9 +288,10 @@ class Checkpointer:
         return str(choice.chosen), None
 
     def load(self, info: CheckpointInfo | None = None, *, rank: int | None = None,
-             sharded_template: dict | None = None,
+             sharded_template: dict | Callable[[dict], dict | None] | None = None,
              check_shared: Callable[[dict], None] | None = None) -> tuple[dict, dict | None, dict | None]:
-        """Collective: (shared, this rank's per_rank or None, sharded loaded into the template).
+        """Collective: (shared, this rank's per_rank or None, sharded loaded into the template, or into
+        `sharded_template(shared)` where it is a function of the checkpoint's shared state).
 
         Files are checked against the manifest (sizes, sha256) before they are read; `per_rank` is
         None when the checkpoint was written by fewer ranks than `rank`. `check_shared(shared)` may
@@ -324,6 +325,8 @@ class Checkpointer:
             check_shared(shared)
         per_rank = read_torch_file(info.path / rank_file(rank)) if rank < manifest.world_size else None
         loaded = None
+        if callable(sharded_template):
+            sharded_template = sharded_template(shared)
         if sharded_template is not None:
             listed = frozenset(p[len(SHARDED_DIR) + 1:] for p in sharded_files)
             loaded = sharded_io().load_sharded(sharded_template, info.path, self._group, listed)

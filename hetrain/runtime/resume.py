@@ -203,8 +203,9 @@ class SessionCheckpoints:
                     f"{info.path} was saved {saved}, and this run uses {this}, which cannot load it; resume "
                     "with the kind of plan it was saved with, or start in an empty checkpoint directory")
 
-        shared, per_rank, loaded = self.checkpointer.load(info, sharded_template=st.sharded_template(),
-                                                          check_shared=same_layout)
+        # FSDP2's template is built once the checkpoint's shared state says which parameters have optimizer state
+        shared, per_rank, loaded = self.checkpointer.load(info, sharded_template=st.sharded_template if st.fsdp else
+                                                          None, check_shared=same_layout)
         saved_world = int(shared["world_size"])
         st.restore(shared, per_rank, loaded, str(info.path))
         if saved_world != st.world_size:

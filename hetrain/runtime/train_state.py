@@ -8,8 +8,10 @@ optimizer go through `torch.distributed.checkpoint.state_dict` into the checkpoi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,8 +64,10 @@ class TrainState:
         """Model and optimizer state go through the checkpoint's sharded part (DCP): FSDP2 or pipeline stages."""
         return self.sharding == "fsdp" or self.pipelined
 
-    def capture(self) -> tuple[dict, dict, dict | None]:
-        """(shared, per_rank, sharded) as of now (collective under ZeRO-1 and FSDP2)."""
+    def capture(self, names_with_state: Sequence[str] | None = None) -> tuple[dict, dict, dict | None]:
+        """(shared, per_rank, sharded) as of now (collective under ZeRO-1 and FSDP2). Under FSDP2 the
+        optimizer state of every parameter that has some, frozen now or not (torch's state dicts leave
+        frozen ones out); `names_with_state`: a checkpoint's such parameters, for a template."""
         model, optimizer = self.prepared.model, self.prepared.optimizer
         self.check_finite()
         sharded = None
@@ -75,7 +79,9 @@ class TrainState:
 
             sharded = {"model": get_model_state_dict(model)}
             if optimizer is not None:  # a fresh optimizer's state is initialised first, as a template
-                sharded["optimizer"] = get_optimizer_state_dict(model, optimizer)
+                names = state_names(model, optimizer) if names_with_state is None else names_with_state
+                with trainable(model, names):
+                    sharded["optimizer"] = get_optimizer_state_dict(model, optimizer)
         else:
             model_state = self.prepared.module.state_dict()
             optimizer_state = self._full_optimizer_state()
@@ -87,6 +93,7 @@ class TrainState:
             "model": model_state,
             "optimizer": optimizer_state,
             "optimizer_class": _optimizer_class(optimizer),
+            "optimizer_state_names": state_names(model, optimizer) if self.fsdp else [],
             "optimizer_settings": _settings(optimizer),
             "sharding": self.sharding,
             "scaler": self.scaler.state_dict(),
@@ -100,9 +107,11 @@ class TrainState:
         }
         return shared, {"rng": capture_rng()}, sharded
 
-    def sharded_template(self) -> dict | None:
-        """The sharded state's shapes, for DCP to load into (FSDP2 only)."""
-        return self.capture()[2] if self.fsdp else None
+    def sharded_template(self, shared: dict | None = None) -> dict | None:
+        """The sharded state's shapes, for DCP to load into (FSDP2 only): with the checkpoint's `shared`
+        state, optimizer state for every parameter it holds state for, frozen now or not (torch's
+        template and load leave out frozen parameters: a backbone unfrozen mid-run lost its state)."""
+        return self.capture((shared or {}).get("optimizer_state_names", []))[2] if self.fsdp else None
 
     def restore(self, shared: dict, per_rank: dict | None, sharded: dict | None, where: str) -> None:
         """Load a checkpoint's state into this run (every rank, same checkpoint)."""
@@ -116,7 +125,8 @@ class TrainState:
 
                 set_model_state_dict(model, sharded["model"])
                 if optimizer is not None:
-                    set_optimizer_state_dict(model, optimizer, sharded["optimizer"])
+                    with trainable(model, shared.get("optimizer_state_names", ())):
+                        set_optimizer_state_dict(model, optimizer, sharded["optimizer"])
             else:
                 self.prepared.module.load_state_dict(shared["model"])
                 if shared["optimizer"] is not None and optimizer is not None:
@@ -208,6 +218,27 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, float) and isinstance(b, float):
         return a == b or (math.isnan(a) and math.isnan(b))
     return a == b
+
+
+def state_names(model: torch.nn.Module, optimizer: Any) -> list[str]:
+    """The names of the parameters the optimizer holds state for."""
+    if optimizer is None:
+        return []
+    return [name for name, p in model.named_parameters() if p in optimizer.state]
+
+
+@contextlib.contextmanager
+def trainable(model: torch.nn.Module, names: Sequence[str]) -> Iterator[None]:
+    """These parameters marked trainable for a while (torch's optimizer state dicts leave frozen ones out)."""
+    wanted = set(names)
+    frozen = [p for name, p in model.named_parameters() if name in wanted and not p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for p in frozen:
+            p.requires_grad_(False)
 
 
 def stage_state(module: torch.nn.Module, optimizer: Any) -> dict:
