@@ -213,18 +213,19 @@ def torchrun_argv(cfg: LaunchConfig) -> list[str]:
     """The torch.distributed.run command line for this launch."""
     argv = [f"--nproc-per-node={cfg.nproc_per_node}", f"--nnodes={cfg.nnodes}",
             f"--max-restarts={cfg.max_restarts}"]
+    endpoint = rendezvous_at(cfg)
     # one node without an endpoint: a rendezvous of its own on a free port (two jobs on a host never meet)
     if cfg.standalone or (cfg.rdzv_endpoint is None and _max_nodes(cfg.nnodes)[1] == 1
                           and rendezvous_backend(cfg) == "c10d"):
         argv.append("--standalone")
     else:
         argv.append(f"--rdzv-backend={rendezvous_backend(cfg)}")
-        if rendezvous_at(cfg):
-            argv.append(f"--rdzv-endpoint={rendezvous_at(cfg)}")
+        if endpoint:
+            argv.append(f"--rdzv-endpoint={endpoint}")
         if cfg.rdzv_id:
             argv.append(f"--rdzv-id={cfg.rdzv_id}")
     conf = [kv for kv in (cfg.rdzv_conf or "").split(",") if kv.strip()]
-    if rendezvous_at(cfg) and not cfg.rdzv_endpoint and cfg.node_rank is not None and \
+    if endpoint and not cfg.rdzv_endpoint and cfg.node_rank is not None and \
             not any(kv.strip().startswith("is_host=") for kv in conf):
         # torch finds the node that serves it by matching the endpoint's host to its own names and addresses,
         # which misses a second network's address or an alias: the master is node rank 0

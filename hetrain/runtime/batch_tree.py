@@ -85,17 +85,24 @@ def tensors(batch: Any) -> list[torch.Tensor]:
     return [x for x in flatten(batch)[0] if isinstance(x, torch.Tensor)]
 
 
-def _plain_nest(obj: Any) -> bool:
-    """A list or tuple of plain values, or of such lists (offsets as (start, end) pairs), at any depth."""
-    return isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields") and all(
-        isinstance(v, PLAIN) or _plain_nest(v) for v in obj)
+def is_array(x: Any) -> bool:
+    """A NumPy array (or any array with a tuple shape and a dtype) that is not a tensor."""
+    return isinstance(getattr(x, "shape", None), tuple) and hasattr(x, "dtype")
+
+
+def plain_values(obj: Any) -> bool:
+    """A plain value, or a list or tuple of them or of such lists (offsets as (start, end) pairs), at any
+    depth (named tuples excluded)."""
+    if isinstance(obj, PLAIN):
+        return True
+    return isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields") and all(plain_values(v) for v in obj)
 
 
 def per_sample_lists(obj: Any, samples: int) -> bool:
     """Whether `obj` is a list or tuple of one list of plain values per sample (token ids of their own
     lengths, a tokenizer's unpadded offsets as lists of pairs): a field to cut with the samples."""
     return (isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields") and samples > 0 and len(obj) == samples
-            and all(_plain_nest(v) for v in obj))
+            and all(not isinstance(v, PLAIN) and plain_values(v) for v in obj))
 
 
 def per_sample_items(obj: Any, samples: int) -> bool:
@@ -130,9 +137,8 @@ def cut_leaf(x: Any, start: int, stop: int, samples: int) -> Any:
             "collate), which hetrain does not cut into micro-batches or empty for a rank without samples: "
             "collate the samples into batch tensors (padding them), or plan no micro-batches and keep "
             "drop_last=True")
-    shape = getattr(x, "shape", None)
-    if isinstance(shape, tuple) and hasattr(x, "dtype"):   # a NumPy array
-        return x[start:stop] if shape and shape[0] == samples else x
+    if is_array(x):
+        return x[start:stop] if x.shape and x.shape[0] == samples else x
     if isinstance(x, PLAIN):
         return x
     raise HetrainError(

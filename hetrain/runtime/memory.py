@@ -24,8 +24,8 @@ from torch.utils.checkpoint import checkpoint
 
 from hetrain.errors import HetrainError
 from hetrain.planning.batch_split import split_even
-from hetrain.runtime.batch_tree import (cut_leaf, map_leaves, map_tensors, per_sample_lists, per_sample_values,
-                                         sample_leaves, tensors)
+from hetrain.runtime.batch_tree import (cut_leaf, is_array, map_leaves, map_tensors, per_sample_lists,
+                                         per_sample_values, sample_leaves, tensors)
 from hetrain.runtime.gradients import local_tensor
 from hetrain.workload.layers import find_blocks
 
@@ -194,8 +194,7 @@ def has_per_sample_values(batch: Any, samples: int) -> bool:
     found = []
 
     def look(x: Any) -> Any:
-        shape = getattr(x, "shape", None)
-        if isinstance(x, torch.Tensor) or (isinstance(shape, tuple) and hasattr(x, "dtype")):   # NumPy too
+        if isinstance(x, torch.Tensor) or is_array(x):
             found.append(len(x.shape) > 0 and x.shape[0] == samples)
         else:
             found.append(per_sample_values(x, samples) or per_sample_lists(x, samples))

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hetrain.errors import HetrainError
+from hetrain.runtime.batch_tree import plain_values
 from hetrain.runtime.gradients import local_tensor
 
 log = logging.getLogger("hetrain")
@@ -86,7 +87,7 @@ def check_rebuilt_alike(old: torch.optim.Optimizer, sharding: str) -> None:
     again = type(old)(param_groups_for(old), **constructor_settings(old))
     new_vars = vars(again)
     for name, value in vars(old).items():
-        if name.startswith("_") or name in _TORCH_OPTIMIZER_ATTRIBUTES or not _plain(value):
+        if name.startswith("_") or name in _TORCH_OPTIMIZER_ATTRIBUTES or not plain_values(value):
             continue
         if name not in new_vars or new_vars[name] != value:
             raise HetrainError(
@@ -96,14 +97,9 @@ def check_rebuilt_alike(old: torch.optim.Optimizer, sharding: str) -> None:
                 "param_groups carry it")
 
 
-def _plain(value: Any) -> bool:
-    if isinstance(value, (tuple, list)):
-        return all(_plain(v) for v in value)
-    return isinstance(value, (bool, int, float, str, type(None)))
-
-
 def check_fresh(optimizer: torch.optim.Optimizer, sharding: str) -> None:
-    """An optimizer that sharding may re-create: one holding nothing another object depends on."""
+    """An optimizer that sharding may re-create: one holding nothing another object depends on, and no
+    setting its re-creation would lose."""
     if _stepped(optimizer):
         raise HetrainError(
             f"the optimizer already holds state, which sharding {sharding!r} would drop; pass a freshly built "
@@ -116,6 +112,7 @@ def check_fresh(optimizer: torch.optim.Optimizer, sharding: str) -> None:
             "stay where it was built (0 at a warm-up's start); build the scheduler on the optimizer "
             "session.prepare() returns"
         )
+    check_rebuilt_alike(optimizer, sharding)
 
 
 def free_memory_weights(capacities: Sequence[int | None], model: nn.Module, device: torch.device) -> list[float]:
@@ -174,7 +171,6 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], m
             "model.parameters() before session.prepare()"
         )
     new_by_old = {pid: by_name[name] for pid, name in names.items() if name in by_name}
-    check_rebuilt_alike(optimizer, "fsdp")
     return type(optimizer)(param_groups_for(optimizer, new_by_old), **constructor_settings(optimizer))
 
 

@@ -70,6 +70,7 @@ class TrainState:
         frozen ones out); `names_with_state`: a checkpoint's such parameters, for a template."""
         model, optimizer = self.prepared.model, self.prepared.optimizer
         self.check_finite()
+        with_state = state_names(model, optimizer) if self.sharding == "fsdp" else []
         sharded = None
         model_state = optimizer_state = None
         if self.pipelined:
@@ -79,8 +80,7 @@ class TrainState:
 
             sharded = {"model": get_model_state_dict(model)}
             if optimizer is not None:  # a fresh optimizer's state is initialised first, as a template
-                names = state_names(model, optimizer) if names_with_state is None else names_with_state
-                with trainable(model, names):
+                with trainable(model, with_state if names_with_state is None else names_with_state):
                     sharded["optimizer"] = get_optimizer_state_dict(model, optimizer)
         else:
             model_state = self.prepared.module.state_dict()
@@ -93,7 +93,7 @@ class TrainState:
             "model": model_state,
             "optimizer": optimizer_state,
             "optimizer_class": _optimizer_class(optimizer),
-            "optimizer_state_names": state_names(model, optimizer) if self.fsdp else [],
+            "optimizer_state_names": with_state,
             "optimizer_settings": _settings(optimizer),
             "sharding": self.sharding,
             "scaler": self.scaler.state_dict(),

@@ -16,8 +16,7 @@ import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from hetrain.errors import HetrainError
-from hetrain.runtime.sharding import (check_fresh, check_rebuilt_alike, constructor_settings, param_groups_for,
-                                      proportional_partition)
+from hetrain.runtime.sharding import check_fresh, constructor_settings, param_groups_for, proportional_partition
 
 
 class ProportionalZeroRedundancyOptimizer(ZeroRedundancyOptimizer):
@@ -48,7 +47,6 @@ class ProportionalZeroRedundancyOptimizer(ZeroRedundancyOptimizer):
 def zero1_optimizer(optimizer: torch.optim.Optimizer, weights: Sequence[float] | None = None) -> ZeroRedundancyOptimizer:
     """The user's optimizer (class, groups, hyper-parameters) as ZeRO-1: even, or by `weights`."""
     check_fresh(optimizer, "zero1")
-    check_rebuilt_alike(optimizer, "zero1")
     groups = param_groups_for(optimizer)
     cls = type(optimizer)
     if weights is None:
