@@ -64,7 +64,7 @@ class LaunchConfig:
     nproc_per_node: int = 1
     nnodes: str = "1"
     node_rank: int | None = None
-    rdzv_backend: str | None = None   # None: static where --master-addr/--master-port/--node-rank say so, else c10d
+    rdzv_backend: str | None = None   # None: c10d (`rendezvous_backend`)
     rdzv_endpoint: str | None = None
     rdzv_id: str | None = None
     rdzv_conf: str | None = None
@@ -117,7 +117,7 @@ def rendezvous_backend(cfg: LaunchConfig) -> str:
 
 def rendezvous_at(cfg: LaunchConfig) -> str | None:
     """The c10d rendezvous endpoint: the one given, else, for torchrun's classic multi-node command
-    (`--master-addr HOST --master-port PORT` on every node), HOST:PORT, served by the node at HOST. torchrun
+    (`--master-addr HOST --master-port PORT` on every node), HOST:PORT, served by node rank 0. torchrun
     reads those flags only under its static rendezvous (a fixed number of nodes); c10d ignores them, and
     every node would wait alone at its own localhost:29400."""
     if cfg.rdzv_endpoint or rendezvous_backend(cfg) != "c10d" or _max_nodes(cfg.nnodes)[1] == 1:
