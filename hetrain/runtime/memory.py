@@ -8,7 +8,6 @@ and hooks that others put on the block (FSDP2's unshard/reshard) still run aroun
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import itertools
@@ -62,10 +61,9 @@ def checkpoint_blocks(blocks: Sequence[nn.Module]) -> int:
             continue
         inner = block.forward
 
-        # only a block with running statistics needs its recompute to leave them alone; under torch.compile,
-        # which takes no such context, the compiled recompute does not update them again
-        tracks = any(getattr(m, "track_running_stats", False) is True for m in block.modules())
-        contexts = functools.partial(_recompute_contexts, block) if tracks else None
+        # only a block with buffers needs its recompute to see and leave them as the forward did; under
+        # torch.compile, which takes no such context, the compiled recompute does not update them again
+        contexts = functools.partial(_recompute_contexts, block) if any(True for _ in block.buffers()) else None
 
         def forward(*args: Any, _inner=inner, _contexts=contexts, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
@@ -81,24 +79,43 @@ def checkpoint_blocks(blocks: Sequence[nn.Module]) -> int:
 
 
 def _recompute_contexts(block: nn.Module) -> tuple[Any, Any]:
-    """(the forward's context, the recompute's): the recompute leaves running statistics as it found them."""
-    return contextlib.nullcontext(), _running_stats_kept(block)
+    """(the forward's context, the recompute's): the recompute in backward runs the block's forward again with
+    its buffers as the forward found them, and leaves them as the forward left them. BatchNorm's running
+    statistics were otherwise updated twice (a count of 12 after 6 steps); a buffer the forward reads and
+    writes (spectral_norm's power iteration, a model's own counter) gave a gradient of another forward."""
+    found: list[tuple[nn.Module, str, torch.Tensor]] = []
+    return _buffers_saved(block, found), _buffers_swapped(block, found)
+
+
+def _buffer_values(block: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """Copies of the block's buffers, each with the module and name that hold it."""
+    return [(m, name, b.detach().clone()) for m in block.modules() for name, b in m.named_buffers(recurse=False)]
+
+
+def _load_buffers(values: list[tuple[nn.Module, str, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for module, name, value in values:
+            current = getattr(module, name)
+            if isinstance(current, torch.Tensor) and current.shape == value.shape and current.dtype == value.dtype:
+                current.copy_(value)
+            else:   # the forward put a new tensor in the buffer's place
+                setattr(module, name, value)
 
 
 @contextmanager
-def _running_stats_kept(block: nn.Module) -> Iterator[None]:
-    """The block's running statistics (BatchNorm's mean, variance and count; InstanceNorm's when it tracks
-    them) as they were before: a recompute in backward runs each forward again, which would update them a
-    second time (a count of 12 after 6 steps, the means moved twice)."""
-    saved = [(m, {n: b.clone() for n, b in m.named_buffers(recurse=False)})
-             for m in block.modules() if m.training and getattr(m, "track_running_stats", False) is True]
+def _buffers_saved(block: nn.Module, found: list) -> Iterator[None]:
+    found[:] = _buffer_values(block)
+    yield
+
+
+@contextmanager
+def _buffers_swapped(block: nn.Module, found: list) -> Iterator[None]:
+    after = _buffer_values(block)
+    _load_buffers(found)
     try:
         yield
     finally:
-        with torch.no_grad():
-            for module, buffers in saved:
-                for name, value in buffers.items():
-                    getattr(module, name).copy_(value)
+        _load_buffers(after)
 
 
 def apply_activation_checkpointing(model: nn.Module, blocks: Sequence[nn.Module] | None = None) -> list[nn.Module]:
