@@ -25,6 +25,7 @@ from hetrain.errors import HetrainError
 from hetrain.planning.batch_split import split_even
 from hetrain.runtime.batch_tree import (cut_leaf, is_array, map_leaves, map_tensors, per_sample_lists,
                                          per_sample_values, sample_leaves, tensors)
+from hetrain.runtime.buffers import buffer_values, load_buffers
 from hetrain.runtime.gradients import local_tensor
 from hetrain.workload.layers import find_blocks
 
@@ -87,35 +88,20 @@ def _recompute_contexts(block: nn.Module) -> tuple[Any, Any]:
     return _buffers_saved(block, found), _buffers_swapped(block, found)
 
 
-def _buffer_values(block: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
-    """Copies of the block's buffers, each with the module and name that hold it."""
-    return [(m, name, b.detach().clone()) for m in block.modules() for name, b in m.named_buffers(recurse=False)]
-
-
-def _load_buffers(values: list[tuple[nn.Module, str, torch.Tensor]]) -> None:
-    with torch.no_grad():
-        for module, name, value in values:
-            current = getattr(module, name)
-            if isinstance(current, torch.Tensor) and current.shape == value.shape and current.dtype == value.dtype:
-                current.copy_(value)
-            else:   # the forward put a new tensor in the buffer's place
-                setattr(module, name, value)
-
-
 @contextmanager
 def _buffers_saved(block: nn.Module, found: list) -> Iterator[None]:
-    found[:] = _buffer_values(block)
+    found[:] = buffer_values(block)
     yield
 
 
 @contextmanager
 def _buffers_swapped(block: nn.Module, found: list) -> Iterator[None]:
-    after = _buffer_values(block)
-    _load_buffers(found)
+    after = buffer_values(block)
+    load_buffers(found)
     try:
         yield
     finally:
-        _load_buffers(after)
+        load_buffers(after)
 
 
 def apply_activation_checkpointing(model: nn.Module, blocks: Sequence[nn.Module] | None = None) -> list[nn.Module]:

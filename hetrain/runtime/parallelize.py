@@ -10,7 +10,7 @@ import inspect
 import logging
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,12 +22,18 @@ from torch.nn.parallel import DistributedDataParallel
 from hetrain.errors import HetrainError
 from hetrain.planning.plan import CommPlan, RankPlan
 from hetrain.runtime import memory, sharding
+from hetrain.runtime.buffers import keep_buffers_without_samples, sync_buffers
 from hetrain.runtime.precision import watch_precision
 from hetrain.runtime.replicas import copy_from, module_tensors
 from hetrain.runtime.timing import StepTimer, TimedHookState, timed_hook
 from hetrain.vocabulary import ZERO1_SHARDINGS
 
 log = logging.getLogger("hetrain")
+
+# rank 0's buffers are copied once a step, after backward (hetrain.runtime.buffers), not by DDP in each forward
+_NO_FORWARD_BUFFER_SYNC = ({"forward_sync_buffers": False}
+                           if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+                           else {"broadcast_buffers": False})
 
 
 @dataclass
@@ -47,6 +53,10 @@ class Prepared:
     def module(self) -> nn.Module:
         """The user's model inside its wrapper."""
         return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
+
+    def sync_buffers(self) -> None:
+        """Rank 0's buffers on every rank (collective; hetrain.runtime.buffers)."""
+        sync_buffers(self.module)
 
     @functools.cached_property
     def parameters(self) -> tuple[nn.Parameter, ...]:
@@ -123,6 +133,7 @@ def apply_ddp(model: nn.Module, device: torch.device, comm: CommPlan | None, tim
         bucket_cap_mb=comm.bucket_cap_mb if comm else 25.0,
         gradient_as_bucket_view=comm.gradient_as_bucket_view if comm else True,
         find_unused_parameters=find_unused_parameters,
+        **_NO_FORWARD_BUFFER_SYNC,
     )
     if comm is not None and (comm.compression != "none" or comm.hierarchical):
         from hetrain.runtime.comm_hooks import build_comm_hook
@@ -173,8 +184,9 @@ def apply_zero1(optimizer: torch.optim.Optimizer, model: nn.Module, sharding_nam
 def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, sharding_name: str,
                 entries: Sequence[RankPlan], rank: int, comm: CommPlan | None, device: torch.device,
                 timer: StepTimer, blocks: Sequence[nn.Module] | None = None,
-                find_unused_parameters: bool = False) -> Prepared:
-    """The model on this rank's device with every choice of its plan entry applied, in order."""
+                find_unused_parameters: bool = False, without_samples: Callable[[], bool] = lambda: False) -> Prepared:
+    """The model on this rank's device with every choice of its plan entry applied, in order; a forward while
+    `without_samples()` leaves the model's buffers as they were (hetrain.runtime.buffers)."""
     entry = entries[rank]
     check_optimizer(optimizer)
     fsdp = sys.modules.get("torch.distributed.fsdp")   # loaded where a script wrapped the model in it
@@ -191,6 +203,7 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, sh
     if sharding_name == "fsdp":
         names = {id(p): n for n, p in model.named_parameters()}
         model = apply_fsdp(model, chosen, entry, device, timer)
+        keep_buffers_without_samples(model, without_samples)
         if optimizer is not None:
             optimizer = sharding.rebuild_optimizer(optimizer, names, model)
         return Prepared(model, optimizer, chosen)
@@ -199,7 +212,9 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, sh
             f"rank {rank} asks for offload_optimizer with sharding {sharding_name!r}; optimizer state is "
             "offloaded through FSDP2's CPUOffloadPolicy: set the plan's sharding to 'fsdp'"
         )
+    sync_buffers(model)   # DDP copies rank 0's parameters; its buffers are copied here, as every step
     ddp, comm_state = apply_ddp(model, device, comm, timer, find_unused_parameters)
+    keep_buffers_without_samples(ddp, without_samples)   # on the wrapper: the user's model still pickles
     if optimizer is not None and sharding_name in ZERO1_SHARDINGS:
         optimizer = apply_zero1(optimizer, model, sharding_name, entries, device)
     return Prepared(ddp, optimizer, chosen, comm_state, frozenset(id(p) for p in model.parameters() if p.requires_grad),

@@ -175,7 +175,8 @@ class Session:
             log.info("%s", note)
         self.prepared = parallelize(model, optimizer, sharding_name=self.sharding, entries=self.assignment.entries,
                                     rank=self.rank, comm=comm, device=self.device, timer=self.timer, blocks=blocks,
-                                    find_unused_parameters=find_unused_parameters)
+                                    find_unused_parameters=find_unused_parameters,
+                                    without_samples=lambda: self.state.active and self.state.current_samples() == 0)
         self._guard_optimizer()
         return self.prepared.model, self.prepared.optimizer
 
@@ -339,6 +340,8 @@ class Session:
             self._status = finish_gradients(self.prepared.parameters, self.state, self.scaler.scale,
                                             self.device, launched=self._launched, stop=self._stopping)
             self._launched = None
+            if self.pipeline is None:   # every rank holds rank 0's buffers between steps (hetrain.runtime.buffers)
+                self.prepared.sync_buffers()
             if self.pipeline is None and self.sharding != "fsdp":   # replicated: step() tells a later change
                 self._kept.note_finished(self.prepared.module)
         return self._status

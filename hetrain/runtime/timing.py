@@ -4,8 +4,8 @@ The compute of a step runs from the first forward to the moment the last gradien
 ready, which DDP signals by calling the comm hook on its last bucket. Waiting for other ranks
 happens after that point, so it is not counted. The optimizer step is timed separately. Under DDP
 the clock starts at the wrapped module's forward, after DDP's own pre-forward collectives (the
-bucket rebuild's broadcast in the second step, the buffer broadcast of a model with buffers):
-those wait for the other ranks, and are not compute.
+bucket rebuild's broadcast in the second step): it waits for the other ranks, and is not compute
+(nor is the copy of rank 0's buffers after the last backward, hetrain.runtime.buffers).
 
 Speed emulation (CPU ranks only): a rank at speed ``s`` pads each measured compute interval to
 ``1/s`` of its length, before its last bucket is sent, so the other ranks wait for it as they

@@ -1,0 +1,69 @@
+"""A model's buffers across ranks: rank 0's copy on every rank after each step's last backward.
+
+BatchNorm's running statistics, and any buffer a forward writes (a counter, an average kept in the
+model), move on each rank with that rank's own share of the batch. DDP copies rank 0's buffers to
+every rank at the start of each synced training forward, and FSDP2 copies none, so between steps the
+ranks held different models: an EMA of the model (`AveragedModel` copies buffers) differed between
+ranks, a validation loss was each rank's own model's, and under FSDP2 a checkpoint kept one arbitrary
+rank's copy. hetrain copies rank 0's buffers to every rank once a step, after the last backward
+(one broadcast per dtype, DDP's own copy turned off), under every data-parallel plan: without
+micro-batches this is DDP's update exactly, and every rank holds, between steps, the model a
+checkpoint saves and `session.model_state_dict()` returns.
+
+A forward of a piece without samples (a rank whose share of the step is 0, a stand-in piece that runs
+so every rank issues the same collectives) leaves the buffers as it found them: BatchNorm's running
+mean over no samples is NaN, which the copy would have sent to every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from hetrain.runtime.replicas import copy_from
+
+
+def sync_buffers(module: nn.Module) -> None:
+    """Overwrite every rank's buffers with rank 0's (collective: every rank holds the same buffers, in order)."""
+    buffers = list(module.buffers())
+    if buffers:
+        copy_from(buffers, src=0)
+
+
+Values = list[tuple[nn.Module, str, torch.Tensor]]
+
+
+def buffer_values(module: nn.Module) -> Values:
+    """Copies of the module's buffers, each with the module and name that hold it."""
+    return [(m, name, b.detach().clone()) for m in module.modules() for name, b in m.named_buffers(recurse=False)]
+
+
+def load_buffers(values: Values) -> None:
+    """Put back what `buffer_values` copied, in place (a forward that put a new tensor in a buffer's place gets
+    the copy back there)."""
+    for module, name, value in values:
+        current = getattr(module, name)
+        if isinstance(current, torch.Tensor) and current.shape == value.shape and current.dtype == value.dtype:
+            # through .data: autograd's version counter stays, so the backward of the forward that ran is not
+            # refused as modified in place (BatchNorm's is given the running statistics, which training ignores)
+            current.data.copy_(value)
+        else:
+            setattr(module, name, value)
+
+
+def keep_buffers_without_samples(module: nn.Module, without_samples: Callable[[], bool]) -> None:
+    """Hooks on the model: a forward while `without_samples()` leaves its buffers as they were."""
+    saved: list[Values] = []
+
+    def before(_module: nn.Module, _args: Any) -> None:
+        saved[:] = [buffer_values(module)] if without_samples() else []   # a forward that raised left none
+
+    def after(_module: nn.Module, _args: Any, _output: Any) -> None:
+        if saved:
+            load_buffers(saved.pop())
+
+    module.register_forward_pre_hook(before)
+    module.register_forward_hook(after)

@@ -1,0 +1,134 @@
+"""A model's buffers across ranks (hetrain.runtime.buffers): after every step each rank holds rank 0's, so an
+EMA of the model, a validation loss and a checkpoint under any sharding agree with the model that is saved;
+a forward without samples leaves them alone."""
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from tests.distributed import run_ranks
+
+SHARES, GLOBAL = (5, 3), 8
+
+
+class _RunningMean(nn.Module):
+    """BatchNorm's running statistics beside a buffer of the model's own, which the forward reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.bn, self.out = nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)
+        self.register_buffer("mean", torch.zeros(4))
+
+    def forward(self, x):
+        if self.training:
+            with torch.no_grad():   # a running mean of the inputs: over no rows, NaN
+                self.mean.mul_(0.9).add_(0.1 * x.mean(0))
+        return self.out(self.bn(self.fc(x - self.mean)))
+
+
+def _data(n):
+    g = torch.Generator().manual_seed(0)
+    return torch.utils.data.TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 3, generator=g))
+
+
+def _job(rank, world, sharding, ckpt_dir):
+    import hetrain
+    from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+
+    plan = Plan(global_batch_size=GLOBAL, sharding=sharding, balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=r, share=s) for r, s in enumerate(SHARES)])
+    session = hetrain.Session(plan, checkpoint_dir=ckpt_dir, checkpoint_interval=2)
+    torch.manual_seed(0)
+    net = _RunningMean()
+    model, opt = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    if sharding != "fsdp":   # the EMA recipe of docs/checkpoints.md (FSDP2's modules cannot be deep-copied):
+        # AveragedModel copies the model's buffers at each update
+        ema = torch.optim.swa_utils.AveragedModel(net, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+        opt.register_step_post_hook(lambda *_: ema.update_parameters(net))
+        session.add_state("ema", ema)
+    loader = session.loader(_data(48), GLOBAL, shuffle=False)
+    after_steps = []
+    for x, y in loader:
+        session.backward(F.mse_loss(model(x), y))
+        session.step()
+        after_steps.append({k: v.clone() for k, v in net.named_buffers()})
+    final = session.model_state_dict()
+    session.close()
+    return after_steps, final
+
+
+def _reference():
+    """One process: each step's gradient is the share-weighted mean of the ranks' (each normalises over its own
+    slice), and the buffers move as rank 0's forward moves them, from the buffers of the step before."""
+    torch.manual_seed(0)
+    net = _RunningMean()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x_all, y_all = _data(48).tensors
+    after_steps = []
+    for start in range(0, 48, GLOBAL):
+        x, y = x_all[start:start + GLOBAL], y_all[start:start + GLOBAL]
+        before = {k: v.clone() for k, v in net.named_buffers()}
+        late = F.mse_loss(net(x[SHARES[0]:]), y[SHARES[0]:]) * SHARES[1] / GLOBAL
+        for k, v in net.named_buffers():
+            v.data.copy_(before[k])   # past autograd's version check: BatchNorm's backward is given them
+        loss = F.mse_loss(net(x[:SHARES[0]]), y[:SHARES[0]]) * SHARES[0] / GLOBAL + late
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        after_steps.append({k: v.clone() for k, v in net.named_buffers()})
+    return after_steps, net.state_dict()
+
+
+@pytest.mark.parametrize("sharding", ["none", "fsdp"])
+def test_every_rank_holds_rank_0s_buffers_after_each_step(tmp_path, sharding):
+    """Each rank's forward moves BatchNorm's statistics (and the model's own buffers) with its own share:
+    between steps the ranks held different models, so the docs' EMA recipe (AveragedModel copies buffers) was
+    refused at the first checkpoint as state that differs between ranks, and FSDP2 kept each rank's own
+    buffers (a checkpoint held one arbitrary rank's)."""
+    ranks = run_ranks(_job, 2, sharding, str(tmp_path / "ckpt"))
+    ref_steps, ref_final = _reference()
+    assert len(ranks[0][0]) == len(ref_steps) == 6
+    for step, (zero, one, ref) in enumerate(zip(ranks[0][0], ranks[1][0], ref_steps)):
+        for name in ref:
+            assert torch.equal(zero[name], one[name]), (step, name)
+            torch.testing.assert_close(zero[name], ref[name], rtol=0, atol=1e-6, msg=f"{step} {name}")
+    for name, value in ref_final.items():
+        torch.testing.assert_close(ranks[0][1][name], value, rtol=0, atol=1e-6, msg=name)
+
+
+def _empty_job(rank, world):
+    import hetrain
+    from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+
+    plan = Plan(global_batch_size=GLOBAL, sharding="none", balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=0, share=3), RankPlan(rank=1, share=5)])
+    session = hetrain.Session(plan)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 3))
+    net.register_buffer("seen", torch.zeros(()))
+    net.register_forward_pre_hook(lambda m, args: m.seen.add_(args[0].shape[0]) and None)   # the rows it saw
+    holder = _RunningMean()
+    holder.fc, holder.bn, holder.out = nn.Identity(), nn.Identity(), net
+    model, opt = session.prepare(holder, torch.optim.SGD(holder.parameters(), lr=0.1))
+    loader = session.loader(_data(41), GLOBAL, shuffle=False, drop_last=False)
+    applied, sizes = [], []
+    for x, y in loader:
+        sizes.append(len(x))
+        session.backward(F.mse_loss(model(x), y))
+        applied.append(session.step())
+    state = {k: v.clone() for k, v in holder.named_buffers()}
+    session.close()
+    return applied, sizes, state
+
+
+def test_a_forward_without_samples_leaves_the_buffers_alone():
+    """The epoch's last global batch (1 sample) leaves one rank none: its running mean over no rows was NaN,
+    copied to every rank, and every later step was skipped for non-finite values."""
+    ranks = run_ranks(_empty_job, 2)
+    (applied, sizes, state), (_, other_sizes, other) = ranks
+    assert sorted([sizes[-1], other_sizes[-1]]) == [0, 1]
+    assert all(applied)
+    for name, value in state.items():
+        assert torch.isfinite(value).all() and torch.equal(value, other[name]), name
+    assert state["out.seen"].item() == (41 - 1) * 3 / GLOBAL + (1 if sizes[-1] else 0)
