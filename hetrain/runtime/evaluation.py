@@ -30,6 +30,12 @@ def evaluate(session: Any, inputs: Any, target: Any, loss_fn: Callable[[Any, Any
     """The item-weighted mean of `loss_fn(model(*inputs), target)` over every rank's batch (collective)."""
     if session.prepared is None:
         raise HetrainError("call session.prepare(model, optimizer) before session.evaluate()")
+    state = session.state
+    if state.active and state.backwards > 0 and not state.last_micro:
+        raise HetrainError(
+            "session.evaluate() ran between the micro-batches of a step (session.step() returned False: the step "
+            "has more): ranks run different numbers of micro-batches, so their evaluations would not pair up; "
+            "evaluate where session.step() returns True, e.g. if session.step() and session.step_count % N == 0:")
     count = item_counter(num_items)
     warn_if_training(session.prepared.module)
     if session.pipeline is not None:
@@ -37,7 +43,7 @@ def evaluate(session: Any, inputs: Any, target: Any, loss_fn: Callable[[Any, Any
         total, items = session.pipeline.evaluate(inputs, target, loss_fn, count)
     elif _agreed_empty(inputs, session):   # a rank whose part is empty runs no forward and counts nothing
         total, items = 0.0, 0.0
-    else:   # the model inside DDP's wrapper: DDP's forward broadcasts buffers, which a rank left out would hang
+    else:   # the script's model inside DDP's wrapper
         with torch.no_grad(), session.autocast():
             loss = loss_fn(call_model(session.prepared.module, inputs), target)
         items = count(target)

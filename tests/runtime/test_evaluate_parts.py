@@ -107,3 +107,42 @@ def test_evaluating_a_model_in_train_mode_warns_once():
         session.close()
     assert sum("evaluate() on a model in train mode" in r.getMessage() for r in records) == 1
     assert first == second   # in eval mode the same set gives the same loss
+
+
+def _evaluate_every_second_step(rank, world, where_applied):
+    import torch.nn.functional as F
+
+    import hetrain
+    from hetrain.errors import HetrainError
+
+    plan = Plan(global_batch_size=8, balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=0, share=6, micro_batch=2), RankPlan(rank=1, share=2, micro_batch=1)])
+    session = hetrain.Session(plan)
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 2)
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 2, generator=g))
+    x_val, y_val = data.tensors[0][rank::2], data.tensors[1][rank::2]
+    evaluated = []
+    loader = session.loader(data, 8, shuffle=False)
+    try:
+        for x, y in loader:
+            session.backward(F.mse_loss(model(x), y))
+            applied = session.step()
+            if (applied or not where_applied) and session.step_count % 2 == 0:
+                evaluated.append((session.step_count, round(session.evaluate((x_val,), y_val, F.mse_loss), 6)))
+    except HetrainError as e:
+        evaluated = str(e)
+    session.close()
+    return evaluated
+
+
+def test_evaluating_between_a_steps_micro_batches_is_refused_naming_where_to_evaluate():
+    """The usual `step(); if step_count % N == 0: evaluate()` runs once per micro-batch: ranks with different
+    numbers of micro-batches paired their evaluations with other collectives (gloo's 'collective mismatch',
+    a rank killed by SIGABRT)."""
+    for message in run_ranks(_evaluate_every_second_step, 2, False):   # 3 and 2 micro-batches a step
+        assert isinstance(message, str) and "where session.step() returns True" in message, message
+    ranks = run_ranks(_evaluate_every_second_step, 2, True)
+    assert ranks[0] == ranks[1] and [s for s, _ in ranks[0]] == [2, 4]
