@@ -33,7 +33,7 @@ def full_model_state(session: Any) -> dict[str, torch.Tensor] | None:
     elif session.sharding == "fsdp":   # every rank of the shards' group gathers; rank 0 receives
         state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     else:
-        state = module.state_dict() if session.pipeline is None else get_model_state_dict(module)
+        state = session.prepared.state_module.state_dict() if session.pipeline is None else get_model_state_dict(module)
     state = {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
     if session.pipeline is None:
         return state if session.rank == 0 else None

@@ -54,6 +54,12 @@ class Prepared:
         """The user's model inside its wrapper."""
         return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
 
+    @property
+    def state_module(self) -> nn.Module:
+        """The user's model as its state dict names it: under `torch.compile(model)` the module compiled (its
+        keys without `_orig_mod.`, so a checkpoint or an export loads into the plain model, compiled or not)."""
+        return uncompiled(self.module)
+
     def sync_buffers(self) -> None:
         """Rank 0's buffers on every rank (collective; hetrain.runtime.buffers)."""
         sync_buffers(self.module)
@@ -62,6 +68,12 @@ class Prepared:
     def parameters(self) -> tuple[nn.Parameter, ...]:
         """The model's parameters, listed once: every step reads their gradients."""
         return tuple(self.model.parameters())
+
+
+def uncompiled(module: nn.Module) -> nn.Module:
+    """The module `torch.compile` wrapped (its `_orig_mod`), else the module itself."""
+    inner = getattr(module, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) else module
 
 
 def check_optimizer(optimizer: Any) -> None:
@@ -165,6 +177,7 @@ def apply_fsdp(model: nn.Module, blocks: Sequence[nn.Module], entry: RankPlan, d
     # every micro-batch gathers, reshards and reduce-scatters, the root too (FSDP2 keeps the root
     # gathered after forward unless told), so a rank holds only its shards between micro-batches
     model.set_reshard_after_forward(True)
+    model.register_forward_pre_hook(timer.outer_pre_hook, prepend=True)   # before FSDP2's all-gather
     model.register_forward_pre_hook(timer.forward_pre_hook)
     return model
 

@@ -114,6 +114,10 @@ def loader_shares(layout: PipelineLayout, shares: Sequence[int], world_size: int
 
 def model_blocks(model: nn.Module, pipeline: PipelinePlan) -> list[tuple[str, nn.Module]]:
     """The model's blocks by name, checked against the plan's partition."""
+    if isinstance(getattr(model, "_orig_mod", None), nn.Sequential):
+        raise HetrainError(
+            "a pipeline plan splits the model into stages, which a model compiled whole (torch.compile(model)) "
+            "cannot be; compile each block in place before session.prepare(): for block in model: block.compile()")
     if not isinstance(model, nn.Sequential):
         raise HetrainError(
             f"a pipeline plan needs the model as nn.Sequential of its blocks (embedding, layers, head), got "

@@ -123,6 +123,12 @@ class StepTimer:
         """On the model the script calls (not DDP-wrapped): the step's first forward begins compute here."""
         self.compute_pre_hook(module, args)
 
+    def outer_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
+        """Prepended to FSDP2's own pre-forward (its all-gather, which waits for the other ranks): the step's
+        first training forward ends the script's own time here; compute begins after the gather."""
+        if torch.is_grad_enabled():
+            self.step_begins()
+
     def attach_ddp(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
         """Time a DDP model: the step's first forward begins at the wrapper (the script's own time ends),
         compute at the wrapped module's forward, after DDP's pre-forward collectives."""

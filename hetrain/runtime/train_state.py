@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from hetrain.checkpoint.rng import capture_rng, restore_rng
 from hetrain.errors import HetrainError
@@ -83,7 +84,7 @@ class TrainState:
                 with trainable(model, with_state if names_with_state is None else names_with_state):
                     sharded["optimizer"] = get_optimizer_state_dict(model, optimizer)
         else:
-            model_state = self.prepared.module.state_dict()
+            model_state = self.prepared.state_module.state_dict()
             optimizer_state = self._full_optimizer_state()
         user_state = self.user_states.state_dict()
         self.user_states.check_replicated(user_state, self.world_size)
@@ -128,7 +129,9 @@ class TrainState:
                     with trainable(model, shared.get("optimizer_state_names", ())):
                         set_optimizer_state_dict(model, optimizer, sharded["optimizer"])
             else:
-                self.prepared.module.load_state_dict(shared["model"])
+                # a checkpoint saved before compiled models were saved by the plain model's names
+                consume_prefix_in_state_dict_if_present(shared["model"], "_orig_mod.")
+                self.prepared.state_module.load_state_dict(shared["model"])
                 if shared["optimizer"] is not None and optimizer is not None:
                     optimizer.load_state_dict(shared["optimizer"])
         except (RuntimeError, KeyError, ValueError) as e:
@@ -155,7 +158,7 @@ class TrainState:
 
     def check_finite(self) -> None:
         """A checkpoint never stores non-finite weights."""
-        for name, p in self.prepared.module.named_parameters():
+        for name, p in self.prepared.state_module.named_parameters():
             local = local_tensor(p)
             if local.numel() and not bool(torch.isfinite(local.detach()).all()):
                 raise HetrainError(

@@ -239,8 +239,9 @@ def stall_message(stall: Stall, after: dict[int, Progress | None], own_seconds: 
     else:
         doing = f"{entry.phase}"
     others = f"; {ranks_text(sorted(waiting))} wait{'s' if len(waiting) == 1 else ''} on it" if waiting else ""
+    compiling = " (torch.compile's compile and recompiles count as computing)" if doing == "computing" else ""
     return (f"{who} made no progress at step {stall.step} for {seconds:.0f} s ({doing}{others}; "
-            f"limit {timeout_s:g} s, hetrain launch --collective-timeout)")
+            f"limit {timeout_s:g} s, hetrain launch --collective-timeout{compiling})")
 
 
 def ended_early(after: dict[int, Progress | None]) -> str | None:
