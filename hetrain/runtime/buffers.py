@@ -17,7 +17,7 @@ mean over no samples is NaN, which the copy would have sent to every rank.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -26,9 +26,16 @@ from torch import nn
 from hetrain.runtime.replicas import copy_from
 
 
-def sync_buffers(module: nn.Module) -> None:
+def buffer_holders(module: nn.Module) -> list[nn.Module]:
+    """The module's submodules that hold buffers of their own, found once (a step reads their buffers anew: a
+    forward may put a new tensor in a buffer's place); a buffer registered on another module later is not
+    copied (DDP's copy holds the buffers it found when it was built, too)."""
+    return [m for m in module.modules() if any(True for _ in m.buffers(recurse=False))]
+
+
+def sync_buffers(holders: Sequence[nn.Module]) -> None:
     """Overwrite every rank's buffers with rank 0's (collective: every rank holds the same buffers, in order)."""
-    buffers = list(module.buffers())
+    buffers = list({id(b): b for m in holders for b in m.buffers(recurse=False)}.values())
     if buffers:
         copy_from(buffers, src=0)
 

@@ -75,7 +75,7 @@ class StepFigures:
     travels while backward computes (gradients that end replicated on every rank need no more)."""
 
     packet: torch.Tensor
-    work: Any = None   # its own all-reduce; None when it travels with the last gradient bucket
+    work: Any = None   # its own all-reduce; None when it travels with a gradient bucket
 
 
 def _packet(state: StepState, device: torch.device, stop: bool) -> torch.Tensor:
@@ -92,7 +92,7 @@ def _packet(state: StepState, device: torch.device, stop: bool) -> torch.Tensor:
 def launch_step_figures(state: StepState, device: torch.device, group: dist.ProcessGroup | None = None, *,
                         with_gradients: Any = None, stop: bool = False) -> StepFigures:
     """Start summing the step's item count and loss over the ranks (call it before the last backward):
-    in the last gradient bucket's all-reduce when `with_gradients` (the DDP hook state) takes them,
+    in a gradient bucket's all-reduce when `with_gradients` (the DDP hook state) takes them,
     else in an all-reduce of their own. `stop`: this rank was asked to stop (the job saves and ends
     at this step's end when any rank was)."""
     packet = _packet(state, device, stop)

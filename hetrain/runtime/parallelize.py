@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from hetrain.errors import HetrainError
 from hetrain.planning.plan import CommPlan, RankPlan
 from hetrain.runtime import memory, sharding
-from hetrain.runtime.buffers import keep_buffers_without_samples, sync_buffers
+from hetrain.runtime.buffers import buffer_holders, keep_buffers_without_samples, sync_buffers
 from hetrain.runtime.precision import watch_precision
 from hetrain.runtime.replicas import copy_from, module_tensors
 from hetrain.runtime.timing import StepTimer, TimedHookState, timed_hook
@@ -60,9 +60,13 @@ class Prepared:
         keys without `_orig_mod.`, so a checkpoint or an export loads into the plain model, compiled or not)."""
         return uncompiled(self.module)
 
+    @functools.cached_property
+    def buffer_holders(self) -> list[nn.Module]:
+        return buffer_holders(self.module)
+
     def sync_buffers(self) -> None:
         """Rank 0's buffers on every rank (collective; hetrain.runtime.buffers)."""
-        sync_buffers(self.module)
+        sync_buffers(self.buffer_holders)
 
     @functools.cached_property
     def parameters(self) -> tuple[nn.Parameter, ...]:
@@ -225,7 +229,7 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, sh
             f"rank {rank} asks for offload_optimizer with sharding {sharding_name!r}; optimizer state is "
             "offloaded through FSDP2's CPUOffloadPolicy: set the plan's sharding to 'fsdp'"
         )
-    sync_buffers(model)   # DDP copies rank 0's parameters; its buffers are copied here, as every step
+    sync_buffers(buffer_holders(model))   # DDP copies rank 0's parameters; its buffers are copied here, as every step
     ddp, comm_state = apply_ddp(model, device, comm, timer, find_unused_parameters)
     keep_buffers_without_samples(ddp, without_samples)   # on the wrapper: the user's model still pickles
     if optimizer is not None and sharding_name in ZERO1_SHARDINGS:

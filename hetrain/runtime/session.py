@@ -55,7 +55,7 @@ from hetrain.runtime.step_state import StepState, items_as_number
 from hetrain.runtime.step_clock import StepClock
 from hetrain.runtime.step_guard import (KeptGradients, OptimizerStepGuard, SteadyLearningRate, check_reduced,
                                         gradients_pending, warn_if_evaluating)
-from hetrain.runtime.timing import StepTimer, TimedHookState, emulated_speed, idle_fraction
+from hetrain.runtime.timing import StepTimer, emulated_speed, figures_carrier, idle_fraction
 from hetrain.runtime.train_state import TrainState
 from hetrain.runtime.user_state import UserStates
 from hetrain.runtime.watchdog import ProgressWatch, die_with_parent
@@ -291,7 +291,7 @@ class Session:
                                "once: session.backward(loss_a + loss_b) (with num_items of the combined loss)")
         check_not_prescaled(loss)
         warn_if_evaluating(self.prepared.module)
-        self._kept.check(self.prepared.module, self.state, self.device if self.sharding == "fsdp" else None)
+        self._kept.check(self.prepared.parameters, self.state, self.device if self.sharding == "fsdp" else None)
         items = self.state.current_samples() if num_items is None else items_as_number(num_items)
         if self.state.micro_samples == 0:
             items = 0   # a piece without samples of its own (a stand-in under FSDP2) counts nothing
@@ -307,7 +307,7 @@ class Session:
         else:
             weighted = loss * self.state.weight(items)
         self.scaler.scale_loss(weighted).backward()
-        self._kept.after_backward(self.prepared.module, self.state.last_micro)
+        self._kept.after_backward(self.prepared.parameters, self.state.last_micro)
         self._status = None
         if self.state.last_micro:   # finished now: what the script does before step() (torch's clipping,
             self._finish_gradients()   # logging a norm) sees the global batch's final, unscaled gradients
@@ -318,8 +318,8 @@ class Session:
             return
         if self._launched is not None and self._launched.work is not None:   # a step left without step()
             self._launched.work.wait()
-        # plain DDP: the figures ride in the last gradient bucket's all-reduce, no collective of their own
-        carrier = self.prepared.comm_state if isinstance(self.prepared.comm_state, TimedHookState) else None
+        # plain DDP: the figures ride in a small gradient bucket's all-reduce, no collective of their own
+        carrier = figures_carrier(self.prepared.comm_state)
         self._launched = launch_step_figures(self.state, self.device, with_gradients=carrier, stop=self._stopping)
 
     def _finish_gradients(self) -> GradientStatus:
@@ -343,7 +343,7 @@ class Session:
             if self.pipeline is None:   # every rank holds rank 0's buffers between steps (hetrain.runtime.buffers)
                 self.prepared.sync_buffers()
             if self.pipeline is None and self.sharding != "fsdp":   # replicated: step() tells a later change
-                self._kept.note_finished(self.prepared.module)
+                self._kept.note_finished(self.prepared.parameters)
         return self._status
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
@@ -381,7 +381,7 @@ class Session:
         if not self.state.last_micro:
             return False
         status = self._finish_gradients()
-        if self._kept.broke_since_finish(self.prepared.module, self.device, None if self.pipeline else self.sharding):
+        if self._kept.broke_since_finish(self.prepared.parameters, self.device, None if self.pipeline else self.sharding):
             status = GradientStatus(True, status.global_items, status.loss, status.stop)   # skipped too
         applied = not status.found_inf and not self.skips.without_items(status, self.train.step + 1, self.is_main)
         self.state.skipped_last = status.found_inf

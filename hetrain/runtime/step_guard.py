@@ -24,7 +24,7 @@ hetrain's among its attributes could no longer be pickled whole.)
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -113,7 +113,7 @@ class KeptGradients:
         self._norms: list[torch.Tensor] | None = None
         self._finished: dict[int, int] | None = None   # versions of the step's gradients when finished
 
-    def check(self, module: torch.nn.Module, state, sharded_on: torch.device | None = None) -> None:
+    def check(self, params: Sequence[torch.nn.Parameter], state, sharded_on: torch.device | None = None) -> None:
         """Before a backward: a step whose earlier micro-batches ran backward still holds their gradients
         (not zeroed), not scaled down by a clipping. `sharded_on`: the gradients are this rank's FSDP2
         shards (some may be empty), and the ranks agree on the verdicts (collective, tensors on that device).
@@ -121,7 +121,7 @@ class KeptGradients:
         if not state.between_micro_batches():
             self._versions, self._norms = {}, None
             return
-        grads = gradients_of(module)
+        grads = gradients_of(params)
         left, self._norms = self._norms, None
 
         def had() -> bool:   # the last backward left a gradient that is not zero
@@ -141,21 +141,22 @@ class KeptGradients:
         if scaled:
             raise HetrainError(MID_STEP_CLIP)
 
-    def after_backward(self, module: torch.nn.Module, last_micro: bool) -> None:
+    def after_backward(self, params: Sequence[torch.nn.Parameter], last_micro: bool) -> None:
         """Note the gradients a backward left before the step's next micro-batch, where a check reads them
         (after the step's last one the session finishes them at once)."""
         if last_micro:
             self._versions, self._norms = {}, None
             return
-        grads = gradients_of(module)
+        grads = gradients_of(params)
         self._versions = grad_versions(grads)
         self._norms = norms_of(grads) if grads else None
 
-    def note_finished(self, module: torch.nn.Module) -> None:
+    def note_finished(self, params: Sequence[torch.nn.Parameter]) -> None:
         """The session finished the step's (replicated) gradients: their versions, to tell a later write."""
-        self._finished = grad_versions(gradients_of(module))
+        self._finished = grad_versions(gradients_of(params))
 
-    def broke_since_finish(self, module: torch.nn.Module, device: torch.device, sharding: str | None) -> bool:
+    def broke_since_finish(self, params: Sequence[torch.nn.Parameter], device: torch.device,
+                           sharding: str | None) -> bool:
         """Whether a gradient became non-finite after the session finished them at the last backward (a
         hook's or the script's write on one rank), by `sharding` (None: a pipeline, which finishes them in
         step() itself). Replicated gradients are read again only where their version counters moved;
@@ -166,7 +167,7 @@ class KeptGradients:
         finished, self._finished = self._finished, None
         if sharding is None:
             return False
-        grads = gradients_of(module)
+        grads = gradients_of(params)
         if sharding == "fsdp":
             broke = has_non_finite(grads, device)
         else:
@@ -228,13 +229,12 @@ def norms_of(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.stack([torch.linalg.vector_norm(g), torch.linalg.vector_norm(g, 1)]) for g in grads]
 
 
-def gradients_of(module: torch.nn.Module) -> list[torch.Tensor]:
-    """The gradients the module's parameters hold now (a sharded one: this rank's shard, the same tensor
+def gradients_of(params: Iterable[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """The gradients the parameters hold now (a sharded one: this rank's shard, the same tensor
     at every call: with grad mode on, `to_local()` returns a new view each time, whose identity the
     version check would take for a new gradient)."""
     with torch.no_grad():
-        return [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in module.parameters()
-                if p.grad is not None]
+        return [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
 
 
 def grad_versions(grads: list[torch.Tensor]) -> dict[int, int]:
