@@ -234,6 +234,7 @@ class Balancer:
         if samples <= 0 or not math.isfinite(seconds):
             return
         self._interval.append((samples, seconds))
+        del self._interval[: -self.config.interval]   # an interval's steps (balancing off: none is ever taken)
         full = self.shares[self.rank] if self.rank is not None else (self._window[0][0] if self._window else samples)
         if samples != full:
             return  # a partial last batch: not the share the window measures
