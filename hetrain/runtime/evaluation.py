@@ -23,11 +23,18 @@ from hetrain.errors import HetrainError
 from hetrain.runtime.batch_tree import tensors
 from hetrain.runtime.pipeline_schedule import call_model, item_counter
 from hetrain.runtime.step_guard import any_rank, warn_if_training
+from hetrain.runtime.watchdog import collective_call
 
 
 def evaluate(session: Any, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
              num_items: Any = None) -> float:
     """The item-weighted mean of `loss_fn(model(*inputs), target)` over every rank's batch (collective)."""
+    with collective_call(session.watch, "evaluate"):   # a stall here names the call
+        return _evaluate(session, inputs, target, loss_fn, num_items)
+
+
+def _evaluate(session: Any, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
+              num_items: Any) -> float:
     if session.prepared is None:
         raise HetrainError("call session.prepare(model, optimizer) before session.evaluate()")
     state = session.state

@@ -17,12 +17,18 @@ import torch
 import torch.distributed as dist
 
 from hetrain.errors import HetrainError
+from hetrain.runtime.watchdog import collective_call
 
 
 def full_model_state(session: Any) -> dict[str, torch.Tensor] | None:
     """The whole model's state dict on rank 0 (CPU tensors), None on the other ranks (collective)."""
     if session.prepared is None:
         raise HetrainError("call session.prepare(model, optimizer) before session.model_state_dict()")
+    with collective_call(session.watch, "model_state_dict"):   # a stall here names the call
+        return _gathered(session)
+
+
+def _gathered(session: Any) -> dict[str, torch.Tensor] | None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     module = session.prepared.module

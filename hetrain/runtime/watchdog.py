@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -25,6 +26,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any, Callable
 
 from hetrain.errors import ranks_text
@@ -196,6 +198,14 @@ class Stall:
     silent: list[int]
 
 
+INSIDE = "in session."   # the phase of a rank inside a collective call of the session
+
+
+def collective_call(watch: "ProgressWatch | None", call: str) -> Any:
+    """`watch.inside(call)`, or nothing without a watch."""
+    return contextlib.nullcontext() if watch is None else watch.inside(call)
+
+
 def find_stall(before: dict[int, Progress | None], after: dict[int, Progress | None]) -> Stall:
     """Decide, from two reads of every rank's entry taken a little apart, who holds the job up.
 
@@ -238,7 +248,13 @@ def stall_message(stall: Stall, after: dict[int, Progress | None], own_seconds: 
         doing = f"it stopped responding while {entry.phase}"
     else:
         doing = f"{entry.phase}"
-    others = f"; {ranks_text(sorted(waiting))} wait{'s' if len(waiting) == 1 else ''} on it" if waiting else ""
+    inside = {r: after[r].phase[len("in "):] for r in waiting if after[r].phase.startswith(INSIDE)}
+    plain = [r for r in waiting if r not in inside]
+    others = f"; {ranks_text(sorted(plain))} wait{'s' if len(plain) == 1 else ''} on it" if plain else ""
+    for call in sorted(set(inside.values())):   # e.g. `if rank == 0: session.model_state_dict()` under FSDP2
+        ranks = sorted(r for r, c in inside.items() if c == call)
+        others += (f"; {ranks_text(ranks)} wait{'s' if len(ranks) == 1 else ''} on it in {call}, a collective call "
+                   "every rank must make")
     compiling = " (torch.compile's compile and recompiles count as computing)" if doing == "computing" else ""
     return (f"{who} made no progress at step {stall.step} for {seconds:.0f} s ({doing}{others}; "
             f"limit {timeout_s:g} s, hetrain launch --collective-timeout{compiling})")
@@ -298,6 +314,17 @@ class ProgressWatch:
 
     def waiting(self, step: int) -> None:
         self._set(step, "waiting")
+
+    @contextlib.contextmanager
+    def inside(self, call: str) -> Iterator[None]:
+        """While the rank is in one of the session's collective calls (`call`, e.g. "model_state_dict"): a stall
+        there names the call, which every rank must make."""
+        step, phase = self._step, self._phase
+        self._set(step, f"{INSIDE}{call}()")
+        try:
+            yield
+        finally:
+            self._set(step, phase)
 
     def stop(self) -> None:
         """Stop watching and say so in the store, so that ranks still watching do not take this one for silent."""

@@ -44,6 +44,30 @@ def test_a_silent_culprit_is_named_by_the_lowest_rank_that_can_speak_at_the_step
     assert (done.culprits, done.silent, done.reporter) == ([1], [], 1)
 
 
+def test_a_stall_beside_a_rank_inside_a_collective_call_of_the_session_names_the_call():
+    """`if rank == 0: session.model_state_dict()` under FSDP2 left the job to 'rank 0 made no progress
+    (computing)', naming neither the call nor that every rank makes it."""
+    from hetrain.runtime.watchdog import ProgressWatch, stall_message
+
+    after = {0: _p(4, "in session.model_state_dict()", 9), 1: _p(4, "computing", 9)}
+    message = stall_message(find_stall(after, after), after, 16.0, 10.0)
+    assert message.startswith("rank 1 made no progress at step 4"), message
+    assert "rank 0 waits on it in session.model_state_dict(), a collective call every rank must make" in message, message
+
+    class Store:   # the c10d store's set/get, in memory
+        def __init__(self):
+            self.values = {}
+
+        def set(self, key, value):
+            self.values[key] = value
+
+    watch = ProgressWatch(Store(), 0, 2, 10.0)
+    watch.computing(4)
+    with watch.inside("evaluate"):
+        assert (watch._step, watch._phase) == (4, "in session.evaluate()")
+    assert (watch._step, watch._phase) == (4, "computing")
+
+
 def test_a_rank_that_closed_before_the_others_step_is_named_as_the_cause():
     """A loop that stops after 7 batches: with micro-batches 3:1 that is step 2 on rank 0 and step 7
     on rank 1; rank 0 closes (publishing step 3) while rank 1 waits in step 3 for it."""
