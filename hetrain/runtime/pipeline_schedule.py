@@ -33,6 +33,7 @@ from hetrain.planning.partition import microbatches_for
 from hetrain.runtime.pipeline_stages import PipelineLayout, compute_in_precision, rank_stages, stage_modules
 from hetrain.runtime.precision import JobLossScaler
 from hetrain.runtime.replicas import module_tensors, receive_from, send_to
+from hetrain.runtime.step_guard import warn_if_evaluating
 from hetrain.runtime.step_state import StepState, items_as_number
 from hetrain.runtime.timing import pad_to_speed
 
@@ -208,6 +209,7 @@ class PipelineRunner:
     def run(self, inputs: Any, target: Any, loss_fn: Callable, count: Callable[[Any], float], *, state: StepState,
             scaler: JobLossScaler) -> torch.Tensor | None:
         """Forward and backward of the replica batch through every stage; on last stages the mean loss."""
+        warn_if_evaluating(self.module, "session.forward_backward()", blocks=True)
         self._running = True
         try:
             return self._run(inputs, target, loss_fn, count, state=state, scaler=scaler)

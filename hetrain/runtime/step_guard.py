@@ -273,13 +273,15 @@ def check_reduced(comm_state) -> None:
 _WARNED_EVALUATING: set[int] = set()
 
 
-def warn_if_evaluating(model: torch.nn.Module) -> None:
+def warn_if_evaluating(model: torch.nn.Module, call: str = "session.backward()", *, blocks: bool = False) -> None:
     """Once per model: a training backward on a model left in eval mode (a loop's evaluation called
-    model.eval() and no model.train() after it), where dropout and batch norm run as in evaluation."""
-    if not model.training and id(model) not in _WARNED_EVALUATING:
+    model.eval() and no model.train() after it), where dropout and batch norm run as in evaluation.
+    `blocks`: the model is a pipeline stage's list of the user's blocks, any of them in eval mode."""
+    evaluating = any(not b.training for b in model.children()) if blocks else not model.training
+    if evaluating and id(model) not in _WARNED_EVALUATING:
         _WARNED_EVALUATING.add(id(model))
-        log.warning("session.backward() on a model in eval mode: dropout and batch norm run as in evaluation; "
-                    "call model.train() after evaluating")
+        log.warning("%s on a model in eval mode: dropout and batch norm run as in evaluation; "
+                    "call model.train() after evaluating", call)
 
 
 _WARNED_TRAINING: set[int] = set()

@@ -546,3 +546,33 @@ def test_two_optimizers_or_one_that_needs_a_closure_are_refused_at_prepare(kind)
     with pytest.raises(HetrainError, match=match):
         session.prepare(net, optimizer)
     session.close()
+
+
+def _pipeline_left_in_eval(rank, world):
+    import logging
+
+    import hetrain
+    from tests.pipeline.common import count_labels, make_data, make_model, pipeline_plan
+
+    session = hetrain.Session(pipeline_plan([[0, 4], [4, 8]], "1f1b", 2, 8))
+    net = make_model()
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("hetrain").addHandler(handler)
+    for x, y in session.loader(make_data(), global_batch_size=8, shuffle=False):
+        session.forward_backward(x, y, F.cross_entropy, num_items=count_labels)
+        session.step()
+        net.eval()   # the script's model: its blocks are the stages'
+        if session.step_count == 3:
+            break
+    session.close()
+    return [r.getMessage() for r in records if "eval mode" in r.getMessage()]
+
+
+def test_a_pipeline_stage_left_in_eval_mode_warns_once():
+    """Dropout stayed off under a pipeline plan without the warning the data-parallel plans give."""
+    warnings = run_ranks(_pipeline_left_in_eval, 2)
+    assert all(len(w) == 1 and w[0].startswith("session.forward_backward() on a model in eval mode") for w in warnings), \
+        warnings
