@@ -87,6 +87,16 @@ class LaunchConfig:
     """set damaged checkpoints aside and start at step 0 when none verifies (HETRAIN_START_FRESH)"""
 
 
+def stopped_line(sig: signal.Signals) -> str:
+    """The launcher's last line when a signal stopped the job: what the workers did with it."""
+    if sig == signal.SIGTERM:
+        return ("the job was stopped by SIGTERM; every worker was sent SIGTERM (a hetrain.Session saves the step "
+                "in flight and stops, where checkpoints are on)")
+    return (f"the job was stopped by {sig.name}; every worker was sent {sig.name}, which stops a rank where it "
+            "is, without saving: the newest checkpoint is the last one saved; to save the step in flight, "
+            "stop a job with SIGTERM (kill PID)")
+
+
 def _max_nodes(nnodes: str) -> tuple[int, int]:
     try:
         parts = [int(x) for x in nnodes.split(":")]
@@ -317,10 +327,7 @@ def launch(cfg: LaunchConfig) -> int:
     except RendezvousError as e:
         raise HetrainError(rendezvous_line(e, cfg)) from None
     except SignalException as e:
-        name = signal.Signals(e.sigval).name
-        raise JobStopped(
-            f"the job was stopped by {name}; every worker was sent {name} (a hetrain.Session saves a "
-            "checkpoint then, where checkpoints are on)", 128 + int(e.sigval)) from None
+        raise JobStopped(stopped_line(signal.Signals(e.sigval)), 128 + int(e.sigval)) from None
     finally:
         stop.uninstall()
         os.environ.clear()

@@ -63,3 +63,15 @@ def test_a_rank_that_does_not_exit_holds_the_launcher_no_longer_than_the_wait():
     finally:
         rank.kill()
         rank.wait()
+
+
+def test_the_launchers_last_line_claims_a_save_on_sigterm_only():
+    """After Ctrl-C it said 'a hetrain.Session saves a checkpoint then': SIGINT stops the ranks unsaved."""
+    import signal
+
+    from hetrain.launch.launcher import stopped_line
+
+    assert "saves the step in flight" in stopped_line(signal.SIGTERM)
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        line = stopped_line(sig)
+        assert "without saving" in line and "SIGTERM" in line and "saves" not in line, line
