@@ -50,6 +50,8 @@ def test_summary_figures(tmp_path):
     assert list(runs) == [0, 1]
     assert [s["step"] for s in runs[1].steps] == [1, 2, 3, 4, 5, 6]   # each step once, its last run
     assert runs[1].steps[4]["loss"] == 9.0 and runs[1].restarts == 1
+    # a step line keeps the figures the report reads (a long run's lines read whole took 4.5 KB each)
+    assert "global_items" not in runs[0].steps[0] and "optimizer_seconds" not in runs[0].steps[0]
     assert split_change_steps(runs) == [3]   # the last step of the old split: step 4 used the new one
     r0, r1 = summary_rows(runs)
     assert r0["step_seconds"] == pytest.approx(0.5) and r0["predicted_step_seconds"] == 0.45
