@@ -2,13 +2,13 @@
 
 BatchNorm's running statistics, and any buffer a forward writes (a counter, an average kept in the
 model), move on each rank with that rank's own share of the batch. DDP copies rank 0's buffers to
-every rank at the start of each synced training forward, and FSDP2 copies none, so between steps the
+every rank at the start of a step's first training forward, and FSDP2 copies none, so between steps the
 ranks held different models: an EMA of the model (`AveragedModel` copies buffers) differed between
 ranks, a validation loss was each rank's own model's, and under FSDP2 a checkpoint kept one arbitrary
 rank's copy. hetrain copies rank 0's buffers to every rank once a step, after the last backward
-(one broadcast per dtype, DDP's own copy turned off), under every data-parallel plan: without
-micro-batches this is DDP's update exactly, and every rank holds, between steps, the model a
-checkpoint saves and `session.model_state_dict()` returns.
+(one broadcast per dtype, DDP's own copy turned off), under every data-parallel plan: DDP's update
+exactly, micro-batches or not (the same buffers start each step), and every rank holds, between steps,
+the model a checkpoint saves and `session.model_state_dict()` returns.
 
 A forward of a piece without samples (a rank whose share of the step is 0, a stand-in piece that runs
 so every rank issues the same collectives) leaves the buffers as it found them: BatchNorm's running
@@ -26,16 +26,15 @@ from torch import nn
 from hetrain.runtime.replicas import copy_from
 
 
-def buffer_holders(module: nn.Module) -> list[nn.Module]:
-    """The module's submodules that hold buffers of their own, found once (a step reads their buffers anew: a
-    forward may put a new tensor in a buffer's place); a buffer registered on another module later is not
-    copied (DDP's copy holds the buffers it found when it was built, too)."""
-    return [m for m in module.modules() if any(True for _ in m.buffers(recurse=False))]
+def model_buffers(module: nn.Module) -> list[torch.Tensor]:
+    """The module's buffers as prepare() found them, each once; a step copies these tensors, as DDP's copy does.
+    A tensor a forward puts in a buffer's place later (a cache grown to this rank's longest sequence) is not
+    copied: its size may differ between ranks, and a broadcast of one size into another's is undefined."""
+    return list({id(b): b for b in module.buffers()}.values())
 
 
-def sync_buffers(holders: Sequence[nn.Module]) -> None:
+def sync_buffers(buffers: Sequence[torch.Tensor]) -> None:
     """Overwrite every rank's buffers with rank 0's (collective: every rank holds the same buffers, in order)."""
-    buffers = list({id(b): b for m in holders for b in m.buffers(recurse=False)}.values())
     if buffers:
         copy_from(buffers, src=0)
 

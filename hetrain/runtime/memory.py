@@ -25,7 +25,6 @@ from hetrain.errors import HetrainError
 from hetrain.planning.batch_split import split_even
 from hetrain.runtime.batch_tree import (cut_leaf, is_array, map_leaves, map_tensors, per_sample_lists,
                                          per_sample_values, sample_leaves, tensors)
-from hetrain.runtime.buffers import buffer_values, load_buffers
 from hetrain.runtime.gradients import local_tensor
 from hetrain.workload.layers import find_blocks
 
@@ -64,7 +63,8 @@ def checkpoint_blocks(blocks: Sequence[nn.Module]) -> int:
 
         # only a block with buffers needs its recompute to see and leave them as the forward did; under
         # torch.compile, which takes no such context, the compiled recompute does not update them again
-        contexts = functools.partial(_recompute_contexts, block) if any(True for _ in block.buffers()) else None
+        contexts = functools.partial(_recompute_contexts, _BlockBuffers(block)) if any(True for _ in block.buffers()) \
+            else None
 
         def forward(*args: Any, _inner=inner, _contexts=contexts, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
@@ -79,29 +79,70 @@ def checkpoint_blocks(blocks: Sequence[nn.Module]) -> int:
     return count
 
 
-def _recompute_contexts(block: nn.Module) -> tuple[Any, Any]:
+def _recompute_contexts(buffers: "_BlockBuffers") -> tuple[Any, Any]:
     """(the forward's context, the recompute's): the recompute in backward runs the block's forward again with
     its buffers as the forward found them, and leaves them as the forward left them. BatchNorm's running
     statistics were otherwise updated twice (a count of 12 after 6 steps); a buffer the forward reads and
     writes (spectral_norm's power iteration, a model's own counter) gave a gradient of another forward."""
-    found: list[tuple[nn.Module, str, torch.Tensor]] = []
-    return _buffers_saved(block, found), _buffers_swapped(block, found)
+    found: list = []
+    return _buffers_saved(buffers, found), _buffers_swapped(buffers, found)
+
+
+_Snapshot = list[tuple[nn.Module, str, torch.Tensor, "torch.Tensor | None"]]
+
+
+class _BlockBuffers:
+    """A checkpointed block's buffers: each tensor by reference (a forward that puts a new one in its place
+    leaves the old one as it was), and a copy of those its forward writes in place, learned at its first
+    forward (running statistics always): a constant buffer (an attention mask) is not copied every forward."""
+
+    def __init__(self, block: nn.Module) -> None:
+        self.block = block
+        self.written: set[tuple[int, str]] | None = None
+
+    def snapshot(self) -> _Snapshot:
+        out = []
+        for m in self.block.modules():
+            tracks = getattr(m, "track_running_stats", False) is True
+            for name, b in m.named_buffers(recurse=False):
+                copy = self.written is None or tracks or (id(m), name) in self.written
+                out.append((m, name, b, b.detach().clone() if copy else None))
+        return out
+
+    def learn(self, before: _Snapshot) -> _Snapshot:
+        """After the block's first forward: the buffers it wrote in place; the snapshot keeps their copies only."""
+        if self.written is None:
+            self.written = {(id(m), name) for m, name, b, copy in before
+                            if copy is not None and getattr(m, name) is b and not torch.equal(b, copy)}
+        return [(m, name, b, copy if (id(m), name) in self.written or getattr(m, "track_running_stats", False) is True
+                 else None) for m, name, b, copy in before]
+
+    @staticmethod
+    def restore(snapshot: _Snapshot) -> None:
+        """Each buffer back: its copy into it (through .data: the backward of the forward that ran is not refused
+        as modified in place), and the tensor itself into its place where a forward put another there."""
+        for m, name, b, copy in snapshot:
+            if copy is not None:
+                b.data.copy_(copy)
+            if getattr(m, name) is not b:
+                setattr(m, name, b)
 
 
 @contextmanager
-def _buffers_saved(block: nn.Module, found: list) -> Iterator[None]:
-    found[:] = buffer_values(block)
+def _buffers_saved(buffers: _BlockBuffers, found: list) -> Iterator[None]:
+    found[:] = buffers.snapshot()
     yield
+    found[:] = buffers.learn(found)
 
 
 @contextmanager
-def _buffers_swapped(block: nn.Module, found: list) -> Iterator[None]:
-    after = buffer_values(block)
-    load_buffers(found)
+def _buffers_swapped(buffers: _BlockBuffers, found: list) -> Iterator[None]:
+    after = buffers.snapshot()
+    buffers.restore(found)
     try:
         yield
     finally:
-        load_buffers(after)
+        buffers.restore(after)
 
 
 def apply_activation_checkpointing(model: nn.Module, blocks: Sequence[nn.Module] | None = None) -> list[nn.Module]:

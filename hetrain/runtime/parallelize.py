@@ -11,7 +11,7 @@ import logging
 import sys
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from hetrain.errors import HetrainError
 from hetrain.planning.plan import CommPlan, RankPlan
 from hetrain.runtime import memory, sharding
-from hetrain.runtime.buffers import buffer_holders, keep_buffers_without_samples, sync_buffers
+from hetrain.runtime.buffers import keep_buffers_without_samples, model_buffers, sync_buffers
 from hetrain.runtime.precision import watch_precision
 from hetrain.runtime.replicas import copy_from, module_tensors
 from hetrain.runtime.timing import StepTimer, TimedHookState, timed_hook
@@ -48,6 +48,7 @@ class Prepared:
     late_trainable_said: bool = False
     find_unused: bool = False   # DDP's find_unused_parameters
     sync_batchnorm: bool = False   # SyncBatchNorm's backward all-reduces: a backward must go through it
+    buffers: list[torch.Tensor] = field(default_factory=list)   # the model's buffers at prepare(), copied each step
 
     @property
     def module(self) -> nn.Module:
@@ -60,13 +61,9 @@ class Prepared:
         keys without `_orig_mod.`, so a checkpoint or an export loads into the plain model, compiled or not)."""
         return uncompiled(self.module)
 
-    @functools.cached_property
-    def buffer_holders(self) -> list[nn.Module]:
-        return buffer_holders(self.module)
-
     def sync_buffers(self) -> None:
         """Rank 0's buffers on every rank (collective; hetrain.runtime.buffers)."""
-        sync_buffers(self.buffer_holders)
+        sync_buffers(self.buffers)
 
     @functools.cached_property
     def parameters(self) -> tuple[nn.Parameter, ...]:
@@ -223,20 +220,21 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, sh
         keep_buffers_without_samples(model, without_samples)
         if optimizer is not None:
             optimizer = sharding.rebuild_optimizer(optimizer, names, model)
-        return Prepared(model, optimizer, chosen)
+        return Prepared(model, optimizer, chosen, buffers=model_buffers(model))
     if entry.offload_optimizer and device.type == "cuda":
         raise HetrainError(
             f"rank {rank} asks for offload_optimizer with sharding {sharding_name!r}; optimizer state is "
             "offloaded through FSDP2's CPUOffloadPolicy: set the plan's sharding to 'fsdp'"
         )
-    sync_buffers(buffer_holders(model))   # DDP copies rank 0's parameters; its buffers are copied here, as every step
     ddp, comm_state = apply_ddp(model, device, comm, timer, find_unused_parameters)
+    buffers = model_buffers(model)
+    sync_buffers(buffers)   # DDP copied rank 0's parameters (a lazy module is refused there); buffers here, each step
     keep_buffers_without_samples(ddp, without_samples)   # on the wrapper: the user's model still pickles
     if optimizer is not None and sharding_name in ZERO1_SHARDINGS:
         optimizer = apply_zero1(optimizer, model, sharding_name, entries, device)
     return Prepared(ddp, optimizer, chosen, comm_state, frozenset(id(p) for p in model.parameters() if p.requires_grad),
                     find_unused=find_unused_parameters,
-                    sync_batchnorm=any(isinstance(m, nn.SyncBatchNorm) for m in model.modules()))
+                    sync_batchnorm=any(isinstance(m, nn.SyncBatchNorm) for m in model.modules()), buffers=buffers)
 
 
 def exact_zeros(prepared: Prepared, loss: torch.Tensor) -> torch.Tensor:

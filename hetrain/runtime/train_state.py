@@ -71,7 +71,7 @@ class TrainState:
         frozen ones out); `names_with_state`: a checkpoint's such parameters, for a template."""
         model, optimizer = self.prepared.model, self.prepared.optimizer
         self.check_finite()
-        with_state = state_names(model, optimizer) if self.sharding == "fsdp" else []
+        with_state = state_names(self.prepared.state_module, optimizer) if self.sharding == "fsdp" else []
         sharded = None
         model_state = optimizer_state = None
         if self.pipelined:
@@ -81,7 +81,7 @@ class TrainState:
 
             sharded = {"model": get_model_state_dict(model)}
             if optimizer is not None:  # a fresh optimizer's state is initialised first, as a template
-                with trainable(model, with_state if names_with_state is None else names_with_state):
+                with trainable(self.prepared.state_module, with_state if names_with_state is None else names_with_state):
                     sharded["optimizer"] = get_optimizer_state_dict(model, optimizer)
         else:
             model_state = self.prepared.state_module.state_dict()
@@ -126,7 +126,7 @@ class TrainState:
 
                 set_model_state_dict(model, sharded["model"])
                 if optimizer is not None:
-                    with trainable(model, shared.get("optimizer_state_names", ())):
+                    with trainable(self.prepared.state_module, shared.get("optimizer_state_names", ())):
                         set_optimizer_state_dict(model, optimizer, sharded["optimizer"])
             else:
                 # a checkpoint saved before compiled models were saved by the plain model's names
@@ -232,8 +232,9 @@ def state_names(model: torch.nn.Module, optimizer: Any) -> list[str]:
 
 @contextlib.contextmanager
 def trainable(model: torch.nn.Module, names: Sequence[str]) -> Iterator[None]:
-    """These parameters marked trainable for a while (torch's optimizer state dicts leave frozen ones out)."""
-    wanted = set(names)
+    """These parameters (by the plain model's names) marked trainable for a while (torch's optimizer state dicts
+    leave frozen ones out)."""
+    wanted = {name.removeprefix("_orig_mod.") for name in names}   # a compiled model's, saved before plain names
     frozen = [p for name, p in model.named_parameters() if name in wanted and not p.requires_grad]
     for p in frozen:
         p.requires_grad_(True)

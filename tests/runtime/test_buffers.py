@@ -132,3 +132,72 @@ def test_a_forward_without_samples_leaves_the_buffers_alone():
     for name, value in state.items():
         assert torch.isfinite(value).all() and torch.equal(value, other[name]), name
     assert state["out.seen"].item() == (41 - 1) * 3 / GLOBAL + (1 if sizes[-1] else 0)
+
+
+class _GrowingCache(nn.Module):
+    """A buffer the forward replaces with one sized by its rank's batch (a positional cache grown to the
+    longest sequence it has seen, as rotary caches are)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.out = nn.Embedding(20, 8), nn.Linear(8, 3)
+        self.register_buffer("pos", torch.arange(4).float(), persistent=False)
+
+    def forward(self, x):
+        if x.shape[1] > self.pos.shape[0]:
+            self.pos = torch.arange(x.shape[1]).float() / 10
+        return self.out((self.emb(x) * self.pos[:x.shape[1], None]).mean(1))
+
+
+def _pad(items):
+    longest = max(len(s) for s, _ in items)
+    return torch.stack([F.pad(s, (0, longest - len(s))) for s, _ in items]), torch.stack([y for _, y in items])
+
+
+def _growing_job(rank, world, sharding):
+    import hetrain
+    from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randint(1, 20, (3 if i % 8 < 5 else 6,), generator=g), torch.randint(0, 3, (), generator=g))
+            for i in range(32)]   # rank 0's sequences are 3 long, rank 1's 6
+    plan = Plan(global_batch_size=8, sharding=sharding, balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=r, share=s) for r, s in enumerate(SHARES)])
+    session = hetrain.Session(plan)
+    torch.manual_seed(0)
+    net = _GrowingCache()
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    for x, y in session.loader(data, GLOBAL, shuffle=False, collate_fn=_pad):
+        session.backward(F.cross_entropy(model(x), y))
+        session.step()
+    session.close()
+    return net.pos.clone()
+
+
+@pytest.mark.parametrize("sharding", ["none", "fsdp"])
+def test_a_buffer_a_forward_replaces_with_one_of_its_own_size_stays_the_ranks_own(sharding):
+    """Rank 1's cache (6 long) received rank 0's (4 long) over its start: [0, .1, .2, .3, .4, .5] became
+    [0, 1, 2, 3, .4, .5], which its next forwards read."""
+    zero, one = run_ranks(_growing_job, 2, sharding)
+    assert torch.equal(zero, torch.arange(4).float())
+    assert torch.equal(one, torch.arange(6).float() / 10)
+
+
+def _lazy_job(rank, world):
+    import hetrain
+
+    session = hetrain.Session()
+    net = nn.Sequential(nn.Linear(4, 8), nn.LazyBatchNorm1d())
+    try:
+        session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    except Exception as e:   # torch's message, which names the fix
+        return str(e)
+    finally:
+        session.close()
+
+
+def test_a_lazy_module_gets_ddps_message_not_an_error_from_copying_its_buffers():
+    """The buffer copy ran before DDP and failed on the uninitialized buffer ('uninitialized parameter in
+    numel'), in place of DDP's message naming a dummy forward pass."""
+    for message in run_ranks(_lazy_job, 2):
+        assert message is not None and "dummy forward" in message, message
