@@ -10,9 +10,7 @@
         session.clip_grad_norm_(1.0)                      # optional: the global-batch gradient's norm
         session.step()
 
-For every plan, pipelines included, a step can also be written as one call:
-`session.forward_backward(inputs, target, loss_fn, num_items=...)` (see docs/pipeline.md).
-
+Any plan, pipelines included, also takes a step as one call: `session.forward_backward(...)`.
 The Session is a facade over small parts with one concern each (docs/design.md lists them).
 """
 
@@ -34,6 +32,7 @@ from hetrain.planning.plan import Plan, RankPlan
 from hetrain.runtime.balance_config import balance_overrides, balance_setup
 from hetrain.runtime.balancer import Balancer
 from hetrain.runtime.comm_hooks import forget_feedback
+from hetrain.runtime.cross_rank import gather_rows
 from hetrain.runtime.data import HeteroLoader, make_loader
 from hetrain.runtime.evaluation import evaluate
 from hetrain.runtime.export import full_model_state
@@ -439,6 +438,7 @@ class Session:
         self.reports.add(observer)
 
     observers = property(lambda self: self.reports.observers)
+    gather_rows = staticmethod(gather_rows)   # every rank's rows of a tensor, in rank order (hetrain.runtime.cross_rank)
 
     def barrier(self) -> None:
         dist.barrier()

@@ -1,0 +1,69 @@
+"""`session.gather_rows`: a contrastive loss whose negatives are every rank's samples, on uneven shares. torch's
+all_gather needs equal sizes (40 and 24 samples stopped with gloo's 'collective mismatch'); each rank's mean over
+its own rows against every rank's columns gives one process's update for any split."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.distributed import run_ranks
+
+GLOBAL, STEPS = 8, 4
+
+
+class _TwoTowers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.image, self.text = nn.Linear(6, 4), nn.Linear(5, 4)
+
+    def forward(self, images, texts):
+        return F.normalize(self.image(images), dim=-1), F.normalize(self.text(texts), dim=-1)
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(GLOBAL * STEPS, 6, generator=g), torch.randn(GLOBAL * STEPS, 5, generator=g)
+
+
+def _clip_loss(images, texts, all_images, all_texts, first):
+    """Rows `first:first + len(images)` of the whole batch's symmetric CLIP loss, as their mean."""
+    targets = torch.arange(first, first + images.shape[0])
+    return (F.cross_entropy(images @ all_texts.T / 0.1, targets) + F.cross_entropy(texts @ all_images.T / 0.1, targets)) / 2
+
+
+def _job(rank, world, shares):
+    import hetrain
+    from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+
+    plan = Plan(global_batch_size=GLOBAL, balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=r, share=s) for r, s in enumerate(shares)])
+    session = hetrain.Session(plan)
+    net = _TwoTowers()
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.5))
+    for images, texts in session.loader(torch.utils.data.TensorDataset(*_data()), GLOBAL, shuffle=False):
+        own_images, own_texts = model(images, texts)
+        all_images, all_texts = session.gather_rows(own_images), session.gather_rows(own_texts)
+        assert all_images.shape[0] == GLOBAL
+        session.backward(_clip_loss(own_images, own_texts, all_images, all_texts, sum(shares[:rank])))
+        session.step()
+    session.close()
+    return {k: v.clone() for k, v in net.state_dict().items()}
+
+
+@pytest.mark.parametrize("shares", [(5, 3), (7, 1)])
+def test_a_clip_loss_over_every_ranks_samples_is_one_processes_for_any_split(shares):
+    states = run_ranks(_job, 2, shares)
+    net = _TwoTowers()
+    opt = torch.optim.SGD(net.parameters(), lr=0.5)
+    images, texts = _data()
+    for step in range(STEPS):
+        batch = slice(step * GLOBAL, (step + 1) * GLOBAL)
+        all_images, all_texts = net(images[batch], texts[batch])
+        opt.zero_grad()
+        _clip_loss(all_images, all_texts, all_images, all_texts, 0).backward()
+        opt.step()
+    for state in states:
+        for name, value in net.state_dict().items():
+            torch.testing.assert_close(state[name], value, rtol=0, atol=1e-6, msg=name)
