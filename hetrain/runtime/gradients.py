@@ -209,6 +209,9 @@ def weighted_mean(value: torch.Tensor | float, weight: float, device: torch.devi
     """The mean over all ranks of each rank's `value`, weighted by its `weight` (collective); NaN when
     every weight is 0."""
     w = float(weight)
+    if isinstance(value, torch.Tensor) and value.numel() != 1:
+        raise HetrainError(f"session.global_mean() takes one number per rank, got a tensor of {value.numel()} "
+                           "elements; call it once per figure (or all-reduce a sum and a count yourself)")
     v = float(value.detach().float().item() if isinstance(value, torch.Tensor) else value)
     t = torch.tensor([v * w if w else 0.0, w], dtype=torch.float64, device=device)
     dist.all_reduce(t)

@@ -43,3 +43,14 @@ def test_global_mean_is_weighted_by_items_before_and_after_backward_and_after_st
         assert seen[rank]["after_step"] == (1 * 2 + 2 * 6) / 8
         assert math.isfinite(seen[rank]["loss"])
     assert seen[0]["loss"] == seen[1]["loss"]
+
+
+def test_a_vector_is_refused_naming_what_global_mean_takes():
+    """A vector of figures failed inside torch ('a Tensor with 2 elements cannot be converted to Scalar')."""
+    import pytest
+
+    from hetrain.errors import HetrainError
+    from hetrain.runtime.gradients import weighted_mean
+
+    with pytest.raises(HetrainError, match="one number per rank"):
+        weighted_mean(torch.tensor([1.0, 2.0]), 1.0, torch.device("cpu"))
