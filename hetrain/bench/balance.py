@@ -98,7 +98,8 @@ def run(args: argparse.Namespace) -> dict:
             raise HetrainError("--metrics cannot be used with --outside-load (which runs hetrain alone, with "
                                "nothing to compare metrics on against); drop one of them")
         return outside_load(args)
-    phases = "solo,uniform,balanced" + (",metrics" if args.metrics else "")
+    plain = all(s == 1 for s in parse_speeds(args.speeds))   # nothing to emulate: DDP without the hook runs too
+    phases = "solo,uniform,balanced" + (",metrics" if args.metrics else "") + (",ddp" if plain else "")
     r = run_job(args, progress=False, schedule="interleaved", phases=phases)
     uniform, balanced = r["uniform"]["samples_per_s"], r["balanced"]["samples_per_s"]
     ideal = sum(r["solo_samples_per_s"])
@@ -126,4 +127,7 @@ def run(args: argparse.Namespace) -> dict:
             "metrics_overhead_ratio": r["metrics"]["samples_per_s"] / balanced,
             "metrics_mean_overhead_ratio": r["metrics"]["mean_samples_per_s"] / r["balanced"]["mean_samples_per_s"]}
            if "metrics" in r else {}),
+        **({"ddp_samples_per_s": r["ddp"]["samples_per_s"],
+            "balanced_over_ddp": balanced / r["ddp"]["samples_per_s"],
+            "uniform_over_ddp": uniform / r["ddp"]["samples_per_s"]} if "ddp" in r else {}),
     }

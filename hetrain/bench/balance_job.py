@@ -173,6 +173,32 @@ class UniformRunner:
         return {}
 
 
+class PlainDDPRunner(UniformRunner):
+    """DDP as a script builds it, without the timing hook (speeds 1,1 only: nothing to emulate): what the
+    Session's own per-step cost is held against. Its compute is not timed."""
+
+    name = "ddp"
+
+    def __init__(self, args, train, speed) -> None:
+        self.rank, world = dist.get_rank(), dist.get_world_size()
+        self.model = digits_model(args.model, args.hidden)
+        self.opt = make_optimizer(self.model, args)
+        self.ddp = DistributedDataParallel(self.model)
+        self.shares = Plan.even(world, args.global_batch).shares
+        self.x, self.y = train.tensors
+        self.order = GlobalBatchOrder(len(train), args.global_batch, seed=0)
+        self.steps = 0
+        self.last_compute = 0.0
+
+    def step(self) -> None:
+        epoch, s = divmod(self.steps, self.order.steps_per_epoch)
+        idx = rank_slice(self.order.global_batch(epoch, s), self.shares, self.rank)
+        F.cross_entropy(self.ddp(self.x[idx]), self.y[idx]).backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.steps += 1
+
+
 class BalancedRunner:
     """hetrain: the Session's weighted backward and its balancer."""
 
@@ -322,7 +348,8 @@ def run_schedule(args, runners: dict, solo: SoloRunner | None, progress) -> dict
     return timed
 
 
-LABELS = {"uniform": "plain DDP, even split", "balanced": "hetrain, balanced", "metrics": "hetrain, metrics on"}
+LABELS = {"uniform": "plain DDP, even split", "balanced": "hetrain, balanced", "metrics": "hetrain, metrics on",
+          "ddp": "DDP without hooks"}
 
 
 @torch.no_grad()
@@ -362,8 +389,8 @@ def main(argv: list[str] | None = None) -> int:
             load = OutsideLoad(core=0, seed=args.outside_load).start()
     try:
         solo = SoloRunner(args, train, speed) if "solo" in phases else None
-        runners = {name: (UniformRunner if name == "uniform" else BalancedRunner)(args, train, speed)
-                   for name in ("uniform", "balanced") if name in phases}
+        kinds = {"uniform": UniformRunner, "balanced": BalancedRunner, "ddp": PlainDDPRunner}
+        runners = {name: kinds[name](args, train, speed) for name in ("uniform", "balanced", "ddp") if name in phases}
         if "metrics" in phases:
             runners["metrics"] = MetricsRunner(runners["balanced"], args.metrics_port)
         timed = run_schedule(args, runners, solo, progress)
@@ -377,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
                 "samples_per_s": args.global_batch * statistics.median(t.block_rates),
                 "mean_samples_per_s": args.global_batch * t.steps / t.wall,
                 "shares": runner.current_shares(),
-                "idle_fraction": gather(max(0.0, 1 - t.compute / t.wall)),
+                "idle_fraction": gather(max(0.0, 1 - t.compute / t.wall)) if name != "ddp" else None,
                 "test_accuracy": accuracy(runner.model, test),
                 "train_loss": train_loss(runner.model, train),
                 "step_seconds": t.wall / t.steps,

@@ -34,3 +34,17 @@ def test_bench_balance_under_outside_load_reports_the_split_changes():
     assert d["outside_load_seed"] == 0 and d["steps"] == 12 and sum(d["final_shares"]) == 64
     assert d["changes_after_first"] == max(0, len(d["split_changes"]) - 1)
     assert len(d["compute_ms_median_p90"]) == 2 and all(p90 >= med > 0 for med, p90 in d["compute_ms_median_p90"])
+
+
+def test_bench_balance_at_equal_speeds_holds_hetrain_against_ddp_without_hooks():
+    """The uniform mode carries the timing hook, which costs DDP itself: at 1,1 a DDP without it runs too."""
+    r = run_cli([sys.executable, "-m", "hetrain.cli.main", "bench", "balance", "--speeds", "1,1", "--steps", "10",
+                 "--warmup", "3", "--global-batch-size", "64", "--json"], cwd=ROOT, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads(r.stdout)
+    assert d["ddp_samples_per_s"] > 0
+    assert abs(d["balanced_over_ddp"] - d["balanced_samples_per_s"] / d["ddp_samples_per_s"]) < 1e-9
+    assert abs(d["uniform_over_ddp"] - d["uniform_samples_per_s"] / d["ddp_samples_per_s"]) < 1e-9
+    assert "ddp_samples_per_s" not in json.loads(run_cli(
+        [sys.executable, "-m", "hetrain.cli.main", "bench", "balance", "--speeds", "1,0.5", "--steps", "6", "--warmup",
+         "2", "--global-batch-size", "64", "--json"], cwd=ROOT, timeout=240).stdout)   # a slow rank: nothing to hold
