@@ -88,42 +88,27 @@ def _recompute_contexts(buffers: "_BlockBuffers") -> tuple[Any, Any]:
     return _buffers_saved(buffers, found), _buffers_swapped(buffers, found)
 
 
-_Snapshot = list[tuple[nn.Module, str, torch.Tensor, "torch.Tensor | None"]]
+_Snapshot = list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]]
 
 
 class _BlockBuffers:
-    """A checkpointed block's buffers: each tensor by reference (a forward that puts a new one in its place
-    leaves the old one as it was), and a copy of those its forward writes in place, learned at its first
-    forward (running statistics always): a constant buffer (an attention mask) is not copied every forward."""
+    """A checkpointed block's buffers: a copy of each, and each tensor by reference (a forward that puts a new
+    one in a buffer's place leaves the old one in the snapshot). Every buffer is copied at every forward: which
+    ones a forward writes can change from one forward to the next (every second call, training mode only)."""
 
     def __init__(self, block: nn.Module) -> None:
         self.block = block
-        self.written: set[tuple[int, str]] | None = None
 
     def snapshot(self) -> _Snapshot:
-        out = []
-        for m in self.block.modules():
-            tracks = getattr(m, "track_running_stats", False) is True
-            for name, b in m.named_buffers(recurse=False):
-                copy = self.written is None or tracks or (id(m), name) in self.written
-                out.append((m, name, b, b.detach().clone() if copy else None))
-        return out
-
-    def learn(self, before: _Snapshot) -> _Snapshot:
-        """After the block's first forward: the buffers it wrote in place; the snapshot keeps their copies only."""
-        if self.written is None:
-            self.written = {(id(m), name) for m, name, b, copy in before
-                            if copy is not None and getattr(m, name) is b and not torch.equal(b, copy)}
-        return [(m, name, b, copy if (id(m), name) in self.written or getattr(m, "track_running_stats", False) is True
-                 else None) for m, name, b, copy in before]
+        return [(m, name, b, b.detach().clone())
+                for m in self.block.modules() for name, b in m.named_buffers(recurse=False)]
 
     @staticmethod
     def restore(snapshot: _Snapshot) -> None:
         """Each buffer back: its copy into it (through .data: the backward of the forward that ran is not refused
         as modified in place), and the tensor itself into its place where a forward put another there."""
         for m, name, b, copy in snapshot:
-            if copy is not None:
-                b.data.copy_(copy)
+            b.data.copy_(copy)
             if getattr(m, name) is not b:
                 setattr(m, name, b)
 
@@ -132,7 +117,6 @@ class _BlockBuffers:
 def _buffers_saved(buffers: _BlockBuffers, found: list) -> Iterator[None]:
     found[:] = buffers.snapshot()
     yield
-    found[:] = buffers.learn(found)
 
 
 @contextmanager
