@@ -17,7 +17,7 @@ mean over no samples is NaN, which the copy would have sent to every rank.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,15 +26,25 @@ from torch import nn
 from hetrain.runtime.replicas import copy_from
 
 
-def model_buffers(module: nn.Module) -> list[torch.Tensor]:
-    """The module's buffers as prepare() found them, each once; a step copies these tensors, as DDP's copy does.
-    A tensor a forward puts in a buffer's place later (a cache grown to this rank's longest sequence) is not
-    copied: its size may differ between ranks, and a broadcast of one size into another's is undefined."""
-    return list({id(b): b for b in module.buffers()}.values())
+Places = list[tuple[nn.Module, str, torch.Tensor]]
 
 
-def sync_buffers(buffers: Sequence[torch.Tensor]) -> None:
-    """Overwrite every rank's buffers with rank 0's (collective: every rank holds the same buffers, in order)."""
+def buffer_places(module: nn.Module) -> Places:
+    """Where the module's buffers are (module, name) and the tensor each held at prepare()."""
+    return [(m, name, b) for m in module.modules() for name, b in m.named_buffers(recurse=False)]
+
+
+def sync_buffers(places: Places) -> None:
+    """Overwrite every rank's buffers with rank 0's (collective). Each place's buffer now, where it has the size,
+    dtype and device it had at prepare() (one a forward replaced, `self.m = 0.9 * self.m + ...`, is copied
+    too), else the tensor it held then, as a stand-in of that size: a cache a forward regrew to its rank's
+    longest sequence stays the rank's own, and every rank broadcasts the same sizes in the same order."""
+    buffers = []
+    for m, name, first in places:
+        now = getattr(m, name, None)
+        alike = isinstance(now, torch.Tensor) and now.shape == first.shape and now.dtype == first.dtype and \
+            now.device == first.device
+        buffers.append(now if alike else first)
     if buffers:
         copy_from(buffers, src=0)
 

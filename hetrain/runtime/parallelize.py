@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from hetrain.errors import HetrainError
 from hetrain.planning.plan import CommPlan, RankPlan
 from hetrain.runtime import memory, sharding
-from hetrain.runtime.buffers import keep_buffers_without_samples, model_buffers, sync_buffers
+from hetrain.runtime.buffers import buffer_places, keep_buffers_without_samples, sync_buffers
 from hetrain.runtime.precision import watch_precision
 from hetrain.runtime.replicas import copy_from, module_tensors
 from hetrain.runtime.timing import StepTimer, TimedHookState, timed_hook
@@ -48,7 +48,7 @@ class Prepared:
     late_trainable_said: bool = False
     find_unused: bool = False   # DDP's find_unused_parameters
     sync_batchnorm: bool = False   # SyncBatchNorm's backward all-reduces: a backward must go through it
-    buffers: list[torch.Tensor] = field(default_factory=list)   # the model's buffers at prepare(), copied each step
+    buffers: list[tuple[nn.Module, str, torch.Tensor]] = field(default_factory=list)   # where, and as at prepare()
 
     @property
     def module(self) -> nn.Module:
@@ -220,14 +220,14 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, sh
         keep_buffers_without_samples(model, without_samples)
         if optimizer is not None:
             optimizer = sharding.rebuild_optimizer(optimizer, names, model)
-        return Prepared(model, optimizer, chosen, buffers=model_buffers(model))
+        return Prepared(model, optimizer, chosen, buffers=buffer_places(model))
     if entry.offload_optimizer and device.type == "cuda":
         raise HetrainError(
             f"rank {rank} asks for offload_optimizer with sharding {sharding_name!r}; optimizer state is "
             "offloaded through FSDP2's CPUOffloadPolicy: set the plan's sharding to 'fsdp'"
         )
     ddp, comm_state = apply_ddp(model, device, comm, timer, find_unused_parameters)
-    buffers = model_buffers(model)
+    buffers = buffer_places(model)
     sync_buffers(buffers)   # DDP copied rank 0's parameters (a lazy module is refused there); buffers here, each step
     keep_buffers_without_samples(ddp, without_samples)   # on the wrapper: the user's model still pickles
     if optimizer is not None and sharding_name in ZERO1_SHARDINGS:
