@@ -3,36 +3,85 @@
 Each rank holds its share of the global batch, and shares differ: torch's `all_gather` needs the
 same size on every rank (two ranks of 40 and 24 samples stopped with gloo's "collective mismatch",
 and a job on an even split stopped at its first re-split). `gather_rows` pads each rank's rows to the
-longest share, gathers them with torch's autograd-aware all-gather, and joins the real rows in rank
-order, which is the global batch's order (rank r's slice follows rank r-1's). The gradient flows back
-to each rank's own rows. A loss that stays exact for any split is each rank's mean over its own rows
-against every rank's columns (docs/porting.md, "Losses across ranks").
+longest share, gathers them, and joins the real rows in rank order, which is the global batch's
+order (rank r's slice follows rank r-1's). The gradient reaches each rank's own rows: backward
+all-reduces the gradient of the joined rows and each rank keeps its slice. Ranks that compute in
+different precisions (a bf16 rank beside an fp32 one) gather in fp32, and each gets the rows back in
+its own dtype. A loss that stays exact for
+any split is each rank's mean over its own rows against every rank's columns (docs/porting.md,
+"Losses across ranks").
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_autograd
+
+from hetrain.errors import HetrainError
+
+_SHAPE_DIMS = 8   # trailing dimensions compared across ranks
+_DTYPES = (torch.float64, torch.float32, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
 
 
-def gather_rows(tensor: torch.Tensor) -> torch.Tensor:
+class _GatherRows(torch.autograd.Function):
+    """[world, rows, ...] of every rank's padded rows; backward sums every rank's gradient, keeps this rank's."""
+
+    @staticmethod
+    def forward(ctx: Any, padded: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(padded) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, padded)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous()
+        dist.all_reduce(grad)
+        return grad[dist.get_rank()]
+
+
+GATHER_NODE = "_GatherRowsBackward"   # its node in an autograd graph (a backward without items goes through it)
+
+
+def gather_rows(tensor: torch.Tensor, *, offset: bool = False) -> Any:
     """Every rank's `tensor` joined along the first dimension in rank order (sizes may differ by rank); the
-    gradient reaches each rank's own rows (collective: every rank calls it, once per forward)."""
+    gradient reaches each rank's own rows. With `offset=True`, (rows, index of this rank's first row). Collective:
+    every rank calls it, once per forward, with the same trailing shape."""
+    if tensor.dim() == 0:
+        raise HetrainError("session.gather_rows() joins rows along the first dimension; got a 0-d tensor "
+                           "(give it a dimension of rows: t.reshape(1))")
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return tensor
-    world = dist.get_world_size()
-    count = torch.tensor([tensor.shape[0]], dtype=torch.int64, device=tensor.device)
-    counts = [torch.zeros_like(count) for _ in range(world)]
-    dist.all_gather(counts, count)
-    sizes = [int(c) for c in counts]
-    longest = max(sizes)
+        return (tensor, 0) if offset else tensor
+    dtype = tensor.dtype
+    if tensor.is_floating_point() and tensor.element_size() < 4:
+        tensor = tensor.float()   # a bf16 rank beside an fp32 one: one dtype on the wire, the rank's own back
+    sizes = _agreed_sizes(tensor)
+    longest, rank = max(sizes), dist.get_rank()
     padded = tensor.contiguous()
     if tensor.shape[0] < longest:
         padded = torch.cat([padded, padded.new_zeros(longest - tensor.shape[0], *tensor.shape[1:])])
     if tensor.requires_grad:
-        parts = dist_autograd.all_gather(padded)
+        parts = _GatherRows.apply(padded)
     else:
-        parts = [torch.empty_like(padded) for _ in range(world)]
+        parts = [torch.empty_like(padded) for _ in range(len(sizes))]
         dist.all_gather(parts, padded)
-    return torch.cat([part[:size] for part, size in zip(parts, sizes)])
+    rows = torch.cat([part[:size] for part, size in zip(parts, sizes)]).to(dtype)
+    return (rows, sum(sizes[:rank])) if offset else rows
+
+
+def _agreed_sizes(tensor: torch.Tensor) -> list[int]:
+    """Every rank's row count, with a check (on every rank alike) that the rest of the shape and the dtype agree."""
+    if tensor.dim() - 1 > _SHAPE_DIMS:
+        raise HetrainError(f"session.gather_rows() takes tensors of at most {_SHAPE_DIMS + 1} dimensions")
+    trailing = list(tensor.shape[1:]) + [-1] * (_SHAPE_DIMS - tensor.dim() + 1)
+    dtype = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else -1
+    mine = torch.tensor([tensor.shape[0], tensor.dim(), dtype, *trailing], dtype=torch.int64, device=tensor.device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    rows = [e.tolist() for e in every]
+    if any(r[1:] != rows[0][1:] for r in rows):
+        shapes = [f"rank {i}: {'x'.join(str(d) for d in ['rows', *r[3:3 + r[1] - 1]])}" for i, r in enumerate(rows)]
+        raise HetrainError("session.gather_rows() was given tensors of different shapes or dtypes on different "
+                           f"ranks ({', '.join(shapes)}); every rank passes its rows of one tensor")
+    return [r[0] for r in rows]

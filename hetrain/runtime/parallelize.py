@@ -23,6 +23,7 @@ from hetrain.errors import HetrainError
 from hetrain.planning.plan import CommPlan, RankPlan
 from hetrain.runtime import memory, sharding
 from hetrain.runtime.buffers import buffer_places, keep_buffers_without_samples, sync_buffers
+from hetrain.runtime.cross_rank import GATHER_NODE
 from hetrain.runtime.precision import watch_precision
 from hetrain.runtime.replicas import copy_from, module_tensors
 from hetrain.runtime.timing import StepTimer, TimedHookState, timed_hook
@@ -242,11 +243,27 @@ def exact_zeros(prepared: Prepared, loss: torch.Tensor) -> torch.Tensor:
     bucket's all-reduce), or under find_unused_parameters for those the loss reaches only (DDP marked the
     others ready after the forward; a gradient for them stopped it, 'marked ready twice'). Not the loss
     times 0: a token mean over no tokens is 0/0, and its backward NaN."""
+    if holds_node(loss, GATHER_NODE):   # session.gather_rows: its backward is a collective every rank joins
+        return torch.nan_to_num(loss) * 0.0   # (a rank without rows: its tensors are empty, no NaN reaches a weight)
     params = [p for p in prepared.parameters if p.requires_grad]
     if prepared.find_unused:
         reached = reachable_parameters(loss)
         params = [p for p in params if id(p) in reached]
     return sum((p.sum() * 0.0 for p in params), torch.nan_to_num(loss.detach()) * 0.0)
+
+
+def holds_node(loss: torch.Tensor, name: str) -> bool:
+    """Whether the loss's autograd graph holds a node of this name."""
+    seen, todo = set(), [loss.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        if fn.name() == name:
+            return True
+        seen.add(fn)
+        todo.extend(next_fn for next_fn, _ in fn.next_functions)
+    return False
 
 
 def reachable_parameters(loss: torch.Tensor) -> set[int]:
