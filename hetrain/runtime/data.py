@@ -266,7 +266,7 @@ class HeteroLoader:
         """The step's batch, or its micro-batches when the plan caps this rank's micro_batch below its share
         (under FSDP2, as many as the rank that needs the most, some maybe empty)."""
         if self.same_piece_count is not None:
-            sizes = equal_pieces(n, job_piece_count(shares, self.same_piece_count))
+            sizes = equal_pieces(n, job_piece_count(shares, self.same_piece_count), self.micro_batch, self.grad_accum)
         else:
             sizes = micro_batch_sizes(n, self.micro_batch, self.grad_accum)
         for i, piece in enumerate(split_batch(batch, sizes, n)):

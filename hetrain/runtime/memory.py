@@ -175,10 +175,14 @@ def micro_batch_sizes(local_n: int, micro_batch: int | None, grad_accum: int = 1
     return split_even(local_n, min(pieces, local_n))
 
 
-def equal_pieces(local_n: int, count: int) -> list[int]:
-    """`local_n` samples in exactly `count` near-equal pieces, empty ones included (FSDP2's collectives
-    run once per micro-batch, so every rank runs the job's count)."""
-    return split_even(max(local_n, 0), count)
+def equal_pieces(local_n: int, count: int, micro_batch: int | None = None, grad_accum: int = 1) -> list[int]:
+    """`local_n` samples in exactly `count` pieces (FSDP2's collectives run once per micro-batch, so every rank
+    runs the job's count): the rank's own micro-batches, then empty ones (stand-ins). Spread near-equally
+    over the count, a rank's 2 samples became pieces of 1, which BatchNorm does not train on."""
+    own = micro_batch_sizes(max(local_n, 0), micro_batch, grad_accum)
+    if len(own) > count:
+        return split_even(max(local_n, 0), count)
+    return own + [0] * (count - len(own))
 
 
 def job_piece_count(shares: Sequence[int], caps: Sequence[tuple[int | None, int]]) -> int:
@@ -234,8 +238,8 @@ def has_per_sample_values(batch: Any, samples: int) -> bool:
 
 def split_batch(batch: Any, sizes: Sequence[int], local_n: int) -> Iterator[Any]:
     """The batch cut into consecutive pieces of the given sizes. A piece with no samples of a batch that has
-    some is a stand-in, the batch's first sample (a model need not take an empty batch), which the session
-    counts as 0 items (its micro-batch size is 0). A batch with nothing of one entry per sample (rows that
+    some is a stand-in, the batch's first two samples (a model need not take an empty batch, and BatchNorm
+    takes no single sample in training), which the session counts as 0 items (its micro-batch size is 0). A batch with nothing of one entry per sample (rows that
     are not samples: a tokenizer's overflowing windows, sequences packed into one row) is refused: every
     piece would get all of it."""
     if len(sizes) == 1:
@@ -251,7 +255,7 @@ def split_batch(batch: Any, sizes: Sequence[int], local_n: int) -> Iterator[Any]
     start = 0
     for size in sizes:
         yield slice_batch(batch, start, start + size, local_n) if size or local_n == 0 else \
-            slice_batch(batch, 0, 1, local_n)
+            slice_batch(batch, 0, min(2, local_n), local_n)   # two: BatchNorm trains on no fewer
         start += size
 
 

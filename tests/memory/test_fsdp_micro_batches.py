@@ -71,3 +71,29 @@ def test_the_layers_of_a_sequential_with_embedding_and_head_are_its_blocks():
     blocks = find_blocks(gpt2_blocks(tiny_gpt2(layers=3)))
     assert len(blocks) == 3 and all(isinstance(b, GPT2Layer) for b in blocks)
     assert find_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh(), torch.nn.Linear(2, 2))) == []
+
+
+def _batchnorm_train(rank, world):
+    import hetrain
+
+    # rank 0: 6 samples in micro-batches of 2 (3 pieces); rank 1: its 2 samples, then 2 stand-ins
+    plan = Plan(global_batch_size=GLOBAL, sharding="fsdp", balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=0, share=6, micro_batch=2), RankPlan(rank=1, share=2, micro_batch=2)])
+    session = hetrain.Session(plan)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3))
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=LR))
+    sizes = []
+    for x, y in session.loader(make_data(), global_batch_size=GLOBAL, shuffle=False):
+        sizes.append(len(x))
+        session.backward(F.cross_entropy(model(x), y))
+        session.step()
+    session.close()
+    return sizes
+
+
+def test_a_rank_short_of_pieces_keeps_its_own_micro_batches_which_batchnorm_trains_on():
+    """Its 2 samples were spread over the job's 3 pieces as 1, 1 and a stand-in: BatchNorm stopped with
+    'Expected more than 1 value per channel when training', though no plan gave a micro-batch of 1."""
+    zero, one = run_ranks(_batchnorm_train, 2)
+    assert zero == [2, 2, 2] * STEPS and one == [2, 2, 2] * STEPS   # rank 1: its 2, then two stand-ins of 2
