@@ -315,7 +315,8 @@ def reduce_late_trainable(prepared: Prepared) -> None:
 def equal_piece_counts(model: nn.Module, sharding_name: str, layout: Any) -> bool:
     """Whether every rank runs the job's count of micro-batches a step: data-parallel FSDP2 and SyncBatchNorm
     run collectives in every forward (a rank with fewer pieces than another would pair its gradient
-    all-reduce with the other's statistics). A rank short of pieces runs its own, then stand-ins (its first two samples, 0 items)."""
+    all-reduce with the other's statistics). A rank short of pieces runs its own, then stand-ins (its first
+    two samples, 0 items)."""
     return layout is None and (sharding_name == "fsdp" or any(isinstance(m, nn.SyncBatchNorm) for m in model.modules()))
 
 
