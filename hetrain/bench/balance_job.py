@@ -142,15 +142,17 @@ class UniformRunner:
     """Plain DDP, even split of each global batch; the device's speed is emulated, nothing else."""
 
     name = "uniform"
+    hooked = True   # the comm hook that times compute and emulates the speed
 
     def __init__(self, args, train, speed) -> None:
         self.rank, world = dist.get_rank(), dist.get_world_size()
         self.model = digits_model(args.model, args.hidden)
         self.opt = make_optimizer(self.model, args)
         self.ddp = DistributedDataParallel(self.model)
-        self.timer = StepTimer(speed=speed)
-        self.ddp.register_comm_hook(TimedHookState(self.timer, None, default_hooks.allreduce_hook), timed_hook)
-        self.timer.attach_ddp(self.ddp)
+        self.timer = StepTimer(speed=speed) if self.hooked else None
+        if self.timer is not None:
+            self.ddp.register_comm_hook(TimedHookState(self.timer, None, default_hooks.allreduce_hook), timed_hook)
+            self.timer.attach_ddp(self.ddp)
         self.shares = Plan.even(world, args.global_batch).shares
         self.x, self.y = train.tensors
         self.order = GlobalBatchOrder(len(train), args.global_batch, seed=0)
@@ -161,9 +163,12 @@ class UniformRunner:
         epoch, s = divmod(self.steps, self.order.steps_per_epoch)
         idx = rank_slice(self.order.global_batch(epoch, s), self.shares, self.rank)
         F.cross_entropy(self.ddp(self.x[idx]), self.y[idx]).backward()
-        self.timer.time_optimizer(self.opt.step)
+        if self.timer is None:
+            self.opt.step()
+        else:
+            self.timer.time_optimizer(self.opt.step)
         self.opt.zero_grad(set_to_none=True)
-        self.last_compute = self.timer.end_step()
+        self.last_compute = self.timer.end_step() if self.timer is not None else 0.0
         self.steps += 1
 
     def current_shares(self) -> list[int]:
@@ -178,25 +183,7 @@ class PlainDDPRunner(UniformRunner):
     Session's own per-step cost is held against. Its compute is not timed."""
 
     name = "ddp"
-
-    def __init__(self, args, train, speed) -> None:
-        self.rank, world = dist.get_rank(), dist.get_world_size()
-        self.model = digits_model(args.model, args.hidden)
-        self.opt = make_optimizer(self.model, args)
-        self.ddp = DistributedDataParallel(self.model)
-        self.shares = Plan.even(world, args.global_batch).shares
-        self.x, self.y = train.tensors
-        self.order = GlobalBatchOrder(len(train), args.global_batch, seed=0)
-        self.steps = 0
-        self.last_compute = 0.0
-
-    def step(self) -> None:
-        epoch, s = divmod(self.steps, self.order.steps_per_epoch)
-        idx = rank_slice(self.order.global_batch(epoch, s), self.shares, self.rank)
-        F.cross_entropy(self.ddp(self.x[idx]), self.y[idx]).backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        self.steps += 1
+    hooked = False
 
 
 class BalancedRunner:

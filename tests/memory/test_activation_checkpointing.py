@@ -117,9 +117,16 @@ def test_a_recomputed_block_sees_its_buffers_as_the_forward_did():
     """The recompute ran with the buffers the forward had already updated (the power iteration moved on, the
     counter counted twice): another forward's gradient (2.7e-05 off with spectral_norm) and buffers moved
     twice (a counter of 8 after 4 steps)."""
+    ckpt = _recomputes_as_the_forward_ran(_CountingBlock)
+    assert [b.calls.item() for b in ckpt] == [4.0, 4.0]
+
+
+def _recomputes_as_the_forward_ran(make_block) -> nn.Module:
+    """Four steps of two blocks with and without activation checkpointing: the same gradients each step and
+    the same buffers after each; returns the checkpointed model."""
     torch.manual_seed(0)
-    plain = nn.Sequential(*[_CountingBlock() for _ in range(2)])
-    ckpt = nn.Sequential(*[_CountingBlock() for _ in range(2)])
+    plain = nn.Sequential(*[make_block() for _ in range(2)])
+    ckpt = nn.Sequential(*[make_block() for _ in range(2)])
     ckpt.load_state_dict(plain.state_dict())
     apply_activation_checkpointing(ckpt)
     for step in range(4):
@@ -129,9 +136,9 @@ def test_a_recomputed_block_sees_its_buffers_as_the_forward_did():
             model(x).square().mean().backward()
         for a, b in zip(plain.parameters(), ckpt.parameters()):
             torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-7)
-    for (name, a), b in zip(plain.state_dict().items(), ckpt.state_dict().values()):
-        assert torch.equal(a, b), name
-    assert [b.calls.item() for b in ckpt] == [4.0, 4.0]
+        for (name, a), b in zip(plain.state_dict().items(), ckpt.state_dict().values()):
+            assert torch.equal(a, b), (step, name)
+    return ckpt
 
 
 class _SometimesBlock(nn.Module):
@@ -154,17 +161,4 @@ class _SometimesBlock(nn.Module):
 def test_a_buffer_written_on_some_forwards_only_is_restored_by_every_recompute():
     """The recompute once copied only the buffers a block's first forward wrote: one written every second
     forward was updated again by the recompute (gradients 0.52 off, buffers 0.19)."""
-    torch.manual_seed(0)
-    plain = nn.Sequential(*[_SometimesBlock() for _ in range(2)])
-    ckpt = nn.Sequential(*[_SometimesBlock() for _ in range(2)])
-    ckpt.load_state_dict(plain.state_dict())
-    apply_activation_checkpointing(ckpt)
-    for step in range(4):
-        x = torch.randn(8, 8, generator=torch.Generator().manual_seed(step))
-        for model in (plain, ckpt):
-            model.zero_grad()
-            model(x).square().mean().backward()
-        for a, b in zip(plain.parameters(), ckpt.parameters()):
-            torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-7)
-        for (name, a), b in zip(plain.state_dict().items(), ckpt.state_dict().values()):
-            assert torch.equal(a, b), (step, name)
+    _recomputes_as_the_forward_ran(_SometimesBlock)
