@@ -49,37 +49,36 @@ def sync_buffers(places: Places) -> None:
         copy_from(buffers, src=0)
 
 
-Values = list[tuple[nn.Module, str, torch.Tensor]]
+Snapshot = list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]]
 
 
-def buffer_values(module: nn.Module) -> Values:
-    """Copies of the module's buffers, each with the module and name that hold it."""
-    return [(m, name, b.detach().clone()) for m in module.modules() for name, b in m.named_buffers(recurse=False)]
+def snapshot_buffers(module: nn.Module) -> Snapshot:
+    """The module's buffers as they are now: each tensor by reference (a forward that puts a new one in a
+    buffer's place leaves the old one here) and a copy of its values."""
+    return [(m, name, b, b.detach().clone()) for m in module.modules() for name, b in m.named_buffers(recurse=False)]
 
 
-def load_buffers(values: Values) -> None:
-    """Put back what `buffer_values` copied, in place (a forward that put a new tensor in a buffer's place gets
-    the copy back there)."""
-    for module, name, value in values:
-        current = getattr(module, name)
-        if isinstance(current, torch.Tensor) and current.shape == value.shape and current.dtype == value.dtype:
-            # through .data: autograd's version counter stays, so the backward of the forward that ran is not
-            # refused as modified in place (BatchNorm's is given the running statistics, which training ignores)
-            current.data.copy_(value)
-        else:
-            setattr(module, name, value)
+def restore_buffers(snapshot: Snapshot) -> None:
+    """Each buffer back as `snapshot_buffers` found it: its values copied into it (through .data: autograd's
+    version counter stays, so the backward of the forward that ran is not refused as modified in place;
+    BatchNorm's is given the running statistics, which training ignores), and the tensor itself back in its
+    place where a forward put another there."""
+    for m, name, b, copy in snapshot:
+        b.data.copy_(copy)
+        if getattr(m, name) is not b:
+            setattr(m, name, b)
 
 
 def keep_buffers_without_samples(module: nn.Module, without_samples: Callable[[], bool]) -> None:
     """Hooks on the model: a forward while `without_samples()` leaves its buffers as they were."""
-    saved: list[Values] = []
+    saved: list[Snapshot] = []
 
     def before(_module: nn.Module, _args: Any) -> None:
-        saved[:] = [buffer_values(module)] if without_samples() else []   # a forward that raised left none
+        saved[:] = [snapshot_buffers(module)] if without_samples() else []   # a forward that raised left none
 
     def after(_module: nn.Module, _args: Any, _output: Any) -> None:
         if saved:
-            load_buffers(saved.pop())
+            restore_buffers(saved.pop())
 
     module.register_forward_pre_hook(before)
     module.register_forward_hook(after)

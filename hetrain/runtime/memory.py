@@ -25,6 +25,7 @@ from hetrain.errors import HetrainError
 from hetrain.planning.batch_split import split_even
 from hetrain.runtime.batch_tree import (cut_leaf, is_array, map_leaves, map_tensors, per_sample_lists,
                                          per_sample_values, sample_leaves, tensors)
+from hetrain.runtime.buffers import restore_buffers, snapshot_buffers
 from hetrain.runtime.gradients import local_tensor
 from hetrain.workload.layers import find_blocks
 
@@ -63,8 +64,7 @@ def checkpoint_blocks(blocks: Sequence[nn.Module]) -> int:
 
         # only a block with buffers needs its recompute to see and leave them as the forward did; under
         # torch.compile, which takes no such context, the compiled recompute does not update them again
-        contexts = functools.partial(_recompute_contexts, _BlockBuffers(block)) if any(True for _ in block.buffers()) \
-            else None
+        contexts = functools.partial(_recompute_contexts, block) if any(True for _ in block.buffers()) else None
 
         def forward(*args: Any, _inner=inner, _contexts=contexts, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
@@ -79,54 +79,31 @@ def checkpoint_blocks(blocks: Sequence[nn.Module]) -> int:
     return count
 
 
-def _recompute_contexts(buffers: "_BlockBuffers") -> tuple[Any, Any]:
+def _recompute_contexts(block: nn.Module) -> tuple[Any, Any]:
     """(the forward's context, the recompute's): the recompute in backward runs the block's forward again with
     its buffers as the forward found them, and leaves them as the forward left them. BatchNorm's running
     statistics were otherwise updated twice (a count of 12 after 6 steps); a buffer the forward reads and
-    writes (spectral_norm's power iteration, a model's own counter) gave a gradient of another forward."""
+    writes (spectral_norm's power iteration, a model's own counter) gave a gradient of another forward. Every
+    buffer is copied at every forward: which ones a forward writes can change between forwards (every second
+    call, training mode only)."""
     found: list = []
-    return _buffers_saved(buffers, found), _buffers_swapped(buffers, found)
-
-
-_Snapshot = list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]]
-
-
-class _BlockBuffers:
-    """A checkpointed block's buffers: a copy of each, and each tensor by reference (a forward that puts a new
-    one in a buffer's place leaves the old one in the snapshot). Every buffer is copied at every forward: which
-    ones a forward writes can change from one forward to the next (every second call, training mode only)."""
-
-    def __init__(self, block: nn.Module) -> None:
-        self.block = block
-
-    def snapshot(self) -> _Snapshot:
-        return [(m, name, b, b.detach().clone())
-                for m in self.block.modules() for name, b in m.named_buffers(recurse=False)]
-
-    @staticmethod
-    def restore(snapshot: _Snapshot) -> None:
-        """Each buffer back: its copy into it (through .data: the backward of the forward that ran is not refused
-        as modified in place), and the tensor itself into its place where a forward put another there."""
-        for m, name, b, copy in snapshot:
-            b.data.copy_(copy)
-            if getattr(m, name) is not b:
-                setattr(m, name, b)
+    return _buffers_saved(block, found), _buffers_swapped(block, found)
 
 
 @contextmanager
-def _buffers_saved(buffers: _BlockBuffers, found: list) -> Iterator[None]:
-    found[:] = buffers.snapshot()
+def _buffers_saved(block: nn.Module, found: list) -> Iterator[None]:
+    found[:] = snapshot_buffers(block)
     yield
 
 
 @contextmanager
-def _buffers_swapped(buffers: _BlockBuffers, found: list) -> Iterator[None]:
-    after = buffers.snapshot()
-    buffers.restore(found)
+def _buffers_swapped(block: nn.Module, found: list) -> Iterator[None]:
+    after = snapshot_buffers(block)
+    restore_buffers(found)
     try:
         yield
     finally:
-        buffers.restore(after)
+        restore_buffers(after)
 
 
 def apply_activation_checkpointing(model: nn.Module, blocks: Sequence[nn.Module] | None = None) -> list[nn.Module]:
@@ -239,9 +216,9 @@ def has_per_sample_values(batch: Any, samples: int) -> bool:
 def split_batch(batch: Any, sizes: Sequence[int], local_n: int) -> Iterator[Any]:
     """The batch cut into consecutive pieces of the given sizes. A piece with no samples of a batch that has
     some is a stand-in, the batch's first two samples (a model need not take an empty batch, and BatchNorm
-    takes no single sample in training), which the session counts as 0 items (its micro-batch size is 0). A batch with nothing of one entry per sample (rows that
-    are not samples: a tokenizer's overflowing windows, sequences packed into one row) is refused: every
-    piece would get all of it."""
+    takes no single sample in training), which the session counts as 0 items (its micro-batch size is 0). A
+    batch with nothing of one entry per sample (rows that are not samples: a tokenizer's overflowing windows,
+    sequences packed into one row) is refused: every piece would get all of it."""
     if len(sizes) == 1:
         yield batch
         return

@@ -10,7 +10,7 @@ import inspect
 import logging
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -252,33 +252,27 @@ def exact_zeros(prepared: Prepared, loss: torch.Tensor) -> torch.Tensor:
     return sum((p.sum() * 0.0 for p in params), torch.nan_to_num(loss.detach()) * 0.0)
 
 
-def holds_node(loss: torch.Tensor, name: str) -> bool:
-    """Whether the loss's autograd graph holds a node of this name."""
+def graph_nodes(loss: torch.Tensor) -> Iterator[Any]:
+    """Each node of the loss's autograd graph, once."""
     seen, todo = set(), [loss.grad_fn]
     while todo:
         fn = todo.pop()
         if fn is None or fn in seen:
             continue
-        if fn.name() == name:
-            return True
         seen.add(fn)
+        yield fn
         todo.extend(next_fn for next_fn, _ in fn.next_functions)
-    return False
+
+
+def holds_node(loss: torch.Tensor, name: str) -> bool:
+    """Whether the loss's autograd graph holds a node of this name."""
+    return any(fn.name() == name for fn in graph_nodes(loss))
 
 
 def reachable_parameters(loss: torch.Tensor) -> set[int]:
-    """ids of the leaf tensors the loss's autograd graph reaches (as DDP's search for unused parameters)."""
-    found, seen, todo = set(), set(), [loss.grad_fn]
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        variable = getattr(fn, "variable", None)   # an AccumulateGrad node: a leaf's gradient
-        if variable is not None:
-            found.add(id(variable))
-        todo.extend(next_fn for next_fn, _ in fn.next_functions)
-    return found
+    """ids of the leaf tensors the loss's autograd graph reaches (as DDP's search for unused parameters): its
+    AccumulateGrad nodes' variables."""
+    return {id(fn.variable) for fn in graph_nodes(loss) if getattr(fn, "variable", None) is not None}
 
 
 def reduce_late_trainable(prepared: Prepared) -> None:

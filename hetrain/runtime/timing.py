@@ -221,13 +221,13 @@ def timed_hook(state, bucket):
     if bucket.is_last():
         state.timer.grads_ready()
         state.reduced = True
+    buf = bucket.buffer()
+    nbytes = buf.numel() * buf.element_size()
     if state.stats is not None:
         from hetrain.runtime.compression.stats import allreduce_bytes
 
-        buf = bucket.buffer()
-        state.stats.add(allreduce_bytes(buf.numel() * buf.element_size(), dist.get_world_size()))
-    buf = bucket.buffer()
-    state.bucket_bytes[bucket.index()] = buf.numel() * buf.element_size()
+        state.stats.add(allreduce_bytes(nbytes, dist.get_world_size()))
+    state.bucket_bytes[bucket.index()] = nbytes
     carries = state.figures is not None and state.inner_state is None and \
         (bucket.index() == state.carrier or bucket.is_last())
     figures, state.figures = (state.figures, None) if carries else (None, state.figures)
