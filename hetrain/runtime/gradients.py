@@ -55,9 +55,13 @@ def _unscale_and_check(grads: Sequence[torch.Tensor], inv_scale: float, device: 
     for g in grads:
         g = torch.view_as_real(g) if g.is_complex() else g   # the kernel takes real tensors; a view unscales in place
         by_device[(g.device, g.dtype)].append(g)
-    for (dev, _), group in by_device.items():
+    for (dev, dtype), group in by_device.items():
         here = found if dev == device else torch.zeros(1, dtype=torch.float32, device=dev)
-        inv = torch.full((), inv_scale, dtype=torch.float32, device=dev)   # the kernel's type, whatever the default
+        factor = inv_scale
+        if dtype == torch.float64 and inv_scale != 1.0:
+            torch._foreach_mul_(group, inv_scale)   # the kernel's factor is fp32: a double model keeps double's
+            factor = 1.0
+        inv = torch.full((), factor, dtype=torch.float32, device=dev)   # the kernel's type, whatever the default
         torch._amp_foreach_non_finite_check_and_unscale_(group, here, inv)
         if here is not found:
             found += here.to(device)
