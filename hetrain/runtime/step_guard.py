@@ -112,6 +112,7 @@ class KeptGradients:
         self._versions: dict[int, int] = {}
         self._norms: list[torch.Tensor] | None = None
         self._finished: dict[int, int] | None = None   # versions of the step's gradients when finished
+        self._dropped_stale = False   # said once
 
     def check(self, params: Sequence[torch.nn.Parameter], state, sharded_on: torch.device | None = None) -> None:
         """Before a backward: a step whose earlier micro-batches ran backward still holds their gradients
@@ -120,6 +121,7 @@ class KeptGradients:
         Gradients the last backward left all zero (a first micro-batch without items) are not gone."""
         if not state.between_micro_batches():
             self._versions, self._norms = {}, None
+            self._dropped_stale = drop_stale_gradients(params, warn=not self._dropped_stale) or self._dropped_stale
             return
         grads = gradients_of(params)
         left, self._norms = self._norms, None
@@ -227,6 +229,35 @@ def norms_of(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each tensor's 2-norm and 1-norm, left on its device (no synchronisation): a clipping scales both by
     one factor, a mask on some rows (even of the only tensor with a gradient) moves them apart."""
     return [torch.stack([torch.linalg.vector_norm(g), torch.linalg.vector_norm(g, 1)]) for g in grads]
+
+
+STALE = ("parameters held gradients at a step's first session.backward(), written after the last step (a "
+         "loss.backward() outside the session, another model's backward through this one, as a GAN's generator loss "
+         "through its discriminator): the step leaves them out, as optimizer.zero_grad() before it would (logged "
+         "the first time)")
+
+
+def drop_stale_gradients(params: Sequence[torch.nn.Parameter], warn: bool) -> bool:
+    """Before a step's first backward: `session.step()` left no gradient, so any a parameter holds now was written
+    outside the session's step and is not part of it (a plain PyTorch loop would add it to the step unless it
+    called zero_grad()). Each rank drops its own (FSDP2: its shards); no collective. True when some were not zero."""
+    held = [p for p in params if p.grad is not None]
+    if not held:
+        return False
+    grads = [g for g in gradients_of(held) if g.numel()]   # an FSDP2 shard may be empty
+    nonzero = any(bool(torch.stack(torch._foreach_norm(group, float("inf"))).any()) for group in _by_device(grads))
+    if nonzero and warn:
+        log.warning("%s", STALE)
+    for p in held:
+        p.grad = None
+    return nonzero
+
+
+def _by_device(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault(g.device, []).append(g)
+    return list(groups.values())
 
 
 def gradients_of(params: Iterable[torch.nn.Parameter]) -> list[torch.Tensor]:
