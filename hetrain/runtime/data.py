@@ -209,6 +209,7 @@ class HeteroLoader:
             batches = itertools.chain(head, batches)
         started_at = self._in_epoch
         while not self._epoch_done():
+            self.step.check_open()
             self.schedule.observe(self.run_step, self.split.shares)
             shares = self.schedule.at(self.run_step)
             started = time.perf_counter()

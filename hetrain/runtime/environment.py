@@ -81,7 +81,10 @@ class RankEnv:
 def pick_device(local_rank: int, device: str | torch.device | None = None) -> torch.device:
     """The device given, else this local rank's GPU, else the CPU."""
     if device is not None:
-        return torch.device(device)
+        chosen = torch.device(device)
+        if chosen.type == "cuda" and chosen.index is None and torch.cuda.is_available():
+            return torch.device("cuda", local_rank % torch.cuda.device_count())   # "cuda": this local rank's GPU
+        return chosen
     if torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
@@ -210,6 +213,9 @@ def print_user_errors_as_one_line() -> None:
         if not isinstance(value, HetrainError):
             _add_hints(value)
         record_exception(value)  # tells the launcher why this rank ended, and when
+        if isinstance(value, HetrainError) and (hasattr(sys, "ps1") or sys.flags.interactive):
+            sys.__stderr__.write(f"hetrain: error: {value}\n")   # at an interactive prompt: the prompt goes on
+            return
         if isinstance(value, HetrainError):
             rank = os.environ.get("RANK")
             where = f" (rank {rank})" if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""

@@ -15,6 +15,7 @@ checkpoint's.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -89,10 +90,15 @@ class Schedulers:
             scheduler.step()
             self._stepped_to[i] = position(scheduler)
 
-    def check_not_stepped_elsewhere(self) -> None:
-        """A loop that also calls scheduler.step() would advance the schedule twice a step: refused."""
+    def check_not_stepped_elsewhere(self, abandon: Callable[[], None] | None = None) -> None:
+        """A loop that also calls scheduler.step() would advance the schedule twice a step: refused (said once:
+        its schedule stays moved). `abandon`: drops the step's gradients (session.step() refuses it before the
+        update; the loop, fixed, goes on with its next batch)."""
         for scheduler, expected in zip(self.items, self._stepped_to):
             if expected is not None and not on_metric(scheduler) and position(scheduler) != expected:
+                self._stepped_to = [position(s) for s in self.items]
+                if abandon is not None:
+                    abandon()
                 raise HetrainError(
                     f"{type(scheduler).__name__}.step() was called outside session.step(); the session steps "
                     "the schedulers given to session.add_scheduler() after each update: remove the loop's own "

@@ -167,7 +167,7 @@ class Session:
         if self.layout is not None:
             self.prepared, self.pipeline = prepare_pipeline(model, optimizer, self.plan.pipeline, self.layout, self.device,
                 self.entry.activation_checkpointing, self.autocast, self.emulated_speed, self.sharding == "fsdp")
-            self._guard_optimizer()
+            self._step_guard = OptimizerStepGuard.of(self.optimizer)
             return self.prepared.model, self.prepared.optimizer
         comm, note = comm_for_world(self.plan, self.assignment) if self.plan is not None else (None, None)
         if note is not None and self.is_main:
@@ -176,11 +176,8 @@ class Session:
                                     rank=self.rank, comm=comm, device=self.device, timer=self.timer, blocks=blocks,
                                     find_unused_parameters=find_unused_parameters,
                                     without_samples=lambda: self.state.active and self.state.current_samples() == 0)
-        self._guard_optimizer()
+        self._step_guard = OptimizerStepGuard.of(self.optimizer)
         return self.prepared.model, self.prepared.optimizer
-
-    def _guard_optimizer(self) -> None:
-        self._step_guard = OptimizerStepGuard(self.optimizer) if self.optimizer is not None else None
 
     def add_scheduler(self, scheduler: Any) -> Any:
         """An LR scheduler on the optimizer `prepare()` returned: stepped after each applied update (not by the
@@ -380,6 +377,7 @@ class Session:
         if not self.state.last_micro:
             return False
         status = self._finish_gradients()
+        self.schedulers.check_not_stepped_elsewhere(abandon=lambda: self.optimizer.zero_grad(set_to_none=True))
         if self._kept.broke_since_finish(self.prepared.parameters, self.device, None if self.pipeline else self.sharding):
             status = GradientStatus(True, status.global_items, status.loss, status.stop)   # skipped too
         applied = not status.found_inf and not self.skips.without_items(status, self.train.step + 1, self.is_main)
@@ -452,6 +450,8 @@ class Session:
         """Save a final checkpoint (when checkpointing), leave the process group if this session started it."""
         # leaving alone on an error (not the agreed SIGTERM stop): the others may be inside a step
         failing = self.world_size > 1 and sys.exc_info()[0] not in (None, SystemExit)
+        self.state.closed = True
+        OptimizerStepGuard.remove(getattr(self, "_step_guard", None))   # the optimizer steps freely again
         if self.watch is not None:
             self.watch.stop()
             self.watch = None

@@ -58,6 +58,16 @@ class OptimizerStepGuard:
         self.inside = False
         self.handle = optimizer.register_step_pre_hook(self._check)
 
+    @classmethod
+    def of(cls, optimizer: torch.optim.Optimizer | None) -> "OptimizerStepGuard | None":
+        return cls(optimizer) if optimizer is not None else None
+
+    @staticmethod
+    def remove(guard: "OptimizerStepGuard | None") -> None:
+        """The optimizer steps outside a session again (the session was closed)."""
+        if guard is not None:
+            guard.handle.remove()
+
     def _check(self, optimizer, args, kwargs) -> None:
         if not self.inside and _holds_gradients(optimizer):
             raise HetrainError(OUTSIDE_STEP)

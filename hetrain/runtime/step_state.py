@@ -54,6 +54,7 @@ class StepState:
         self.last: StepTotals | None = None
         self.skipped_last = False               # this rank skipped its last finished step (replicated gradients:
                                                 # the next step's figures check every rank did the same)
+        self.closed = False                     # session.close() ran: no more steps
 
     @property
     def active(self) -> bool:
@@ -61,6 +62,7 @@ class StepState:
 
     def begin_step(self, local_samples: int, global_samples: int) -> None:
         """The loader hands out this rank's part of a new global batch."""
+        self.check_open()
         self.local_samples, self.global_samples = int(local_samples), int(global_samples)
         self.begun += 1
         self.micro_samples, self.last_micro = None, True
@@ -87,6 +89,7 @@ class StepState:
         return num_items * self.world_size / self.estimate()
 
     def record_backward(self, loss: torch.Tensor, num_items: float) -> None:
+        check_scalar_loss(loss)
         self.items += num_items
         self.backwards += 1
         if num_items > 0:
@@ -109,9 +112,25 @@ class StepState:
             return self.items or self.current_samples()
         return self.last.local_items if self.last is not None else 0.0
 
+    def check_open(self) -> None:
+        if self.closed:
+            raise HetrainError("the session was closed (session.close(), or the end of its 'with' block): create a "
+                               "new hetrain.Session() and prepare the model again to go on training")
+
     def require_batch(self, what: str) -> None:
+        self.check_open()
         if not self.active:
             raise HetrainError(f"session.{what}() needs a batch from session.loader(); iterate the loader first")
+
+
+def check_scalar_loss(loss: object) -> None:
+    """session.backward() takes the batch's mean loss: one element that autograd can go back from."""
+    if not isinstance(loss, torch.Tensor):
+        raise HetrainError(f"session.backward() takes the loss tensor the model's outputs gave; got a "
+                           f"{type(loss).__name__} (a loss.item() or a number has no graph to go back through)")
+    if loss.numel() != 1:
+        raise HetrainError(f"session.backward() takes a scalar loss; got a tensor of shape {list(loss.shape)}: reduce "
+                           "it to the batch's mean, e.g. loss.mean() (or loss.sum() / num_items with num_items=...)")
 
 
 def items_as_number(num_items: object) -> float:

@@ -126,7 +126,7 @@ def test_a_skipped_step_does_not_advance_the_schedule(tmp_path):
     assert lrs == pytest.approx([0.02, 0.04, 0.06, 0.06, 0.08, 0.1])
 
 
-def test_a_loops_own_scheduler_step_is_refused():
+def test_a_loops_own_scheduler_step_is_refused_before_the_update():
     import hetrain
 
     session = hetrain.Session()
@@ -139,8 +139,15 @@ def test_a_loops_own_scheduler_step_is_refused():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         scheduler.step()
+    before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(HetrainError, match="LambdaLR.step\\(\\) was called outside session.step\\(\\).*remove"):
         session.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))   # the refused step is not applied
+    for x, y in loader:   # the loop without its own scheduler.step() goes on (refused at every step before)
+        session.backward(F.cross_entropy(model(x), y))
+        assert session.step()
+        break
+    assert session.step_count == 1
     session.close()
 
 

@@ -1,0 +1,89 @@
+"""A session's edges as a notebook or a new user meets them: a loss that is not one number, a session used
+after close(), the same optimizer prepared again by a new session, an error at an interactive prompt, a
+device named without an index."""
+
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hetrain.errors import HetrainError
+from tests.runtime.test_refusals import make_data, make_net
+
+
+def _session():
+    import hetrain
+
+    session = hetrain.Session()
+    net = make_net()
+    model, optimizer = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    return session, net, model, optimizer, session.loader(make_data(), global_batch_size=8, shuffle=False)
+
+
+def test_a_loss_that_is_not_one_number_is_refused_naming_the_reduction():
+    session, _, model, _, loader = _session()
+    x, y = next(iter(loader))
+    with pytest.raises(HetrainError, match=r"scalar loss; got a tensor of shape \[8\].*loss.mean\(\)"):
+        session.backward(F.cross_entropy(model(x), y, reduction="none"))
+    with pytest.raises(HetrainError, match="got a float.*no graph"):
+        session.backward(F.cross_entropy(model(x), y).item())
+    session.backward(F.cross_entropy(model(x), y))   # the same batch, fixed, goes on
+    assert session.step()
+    session.close()
+
+
+def test_a_closed_session_says_so_and_its_optimizer_steps_freely():
+    session, net, model, optimizer, loader = _session()
+    batches = iter(loader)
+    x, y = next(batches)
+    session.backward(F.cross_entropy(model(x), y))
+    session.step()
+    session.close()
+    with pytest.raises(HetrainError, match="the session was closed.*new hetrain.Session"):
+        next(batches)
+    with pytest.raises(HetrainError, match="the session was closed"):
+        session.backward(torch.ones((), requires_grad=True))
+    F.cross_entropy(net(x), y).backward()
+    optimizer.step()   # plain PyTorch after close(): refused before ("called outside session.step()")
+
+
+def test_a_new_session_prepares_the_optimizer_a_closed_one_had():
+    """A notebook re-running its set-up cell with the same model and optimizer: the first step was refused as
+    an optimizer.step() outside session.step() (the closed session's guard stayed on the optimizer)."""
+    import hetrain
+
+    session, net, model, optimizer, loader = _session()
+    session.close()
+    with hetrain.Session() as again:
+        model, _ = again.prepare(net, optimizer)
+        for x, y in again.loader(make_data(), global_batch_size=8, shuffle=False):
+            again.backward(F.cross_entropy(model(x), y))
+            assert again.step()
+            break
+
+
+def test_an_error_at_an_interactive_prompt_leaves_the_interpreter(monkeypatch, capfd):
+    """A HetrainError ends a rank at once (os._exit, peers may wait in collectives), but at a prompt it ended the
+    interpreter and everything the user had in it."""
+    from hetrain.runtime.environment import print_user_errors_as_one_line
+
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    print_user_errors_as_one_line()
+    hook = sys.excepthook
+    monkeypatch.setattr(sys, "ps1", ">>> ", raising=False)
+    exits = []
+    monkeypatch.setattr("os._exit", exits.append)
+    hook(HetrainError, HetrainError("session.prepare() was already called"), None)
+    assert exits == []
+    assert "hetrain: error: session.prepare() was already called" in capfd.readouterr().err
+
+
+def test_a_device_named_without_an_index_is_this_local_ranks(monkeypatch):
+    from hetrain.runtime.environment import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert pick_device(5, "cuda") == torch.device("cuda", 1)
+    assert pick_device(5, "cuda:3") == torch.device("cuda", 3)
+    assert pick_device(5, "cpu") == torch.device("cpu")
