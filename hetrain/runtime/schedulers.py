@@ -29,8 +29,12 @@ MOVED = ("lr", "momentum", "betas")
 KIND = "hetrain_scheduler_class"   # the scheduler's class, saved beside its state
 
 
-def position(scheduler: Any) -> int | None:
-    """How many steps the scheduler has taken (None for one that does not count them, a ChainedScheduler)."""
+def position(scheduler: Any) -> Any:
+    """How many steps the scheduler has taken: a ChainedScheduler's, those of the schedulers it chains (it
+    counts none itself); None for one that counts none."""
+    chained = getattr(scheduler, "_schedulers", None)
+    if getattr(scheduler, "last_epoch", None) is None and isinstance(chained, (list, tuple)):
+        return tuple(position(inner) for inner in chained)
     return getattr(scheduler, "last_epoch", None)
 
 
@@ -44,7 +48,8 @@ class Schedulers:
 
     def __init__(self) -> None:
         self.items: list[Any] = []
-        self._stepped_to: list[int | None] = []       # last_epoch after the session's own step, by scheduler
+        self._unmanaged_said = False
+        self._stepped_to: list[Any] = []              # last_epoch after the session's own step, by scheduler
         self._saved: list[dict] | None = None         # a checkpoint's states not yet given a scheduler
         self._saved_settings: list[dict] = []         # that checkpoint's optimizer settings, by parameter group
         self._saved_step = 0
@@ -107,9 +112,16 @@ class Schedulers:
 
     # -- checkpoints --------------------------------------------------------------------------------
 
-    def state_dict(self) -> list[dict]:
-        """Each scheduler's state, with its class's name (a resume compares it)."""
+    def state_dict(self, optimizer: Any = None) -> list[dict]:
+        """Each scheduler's state, with its class's name (a resume compares it). A scheduler drives `optimizer`
+        (building one sets each group's initial_lr) and none was given to the session: said once."""
         self.check_not_stepped_elsewhere()
+        if not self.items and not self._unmanaged_said and optimizer is not None and any(
+                "initial_lr" in g for g in optimizer.param_groups):
+            self._unmanaged_said = True
+            log.warning("an LR scheduler drives the optimizer and none was given to session.add_scheduler(): the "
+                        "checkpoint holds no schedule position, and a resume starts the schedule from its beginning; "
+                        "give it to session.add_scheduler(scheduler), which steps it after each update and saves it")
         return [{**scheduler.state_dict(), KIND: type(scheduler).__name__} for scheduler in self.items]
 
     def load_state_dict(self, states: list[dict] | None, settings: list[dict] | None, step: int,

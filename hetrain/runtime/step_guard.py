@@ -54,13 +54,17 @@ MID_STEP_LR = ("the learning rate changed between the micro-batches of one step:
 class OptimizerStepGuard:
     """Refuses the optimizer's step unless `session.step()` is running it."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, given: torch.optim.Optimizer | None = None) -> None:
         self.inside = False
         self.handle = optimizer.register_step_pre_hook(self._check)
+        # the script's own optimizer where the session built another (ZeRO-1, FSDP2): a change to it goes nowhere
+        self._given = given if given is not None and given is not optimizer else None
+        self._given_settings = plain_settings(self._given) if self._given is not None else None
 
     @classmethod
-    def of(cls, optimizer: torch.optim.Optimizer | None) -> "OptimizerStepGuard | None":
-        return cls(optimizer) if optimizer is not None else None
+    def of(cls, optimizer: torch.optim.Optimizer | None,
+           given: torch.optim.Optimizer | None = None) -> "OptimizerStepGuard | None":
+        return cls(optimizer, given) if optimizer is not None else None
 
     @staticmethod
     def remove(guard: "OptimizerStepGuard | None") -> None:
@@ -71,6 +75,20 @@ class OptimizerStepGuard:
     def _check(self, optimizer, args, kwargs) -> None:
         if not self.inside and _holds_gradients(optimizer):
             raise HetrainError(OUTSIDE_STEP)
+        if self._given is not None:
+            self._check_given()
+
+    def _check_given(self) -> None:
+        now = plain_settings(self._given)
+        for i, (was, is_) in enumerate(zip(self._given_settings, now)):
+            moved = sorted(k for k in set(was) | set(is_) if not _same(was.get(k), is_.get(k)))
+            if moved:
+                key = moved[0]
+                raise HetrainError(
+                    f"the optimizer given to session.prepare() changed after it ({key} of parameter group {i}: "
+                    f"{was.get(key)!r} -> {is_.get(key)!r}: a scheduler built on it, or a value set by hand), but this "
+                    "plan's sharding trains the optimizer prepare() returned, which did not change; build schedulers "
+                    "on and set values in the returned one: model, optimizer = session.prepare(model, optimizer)")
 
     @contextmanager
     def allowed(self) -> Iterator[None]:
@@ -79,6 +97,12 @@ class OptimizerStepGuard:
             yield
         finally:
             self.inside = False
+
+
+def plain_settings(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Each parameter group's settings but its parameters."""
+    return [{k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in g.items() if k != "params"}
+            for g in optimizer.param_groups]
 
 
 def _holds_gradients(optimizer: torch.optim.Optimizer) -> bool:
@@ -231,7 +255,7 @@ class SteadyLearningRate:
 
 def _same(a, b) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+        return a is not None and b is not None and torch.equal(torch.as_tensor(a), torch.as_tensor(b))
     return a == b
 
 

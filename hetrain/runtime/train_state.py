@@ -99,7 +99,7 @@ class TrainState:
             "sharding": self.sharding,
             "scaler": self.scaler.state_dict(),
             "items_per_sample": self.step_state.items_per_sample if self.step_state is not None else None,
-            "schedulers": self.schedulers.state_dict(),
+            "schedulers": self.schedulers.state_dict(optimizer),
             "user_state": user_state,
             "balancer": self.balancer.state_dict(),
             "loader": self.loader.state_dict(),
@@ -188,6 +188,12 @@ class TrainState:
                 "optimizer it was saved with, or start in an empty checkpoint directory"
             )
         theirs, ours = shared.get("optimizer_settings") or [], _settings(optimizer)
+        if theirs and len(theirs) != len(ours):
+            raise HetrainError(
+                f"{where} holds an optimizer of {len(theirs)} parameter groups and this script's has {len(ours)} "
+                "when it resumes (at session.loader()): a group added mid-run (optimizer.add_param_group) does not "
+                "exist yet when the checkpoint loads; build the optimizer with every group from the start and keep "
+                "a group's parameters frozen (requires_grad=False) until they train (docs/checkpoints.md)")
         for i, (a, b) in enumerate(zip(theirs, ours)):
             # keys only one side has are a scheduler's own (max_lr, base_momentum, ...), set when it is built
             differ = sorted(k for k in set(a) & set(b) if k not in SCHEDULED and not _same(a[k], b[k]))

@@ -1,0 +1,131 @@
+"""What a script does to its optimizer and schedulers beyond the plain loop: a group added mid-run, a chained
+schedule, the optimizer given to prepare() changed where the session trains another, a schedule the session
+was not given. Each either works as one process's or stops with one line naming the fix; none is silent."""
+
+import logging
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hetrain.errors import HetrainError
+from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+from tests.runtime.test_refusals import make_data, make_net
+
+
+def _session(sharding="none", **options):
+    import hetrain
+
+    plan = Plan(global_batch_size=8, sharding=sharding, balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=0, share=8)])
+    return hetrain.Session(plan, **options)
+
+
+def _steps(session, model, loader, n):
+    for x, y in loader:
+        session.backward(F.cross_entropy(model(x), y))
+        session.step()
+        n -= 1
+        if n == 0:
+            return
+
+
+@pytest.mark.parametrize("sharding", ["none", "zero1", "fsdp"])
+def test_a_resume_without_a_group_added_mid_run_is_refused_naming_the_fix(tmp_path, sharding):
+    """Under FSDP2 the added group's state was dropped silently (its Adam steps counted from 0), under ZeRO-1
+    torch stopped with an IndexError, without sharding the message blamed another model."""
+    for run in range(2):
+        session = _session(sharding, checkpoint_dir=tmp_path, checkpoint_interval=2, async_checkpoints=False)
+        net = make_net()
+        for p in net[0].parameters():
+            p.requires_grad_(False)
+        model, optimizer = session.prepare(net, torch.optim.AdamW(net[2].parameters(), lr=1e-2))
+        if run == 1:
+            with pytest.raises(HetrainError, match="optimizer of 2 parameter groups and this script's has 1.*"
+                                                   "add_param_group.*requires_grad=False"):
+                session.loader(make_data(), global_batch_size=8, shuffle=False)
+            session.close()
+            return
+        loader = session.loader(make_data(), global_batch_size=8, shuffle=False)
+        _steps(session, model, loader, 1)
+        for p in net[0].parameters():   # unfrozen at step 1, as a fine-tuning script does
+            p.requires_grad_(True)
+        optimizer.add_param_group({"params": [p for p in model.parameters()][:2], "lr": 1e-3})
+        _steps(session, model, loader, 1)
+        session.close()
+
+
+def test_a_chained_schedule_stepped_by_the_loop_too_is_refused():
+    """A ChainedScheduler counts no steps of its own: stepped by the loop and by the session, its schedule ran
+    twice a step with no word."""
+    session = _session()
+    net = make_net()
+    model, optimizer = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    chained = torch.optim.lr_scheduler.ChainedScheduler([torch.optim.lr_scheduler.ExponentialLR(optimizer, 0.5)])
+    session.add_scheduler(chained)
+    loader = iter(session.loader(make_data(), global_batch_size=8, shuffle=False))
+    x, y = next(loader)
+    session.backward(F.cross_entropy(model(x), y))
+    assert session.step() and optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+    x, y = next(loader)
+    session.backward(F.cross_entropy(model(x), y))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        chained.step()
+    with pytest.raises(HetrainError, match="ChainedScheduler.step\\(\\) was called outside session.step\\(\\)"):
+        session.step()
+    session.close()
+
+
+@pytest.mark.parametrize("sharding", ["zero1", "fsdp"])
+def test_a_change_to_the_optimizer_prepare_replaced_is_refused(sharding):
+    """Under ZeRO-1 and FSDP2 the session trains an optimizer of its own: a schedule built after prepare() on the
+    script's (or an lr set in it) moved nothing, silently."""
+    session = _session(sharding)
+    net = make_net()
+    given = torch.optim.SGD(net.parameters(), lr=0.1)
+    model, optimizer = session.prepare(net, given)
+    assert optimizer is not given
+    loader = iter(session.loader(make_data(), global_batch_size=8, shuffle=False))
+    x, y = next(loader)
+    session.backward(F.cross_entropy(model(x), y))
+    assert session.step()   # untouched: no word
+    given.param_groups[0]["lr"] = 0.0
+    x, y = next(loader)
+    session.backward(F.cross_entropy(model(x), y))
+    with pytest.raises(HetrainError, match="optimizer given to session.prepare\\(\\) changed after it \\(lr of "
+                                           "parameter group 0: 0.1 -> 0.0.*the returned one"):
+        session.step()
+    session.close()
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_a_schedule_the_session_was_not_given_is_said_at_the_first_checkpoint(tmp_path):
+    """It is not saved: a resume restarted its warm-up with no word."""
+    session = _session(checkpoint_dir=tmp_path, checkpoint_interval=1, async_checkpoints=False)
+    net = make_net()
+    model, optimizer = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 5))
+    lines = _Lines()
+    logging.getLogger("hetrain").addHandler(lines)
+    try:
+        loader = session.loader(make_data(), global_batch_size=8, shuffle=False)
+        for x, y in loader:
+            session.backward(F.cross_entropy(model(x), y))
+            if session.step():
+                scheduler.step()
+            if session.step_count == 3:
+                break
+    finally:
+        logging.getLogger("hetrain").removeHandler(lines)
+        session.close()
+    assert sum("none was given to session.add_scheduler()" in line for line in lines.lines) == 1
