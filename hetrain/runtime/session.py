@@ -32,6 +32,7 @@ from hetrain.planning.plan import Plan, RankPlan
 from hetrain.runtime.balance_config import balance_overrides, balance_setup
 from hetrain.runtime.balancer import Balancer
 from hetrain.runtime.comm_hooks import forget_feedback
+from hetrain.runtime.companions import closed, follow, leading_loader, opened
 from hetrain.runtime.cross_rank import gather_rows
 from hetrain.runtime.data import HeteroLoader, make_loader
 from hetrain.runtime.evaluation import evaluate
@@ -127,6 +128,7 @@ class Session:
         self._grad_norm = None   # the last clip's norm
         self.skips = SkipCounter(max_skipped_steps, plan is not None and plan.comm.compression in LOSSY_COMPRESSIONS)
         self._kept, self._steady_lr = KeptGradients(), SteadyLearningRate()
+        opened(self)
         if self.is_main:
             for note in self.assignment.notes:
                 log.info("%s", note)
@@ -200,20 +202,23 @@ class Session:
         if global_batch_size < self.world_size:
             raise HetrainError(f"global batch size {global_batch_size} is smaller than the number of ranks "
                                f"({self.world_size}); use a global batch of at least {self.world_size}")
-        if self.balancer is not None:
+        if self.train is not None:
             raise HetrainError("session.loader() was already called; a session reads one dataset")
         if self.prepared is None:
             raise HetrainError("call session.prepare(model, optimizer) before session.loader()")
-        balancer = self._make_balancer(global_batch_size)
+        leader = leading_loader(self, global_batch_size)   # another session's, training on the same batches
+        setup = balance_setup(self.plan, self.assignment.shares, self.world_size, global_batch_size,
+                              *self._balance_overrides, pipeline=self.layout is not None or leader is not None)
+        balancer = self.balancer = Balancer(config=setup.config, shares=setup.shares, rank=self.rank, devices=self.assignment.devices)
         loader = make_loader(dataset, global_batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
                              rank=self.rank, split=balancer, step=self.state, device=self.device,
                              micro_batch=self.entry.micro_batch, grad_accum=self.entry.grad_accum,
                              gradient_sync=lambda sync: gradient_sync(self.prepared, self.sharding, sync),
                              same_piece_count=[(e.micro_batch, e.grad_accum) for e in self.assignment.entries]
                              if equal_piece_counts(self.prepared.model, self.sharding, self.layout) else None, **options)
+        follow(loader, leader)   # None: its own split
         balancer.lag = loader.lag   # a new split reaches the loop this many steps after it is decided
         loader.gradients_pending = lambda: gradients_pending(self.prepared.model)
-        self.balancer = balancer
         self.train = TrainState(self.prepared, self.sharding, self.scaler, self.balancer, loader, self.plan,
                                 self.world_size, self.rank, schedulers=self.schedulers, step_state=self.state,
                                 user_states=self.user_states)
@@ -222,17 +227,11 @@ class Session:
         self._start_metrics()
         return loader
 
-    def _make_balancer(self, global_batch_size: int) -> Balancer:
-        balance, interval = self._balance_overrides
-        setup = balance_setup(self.plan, self.assignment.shares, self.world_size, global_batch_size,
-                              balance=balance, interval=interval, pipeline=self.layout is not None)
-        return Balancer(config=setup.config, shares=setup.shares, rank=self.rank, devices=self.assignment.devices)
-
     @property
     def shares(self) -> list[int]:
         """Samples of each full global batch that each rank takes, by rank, in the step last handed out
         (a re-split the balancer decides reaches the loader a few steps later: `balancer.shares`)."""
-        if self.balancer is None:
+        if self.train is None:
             raise HetrainError("no split yet: call session.loader(dataset, global_batch_size) first")
         return self.train.loader.current_shares
 
@@ -451,6 +450,7 @@ class Session:
         # leaving alone on an error (not the agreed SIGTERM stop): the others may be inside a step
         failing = self.world_size > 1 and sys.exc_info()[0] not in (None, SystemExit)
         self.state.closed = True
+        closed(self)
         OptimizerStepGuard.remove(getattr(self, "_step_guard", None))   # the optimizer steps freely again
         if self.watch is not None:
             self.watch.stop()
