@@ -83,11 +83,12 @@ class StepFigures:
 
 
 def _packet(state: StepState, device: torch.device, stop: bool) -> torch.Tensor:
-    """(items, ranks that skipped the last step, loss sum, losses, stop): summed over the ranks. With sharded
-    gradients the second figure is replaced by this step's verdict on them."""
+    """(items, ranks that skipped the last step, loss sum, losses, stop, steps begun and their square): summed over
+    the ranks. With sharded gradients the second figure is replaced by this step's verdict on them."""
     has_loss = 1.0 if state.loss_sum is not None else 0.0
-    packet = torch.tensor([state.items, float(state.skipped_last), 0.0, has_loss, float(stop)], dtype=torch.float64,
-                          device=device)
+    begun = float(state.begun % 1024)   # exact in the float32 bucket the figures may ride in, squared too
+    packet = torch.tensor([state.items, float(state.skipped_last), 0.0, has_loss, float(stop), begun, begun ** 2],
+                          dtype=torch.float64, device=device)
     if state.loss_sum is not None:
         packet[2] = state.loss_sum.to(device=device, dtype=torch.float64)
     return packet
@@ -122,8 +123,9 @@ def finish_gradients(params: Iterable[torch.nn.Parameter], state: StepState, los
     if launched is not None:   # the figures are known first: one fused pass unscales, corrects and checks
         if launched.work is not None:
             launched.work.wait()
-        global_items, skipped_last, loss_sum, losses, stops = launched.packet.tolist()
+        global_items, skipped_last, loss_sum, losses, stops, *begun = launched.packet.tolist()
         check_skips_agreed(skipped_last, dist.get_world_size(group))
+        check_same_batch(begun, state.begun, dist.get_world_size(group))
         correction = state.estimate() / global_items if global_items > 0 else 1.0
         found = _unscale_and_check(grads, correction / loss_scale, device)
         bad = float(found.item())
@@ -132,12 +134,28 @@ def finish_gradients(params: Iterable[torch.nn.Parameter], state: StepState, los
         packet = _packet(state, device, stop)
         packet[1] = found.to(torch.float64)[0]
         dist.all_reduce(packet, group=group)
-        global_items, bad, loss_sum, losses, stops = packet.tolist()
+        global_items, bad, loss_sum, losses, stops, *begun = packet.tolist()
+        check_same_batch(begun, state.begun, dist.get_world_size(group))
         if bad == 0 and global_items > 0 and grads and state.estimate() != global_items:
             torch._foreach_mul_(grads, state.estimate() / global_items)   # one kernel per device, as torch clips
     found_inf = bad > 0 or loss_sum != loss_sum
     loss = loss_sum / global_items if losses > 0 and global_items > 0 else None
     return GradientStatus(found_inf=found_inf, global_items=global_items, loss=loss, stop=stops > 0)
+
+
+def check_same_batch(begun: list[float], mine: int, world: int) -> None:
+    """Every rank is at the same global batch: the ranks' counts of batches drawn agree (their sum and sum of
+    squares tell the spread, alike on every rank; counted modulo 1024). A loop that skips a bad batch on one rank (`continue` before
+    session.backward) pairs its slices with the others' next batch's for the rest of the run: samples lost
+    and repeated, silently."""
+    total, squares = begun
+    if squares * world != total * total:
+        raise HetrainError(
+            f"the ranks are at different global batches (this rank has drawn {mine} since the run began): a rank "
+            "drew a batch and went on without session.backward() and session.step() (a `continue` past a bad batch "
+            "on one rank), and its slices now pair with the others' next batch; every rank takes part in every "
+            "step: give such a batch session.backward(loss, num_items=0) on that rank (it counts nothing), or skip "
+            "it on every rank")
 
 
 def check_skips_agreed(skipped: float, world: int) -> None:
