@@ -11,6 +11,7 @@ import importlib
 import json
 
 from hetrain.cli.console import stdout_console
+from hetrain.errors import HetrainError
 
 BENCHES = {
     "balance": "plain DDP with an even split against hetrain's balanced split, on emulated speeds",
@@ -25,11 +26,16 @@ BENCHES = {
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("name", choices=sorted(BENCHES), help="which benchmark")
+    # optional to argparse, so that a missing name is refused in run() with the list, not "required: name, rest"
+    parser.add_argument("name", nargs="?", choices=sorted(BENCHES), help="which benchmark")
+    parser.usage = f"%(prog)s [-h] {{{','.join(sorted(BENCHES))}}} [options] [--json]"
     parser.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.name is None:
+        raise HetrainError(f"name a benchmark: one of {', '.join(sorted(BENCHES))}; "
+                           "`hetrain bench NAME --help` for its options")
     module = importlib.import_module(f"hetrain.bench.{args.name}")
     parser = _OneLineParser(prog=f"hetrain bench {args.name}", description=BENCHES[args.name])
     parser.add_argument("--json", action="store_true", help="print one JSON object")

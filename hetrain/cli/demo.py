@@ -44,5 +44,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(run(argparse.Namespace()))
+if __name__ == "__main__":   # `python -m hetrain.cli.demo [options]`: the same as `hetrain demo [options]`
+    from hetrain.cli.main import main
+
+    sys.exit(main(["demo", *sys.argv[1:]]))

@@ -22,6 +22,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "simulate": ("hetrain.cli.simulate", "sweep cluster sizes or mixes and plot predicted speed"),
     "launch": ("hetrain.cli.launch", "run a training script on torch's elastic agent"),
     "report": ("hetrain.cli.report", "a PNG and a table of a run's per-rank figures from its run log"),
+    "dashboard": ("hetrain.cli.dashboard", "the Grafana dashboard JSON for hetrain's Prometheus series"),
     "bench": ("hetrain.cli.bench", "benchmarks that print ratios measured in one run"),
     "k8s": ("hetrain.cli.k8s", "write a Kubernetes manifest for an elastic PyTorchJob"),
 }
@@ -36,12 +37,15 @@ class OneLineParser(argparse.ArgumentParser):
 
 def _top_parser() -> argparse.ArgumentParser:
     lines = "\n".join(f"  {verb:<10} {text}" for verb, (_, text) in VERBS.items())
-    return argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(
         prog="hetrain",
         description="Train one PyTorch model across GPUs that are not alike.",
         epilog=f"verbs:\n{lines}\n\n`hetrain VERB --help` for each verb's options.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    # only printed: main() answers -V/--version itself, without parsing
+    parser.add_argument("-V", "--version", action="store_true", help="print hetrain's version and exit")
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,6 +59,11 @@ def _table(rows: list[dict]) -> "Table":
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.tensorboard is not None:   # refused before the table and the PNG are made, not after
+        from importlib.util import find_spec
+
+        if find_spec("tensorboard") is None:
+            raise HetrainError("--tensorboard needs the tensorboard package; fix: pip install 'hetrain[tensorboard]'")
     from hetrain.metrics.report import load_run, summary_rows
     from hetrain.metrics.report_plot import draw
 

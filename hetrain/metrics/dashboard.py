@@ -1,8 +1,10 @@
 """The Grafana dashboard for hetrain's metrics, built with grafana-foundation-sdk.
 
-`python -m hetrain.metrics.dashboard` rewrites dashboards/hetrain.json, the file users import
-(`pip install grafana-foundation-sdk` first; it is in the `dev` extra). Every panel's PromQL uses
-only series from hetrain.metrics.names and the variables $job, $rank and $device.
+The JSON ships inside the package (hetrain/data/dashboard.json, package data); `hetrain dashboard
+--out hetrain.json` writes it for users to import. `python -m hetrain.metrics.dashboard` rewrites
+that file in a source checkout; it needs grafana-foundation-sdk, from the `dev` extra
+(`pip install -e '.[dev]'`). Every panel's PromQL uses only series from hetrain.metrics.names and
+the variables $job, $rank and $device.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parents[2] / "dashboards" / "hetrain.json"
+OUT = Path(__file__).resolve().parents[1] / "data" / "dashboard.json"   # the shipped file: package data
+CHECKOUT = Path(__file__).resolve().parents[2]   # the repository, when this hetrain is a source checkout
 UID = "hetrain-run"
 SEL = 'job=~"$job", rank=~"$rank", device=~"$device"'
 RATE = "[$__rate_interval]"
@@ -185,13 +188,34 @@ def render() -> str:
     return json.dumps(build(), indent=2, sort_keys=True) + "\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=OUT)
-    args = parser.parse_args()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(render(), encoding="utf-8")
-    print(f"wrote {args.out}")
+def shipped() -> str:
+    """The dashboard JSON shipped in the package: what `hetrain dashboard` prints."""
+    from importlib import resources
+
+    return resources.files("hetrain").joinpath("data", "dashboard.json").read_text(encoding="utf-8")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m hetrain.metrics.dashboard", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None,
+                        help="where to write the JSON (default: hetrain/data/dashboard.json of this source checkout)")
+    args = parser.parse_args(argv)
+    out = args.out
+    if out is None:
+        if not (CHECKOUT / "pyproject.toml").is_file():   # installed: never write into site-packages
+            parser.exit(2, f"{parser.prog}: error: this hetrain is installed, not a source checkout; fix: "
+                           "`hetrain dashboard --out hetrain.json` writes the shipped dashboard, or give --out\n")
+        out = OUT
+    try:
+        text = render()
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] != "grafana_foundation_sdk":
+            raise
+        parser.exit(2, f"{parser.prog}: error: generating the dashboard needs grafana-foundation-sdk, in the `dev` "
+                       "extra; fix: pip install -e '.[dev]' (`hetrain dashboard` prints the shipped one)\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text, encoding="utf-8")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

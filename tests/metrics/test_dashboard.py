@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,14 +16,14 @@ import pytest
 from hetrain.metrics.names import CUDA_LABELS, METRICS, RANK_LABELS
 
 ROOT = Path(__file__).resolve().parents[2]
-BOARD = ROOT / "dashboards" / "hetrain.json"
+BOARD = ROOT / "hetrain" / "data" / "dashboard.json"
 
 
 def test_committed_json_is_the_generator_s_output():
     pytest.importorskip("grafana_foundation_sdk")
     from hetrain.metrics.dashboard import render
 
-    assert BOARD.read_text() == render(), "dashboards/hetrain.json is stale: run python -m hetrain.metrics.dashboard"
+    assert BOARD.read_text() == render(), "hetrain/data/dashboard.json is stale: run python -m hetrain.metrics.dashboard"
 
 
 def test_panels_query_known_series_and_have_the_variables():
@@ -76,3 +78,40 @@ def test_grouping_and_legend_labels_exist_on_the_series_queried():
                     for label in group.split(",") if label.strip()}
             used |= set(re.findall(r"\{\{(\w+)\}\}", target.get("legendFormat", "")))
             assert used <= known, (panel["title"], used - known)
+
+
+def test_hetrain_dashboard_prints_or_writes_the_shipped_json(tmp_path, capsys):
+    from hetrain.cli.main import main
+
+    assert main(["dashboard"]) == 0
+    assert capsys.readouterr().out == BOARD.read_text()
+    out = tmp_path / "hetrain.json"
+    assert main(["dashboard", "--out", str(out)]) == 0
+    assert out.read_text() == BOARD.read_text()
+    assert capsys.readouterr().out == ""   # what it did goes to stderr
+    assert main(["dashboard", "--out", str(tmp_path / "missing" / "hetrain.json")]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and "does not exist" in err[0], err
+
+
+def test_generator_without_the_sdk_names_the_extra_in_one_line(tmp_path):
+    """`python -m hetrain.metrics.dashboard` where grafana-foundation-sdk is not installed."""
+    code = ("import runpy, sys; sys.modules['grafana_foundation_sdk'] = None; "
+            f"sys.argv = ['dashboard', '--out', {str(tmp_path / 'board.json')!r}]; "
+            "runpy.run_module('hetrain.metrics.dashboard', run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "grafana-foundation-sdk" in lines[0] and "pip install -e '.[dev]'" in lines[0]
+    assert not (tmp_path / "board.json").exists()
+
+
+def test_generator_does_not_rewrite_an_installed_package_s_file(monkeypatch, tmp_path, capsys):
+    """Installed (no source checkout above the package), the default output would be inside site-packages."""
+    from hetrain.metrics import dashboard
+
+    monkeypatch.setattr(dashboard, "CHECKOUT", tmp_path)
+    monkeypatch.setattr(dashboard, "render", lambda: pytest.fail("rendered"))
+    with pytest.raises(SystemExit) as e:
+        dashboard.main([])
+    assert e.value.code == 2 and "hetrain dashboard --out" in capsys.readouterr().err

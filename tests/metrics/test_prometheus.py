@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS = 30
 DIGITS_EPOCHS = 8   # 44 steps of 32 digits an epoch: about 2 s of steps, several scrapes of each rank
 GPU_ONLY = ("nvml", "nvlink")
-DASHBOARD = ROOT / "dashboards" / "hetrain.json"
+DASHBOARD = ROOT / "hetrain" / "data" / "dashboard.json"
 
 
 def _wait(predicate, timeout: float, what: str, interval: float = 0.2):

@@ -96,6 +96,17 @@ def test_out_into_a_missing_directory_is_refused_not_created(tmp_path):
     assert not (tmp_path / "missing").exists()
 
 
+def test_tensorboard_without_the_package_is_refused_before_the_report_is_made(tmp_path, monkeypatch, capsys):
+    from hetrain.cli.main import main
+
+    write_run(tmp_path)
+    monkeypatch.setitem(sys.modules, "tensorboard", None)   # as if not installed
+    assert main(["report", str(tmp_path), "--tensorboard"]) == 2
+    captured = capsys.readouterr()
+    assert "pip install 'hetrain[tensorboard]'" in captured.err and captured.out == ""
+    assert not (tmp_path / "report.png").exists()
+
+
 def test_tensorboard_scalars(tmp_path):
     pytest.importorskip("tensorboard", reason="optional: pip install tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
