@@ -27,6 +27,10 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _close(items: float | None, samples: float | None) -> bool:
+    return items is None or samples is None or abs(items - samples) <= 1e-6 * max(abs(samples), 1.0)
+
+
 def _table(rows: list[dict]) -> "Table":
     from rich.table import Table
 
@@ -41,6 +45,9 @@ def _table(rows: list[dict]) -> "Table":
     keys = ["rank", "device", "steps", "step_seconds", "predicted_step_seconds", "samples_per_second", "share",
             "compute", "waiting on ranks", "waiting for data", "script", "checkpoint", "mfu", "comm_bytes",
             "checkpoints", "restarts"]
+    if any(not _close(row.get("items_per_second"), row["samples_per_second"]) for row in rows):
+        columns.insert(6, ("items/s", ".1f"))   # num_items counted tokens: the work varies by sample
+        keys.insert(6, "items_per_second")
     for name, _ in columns:
         table.add_column(name, justify="left" if name == "device" else "right")
     split = {row["rank"] for row in rows if sum(r["rank"] == row["rank"] for r in rows) > 1}

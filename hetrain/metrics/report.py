@@ -22,7 +22,7 @@ CAUSES = ("compute", "waiting on ranks", "waiting for data", "script", "checkpoi
 
 _NUMBERS = ("time", "samples", "share", "compute_seconds", "data_wait_seconds")     # a step line needs these
 _NULLABLE = ("step_seconds", "waiting_seconds")                                   # present, a number or null
-_OPTIONAL = ("loss", "mfu", "script_seconds", "checkpoint_seconds")                # a number or null when present
+_OPTIONAL = ("loss", "mfu", "script_seconds", "checkpoint_seconds", "items")       # a number or null when present
 # what a step line keeps once read (the report, its plot and the TensorBoard export read no more): a long run's
 # lines read whole took about 4.5 KB each (2.67 GB for two ranks of 300,000 steps)
 _KEPT = ("step", "device", *_NUMBERS, *_NULLABLE, *_OPTIONAL, "shares", "comm_bytes", "emulated", "split_changed")
@@ -219,6 +219,9 @@ def summary_row(run: RankRun) -> dict[str, Any]:
         "step_seconds": step_seconds / len(t) if t else None,
         "predicted_step_seconds": run.start.get("predicted_step_seconds"),
         "samples_per_second": sum(s["samples"] for s in t) / step_seconds if step_seconds else None,
+        # items (a token-mean loss's tokens, num_items): the work of a step whose samples vary in length
+        "items_per_second": sum(s["items"] for s in t) / step_seconds
+        if step_seconds and all(s.get("items") is not None for s in t) else None,
         "share": last["share"] / sum(last["shares"]) if last.get("shares") and sum(last["shares"]) else None,
         **{cause: causes[cause] / step_seconds if step_seconds else None for cause in CAUSES},
         "mfu": fmean(mfus) if mfus else None,

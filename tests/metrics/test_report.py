@@ -57,6 +57,7 @@ def test_summary_figures(tmp_path):
     assert r0["step_seconds"] == pytest.approx(0.5) and r0["predicted_step_seconds"] == 0.45
     assert r0["samples_per_second"] == pytest.approx((768 * 2 + 683 * 3) / 2.5)
     assert r0["share"] == pytest.approx(683 / 1024)
+    assert r0["items_per_second"] == pytest.approx(512 * 1024 * 5 / 2.5)   # num_items' tokens: the work done
     assert r0["compute"] == pytest.approx(0.4) and r0["waiting for data"] == pytest.approx(0.1)
     assert r0["waiting on ranks"] == pytest.approx(0.5)
     assert r0["checkpoints"] == 1 and r0["restarts"] == 0 and r1["restarts"] == 1
@@ -75,6 +76,7 @@ def test_cli_draws_the_png_and_prints_the_table(tmp_path):
     png = tmp_path / "report.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     assert "samples/s" in r.stdout and "wait ranks" in r.stdout
+    assert "items/s" in r.stdout   # the run's items are not its samples (a token count)
     rows = json.loads(hetrain("report", str(tmp_path), "--json", "--out", str(tmp_path / "x.png")).stdout)
     assert [row["rank"] for row in rows] == [0, 1]
 
