@@ -142,6 +142,12 @@ class HeteroLoader:
         return self._epoch_done() and not self.step.active
 
     @property
+    def piece_samples(self) -> int | None:
+        """Samples of the batch or micro-batch the loop holds that count: 0 for a stand-in piece (FSDP2 runs the
+        job's piece count; a rank short of pieces repeats its first samples, counted as 0 items)."""
+        return self.step.current_samples() if self.step.active else None
+
+    @property
     def lag(self) -> int:
         """Steps between a split change seen by the loader and the first step it applies to."""
         return self.schedule.lag

@@ -83,17 +83,21 @@ def _batchnorm_train(rank, world):
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3))
     model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=LR))
-    sizes = []
-    for x, y in session.loader(make_data(), global_batch_size=GLOBAL, shuffle=False):
+    sizes, counted = [], []
+    loader = session.loader(make_data(), global_batch_size=GLOBAL, shuffle=False)
+    for x, y in loader:
         sizes.append(len(x))
+        counted.append(loader.piece_samples)   # what a loop counting samples or accuracy adds up
         session.backward(F.cross_entropy(model(x), y))
         session.step()
     session.close()
-    return sizes
+    return sizes, counted
 
 
 def test_a_rank_short_of_pieces_keeps_its_own_micro_batches_which_batchnorm_trains_on():
     """Its 2 samples were spread over the job's 3 pieces as 1, 1 and a stand-in: BatchNorm stopped with
     'Expected more than 1 value per channel when training', though no plan gave a micro-batch of 1."""
-    zero, one = run_ranks(_batchnorm_train, 2)
+    (zero, zero_counted), (one, one_counted) = run_ranks(_batchnorm_train, 2)
     assert zero == [2, 2, 2] * STEPS and one == [2, 2, 2] * STEPS   # rank 1: its 2, then two stand-ins of 2
+    # the loop tells a stand-in from its own samples: loader.piece_samples counts only these
+    assert zero_counted == [2, 2, 2] * STEPS and one_counted == [2, 0, 0] * STEPS
