@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hetrain.errors import HetrainError
+from hetrain.errors import HetrainError, ranks_text
 from hetrain.hardware.catalog import rank_threads
 from hetrain.malloc_cache import worker_env as malloc_cache_env
 from hetrain.launch.failures import describe, first_failure, is_cause
@@ -368,7 +368,14 @@ def failure_line(failures: dict[int, Any], cfg: LaunchConfig) -> str:
         return "the job failed before any worker reported"
     rank, failure = first_failure(failures)
     where = f"its output is above{' and in ' + cfg.log_dir if cfg.log_dir else ''}"
-    if _max_nodes(cfg.nnodes)[1] > 1 and not any(is_cause(f) for f in failures.values()):
+    echoes = not any(is_cause(f) for f in failures.values())
+    returned = sorted(set(range(cfg.nproc_per_node)) - set(failures)) if _max_nodes(cfg.nnodes)[1] == 1 else []
+    if echoes and returned:   # the others only lost a peer that had ended as if done
+        return (f"{ranks_text(returned)} ended with exit code 0 while the others were in a step ({describe(rank, failure)})"
+                ": a script that returns on some ranks only (a break, return or sys.exit(0) on one rank) leaves the "
+                "others waiting on it; every rank takes the same steps (end the loop on session.step_count or the "
+                f"loader's epoch) and calls session.close(); {where}")
+    if _max_nodes(cfg.nnodes)[1] > 1 and echoes:
         # every rank here only lost its peers: the first failure was a rank on another node
         return (f"every rank on this node lost its peers ({describe(rank, failure)}): the failure began on another "
                 f"node, whose output says which rank and why; the job ended after {cfg.max_restarts} restart(s) "

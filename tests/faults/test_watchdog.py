@@ -301,6 +301,10 @@ def test_a_node_whose_ranks_only_lost_their_peers_says_the_failure_began_on_anot
     assert "Connection closed by peer" in line and "): the failure began on another node" in line, line
     # on one node there is no other node to blame
     assert failure_line({0: _failure(1, 100, echo)}, LaunchConfig(script="t.py")).startswith("rank 0 exited with")
+    # one node: a rank that ended with exit code 0 while the others only lost it is named (rank 0 was blamed)
+    line = failure_line({0: _failure(1, 100, echo)}, LaunchConfig(script="t.py", nproc_per_node=2))
+    assert line.startswith("rank 1 ended with exit code 0 while the others were in a step (rank 0 exited"), line
+    assert "returns on some ranks only" in line and "session.close()" in line, line
     # a rank of this node that failed by itself is named as before
     line = failure_line({0: _failure(1, 100, echo), 1: _failure(-9, 100)}, LaunchConfig(script="t.py", nnodes="2"))
     assert line.startswith("rank 1 was killed by SIGKILL; the job ended"), line
