@@ -165,7 +165,8 @@ class Session:
         `blocks`, found when not given; FSDP2 or DDP with the plan's comm hook; ZeRO-1). Under DDP,
         `find_unused_parameters=True` is DDP's: for forwards that leave some parameters without a gradient."""
         if self.prepared is not None:
-            raise HetrainError("session.prepare() was already called; a session trains one model")
+            raise HetrainError("session.prepare() was already called; a session trains one model: a second model "
+                               "trained beside it (a GAN's) gets a session of its own (docs/porting.md)")
         if self.layout is not None:
             self.prepared, self.pipeline = prepare_pipeline(model, optimizer, self.plan.pipeline, self.layout, self.device,
                 self.entry.activation_checkpointing, self.autocast, self.emulated_speed, self.sharding == "fsdp")
@@ -437,8 +438,7 @@ class Session:
     observers = property(lambda self: self.reports.observers)
     gather_rows = staticmethod(gather_rows)   # every rank's rows of a tensor, in rank order (hetrain.runtime.cross_rank)
 
-    def barrier(self) -> None:
-        dist.barrier()
+    barrier = staticmethod(lambda: dist.barrier())   # every rank waits until each has reached it (collective)
 
     def model_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's state dict, on rank 0 (None elsewhere), under any plan: CPU tensors under the
