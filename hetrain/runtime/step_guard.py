@@ -59,7 +59,9 @@ class OptimizerStepGuard:
         self.handle = optimizer.register_step_pre_hook(self._check)
         # the script's own optimizer where the session built another (ZeRO-1, FSDP2): a change to it goes nowhere
         self._given = given if given is not None and given is not optimizer else None
-        self._given_settings = plain_settings(self._given) if self._given is not None else None
+        # a tensor setting the rebuilt optimizer shares (an lr tensor) moves with it: not the script's change
+        self._shared = {id(v) for g in optimizer.param_groups for v in g.values() if isinstance(v, torch.Tensor)}
+        self._given_settings = plain_settings(self._given, self._shared) if self._given is not None else None
 
     @classmethod
     def of(cls, optimizer: torch.optim.Optimizer | None,
@@ -79,7 +81,7 @@ class OptimizerStepGuard:
             self._check_given()
 
     def _check_given(self) -> None:
-        now = plain_settings(self._given)
+        now = plain_settings(self._given, self._shared)
         for i, (was, is_) in enumerate(zip(self._given_settings, now)):
             moved = sorted(k for k in set(was) | set(is_) if not _same(was.get(k), is_.get(k)))
             if moved:
@@ -99,10 +101,10 @@ class OptimizerStepGuard:
             self.inside = False
 
 
-def plain_settings(optimizer: torch.optim.Optimizer) -> list[dict]:
-    """Each parameter group's settings but its parameters."""
-    return [{k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in g.items() if k != "params"}
-            for g in optimizer.param_groups]
+def plain_settings(optimizer: torch.optim.Optimizer, skip: set[int] = frozenset()) -> list[dict]:
+    """Each parameter group's settings but its parameters (and tensors whose id is in `skip`)."""
+    return [{k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in g.items()
+             if k != "params" and id(v) not in skip} for g in optimizer.param_groups]
 
 
 def _holds_gradients(optimizer: torch.optim.Optimizer) -> bool:

@@ -129,3 +129,15 @@ def test_a_schedule_the_session_was_not_given_is_said_at_the_first_checkpoint(tm
         logging.getLogger("hetrain").removeHandler(lines)
         session.close()
     assert sum("none was given to session.add_scheduler()" in line for line in lines.lines) == 1
+
+
+@pytest.mark.parametrize("sharding", ["zero1", "fsdp"])
+def test_a_tensor_learning_rate_the_rebuilt_optimizer_shares_is_not_taken_for_a_change(sharding):
+    """The rebuilt optimizer holds the script's lr tensor, which the session's scheduler moves in place."""
+    session = _session(sharding)
+    net = make_net()
+    model, optimizer = session.prepare(net, torch.optim.Adam(net.parameters(), lr=torch.tensor(0.01)))
+    session.add_scheduler(torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5))
+    _steps(session, model, session.loader(make_data(), global_batch_size=8, shuffle=False), 3)
+    assert float(optimizer.param_groups[0]["lr"]) == pytest.approx(0.01 / 8)
+    session.close()
