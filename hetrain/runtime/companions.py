@@ -2,39 +2,70 @@
 GAN's generator and discriminator, each with its optimizer), has two balancers that would each re-split on its
 own timings: their splits part, and a batch one session cut weighs wrongly in the other (a rank computes the
 generator's loss on the discriminator's 20 samples while the generator's session weighs it as 21 of 32). A
-session whose loader is made while another open session of the process reads global batches of the same size
-takes that session's split, step by step: the first session's balancer measures and re-splits both."""
+session's loader made while a companion session reads global batches of the same size takes that session's
+split, step by step: the first one's balancer measures and re-splits both.
+
+Companions are sessions made side by side: one that had drawn no batch when the other was made. A session a
+script left open after an error (a notebook cell re-run) has drawn batches by the time its successor is made, so
+the new session neither follows its split nor is refused its checkpoint directory."""
 
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 from typing import Any
 
+from hetrain.errors import HetrainError
+
 log = logging.getLogger("hetrain")
 
-_open: list[weakref.ref] = []   # sessions not yet closed, in the order they were made
+_open: list[tuple[weakref.ref, list[weakref.ref]]] = []   # (session, the sessions that had drawn none when it was made)
+
+
+def _alive() -> list[Any]:
+    return [s for s in (ref() for ref, _ in _open) if s is not None]
 
 
 def opened(session: Any) -> None:
-    _open.append(weakref.ref(session))
+    peers = [weakref.ref(s) for s in _alive() if s.state.begun == 0]
+    _open.append((weakref.ref(session), peers))
 
 
 def closed(session: Any) -> None:
-    _open[:] = [ref for ref in _open if ref() is not None and ref() is not session]
+    _open[:] = [(ref, peers) for ref, peers in _open if ref() is not None and ref() is not session]
 
 
-def leading_loader(session: Any, global_batch_size: int) -> Any:
-    """The loader of the first other open session with a map-style loader of `global_batch_size` samples on as
-    many ranks, or None."""
-    for ref in list(_open):
+def _companions(session: Any) -> list[Any]:
+    mine = next((peers for ref, peers in _open if ref() is session), [])
+    out = []
+    for ref, peers in _open:
         other = ref()
-        if other is None or other is session or getattr(other, "train", None) is None:
+        if other is None or other is session:
             continue
-        loader = other.train.loader
-        if not loader.stream and loader.global_batch_size == global_batch_size and other.world_size == session.world_size:
-            return loader
-    return None
+        if any(p() is other for p in mine) or any(p() is session for p in peers):
+            out.append(other)
+    return out
+
+
+def leading_loader(session: Any, global_batch_size: int, checkpoint_dir: Any = None) -> Any:
+    """The loader of the first companion of `session` with a map-style loader of `global_batch_size` samples on as
+    many ranks, or None. Refuses a companion that checkpoints to `checkpoint_dir` too (their saves would collide,
+    and a resume would load the other model)."""
+    leader = None
+    for other in _companions(session):
+        theirs = other.checkpoints.checkpointer.directory if other.checkpoints is not None else None
+        if checkpoint_dir is not None and theirs is not None and \
+                os.path.realpath(theirs) == os.path.realpath(checkpoint_dir):
+            raise HetrainError(
+                f"another hetrain.Session of this process checkpoints to {checkpoint_dir}: two models trained side by "
+                "side, each with its session (a GAN's), need a directory each: hetrain.Session(checkpoint_dir="
+                "os.path.join(os.environ['HETRAIN_CHECKPOINT_DIR'], 'generator'))")
+        train = getattr(other, "train", None)
+        if leader is None and train is not None and not train.loader.stream and \
+                train.loader.global_batch_size == global_batch_size and other.world_size == session.world_size:
+            leader = train.loader
+    return leader
 
 
 def follow(loader: Any, leader: Any) -> None:
@@ -43,9 +74,10 @@ def follow(loader: Any, leader: Any) -> None:
     if leader is None:
         return
     if loader.rank == 0:
-        log.info("this session takes the split of the one made before it in this process (two models trained on one "
-                 "batch): that session's balancer re-splits both")
+        log.info("this session takes the split of the one made beside it in this process (two models trained on "
+                 "one batch): that session's balancer re-splits both")
     leader.schedule.lag = leader.split.lag = max(leader.schedule.lag, loader.schedule.lag)
+    leader.schedule.shared = True
     loader.split, loader.schedule = leader.split, leader.schedule
     if loader.sampler is not None:
         loader.sampler.schedule = leader.schedule

@@ -31,7 +31,6 @@ import os
 import signal
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -77,9 +76,6 @@ def _whole(value: Any) -> int | None:
         return None
 
 
-_IN_USE: dict[str, weakref.ref] = {}   # checkpoint directories of this process's open sessions
-
-
 class SessionCheckpoints:
     """Saves a run's TrainState every `interval` steps, on SIGTERM and at close; resumes the newest."""
 
@@ -89,20 +85,11 @@ class SessionCheckpoints:
                  on_saved: Callable[[CheckpointRecord], None] | None = None) -> None:
         if interval < 1:
             raise HetrainError(f"checkpoint interval {interval} must be >= 1 step; pass checkpoint_interval>=1")
-        key = os.path.realpath(directory)
-        if key in _IN_USE and _IN_USE[key]() is not None:
-            raise HetrainError(
-                f"another hetrain.Session of this process checkpoints to {directory} and was not closed: close it "
-                "(session.close()) first; two models trained side by side, each with its session (a GAN's), need a "
-                "directory each: hetrain.Session(checkpoint_dir=os.path.join(os.environ['HETRAIN_CHECKPOINT_DIR'], "
-                "'generator'))")
         self.state = state
         self.interval = interval
         self.recent_step_seconds = recent_step_seconds
         self.on_saved = on_saved
         self.checkpointer = Checkpointer(Path(directory), keep=keep, async_save=async_save)
-        self._key = key
-        _IN_USE[key] = weakref.ref(self)
         self.last_saved_step: int | None = None
         self._blocking: dict[int, float] = {}   # step -> seconds its save held the loop, until reported
         self._captured: dict[int, float] = {}   # step -> seconds capturing its state took
@@ -178,8 +165,6 @@ class SessionCheckpoints:
             self.checkpointer.close()
             self._report_committed()
         finally:
-            if _IN_USE.get(self._key, lambda: None)() is self:
-                del _IN_USE[self._key]
             self._restore_signals()
 
     def _restore_signals(self) -> None:

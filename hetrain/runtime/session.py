@@ -207,7 +207,7 @@ class Session:
             raise HetrainError("session.loader() was already called; a session reads one dataset")
         if self.prepared is None:
             raise HetrainError("call session.prepare(model, optimizer) before session.loader()")
-        leader = leading_loader(self, global_batch_size)   # another session's, training on the same batches
+        leader = leading_loader(self, global_batch_size, self._checkpoint_args[0])   # a companion session's
         setup = balance_setup(self.plan, self.assignment.shares, self.world_size, global_batch_size,
                               *self._balance_overrides, pipeline=self.layout is not None or leader is not None)
         balancer = self.balancer = Balancer(config=setup.config, shares=setup.shares, rank=self.rank, devices=self.assignment.devices)

@@ -88,7 +88,7 @@ def test_two_open_sessions_checkpointing_to_one_directory_are_refused(tmp_path):
     first.loader(TensorDataset(*_data()), GLOBAL)
     second = hetrain.Session(checkpoint_dir=tmp_path)
     second.prepare(gen, torch.optim.SGD(gen.parameters(), lr=0.1))
-    with pytest.raises(HetrainError, match="checkpoints to .* and was not closed.*a directory each"):
+    with pytest.raises(HetrainError, match="another hetrain.Session of this process checkpoints to .*a directory each"):
         second.loader(TensorDataset(*_data()), GLOBAL)
     second.close()
     first.close()
@@ -96,3 +96,23 @@ def test_two_open_sessions_checkpointing_to_one_directory_are_refused(tmp_path):
     again.prepare(gen, torch.optim.SGD(gen.parameters(), lr=0.1))
     again.loader(TensorDataset(*_data()), GLOBAL)
     again.close()
+
+
+def test_a_session_left_open_by_an_error_neither_leads_nor_holds_its_directory(tmp_path):
+    """A notebook cell that failed mid-run leaves its session open (nothing frees it): the cell run again made a
+    session that took the old one's split for good (its own balancer off) and was refused the directory."""
+    import hetrain
+
+    old = hetrain.Session(checkpoint_dir=tmp_path)
+    gen, disc = _nets()
+    model, _ = old.prepare(disc, torch.optim.SGD(disc.parameters(), lr=0.1))
+    for real, _z in old.loader(TensorDataset(*_data()), GLOBAL):
+        old.backward(_bce(model(real), 1.0))
+        old.step()
+        break   # the cell failed here: old.close() never ran
+    again = hetrain.Session(checkpoint_dir=tmp_path)
+    again.prepare(gen, torch.optim.SGD(gen.parameters(), lr=0.1))
+    loader = again.loader(TensorDataset(*_data()), GLOBAL)
+    assert loader.split is again.balancer   # its own split
+    again.close()
+    old.close()
