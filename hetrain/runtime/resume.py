@@ -76,6 +76,24 @@ def _whole(value: Any) -> int | None:
         return None
 
 
+def start_checkpoints(state: TrainState, settings: tuple, recent_step_seconds: Callable[[], Sequence[float]],
+                      on_saved: Callable[[CheckpointRecord], None] | None) -> "SessionCheckpoints | None":
+    """A session's checkpoints with `checkpoint_settings(...)` (None without a directory), resumed from the newest
+    checkpoint there. A resume that fails (every checkpoint damaged, another model's) gives the directory back
+    before the error leaves, so that the script, or a new session, can try again."""
+    directory, interval, keep, async_save = settings
+    if directory is None:
+        return None
+    checkpoints = SessionCheckpoints(state, directory, interval=interval, keep=keep, async_save=async_save,
+                                     recent_step_seconds=recent_step_seconds, on_saved=on_saved)
+    try:
+        checkpoints.resume()
+    except BaseException:
+        checkpoints.close(save=False)
+        raise
+    return checkpoints
+
+
 class SessionCheckpoints:
     """Saves a run's TrainState every `interval` steps, on SIGTERM and at close; resumes the newest."""
 

@@ -49,7 +49,7 @@ from hetrain.runtime.pipeline_stages import check_pipeline_plan
 from hetrain.runtime.plan_entries import comm_for_world, find_entries, pipeline_assignment
 from hetrain.runtime.precision import (LossScale, autocast, check_not_prescaled, configure_tf32, job_loss_scaler,
                                       loss_scale_settings)
-from hetrain.runtime.resume import SessionCheckpoints, checkpoint_settings
+from hetrain.runtime.resume import SessionCheckpoints, checkpoint_settings, start_checkpoints
 from hetrain.runtime.schedulers import Schedulers
 from hetrain.runtime.step_state import StepState, items_as_number
 from hetrain.runtime.step_clock import StepClock
@@ -220,10 +220,12 @@ class Session:
         follow(loader, leader)   # None: its own split
         balancer.lag = loader.lag   # a new split reaches the loop this many steps after it is decided
         loader.gradients_pending = lambda: gradients_pending(self.prepared.model)
-        self.train = TrainState(self.prepared, self.sharding, self.scaler, self.balancer, loader, self.plan,
-                                self.world_size, self.rank, schedulers=self.schedulers, step_state=self.state,
-                                user_states=self.user_states)
-        self._start_checkpoints()
+        train = TrainState(self.prepared, self.sharding, self.scaler, self.balancer, loader, self.plan, self.world_size,
+                           self.rank, schedulers=self.schedulers, step_state=self.state, user_states=self.user_states)
+        # resumes the newest checkpoint; a failed resume leaves the session without a loader (and the directory free)
+        self.checkpoints = start_checkpoints(train, self._checkpoint_args, lambda: list(self.step_seconds)[-20:],
+                                             self.reports.checkpoint)
+        self.train = train
         self.skips.total = self.train.skipped_steps   # a resumed run keeps counting its skipped steps
         self._start_metrics()
         return loader
@@ -479,15 +481,6 @@ class Session:
         """Where the run's own files go (measured rates, run log): HETRAIN_RUN_DIR, else the checkpoint directory."""
         chosen = os.environ.get(Env.RUN_DIR) or self._checkpoint_args[0]
         return Path(chosen) if chosen else None
-
-    def _start_checkpoints(self) -> None:
-        directory, interval, keep, async_save = self._checkpoint_args
-        if directory is None:
-            return
-        self.checkpoints = SessionCheckpoints(self.train, directory, interval=interval, keep=keep, async_save=async_save,
-                                              recent_step_seconds=lambda: list(self.step_seconds)[-20:],
-                                              on_saved=self.reports.checkpoint)
-        self.checkpoints.resume()
 
     def _start_metrics(self) -> None:
         """Prometheus on --metrics-port, and the run log (hetrain report) wherever the run has a directory."""
