@@ -25,7 +25,6 @@ class ShareSchedule:
     def __init__(self, shares: Sequence[int], lag: int = 0) -> None:
         self.lag = int(lag)
         self.changes: list[tuple[int, list[int]]] = [(0, [int(s) for s in shares])]
-        self.shared = False   # two loaders read it (hetrain.runtime.companions): each may be at another step
 
     @property
     def latest(self) -> list[int]:
@@ -52,8 +51,8 @@ class ShareSchedule:
             self.changes[-1] = (self.changes[-1][0], shares)
         else:
             self.changes.append((start, shares))
-        # keep the entry in effect at `step` and what follows it (all of them for loaders at other steps)
-        while not self.shared and len(self.changes) > 1 and self.changes[1][0] <= step:
+        # keep the entry in effect at `step` and what follows it
+        while len(self.changes) > 1 and self.changes[1][0] <= step:
             self.changes.pop(0)
 
     def state_dict(self) -> dict:

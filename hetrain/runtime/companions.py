@@ -58,9 +58,10 @@ def leading_loader(session: Any, global_batch_size: int, checkpoint_dir: Any = N
         if checkpoint_dir is not None and theirs is not None and \
                 os.path.realpath(theirs) == os.path.realpath(checkpoint_dir):
             raise HetrainError(
-                f"another hetrain.Session of this process checkpoints to {checkpoint_dir}: two models trained side by "
-                "side, each with its session (a GAN's), need a directory each: hetrain.Session(checkpoint_dir="
-                "os.path.join(os.environ['HETRAIN_CHECKPOINT_DIR'], 'generator'))")
+                f"another hetrain.Session of this process, made beside this one, checkpoints to {checkpoint_dir}: two "
+                "models trained side by side, each with its session (a GAN's), need a directory each: hetrain.Session("
+                "checkpoint_dir=os.path.join(os.environ['HETRAIN_CHECKPOINT_DIR'], 'generator')); a session an error "
+                "left open before its first batch (a notebook cell run again) holds it until its close()")
         train = getattr(other, "train", None)
         if leader is None and train is not None and not train.loader.stream and \
                 train.loader.global_batch_size == global_batch_size and other.world_size == session.world_size:
@@ -68,16 +69,33 @@ def leading_loader(session: Any, global_batch_size: int, checkpoint_dir: Any = N
     return leader
 
 
+class _LeadersSplit:
+    """What a following loader schedules at its step k (for its step k + lag, the lag both loaders share): the
+    split the leader's loader has scheduled for that step once it has drawn step k itself, else the split its
+    balancer has decided, which the leader schedules for that step when it draws it. Each loader keeps its own
+    schedule, so what its workers prefetched is always cut as it was read, whatever the two loops' order or
+    pace (a critic stepped five times a generator step)."""
+
+    def __init__(self, leader: Any, loader: Any) -> None:
+        self.leader, self.loader = leader, loader
+
+    @property
+    def shares(self) -> list[int]:
+        step = self.loader.run_step
+        if self.leader.run_step > step:   # the leader drew this step: its schedule holds step + lag
+            return self.leader.schedule.at(step + self.loader.schedule.lag)
+        return list(self.leader.split.shares)
+
+
 def follow(loader: Any, leader: Any) -> None:
-    """`loader` cuts each step as `leader` (another session's loader) does: its split source (that session's
-    balancer) and schedule, at the larger of the two prefetch depths. Before the first batch; None: no change."""
+    """`loader` cuts each step as `leader` (another session's loader) does, both at the larger of their prefetch
+    depths. Before the first batch; None: no change."""
     if leader is None:
         return
     if loader.rank == 0:
         log.info("this session takes the split of the one made beside it in this process (two models trained on "
                  "one batch): that session's balancer re-splits both")
-    leader.schedule.lag = leader.split.lag = max(leader.schedule.lag, loader.schedule.lag)
-    leader.schedule.shared = True
-    loader.split, loader.schedule = leader.split, leader.schedule
-    if loader.sampler is not None:
-        loader.sampler.schedule = leader.schedule
+    lag = max(leader.schedule.lag, loader.schedule.lag)
+    leader.schedule.lag = loader.schedule.lag = leader.split.lag = lag
+    loader.split = _LeadersSplit(leader, loader)
+    loader.schedule.changes = [(0, list(loader.split.shares))]   # from its first step (a resume loads its own)
