@@ -96,7 +96,8 @@ def test_two_open_sessions_checkpointing_to_one_directory_are_refused(tmp_path):
     first.loader(TensorDataset(*_data()), GLOBAL)
     second = hetrain.Session(checkpoint_dir=tmp_path)
     second.prepare(gen, torch.optim.SGD(gen.parameters(), lr=0.1))
-    with pytest.raises(HetrainError, match="another hetrain.Session of this process, made beside this one, checkpoints to .*a directory each"):
+    with pytest.raises(HetrainError, match="another hetrain.Session of this process, made beside this one, "
+                                           "checkpoints to .*a directory each"):
         second.loader(TensorDataset(*_data()), GLOBAL)
     second.close()
     first.close()
