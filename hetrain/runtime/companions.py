@@ -78,10 +78,21 @@ class _LeadersSplit:
 
     def __init__(self, leader: Any, loader: Any) -> None:
         self.leader, self.loader = leader, loader
+        self.config = getattr(leader.split, "config", None)   # the leader's balance settings (min_share)
+        self._checked = True   # follow() opens the check once it has read the first split
 
     @property
     def shares(self) -> list[int]:
         step = self.loader.run_step
+        if not self._checked and self.loader.step.begun == 0:   # the first draw: both at one step, or apart
+            self._checked = True
+            apart = self.leader.run_step - step
+            if abs(apart) > 1 and self.loader.rank == 0:
+                log.warning("this session is %d steps %s the one whose split it takes (they resumed from "
+                            "checkpoints of different steps, after a SIGTERM stop or a crash during a background "
+                            "save, or one trained alone first): a batch cut by one no longer has the other's size "
+                            "after each re-split; resume both from checkpoints of one step, or give the first "
+                            "session balance=False", abs(apart), "behind" if apart > 0 else "ahead of")
         if self.leader.run_step > step:   # the leader drew this step: its schedule holds step + lag
             return self.leader.schedule.at(step + self.loader.schedule.lag)
         return list(self.leader.split.shares)
@@ -99,3 +110,4 @@ def follow(loader: Any, leader: Any) -> None:
     leader.schedule.lag = loader.schedule.lag = leader.split.lag = lag
     loader.split = _LeadersSplit(leader, loader)
     loader.schedule.changes = [(0, list(loader.split.shares))]   # from its first step (a resume loads its own)
+    loader.split._checked = False

@@ -125,3 +125,33 @@ def test_a_session_left_open_by_an_error_neither_leads_nor_holds_its_directory(t
     assert loader.split is again.balancer   # its own split
     again.close()
     old.close()
+
+
+def test_a_session_steps_apart_from_the_one_it_follows_is_said():
+    """Resumed from checkpoints of different steps (a SIGTERM stop saves the session that sees it), or one
+    trained alone first: the paired batches differ in size after each re-split, with no word before."""
+    import logging
+
+    import hetrain
+
+    lines: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("hetrain").addHandler(handler)
+    try:
+        gen, disc = _nets()
+        sd, sg = hetrain.Session(), hetrain.Session()
+        disc_m, _ = sd.prepare(disc, torch.optim.SGD(disc.parameters(), lr=0.1))
+        sg.prepare(gen, torch.optim.SGD(gen.parameters(), lr=0.1))
+        data = TensorDataset(*_data())
+        for real, _z in sd.loader(data, GLOBAL, shuffle=False):   # the discriminator alone first
+            sd.backward(_bce(disc_m(real), 1.0))
+            sd.step()
+            if sd.step_count == 3:
+                break
+        next(iter(sg.loader(data, GLOBAL, shuffle=False)))
+        sg.close()
+        sd.close()
+    finally:
+        logging.getLogger("hetrain").removeHandler(handler)
+    assert sum("steps behind the one whose split it takes" in line for line in lines) == 1, lines
