@@ -2,7 +2,6 @@
 schedule, the optimizer given to prepare() changed where the session trains another, a schedule the session
 was not given. Each either works as one process's or stops with one line naming the fix; none is silent."""
 
-import logging
 import warnings
 
 import pytest
@@ -11,6 +10,7 @@ import torch.nn.functional as F
 
 from hetrain.errors import HetrainError
 from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+from tests.log_lines import hetrain_warnings
 from tests.runtime.test_refusals import make_data, make_net
 
 
@@ -100,35 +100,21 @@ def test_a_change_to_the_optimizer_prepare_replaced_is_refused(sharding):
     session.close()
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def test_a_schedule_the_session_was_not_given_is_said_at_the_first_checkpoint(tmp_path):
     """It is not saved: a resume restarted its warm-up with no word."""
     session = _session(checkpoint_dir=tmp_path, checkpoint_interval=1, async_checkpoints=False)
     net = make_net()
     model, optimizer = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 5))
-    lines = _Lines()
-    logging.getLogger("hetrain").addHandler(lines)
-    try:
-        loader = session.loader(make_data(), global_batch_size=8, shuffle=False)
-        for x, y in loader:
+    with hetrain_warnings() as lines:
+        for x, y in session.loader(make_data(), global_batch_size=8, shuffle=False):
             session.backward(F.cross_entropy(model(x), y))
             if session.step():
                 scheduler.step()
             if session.step_count == 3:
                 break
-    finally:
-        logging.getLogger("hetrain").removeHandler(lines)
-        session.close()
-    assert sum("none was given to session.add_scheduler()" in line for line in lines.lines) == 1
+    session.close()
+    assert sum("none was given to session.add_scheduler()" in line for line in lines) == 1
 
 
 @pytest.mark.parametrize("sharding", ["zero1", "fsdp"])

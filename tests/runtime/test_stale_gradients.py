@@ -3,8 +3,6 @@ cell, a GAN's generator loss through its discriminator, a plain loss.backward() 
 session.backward()) are not part of the next step: `session.step()` starts each step from zero, as the
 docs say, so a script without its own zero_grad() makes one process's update."""
 
-import logging
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +10,7 @@ from torch.utils.data import TensorDataset
 
 from hetrain.planning.plan import BalancePlan, Plan, RankPlan
 from tests.distributed import run_ranks
+from tests.log_lines import hetrain_warnings
 
 GLOBAL, STEPS, LR = 8, 3, 0.1
 
@@ -61,15 +60,6 @@ def test_gradients_written_between_steps_are_left_out_of_the_next(sharding):
         assert torch.allclose(state[name], want, atol=1e-6), name
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def test_a_sanity_backward_before_the_loop_is_left_out_with_a_warning():
     import hetrain
 
@@ -78,16 +68,12 @@ def test_a_sanity_backward_before_the_loop_is_left_out_with_a_warning():
     with hetrain.Session() as session:
         model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=LR))
         F.mse_loss(model(data.tensors[0]), data.tensors[1]).backward()   # a notebook cell's check
-        lines = _Lines()
-        logging.getLogger("hetrain").addHandler(lines)
-        try:
+        with hetrain_warnings() as lines:
             for x, y in session.loader(data, global_batch_size=GLOBAL, shuffle=False):
                 session.backward(F.mse_loss(model(x), y))
                 session.step()
                 break
-        finally:
-            logging.getLogger("hetrain").removeHandler(lines)
-    assert sum("held gradients at a step's first session.backward()" in line for line in lines.lines) == 1
+    assert sum("held gradients at a step's first session.backward()" in line for line in lines) == 1
     opt = torch.optim.SGD(ref.parameters(), lr=LR)
     x, y = data[:GLOBAL]
     F.mse_loss(ref(x), y).backward()

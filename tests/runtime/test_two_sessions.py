@@ -1,8 +1,6 @@
 """Two models trained on one batch, each with its own session in one process (a GAN's generator and
 discriminator, each with its optimizer): one process's update whatever the balancer does, and a directory each."""
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,6 +9,7 @@ from torch.utils.data import TensorDataset
 from hetrain.errors import HetrainError
 from hetrain.planning.plan import BalancePlan, Plan, RankPlan
 from tests.distributed import run_ranks
+from tests.log_lines import hetrain_warnings
 
 GLOBAL, STEPS = 16, 10
 
@@ -130,15 +129,9 @@ def test_a_session_left_open_by_an_error_neither_leads_nor_holds_its_directory(t
 def test_a_session_steps_apart_from_the_one_it_follows_is_said():
     """Resumed from checkpoints of different steps (a SIGTERM stop saves the session that sees it), or one
     trained alone first: the paired batches differ in size after each re-split, with no word before."""
-    import logging
-
     import hetrain
 
-    lines: list[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logging.getLogger("hetrain").addHandler(handler)
-    try:
+    with hetrain_warnings() as lines:
         gen, disc = _nets()
         sd, sg = hetrain.Session(), hetrain.Session()
         disc_m, _ = sd.prepare(disc, torch.optim.SGD(disc.parameters(), lr=0.1))
@@ -152,6 +145,4 @@ def test_a_session_steps_apart_from_the_one_it_follows_is_said():
         next(iter(sg.loader(data, GLOBAL, shuffle=False)))
         sg.close()
         sd.close()
-    finally:
-        logging.getLogger("hetrain").removeHandler(handler)
     assert sum("steps behind the one whose split it takes" in line for line in lines) == 1, lines
