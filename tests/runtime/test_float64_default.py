@@ -21,7 +21,12 @@ def _data() -> TensorDataset:
     return TensorDataset(torch.randn(GLOBAL * STEPS, 5, generator=g), torch.randn(GLOBAL * STEPS, 1, generator=g))
 
 
-def _train(rank, world):
+def _weights() -> torch.Tensor:
+    """Each sample's item count (a token-mean loss's tokens): the global count is no power of two."""
+    return torch.randint(1, 6, (GLOBAL * STEPS,), generator=torch.Generator().manual_seed(2)).double()
+
+
+def _train(rank, world, token_mean=False):
     import hetrain
 
     torch.set_default_dtype(torch.float64)
@@ -30,9 +35,14 @@ def _train(rank, world):
     session = hetrain.Session(plan)
     net = _model()
     model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=LR))
-    for x, y in session.loader(_data(), global_batch_size=GLOBAL, shuffle=False):
-        session.backward(F.mse_loss(model(x), y))
-        session.clip_grad_norm_(0.5)
+    x_all, y_all = _data().tensors
+    for x, y, w in session.loader(TensorDataset(x_all, y_all, _weights()), global_batch_size=GLOBAL, shuffle=False):
+        if token_mean:
+            items = float(w.sum())
+            session.backward((w * (model(x) - y).squeeze(1) ** 2).sum() / items, num_items=items)
+        else:
+            session.backward(F.mse_loss(model(x), y))
+            session.clip_grad_norm_(0.5)
         session.step()
         if session.step_count == STEPS:
             break
@@ -62,37 +72,10 @@ def test_a_float64_default_trains_as_one_float64_process():
         assert max((a - b).abs().max().item() for a, b in zip(params, net.parameters())) < 1e-12
 
 
-def _weights() -> torch.Tensor:
-    """Each sample's item count (a token-mean loss's tokens): the global count is no power of two."""
-    return torch.randint(1, 6, (GLOBAL * STEPS,), generator=torch.Generator().manual_seed(2)).double()
-
-
-def _train_token_mean(rank, world):
-    import hetrain
-
-    torch.set_default_dtype(torch.float64)
-    plan = Plan(global_batch_size=GLOBAL, balance=BalancePlan(enabled=False),
-                ranks=[RankPlan(rank=0, share=5, micro_batch=2), RankPlan(rank=1, share=3)])
-    session = hetrain.Session(plan)
-    net = _model()
-    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=LR))
-    x_all, y_all = _data().tensors
-    data = TensorDataset(x_all, y_all, _weights())
-    for x, y, w in session.loader(data, global_batch_size=GLOBAL, shuffle=False):
-        items = float(w.sum())
-        session.backward((w * (model(x) - y).squeeze(1) ** 2).sum() / items, num_items=items)
-        session.step()
-        if session.step_count == STEPS:
-            break
-    params = [p.detach().clone() for p in net.parameters()]
-    session.close()
-    return params
-
-
 def test_a_float64_token_mean_loss_trains_as_one_float64_process():
     """The item-count correction was rounded to float32 (the fused unscale kernel's factor): 1e-9 off a
     float64 process's update where the true item count differs from the step's estimate."""
-    results = run_ranks(_train_token_mean, 2)
+    results = run_ranks(_train, 2, True)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
