@@ -147,9 +147,9 @@ def finish_gradients(params: Iterable[torch.nn.Parameter], state: StepState, los
 
 def check_same_batch(begun: list[float], mine: int, world: int) -> None:
     """Every rank is at the same global batch: the ranks' counts of batches drawn agree (their sum and sum of
-    squares tell the spread, alike on every rank; counted modulo 64). A loop that skips a bad batch on one rank (`continue` before
-    session.backward) pairs its slices with the others' next batch's for the rest of the run: samples lost
-    and repeated, silently."""
+    squares tell the spread, alike on every rank; counted modulo 64). A loop that skips a bad batch on one
+    rank (`continue` before session.backward) pairs its slices with the others' next batch's for the rest of
+    the run: samples lost and repeated, silently."""
     total, squares = begun
     if squares * world != total * total:
         raise HetrainError(

@@ -210,7 +210,8 @@ class Session:
         leader = leading_loader(self, global_batch_size, self._checkpoint_args[0])   # a companion session's
         setup = balance_setup(self.plan, self.assignment.shares, self.world_size, global_batch_size,
                               *self._balance_overrides, pipeline=self.layout is not None or leader is not None)
-        balancer = self.balancer = Balancer(config=setup.config, shares=setup.shares, rank=self.rank, devices=self.assignment.devices)
+        balancer = self.balancer = Balancer(config=setup.config, shares=setup.shares, rank=self.rank,
+                                            devices=self.assignment.devices)
         loader = make_loader(dataset, global_batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
                              rank=self.rank, split=balancer, step=self.state, device=self.device,
                              micro_batch=self.entry.micro_batch, grad_accum=self.entry.grad_accum,
