@@ -371,8 +371,8 @@ def failure_line(failures: dict[int, Any], cfg: LaunchConfig) -> str:
     echoes = not any(is_cause(f) for f in failures.values())
     returned = sorted(set(range(cfg.nproc_per_node)) - set(failures)) if _max_nodes(cfg.nnodes)[1] == 1 else []
     if echoes and returned:   # the others only lost a peer that had ended as if done
-        return (f"{ranks_text(returned)} ended with exit code 0 while the others were in a step ({describe(rank, failure)})"
-                ": a script that returns on some ranks only (a break, return or sys.exit(0) on one rank) leaves the "
+        return (f"{ranks_text(returned)} ended with exit code 0 while the others were in a step "
+                f"({describe(rank, failure)}): a script that returns on some ranks only (a break, return or sys.exit(0) on one rank) leaves the "
                 "others waiting on it; every rank takes the same steps (end the loop on session.step_count or the "
                 f"loader's epoch) and calls session.close(); {where}")
     if _max_nodes(cfg.nnodes)[1] > 1 and echoes:

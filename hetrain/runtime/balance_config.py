@@ -32,8 +32,9 @@ def balance_setup(plan: Plan | None, plan_shares: list[int], world_size: int, gl
                   balance: bool | None = None, interval: int | None = None, *, pipeline: bool = False) -> BalanceSetup:
     """The plan's shares (`plan_shares`, by rank; an even split without a plan) and its balance
     settings, with `Session(balance=, balance_interval=)` applied. A pipeline's replica shares are
-    the plan's, so its balancer stays off (`pipeline`; so does a session taking another's split). Raises one line when the loader's global batch differs
-    from the plan's or cannot give every rank `min_share` samples."""
+    the plan's, so its balancer stays off (`pipeline`; so does a session taking another's split). Raises
+    one line when the loader's global batch differs from the plan's or cannot give every rank `min_share`
+    samples."""
     if plan is not None and plan.global_batch_size != global_batch_size:
         raise HetrainError(
             f"the plan is for a global batch of {plan.global_batch_size}, the loader asks for "
