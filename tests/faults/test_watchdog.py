@@ -305,6 +305,10 @@ def test_a_node_whose_ranks_only_lost_their_peers_says_the_failure_began_on_anot
     line = failure_line({0: _failure(1, 100, echo)}, LaunchConfig(script="t.py", nproc_per_node=2))
     assert line.startswith("rank 1 ended with exit code 0 while the others were in a step (rank 0 exited"), line
     assert "returns on some ranks only" in line and "session.close()" in line, line
+    # every rank saved and stopped (exit 143) on a SIGTERM one worker received: not "rank 0 exited with code 143"
+    line = failure_line({0: _failure(143, 100), 1: _failure(143, 100)}, LaunchConfig(script="t.py", nproc_per_node=2))
+    assert line.startswith("every rank stopped on a SIGTERM a worker received (not this launcher)"), line
+    assert "run the same command again to resume" in line, line
     # a rank of this node that failed by itself is named as before
     line = failure_line({0: _failure(1, 100, echo), 1: _failure(-9, 100)}, LaunchConfig(script="t.py", nnodes="2"))
     assert line.startswith("rank 1 was killed by SIGKILL; the job ended"), line
