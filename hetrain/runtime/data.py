@@ -98,6 +98,8 @@ class HeteroLoader:
         # whether the model holds gradients no step used (the session tells; a loop that zeroed them
         # after backward, to read them, mixes nothing)
         self.gradients_pending: Callable[[], bool] = lambda: True
+        # told (epoch, batches) when the stream ends a pass, None once every rank began the next (the session's watch)
+        self.on_stream_end: Callable[[tuple[int, int] | None], None] = lambda ended: None
         self._warned_no_step = False
         self.collate_fn = collate_fn or default_collate
         self.global_batch_size = order.global_batch_size if order is not None else int(global_batch_size)
@@ -222,7 +224,10 @@ class HeteroLoader:
             batch = next(batches, _END)   # _END: the stream ended (a map-style epoch ends by its length above)
             if self.stream and self._in_epoch == started_at:   # floats too at a fresh start, before generators part
                 self._source.check_ranks(None if batch is _END else batch, floats=self.run_step == 0)
+                self.on_stream_end(None)
             if batch is _END:
+                if self.stream:
+                    self.on_stream_end((self._epoch, self._in_epoch))
                 break
             if self.stream:
                 batch, local, total = self._source.take(batch, shares, self.rank, self.collate_fn)

@@ -221,6 +221,8 @@ class Session:
         follow(loader, leader)   # None: its own split
         balancer.lag = loader.lag   # a new split reaches the loop this many steps after it is decided
         loader.gradients_pending = lambda: gradients_pending(self.prepared.model)
+        if self.watch is not None:   # a rank whose stream ended while others wait in a step is named at once
+            loader.on_stream_end = lambda ended: self.watch.stream_end(ended, self.train.step + 1)
         train = TrainState(self.prepared, self.sharding, self.scaler, self.balancer, loader, self.plan, self.world_size,
                            self.rank, schedulers=self.schedulers, step_state=self.state, user_states=self.user_states)
         # resumes the newest checkpoint; a failed resume leaves the session without a loader (and the directory free)

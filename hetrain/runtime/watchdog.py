@@ -199,6 +199,13 @@ class Stall:
 
 
 INSIDE = "in session."   # the phase of a rank inside a collective call of the session
+STREAM_ENDED = "its stream ended"   # the phase of a rank whose stream ended a pass, until every rank begins the next
+DONE = "done"
+
+
+def is_done(phase: str) -> bool:
+    """Whether a published phase is a closed session's ("done", or "done: " and what it did last)."""
+    return phase == DONE or phase.startswith(DONE + ": ")
 
 
 def collective_call(watch: "ProgressWatch | None", call: str) -> Any:
@@ -214,7 +221,7 @@ def find_stall(before: dict[int, Progress | None], after: dict[int, Progress | N
     The report comes from the lowest culprit that can speak, else the lowest rank that can.
     """
     silent = sorted(r for r, p in after.items()
-                    if p is None or (p.phase != "done" and before.get(r) is not None and before[r].seq == p.seq))
+                    if p is None or (not is_done(p.phase) and before.get(r) is not None and before[r].seq == p.seq))
     known = {r: p for r, p in after.items() if p is not None}
     missing = sorted(r for r, p in after.items() if p is None)
     if missing:
@@ -261,18 +268,25 @@ def stall_message(stall: Stall, after: dict[int, Progress | None], own_seconds: 
 
 
 def ended_early(after: dict[int, Progress | None]) -> str | None:
-    """When ranks closed their sessions while others wait in a step the closed ones never took (a
-    loop that stops after a count of batches, which micro-batches make differ between ranks): the
-    cause, in words. A closed rank publishes the step after its last one."""
-    done = {r: p for r, p in after.items() if p is not None and p.phase == "done"}
-    if not done:
+    """When ranks closed their sessions, or their streams ended a pass, while others wait in a step the
+    ended ones never took (a loop that stops after a count of batches, which micro-batches make differ
+    between ranks; streams of different lengths): the cause, in words. A closed rank publishes the
+    step after its last one."""
+    ended = {r: p for r, p in after.items() if p is not None and (is_done(p.phase) or p.phase.startswith(STREAM_ENDED))}
+    if not ended:
         return None
-    first_untaken = min(p.step for p in done.values())
+    first_untaken = min(p.step for p in ended.values())
     ahead = {r: p for r, p in after.items() if p is not None and p.phase == "waiting" and p.step >= first_untaken}
     if not ahead:
         return None
-    closed, last, waiting = sorted(done), first_untaken - 1, sorted(ahead)
+    closed, last, waiting = sorted(ended), first_untaken - 1, sorted(ahead)
     step = min(ahead[r].step for r in waiting)
+    streams = {r: p.phase.split(STREAM_ENDED, 1)[1] for r, p in ended.items() if STREAM_ENDED in p.phase}
+    if streams:
+        what = "; ".join(f"{ranks_text([r])}'s stream ended{streams[r]}" for r in sorted(streams))
+        return (f"{what}, while {ranks_text(waiting)} wait(s) in step {step} for more: every rank reads the "
+                "whole stream and takes its share, so every rank's stream must yield the same samples in the "
+                "same order (a fixed shard list and seed, not split by rank; docs/data.md)")
     return (f"{ranks_text(closed)} closed the session after {last} "
             f"step(s) while {ranks_text(waiting)} wait(s) in step "
             f"{step}: every rank must take the same steps; end the loop on session.step_count or the loader's "
@@ -300,6 +314,7 @@ class ProgressWatch:
         self._step, self._phase = 0, "computing"
         self._since = time.monotonic()
         self._seq = 0
+        self._seen: dict[int, Progress | None] | None = None   # the last read of every rank's entry while waiting
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -314,6 +329,19 @@ class ProgressWatch:
 
     def waiting(self, step: int) -> None:
         self._set(step, "waiting")
+
+    def stream_end(self, ended: tuple[int, int] | None, step: int) -> None:
+        """This rank's stream ended a pass, `(epoch, global batches read)`, before `step`; or (None) every
+        rank began the next pass, so none waits for this one's batches. Ranks waiting in a step this one
+        never takes, because its stream ended first, then name that at once."""
+        if ended is not None:
+            self._set(step, f"{STREAM_ENDED} after {ended[1]} global batch(es) of epoch {ended[0]}")
+            try:
+                self.store.set(CLOSED_KEY, "1")
+            except Exception:  # the store is gone: the job is over
+                pass
+        elif self._phase.startswith(STREAM_ENDED):
+            self._set(self._step, "computing")
 
     @contextlib.contextmanager
     def inside(self, call: str) -> Iterator[None]:
@@ -331,7 +359,7 @@ class ProgressWatch:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5 * self.interval_s)
-        self._phase = "done"
+        self._phase = f"{DONE}: {self._phase}" if self._phase.startswith(STREAM_ENDED) else DONE
         try:
             self._publish()
             self.store.set(CLOSED_KEY, "1")   # ranks still waiting look for a step this one never takes
@@ -402,7 +430,13 @@ class ProgressWatch:
         after = self._read_all()
         early = ended_early(after)
         waiting = sorted(r for r, p in after.items() if p is not None and p.phase == "waiting")
+        seen, self._seen = self._seen, after
         if early is None or not waiting or waiting[0] != self.rank:
+            return False
+        # a rank whose stream ended must still say so at a later publish (it did not just begin the next pass)
+        streams = [r for r, p in after.items() if p is not None and p.phase.startswith(STREAM_ENDED)]
+        if any(seen is None or seen.get(r) is None or seen[r].seq >= after[r].seq or seen[r].phase != after[r].phase
+               for r in streams):
             return False
         self.on_stall(early, find_stall(after, after))
         return True
