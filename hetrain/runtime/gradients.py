@@ -37,6 +37,14 @@ class GradientStatus:
     global_items: float
     loss: float | None
     stop: bool = False   # some rank asked the job to stop (SIGTERM) before this step's figures left it
+    bad_losses: tuple[float, float] = (0.0, 0.0)   # ranks whose own loss was not finite: their count, sum of rank + 1
+
+    def where(self) -> str:
+        """Where a skipped step's non-finite values began, as far as its figures tell: whose loss."""
+        count, ranks = round(self.bad_losses[0]), round(self.bad_losses[1])
+        if count == 0:
+            return "every rank's loss was finite: the overflow came in backward"
+        return f"the loss was not finite on {f'rank {ranks - 1}' if count == 1 else f'{count} ranks'}"
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -83,16 +91,20 @@ class StepFigures:
 
 
 def _packet(state: StepState, device: torch.device, stop: bool) -> torch.Tensor:
-    """(items, ranks that skipped the last step, loss sum, losses, stop, steps begun and their square): summed over
-    the ranks. With sharded gradients the second figure is replaced by this step's verdict on them."""
+    """(items, ranks that skipped the last step, loss sum, losses, stop, steps begun and their square, ranks whose
+    loss is not finite and the sum of their rank + 1): summed over the ranks. With sharded gradients the second
+    figure is replaced by this step's verdict on them."""
     has_loss = 1.0 if state.loss_sum is not None else 0.0
     # exact in the float32 bucket the figures may ride in: the ranks' sum of squares stays below 2**24 up to
     # 4,000 ranks (counted modulo 1024 it passed 2**24 at step 995 on 17 ranks, and stopped a healthy job)
     begun = float(state.begun % 64)
-    packet = torch.tensor([state.items, float(state.skipped_last), 0.0, has_loss, float(stop), begun, begun ** 2],
-                          dtype=torch.float64, device=device)
-    if state.loss_sum is not None:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    packet = torch.tensor([state.items, float(state.skipped_last), 0.0, has_loss, float(stop), begun, begun ** 2,
+                           0.0, float(rank + 1)], dtype=torch.float64, device=device)
+    if state.loss_sum is not None:   # on the device, without waiting for it
         packet[2] = state.loss_sum.to(device=device, dtype=torch.float64)
+        packet[7] = (~torch.isfinite(packet[2])).to(torch.float64)
+    packet[8] *= packet[7]
     return packet
 
 
@@ -125,7 +137,7 @@ def finish_gradients(params: Iterable[torch.nn.Parameter], state: StepState, los
     if launched is not None:   # the figures are known first: one fused pass unscales, corrects and checks
         if launched.work is not None:
             launched.work.wait()
-        global_items, skipped_last, loss_sum, losses, stops, *begun = launched.packet.tolist()
+        global_items, skipped_last, loss_sum, losses, stops, *begun, bad_n, bad_ranks = launched.packet.tolist()
         check_skips_agreed(skipped_last, dist.get_world_size(group))
         check_same_batch(begun, state.begun, dist.get_world_size(group))
         correction = state.estimate() / global_items if global_items > 0 else 1.0
@@ -136,13 +148,14 @@ def finish_gradients(params: Iterable[torch.nn.Parameter], state: StepState, los
         packet = _packet(state, device, stop)
         packet[1] = found.to(torch.float64)[0]
         dist.all_reduce(packet, group=group)
-        global_items, bad, loss_sum, losses, stops, *begun = packet.tolist()
+        global_items, bad, loss_sum, losses, stops, *begun, bad_n, bad_ranks = packet.tolist()
         check_same_batch(begun, state.begun, dist.get_world_size(group))
         if bad == 0 and global_items > 0 and grads and state.estimate() != global_items:
             torch._foreach_mul_(grads, state.estimate() / global_items)   # one kernel per device, as torch clips
     found_inf = bad > 0 or loss_sum != loss_sum
     loss = loss_sum / global_items if losses > 0 and global_items > 0 else None
-    return GradientStatus(found_inf=found_inf, global_items=global_items, loss=loss, stop=stops > 0)
+    return GradientStatus(found_inf=found_inf, global_items=global_items, loss=loss, stop=stops > 0,
+                          bad_losses=(bad_n, bad_ranks))
 
 
 def check_same_batch(begun: list[float], mine: int, world: int) -> None:
@@ -206,9 +219,10 @@ class SkipCounter:
                             "the first time)", step)
         return self._empty
 
-    def count(self, applied: bool, step: int, loss_scale: float, report: bool) -> int:
+    def count(self, applied: bool, step: int, loss_scale: float, report: bool, where: str = "") -> int:
         """Note whether `step` was applied; returns 1 for a step skipped for non-finite gradients, 0 otherwise
-        (a step without items neither counts nor ends a run of skipped steps)."""
+        (a step without items neither counts nor ends a run of skipped steps). `where`: whose loss was not
+        finite (`GradientStatus.where()`)."""
         if self._empty:
             self._empty = False
             return 0
@@ -218,11 +232,12 @@ class SkipCounter:
         self.in_a_row += 1
         self.total += 1
         if report:
-            log.warning("step %d skipped: non-finite gradients on some rank (loss scale %g; %d skipped so far)",
-                        step, loss_scale, self.total)
+            log.warning("step %d skipped: non-finite gradients (%s; loss scale %g; %d skipped so far)",
+                        step, where or "on some rank", loss_scale, self.total)
         if self.in_a_row >= self.limit:
             raise HetrainError(
-                f"{self.in_a_row} steps in a row had non-finite gradients (up to step {step}): lower the learning "
+                f"{self.in_a_row} steps in a row had non-finite gradients (up to step {step}"
+                f"{'; ' + where if where else ''}): lower the learning "
                 "rate, clip gradients, or check the data (a run that keeps checkpoints has the last good weights in "
                 "its last one)"
             )

@@ -16,6 +16,7 @@ The Session is a facade over small parts with one concern each (docs/design.md l
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -368,7 +369,7 @@ class Session:
             norm = clip_gradients(params, max_norm, norm_type)
         self._grad_norm = float(norm)
         if not math.isfinite(self._grad_norm):
-            self._status = GradientStatus(True, status.global_items, status.loss, status.stop)
+            self._status = dataclasses.replace(status, found_inf=True)
         return norm
 
     def step(self) -> bool:
@@ -384,7 +385,7 @@ class Session:
         status = self._finish_gradients()
         self.schedulers.check_not_stepped_elsewhere(abandon=lambda: self.optimizer.zero_grad(set_to_none=True))
         if self._kept.broke_since_finish(self.prepared.parameters, self.device, None if self.pipeline else self.sharding):
-            status = GradientStatus(True, status.global_items, status.loss, status.stop)   # skipped too
+            status = dataclasses.replace(status, found_inf=True)   # skipped too
         applied = not status.found_inf and not self.skips.without_items(status, self.train.step + 1, self.is_main)
         self.state.skipped_last = status.found_inf
         if status.found_inf:   # what compression carries holds part of the skipped gradients (or their inf)
@@ -393,7 +394,8 @@ class Session:
             self.timer.time_optimizer(self.optimizer.step if applied else (lambda: None))
             self.optimizer.zero_grad(set_to_none=True)
         self.schedulers.step(applied)
-        self.train.skipped_steps += self.skips.count(applied, self.train.step + 1, self.scaler.scale, self.is_main)
+        self.train.skipped_steps += self.skips.count(applied, self.train.step + 1, self.scaler.scale, self.is_main,
+                                                     status.where())
         if applied or status.found_inf:   # a step without items leaves the loss scale as it is
             self.scaler.update(applied)
         first_forward = self.timer.started_at

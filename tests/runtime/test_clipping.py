@@ -101,8 +101,9 @@ def test_clip_grad_norm_with_an_fp16_rank(sharding):
     assert results[0][0] == results[1][0] == results[2][0]   # the same norm on every rank
 
 
-def _nan_at(rank, world, precision):
+def _nan_at(rank, world, precision, where="loss"):
     import hetrain
+    from tests.log_lines import hetrain_warnings
 
     plan = Plan(global_batch_size=4, balance=BalancePlan(enabled=False),
                 ranks=[RankPlan(rank=r, share=2, precision=precision) for r in range(world)])
@@ -111,26 +112,41 @@ def _nan_at(rank, world, precision):
     model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
     loader = session.loader(make_data(), global_batch_size=4, shuffle=False)
     applied, norms = [], []
-    for x, y in loader:
-        loss = F.cross_entropy(model(x), y)
-        if session.step_count == 2 and rank == 1:
-            loss = loss * float("nan")
-        session.backward(loss)
-        norms.append(float(session.clip_grad_norm_(1.0)))
-        applied.append(session.step())
-        if session.step_count == 4:
-            break
+    with hetrain_warnings() as warnings:
+        for x, y in loader:
+            loss = F.cross_entropy(model(x), y)
+            if session.step_count == 2 and rank == 1:
+                if where == "loss":
+                    loss = loss * float("nan")
+                else:   # a finite loss whose backward is not: sqrt's slope at 0
+                    loss = loss + torch.sqrt((model(x) * 0).sum())
+            session.backward(loss)
+            norms.append(float(session.clip_grad_norm_(1.0)))
+            applied.append(session.step())
+            if session.step_count == 4:
+                break
     finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     session.close()
-    return applied, finite, norms
+    return applied, finite, norms, [w for w in warnings if "non-finite" in w]
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_a_nan_loss_on_one_rank_skips_the_step_on_every_rank_in_any_precision(precision):
-    for applied, finite, norms in run_ranks(_nan_at, 2, precision):
+    for rank, (applied, finite, norms, warnings) in enumerate(run_ranks(_nan_at, 2, precision)):
         assert applied == [True, True, False, True]
         assert finite
         assert math.isnan(norms[2])   # what torch's clip_grad_norm_ returns for NaN gradients (it said inf)
+        # rank 0 says where it began: "the loss was non-finite gradients on some rank" named no rank
+        assert warnings == ([] if rank else
+                            ["step 3 skipped: non-finite gradients (the loss was not finite on rank 1; loss scale 1; "
+                             "1 skipped so far)"]), warnings
+
+
+def test_a_skipped_step_whose_losses_were_finite_says_the_overflow_came_in_backward():
+    applied, _, _, warnings = run_ranks(_nan_at, 2, "fp32", "backward")[0]
+    assert applied == [True, True, False, True]
+    assert warnings == ["step 3 skipped: non-finite gradients (every rank's loss was finite: the overflow came in "
+                        "backward; loss scale 1; 1 skipped so far)"], warnings
 
 
 def _adamw(rank, world, sharding):
