@@ -171,7 +171,7 @@ class Session:
         if self.layout is not None:
             self.prepared, self.pipeline = prepare_pipeline(model, optimizer, self.plan.pipeline, self.layout, self.device,
                 self.entry.activation_checkpointing, self.autocast, self.emulated_speed, self.sharding == "fsdp")
-            self._step_guard = OptimizerStepGuard.of(self.optimizer, given=optimizer)
+            self._step_guard = OptimizerStepGuard.of(self.optimizer, given=optimizer, model=self.prepared.model)
             return self.prepared.model, self.prepared.optimizer
         comm, note = comm_for_world(self.plan, self.assignment) if self.plan is not None else (None, None)
         if note is not None and self.is_main:
@@ -180,7 +180,7 @@ class Session:
                                     rank=self.rank, comm=comm, device=self.device, timer=self.timer, blocks=blocks,
                                     find_unused_parameters=find_unused_parameters,
                                     without_samples=lambda: self.state.active and self.state.current_samples() == 0)
-        self._step_guard = OptimizerStepGuard.of(self.optimizer, given=optimizer)
+        self._step_guard = OptimizerStepGuard.of(self.optimizer, given=optimizer, model=self.prepared.model)
         return self.prepared.model, self.prepared.optimizer
 
     def add_scheduler(self, scheduler: Any) -> Any:

@@ -54,9 +54,14 @@ MID_STEP_LR = ("the learning rate changed between the micro-batches of one step:
 class OptimizerStepGuard:
     """Refuses the optimizer's step unless `session.step()` is running it."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, given: torch.optim.Optimizer | None = None) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, given: torch.optim.Optimizer | None = None,
+                 model: torch.nn.Module | None = None) -> None:
         self.inside = False
         self.handle = optimizer.register_step_pre_hook(self._check)
+        # what prepare() made ready (frozen parameters included): DDP's buckets, FSDP2's shards, the item count
+        self._model = model
+        self._known = {id(p) for p in _stepped(optimizer)} | {id(p) for p in (model.parameters() if model else ())}
+        self._count = len(_stepped(optimizer))
         # the script's own optimizer where the session built another (ZeRO-1, FSDP2): a change to it goes nowhere
         self._given = given if given is not None and given is not optimizer else None
         # a tensor setting the rebuilt optimizer shares (an lr tensor) moves with it: not the script's change
@@ -64,9 +69,9 @@ class OptimizerStepGuard:
         self._given_settings = plain_settings(self._given, self._shared) if self._given is not None else None
 
     @classmethod
-    def of(cls, optimizer: torch.optim.Optimizer | None,
-           given: torch.optim.Optimizer | None = None) -> "OptimizerStepGuard | None":
-        return cls(optimizer, given) if optimizer is not None else None
+    def of(cls, optimizer: torch.optim.Optimizer | None, given: torch.optim.Optimizer | None = None,
+           model: torch.nn.Module | None = None) -> "OptimizerStepGuard | None":
+        return cls(optimizer, given, model) if optimizer is not None else None
 
     @staticmethod
     def remove(guard: "OptimizerStepGuard | None") -> None:
@@ -79,6 +84,22 @@ class OptimizerStepGuard:
             raise HetrainError(OUTSIDE_STEP)
         if self._given is not None:
             self._check_given()
+        if self.inside and len(_stepped(optimizer)) != self._count:   # optimizer.add_param_group since the last step
+            self._check_known(optimizer)
+
+    def _check_known(self, optimizer) -> None:
+        new = [p for p in _stepped(optimizer) if id(p) not in self._known]
+        if new:
+            inner = getattr(self._model, "module", self._model)   # DDP's: its names without "module."
+            names = {id(p): n for n, p in inner.named_parameters()} if inner is not None else {}
+            which = ", ".join(names.get(id(p), f"a {tuple(p.shape)} tensor") for p in new[:3])
+            raise HetrainError(
+                f"the optimizer steps {len(new)} parameter(s) that were not in the model given to session.prepare() "
+                f"({which}{', ...' if len(new) > 3 else ''}): a module or optimizer.add_param_group added after it. "
+                "Their gradients are not all-reduced nor divided by the global batch's items (FSDP2 does not shard "
+                "them), so each rank would train its own copy; build the whole model before session.prepare() "
+                "(layers to train later frozen with requires_grad_(False), then unfrozen: docs/checkpoints.md)")
+        self._count = len(_stepped(optimizer))
 
     def _check_given(self) -> None:
         now = plain_settings(self._given, self._shared)
@@ -99,6 +120,10 @@ class OptimizerStepGuard:
             yield
         finally:
             self.inside = False
+
+
+def _stepped(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"]]
 
 
 def plain_settings(optimizer: torch.optim.Optimizer, skip: set[int] = frozenset()) -> list[dict]:

@@ -127,3 +127,24 @@ def test_a_tensor_learning_rate_the_rebuilt_optimizer_shares_is_not_taken_for_a_
     _steps(session, model, session.loader(make_data(), global_batch_size=8, shuffle=False), 3)
     assert float(optimizer.param_groups[0]["lr"]) == pytest.approx(0.01 / 8)
     session.close()
+
+
+@pytest.mark.parametrize("sharding", ["none", "zero1", "fsdp"])
+@pytest.mark.parametrize("added_at", [0, 1])
+def test_a_module_added_after_prepare_and_given_to_the_optimizer_is_refused(sharding, added_at):
+    """Its gradients were neither all-reduced nor divided by the global batch's items (each rank's copy moved
+    apart: 0.166 on two ranks without sharding), and FSDP2 never sharded it; silent, exit 0. Layers frozen at
+    prepare() and unfrozen later are the model's own and go on (the first test above)."""
+    session = _session(sharding)
+    net = make_net()
+    model, optimizer = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    loader = session.loader(make_data(), global_batch_size=8, shuffle=False)
+    with pytest.raises(HetrainError, match=r"2 parameter\(s\) that were not in the model given to "
+                                           r"session.prepare\(\) \(extra.weight, extra.bias\).*build the whole model"):
+        for step, (x, y) in enumerate(loader):
+            if step == added_at:
+                net.extra = torch.nn.Linear(3, 3)
+                optimizer.add_param_group({"params": list(net.extra.parameters())})
+            session.backward(F.cross_entropy(getattr(net, "extra", torch.nn.Identity())(model(x)), y))
+            session.step()
+    session.close()
