@@ -96,8 +96,10 @@ def check_optimizer(optimizer: Any) -> None:
             "without one (SGD, Adam, AdamW, ...)")
 
 
-def check_master_weights(model: nn.Module) -> None:
-    """Parameters must be fp32: each rank computes in its precision under autocast."""
+def check_master_weights(model: nn.Module, sharding_name: str = "none") -> None:
+    """Parameters must be fp32 (or float64, complex) and real tensors: each rank computes in its precision
+    under autocast, and the step counts, unscales and clips dense gradients."""
+    dtypes: dict[torch.dtype, str] = {}
     for name, p in model.named_parameters():
         if p.dtype in (torch.float16, torch.bfloat16):
             raise HetrainError(
@@ -105,6 +107,26 @@ def check_master_weights(model: nn.Module) -> None:
                 "optimizer state in fp32 and computes in each rank's precision under session.autocast(); "
                 "pass the model in fp32 (model.float())"
             )
+        if isinstance(p, nn.parameter.UninitializedParameter):
+            raise HetrainError(
+                f"parameter {name} is not initialised yet (a lazy module's shape comes from its first input); run "
+                "one forward on a sample batch before session.prepare(), so every rank holds the same weights")
+        if p.is_meta:
+            raise HetrainError(
+                f"parameter {name} is on the meta device (it has no values); materialise the model before "
+                "session.prepare(): model.to_empty(device='cpu'), then initialise its weights (every rank alike, "
+                "from one seed, or load a checkpoint's)")
+        dtypes.setdefault(p.dtype, name)
+    sparse = [n for n, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
+    if sparse:
+        raise HetrainError(
+            f"{sparse[0]} makes sparse gradients (sparse=True), and a step counts, unscales and clips dense ones; "
+            "build it with sparse=False (an optimizer for sparse gradients, such as SparseAdam, becomes Adam)")
+    if len(dtypes) > 1 and sharding_name != "none":
+        kinds = ", ".join(f"{str(d).removeprefix('torch.')} ({n})" for d, n in dtypes.items())
+        raise HetrainError(
+            f"sharding {sharding_name!r} needs the model's parameters in one dtype, and they are {kinds}: torch's "
+            "ZeRO-1 and FSDP2 flatten them together; give them one dtype, or use sharding 'none'")
 
 
 def sync_batchnorm(model: nn.Module, device: torch.device, world_size: int, warn: bool) -> nn.Module:
@@ -211,7 +233,7 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, sh
         raise HetrainError(
             f"session.prepare() was given a model already wrapped in {type(model).__name__}: its gradients would "
             f"be reduced twice; pass the bare model ({bare}), hetrain wraps it for the plan")
-    check_master_weights(model)
+    check_master_weights(model, sharding_name)
     model = sync_batchnorm(model.to(device), device, len(entries), warn=rank == 0)
     chosen = apply_activation_checkpointing(model, entry, blocks)
     watch_precision(model, device, entry.precision, any(e.precision == "fp16" for e in entries))

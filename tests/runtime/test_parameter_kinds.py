@@ -1,0 +1,59 @@
+"""Parameters prepare() cannot train as one process would are refused there in one line naming the fix:
+sparse gradients, a lazy module not yet run, a model on the meta device, mixed dtypes under ZeRO-1/FSDP2.
+Each got torch's traceback from inside hetrain's step or torch's wrappers (a sparse embedding's first
+backward: 'Could not run aten::_amp_foreach_non_finite_check_and_unscale_ with arguments from the
+SparseCPU backend')."""
+
+import pytest
+import torch
+
+from hetrain.errors import HetrainError
+from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+
+
+def _prepare(model, sharding="none"):
+    import hetrain
+
+    plan = Plan(global_batch_size=8, sharding=sharding, balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=0, share=8)])
+    with hetrain.Session(plan) as session:
+        return session.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+class Tokens(torch.nn.Module):
+    def __init__(self, sparse):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4, sparse=sparse)
+        self.head = torch.nn.Linear(4, 2)
+
+
+@pytest.mark.parametrize("sharding", ["none", "zero1", "fsdp"])
+def test_a_sparse_embedding_is_refused_naming_sparse_false(sharding):
+    with pytest.raises(HetrainError, match=r"^emb makes sparse gradients \(sparse=True\).*sparse=False"):
+        _prepare(Tokens(sparse=True), sharding)
+    _prepare(Tokens(sparse=False), sharding)
+
+
+def test_a_lazy_module_not_yet_run_is_refused_and_one_run_once_trains():
+    lazy = torch.nn.Sequential(torch.nn.LazyLinear(3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    with pytest.raises(HetrainError, match=r"parameter 0.weight is not initialised yet.*run one forward"):
+        _prepare(lazy)
+    lazy(torch.randn(2, 5))
+    _prepare(lazy)
+
+
+def test_a_model_on_the_meta_device_is_refused_naming_to_empty():
+    with torch.device("meta"):
+        model = torch.nn.Linear(4, 2)
+    with pytest.raises(HetrainError, match=r"parameter weight is on the meta device.*model.to_empty"):
+        _prepare(model)
+
+
+@pytest.mark.parametrize("sharding", ["zero1", "fsdp"])
+def test_parameters_of_two_dtypes_are_refused_under_sharding_that_flattens_them(sharding):
+    model = torch.nn.Linear(4, 2)
+    model.scale = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+    with pytest.raises(HetrainError, match=r"needs the model's parameters in one dtype, and they are float32 "
+                                           r"\(weight\), float64 \(scale\).*sharding 'none'"):
+        _prepare(model, sharding)
+    _prepare(model, "none")
