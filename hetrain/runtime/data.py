@@ -20,17 +20,19 @@ from typing import Any, ContextManager
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset, default_collate
 
 from hetrain.errors import HetrainError, ranks_by_value, ranks_text
 from hetrain.runtime.batch_tree import check_cuttable
 from hetrain.runtime.batch_sampler import RankBatchSampler, ShareSchedule, step_shares
 from hetrain.runtime.batch_transfer import to_device
 from hetrain.runtime.environment import add_error_hint
+from hetrain.runtime.loader_position import StepPosition
 from hetrain.runtime.data_order import GlobalBatchOrder, rank_slice
 from hetrain.runtime.sample_seeds import KeyedBatches, SeededSamples
 from hetrain.runtime.memory import empty_batch, equal_pieces, job_piece_count, micro_batch_sizes, split_batch
 from hetrain.runtime.step_state import StepState
+from hetrain.runtime.tensor_gather import TensorGather, as_is
 from hetrain.runtime.stream import unpack
 from hetrain.planning.batch_split import split_partial
 
@@ -41,28 +43,6 @@ log = logging.getLogger("hetrain")
 # DataLoader options hetrain decides itself: which samples form a batch and how many.
 OWNED = {"batch_size": "global_batch_size", "shuffle": "shuffle", "sampler": "seed and shuffle",
          "batch_sampler": "the balancer's split", "generator": "the workers' seeds, from seed"}
-
-
-class _TensorGather(Dataset):
-    """A TensorDataset read by one gather per tensor instead of a tuple per sample (same batch)."""
-
-    def __init__(self, dataset: TensorDataset) -> None:
-        self.tensors = dataset.tensors
-
-    def __len__(self) -> int:
-        return len(self.tensors[0])
-
-    def __getitem__(self, i: int) -> tuple:
-        return tuple(t[i] for t in self.tensors)
-
-    def __getitems__(self, indices: list[int]) -> list[torch.Tensor]:
-        index = torch.tensor(indices, dtype=torch.long)
-        return [t[index] for t in self.tensors]
-
-
-def _as_is(batch: list[Any]) -> list[Any]:
-    """A collate_fn that keeps the batch as the dataset or sampler built it."""
-    return batch
 
 
 _END = object()
@@ -107,6 +87,7 @@ class HeteroLoader:
         self._epoch = 0
         self._in_epoch = 0   # steps of `epoch` already handed out
         self.run_step = 0        # steps handed out since the run began (all epochs)
+        self._position = StepPosition()   # as of the last step taken: what a checkpoint saves
         self.schedule = ShareSchedule(split.shares, lag=0 if self.stream else lag)
         # how long the training loop blocked for the last step's batch: the loading that workers did not
         # hide (all of it without workers), collating and moving it to the device included
@@ -116,12 +97,12 @@ class HeteroLoader:
         if self.stream:
             self._source = _GlobalBatchSource(dataset, self.global_batch_size, drop_last)
             self.sampler = None
-            self.dataloader = DataLoader(self._source.stream, batch_size=None, collate_fn=_as_is,
+            self.dataloader = DataLoader(self._source.stream, batch_size=None, collate_fn=as_is,
                                          generator=self._generator, **dataloader_options)
         else:
             self.sampler = RankBatchSampler(order, self.schedule, rank)
             if isinstance(dataset, TensorDataset) and collate_fn in (None, default_collate):   # nothing random
-                self.dataloader = DataLoader(_TensorGather(dataset), batch_sampler=self.sampler, collate_fn=_as_is,
+                self.dataloader = DataLoader(TensorGather(dataset), batch_sampler=self.sampler, collate_fn=as_is,
                                              generator=self._generator, **dataloader_options)
             else:   # each sample read with the generators seeded from (seed, epoch, index): sample_seeds.py
                 self.dataloader = DataLoader(SeededSamples(dataset, self.seed),
@@ -171,8 +152,7 @@ class HeteroLoader:
             return None
         return ("hetrain: this rank has no samples in this step (share 0) and its batch is empty; if the error came "
                 "from the model, some models cannot take one (Hugging Face transformers): give every rank a sample: "
-                "drop_last=True in "
-                "session.loader() where the epoch's last global batch has fewer samples than there are ranks, "
+                "drop_last=True in session.loader() where the epoch's last global batch has fewer samples than there are ranks, "
                 "min_share >= 1 in the plan's balance settings, or a plan that gives every device samples")
 
     def _epoch_done(self) -> bool:
@@ -241,6 +221,7 @@ class HeteroLoader:
             batch = to_device(batch, self.device)
             self.data_wait_seconds = time.perf_counter() - started
             self._check_last_step_ended()
+            self._position.drawing((self._epoch, self._in_epoch, self.run_step), self.step.finished)
             self.step.begin_step(local, total)
             self._in_epoch += 1
             self.run_step += 1
@@ -288,9 +269,10 @@ class HeteroLoader:
                 yield piece
 
     def state_dict(self) -> dict:
-        state = {"epoch": self._epoch, "step_in_epoch": self._in_epoch, "run_step": self.run_step,
-                 "seed": self.seed, "global_batch_size": self.global_batch_size,
-                 "schedule": self.schedule.state_dict()}
+        epoch, in_epoch, run_step = self._position.saved((self._epoch, self._in_epoch, self.run_step),
+                                                         self.step.finished)   # a draw given no step is not in it
+        state = {"epoch": epoch, "step_in_epoch": in_epoch, "run_step": run_step, "seed": self.seed,
+                 "global_batch_size": self.global_batch_size, "schedule": self.schedule.state_dict()}
         if self.order is not None:
             state["order"] = self._order_settings()
         return state

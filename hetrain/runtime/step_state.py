@@ -51,6 +51,7 @@ class StepState:
         # the last finished step's global items / global samples; None until the run's first step agrees on one
         self.items_per_sample: float | None = None
         self.begun = 0                          # steps begun (tells one step's batch from the next)
+        self.finished = 0                       # steps finished (a batch drawn and not stepped is not counted)
         self.last: StepTotals | None = None
         self.skipped_last = False               # this rank skipped its last finished step (replicated gradients:
                                                 # the next step's figures check every rank did the same)
@@ -101,6 +102,7 @@ class StepState:
         if global_items > 0 and self.global_samples:
             self.items_per_sample = global_items / self.global_samples
         self.last = StepTotals(self.global_samples or 0, global_items, loss, self.local_samples or 0, self.items)
+        self.finished += 1
         self.local_samples = self.global_samples = self.micro_samples = None
         self.last_micro, self.items, self.loss_sum, self.backwards, self.micros = True, 0.0, None, 0, 0
         return self.last

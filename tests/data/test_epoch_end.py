@@ -1,6 +1,7 @@
 """`while loader.epoch < epochs: for batch in loader:` runs exactly `epochs` epochs however the pass is
 left: a break at the last step, or a resume from a checkpoint saved at the last step."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
@@ -75,3 +76,39 @@ def test_a_resume_mid_epoch_with_the_data_ordered_differently_is_refused(tmp_pat
     # at an epoch's end the next epoch may be ordered anew
     assert run_ranks(_stop_mid_epoch, 1, str(tmp_path), SAMPLES, True, 4)[0] == (1, 0)
     assert run_ranks(_stop_mid_epoch, 1, str(tmp_path), SAMPLES + 16, False, 6)[0] == (1, 2)
+
+
+def _peek_after(rank, world, ckpt_dir, epochs, peek):
+    """`epochs` epochs, then rank 0 alone reads the loader (a batch to log predictions on, or a whole pass)."""
+    import hetrain
+
+    session = hetrain.Session(checkpoint_dir=ckpt_dir, checkpoint_interval=100, async_checkpoints=False)
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 2)
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(SAMPLES, 4, generator=g), torch.randint(0, 2, (SAMPLES,), generator=g))
+    loader = session.loader(data, global_batch_size=GLOBAL, shuffle=True, seed=0)
+    start = (loader.epoch, loader.step_in_epoch)
+    while loader.epoch < epochs:
+        for x, y in loader:
+            session.backward(F.cross_entropy(model(x), y))
+            session.step()
+    if rank == 0 and peek == "batch":
+        next(iter(loader))
+    elif rank == 0 and peek == "pass":
+        for _ in loader:
+            pass
+    session.close()   # saves the last step
+    return start, session.step_count, [p.detach().clone() for p in net.parameters()]
+
+
+@pytest.mark.parametrize("peek", ["batch", "pass"])
+def test_batches_rank_0_reads_after_the_last_step_are_not_skipped_by_the_resume(tmp_path, peek):
+    """The closing save took rank 0's loader position: the resume began at step 1 of the next epoch (a peeked
+    batch never trained) or an epoch later (a pass that only read), silently."""
+    _, _, want = run_ranks(_peek_after, 2, None, 3, None)[0]
+    run_ranks(_peek_after, 2, str(tmp_path), 2, peek)
+    start, steps, params = run_ranks(_peek_after, 2, str(tmp_path), 3, None)[0]
+    assert start == (2, 0) and steps == 12, (start, steps)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(params, want))
