@@ -154,7 +154,7 @@ class Hetrain:
                                           num_workers=workers, persistent_workers=workers > 0)
         self.batches = _cycle(lambda: iter(self.loader))
         self.waits: list[float] = []   # each step's wait for its batch
-        self.untimed = args.warmup     # compare() runs this many warm-up steps before the timed ones
+        self.untimed = max(1, args.warmup)   # compare() runs this many warm-up steps before the timed ones
         os.environ.pop(Env.EMULATE_SPEEDS, None)
 
     def step(self) -> None:
@@ -188,11 +188,15 @@ def _gather(value) -> list:
     return out
 
 
-def compare(args, modes: dict) -> dict:
-    """Warm each mode up, then alternate timed blocks of `args.block` steps between them, so a drift
-    of this shared machine's speed falls on each alike; each rate is the median over its blocks."""
-    for mode in modes.values():
-        for _ in range(args.warmup):
+def compare(args, makers: dict) -> dict:
+    """Make and warm up each mode, then alternate timed blocks of `args.block` steps between them, so a
+    drift of this shared machine's speed falls on each alike; each rate is the median over its blocks.
+    Each mode is made after the last one's warm-up: two sessions made side by side are a pair that
+    trains on one batch (a GAN's), and the second would take the first's split."""
+    modes = {}
+    for name, make in makers.items():
+        modes[name] = mode = make()
+        for _ in range(max(1, args.warmup)):
             mode.step()
     rates: dict[str, list[float]] = {name: [] for name in modes}
     for _ in range(max(1, args.steps // args.block)):
@@ -225,13 +229,13 @@ def main(argv: list[str] | None = None) -> int:
                     "workers": args.workers, "slow_workers": args.slow_workers, "device_ms_per_sample": args.device_ms,
                     "timed_steps": args.block * max(1, args.steps // args.block),
                     "decode_ms_per_sample": _gather(decode_ms)}
-    result.update(compare(args, {"ddp_1_1": PlainDDP(args, data, None),
-                                 "hetrain_1_1": Hetrain(args, data, None, balance=True, workers=args.workers)}))
-    result.update(compare(args, {"ddp_1_0.5": PlainDDP(args, data, slow),
-                                 "hetrain_1_0.5": Hetrain(args, data, slow, balance=True, workers=args.workers)}))
+    result.update(compare(args, {"ddp_1_1": lambda: PlainDDP(args, data, None),
+                                 "hetrain_1_1": lambda: Hetrain(args, data, None, balance=True, workers=args.workers)}))
+    result.update(compare(args, {"ddp_1_0.5": lambda: PlainDDP(args, data, slow),
+                                 "hetrain_1_0.5": lambda: Hetrain(args, data, slow, balance=True, workers=args.workers)}))
     fewer = args.slow_workers if rank == 1 else args.workers
-    result.update(compare(args, {"slow_loader_even": Hetrain(args, data, None, balance=False, workers=fewer),
-                                 "slow_loader_hetrain": Hetrain(args, data, None, balance=True, workers=fewer)}))
+    result.update(compare(args, {"slow_loader_even": lambda: Hetrain(args, data, None, balance=False, workers=fewer),
+                                 "slow_loader_hetrain": lambda: Hetrain(args, data, None, balance=True, workers=fewer)}))
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
