@@ -59,7 +59,7 @@ from hetrain.runtime.step_guard import (KeptGradients, OptimizerStepGuard, Stead
 from hetrain.runtime.timing import StepTimer, emulated_speed, figures_carrier, idle_fraction
 from hetrain.runtime.train_state import TrainState
 from hetrain.runtime.user_state import UserStates
-from hetrain.runtime.watchdog import ProgressWatch, die_with_parent
+from hetrain.runtime.watchdog import ProgressWatch, collective_call, die_with_parent, meet
 from hetrain.vocabulary import LOSSY_COMPRESSIONS, Env
 
 log = logging.getLogger("hetrain")
@@ -149,7 +149,6 @@ class Session:
     optimizer = property(lambda self: self.prepared.optimizer if self.prepared is not None else None)
     blocks = property(lambda self: self.prepared.blocks if self.prepared is not None else [])
     micro_batch = property(lambda self: self.entry.micro_batch)
-
     model = property(lambda self: self.prepared.model if self.prepared is not None else None)   # prepared, wrapped
 
     @property
@@ -168,20 +167,22 @@ class Session:
         if self.prepared is not None:
             raise HetrainError("session.prepare() was already called; a session trains one model: a second model "
                                "trained beside it (a GAN's) gets a session of its own (docs/porting.md)")
+        with collective_call(self.watch, "prepare"):   # a rank that stalls in its collectives names the call
+            self.prepared, self.pipeline = self._parallelized(model, optimizer, blocks, find_unused_parameters)
+        self._step_guard = OptimizerStepGuard.of(self.optimizer, given=optimizer, model=self.prepared.model)
+        return self.prepared.model, self.prepared.optimizer
+
+    def _parallelized(self, model: torch.nn.Module, optimizer: Any, blocks: Any, find_unused: bool) -> tuple:
         if self.layout is not None:
-            self.prepared, self.pipeline = prepare_pipeline(model, optimizer, self.plan.pipeline, self.layout, self.device,
+            return prepare_pipeline(model, optimizer, self.plan.pipeline, self.layout, self.device,
                 self.entry.activation_checkpointing, self.autocast, self.emulated_speed, self.sharding == "fsdp")
-            self._step_guard = OptimizerStepGuard.of(self.optimizer, given=optimizer, model=self.prepared.model)
-            return self.prepared.model, self.prepared.optimizer
         comm, note = comm_for_world(self.plan, self.assignment) if self.plan is not None else (None, None)
         if note is not None and self.is_main:
             log.info("%s", note)
-        self.prepared = parallelize(model, optimizer, sharding_name=self.sharding, entries=self.assignment.entries,
-                                    rank=self.rank, comm=comm, device=self.device, timer=self.timer, blocks=blocks,
-                                    find_unused_parameters=find_unused_parameters,
-                                    without_samples=lambda: self.state.active and self.state.current_samples() == 0)
-        self._step_guard = OptimizerStepGuard.of(self.optimizer, given=optimizer, model=self.prepared.model)
-        return self.prepared.model, self.prepared.optimizer
+        return parallelize(model, optimizer, sharding_name=self.sharding, entries=self.assignment.entries,
+                           rank=self.rank, comm=comm, device=self.device, timer=self.timer, blocks=blocks,
+                           find_unused_parameters=find_unused,
+                           without_samples=lambda: self.state.active and self.state.current_samples() == 0), None
 
     def add_scheduler(self, scheduler: Any) -> Any:
         """An LR scheduler on the optimizer `prepare()` returned: stepped after each applied update (not by the
@@ -353,8 +354,7 @@ class Session:
 
         Call it between the step's last `backward` and `step`; it unscales fp16 gradients first. A
         non-finite norm makes every rank skip the step. On a micro-batch that is not the step's last
-        it does nothing and returns None (gradients are still accumulating).
-        """
+        it does nothing and returns None (gradients are still accumulating)."""
         if self.prepared is None:
             raise HetrainError("call session.prepare(model, optimizer) before session.clip_grad_norm_()")
         self.state.require_batch("clip_grad_norm_")
@@ -445,7 +445,9 @@ class Session:
     observers = property(lambda self: self.reports.observers)
     gather_rows = staticmethod(gather_rows)   # every rank's rows of a tensor, in rank order (hetrain.runtime.cross_rank)
 
-    barrier = staticmethod(lambda: dist.barrier())   # every rank waits until each has reached it (collective)
+    def barrier(self) -> None:
+        """Every rank waits until each has reached it, however long one rank's work before it takes (collective)."""
+        meet(self.watch)
 
     def model_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's state dict, on rank 0 (None elsewhere), under any plan: CPU tensors under the

@@ -244,6 +244,13 @@ def stall_message(stall: Stall, after: dict[int, Progress | None], own_seconds: 
     early = ended_early(after)
     if early is not None:
         return early + f" (limit {timeout_s:g} s, hetrain launch --collective-timeout)"
+    calls = {r: p.phase[len(INSIDE):] for r, p in after.items() if p is not None and p.phase.startswith(INSIDE)}
+    if len(calls) == len(after) and len(set(calls.values())) > 1:   # e.g. session.barrier() inside `if rank == 0:`
+        where = "; ".join(f"{ranks_text(sorted(r for r in calls if calls[r] == c))} in session.{c}"
+                          for c in sorted(set(calls.values())))
+        return (f"the ranks wait in different collective calls at step {stall.step} for {own_seconds:.0f} s ({where}): "
+                f"every rank makes the session's collective calls in one order (is one inside `if rank == 0:`?; "
+                f"limit {timeout_s:g} s, hetrain launch --collective-timeout)")
     first = stall.culprits[0]
     entry = after.get(first)
     seconds = own_seconds if entry is None or first in stall.silent else max(entry.seconds, own_seconds)
@@ -410,6 +417,9 @@ class ProgressWatch:
                     continue
                 after = self._read_all()
                 stall = find_stall(before, after)
+                if waits_on_work_before_a_barrier(stall, after):
+                    before, reported_at = None, 0.0
+                    continue
                 # Another rank reports; if the job still stands a few intervals later, this one does.
                 late = reported_at and now - reported_at > 5 * self.interval_s
                 if stall.reporter == self.rank or late:
@@ -440,6 +450,41 @@ class ProgressWatch:
             return False
         self.on_stall(early, find_stall(after, after))
         return True
+
+
+BARRIER = f"{INSIDE}barrier()"
+_barriers = 0   # session.barrier() calls in this process: every rank makes them in one order
+
+
+def meet(watch: "ProgressWatch | None") -> None:
+    """`session.barrier()`: every rank waits until each has reached it, however long that takes. Work one rank
+    does alone before it (rank 0 downloads the dataset while the others wait) may outlast the progress limit
+    and the process group's timeout, so the ranks meet in the job's store, not in a collective; ranks that
+    wait here for a rank still computing are not a stall (`find_stall`). Without a watch (one rank, no
+    launcher's store), the process group's barrier."""
+    global _barriers
+    if watch is None:
+        import torch.distributed as dist
+
+        dist.barrier()
+        return
+    _barriers += 1
+    key = f"hetrain/barrier/{_barriers}"
+    with watch.inside("barrier"):
+        if watch.store.add(key, 1) == watch.world_size:
+            watch.store.set(f"{key}/all", "1")
+        pause = 0.005
+        while not watch.store.check([f"{key}/all"]):
+            time.sleep(pause)
+            pause = min(2 * pause, 0.5)
+
+
+def waits_on_work_before_a_barrier(stall: Stall, after: dict[int, Progress | None]) -> bool:
+    """Every rank the culprits hold up waits in `session.barrier()`, and the culprits compute: the script's own
+    work before the barrier (a download on rank 0), as long as it takes."""
+    others = [p for r, p in after.items() if r not in stall.culprits]
+    return bool(others) and all(p is not None and p.phase == BARRIER for p in others) and \
+        all(after.get(r) is not None and after[r].phase == "computing" for r in stall.culprits)
 
 
 def _report_and_exit(message: str, stall: Stall) -> None:

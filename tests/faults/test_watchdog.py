@@ -405,3 +405,53 @@ def test_a_stream_that_ends_early_on_one_rank_is_named_in_seconds_not_after_the_
     assert ("rank 1's stream ended after 2 global batch(es) of epoch 0, while rank 0 wait(s) in step 3 for more"
             in r.stderr), r.stderr[-2000:]
     assert "same samples in the same order" in r.stderr
+
+
+BARRIER_SCRIPT = '''
+import os
+import sys
+import time
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+import hetrain
+
+if __name__ == "__main__":
+    session = hetrain.Session()
+    if session.rank == 0:
+        time.sleep(float(sys.argv[1]))   # rank 0 alone downloads the dataset; the others wait at the barrier
+    if session.rank == 0 or sys.argv[2] == "every-rank":
+        session.barrier()
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 6, generator=g), torch.randint(0, 3, (64,), generator=g))
+    net = torch.nn.Linear(6, 3)
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    for x, y in session.loader(data, global_batch_size=16):
+        session.backward(F.cross_entropy(model(x), y))
+        session.step()
+    print("trained", session.step_count, flush=True)
+    session.close()
+'''
+
+
+def test_ranks_wait_at_session_barrier_for_work_one_rank_does_alone_past_the_progress_limit(tmp_path):
+    """Rank 0 downloads for 12 s with a 4 s progress limit (and a process-group timeout of 34 s), the other
+    waits in session.barrier(): the job was ended as 'ranks 0,1 made no progress at step 0'. It trains on."""
+    from tests.distributed import run_cli
+
+    (tmp_path / "barrier.py").write_text(BARRIER_SCRIPT)
+    r = run_cli([sys.executable, "-m", "hetrain.cli.main", "launch", "--nproc-per-node", "2", "--collective-timeout",
+                 "4", str(tmp_path / "barrier.py"), "12", "every-rank"], cwd=ROOT, timeout=120)
+    assert r.returncode == 0 and "trained 4" in r.stdout, r.stderr[-2000:]
+
+
+def test_a_barrier_one_rank_calls_alone_is_named_within_the_progress_limit(tmp_path):
+    from tests.distributed import run_cli
+
+    (tmp_path / "barrier.py").write_text(BARRIER_SCRIPT)
+    start = time.monotonic()
+    r = run_cli([sys.executable, "-m", "hetrain.cli.main", "launch", "--nproc-per-node", "2", "--collective-timeout",
+                 "4", str(tmp_path / "barrier.py"), "0", "rank-0"], cwd=ROOT, timeout=120)
+    assert r.returncode != 0 and time.monotonic() - start < 60, r.stderr[-2000:]
+    assert ("the ranks wait in different collective calls at step 0" in r.stderr and "rank 0 in session.barrier(); "
+            "rank 1 in session.prepare()" in r.stderr), r.stderr[-2000:]
