@@ -25,6 +25,7 @@ rank, world, device = session.rank, session.world_size, session.device
 g = torch.Generator().manual_seed(0)
 x = torch.randn(2048, 20, generator=g)
 dataset = TensorDataset(x, x @ torch.randn(20, 1, generator=g) + 0.1 * torch.randn(2048, 1, generator=g))
+torch.manual_seed(0)   # every rank and both scripts build the same initial weights
 model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)).to(device)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
 model, optimizer = session.prepare(model, optimizer)

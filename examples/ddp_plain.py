@@ -26,6 +26,7 @@ device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_av
 g = torch.Generator().manual_seed(0)
 x = torch.randn(2048, 20, generator=g)
 dataset = TensorDataset(x, x @ torch.randn(20, 1, generator=g) + 0.1 * torch.randn(2048, 1, generator=g))
+torch.manual_seed(0)   # every rank and both scripts build the same initial weights
 model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)).to(device)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
 start = 0

@@ -1,4 +1,4 @@
-"""The training loop of docs/design.md on scikit-learn's digits. Run it on 2 CPU ranks:
+"""The training loop of README.md on scikit-learn's digits. Run it on 2 CPU ranks:
 
     hetrain launch --nproc-per-node 2 --emulate-speeds 1,0.5 examples/train_digits.py --epochs 5
 """
