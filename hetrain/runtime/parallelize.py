@@ -85,15 +85,38 @@ def check_optimizer(optimizer: Any) -> None:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise HetrainError(
             f"session.prepare() takes one torch.optim.Optimizer, got {type(optimizer).__name__}: a session trains "
-            "one model with one optimizer; put several models' parameters in one optimizer's groups "
-            "(torch.optim.Adam([{'params': a.parameters()}, {'params': b.parameters(), 'lr': 1e-4}])), or give "
-            "each its own job")
+            "one model with one optimizer; put several models in one module (nn.ModuleDict({'a': a, 'b': b})) and "
+            "their parameters in one optimizer's groups (torch.optim.Adam([{'params': a.parameters()}, {'params': "
+            "b.parameters(), 'lr': 1e-4}])), or give each model a session of its own (docs/porting.md)")
     closure = inspect.signature(optimizer.step).parameters.get("closure")
     if closure is not None and closure.default is inspect.Parameter.empty:
         raise HetrainError(
             f"{type(optimizer).__name__}.step() needs a closure that evaluates the model again, and session.step() "
             "applies one update from the global batch's gradient with none; use an optimizer that steps "
             "without one (SGD, Adam, AdamW, ...)")
+
+
+def check_optimizer_holds_the_model(optimizer: Any, model: nn.Module) -> None:
+    """The optimizer steps the model's parameters only: another tensor's gradient (a learnable temperature held
+    by the loss, a model built again after its optimizer) is neither all-reduced nor counted over the global
+    batch, or never computed, and its step is silent."""
+    if optimizer is None:
+        return
+    own = {id(p) for p in model.parameters()}
+    stepped = [p for g in optimizer.param_groups for p in g["params"]]
+    other = [p for p in stepped if id(p) not in own]
+    if not other:
+        return
+    shapes = ", ".join(str(tuple(p.shape)) for p in other[:3]) + (", ..." if len(other) > 3 else "")
+    if len(other) == len(stepped):
+        raise HetrainError(
+            f"the optimizer holds none of the model's parameters (shapes {shapes}): it was built on another model "
+            "object (a model made again after its optimizer); build the optimizer on the model passed to "
+            "session.prepare()")
+    raise HetrainError(
+        f"the optimizer holds {len(other)} tensor(s) that are not the model's parameters (shapes {shapes}): their "
+        "gradients would be neither all-reduced nor counted over the global batch, so each rank would train its "
+        "own copy; make them the model's (a learnable loss temperature as an attribute of the model)")
 
 
 def check_master_weights(model: nn.Module, sharding_name: str = "none") -> None:
@@ -234,6 +257,7 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, sh
             f"session.prepare() was given a model already wrapped in {type(model).__name__}: its gradients would "
             f"be reduced twice; pass the bare model ({bare}), hetrain wraps it for the plan")
     check_master_weights(model, sharding_name)
+    check_optimizer_holds_the_model(optimizer, model)
     model = sync_batchnorm(model.to(device), device, len(entries), warn=rank == 0)
     chosen = apply_activation_checkpointing(model, entry, blocks)
     watch_precision(model, device, entry.precision, any(e.precision == "fp16" for e in entries))

@@ -374,11 +374,12 @@ def prepare_pipeline(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
     from collections import OrderedDict
 
     from hetrain.runtime.memory import checkpoint_blocks
-    from hetrain.runtime.parallelize import check_master_weights, check_optimizer
+    from hetrain.runtime.parallelize import check_master_weights, check_optimizer, check_optimizer_holds_the_model
     from hetrain.runtime.pipeline_stages import tied_parameters
 
     check_optimizer(optimizer)
     check_master_weights(model)
+    check_optimizer_holds_the_model(optimizer, model)
     start_from_rank0(model, pipeline, layout, device)
     ties = tied_parameters(model, pipeline)
     chunks = [chunk.to(device) for chunk in stage_modules(model, pipeline, layout.stage)]

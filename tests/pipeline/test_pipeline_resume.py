@@ -73,7 +73,8 @@ def _run_expecting_error(rank, world, plan, directory, direct_call):
 
     try:
         session = hetrain.Session(plan, checkpoint_dir=directory, async_checkpoints=False)
-        model, _ = session.prepare(make_model(6), torch.optim.SGD(make_model(6).parameters(), lr=0.1))
+        net = make_model(6)
+        model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
         loader = session.loader(make_data(), global_batch_size=GLOBAL, shuffle=True, seed=0)
         if direct_call:
             x, _ = next(iter(loader))

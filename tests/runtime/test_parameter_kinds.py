@@ -57,3 +57,22 @@ def test_parameters_of_two_dtypes_are_refused_under_sharding_that_flattens_them(
                                            r"\(weight\), float64 \(scale\).*sharding 'none'"):
         _prepare(model, sharding)
     _prepare(model, "none")
+
+
+def test_an_optimizer_over_tensors_that_are_not_the_model_s_is_refused():
+    """A model made again after its optimizer trained nothing (every step returned True, the weights never
+    moved); a learnable temperature the loss held was stepped on each rank's own gradient."""
+    import hetrain
+
+    def prepare(model, params):
+        with hetrain.Session() as session:
+            return session.prepare(model, torch.optim.SGD(params, lr=0.1))
+
+    stale = torch.nn.Linear(4, 2)
+    with pytest.raises(HetrainError, match=r"holds none of the model's parameters.*built on another model object"):
+        prepare(torch.nn.Linear(4, 2), stale.parameters())
+    model, temperature = torch.nn.Linear(4, 2), torch.nn.Parameter(torch.ones(()))
+    with pytest.raises(HetrainError, match=r"holds 1 tensor\(s\) that are not the model's parameters \(shapes \(\)\)"):
+        prepare(model, [*model.parameters(), temperature])
+    both = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 2), "b": torch.nn.Linear(2, 1)})
+    prepare(both, [{"params": both["a"].parameters()}, {"params": both["b"].parameters(), "lr": 0.01}])
