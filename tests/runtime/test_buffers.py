@@ -196,11 +196,12 @@ def _lazy_job(rank, world):
         session.close()
 
 
-def test_a_lazy_module_gets_ddps_message_not_an_error_from_copying_its_buffers():
+def test_a_lazy_module_gets_a_message_naming_a_first_forward_not_an_error_from_copying_its_buffers():
     """The buffer copy ran before DDP and failed on the uninitialized buffer ('uninitialized parameter in
-    numel'), in place of DDP's message naming a dummy forward pass."""
+    numel'); prepare() now names the first forward before anything is copied."""
     for message in run_ranks(_lazy_job, 2):
-        assert message is not None and "dummy forward" in message, message
+        assert message is not None and "run one forward on a sample batch before session.prepare()" in message, \
+            message
 
 
 class _OutOfPlace(nn.Module):
