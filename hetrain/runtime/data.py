@@ -80,6 +80,7 @@ class HeteroLoader:
         self.gradients_pending: Callable[[], bool] = lambda: True
         # told (epoch, batches) when the stream ends a pass, None once every rank began the next (the session's watch)
         self.on_stream_end: Callable[[tuple[int, int] | None], None] = lambda ended: None
+        self.on_phase: Callable[[str], None] = lambda phase: None   # "reading" its batch, then "computing" its step
         self._warned_no_step = False
         self.collate_fn = collate_fn or default_collate
         self.global_batch_size = order.global_batch_size if order is not None else int(global_batch_size)
@@ -201,6 +202,7 @@ class HeteroLoader:
             self.schedule.observe(self.run_step, self.split.shares)
             shares = self.schedule.at(self.run_step)
             started = time.perf_counter()
+            self.on_phase("reading")
             batch = next(batches, _END)   # _END: the stream ended (a map-style epoch ends by its length above)
             if self.stream and self._in_epoch == started_at:   # floats too at a fresh start, before generators part
                 self._source.check_ranks(None if batch is _END else batch, floats=self.run_step == 0)
@@ -223,6 +225,7 @@ class HeteroLoader:
             self._check_last_step_ended()
             self._position.drawing((self._epoch, self._in_epoch, self.run_step), self.step.finished)
             self.step.begin_step(local, total)
+            self.on_phase("computing")
             self._in_epoch += 1
             self.run_step += 1
             yield from self._pieces(batch, local, shares)

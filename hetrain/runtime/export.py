@@ -17,13 +17,17 @@ import torch
 import torch.distributed as dist
 
 from hetrain.errors import HetrainError
-from hetrain.runtime.watchdog import collective_call
+from hetrain.runtime.watchdog import collective_call, meet
 
 
 def full_model_state(session: Any) -> dict[str, torch.Tensor] | None:
     """The whole model's state dict on rank 0 (CPU tensors), None on the other ranks (collective)."""
     if session.prepared is None:
         raise HetrainError("call session.prepare(model, optimizer) before session.model_state_dict()")
+    if session.sharding == "fsdp" or session.pipeline is not None:
+        # gathers a rank made alone (`if rank == 0:`) would pair with the others' step and abort the job in gloo:
+        # the ranks meet first, and a rank that waits there for the others is named by the progress watch
+        meet(session.watch, "model_state_dict")
     with collective_call(session.watch, "model_state_dict"):   # a stall here names the call
         return _gathered(session)
 

@@ -59,7 +59,7 @@ from hetrain.runtime.step_guard import (KeptGradients, OptimizerStepGuard, Stead
 from hetrain.runtime.timing import StepTimer, emulated_speed, figures_carrier, idle_fraction
 from hetrain.runtime.train_state import TrainState
 from hetrain.runtime.user_state import UserStates
-from hetrain.runtime.watchdog import ProgressWatch, collective_call, die_with_parent, meet
+from hetrain.runtime.watchdog import ProgressWatch, collective_call, die_with_parent, meet, watch_loader
 from hetrain.vocabulary import LOSSY_COMPRESSIONS, Env
 
 log = logging.getLogger("hetrain")
@@ -223,8 +223,7 @@ class Session:
         follow(loader, leader)   # None: its own split
         balancer.lag = loader.lag   # a new split reaches the loop this many steps after it is decided
         loader.gradients_pending = lambda: gradients_pending(self.prepared.model)
-        if self.watch is not None:   # a rank whose stream ended while others wait in a step is named at once
-            loader.on_stream_end = lambda ended: self.watch.stream_end(ended, self.train.step + 1)
+        watch_loader(loader, self.watch, lambda: self.train.step + 1)   # reading, computing, a stream's end
         train = TrainState(self.prepared, self.sharding, self.scaler, self.balancer, loader, self.plan, self.world_size,
                            self.rank, schedulers=self.schedulers, step_state=self.state, user_states=self.user_states)
         # resumes the newest checkpoint; a failed resume leaves the session without a loader (and the directory free)
@@ -417,7 +416,7 @@ class Session:
             with self.clock.checkpoint():
                 self.checkpoints.after_step(stop=status.stop)
         if self.watch is not None:
-            self.watch.computing(self.train.step + 1)
+            self.watch.between(self.train.step + 1)   # the script's own code until the next batch is read
         self.clock.returned()
         return applied
 

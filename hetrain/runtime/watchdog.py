@@ -182,7 +182,8 @@ class Progress:
 
     step: int
     phase: str
-    """"computing" (its own work), "waiting" (on the others) or "done" (its watch stopped)"""
+    """"computing" (its own work in a step), BETWEEN (the script's own code after a step), READING (drawing
+    its batch), "waiting" (on the others), INSIDE a collective call, or "done" (its watch stopped)"""
     seconds: float
     seq: int
     """publish count: a rank whose seq stops moving cannot speak (frozen, or holding the GIL)"""
@@ -199,6 +200,9 @@ class Stall:
 
 
 INSIDE = "in session."   # the phase of a rank inside a collective call of the session
+BETWEEN = "in the script's own code between steps"
+READING = "reading its batch"
+BUSY = ("computing", BETWEEN, READING)   # a rank's own work: the others wait on it
 STREAM_ENDED = "its stream ended"   # the phase of a rank whose stream ended a pass, until every rank begins the next
 DONE = "done"
 
@@ -229,9 +233,11 @@ def find_stall(before: dict[int, Progress | None], after: dict[int, Progress | N
     else:
         low = min(p.step for p in known.values())
         lowest = sorted(r for r, p in known.items() if p.step == low)
-        culprits = [r for r in lowest if known[r].phase == "computing"] or lowest
+        # the script's own code (or its data) before its forward, ahead of a forward whose FSDP2 gathers wait on it
+        culprits = [r for r in lowest if known[r].phase in (BETWEEN, READING)] or \
+            [r for r in lowest if known[r].phase in BUSY] or lowest
     # A silent rank may have moved on since it last spoke, but not past a step the others wait in.
-    waiting = [p.step for r, p in known.items() if r not in culprits and p.phase != "computing"]
+    waiting = [p.step for r, p in known.items() if r not in culprits and p.phase not in BUSY]
     published = [known[r].step for r in culprits if r in known]
     step = max(published + ([min(waiting)] if waiting else []), default=0)
     speaking = [r for r in sorted(after) if r not in silent]
@@ -269,7 +275,10 @@ def stall_message(stall: Stall, after: dict[int, Progress | None], own_seconds: 
         ranks = sorted(r for r, c in inside.items() if c == call)
         others += (f"; {ranks_text(ranks)} wait{'s' if len(ranks) == 1 else ''} on it in {call}, a collective call "
                    "every rank must make")
-    compiling = " (torch.compile's compile and recompiles count as computing)" if doing == "computing" else ""
+    compiling = " (torch.compile's compile and recompiles count as computing)" if doing == "computing" else \
+        (" (an evaluation, a save or a download on this rank alone? under FSDP2 every rank takes part in every "
+         "forward; ranks that wait for it call session.barrier())" if doing == BETWEEN else
+         " (a DataLoader worker or the dataset stalled)" if doing == READING else "")
     return (f"{who} made no progress at step {stall.step} for {seconds:.0f} s ({doing}{others}; "
             f"limit {timeout_s:g} s, hetrain launch --collective-timeout{compiling})")
 
@@ -318,7 +327,7 @@ class ProgressWatch:
         self.timeout_s = float(timeout_s)
         self.interval_s = min(interval_s, self.timeout_s / 4)
         self.on_stall = on_stall or _report_and_exit
-        self._step, self._phase = 0, "computing"
+        self._step, self._phase = 0, BETWEEN
         self._since = time.monotonic()
         self._seq = 0
         self._seen: dict[int, Progress | None] | None = None   # the last read of every rank's entry while waiting
@@ -333,6 +342,13 @@ class ProgressWatch:
 
     def computing(self, step: int) -> None:
         self._set(step, "computing")
+
+    def between(self, step: int) -> None:
+        self._set(step, BETWEEN)
+
+    def reading(self, step: int) -> None:
+        if not self._phase.startswith(STREAM_ENDED):   # the next pass's first batch: the ended pass stays said
+            self._set(step, READING)
 
     def waiting(self, step: int) -> None:
         self._set(step, "waiting")
@@ -452,25 +468,34 @@ class ProgressWatch:
         return True
 
 
+def watch_loader(loader: Any, watch: "ProgressWatch | None", next_step: Callable[[], int]) -> None:
+    """The loader tells the watch when this rank reads its batch, computes its step, or its stream ended a
+    pass (`next_step()`: the step the batch is for)."""
+    if watch is None:
+        return
+    loader.on_stream_end = lambda ended: watch.stream_end(ended, next_step())
+    loader.on_phase = lambda phase: (watch.reading if phase == "reading" else watch.computing)(next_step())
+
+
 BARRIER = f"{INSIDE}barrier()"
-_barriers = 0   # session.barrier() calls in this process: every rank makes them in one order
+_meetings: dict[str, int] = {}   # meet() calls of this process by call: every rank makes them in one order
 
 
-def meet(watch: "ProgressWatch | None") -> None:
+def meet(watch: "ProgressWatch | None", call: str = "barrier") -> None:
     """`session.barrier()`: every rank waits until each has reached it, however long that takes. Work one rank
     does alone before it (rank 0 downloads the dataset while the others wait) may outlast the progress limit
     and the process group's timeout, so the ranks meet in the job's store, not in a collective; ranks that
-    wait here for a rank still computing are not a stall (`find_stall`). Without a watch (one rank, no
-    launcher's store), the process group's barrier."""
-    global _barriers
+    wait here for a rank still computing are not a stall (`find_stall`). Before a collective call (`call`)
+    that a rank making it alone would pair with the others' step (FSDP2's gathers), the rank waits here,
+    named, instead. Without a watch (one rank, no launcher's store), the process group's barrier."""
     if watch is None:
         import torch.distributed as dist
 
         dist.barrier()
         return
-    _barriers += 1
-    key = f"hetrain/barrier/{_barriers}"
-    with watch.inside("barrier"):
+    _meetings[call] = _meetings.get(call, 0) + 1
+    key = f"hetrain/meet/{call}/{_meetings[call]}"
+    with watch.inside(call):
         if watch.store.add(key, 1) == watch.world_size:
             watch.store.set(f"{key}/all", "1")
         pause = 0.005
@@ -484,7 +509,7 @@ def waits_on_work_before_a_barrier(stall: Stall, after: dict[int, Progress | Non
     work before the barrier (a download on rank 0), as long as it takes."""
     others = [p for r, p in after.items() if r not in stall.culprits]
     return bool(others) and all(p is not None and p.phase == BARRIER for p in others) and \
-        all(after.get(r) is not None and after[r].phase == "computing" for r in stall.culprits)
+        all(after.get(r) is not None and after[r].phase in BUSY for r in stall.culprits)
 
 
 def _report_and_exit(message: str, stall: Stall) -> None:

@@ -455,3 +455,74 @@ def test_a_barrier_one_rank_calls_alone_is_named_within_the_progress_limit(tmp_p
     assert r.returncode != 0 and time.monotonic() - start < 60, r.stderr[-2000:]
     assert ("the ranks wait in different collective calls at step 0" in r.stderr and "rank 0 in session.barrier(); "
             "rank 1 in session.prepare()" in r.stderr), r.stderr[-2000:]
+
+
+def test_a_rank_in_its_own_code_between_steps_is_the_culprit_before_one_whose_forward_waits_on_it():
+    """Under FSDP2 a rank's forward gathers from the others: rank 0 evaluating alone after step 3 left both
+    ranks 'computing' at step 4, and the job was ended as 'ranks 0,1 made no progress'."""
+    from hetrain.runtime.watchdog import BETWEEN, stall_message
+
+    before = {0: _p(4, BETWEEN, 9), 1: _p(4, "computing", 9)}
+    after = {0: _p(4, BETWEEN, 12), 1: _p(4, "computing", 12)}
+    stall = find_stall(before, after)
+    assert stall.culprits == [0] and stall.reporter == 0
+    message = stall_message(stall, after, 16.0, 10.0)
+    assert message.startswith("rank 0 made no progress at step 4 for 16 s (in the script's own code between steps; "
+                              "rank 1 waits on it"), message
+    assert "an evaluation, a save or a download on this rank alone?" in message
+
+
+ALONE_SCRIPT = '''
+import os
+import sys
+import time
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+import hetrain
+from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+
+
+class Slow(Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        if sys.argv[1] == "stalled-read" and os.environ["RANK"] == "1" and i >= 32:
+            time.sleep(60)      # a dataset that stalls on one rank (a network mount)
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(6, generator=g), i % 3
+
+
+if __name__ == "__main__":
+    plan = Plan(global_batch_size=16, sharding=sys.argv[2], balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=r, share=8) for r in range(2)])
+    session = hetrain.Session(plan)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    for x, y in session.loader(Slow(), global_batch_size=16, shuffle=False):
+        session.backward(F.cross_entropy(model(x), y))
+        session.step()
+        if sys.argv[1] == "state-dict-alone" and session.is_main and session.step_count == 2:
+            session.model_state_dict()   # collective: every rank calls it
+    session.close()
+'''
+
+
+@pytest.mark.parametrize("mode, sharding, words", [
+    ("state-dict-alone", "fsdp", "rank 1 made no progress at step 3 for {} s (computing; rank 0 waits on it in "
+                                 "session.model_state_dict(), a collective call every rank must make"),
+    ("stalled-read", "none", "rank 1 made no progress at step 3 for {} s (reading its batch; rank 0 waits on it"),
+])
+def test_what_one_rank_does_alone_is_named(tmp_path, mode, sharding, words):
+    """Rank 0 alone gathering FSDP2 shards (`if rank == 0: session.model_state_dict()`) paired its gathers with
+    rank 1's step and gloo aborted the job (SIGABRT, 'Received data size doesn't match'); a dataset stalled on
+    one rank was 'computing'."""
+    from tests.distributed import run_cli
+
+    (tmp_path / "alone.py").write_text(ALONE_SCRIPT)
+    r = run_cli([sys.executable, "-m", "hetrain.cli.main", "launch", "--nproc-per-node", "2", "--collective-timeout",
+                 "5", str(tmp_path / "alone.py"), mode, sharding], cwd=ROOT, timeout=120)
+    assert r.returncode != 0 and "SIGABRT" not in r.stderr, r.stderr[-2000:]
+    said = re.search(words.replace("(", r"\(").replace(")", r"\)").replace("{}", "[0-9]+"), r.stderr)
+    assert said, r.stderr[-2000:]
