@@ -165,7 +165,8 @@ class SessionCheckpoints:
         self._report_committed()
         if stop:
             self._watch.reached()  # every rank is here: the save can proceed
-            log.warning("SIGTERM: saving step %d and stopping", self.state.step)
+            if self.state.rank == 0:   # every rank saves it: said once
+                log.warning("SIGTERM: saving step %d and stopping", self.state.step)
             self.save(blocking=True)
             self.checkpointer.close()
             self._restore_signals()
@@ -226,7 +227,7 @@ class SessionCheckpoints:
                                                           None, check_shared=same_layout)
         saved_world = int(shared["world_size"])
         st.restore(shared, per_rank, loaded, str(info.path))
-        if saved_world != st.world_size:
+        if saved_world != st.world_size and st.rank == 0:   # job-wide: said once, not by each of its ranks
             log.warning("resuming a %d-rank checkpoint on %d ranks: the global batches continue in order, "
                         "the split is recomputed (%s)", saved_world, st.world_size, st.balancer.shares)
         self.resumed_from = st.step

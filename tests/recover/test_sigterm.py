@@ -157,6 +157,7 @@ def test_sigterm_to_the_launcher_saves_the_step_in_flight_with_dataloader_worker
     stopped = sigterm_when(launch, "starts at step 0", after=3, env=env)
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     assert "DataLoader worker" not in stopped.stderr, stopped.stderr[-3000:]
+    assert stopped.stderr.count("SIGTERM: saving step") == 1, stopped.stderr[-3000:]   # job-wide: said once
     saved = Checkpointer(tmp_path / "ckpt").latest()
     assert saved is not None and saved.step > 0, stopped.stderr[-3000:]
     again = subprocess.run([*launch[:-1], "--max-restarts", "0", str(script)], capture_output=True, text=True,
