@@ -139,8 +139,10 @@ def check_master_weights(model: nn.Module, sharding_name: str = "none") -> None:
                 f"parameter {name} is on the meta device (it has no values); materialise the model before "
                 "session.prepare(): model.to_empty(device='cpu'), then initialise its weights (every rank alike, "
                 "from one seed, or load a checkpoint's)")
-        dtypes.setdefault(p.dtype, name)
-    sparse = [n for n, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
+        if p.requires_grad:   # a frozen table in float64 is neither flattened nor stepped
+            dtypes.setdefault(p.dtype, name)
+    sparse = [n for n, m in model.named_modules()
+              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
     if sparse:
         raise HetrainError(
             f"{sparse[0]} makes sparse gradients (sparse=True), and a step counts, unscales and clips dense ones; "

@@ -169,7 +169,7 @@ class Session:
                                "trained beside it (a GAN's) gets a session of its own (docs/porting.md)")
         with collective_call(self.watch, "prepare"):   # a rank that stalls in its collectives names the call
             self.prepared, self.pipeline = self._parallelized(model, optimizer, blocks, find_unused_parameters)
-        self._step_guard = OptimizerStepGuard.of(self.optimizer, given=optimizer, model=self.prepared.model)
+        self._step_guard = OptimizerStepGuard.of(self.optimizer, given=optimizer, model=model)
         return self.prepared.model, self.prepared.optimizer
 
     def _parallelized(self, model: torch.nn.Module, optimizer: Any, blocks: Any, find_unused: bool) -> tuple:

@@ -58,7 +58,7 @@ class OptimizerStepGuard:
                  model: torch.nn.Module | None = None) -> None:
         self.inside = False
         self.handle = optimizer.register_step_pre_hook(self._check)
-        # what prepare() made ready (frozen parameters included): DDP's buckets, FSDP2's shards, the item count
+        # the model given to prepare() (frozen parameters included, a pipeline's other stages too): what it made ready
         self._model = model
         self._known = {id(p) for p in _stepped(optimizer)} | {id(p) for p in (model.parameters() if model else ())}
         self._count = len(_stepped(optimizer))
@@ -90,8 +90,7 @@ class OptimizerStepGuard:
     def _check_known(self, optimizer) -> None:
         new = [p for p in _stepped(optimizer) if id(p) not in self._known]
         if new:
-            inner = getattr(self._model, "module", self._model)   # DDP's: its names without "module."
-            names = {id(p): n for n, p in inner.named_parameters()} if inner is not None else {}
+            names = {id(p): n for n, p in self._model.named_parameters()} if self._model is not None else {}
             which = ", ".join(names.get(id(p), f"a {tuple(p.shape)} tensor") for p in new[:3])
             raise HetrainError(
                 f"the optimizer steps {len(new)} parameter(s) that were not in the model given to session.prepare() "

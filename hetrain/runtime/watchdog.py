@@ -202,8 +202,18 @@ class Stall:
 INSIDE = "in session."   # the phase of a rank inside a collective call of the session
 BETWEEN = "in the script's own code between steps"
 READING = "reading its batch"
-BUSY = ("computing", BETWEEN, READING)   # a rank's own work: the others wait on it
-STREAM_ENDED = "its stream ended"   # the phase of a rank whose stream ended a pass, until every rank begins the next
+STREAM_ENDED = "its stream ended"
+
+
+def own_code(phase: str) -> bool:
+    """The script's own code or its data, outside a step's forward: between steps, reading a batch, after
+    a stream's pass ended (an evaluation between epochs)."""
+    return phase in (BETWEEN, READING) or phase.startswith(STREAM_ENDED)
+
+
+def busy(phase: str) -> bool:
+    """A rank's own work, which the others wait on."""
+    return phase == "computing" or own_code(phase)   # the phase of a rank whose stream ended a pass, until every rank begins the next
 DONE = "done"
 
 
@@ -234,10 +244,10 @@ def find_stall(before: dict[int, Progress | None], after: dict[int, Progress | N
         low = min(p.step for p in known.values())
         lowest = sorted(r for r, p in known.items() if p.step == low)
         # the script's own code (or its data) before its forward, ahead of a forward whose FSDP2 gathers wait on it
-        culprits = [r for r in lowest if known[r].phase in (BETWEEN, READING)] or \
-            [r for r in lowest if known[r].phase in BUSY] or lowest
+        culprits = [r for r in lowest if own_code(known[r].phase)] or \
+            [r for r in lowest if busy(known[r].phase)] or lowest
     # A silent rank may have moved on since it last spoke, but not past a step the others wait in.
-    waiting = [p.step for r, p in known.items() if r not in culprits and p.phase not in BUSY]
+    waiting = [p.step for r, p in known.items() if r not in culprits and not busy(p.phase)]
     published = [known[r].step for r in culprits if r in known]
     step = max(published + ([min(waiting)] if waiting else []), default=0)
     speaking = [r for r in sorted(after) if r not in silent]
@@ -334,8 +344,11 @@ class ProgressWatch:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    current: "ProgressWatch | None" = None   # the process's running watch
+
     def start(self) -> None:
         """Publish the first entry and start the watching thread."""
+        ProgressWatch.current = self
         self._publish()
         self._thread = threading.Thread(target=self._run, name="hetrain-progress-watch", daemon=True)
         self._thread.start()
@@ -380,6 +393,8 @@ class ProgressWatch:
     def stop(self) -> None:
         """Stop watching and say so in the store, so that ranks still watching do not take this one for silent."""
         self._stop.set()
+        if ProgressWatch.current is self:
+            ProgressWatch.current = None
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5 * self.interval_s)
         self._phase = f"{DONE}: {self._phase}" if self._phase.startswith(STREAM_ENDED) else DONE
@@ -488,6 +503,7 @@ def meet(watch: "ProgressWatch | None", call: str = "barrier") -> None:
     wait here for a rank still computing are not a stall (`find_stall`). Before a collective call (`call`)
     that a rank making it alone would pair with the others' step (FSDP2's gathers), the rank waits here,
     named, instead. Without a watch (one rank, no launcher's store), the process group's barrier."""
+    watch = watch or ProgressWatch.current   # a second session of the process (a GAN's) has the first's
     if watch is None:
         import torch.distributed as dist
 
@@ -505,11 +521,12 @@ def meet(watch: "ProgressWatch | None", call: str = "barrier") -> None:
 
 
 def waits_on_work_before_a_barrier(stall: Stall, after: dict[int, Progress | None]) -> bool:
-    """Every rank the culprits hold up waits in `session.barrier()`, and the culprits compute: the script's own
-    work before the barrier (a download on rank 0), as long as it takes."""
+    """Every rank the culprits hold up waits in `session.barrier()`, and the culprits work and still speak: the
+    script's own work before the barrier (a download on rank 0), as long as it takes. A culprit that stopped
+    publishing (frozen, holding the interpreter lock) is named as ever."""
     others = [p for r, p in after.items() if r not in stall.culprits]
     return bool(others) and all(p is not None and p.phase == BARRIER for p in others) and \
-        all(after.get(r) is not None and after[r].phase in BUSY for r in stall.culprits)
+        all(after.get(r) is not None and busy(after[r].phase) and r not in stall.silent for r in stall.culprits)
 
 
 def _report_and_exit(message: str, stall: Stall) -> None:

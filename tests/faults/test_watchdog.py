@@ -526,3 +526,45 @@ def test_what_one_rank_does_alone_is_named(tmp_path, mode, sharding, words):
     assert r.returncode != 0 and "SIGABRT" not in r.stderr, r.stderr[-2000:]
     said = re.search(words.replace("(", r"\(").replace(")", r"\)").replace("{}", "[0-9]+"), r.stderr)
     assert said, r.stderr[-2000:]
+
+
+def test_ranks_at_a_barrier_wait_for_a_rank_between_epochs_but_not_for_one_that_stopped_speaking():
+    """A stream's rank evaluates after its pass ended while the other waits in session.barrier(): a healthy job
+    the watch ended as 'ranks 0,1 made no progress'. A rank frozen before the barrier (its watch silent) is
+    still named; the barrier has no limit of its own."""
+    from hetrain.runtime.watchdog import BARRIER, waits_on_work_before_a_barrier
+
+    ended = "its stream ended after 2 global batch(es) of epoch 0"
+    before = {0: _p(3, ended, 9), 1: _p(3, BARRIER, 9)}
+    after = {0: _p(3, ended, 12), 1: _p(3, BARRIER, 12)}
+    stall = find_stall(before, after)
+    assert stall.culprits == [0] and waits_on_work_before_a_barrier(stall, after)
+    frozen = {0: _p(3, "computing", 9), 1: _p(3, BARRIER, 12)}
+    stall = find_stall({0: _p(3, "computing", 9), 1: _p(3, BARRIER, 9)}, frozen)
+    assert stall.silent == [0] and not waits_on_work_before_a_barrier(stall, frozen)
+
+
+def test_a_second_session_of_the_process_meets_at_barriers_through_the_running_watch(monkeypatch):
+    """A GAN's second session has no watch of its own (the process group was there): its barrier() was the
+    process group's, with the progress limit, and a download before it ended the job."""
+    from hetrain.runtime import watchdog
+
+    class Store:
+        def __init__(self):
+            self.values = {}
+
+        def add(self, key, n):
+            self.values[key] = self.values.get(key, 0) + n
+            return self.values[key]
+
+        def set(self, key, value):
+            self.values[key] = value
+
+        def check(self, keys):
+            return all(k in self.values for k in keys)
+
+    watch = watchdog.ProgressWatch(Store(), 0, 1, 10.0)
+    monkeypatch.setattr(watchdog.ProgressWatch, "current", watch)
+    monkeypatch.setattr(watchdog, "_meetings", {})
+    watchdog.meet(None)
+    assert watch.store.values == {"hetrain/meet/barrier/1": 1, "hetrain/meet/barrier/1/all": "1"}

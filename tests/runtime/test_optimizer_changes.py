@@ -148,3 +148,32 @@ def test_a_module_added_after_prepare_and_given_to_the_optimizer_is_refused(shar
             session.backward(F.cross_entropy(getattr(net, "extra", torch.nn.Identity())(model(x)), y))
             session.step()
     session.close()
+
+
+def _unfreeze_the_head_of_a_pipeline(rank, world):
+    import hetrain
+    from tests.pipeline.common import make_data, make_model, pipeline_plan
+
+    session = hetrain.Session(pipeline_plan([[0, 4], [4, 8]], "gpipe", microbatches=2, global_batch=12))
+    net = make_model(6)
+    for p in net[7].parameters():          # the head frozen for the first step (fine-tuning)
+        p.requires_grad_(False)
+    model, optimizer = session.prepare(net, torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.1))
+    for x, y in session.loader(make_data(), global_batch_size=12, shuffle=True, seed=0):
+        if session.step_count == 1:         # then unfrozen and given to the optimizer, on every stage alike
+            for p in net[7].parameters():
+                p.requires_grad_(True)
+            optimizer.add_param_group({"params": list(net[7].parameters()), "lr": 0.01})
+        session.forward_backward(x, y, F.cross_entropy)
+        session.step()
+        if session.step_count == 3:
+            break
+    session.close()
+    return session.step_count
+
+
+def test_a_group_of_another_stages_parameters_added_mid_run_is_the_models_own():
+    """Stage 0 refused the head (stage 1's) as 'not in the model given to session.prepare()'."""
+    from tests.distributed import run_ranks
+
+    assert run_ranks(_unfreeze_the_head_of_a_pipeline, 2) == [3, 3]

@@ -76,3 +76,18 @@ def test_an_optimizer_over_tensors_that_are_not_the_model_s_is_refused():
         prepare(model, [*model.parameters(), temperature])
     both = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 2), "b": torch.nn.Linear(2, 1)})
     prepare(both, [{"params": both["a"].parameters()}, {"params": both["b"].parameters(), "lr": 0.01}])
+
+
+@pytest.mark.parametrize("sharding", ["zero1", "fsdp"])
+def test_frozen_parameters_of_another_dtype_or_a_frozen_sparse_table_are_not_refused(sharding):
+    """A fixed float64 table, or a pretrained sparse embedding, with requires_grad=False trained before the
+    refusals of two dtypes and of sparse gradients came in: neither is flattened with the rest nor stepped."""
+    model = Tokens(sparse=True)
+    model.emb.weight.requires_grad_(False)
+    model.table = torch.nn.Parameter(torch.ones(2, dtype=torch.float64), requires_grad=False)
+    import hetrain
+
+    plan = Plan(global_batch_size=8, sharding=sharding, balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=0, share=8)])
+    with hetrain.Session(plan) as session:
+        session.prepare(model, torch.optim.SGD(model.head.parameters(), lr=0.1))
