@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from hetrain.errors import HetrainError
-from hetrain.runtime.watchdog import collective_call, meet
+from hetrain.runtime.meeting import meet
+from hetrain.runtime.watchdog import collective_call
 
 
 def full_model_state(session: Any) -> dict[str, torch.Tensor] | None:

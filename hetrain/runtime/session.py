@@ -59,7 +59,8 @@ from hetrain.runtime.step_guard import (KeptGradients, OptimizerStepGuard, Stead
 from hetrain.runtime.timing import StepTimer, emulated_speed, figures_carrier, idle_fraction
 from hetrain.runtime.train_state import TrainState
 from hetrain.runtime.user_state import UserStates
-from hetrain.runtime.watchdog import ProgressWatch, collective_call, die_with_parent, meet, watch_loader
+from hetrain.runtime.meeting import meet, watch_loader
+from hetrain.runtime.watchdog import ProgressWatch, collective_call, die_with_parent
 from hetrain.vocabulary import LOSSY_COMPRESSIONS, Env
 
 log = logging.getLogger("hetrain")

@@ -202,19 +202,19 @@ class Stall:
 INSIDE = "in session."   # the phase of a rank inside a collective call of the session
 BETWEEN = "in the script's own code between steps"
 READING = "reading its batch"
-STREAM_ENDED = "its stream ended"
+STREAM_ENDED = "its stream ended"   # after a pass, until every rank begins the next
+DONE = "done"
+BARRIER = f"{INSIDE}barrier()"
 
 
 def own_code(phase: str) -> bool:
-    """The script's own code or its data, outside a step's forward: between steps, reading a batch, after
-    a stream's pass ended (an evaluation between epochs)."""
+    """The script's own code or its data: between steps, reading a batch, after a stream's pass ended."""
     return phase in (BETWEEN, READING) or phase.startswith(STREAM_ENDED)
 
 
 def busy(phase: str) -> bool:
     """A rank's own work, which the others wait on."""
-    return phase == "computing" or own_code(phase)   # the phase of a rank whose stream ended a pass, until every rank begins the next
-DONE = "done"
+    return phase == "computing" or own_code(phase)
 
 
 def is_done(phase: str) -> bool:
@@ -367,9 +367,8 @@ class ProgressWatch:
         self._set(step, "waiting")
 
     def stream_end(self, ended: tuple[int, int] | None, step: int) -> None:
-        """This rank's stream ended a pass, `(epoch, global batches read)`, before `step`; or (None) every
-        rank began the next pass, so none waits for this one's batches. Ranks waiting in a step this one
-        never takes, because its stream ended first, then name that at once."""
+        """This rank's stream ended a pass, `(epoch, global batches read)`, before `step` (ranks waiting in a
+        step this one never takes name it at once); or (None) every rank began the next pass."""
         if ended is not None:
             self._set(step, f"{STREAM_ENDED} after {ended[1]} global batch(es) of epoch {ended[0]}")
             try:
@@ -481,43 +480,6 @@ class ProgressWatch:
             return False
         self.on_stall(early, find_stall(after, after))
         return True
-
-
-def watch_loader(loader: Any, watch: "ProgressWatch | None", next_step: Callable[[], int]) -> None:
-    """The loader tells the watch when this rank reads its batch, computes its step, or its stream ended a
-    pass (`next_step()`: the step the batch is for)."""
-    if watch is None:
-        return
-    loader.on_stream_end = lambda ended: watch.stream_end(ended, next_step())
-    loader.on_phase = lambda phase: (watch.reading if phase == "reading" else watch.computing)(next_step())
-
-
-BARRIER = f"{INSIDE}barrier()"
-_meetings: dict[str, int] = {}   # meet() calls of this process by call: every rank makes them in one order
-
-
-def meet(watch: "ProgressWatch | None", call: str = "barrier") -> None:
-    """`session.barrier()`: every rank waits until each has reached it, however long that takes. Work one rank
-    does alone before it (rank 0 downloads the dataset while the others wait) may outlast the progress limit
-    and the process group's timeout, so the ranks meet in the job's store, not in a collective; ranks that
-    wait here for a rank still computing are not a stall (`find_stall`). Before a collective call (`call`)
-    that a rank making it alone would pair with the others' step (FSDP2's gathers), the rank waits here,
-    named, instead. Without a watch (one rank, no launcher's store), the process group's barrier."""
-    watch = watch or ProgressWatch.current   # a second session of the process (a GAN's) has the first's
-    if watch is None:
-        import torch.distributed as dist
-
-        dist.barrier()
-        return
-    _meetings[call] = _meetings.get(call, 0) + 1
-    key = f"hetrain/meet/{call}/{_meetings[call]}"
-    with watch.inside(call):
-        if watch.store.add(key, 1) == watch.world_size:
-            watch.store.set(f"{key}/all", "1")
-        pause = 0.005
-        while not watch.store.check([f"{key}/all"]):
-            time.sleep(pause)
-            pause = min(2 * pause, 0.5)
 
 
 def waits_on_work_before_a_barrier(stall: Stall, after: dict[int, Progress | None]) -> bool:

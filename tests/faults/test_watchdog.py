@@ -429,7 +429,8 @@ if __name__ == "__main__":
     for x, y in session.loader(data, global_batch_size=16):
         session.backward(F.cross_entropy(model(x), y))
         session.step()
-    print("trained", session.step_count, flush=True)
+    if session.is_main:
+        print("trained", session.step_count, flush=True)
     session.close()
 '''
 
@@ -547,7 +548,7 @@ def test_ranks_at_a_barrier_wait_for_a_rank_between_epochs_but_not_for_one_that_
 def test_a_second_session_of_the_process_meets_at_barriers_through_the_running_watch(monkeypatch):
     """A GAN's second session has no watch of its own (the process group was there): its barrier() was the
     process group's, with the progress limit, and a download before it ended the job."""
-    from hetrain.runtime import watchdog
+    from hetrain.runtime import meeting, watchdog
 
     class Store:
         def __init__(self):
@@ -565,6 +566,6 @@ def test_a_second_session_of_the_process_meets_at_barriers_through_the_running_w
 
     watch = watchdog.ProgressWatch(Store(), 0, 1, 10.0)
     monkeypatch.setattr(watchdog.ProgressWatch, "current", watch)
-    monkeypatch.setattr(watchdog, "_meetings", {})
-    watchdog.meet(None)
+    monkeypatch.setattr(meeting, "_meetings", {})
+    meeting.meet(None)
     assert watch.store.values == {"hetrain/meet/barrier/1": 1, "hetrain/meet/barrier/1/all": "1"}
