@@ -32,6 +32,13 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--master-addr", "--master_addr", default=None)
     parser.add_argument("--master-port", "--master_port", type=int, default=None)
     parser.add_argument("--log-dir", "--log_dir", default=None, help="where the agent writes worker logs")
+    parser.add_argument("-r", "--redirects", default=None,
+                        help="write ranks' streams to files in --log-dir instead of the console (3: both, for every "
+                             "local rank; 0:3,1:1: per local rank)")
+    parser.add_argument("-t", "--tee", default=None, help="as --redirects, and to the console too")
+    parser.add_argument("--local-ranks-filter", "--local_ranks_filter", default=None, metavar="R0,R1,...",
+                        help="show only these local ranks' output on the console (0: rank 0's, without its "
+                             "copies from the other ranks)")
     parser.add_argument("--emulate-speeds", default=None, metavar="S0,S1,...",
                         help="CPU ranks only: relative speed per rank (1 = full, 0.5 = half); output is labelled emulated")
     parser.add_argument("--plan", default=None, help="plan.json written by `hetrain plan --out`")
@@ -57,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         rdzv_conf=args.rdzv_conf, local_addr=args.local_addr, standalone=args.standalone,
         max_restarts=args.max_restarts, monitor_interval=args.monitor_interval,
         master_addr=args.master_addr, master_port=args.master_port, log_dir=args.log_dir,
+        redirects=args.redirects, tee=args.tee, local_ranks_filter=args.local_ranks_filter,
         emulate_speeds=parse_speeds(args.emulate_speeds) if args.emulate_speeds else None, plan=args.plan,
         checkpoint_dir=args.checkpoint_dir, collective_timeout=args.collective_timeout,
         malloc_cache=not args.no_malloc_cache, metrics_port=args.metrics_port, start_fresh=args.start_fresh,

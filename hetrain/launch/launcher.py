@@ -76,6 +76,11 @@ class LaunchConfig:
     master_addr: str | None = None
     master_port: int | None = None
     log_dir: str | None = None
+    redirects: str | None = None
+    """torchrun's: ranks' streams to files in log_dir (3, or per local rank 0:3,1:1)"""
+    tee: str | None = None
+    local_ranks_filter: str | None = None
+    """torchrun's: the local ranks whose output reaches the console (e.g. "0")"""
     emulate_speeds: list[float] | None = None
     plan: str | None = None
     checkpoint_dir: str | None = None
@@ -254,6 +259,9 @@ def torchrun_argv(cfg: LaunchConfig) -> list[str]:
         argv.append(f"--monitor-interval={cfg.monitor_interval}")
     if cfg.log_dir:
         argv.append(f"--log-dir={cfg.log_dir}")
+    for flag, value in (("--redirects", cfg.redirects), ("--tee", cfg.tee), ("--local-ranks-filter", cfg.local_ranks_filter)):
+        if value:
+            argv.append(f"{flag}={value}")
     if cfg.module:
         argv.append("--module")
     return [*argv, cfg.script, *cfg.script_args]

@@ -328,3 +328,26 @@ def test_the_classic_two_node_command_meets_at_the_master(tmp_path):
     ]:
         with pytest.raises(HetrainError, match=message):
             validate(cfg)
+
+
+HELLO = '''
+import hetrain
+
+session = hetrain.Session()
+print(f"hello from rank {session.rank}", flush=True)
+session.close()
+'''
+
+
+def test_torchruns_console_flags_pass_through(tmp_path):
+    """--local-ranks-filter, --redirects and --tee were refused, though hetrain launch takes torchrun's flags;
+    on many ranks they are what keeps the console readable."""
+    (tmp_path / "hello.py").write_text(HELLO)
+    shown = hetrain("launch", "--nproc-per-node", "2", "--local-ranks-filter", "0", str(tmp_path / "hello.py"), timeout=120)
+    assert shown.returncode == 0 and "hello from rank 0" in shown.stdout, shown.stderr[-2000:]
+    assert "hello from rank 1" not in shown.stdout
+    kept = hetrain("launch", "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"), "--redirects", "3",
+                   str(tmp_path / "hello.py"), timeout=120)
+    assert kept.returncode == 0 and "hello from rank" not in kept.stdout, kept.stderr[-2000:]
+    logged = sorted(p.read_text() for p in (tmp_path / "logs").rglob("stdout.log"))
+    assert logged == ["hello from rank 0\n", "hello from rank 1\n"], logged
