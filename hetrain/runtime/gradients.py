@@ -170,7 +170,8 @@ def check_same_batch(begun: list[float], mine: int, world: int) -> None:
             "drew a batch and went on without session.backward() and session.step() (a `continue` past a bad batch "
             "on one rank), and its slices now pair with the others' next batch; every rank takes part in every "
             "step: give such a batch session.backward(loss, num_items=0) on that rank (it counts nothing), or skip "
-            "it on every rank")
+            "it on every rank; a look at the data on one rank (`if rank == 0: next(iter(loader))`) reads the "
+            "dataset itself (loader.dataset[i]), not the loader")
 
 
 def check_skips_agreed(skipped: float, world: int) -> None:

@@ -50,6 +50,7 @@ def test_a_batch_one_rank_skips_stops_the_next_step_on_every_rank(sharding):
     for error, steps in run_ranks(_train, 2, sharding, False):
         assert error is not None and "ranks are at different global batches" in error
         assert "num_items=0" in error and steps <= 2
+        assert "loader.dataset[i]" in error   # a look at the data on one rank reads the dataset
 
 
 @pytest.mark.parametrize("sharding", ["none", "fsdp"])
