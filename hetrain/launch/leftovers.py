@@ -15,7 +15,7 @@ import signal
 import time
 import uuid
 
-from hetrain.runtime.watchdog import prctl
+from hetrain.runtime.parent_death import prctl
 from hetrain.vocabulary import Env
 
 _PR_SET_CHILD_SUBREAPER = 36

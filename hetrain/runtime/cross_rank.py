@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hetrain.errors import HetrainError
+from hetrain.runtime.watchdog import collective_call
 
 _SHAPE_DIMS = 8   # trailing dimensions compared across ranks
 _DTYPES = (torch.float64, torch.float32, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
@@ -56,7 +57,8 @@ def gather_rows(tensor: torch.Tensor, *, offset: bool = False) -> Any:
     dtype = tensor.dtype
     if tensor.is_floating_point() and tensor.element_size() < 4:
         tensor = tensor.float()   # a bf16 rank beside an fp32 one: one dtype on the wire, the rank's own back
-    sizes = _agreed_sizes(tensor)
+    with collective_call(None, "gather_rows"):   # a rank that waits here alone is named with the call
+        sizes = _agreed_sizes(tensor)
     longest, rank = max(sizes), dist.get_rank()
     padded = tensor.contiguous()
     if tensor.shape[0] < longest:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from hetrain.errors import HetrainError
 from hetrain.runtime.step_state import StepState
+from hetrain.runtime.watchdog import collective_call
 
 log = logging.getLogger("hetrain")
 
@@ -254,7 +255,8 @@ def weighted_mean(value: torch.Tensor | float, weight: float, device: torch.devi
                            "elements; call it once per figure (or all-reduce a sum and a count yourself)")
     v = float(value.detach().float().item() if isinstance(value, torch.Tensor) else value)
     t = torch.tensor([v * w if w else 0.0, w], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
+    with collective_call(None, "global_mean"):   # a rank that waits here alone is named with the call
+        dist.all_reduce(t)
     return float(t[0] / t[1]) if t[1] > 0 else float("nan")
 
 

@@ -19,13 +19,37 @@ import torch.distributed as dist
 from hetrain.runtime.watchdog import ProgressWatch
 
 
-def watch_loader(loader: Any, watch: "ProgressWatch | None", next_step: Callable[[], int]) -> None:
+def _watch_at(own: "ProgressWatch | None", next_step: Callable[[], int]) -> tuple["ProgressWatch | None", int]:
+    """The session's watch and step; for a session without a watch of its own (a GAN's second, made once the
+    process group was there), the process's running watch at its own step."""
+    if own is not None:
+        return own, next_step()
+    current = ProgressWatch.current
+    return current, current.step if current is not None else 0
+
+
+def watch_loader(loader: Any, own: "ProgressWatch | None", next_step: Callable[[], int]) -> None:
     """The loader tells the watch when this rank reads its batch, computes its step, or its stream ended a
     pass (`next_step()`: the step the batch is for)."""
-    if watch is None:
-        return
-    loader.on_stream_end = lambda ended: watch.stream_end(ended, next_step())
-    loader.on_phase = lambda phase: (watch.reading if phase == "reading" else watch.computing)(next_step())
+    def on_stream_end(ended: tuple[int, int] | None) -> None:
+        watch, step = _watch_at(own, next_step)
+        if watch is not None:
+            watch.stream_end(ended, step)
+
+    def on_phase(phase: str) -> None:
+        watch, step = _watch_at(own, next_step)
+        if watch is not None:
+            (watch.reading if phase == "reading" else watch.computing)(step)
+
+    loader.on_stream_end, loader.on_phase = on_stream_end, on_phase
+
+
+def after_step(own: "ProgressWatch | None", next_step: int) -> None:
+    """A step ended: the script's own code runs until the next batch is read (a second session's step too, or
+    the phase its backward through the first one's model left, "waiting", would stand for the script's code)."""
+    watch, step = _watch_at(own, lambda: next_step)
+    if watch is not None:
+        watch.between(step)
 
 
 _meetings: dict[str, int] = {}   # meet() calls of this process by call: every rank makes them in one order

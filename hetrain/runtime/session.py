@@ -59,8 +59,9 @@ from hetrain.runtime.step_guard import (KeptGradients, OptimizerStepGuard, Stead
 from hetrain.runtime.timing import StepTimer, emulated_speed, figures_carrier, idle_fraction
 from hetrain.runtime.train_state import TrainState
 from hetrain.runtime.user_state import UserStates
-from hetrain.runtime.meeting import meet, watch_loader
-from hetrain.runtime.watchdog import ProgressWatch, collective_call, die_with_parent
+from hetrain.runtime.meeting import after_step, meet, watch_loader
+from hetrain.runtime.parent_death import die_with_parent
+from hetrain.runtime.watchdog import ProgressWatch, collective_call
 from hetrain.vocabulary import LOSSY_COMPRESSIONS, Env
 
 log = logging.getLogger("hetrain")
@@ -416,8 +417,7 @@ class Session:
         if self.checkpoints is not None:
             with self.clock.checkpoint():
                 self.checkpoints.after_step(stop=status.stop)
-        if self.watch is not None:
-            self.watch.between(self.train.step + 1)   # the script's own code until the next batch is read
+        after_step(self.watch, self.train.step + 1)   # the script's own code until the next batch is read
         self.clock.returned()
         return applied
 

@@ -1,8 +1,6 @@
 """Nothing silent: a rank ends with its launcher, a stalled rank is named, and a failure is recorded.
 
-- `die_with_parent()`: a worker gets SIGTERM when the process that started it (the `hetrain launch`
-  process, where torch's elastic agent runs) dies, even by SIGKILL, instead of training on as an
-  orphan. Linux: prctl(PR_SET_PDEATHSIG); elsewhere a thread that watches the parent pid.
+- a worker dies with its launcher: `hetrain.runtime.parent_death`.
 - `record_failure()` / `record_exception()`: one line about why this rank ends, written to the
   error file torch's elastic agent gives each worker (TORCHELASTIC_ERROR_FILE), with the time to the
   microsecond and whether it is only the echo of a peer's death (a closed connection). The launcher
@@ -16,11 +14,9 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import re
-import signal
 import sys
 import threading
 import time
@@ -35,44 +31,6 @@ ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 RECORD_KEY = "hetrain"
 STALL_EXIT = 124
 """Exit status of a rank that ends a stalled job (as coreutils' `timeout`)."""
-
-_PR_SET_PDEATHSIG = 1
-
-
-# ---- dying with the parent --------------------------------------------------------------------
-
-
-def prctl(option: int, value: int) -> bool:
-    """Linux's prctl(option, value); False where it is not available or fails."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def die_with_parent(sig: int = signal.SIGTERM, poll_s: float = 1.0, *, use_prctl: bool = True) -> None:
-    """Have the kernel send `sig` to this process when its parent dies (SIGTERM: a Session saves).
-
-    The parent is whoever started this process: under `hetrain launch` or torchrun, the launcher
-    process itself (torch's elastic agent runs inside it and starts the workers). Without prctl,
-    a daemon thread checks the parent pid every `poll_s` seconds. prctl's signal comes when the
-    parent's thread that started this process ends; torch's agent starts workers from its main thread.
-    """
-    parent = os.getppid()
-    if use_prctl and prctl(_PR_SET_PDEATHSIG, int(sig)):
-        if os.getppid() != parent:  # the parent died before the signal was armed
-            os.kill(os.getpid(), sig)
-        return
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(poll_s)
-        os.kill(os.getpid(), sig)
-
-    threading.Thread(target=watch, name="hetrain-parent-watch", daemon=True).start()
-
 
 # ---- failure records -----------------------------------------------------------------------------
 
@@ -223,7 +181,8 @@ def is_done(phase: str) -> bool:
 
 
 def collective_call(watch: "ProgressWatch | None", call: str) -> Any:
-    """`watch.inside(call)`, or nothing without a watch."""
+    """`watch.inside(call)` (the process's running watch when None is given), or nothing without one."""
+    watch = watch or ProgressWatch.current
     return contextlib.nullcontext() if watch is None else watch.inside(call)
 
 
@@ -356,6 +315,8 @@ class ProgressWatch:
     def computing(self, step: int) -> None:
         self._set(step, "computing")
 
+    step = property(lambda self: self._step)
+
     def between(self, step: int) -> None:
         self._set(step, BETWEEN)
 
@@ -483,12 +444,13 @@ class ProgressWatch:
 
 
 def waits_on_work_before_a_barrier(stall: Stall, after: dict[int, Progress | None]) -> bool:
-    """Every rank the culprits hold up waits in `session.barrier()`, and the culprits work and still speak: the
-    script's own work before the barrier (a download on rank 0), as long as it takes. A culprit that stopped
-    publishing (frozen, holding the interpreter lock) is named as ever."""
+    """Every rank the culprits hold up waits in `session.barrier()`, and the culprits are in the script's own
+    code and still speak: its work before the barrier (a download on rank 0), as long as it takes. A culprit
+    that stopped publishing (frozen), reading a batch (a stalled dataset) or in a step is named as ever."""
     others = [p for r, p in after.items() if r not in stall.culprits]
     return bool(others) and all(p is not None and p.phase == BARRIER for p in others) and \
-        all(after.get(r) is not None and busy(after[r].phase) and r not in stall.silent for r in stall.culprits)
+        all(r in after and after[r] is not None and r not in stall.silent and
+            (after[r].phase == BETWEEN or after[r].phase.startswith(STREAM_ENDED)) for r in stall.culprits)
 
 
 def _report_and_exit(message: str, stall: Stall) -> None:

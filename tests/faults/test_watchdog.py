@@ -195,7 +195,7 @@ PARENT = textwrap.dedent("""
 """)
 CHILD = textwrap.dedent("""
     import time
-    from hetrain.runtime.watchdog import die_with_parent
+    from hetrain.runtime.parent_death import die_with_parent
     die_with_parent(poll_s=0.2, use_prctl={use_prctl})
     time.sleep(120)
 """)
@@ -569,3 +569,34 @@ def test_a_second_session_of_the_process_meets_at_barriers_through_the_running_w
     monkeypatch.setattr(meeting, "_meetings", {})
     meeting.meet(None)
     assert watch.store.values == {"hetrain/meet/barrier/1": 1, "hetrain/meet/barrier/1/all": "1"}
+
+
+def test_ranks_at_a_barrier_do_not_wait_for_a_rank_reading_its_batch_or_in_a_step():
+    """A dataset stalled on one rank ('reading its batch') while the other waited in session.barrier() was taken
+    for work before the barrier: the job hung without end. A rank in a step (an FSDP2 forward waiting on the
+    one at the barrier) or in an uninstrumented collective likewise waited for the process group's timeout."""
+    from hetrain.runtime.watchdog import BARRIER, BETWEEN, READING, waits_on_work_before_a_barrier
+
+    for phase, excused in ((READING, False), ("computing", False), (BETWEEN, True)):
+        before = {0: _p(3, BARRIER, 9), 1: _p(3, phase, 9)}
+        after = {0: _p(3, BARRIER, 12), 1: _p(3, phase, 12)}
+        stall = find_stall(before, after)
+        assert stall.culprits == [1] and waits_on_work_before_a_barrier(stall, after) is excused, phase
+
+
+def test_a_session_without_a_watch_tells_the_running_one_at_its_step(monkeypatch):
+    """A GAN's second session (made once the process group was there) has no watch: its step left the first
+    one's phase at 'waiting' (set by the backward through the first one's model), and a rank's own work after
+    it was a stall of every rank; a session trained alone after the first published nothing at all."""
+    from hetrain.runtime import meeting, watchdog
+    from hetrain.runtime.watchdog import BETWEEN, READING
+
+    watch = watchdog.ProgressWatch(object(), 0, 2, 10.0)
+    monkeypatch.setattr(watchdog.ProgressWatch, "current", watch)
+    watch.waiting(7)
+    meeting.after_step(None, 3)          # the second session's step 3: the running watch stays at its step 7
+    assert (watch.step, watch._phase) == (7, BETWEEN)
+    loader = SimpleNamespace()
+    meeting.watch_loader(loader, None, lambda: 4)
+    loader.on_phase("reading")
+    assert (watch.step, watch._phase) == (7, READING)
