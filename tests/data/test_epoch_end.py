@@ -11,16 +11,21 @@ from tests.distributed import run_ranks
 EPOCHS, SAMPLES, GLOBAL = 2, 64, 16   # 4 steps an epoch
 
 
-def _loop(rank, world, ckpt_dir, break_every):
+def _session(ckpt_dir, interval):
+    """A session checkpointing to `ckpt_dir` every `interval` steps, its linear model and its loader."""
     import hetrain
 
-    session = hetrain.Session(checkpoint_dir=ckpt_dir, checkpoint_interval=4, async_checkpoints=False)
+    session = hetrain.Session(checkpoint_dir=ckpt_dir, checkpoint_interval=interval, async_checkpoints=False)
     torch.manual_seed(0)
     net = torch.nn.Linear(4, 2)
     model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(SAMPLES, 4, generator=g), torch.randint(0, 2, (SAMPLES,), generator=g))
-    loader = session.loader(data, global_batch_size=GLOBAL, shuffle=True, seed=0)
+    return session, net, model, session.loader(data, global_batch_size=GLOBAL, shuffle=True, seed=0)
+
+
+def _loop(rank, world, ckpt_dir, break_every):
+    session, net, model, loader = _session(ckpt_dir, 4)
     seen = [(loader.epoch, loader.step_in_epoch)]
     while loader.epoch < EPOCHS:
         for x, y in loader:
@@ -80,15 +85,7 @@ def test_a_resume_mid_epoch_with_the_data_ordered_differently_is_refused(tmp_pat
 
 def _peek_after(rank, world, ckpt_dir, epochs, peek):
     """`epochs` epochs, then rank 0 alone reads the loader (a batch to log predictions on, or a whole pass)."""
-    import hetrain
-
-    session = hetrain.Session(checkpoint_dir=ckpt_dir, checkpoint_interval=100, async_checkpoints=False)
-    torch.manual_seed(0)
-    net = torch.nn.Linear(4, 2)
-    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
-    g = torch.Generator().manual_seed(1)
-    data = TensorDataset(torch.randn(SAMPLES, 4, generator=g), torch.randint(0, 2, (SAMPLES,), generator=g))
-    loader = session.loader(data, global_batch_size=GLOBAL, shuffle=True, seed=0)
+    session, net, model, loader = _session(ckpt_dir, 100)
     start = (loader.epoch, loader.step_in_epoch)
     while loader.epoch < epochs:
         for x, y in loader:
