@@ -153,8 +153,8 @@ class HeteroLoader:
             return None
         return ("hetrain: this rank has no samples in this step (share 0) and its batch is empty; if the error came "
                 "from the model, some models cannot take one (Hugging Face transformers): give every rank a sample: "
-                "drop_last=True in session.loader() where the epoch's last global batch has fewer samples than there are ranks, "
-                "min_share >= 1 in the plan's balance settings, or a plan that gives every device samples")
+                "drop_last=True in session.loader() where the epoch's last global batch has fewer samples than "
+                "there are ranks, min_share >= 1 in the plan's balance settings, or a plan that gives every device samples")
 
     def _epoch_done(self) -> bool:
         return self.order is not None and self._in_epoch >= self.order.steps_per_epoch

@@ -59,7 +59,8 @@ def meet(watch: "ProgressWatch | None", call: str = "barrier") -> None:
     """`session.barrier()`: every rank waits until each has reached it, however long that takes. Work one rank
     does alone before it (rank 0 downloads the dataset while the others wait) may outlast the progress limit
     and the process group's timeout, so the ranks meet in the job's store, not in a collective; ranks that
-    wait here for a rank still computing are not a stall (`find_stall`). Before a collective call (`call`)
+    wait here for a rank in the script's own code are not a stall (`waits_on_work_before_a_barrier`; one
+    reading its batch, in a step or silent is named). Before a collective call (`call`)
     that a rank making it alone would pair with the others' step (FSDP2's gathers), the rank waits here,
     named, instead. Without a watch (one rank, no launcher's store), the process group's barrier."""
     watch = watch or ProgressWatch.current   # a second session of the process (a GAN's) has the first's
