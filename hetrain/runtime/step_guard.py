@@ -84,7 +84,7 @@ class OptimizerStepGuard:
             raise HetrainError(OUTSIDE_STEP)
         if self._given is not None:
             self._check_given()
-        if self.inside and len(_stepped(optimizer)) != self._count:   # optimizer.add_param_group since the last step
+        if self.inside and sum(len(g["params"]) for g in optimizer.param_groups) != self._count:   # a group added
             self._check_known(optimizer)
 
     def _check_known(self, optimizer) -> None:
