@@ -245,8 +245,8 @@ def stall_message(stall: Stall, after: dict[int, Progress | None], own_seconds: 
         others += (f"; {ranks_text(ranks)} wait{'s' if len(ranks) == 1 else ''} on it in {call}, a collective call "
                    "every rank must make")
     compiling = " (torch.compile's compile and recompiles count as computing)" if doing == "computing" else \
-        (" (an evaluation, a save or a download on this rank alone? under FSDP2 every rank takes part in every "
-         "forward; ranks that wait for it call session.barrier())" if doing == BETWEEN else
+        (" (an evaluation, a save or a download on this rank alone? ranks that wait for it call session.barrier(); "
+         "under FSDP2 or a pipeline every rank takes part in every forward)" if doing == BETWEEN else
          " (a DataLoader worker or the dataset stalled)" if doing == READING else "")
     return (f"{who} made no progress at step {stall.step} for {seconds:.0f} s ({doing}{others}; "
             f"limit {timeout_s:g} s, hetrain launch --collective-timeout{compiling})")
