@@ -220,6 +220,12 @@ def stall_message(stall: Stall, after: dict[int, Progress | None], own_seconds: 
     if early is not None:
         return early + f" (limit {timeout_s:g} s, hetrain launch --collective-timeout)"
     calls = {r: p.phase[len(INSIDE):] for r, p in after.items() if p is not None and p.phase.startswith(INSIDE)}
+    done = sorted(r for r, p in after.items() if p is not None and is_done(p.phase))
+    if calls and done and len(calls) + len(done) == len(after):   # `if rank == 0: session.model_state_dict()` at the end
+        return (f"{ranks_text(done)} closed the session while {ranks_text(sorted(calls))} wait(s) in session."
+                f"{', session.'.join(sorted(set(calls.values())))} for {own_seconds:.0f} s: a collective call every rank "
+                f"makes before close() (is it inside `if rank == 0:`?; limit {timeout_s:g} s, hetrain launch "
+                "--collective-timeout)")
     if len(calls) == len(after) and len(set(calls.values())) > 1:   # e.g. session.barrier() inside `if rank == 0:`
         where = "; ".join(f"{ranks_text(sorted(r for r in calls if calls[r] == c))} in session.{c}"
                           for c in sorted(set(calls.values())))

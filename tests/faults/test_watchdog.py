@@ -600,3 +600,15 @@ def test_a_session_without_a_watch_tells_the_running_one_at_its_step(monkeypatch
     meeting.watch_loader(loader, None, lambda: 4)
     loader.on_phase("reading")
     assert (watch.step, watch._phase) == (7, READING)
+
+
+def test_a_collective_call_one_rank_makes_after_the_others_closed_says_so():
+    """`if session.is_main: session.model_state_dict()` before close() on every rank: 'ranks 0,1 made no
+    progress (in session.model_state_dict())', without a word of rank 1 having closed."""
+    from hetrain.runtime.watchdog import stall_message
+
+    before = {0: _p(9, "in session.model_state_dict()", 3), 1: _p(9, "done", 7)}
+    after = {0: _p(9, "in session.model_state_dict()", 6), 1: _p(9, "done", 7)}
+    message = stall_message(find_stall(before, after), after, 6.0, 5.0)
+    assert message.startswith("rank 1 closed the session while rank 0 wait(s) in session.model_state_dict() for 6 s: "
+                              "a collective call every rank makes before close()"), message
