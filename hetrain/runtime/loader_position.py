@@ -16,17 +16,18 @@ class StepPosition:
     """The position after the loader's last stepped draw."""
 
     def __init__(self) -> None:
-        self._stepped: Position | None = None   # after the last draw that got a step (None: every draw did)
+        self._stepped: Position | None = None   # after the last draw that got a step (set at the first draw)
         self._finished_at_draw: int | None = None   # steps finished when the last draw was made
+
+    def _last_draw_stepped(self, finished: int) -> bool:
+        return self._finished_at_draw is None or finished > self._finished_at_draw
 
     def drawing(self, position: Position, finished: int) -> None:
         """A batch is about to be drawn at `position` (before it), with `finished` steps finished so far."""
-        if self._finished_at_draw is None or finished > self._finished_at_draw:   # the last draw got its step
+        if self._last_draw_stepped(finished):
             self._stepped = position
         self._finished_at_draw = finished
 
     def saved(self, position: Position, finished: int) -> Position:
         """What a checkpoint holds, the loader being at `position` now."""
-        if self._finished_at_draw is None or finished > self._finished_at_draw:
-            return position
-        return self._stepped if self._stepped is not None else position
+        return position if self._last_draw_stepped(finished) else self._stepped
