@@ -26,6 +26,7 @@ from hetrain.runtime.buffers import buffer_places, keep_buffers_without_samples,
 from hetrain.runtime.cross_rank import GATHER_NODE
 from hetrain.runtime.precision import watch_precision
 from hetrain.runtime.replicas import copy_from, module_tensors
+from hetrain.runtime.step_guard import stepped_parameters
 from hetrain.runtime.timing import StepTimer, TimedHookState, timed_hook
 from hetrain.vocabulary import ZERO1_SHARDINGS
 
@@ -103,7 +104,7 @@ def check_optimizer_holds_the_model(optimizer: Any, model: nn.Module) -> None:
     if optimizer is None:
         return
     own = {id(p) for p in model.parameters()}
-    stepped = [p for g in optimizer.param_groups for p in g["params"]]
+    stepped = stepped_parameters(optimizer)
     other = [p for p in stepped if id(p) not in own]
     if not other:
         return
@@ -119,7 +120,7 @@ def check_optimizer_holds_the_model(optimizer: Any, model: nn.Module) -> None:
         "own copy; make them the model's (a learnable loss temperature as an attribute of the model)")
 
 
-def check_master_weights(model: nn.Module, sharding_name: str = "none") -> None:
+def check_parameters(model: nn.Module, sharding_name: str = "none") -> None:
     """Parameters must be fp32 (or float64, complex) and real tensors: each rank computes in its precision
     under autocast, and the step counts, unscales and clips dense gradients."""
     dtypes: dict[torch.dtype, str] = {}
@@ -258,7 +259,7 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, sh
         raise HetrainError(
             f"session.prepare() was given a model already wrapped in {type(model).__name__}: its gradients would "
             f"be reduced twice; pass the bare model ({bare}), hetrain wraps it for the plan")
-    check_master_weights(model, sharding_name)
+    check_parameters(model, sharding_name)
     check_optimizer_holds_the_model(optimizer, model)
     model = sync_batchnorm(model.to(device), device, len(entries), warn=rank == 0)
     chosen = apply_activation_checkpointing(model, entry, blocks)

@@ -374,11 +374,11 @@ def prepare_pipeline(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
     from collections import OrderedDict
 
     from hetrain.runtime.memory import checkpoint_blocks
-    from hetrain.runtime.parallelize import check_master_weights, check_optimizer, check_optimizer_holds_the_model
+    from hetrain.runtime.parallelize import check_optimizer, check_optimizer_holds_the_model, check_parameters
     from hetrain.runtime.pipeline_stages import tied_parameters
 
     check_optimizer(optimizer)
-    check_master_weights(model)
+    check_parameters(model)
     check_optimizer_holds_the_model(optimizer, model)
     start_from_rank0(model, pipeline, layout, device)
     ties = tied_parameters(model, pipeline)

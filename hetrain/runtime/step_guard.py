@@ -60,8 +60,8 @@ class OptimizerStepGuard:
         self.handle = optimizer.register_step_pre_hook(self._check)
         # the model given to prepare() (frozen parameters included, a pipeline's other stages too): what it made ready
         self._model = model
-        self._known = {id(p) for p in _stepped(optimizer)} | {id(p) for p in (model.parameters() if model else ())}
-        self._count = len(_stepped(optimizer))
+        self._known = {id(p) for p in (model.parameters() if model is not None else stepped_parameters(optimizer))}
+        self._count = _count(optimizer)
         # the script's own optimizer where the session built another (ZeRO-1, FSDP2): a change to it goes nowhere
         self._given = given if given is not None and given is not optimizer else None
         # a tensor setting the rebuilt optimizer shares (an lr tensor) moves with it: not the script's change
@@ -84,11 +84,11 @@ class OptimizerStepGuard:
             raise HetrainError(OUTSIDE_STEP)
         if self._given is not None:
             self._check_given()
-        if self.inside and sum(len(g["params"]) for g in optimizer.param_groups) != self._count:   # a group added
+        if self.inside and _count(optimizer) != self._count:   # optimizer.add_param_group since the last step
             self._check_known(optimizer)
 
     def _check_known(self, optimizer) -> None:
-        new = [p for p in _stepped(optimizer) if id(p) not in self._known]
+        new = [p for p in stepped_parameters(optimizer) if id(p) not in self._known]
         if new:
             names = {id(p): n for n, p in self._model.named_parameters()} if self._model is not None else {}
             which = ", ".join(names.get(id(p), f"a {tuple(p.shape)} tensor") for p in new[:3])
@@ -98,7 +98,7 @@ class OptimizerStepGuard:
                 "Their gradients are not all-reduced nor divided by the global batch's items (FSDP2 does not shard "
                 "them), so each rank would train its own copy; build the whole model before session.prepare() "
                 "(layers to train later frozen with requires_grad_(False), then unfrozen: docs/checkpoints.md)")
-        self._count = len(_stepped(optimizer))
+        self._count = _count(optimizer)
 
     def _check_given(self) -> None:
         now = plain_settings(self._given, self._shared)
@@ -121,8 +121,13 @@ class OptimizerStepGuard:
             self.inside = False
 
 
-def _stepped(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+def stepped_parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every parameter the optimizer steps, group by group."""
     return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def _count(optimizer: torch.optim.Optimizer) -> int:
+    return sum(len(g["params"]) for g in optimizer.param_groups)
 
 
 def plain_settings(optimizer: torch.optim.Optimizer, skip: set[int] = frozenset()) -> list[dict]:
@@ -133,7 +138,7 @@ def plain_settings(optimizer: torch.optim.Optimizer, skip: set[int] = frozenset(
 
 def _holds_gradients(optimizer: torch.optim.Optimizer) -> bool:
     """Whether any parameter the optimizer steps holds a gradient that is not zero (on this rank)."""
-    return holds_gradients((p for g in optimizer.param_groups for p in g["params"]), shard_counts=False)
+    return holds_gradients(stepped_parameters(optimizer), shard_counts=False)
 
 
 def gradients_pending(model: torch.nn.Module) -> bool:
