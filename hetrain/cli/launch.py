@@ -43,6 +43,9 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
                         help="CPU ranks only: relative speed per rank (1 = full, 0.5 = half); output is labelled emulated")
     parser.add_argument("--plan", default=None, help="plan.json written by `hetrain plan --out`")
     parser.add_argument("--checkpoint-dir", default=None, help="where sessions save and resume checkpoints")
+    parser.add_argument("--run-dir", default=None, metavar="DIR",
+                        help="where the job writes its run log and measured rates, for `hetrain report` and "
+                             "`hetrain plan --from-run` (default: --checkpoint-dir, else none)")
     parser.add_argument("--start-fresh", action="store_true",
                         help="when no checkpoint in --checkpoint-dir verifies, set them aside and start at step 0")
     parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
@@ -66,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         master_addr=args.master_addr, master_port=args.master_port, log_dir=args.log_dir,
         redirects=args.redirects, tee=args.tee, local_ranks_filter=args.local_ranks_filter,
         emulate_speeds=parse_speeds(args.emulate_speeds) if args.emulate_speeds else None, plan=args.plan,
-        checkpoint_dir=args.checkpoint_dir, collective_timeout=args.collective_timeout,
+        checkpoint_dir=args.checkpoint_dir, run_dir=args.run_dir, collective_timeout=args.collective_timeout,
         malloc_cache=not args.no_malloc_cache, metrics_port=args.metrics_port, start_fresh=args.start_fresh,
     )
     return launch(cfg)

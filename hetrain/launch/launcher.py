@@ -84,6 +84,8 @@ class LaunchConfig:
     emulate_speeds: list[float] | None = None
     plan: str | None = None
     checkpoint_dir: str | None = None
+    run_dir: str | None = None
+    """where the run log and measured rates go (HETRAIN_RUN_DIR); else the checkpoint directory"""
     collective_timeout: float | None = None
     """seconds a rank may make no progress before the job ends naming it (HETRAIN_COLLECTIVE_TIMEOUT)"""
     malloc_cache: bool = True
@@ -201,6 +203,8 @@ def validate(cfg: LaunchConfig) -> None:
         raise HetrainError(f"--collective-timeout {cfg.collective_timeout} must be a positive number of seconds, e.g. 600")
     if cfg.checkpoint_dir is not None:
         ensure_directory(cfg.checkpoint_dir, "--checkpoint-dir")
+    if cfg.run_dir is not None:
+        ensure_directory(cfg.run_dir, "--run-dir")
     if cfg.plan is not None:
         check_plan_devices(load_plan(cfg.plan))
     if cfg.metrics_port is not None:
@@ -279,6 +283,8 @@ def worker_env(cfg: LaunchConfig) -> dict[str, str]:
         env[PLAN_ENV] = str(Path(cfg.plan).resolve())
     if cfg.checkpoint_dir is not None:
         env[CHECKPOINT_ENV] = str(Path(cfg.checkpoint_dir).resolve())
+    if cfg.run_dir is not None:
+        env[Env.RUN_DIR] = str(Path(cfg.run_dir).resolve())
     if cfg.metrics_port is not None:
         env[Env.METRICS_PORT] = str(cfg.metrics_port)
     if cfg.collective_timeout is not None:

@@ -17,14 +17,17 @@ def hetrain(*args, timeout=180):
     return run_cli([sys.executable, "-m", "hetrain.cli.main", *args], cwd=ROOT, timeout=timeout)
 
 
-def test_two_ranks_train_and_the_loss_falls():
-    r = hetrain("launch", "--nproc-per-node", "2", "--emulate-speeds", "1,0.5",
+def test_two_ranks_train_and_the_loss_falls(tmp_path):
+    r = hetrain("launch", "--nproc-per-node", "2", "--emulate-speeds", "1,0.5", "--run-dir", str(tmp_path / "run"),
                 "examples/train_digits.py", "--epochs", "3")
     assert r.returncode == 0, r.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"epoch \d+ loss ([0-9.]+)", r.stdout)]
     assert len(losses) == 3, r.stdout
     assert losses[-1] < 0.7 * losses[0], losses
     assert "emulated" in r.stderr                # emulated runs say so
+    # --run-dir: the run log `hetrain report` reads and the rates `hetrain plan --from-run` reads
+    assert sorted(p.name for p in (tmp_path / "run" / "metrics").iterdir()) == ["rank-0.jsonl", "rank-1.jsonl"]
+    assert (tmp_path / "run" / "measured-rates.json").is_file()
 
 
 @pytest.mark.parametrize("args, message", [
