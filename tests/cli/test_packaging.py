@@ -88,3 +88,15 @@ def test_dashboard_is_package_data_and_is_what_the_package_reads():
     assert any(fnmatch("data/dashboard.json", p) for p in patterns), patterns
     assert shipped() == board.read_text()
     assert not (ROOT / "dashboards").exists(), "one copy of the dashboard: hetrain/data/dashboard.json"
+
+
+def test_the_version_is_written_once_and_the_package_says_it_is_typed():
+    """pyproject.toml reads the version from hetrain.__version__ (installed metadata and `hetrain
+    --version` agree), and the typing marker is package data, so type checkers read hetrain's hints."""
+    import hetrain
+
+    assert "version" not in PROJECT["project"] and "version" in PROJECT["project"]["dynamic"]
+    assert PROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "hetrain.__version__"}
+    assert version("hetrain") == hetrain.__version__
+    assert (ROOT / "hetrain" / "py.typed").is_file()
+    assert "py.typed" in PROJECT["tool"]["setuptools"]["package-data"]["hetrain"]
