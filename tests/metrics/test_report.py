@@ -242,3 +242,34 @@ def test_a_checkpoint_committed_just_before_a_crash_is_counted_from_the_resume(t
         runs = load_run(run_dir)
         assert runs[0].checkpoint_steps == [4, 8, 12, 16]
         assert sum(row["checkpoints"] for row in summary_rows(runs)) == 4   # step 8 in the row of the device that wrote it
+
+
+def test_the_png_stays_readable_with_many_ranks(tmp_path):
+    """24 ranks: a colour each (matplotlib's cycle repeats after 10, so rank 0 and rank 10 looked alike), the
+    time panel's rank labels do not overlap, and the legend names every rank inside the figure."""
+    from hetrain.metrics.report_plot import figure
+
+    n = 24
+    for rank in range(n):
+        m = RankMetrics(rank=rank, local_rank=rank % 8, world_size=n, device=torch.device("cpu"), device_name="cpu",
+                        port=None, run_dir=tmp_path, job="report")
+        for step in range(1, 5):
+            m.on_step(step_record(step, rank=rank, world_size=n, device="cpu", share=8, samples=8, shares=(8,) * n,
+                                  step_seconds=None if step == 1 else 0.5 + 0.01 * rank, compute_seconds=0.3,
+                                  data_wait_seconds=0.05, loss=3.0 - 0.1 * step))
+        m.close()
+    fig = figure(load_run(tmp_path), "many ranks")
+    ax_rate, _, ax_time, _ = fig.axes[:4]
+    colors = [tuple(line.get_color()) if not isinstance(line.get_color(), str) else line.get_color()
+              for line in ax_rate.lines if line.get_label().startswith("rank")]
+    assert len(colors) == n and len(set(colors)) == n
+    renderer = fig.canvas.get_renderer()
+    fig.canvas.draw()
+    boxes = sorted((t.get_window_extent(renderer) for t in ax_time.get_yticklabels()), key=lambda b: b.y0)
+    assert len(boxes) == n
+    assert all(lower.y1 <= upper.y0 for lower, upper in zip(boxes, boxes[1:])), "rank labels overlap"
+    [legend] = fig.legends
+    names = [t.get_text() for t in legend.get_texts()]
+    assert [f"rank {r} (cpu)" for r in range(n)] == [x for x in names if x.startswith("rank")]
+    box, page = legend.get_window_extent(renderer), fig.bbox
+    assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1
