@@ -10,7 +10,8 @@ from torch.utils.data import TensorDataset
 from hetrain.errors import HetrainError
 from hetrain.planning.plan import BalancePlan, Plan, RankPlan
 from hetrain.runtime.data import GlobalBatchOrder, rank_slice
-from hetrain.runtime.precision import JobLossScaler, autocast
+from hetrain.runtime.precision import JobLossScaler
+from tests.precision.plain import PlainLossScale, plain_autocast
 from tests.distributed import run_ranks
 
 PRECISIONS = ["bf16", "fp16", "fp32"]
@@ -79,7 +80,7 @@ def reference(precisions):
     model = make_model()
     params = list(model.parameters())
     optimizer = make_optimizer(model)
-    scaler = JobLossScaler(enabled="fp16" in precisions)
+    scaler = PlainLossScale(enabled="fp16" in precisions)
     data, order = make_data(), GlobalBatchOrder(72, GLOBAL, shuffle=True, seed=SEED)
     history, applied = [], []
     for epoch in range(EPOCHS):
@@ -88,9 +89,9 @@ def reference(precisions):
             total = [torch.zeros_like(p) for p in params]
             for r, prec in enumerate(precisions):
                 x, y = data[rank_slice(batch, SHARES, r)]
-                with autocast(prec, torch.device("cpu")):
+                with plain_autocast(prec):
                     loss = F.cross_entropy(model(x), y)
-                grads = torch.autograd.grad(scaler.scale_loss(loss * (SHARES[r] * 3 / GLOBAL)), params)
+                grads = torch.autograd.grad((scaler.scale * loss * (SHARES[r] * 3 / GLOBAL)), params)
                 total = [t + g / 3 for t, g in zip(total, grads)]
             for p, t in zip(params, total):
                 p.grad = t / scaler.scale

@@ -10,7 +10,7 @@ from torch.utils.data import TensorDataset
 
 from hetrain.planning.plan import BalancePlan, Plan, RankPlan
 from hetrain.runtime.data import GlobalBatchOrder, rank_slice
-from hetrain.runtime.precision import JobLossScaler, autocast
+from tests.precision.plain import PlainLossScale, plain_autocast
 from tests.distributed import run_ranks
 
 PRECISIONS = ["fp32", "fp16", "bf16"]
@@ -42,7 +42,7 @@ def reference():
     net, data = Net(), make_data()
     params = list(net.parameters())
     opt = torch.optim.SGD(params, lr=1.0)
-    scaler = JobLossScaler(enabled=True)
+    scaler = PlainLossScale(enabled=True)
     order = GlobalBatchOrder(len(data), GLOBAL, shuffle=True, seed=2)
     norms, history = [], []
     for step in range(STEPS):
@@ -50,10 +50,10 @@ def reference():
         total = [torch.zeros_like(p) for p in params]
         for r, prec in enumerate(PRECISIONS):
             x, y = data[rank_slice(batch, SHARES, r)]
-            with autocast(prec, torch.device("cpu")):
+            with plain_autocast(prec):
                 loss = F.cross_entropy(net(x), y)
             # each rank's weight (share * world / global), averaged over the world as the all-reduce does
-            grads = torch.autograd.grad(scaler.scale_loss(loss * (SHARES[r] * 3 / GLOBAL)), params)
+            grads = torch.autograd.grad((scaler.scale * loss * (SHARES[r] * 3 / GLOBAL)), params)
             total = [t + g / 3 for t, g in zip(total, grads)]
         for p, t in zip(params, total):
             p.grad = t / scaler.scale

@@ -26,6 +26,10 @@ class Tokens(torch.nn.Module):
         self.emb = torch.nn.Embedding(10, 4, sparse=sparse)
         self.head = torch.nn.Linear(4, 2)
 
+    def forward(self, x):
+        out = self.head(self.emb(x))
+        return out * self.table.sum().float() if hasattr(self, "table") else out
+
 
 @pytest.mark.parametrize("sharding", ["none", "zero1", "fsdp"])
 def test_a_sparse_embedding_is_refused_naming_sparse_false(sharding):
@@ -89,5 +93,14 @@ def test_frozen_parameters_of_another_dtype_or_a_frozen_sparse_table_are_not_ref
 
     plan = Plan(global_batch_size=8, sharding=sharding, balance=BalancePlan(enabled=False),
                 ranks=[RankPlan(rank=0, share=8)])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     with hetrain.Session(plan) as session:
-        session.prepare(model, torch.optim.SGD(model.head.parameters(), lr=0.1))
+        net, _ = session.prepare(model, torch.optim.SGD(model.head.parameters(), lr=0.1))
+        tokens = torch.arange(8).reshape(8, 1)
+        for x, in session.loader(torch.utils.data.TensorDataset(tokens), global_batch_size=8):
+            session.backward(net(x).sum())
+            session.step()
+        after = session.model_state_dict()
+    assert torch.equal(after["emb.weight"], before["emb.weight"]) and torch.equal(after["table"], before["table"])
+    assert after["table"].dtype == torch.float64
+    assert not torch.equal(after["head.weight"], before["head.weight"])   # the head trained

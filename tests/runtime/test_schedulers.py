@@ -107,8 +107,11 @@ def test_a_scheduler_once_loaded_from_a_checkpoint_with_plain_torch_resumes(tmp_
         scheduler.load_state_dict(saved)   # a warm start from another run's checkpoint, read with plain torch
         return scheduler
 
+    straight_seen, straight = _run(str(tmp_path / "c"), 8, schedule=warm_started)
     _run(str(tmp_path / "b"), 6, schedule=warm_started)
-    _run(str(tmp_path / "b"), 8, schedule=warm_started)   # resumed: refused before
+    seen, resumed = _run(str(tmp_path / "b"), 8, schedule=warm_started)   # resumed: refused before
+    assert seen == straight_seen[6:]   # the schedule goes on where it was
+    assert all(torch.equal(a, b) for a, b in zip(resumed, straight, strict=True))
 
 
 def test_a_checkpoints_scheduler_state_not_given_again_is_said(tmp_path, caplog):
