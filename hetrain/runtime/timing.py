@@ -122,6 +122,7 @@ class StepTimer:
     on_grads_ready: Callable[[], None] | None = None   # told when this rank starts waiting on the others
     started_at: float | None = None  # the step's first forward (perf_counter), None until it runs
     _armed: bool = False            # a forward through DDP began and has not reached the wrapped module
+    comm_waits: Any = None          # FSDP2: a CommWaits, the seconds in its collectives (not compute)
 
     def forward_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
         """On the model the script calls (not DDP-wrapped): the step's first forward begins compute here."""
@@ -163,6 +164,8 @@ class StepTimer:
     def compute_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
         if self._start is None and torch.is_grad_enabled():   # a training forward, not an evaluation
             self._start = time.perf_counter()
+            if self.comm_waits is not None:
+                self.comm_waits.mark()
             if self.started_at is None:
                 self.started_at = self._start
 
@@ -170,7 +173,10 @@ class StepTimer:
         """Called when this rank's last gradient bucket is ready: the compute of the step is over."""
         if self._start is None:
             return
-        self.compute_s = pad_to_speed(time.perf_counter() - self._start, self.speed)
+        elapsed = time.perf_counter() - self._start
+        if self.comm_waits is not None:   # FSDP2: its gathers and reduce-scatters, where ranks wait on each other
+            elapsed = max(0.0, elapsed - self.comm_waits.since_mark())
+        self.compute_s = pad_to_speed(elapsed, self.speed)
         self._start = None
         if self.on_grads_ready is not None:
             self.on_grads_ready()

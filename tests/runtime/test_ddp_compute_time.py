@@ -85,3 +85,47 @@ def test_an_evaluation_between_steps_is_not_compute(through):
     equal ranks were re-split [12, 12] -> [7, 17]."""
     for compute in run_ranks(_evaluate_between_steps, 2, through):
         assert compute and all(c < 0.25 * PAUSE for c in compute), compute
+
+
+class _Block(torch.nn.Module):
+    """One of the model's repeated blocks; on rank 0 the middle one takes PAUSE more in a training forward."""
+
+    def __init__(self, slow: bool) -> None:
+        super().__init__()
+        self.linear, self.slow = torch.nn.Linear(8, 8), slow
+
+    def forward(self, x):
+        if self.slow and torch.is_grad_enabled() and torch.distributed.get_rank() == 0:
+            time.sleep(PAUSE)
+        return torch.tanh(self.linear(x))
+
+
+def _slow_block_on_rank_zero(rank: int, world: int) -> list[tuple[float, float]]:
+    import hetrain
+    from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 8, (64,), generator=g))
+    records = []
+    plan = Plan(global_batch_size=16, sharding="fsdp", balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=r, share=8) for r in range(world)])
+    with hetrain.Session(plan) as session:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(_Block(False), _Block(True), _Block(False))
+        model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        session.add_observer(SimpleNamespace(on_step=records.append))
+        for x, y in session.loader(data, global_batch_size=16, shuffle=False):
+            session.backward(F.cross_entropy(model(x), y))
+            session.step()
+    return [(r.compute_seconds, r.waiting_seconds) for r in records if r.step_seconds is not None]
+
+
+def test_under_fsdp2_a_ranks_wait_in_a_blocks_gather_is_waiting_not_compute():
+    """Rank 1 waits in the third block's all-gather while rank 0 computes the second block: that wait counted
+    as rank 1's compute, and the balancer, reading compute per sample, took it for as slow as rank 0."""
+    ranks = run_ranks(_slow_block_on_rank_zero, 2)
+    fast = ranks[1]
+    assert all(compute > PAUSE for compute, _ in ranks[0])   # rank 0 computed its pause
+    assert len(fast) == 3
+    for compute, waiting in fast:
+        assert compute < 0.25 * PAUSE and waiting > 0.75 * PAUSE, (compute, waiting)
