@@ -38,6 +38,10 @@ class FileEntry:
     sha256: str
 
 
+class NewerManifestError(ValueError):
+    """A checkpoint written by a newer hetrain: whole, as far as this one can tell, and not this one's to read."""
+
+
 @dataclass
 class Manifest:
     """The written record that makes a checkpoint directory complete."""
@@ -67,8 +71,12 @@ class Manifest:
         d = json.loads(text)
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise ValueError(f"not a {FORMAT} manifest")
-        if d.get("version") != VERSION:
-            raise ValueError(f"manifest version {d.get('version')!r}, this hetrain reads version {VERSION}")
+        version = d.get("version")
+        if isinstance(version, int) and not isinstance(version, bool) and version > VERSION:
+            raise NewerManifestError(f"manifest version {version}, written by a newer hetrain; this one reads "
+                                     f"version {VERSION}")
+        if version != VERSION:
+            raise ValueError(f"manifest version {version!r}, this hetrain reads version {VERSION}")
         files = [FileEntry(str(f["path"]), int(f["bytes"]), str(f["sha256"])) for f in d["files"]]
         for f in files:
             if os.path.isabs(f.path) or ".." in Path(f.path).parts:

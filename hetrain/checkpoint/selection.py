@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hetrain.checkpoint import store
 from hetrain.checkpoint.errors import CheckpointError
-from hetrain.checkpoint.manifest import Manifest, check_layout, read_manifest, verify
+from hetrain.checkpoint.manifest import Manifest, NewerManifestError, check_layout, read_manifest, verify
 from hetrain.vocabulary import Env
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -37,6 +37,9 @@ def inspect(path: Path, step: int | None) -> tuple[str | None, Manifest | None]:
     """(None, manifest) when the checkpoint at `path` is whole; else (the reason, None). Hashes every file."""
     try:
         manifest = read_manifest(path)
+    except NewerManifestError as e:   # not damaged: set aside and passed over, a newer hetrain could not find it
+        raise CheckpointError(f"checkpoint {path}: {e}; resume it with the hetrain version that wrote it, "
+                              f"or give another checkpoint directory") from None
     except ValueError as e:
         return str(e), None
     reason = check_layout(path, manifest, step) or verify(path, manifest)

@@ -166,3 +166,22 @@ def test_a_job_stopped_for_damaged_checkpoints_leaves_the_directory_free(tmp_pat
     with pytest.raises(CheckpointError, match="no checkpoint in"):
         relaunched.latest()
     assert not (tmp_path / "lease.json").exists(), "a launch that follows (maybe on another node) need not wait"
+
+
+@pytest.mark.parametrize("start_fresh", ["0", "1"])
+def test_a_checkpoint_a_newer_hetrain_wrote_is_refused_not_set_aside_as_damaged(tmp_path, monkeypatch, start_fresh):
+    """Its manifest's version is higher than this hetrain reads: it was called damaged, renamed damaged-step-N
+    (where the newer hetrain never finds it) and the job went back to an older step, or to step 0 with
+    --start-fresh."""
+    import json
+
+    monkeypatch.setenv(Env.START_FRESH, start_fresh)
+    _train(tmp_path, 20, 5)
+    manifest = tmp_path / "step-000020" / "manifest.json"
+    text = json.loads(manifest.read_text())
+    text["version"] += 1
+    manifest.write_text(json.dumps(text))
+    with pytest.raises(CheckpointError, match=r"step-000020: manifest version \d+, written by a newer hetrain; this "
+                                              r"one reads version \d+; resume it with the hetrain version that wrote it"):
+        Checkpointer(tmp_path, keep=3).latest()
+    assert _names(tmp_path, "step-") == ["step-000010", "step-000015", "step-000020"] and not _names(tmp_path, "damaged-")
