@@ -27,6 +27,9 @@ log = logging.getLogger("hetrain")
 # The optimizer settings a scheduler moves, restored from a checkpoint with the scheduler's state.
 MOVED = ("lr", "momentum", "betas")
 KIND = "hetrain_scheduler_class"   # the scheduler's class, saved beside its state
+# A scheduler's state entries that move as it steps (or follow the optimizer's settings, base_lrs): the others
+# are its arguments (T_max, step_size, gamma, milestones, ...), which a resume must give again as saved.
+PROGRESS = frozenset({"last_epoch", "T_cur", "T_i", "best", "num_bad_epochs", "cooldown_counter", "base_lrs"})
 
 
 def position(scheduler: Any) -> Any:
@@ -153,6 +156,13 @@ class Schedulers:
                 + (f" (it lacks {', '.join(missing[:3])})" if missing and kind in (None, name) else "")
                 + f", and this run gives {name}: give the scheduler the checkpoint was saved with, or start in an "
                 "empty checkpoint directory")
+        changed = [k for k in own if k in saved and not k.startswith("_") and k not in PROGRESS and own[k] != saved[k]]
+        if changed:   # loading the state would put the checkpoint's arguments back, silently
+            detail = ", ".join(f"{k}: checkpoint {saved[k]!r}, this run {own[k]!r}" for k in changed[:3])
+            raise HetrainError(
+                f"the checkpoint of step {self._saved_step} holds LR scheduler {index}'s state for a {name} built with "
+                f"other arguments ({detail}): resuming would go on with the checkpoint's; build it with those, or start "
+                "in an empty checkpoint directory with the checkpoint's weights (docs/checkpoints.md)")
         scheduler.load_state_dict(saved)
         self._stepped_to[index] = position(scheduler)
         # Building the scheduler moved the optimizer's settings to the schedule's start: back to the checkpoint's.

@@ -204,3 +204,18 @@ def test_a_zero1_schedule_resumes_on_another_number_of_ranks(tmp_path):
     resumed = run_ranks(_sharded, 1, str(tmp_path / "b"), 10)[0][0]
     assert [lr for lr, _ in first + resumed] == pytest.approx([lr for lr, _ in straight])
     assert [m for _, m in first + resumed] == pytest.approx([m for _, m in straight])
+
+
+@pytest.mark.parametrize("first, again, named", [
+    (lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=10),
+     lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=100), "T_max: checkpoint 10, this run 100"),
+    (lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5),
+     lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=100, gamma=0.5), "step_size: checkpoint 2, this run 100"),
+])
+def test_a_scheduler_resumed_with_other_arguments_is_refused_naming_them(tmp_path, first, again, named):
+    """Loading the state put the checkpoint's T_max back: a run resumed with T_max=100 to train longer went on
+    along the T_max=10 curve, saying nothing."""
+    _run(str(tmp_path), 4, schedule=first)
+    with pytest.raises(HetrainError, match=rf"built with other arguments \({named}\): resuming would go on with the "
+                                           r"checkpoint's; build it with those"):
+        _run(str(tmp_path), 6, schedule=again)
