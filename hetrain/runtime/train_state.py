@@ -203,6 +203,12 @@ class TrainState:
                     f"{where}: parameter group {i} of the optimizer differs from the checkpoint's ({detail}); "
                     "build the optimizer with the settings it was saved with, or start in an empty checkpoint directory"
                 )
+        changed = replaced_settings(theirs, ours)
+        if changed and self.rank == 0:
+            log.warning("%s holds other optimizer settings than this script builds (%s): the checkpoint's go on, as "
+                        "optimizer.load_state_dict() does (a schedule's position is among them); to train on with "
+                        "the script's, set them after session.loader(), e.g. for g in optimizer.param_groups: "
+                        "g['lr'] = ...", where, "; ".join(changed))
 
 
 def _optimizer_class(optimizer: Any) -> str | None:
@@ -220,6 +226,25 @@ def _settings(optimizer: Any) -> list[dict]:
     for group in optimizer.param_groups:
         out.append({k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items()
                     if k != "params" and isinstance(v, (bool, int, float, str, tuple, list, type(None)))})
+    return out
+
+
+def replaced_settings(saved: list[dict], script: list[dict]) -> list[str]:
+    """The scheduled settings (lr, momentum, betas) a resume replaces with other values, as 'group 0 lr: checkpoint
+    0.01, script 0.001'. A schedule moves them, so where one ran (its initial_lr saved) the lr it started from is
+    compared, and only with the start of the script's schedule, built before session.loader() (one given after it
+    may set its own start: OneCycleLR's max_lr / div_factor); a momentum it cycles (base_momentum saved) is not."""
+    out = []
+    for i, (a, b) in enumerate(zip(saved, script)):
+        pairs = []
+        if "initial_lr" not in a:
+            pairs.append(("lr", a.get("lr"), b.get("lr")))
+        elif "initial_lr" in b:
+            pairs.append(("lr", a["initial_lr"], b["initial_lr"]))
+        if "base_momentum" not in a:
+            pairs += [(k, a.get(k), b.get(k)) for k in ("momentum", "betas")]
+        out += [f"group {i} {k}: checkpoint {x!r}, script {y!r}" for k, x, y in pairs
+                if x is not None and y is not None and not _same(x, y)]
     return out
 
 

@@ -60,9 +60,43 @@ def test_resuming_with_another_model_or_optimizer_is_refused_with_the_fix(tmp_pa
         _train(str(tmp_path), 4, net, opt)
 
 
-def test_a_changed_learning_rate_resumes(tmp_path):
+def test_a_changed_learning_rate_resumes_with_the_checkpoints_and_says_so(tmp_path):
+    """The checkpoint's lr goes on, as optimizer.load_state_dict() does (a schedule's position is in it); a
+    script that changed it was given the old one and no word."""
+    from tests.log_lines import hetrain_warnings
+
     _train(str(tmp_path), 2, make_net(), adam)
-    _train(str(tmp_path), 4, make_net(), lambda n: torch.optim.Adam(n.parameters(), lr=5e-4))   # a schedule's lr
+    used = []
+
+    def smaller(net):
+        optimizer = torch.optim.Adam(net.parameters(), lr=5e-4)
+        used.append(optimizer)
+        return optimizer
+
+    with hetrain_warnings() as lines:
+        _train(str(tmp_path), 4, make_net(), smaller)
+    assert used[0].param_groups[0]["lr"] == 1e-3
+    said = [line for line in lines if "other optimizer settings" in line]
+    assert len(said) == 1 and "group 0 lr: checkpoint 0.001, script 0.0005" in said[0], lines
+    assert "set them after session.loader()" in said[0]
+    with hetrain_warnings() as lines:   # the same settings again: nothing to say
+        _train(str(tmp_path), 6, make_net(), adam)
+    assert not [line for line in lines if "other optimizer settings" in line], lines
+
+
+def test_replaced_settings_compare_where_a_schedule_started_and_leave_a_cycled_momentum_alone():
+    from hetrain.runtime.train_state import replaced_settings
+
+    scheduled = {"lr": 0.0004, "initial_lr": 0.001, "momentum": 0.9}
+    assert replaced_settings([scheduled], [{"lr": 0.001, "initial_lr": 0.001, "momentum": 0.9}]) == []
+    assert replaced_settings([scheduled], [{"lr": 0.002, "initial_lr": 0.002, "momentum": 0.5}]) == [
+        "group 0 lr: checkpoint 0.001, script 0.002", "group 0 momentum: checkpoint 0.9, script 0.5"]
+    # a schedule given after session.loader() sets its own start (OneCycleLR: max_lr / div_factor)
+    assert replaced_settings([scheduled], [{"lr": 0.1, "momentum": 0.9}]) == []
+    cycled = {"lr": 0.01, "initial_lr": 0.004, "momentum": 0.85, "base_momentum": 0.85, "max_momentum": 0.95}
+    assert replaced_settings([cycled], [{"lr": 0.004, "momentum": 0.95}]) == []
+    assert replaced_settings([{"lr": 0.1, "betas": [0.9, 0.999]}], [{"lr": 0.1, "betas": [0.9, 0.95]}]) == [
+        "group 0 betas: checkpoint [0.9, 0.999], script [0.9, 0.95]"]
 
 
 def test_consecutive_non_finite_steps_stop_the_run_and_keep_good_checkpoints(tmp_path):
