@@ -1,4 +1,5 @@
-"""A model's buffers across ranks: rank 0's copy on every rank after each step's last backward.
+"""A model's buffers across ranks: rank 0's copy on every rank after each step's last backward (the first
+rank with samples, where rank 0 had none in the step).
 
 BatchNorm's running statistics, and any buffer a forward writes (a counter, an average kept in the
 model), move on each rank with that rank's own share of the batch. DDP copies rank 0's buffers to
@@ -12,7 +13,8 @@ the model a checkpoint saves and `session.model_state_dict()` returns.
 
 A forward of a piece without samples (a rank whose share of the step is 0, a stand-in piece that runs
 so every rank issues the same collectives) leaves the buffers as it found them: BatchNorm's running
-mean over no samples is NaN, which the copy would have sent to every rank.
+mean over no samples is NaN, which the copy would have sent to every rank. Nor is such a rank's copy the
+one sent: where rank 0 had no samples, the copy comes from the first rank that had some.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ def buffer_places(module: nn.Module) -> Places:
     return [(m, name, b) for m in module.modules() for name, b in m.named_buffers(recurse=False)]
 
 
-def sync_buffers(places: Places) -> None:
-    """Overwrite every rank's buffers with rank 0's (collective). Each place's buffer now, where it has the size,
+def sync_buffers(places: Places, src: int = 0) -> None:
+    """Overwrite every rank's buffers with rank `src`'s (collective; the step's first rank with samples). Each place's buffer now, where it has the size,
     dtype and device it had at prepare() (one a forward replaced, `self.m = 0.9 * self.m + ...`, is copied
     too), else the tensor it held then, as a stand-in of that size: a cache a forward regrew to its rank's
     longest sequence stays the rank's own, and every rank broadcasts the same sizes in the same order."""
@@ -46,7 +48,7 @@ def sync_buffers(places: Places) -> None:
             now.device == first.device
         buffers.append(now if alike else first)
     if buffers:
-        copy_from(buffers, src=0)
+        copy_from(buffers, src=src)
 
 
 Snapshot = list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]]

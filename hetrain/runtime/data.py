@@ -213,6 +213,7 @@ class HeteroLoader:
                 break
             if self.stream:
                 batch, local, total = self._source.take(batch, shares, self.rank, self.collate_fn)
+                used = list(shares) if total == sum(shares) else split_partial(total, shares)
             else:
                 used = step_shares(self.order, self._in_epoch, shares)
                 local, total = used[self.rank], sum(used)
@@ -224,7 +225,7 @@ class HeteroLoader:
             self.data_wait_seconds = time.perf_counter() - started
             self._check_last_step_ended()
             self._position.drawing((self._epoch, self._in_epoch, self.run_step), self.step.finished)
-            self.step.begin_step(local, total)
+            self.step.begin_step(local, total, used)
             self.on_phase("computing")
             self._in_epoch += 1
             self.run_step += 1

@@ -63,9 +63,9 @@ class Prepared:
         keys without `_orig_mod.`, so a checkpoint or an export loads into the plain model, compiled or not)."""
         return uncompiled(self.module)
 
-    def sync_buffers(self) -> None:
-        """Rank 0's buffers on every rank (collective; hetrain.runtime.buffers)."""
-        sync_buffers(self.buffers)
+    def sync_buffers(self, src: int = 0) -> None:
+        """Rank `src`'s buffers on every rank (collective; hetrain.runtime.buffers)."""
+        sync_buffers(self.buffers, src)
 
     @functools.cached_property
     def parameters(self) -> tuple[nn.Parameter, ...]:

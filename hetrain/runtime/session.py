@@ -345,7 +345,7 @@ class Session:
                                             self.device, launched=self._launched, stop=self._stopping)
             self._launched = None
             if self.pipeline is None:   # every rank holds rank 0's buffers between steps (hetrain.runtime.buffers)
-                self.prepared.sync_buffers()
+                self.prepared.sync_buffers(self.state.buffer_source)
             if self.pipeline is None and self.sharding != "fsdp":   # replicated: step() tells a later change
                 self._kept.note_finished(self.prepared.parameters)
         return self._status

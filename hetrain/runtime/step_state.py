@@ -42,6 +42,7 @@ class StepState:
         self.world_size = world_size
         self.local_samples: int | None = None   # this rank's samples of the step (None: no step begun)
         self.global_samples: int | None = None
+        self.split: list[int] | None = None     # every rank's samples of the step, as the loader split it
         self.micro_samples: int | None = None   # samples of the current micro-batch
         self.last_micro = True                  # the current micro-batch is the step's last on this rank
         self.items = 0.0                        # items this rank has passed to backward this step
@@ -58,13 +59,20 @@ class StepState:
         self.closed = False                     # session.close() ran: no more steps
 
     @property
+    def buffer_source(self) -> int:
+        """The rank whose buffers every rank takes after the step: the first with samples in it (rank 0's
+        forward over no samples left its BatchNorm statistics as they were, and every rank took those)."""
+        return next((r for r, n in enumerate(self.split or ()) if n > 0), 0)
+
+    @property
     def active(self) -> bool:
         return self.global_samples is not None
 
-    def begin_step(self, local_samples: int, global_samples: int) -> None:
-        """The loader hands out this rank's part of a new global batch."""
+    def begin_step(self, local_samples: int, global_samples: int, split: list[int] | None = None) -> None:
+        """The loader hands out this rank's part of a new global batch (`split`: every rank's samples of it)."""
         self.check_open()
         self.local_samples, self.global_samples = int(local_samples), int(global_samples)
+        self.split = list(split) if split is not None else None
         self.begun += 1
         self.micro_samples, self.last_micro = None, True
         self.items, self.loss_sum, self.backwards, self.micros = 0.0, None, 0, 0

@@ -131,7 +131,43 @@ def test_a_forward_without_samples_leaves_the_buffers_alone():
     assert all(applied)
     for name, value in state.items():
         assert torch.isfinite(value).all() and torch.equal(value, other[name]), name
-    assert state["out.seen"].item() == (41 - 1) * 3 / GLOBAL + (1 if sizes[-1] else 0)
+    # rank 0's rows of each full step, then the last step's one row: the buffers of the rank that had it
+    assert state["out.seen"].item() == (41 - 1) * 3 / GLOBAL + 1
+
+
+def _first_rank_empty_job(rank, world):
+    import hetrain
+    from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+
+    plan = Plan(global_batch_size=GLOBAL, sharding="none", balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=0, share=0), RankPlan(rank=1, share=GLOBAL)])
+    with hetrain.Session(plan) as session:
+        torch.manual_seed(0)
+        net = _RunningMean()
+        model, opt = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        for x, y in session.loader(_data(32), GLOBAL, shuffle=False):
+            session.backward(F.mse_loss(model(x), y))
+            session.step()
+        return {k: v.clone() for k, v in net.state_dict().items()}
+
+
+def test_a_step_where_rank_0_has_no_samples_keeps_the_statistics_of_the_rank_that_had_them():
+    """Every rank took rank 0's buffers after each step: with rank 0's share 0 (a plan, or the balancer's
+    min_share 0 with rank 0 the slow one) BatchNorm's running statistics never moved (0.18 off one process
+    after 4 steps, num_batches_tracked 0), so evaluation, checkpoints and model_state_dict() were wrong."""
+    ranks = run_ranks(_first_rank_empty_job, 2)
+    torch.manual_seed(0)
+    net = _RunningMean()   # one process, on the global batch (all of it rank 1's)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x_all, y_all = _data(32).tensors
+    for start in range(0, 32, GLOBAL):
+        F.mse_loss(net(x_all[start:start + GLOBAL]), y_all[start:start + GLOBAL]).backward()
+        opt.step()
+        opt.zero_grad()
+    assert net.bn.num_batches_tracked.item() == 4
+    for name, value in net.state_dict().items():
+        for state in ranks:
+            torch.testing.assert_close(state[name], value, rtol=0, atol=1e-6, msg=name)
 
 
 class _GrowingCache(nn.Module):
