@@ -51,6 +51,11 @@ class Prepared:
     find_unused: bool = False   # DDP's find_unused_parameters
     sync_batchnorm: bool = False   # SyncBatchNorm's backward all-reduces: a backward must go through it
     buffers: list[tuple[nn.Module, str, torch.Tensor]] = field(default_factory=list)   # where, and as at prepare()
+    outputs: list[torch.Tensor] = field(default_factory=list)   # find_unused: the last training forward's tensors
+
+    def note_outputs(self, _module: nn.Module, _args: Any, output: Any) -> None:
+        """DDP's forward hook under find_unused_parameters: the tensors a training forward returned."""
+        self.outputs = list(tensors_in(output)) if torch.is_grad_enabled() else self.outputs
 
     @property
     def module(self) -> nn.Module:
@@ -285,9 +290,12 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, sh
     keep_buffers_without_samples(ddp, without_samples)   # on the wrapper: the user's model still pickles
     if optimizer is not None and sharding_name in ZERO1_SHARDINGS:
         optimizer = apply_zero1(optimizer, model, sharding_name, entries, device)
-    return Prepared(ddp, optimizer, chosen, comm_state, frozenset(id(p) for p in model.parameters() if p.requires_grad),
-                    find_unused=find_unused_parameters,
-                    sync_batchnorm=any(isinstance(m, nn.SyncBatchNorm) for m in model.modules()), buffers=buffers)
+    prepared = Prepared(ddp, optimizer, chosen, comm_state,
+                        frozenset(id(p) for p in model.parameters() if p.requires_grad), find_unused=find_unused_parameters,
+                        sync_batchnorm=any(isinstance(m, nn.SyncBatchNorm) for m in model.modules()), buffers=buffers)
+    if find_unused_parameters:
+        ddp.register_forward_hook(prepared.note_outputs)
+    return prepared
 
 
 def exact_zeros(prepared: Prepared, loss: torch.Tensor) -> torch.Tensor:
@@ -299,9 +307,40 @@ def exact_zeros(prepared: Prepared, loss: torch.Tensor) -> torch.Tensor:
         return torch.nan_to_num(loss) * 0.0   # (a rank without rows: its tensors are empty, no NaN reaches a weight)
     params = [p for p in prepared.parameters if p.requires_grad]
     if prepared.find_unused:
+        # Zeros from the forward's outputs the loss uses, through DDP's own graph: zeros from the parameters
+        # themselves, a graph of their own, made DDP count a parameter reached only by an output the loss leaves
+        # (an auxiliary head) used, and every rank stepped its zero gradient (weight decay, momentum). A
+        # non-finite output (a loss over no tokens a model returns) would send NaN back: left out.
+        edges = graph_edges(loss)
+        used = [t for t in prepared.outputs if t.grad_fn is not None and (t.grad_fn, t.output_nr) in edges
+                and bool(torch.isfinite(t.detach()).all())]
+        prepared.outputs = []
+        if used:
+            return sum((t.sum() * 0.0 for t in used), torch.nan_to_num(loss.detach()) * 0.0)
         reached = reachable_parameters(loss)
         params = [p for p in params if id(p) in reached]
     return sum((p.sum() * 0.0 for p in params), torch.nan_to_num(loss.detach()) * 0.0)
+
+
+def tensors_in(output: Any) -> Iterator[torch.Tensor]:
+    """The tensors needing gradients in a forward's output: itself, or inside its dicts, lists and tuples."""
+    if isinstance(output, torch.Tensor):
+        if output.requires_grad:
+            yield output
+    elif isinstance(output, dict):
+        for value in output.values():
+            yield from tensors_in(value)
+    elif isinstance(output, (list, tuple)):
+        for value in output:
+            yield from tensors_in(value)
+
+
+def graph_edges(loss: torch.Tensor) -> set[tuple[Any, int]]:
+    """(node, output index) of every tensor the loss's autograd graph takes in, and of the loss itself."""
+    edges = {(loss.grad_fn, loss.output_nr)}
+    for fn in graph_nodes(loss):
+        edges.update((next_fn, nr) for next_fn, nr in fn.next_functions if next_fn is not None)
+    return edges
 
 
 def graph_nodes(loss: torch.Tensor) -> Iterator[Any]:

@@ -28,6 +28,14 @@ class _TwoHeads(nn.Module):
         return self.head_a(h) + self.head_b(h) if use_b else self.head_a(h)
 
 
+class _AuxOutput(_TwoHeads):
+    """A forward that returns a dict; the loss reads "out" alone, so head_b (behind "aux") never trains."""
+
+    def forward(self, x, use_b):
+        h = torch.tanh(self.body(x))
+        return {"out": self.head_a(h), "aux": self.head_b(h)}
+
+
 def _data():
     g = torch.Generator().manual_seed(1)
     return torch.randn(sum(SHARES) * STEPS, 4, generator=g), torch.randn(sum(SHARES) * STEPS, 1, generator=g)
@@ -38,7 +46,7 @@ def _optimizer(net):   # weight decay moves a parameter given a zero gradient, a
 
 
 def _reference(case):
-    net, (x, y) = _TwoHeads(), _data()
+    net, (x, y) = (_AuxOutput() if case == "aux" else _TwoHeads()), _data()
     if case == "unfreeze":
         net.body.requires_grad_(False)
         net.head_b.requires_grad_(False)
@@ -47,8 +55,9 @@ def _reference(case):
     for step in range(STEPS):
         if case == "unfreeze" and step == UNFREEZE_AT:
             net.requires_grad_(True)
-        used = SHARES[0] if case == "unused" and step == NO_ITEMS_AT else n
+        used = SHARES[0] if case in ("unused", "aux") and step == NO_ITEMS_AT else n
         out = net(x[step * n:step * n + used], use_b=step % 2 == 1)
+        out = out["out"] if case == "aux" else out
         nn.functional.mse_loss(out, y[step * n:step * n + used]).backward()
         opt.step()
         opt.zero_grad()
@@ -61,7 +70,7 @@ def _train(rank, world, case, sharding, find_unused):
     plan = Plan(global_batch_size=sum(SHARES), sharding=sharding, balance=BalancePlan(enabled=False),
                 ranks=[RankPlan(rank=r, share=s) for r, s in enumerate(SHARES)])
     session = hetrain.Session(plan)
-    net = _TwoHeads()
+    net = _AuxOutput() if case == "aux" else _TwoHeads()
     if case == "unfreeze":
         net.body.requires_grad_(False)
         net.head_b.requires_grad_(False)
@@ -72,8 +81,9 @@ def _train(rank, world, case, sharding, find_unused):
                                      shuffle=False):
             if case == "unfreeze" and session.step_count == UNFREEZE_AT:
                 net.requires_grad_(True)
-            no_items = case == "unused" and rank == 1 and session.step_count == NO_ITEMS_AT
-            per_sample = ((model(xb, session.step_count % 2 == 1) - yb) ** 2).mean(1)
+            no_items = case in ("unused", "aux") and rank == 1 and session.step_count == NO_ITEMS_AT
+            out = model(xb, session.step_count % 2 == 1)
+            per_sample = (((out["out"] if case == "aux" else out) - yb) ** 2).mean(1)
             mask = torch.zeros_like(per_sample) if no_items else torch.ones_like(per_sample)
             loss = (per_sample * mask).sum() / mask.sum()   # a hand-made mean: 0/0 where nothing counts
             session.backward(loss, num_items=mask.sum())
@@ -106,3 +116,16 @@ def test_a_forward_that_leaves_parameters_without_gradient_is_named_and_find_unu
     for got in run_ranks(_train, 2, "unused", "zero1", True):
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("sharding", ["none", "zero1"])
+def test_a_parameter_behind_an_output_the_loss_leaves_keeps_no_gradient_when_a_rank_has_no_items(sharding):
+    """A forward returning {"out", "aux"} and a loss of "out" alone (a base model's pooler output): a rank
+    without items sent zeros from the parameters themselves, a graph apart from the forward's, and DDP counted
+    head_b used: every rank stepped its zero gradient (weight decay), off one process where it never moves."""
+    want = _reference("aux")
+    net = _AuxOutput()
+    for got in run_ranks(_train, 2, "aux", sharding, True):
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+        assert torch.equal(got[-2], net.head_b.weight.detach())   # never trained
