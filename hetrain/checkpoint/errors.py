@@ -7,6 +7,12 @@ import errno
 from hetrain.errors import HetrainError
 
 
+# The way on after a refused resume: a fresh run, given the checkpoint's trained weights.
+START_FROM_WEIGHTS = ("start in an empty checkpoint directory, loading this checkpoint's model weights first "
+                      "(load_state_dict(..., strict=False) for a changed model; docs/checkpoints.md, 'The weights in "
+                      "plain PyTorch')")
+
+
 class CheckpointError(HetrainError):
     """A checkpoint cannot be written or read: the message names the path, the reason and the fix."""
 

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from hetrain.checkpoint.checkpointer import Checkpointer
+from hetrain.checkpoint.errors import START_FROM_WEIGHTS
 from hetrain.errors import HetrainError
 from hetrain.runtime.environment import env_float, env_int
 from hetrain.metrics.events import CheckpointRecord
@@ -209,7 +210,7 @@ class SessionCheckpoints:
             this = "a pipeline plan" if st.pipelined else f"sharding {st.sharding!r}"
             raise HetrainError(
                 f"{info.path} was saved {saved}, and this run uses {this}, which cannot load it; resume with "
-                f"the kind of plan it was saved with, or start in an empty checkpoint directory"
+                f"the kind of plan it was saved with, or {START_FROM_WEIGHTS}"
             )
         def same_layout(shared: dict) -> None:
             """A pipeline's stage state and FSDP2's shards are both sharded, but not into the same keys."""
@@ -220,7 +221,8 @@ class SessionCheckpoints:
                 this = "a pipeline plan" if st.pipelined else f"sharding {st.sharding!r}"
                 raise HetrainError(
                     f"{info.path} was saved {saved}, and this run uses {this}, which cannot load it; resume "
-                    "with the kind of plan it was saved with, or start in an empty checkpoint directory")
+                    f"with the kind of plan it was saved with, or {START_FROM_WEIGHTS}")
+            st.check_model_keys(shared, str(info.path))
 
         # FSDP2's template is built once the checkpoint's shared state says which parameters have optimizer state
         shared, per_rank, loaded = self.checkpointer.load(info, sharded_template=st.sharded_template if st.fsdp else

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from hetrain.checkpoint.errors import START_FROM_WEIGHTS
 from hetrain.errors import HetrainError
 
 log = logging.getLogger("hetrain")
@@ -154,15 +155,14 @@ class Schedulers:
             raise HetrainError(
                 f"the checkpoint of step {self._saved_step} holds LR scheduler {index}'s state for {what}"
                 + (f" (it lacks {', '.join(missing[:3])})" if missing and kind in (None, name) else "")
-                + f", and this run gives {name}: give the scheduler the checkpoint was saved with, or start in an "
-                "empty checkpoint directory")
+                + f", and this run gives {name}: give the scheduler the checkpoint was saved with, or {START_FROM_WEIGHTS}")
         changed = [k for k in own if k in saved and not k.startswith("_") and k not in PROGRESS and own[k] != saved[k]]
         if changed:   # loading the state would put the checkpoint's arguments back, silently
             detail = ", ".join(f"{k}: checkpoint {saved[k]!r}, this run {own[k]!r}" for k in changed[:3])
             raise HetrainError(
                 f"the checkpoint of step {self._saved_step} holds LR scheduler {index}'s state for a {name} built with "
-                f"other arguments ({detail}): resuming would go on with the checkpoint's; build it with those, or start "
-                "in an empty checkpoint directory with the checkpoint's weights (docs/checkpoints.md)")
+                f"other arguments ({detail}): resuming would go on with the checkpoint's; build it with those, or "
+                f"{START_FROM_WEIGHTS}")
         scheduler.load_state_dict(saved)
         self._stepped_to[index] = position(scheduler)
         # Building the scheduler moved the optimizer's settings to the schedule's start: back to the checkpoint's.

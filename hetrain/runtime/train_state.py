@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
+from hetrain.checkpoint.errors import START_FROM_WEIGHTS
 from hetrain.checkpoint.rng import capture_rng, restore_rng
 from hetrain.errors import HetrainError
 from hetrain.planning.plan import Plan
@@ -95,6 +96,7 @@ class TrainState:
             "optimizer": optimizer_state,
             "optimizer_class": _optimizer_class(optimizer),
             "optimizer_state_names": with_state,
+            "model_keys": sorted(sharded["model"]) if self.fsdp and not self.pipelined else None,   # FSDP2: resume compares
             "optimizer_settings": _settings(optimizer),
             "sharding": self.sharding,
             "scaler": self.scaler.state_dict(),
@@ -137,7 +139,7 @@ class TrainState:
         except (RuntimeError, KeyError, ValueError) as e:
             raise HetrainError(
                 f"{where} was saved from a different model or optimizer ({load_error_summary(e)}); resume with the model "
-                "and optimizer it was saved with, or start in an empty checkpoint directory"
+                f"and optimizer it was saved with, or {START_FROM_WEIGHTS}"
             ) from None
         self.scaler.load_state_dict(shared["scaler"])
         self.loader.load_state_dict(shared["loader"])
@@ -155,6 +157,23 @@ class TrainState:
                         shared["balancer"].get("devices"))
         if per_rank is not None:
             restore_rng(per_rank["rng"])
+
+    def check_model_keys(self, shared: dict, where: str) -> None:
+        """FSDP2: the checkpoint's model keys are this model's. Its sharded load reads the keys this model has:
+        one the checkpoint lacks failed in the load, and one only the checkpoint has was left, silently."""
+        saved = shared.get("model_keys")
+        if not self.fsdp or self.pipelined or saved is None:   # a checkpoint from before the keys were saved
+            return
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        mine = set(get_model_state_dict(self.prepared.model))
+        extra, missing = sorted(set(saved) - mine), sorted(mine - set(saved))
+        if extra or missing:
+            parts = ([f"only the checkpoint has {', '.join(extra[:4])}"] if extra else []) + (
+                [f"only this model has {', '.join(missing[:4])}"] if missing else [])
+            raise HetrainError(
+                f"{where} was saved from a different model ({'; '.join(parts)}); resume with the model it was saved "
+                f"with, or {START_FROM_WEIGHTS}")
 
     def check_finite(self) -> None:
         """A checkpoint never stores non-finite weights."""
@@ -185,15 +204,15 @@ class TrainState:
         if saved != mine:
             raise HetrainError(
                 f"{where} holds the state of a {saved} optimizer, this script builds {mine}; resume with the "
-                "optimizer it was saved with, or start in an empty checkpoint directory"
+                f"optimizer it was saved with, or {START_FROM_WEIGHTS}"
             )
         theirs, ours = shared.get("optimizer_settings") or [], _settings(optimizer)
         if theirs and len(theirs) != len(ours):
             raise HetrainError(
                 f"{where} holds an optimizer of {len(theirs)} parameter groups and this script's has {len(ours)} "
-                "when it resumes (at session.loader()): a group added mid-run (optimizer.add_param_group) does not "
-                "exist yet when the checkpoint loads; build the optimizer with every group from the start and keep "
-                "a group's parameters frozen (requires_grad=False) until they train (docs/checkpoints.md)")
+                "when it resumes (at session.loader()): build it with the groups it was saved with (one the run "
+                "added with optimizer.add_param_group must be there from the start, its parameters frozen with "
+                f"requires_grad=False until they train: docs/checkpoints.md), or {START_FROM_WEIGHTS}")
         for i, (a, b) in enumerate(zip(theirs, ours)):
             # keys only one side has are a scheduler's own (max_lr, base_momentum, ...), set when it is built
             differ = sorted(k for k in set(a) & set(b) if k not in SCHEDULED and not _same(a[k], b[k]))
@@ -201,7 +220,7 @@ class TrainState:
                 detail = ", ".join(f"{k}: checkpoint {a.get(k)!r}, script {b.get(k)!r}" for k in differ)
                 raise HetrainError(
                     f"{where}: parameter group {i} of the optimizer differs from the checkpoint's ({detail}); "
-                    "build the optimizer with the settings it was saved with, or start in an empty checkpoint directory"
+                    f"build the optimizer with the settings it was saved with, or {START_FROM_WEIGHTS}"
                 )
         changed = replaced_settings(theirs, ours)
         if changed and self.rank == 0:

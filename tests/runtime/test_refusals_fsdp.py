@@ -87,3 +87,36 @@ def test_a_first_micro_batch_without_items_under_fsdp2_is_no_zero_grad():
     ddp = run_ranks(_first_micro_batch_without_items, 2, "none")
     for a, b in zip(fsdp[0], ddp[0]):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+def _resume_fsdp(rank, world, directory, extra_head):
+    import hetrain
+
+    plan = Plan(global_batch_size=8, sharding="fsdp", balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=r, share=4) for r in range(world)])
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    if extra_head:
+        net.head2 = torch.nn.Linear(3, 3)   # a head the loss does not use yet
+    try:
+        with hetrain.Session(plan, checkpoint_dir=directory, checkpoint_interval=2) as session:
+            model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+            for x, y in session.loader(make_data(), global_batch_size=8, shuffle=False, seed=0):
+                session.backward(F.cross_entropy(model(x), y))
+                session.step()
+                if session.step_count >= 2:
+                    break
+    except HetrainError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("first, then, named", [(True, False, "only the checkpoint has head2.bias, head2.weight"),
+                                                (False, True, "only this model has head2.bias, head2.weight")])
+def test_an_fsdp2_checkpoint_of_another_model_is_refused_naming_the_keys(tmp_path, first, then, named):
+    """Its sharded load read the keys this model has: a head the checkpoint had and this model dropped was left
+    without a word, and one this model added failed in DCP naming a 'template'."""
+    assert run_ranks(_resume_fsdp, 2, str(tmp_path), first) == [None, None]
+    errors = run_ranks(_resume_fsdp, 2, str(tmp_path), then)
+    assert all(e is not None and "was saved from a different model (" + named in e and
+               "start in an empty checkpoint directory" in e for e in errors), errors
