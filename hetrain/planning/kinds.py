@@ -249,23 +249,26 @@ def figures_notes(kinds: list[Kind], profile: WorkloadProfile, profiles: dict[st
 
 def cpu_sharing_notes(kinds: list[Kind], cluster) -> list[str]:
     """A CPU profile times a step with its stamp's threads, as its `concurrent_copies` copies shared
-    the machine. `hetrain launch` gives each of N ranks on a node the cores / N threads
-    (OMP_NUM_THREADS, where not set): where the plan's ranks of that kind on a node, or the threads
-    each gets on this machine, differ from the profile's, the note says how to profile for the plan."""
+    the machine. `hetrain launch` gives each of N ranks on a node, GPU ranks included, the cores / N
+    threads (OMP_NUM_THREADS, where not set): where the plan's ranks of that kind on a node, or the
+    threads each gets on this machine, differ from the profile's, the note says how to profile for the plan."""
     notes = []
     for k in kinds:
         if k.source != "measured-profile" or k.spec.arch != "cpu":
             continue
-        per_node = most_on_a_node(cluster, k.spec.name)
-        threads = rank_threads(per_node)
+        # the node with the most of these CPU ranks (then the most ranks): launch splits its cores over all its ranks
+        per_node, on_node = max((sum(g.count for g in node.devices if g.spec.name == k.spec.name), node.size)
+                                for node in cluster.nodes)
+        threads = rank_threads(on_node)
         stamp = k.measured.stamp
         if per_node == stamp.concurrent_copies and stamp.threads in (None, threads):
             continue
         copies = "1 copy" if stamp.concurrent_copies == 1 else f"{stamp.concurrent_copies} copies"
         each = f", {stamp.threads} thread(s) each" if stamp.threads else ""
+        beside = f" beside {on_node - per_node} other rank(s)" if on_node > per_node else ""
         notes.append(f"{k.spec.name}: the profile timed {copies} at once{each}; this plan runs {per_node} rank(s) on "
-                     f"a node, {threads} thread(s) each on this machine, so its step times may be far off; profile "
-                     f"with `hetrain profile --device cpu --concurrent {per_node} --threads {threads}`")
+                     f"a node{beside}, {threads} thread(s) each on this machine, so its step times may be far off; "
+                     f"profile with `hetrain profile --device cpu --concurrent {per_node} --threads {threads}`")
     return notes
 
 

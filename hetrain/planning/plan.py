@@ -10,10 +10,10 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from hetrain.errors import HetrainError, format_validation_error
-from hetrain.vocabulary import COMPRESSIONS, PRECISIONS, SCHEDULES, SHARDINGS, STRATEGIES
+from hetrain.vocabulary import COMPRESSIONS, PRECISIONS, SCHEDULES, SHARDINGS, STRATEGIES, ZERO1_SHARDINGS
 
 PLAN_VERSION = 1
 
@@ -22,6 +22,16 @@ Compression = Literal[COMPRESSIONS]
 Sharding = Literal[SHARDINGS]
 Strategy = Literal[STRATEGIES]
 Schedule = Literal[SCHEDULES]
+
+STRATEGY_SHARDINGS: dict[str, tuple[str, ...]] = {
+    "ddp": ("none",), "balanced": ("none",), "zero1": ZERO1_SHARDINGS, "zero3": ("fsdp",),
+}
+"""The shardings each data-parallel strategy runs (the pipeline strategies take none or fsdp inside their stages)."""
+
+
+def strategy_of(sharding: str) -> str:
+    """The data-parallel strategy that runs `sharding` with balanced shares (none: balanced, fsdp: zero3)."""
+    return next(s for s, shardings in STRATEGY_SHARDINGS.items() if sharding in shardings and s != "ddp")
 
 
 class _Strict(BaseModel):
@@ -45,6 +55,18 @@ class RankPlan(_Strict):
     memory_bytes: int | None = Field(None, ge=0, description="predicted peak memory on this device")
     memory_capacity_bytes: int | None = Field(None, gt=0, description="usable memory of this device")
     predicted_step_seconds: float | None = Field(None, ge=0, description="predicted compute time per step")
+
+    @field_validator("device")
+    @classmethod
+    def _catalog_name(cls, device: str) -> str:
+        """A catalog alias ("v100", as `hetrain plan --devices` takes it) becomes the catalog's name, the one a
+        rank's device is found by; a name the catalog lacks stays as written (the launcher refuses it)."""
+        from hetrain.hardware.catalog import get_gpu
+
+        try:
+            return get_gpu(device).name
+        except HetrainError:
+            return device
 
     @model_validator(mode="after")
     def _chip_has_precision(self) -> "RankPlan":
@@ -125,6 +147,14 @@ class Plan(_Strict):
     def _consistent(self) -> "Plan":
         if self.version != PLAN_VERSION:
             raise ValueError(f"plan version {self.version} is not supported; this hetrain reads version {PLAN_VERSION}")
+        if self.pipeline is None:
+            if "strategy" not in self.model_fields_set:   # Plan(sharding="fsdp"): the strategy of that sharding
+                self.strategy = strategy_of(self.sharding)
+            runs = STRATEGY_SHARDINGS.get(self.strategy, (self.sharding,))   # pipeline strategies: checked at launch
+            if self.sharding not in runs:
+                fits = " or ".join(repr(s) for s in runs)
+                raise ValueError(f"strategy {self.strategy!r} runs sharding {fits}, not {self.sharding!r}: set "
+                                 f"\"sharding\" to {fits}, or \"strategy\" to {strategy_of(self.sharding)!r}")
         if not self.ranks:
             raise ValueError("a plan needs at least one rank")
         if [r.rank for r in self.ranks] != list(range(len(self.ranks))):

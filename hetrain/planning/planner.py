@@ -15,7 +15,7 @@ from hetrain.planning.compression import compression_ratio, lossless_for
 from hetrain.planning.compression_choice import COMPRESSION_CHOICES, choose_compression
 from hetrain.planning.batch_split import FunctionCost, split_even, split_min_max
 from hetrain.planning.pieces import fsdp_pieces
-from hetrain.planning.plan import BalancePlan, CommPlan, Plan, RankPlan
+from hetrain.planning.plan import STRATEGY_SHARDINGS, BalancePlan, CommPlan, Plan, RankPlan
 from hetrain.planning.precision_policy import needs_loss_scaling
 from hetrain.planning.explain import PIPELINES_WEIGHED, idle_devices_note, why_not
 from hetrain.planning.kinds import Kind, cpu_sharing_notes, extrapolation_notes, figures_notes, kinds_of
@@ -28,7 +28,6 @@ from hetrain.vocabulary import STRATEGIES as VOCABULARY_STRATEGIES
 
 STRATEGIES = ("auto", *(s for s in VOCABULARY_STRATEGIES if s != "hybrid"))  # hybrid plans come from "pipeline"
 _ZERO = {"ddp": 0, "balanced": 0, "zero1": 1, "zero3": 3}
-_SHARDING = {"ddp": "none", "balanced": "none", "zero1": "zero1", "zero3": "fsdp"}
 GB = 1e9
 
 
@@ -308,7 +307,7 @@ def _priced(strategy: str, asked: Candidate, cluster, profile: WorkloadProfile, 
     # the two-level all-reduce is a DDP communication hook: FSDP2 (zero3) has none to run it
     two_level = zero < 3 and cm.allreduce_cost(4.0 * profile.params, topo).algorithm == "two-level"
     cand.plan = Plan(
-        global_batch_size=global_batch, strategy=strategy, sharding=_SHARDING[strategy], ranks=ranks,
+        global_batch_size=global_batch, strategy=strategy, sharding=STRATEGY_SHARDINGS[strategy][0], ranks=ranks,
         # a device planned idle stays so: its balancer may not hand it the min_share of 1 it has by default
         balance=BalancePlan(enabled=strategy != "ddp", min_share=0 if any(r.share == 0 for r in ranks) else 1),
         comm=CommPlan(compression=hook, hierarchical=two_level, islands=cluster.islands() if two_level else None),

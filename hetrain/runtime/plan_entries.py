@@ -205,8 +205,11 @@ def comm_for_world(plan: Plan, assignment: Assignment) -> tuple[Any, str | None]
     one island on two nodes, become this job's nodes; a job on another number of ranks (an elastic restart
     on fewer or more devices) all-reduces flat."""
     comm, world = plan.comm, len(assignment.entries)
-    if comm.islands is None:
+    if comm.islands is None or not comm.hierarchical:   # only a two-level all-reduce reads the islands
         return comm, None
+    from hetrain.runtime.hierarchical import validate_islands
+
+    validate_islands(comm.islands, plan.world_size)   # they name the plan's ranks, each once: else one line
     if world != plan.world_size:
         note = (f"the plan's islands {comm.islands} name its {plan.world_size} ranks and this job has {world}: "
                 "gradients all-reduce flat, not in two levels (re-plan for these devices to get them back)")
