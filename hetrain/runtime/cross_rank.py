@@ -45,10 +45,11 @@ class _GatherRows(torch.autograd.Function):
 GATHER_NODE = "_GatherRowsBackward"   # its node in an autograd graph (a backward without items goes through it)
 
 
-def gather_rows(tensor: torch.Tensor, *, offset: bool = False) -> Any:
+def gather_rows(tensor: torch.Tensor, *, offset: bool = False, cut: bool = False) -> Any:
     """Every rank's `tensor` joined along the first dimension in rank order (sizes may differ by rank); the
     gradient reaches each rank's own rows. With `offset=True`, (rows, index of this rank's first row). Collective:
-    every rank calls it, once per forward, with the same trailing shape."""
+    every rank calls it, once per forward, with the same trailing shape. `cut`: this rank's step is cut into
+    micro-batches, where it would join pieces, not the global batch (refused on every rank)."""
     if tensor.dim() == 0:
         raise HetrainError("session.gather_rows() joins rows along the first dimension; got a 0-d tensor "
                            "(give it a dimension of rows: t.reshape(1))")
@@ -58,7 +59,7 @@ def gather_rows(tensor: torch.Tensor, *, offset: bool = False) -> Any:
     if tensor.is_floating_point() and tensor.element_size() < 4:
         tensor = tensor.float()   # a bf16 rank beside an fp32 one: one dtype on the wire, the rank's own back
     with collective_call(None, "gather_rows"):   # a rank that waits here alone is named with the call
-        sizes = _agreed_sizes(tensor)
+        sizes = _agreed_sizes(tensor, cut)
     longest, rank = max(sizes), dist.get_rank()
     padded = tensor.contiguous()
     if tensor.shape[0] < longest:
@@ -72,16 +73,25 @@ def gather_rows(tensor: torch.Tensor, *, offset: bool = False) -> Any:
     return (rows, sum(sizes[:rank])) if offset else rows
 
 
-def _agreed_sizes(tensor: torch.Tensor) -> list[int]:
-    """Every rank's row count, with a check (on every rank alike) that the rest of the shape and the dtype agree."""
+def _agreed_sizes(tensor: torch.Tensor, cut: bool = False) -> list[int]:
+    """Every rank's row count, with a check (on every rank alike) that the rest of the shape and the dtype agree,
+    and that no rank's step is cut into micro-batches."""
     if tensor.dim() - 1 > _SHAPE_DIMS:
         raise HetrainError(f"session.gather_rows() takes tensors of at most {_SHAPE_DIMS + 1} dimensions")
     trailing = list(tensor.shape[1:]) + [-1] * (_SHAPE_DIMS - tensor.dim() + 1)
     dtype = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else -1
-    mine = torch.tensor([tensor.shape[0], tensor.dim(), dtype, *trailing], dtype=torch.int64, device=tensor.device)
+    mine = torch.tensor([tensor.shape[0], tensor.dim(), dtype, *trailing, int(cut)], dtype=torch.int64,
+                        device=tensor.device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
-    rows = [e.tolist() for e in every]
+    cuts = [i for i, e in enumerate(every) if e[-1]]
+    if cuts:
+        raise HetrainError(
+            f"session.gather_rows() on a micro-batch: rank(s) {', '.join(map(str, cuts))} cut this step into "
+            "micro-batches, where each call joins one piece of each rank's share, not the global batch (a "
+            "contrastive loss over pieces is another loss; ranks with different piece counts stop the job); run "
+            "this loss on a plan without micro_batch or grad_accum")
+    rows = [e[:-1].tolist() for e in every]
     if any(r[1:] != rows[0][1:] for r in rows):
         shapes = [f"rank {i}: {'x'.join(str(d) for d in ['rows', *r[3:3 + r[1] - 1]])}" for i, r in enumerate(rows)]
         raise HetrainError("session.gather_rows() was given tensors of different shapes or dtypes on different "

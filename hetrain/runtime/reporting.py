@@ -8,6 +8,7 @@ Observers are objects with `on_step(StepRecord)` and, optionally, `on_checkpoint
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -19,10 +20,18 @@ import torch.distributed as dist
 from hetrain.errors import HetrainError
 from hetrain.metrics.events import CheckpointRecord, StepRecord
 from hetrain.runtime.measured import FlopMeter, rates_by_kind
+from hetrain.vocabulary import Env
 
 log = logging.getLogger("hetrain")
 
 RATES_EVERY_S = 30.0   # measured-rates.json is rewritten at most this often, and at each checkpoint and close
+
+
+def run_directory(checkpoint_dir: str | None) -> Path | None:
+    """Where a run's own files go (measured rates, run log): HETRAIN_RUN_DIR (`hetrain launch --run-dir`),
+    else the checkpoint directory, else none."""
+    chosen = os.environ.get(Env.RUN_DIR) or checkpoint_dir
+    return Path(chosen) if chosen else None
 
 
 def plan_step_seconds(plan: Any) -> float | None:

@@ -21,7 +21,6 @@ import logging
 import math
 import os
 import sys
-from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
@@ -42,7 +41,7 @@ from hetrain.runtime.environment import (RankEnv, collective_timeout, configure_
                                          pick_device, print_user_errors_as_one_line, progress_timeout)
 from hetrain.runtime.gradients import (GradientStatus, SkipCounter, StepFigures, agree_items_per_sample, clip_gradients,
                                        finish_gradients, launch_step_figures, weighted_mean)
-from hetrain.runtime.reporting import Reports, plan_step_seconds, step_record
+from hetrain.runtime.reporting import Reports, plan_step_seconds, run_directory, step_record
 from hetrain.runtime.parallelize import (Prepared, equal_piece_counts, exact_zeros, gradient_sync, parallelize,
                                          reduce_late_trainable)
 from hetrain.runtime.pipeline_schedule import call_model, item_counter, prepare_pipeline
@@ -443,7 +442,9 @@ class Session:
         self.reports.add(observer)
 
     observers = property(lambda self: self.reports.observers)
-    gather_rows = staticmethod(gather_rows)   # every rank's rows of a tensor, in rank order (hetrain.runtime.cross_rank)
+    def gather_rows(self, tensor: torch.Tensor, *, offset: bool = False) -> Any:   # hetrain.runtime.cross_rank
+        """Every rank's rows of `tensor`, in rank order; the gradient reaches each rank's own (collective)."""
+        return gather_rows(tensor, offset=offset, cut=self.state.cut)
 
     def barrier(self) -> None:
         """Every rank waits until each has reached it, however long one rank's work before it takes (collective)."""
@@ -483,11 +484,7 @@ class Session:
 
     # -- services: checkpoints and metrics ----------------------------------------------------------
 
-    @property
-    def run_dir(self) -> Path | None:
-        """Where the run's own files go (measured rates, run log): HETRAIN_RUN_DIR, else the checkpoint directory."""
-        chosen = os.environ.get(Env.RUN_DIR) or self._checkpoint_args[0]
-        return Path(chosen) if chosen else None
+    run_dir = property(lambda self: run_directory(self._checkpoint_args[0]))   # the run's own files: run log, rates
 
     def _start_metrics(self) -> None:
         """Prometheus on --metrics-port, and the run log (hetrain report) wherever the run has a directory."""

@@ -59,6 +59,11 @@ class StepState:
         self.closed = False                     # session.close() ran: no more steps
 
     @property
+    def cut(self) -> bool:
+        """The step is cut into micro-batches on this rank (a piece of its share in hand, more to come or done)."""
+        return self.active and (self.micros > 1 or not self.last_micro)
+
+    @property
     def buffer_source(self) -> int:
         """The rank whose buffers every rank takes after the step: the first with samples in it (rank 0's
         forward over no samples left its BatchNorm statistics as they were, and every rank took those)."""

@@ -96,3 +96,29 @@ def _mismatched(rank, world):
 def test_tensors_of_other_shapes_on_other_ranks_are_refused_on_every_rank():
     for message in run_ranks(_mismatched, 2):
         assert message is not None and "rank 0: rowsx4, rank 1: rowsx5" in message, message
+
+
+def _on_micro_batches(rank, world):
+    import hetrain
+    from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+
+    plan = Plan(global_batch_size=GLOBAL, balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=0, share=6, micro_batch=2), RankPlan(rank=1, share=2)])
+    with hetrain.Session(plan) as session:
+        net = _TwoTowers()
+        model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.5))
+        try:
+            for images, texts in session.loader(torch.utils.data.TensorDataset(*_data()), GLOBAL, shuffle=False):
+                own_images, own_texts = model(images, texts)
+                session.gather_rows(own_images)
+        except hetrain.HetrainError as e:
+            return str(e)
+    return None
+
+
+def test_a_gather_on_a_micro_batch_is_refused_on_every_rank_naming_the_plan():
+    """It joined one piece of each rank's share (4 rows, not 8), and rank 0's second piece met rank 1's next
+    collective: gloo's 'collective mismatch', SIGABRT, no word of gather_rows."""
+    for message in run_ranks(_on_micro_batches, 2):
+        assert message is not None and message.startswith("session.gather_rows() on a micro-batch: rank(s) 0 cut "
+                                                          "this step") and "without micro_batch" in message, message
