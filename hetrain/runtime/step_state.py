@@ -122,10 +122,16 @@ class StepState:
 
     def mean_weight(self) -> float:
         """This rank's weight in a mean over ranks: the current step's items so far (its samples before
-        any backward), else the last finished step's items, else 0."""
+        any backward), else the last finished step's items. Before this process's first step there are none
+        (every rank weighed 0 and the mean was NaN): refused, naming `weight=`."""
         if self.active:
             return self.items or self.current_samples()
-        return self.last.local_items if self.last is not None else 0.0
+        if self.last is None:
+            raise HetrainError(
+                "session.global_mean(value) weighs each rank's value by its items in the step, and no step has "
+                "run in this process yet (a figure before the first step, or before the first after a resume): "
+                "pass weight= (1 for a plain mean over ranks, or the samples or tokens this rank's value is over)")
+        return self.last.local_items
 
     def check_open(self) -> None:
         if self.closed:
