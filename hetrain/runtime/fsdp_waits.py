@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hetrain.runtime.timing import pad_to_speed
+
 try:   # the classes FSDP2's custom collectives extend (torch >= 2.8)
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 except ImportError:   # pragma: no cover - an older torch: FSDP2's waits stay inside compute
@@ -27,20 +29,46 @@ except ImportError:   # pragma: no cover - an older torch: FSDP2's waits stay in
 
 
 class CommWaits:
-    """Seconds spent inside FSDP2's collectives since the last `mark()`."""
+    """Seconds spent inside FSDP2's collectives since the last `mark()` (the step's compute began). With an
+    emulated `speed`, each stretch of compute between two collectives is padded to 1/speed of its time before
+    the next one: an emulated slow rank is slow in every block, where the others wait for it, as a slow device
+    is (padded after backward, its whole step's padding came where the others waited in one collective, and
+    a split could not shorten the step)."""
 
-    def __init__(self) -> None:
+    def __init__(self, speed: float | None = None) -> None:
         self.total = 0.0
+        self.speed = speed
         self._marked = 0.0
-
-    def add(self, seconds: float) -> None:
-        self.total += seconds
+        self._since: float | None = None   # the end of the last collective, while the step's compute runs
 
     def mark(self) -> None:
+        """The step's compute begins."""
         self._marked = self.total
+        self._since = time.perf_counter()
 
     def since_mark(self) -> float:
         return self.total - self._marked
+
+    def finish(self) -> None:
+        """The step's compute ends: its last stretch padded, none until the next mark."""
+        self._pad()
+        self._since = None
+
+    def around(self, call: Any) -> Any:
+        """`call()` (a collective, or the wait on one), its seconds counted; the compute before it padded."""
+        self._pad()
+        started = time.perf_counter()
+        try:
+            return call()
+        finally:
+            now = time.perf_counter()
+            self.total += now - started
+            if self._since is not None:
+                self._since = now
+
+    def _pad(self) -> None:
+        if self._since is not None and self.speed is not None:
+            pad_to_speed(time.perf_counter() - self._since, self.speed)
 
 
 class _TimedWork(dist.Work):
@@ -51,11 +79,7 @@ class _TimedWork(dist.Work):
         self._inner, self._waits = inner, waits
 
     def wait(self, timeout: Any = None) -> bool:
-        started = time.perf_counter()
-        try:
-            return self._inner.wait() if timeout is None else self._inner.wait(timeout)
-        finally:
-            self._waits.add(time.perf_counter() - started)
+        return self._waits.around(lambda: self._inner.wait() if timeout is None else self._inner.wait(timeout))
 
     def is_completed(self) -> bool:
         return self._inner.is_completed()
@@ -65,11 +89,7 @@ class _TimedWork(dist.Work):
 
 
 def _timed(call: Any, waits: CommWaits) -> Any:
-    started = time.perf_counter()
-    try:
-        work = call()
-    finally:
-        waits.add(time.perf_counter() - started)
+    work = waits.around(call)
     return _TimedWork(work, waits) if isinstance(work, dist.Work) else work
 
 
@@ -95,16 +115,17 @@ if DefaultAllGather is not None:
             return _timed(lambda: super(TimedReduceScatter, self).__call__(*args, **kwargs), self.waits)
 
 
-def time_fsdp_collectives(model: torch.nn.Module) -> CommWaits | None:
+def time_fsdp_collectives(model: torch.nn.Module, speed: float | None = None) -> CommWaits | None:
     """Give every FSDP2 module in `model` the timed collectives; the seconds they take, or None where this
-    torch has no custom collectives (compute then holds FSDP2's waits, as before)."""
+    torch has no custom collectives (compute then holds FSDP2's waits, as before). `speed`: the rank's
+    emulated speed (CPU ranks), padded between collectives."""
     if DefaultAllGather is None:
         return None
     modules = [m for m in model.modules() if hasattr(m, "set_custom_all_gather")
                and hasattr(m, "set_custom_reduce_scatter")]
     if not modules:
         return None
-    waits = CommWaits()
+    waits = CommWaits(speed)
     gather, scatter = TimedAllGather(waits), TimedReduceScatter(waits)
     for module in modules:
         module.set_custom_all_gather(gather)

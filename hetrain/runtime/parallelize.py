@@ -234,7 +234,7 @@ def apply_fsdp(model: nn.Module, blocks: Sequence[nn.Module], entry: RankPlan, d
     model.set_reshard_after_forward(True)
     from hetrain.runtime.fsdp_waits import time_fsdp_collectives
 
-    timer.comm_waits = time_fsdp_collectives(model)   # a rank's waits in FSDP2's collectives are not its compute
+    timer.comm_waits = time_fsdp_collectives(model, timer.speed)   # a rank's waits in FSDP2's collectives are not its compute
     model.register_forward_pre_hook(timer.outer_pre_hook, prepend=True)   # before FSDP2's all-gather
     model.register_forward_pre_hook(timer.forward_pre_hook)
     return model

@@ -8,8 +8,9 @@ bucket rebuild's broadcast in the second step): it waits for the other ranks, an
 (nor is the copy of rank 0's buffers after the last backward, hetrain.runtime.buffers).
 
 Speed emulation (CPU ranks only): a rank at speed ``s`` pads each measured compute interval to
-``1/s`` of its length, before its last bucket is sent, so the other ranks wait for it as they
-would wait for a slower device. Whatever it produces is labelled as emulated.
+``1/s`` of its length, before its last bucket is sent (under FSDP2, each stretch between two of its
+collectives, hetrain.runtime.fsdp_waits), so the other ranks wait for it as they would wait for a
+slower device. Whatever it produces is labelled as emulated.
 """
 
 from __future__ import annotations
@@ -173,10 +174,11 @@ class StepTimer:
         """Called when this rank's last gradient bucket is ready: the compute of the step is over."""
         if self._start is None:
             return
-        elapsed = time.perf_counter() - self._start
-        if self.comm_waits is not None:   # FSDP2: its gathers and reduce-scatters, where ranks wait on each other
-            elapsed = max(0.0, elapsed - self.comm_waits.since_mark())
-        self.compute_s = pad_to_speed(elapsed, self.speed)
+        if self.comm_waits is not None:   # FSDP2: less its gathers and reduce-scatters, where ranks wait on each
+            self.comm_waits.finish()      # other; an emulated speed padded each stretch between them
+            self.compute_s = max(0.0, time.perf_counter() - self._start - self.comm_waits.since_mark())
+        else:
+            self.compute_s = pad_to_speed(time.perf_counter() - self._start, self.speed)
         self._start = None
         if self.on_grads_ready is not None:
             self.on_grads_ready()
