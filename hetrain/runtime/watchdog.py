@@ -267,7 +267,10 @@ def ended_early(after: dict[int, Progress | None]) -> str | None:
     if not ended:
         return None
     first_untaken = min(p.step for p in ended.values())
-    ahead = {r: p for r, p in after.items() if p is not None and p.phase == "waiting" and p.step >= first_untaken}
+    # a rank in a step a closed one never takes waits in vain there, computing or not: its step's collectives (the
+    # first backward's agreement, DDP's bucket rebuild) need every rank; a stream's ranks are near a pass's start
+    phases = ("waiting",) if any(STREAM_ENDED in p.phase for p in ended.values()) else ("waiting", "computing")
+    ahead = {r: p for r, p in after.items() if p is not None and p.phase in phases and p.step >= first_untaken}
     if not ahead:
         return None
     closed, last, waiting = sorted(ended), first_untaken - 1, sorted(ahead)
@@ -281,7 +284,8 @@ def ended_early(after: dict[int, Progress | None]) -> str | None:
     return (f"{ranks_text(closed)} closed the session after {last} "
             f"step(s) while {ranks_text(waiting)} wait(s) in step "
             f"{step}: every rank must take the same steps; end the loop on session.step_count or the loader's "
-            "epoch, not on a count of batches (micro-batches make that count differ between ranks)")
+            "epoch, not on a count of batches (micro-batches make that count differ between ranks), and call "
+            "session.backward() and step() on every batch, an empty one too (a `continue` past it skips the step)")
 
 
 CLOSED_KEY = "hetrain/progress/closed"
@@ -432,11 +436,12 @@ class ProgressWatch:
     def _closed_early(self, stalled: float) -> bool:
         """Waiting in a step a rank that closed its session never takes: the lowest such rank reports
         it now (the others end with the job), without waiting for the progress timeout."""
-        if self._phase != "waiting" or stalled < 3 * self.interval_s or not self.store.check([CLOSED_KEY]):
+        if self._phase not in ("waiting", "computing") or stalled < 3 * self.interval_s or \
+                not self.store.check([CLOSED_KEY]):
             return False
         after = self._read_all()
         early = ended_early(after)
-        waiting = sorted(r for r, p in after.items() if p is not None and p.phase == "waiting")
+        waiting = sorted(r for r, p in after.items() if p is not None and p.phase in ("waiting", "computing"))
         seen, self._seen = self._seen, after
         if early is None or not waiting or waiting[0] != self.rank:
             return False

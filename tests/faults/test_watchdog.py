@@ -331,6 +331,47 @@ def test_a_rank_that_closes_early_is_named_in_seconds_not_after_the_progress_tim
     assert "rank 0 closed the session after 2 step(s) while rank 1 wait(s) in step 3" in r.stderr, r.stderr[-2000:]
 
 
+SKIP_EMPTY_SCRIPT = '''
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+import hetrain
+
+if __name__ == "__main__":
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g))
+    session = hetrain.Session()
+    net = torch.nn.Linear(4, 1)
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    for x, y in session.loader(data, global_batch_size=8, shuffle=False):
+        if len(x) == 0:   # this rank's share is 0: skipped, with no backward and no step
+            continue
+        session.backward(F.mse_loss(model(x), y))
+        session.step()
+    session.close()
+'''
+
+
+def test_a_rank_that_skips_its_empty_batches_is_named_in_seconds(tmp_path):
+    """A rank whose share is 0 `continue`d past its batches and closed; rank 0 waited in its first step's
+    collective, published as computing, and after the 300 s limit was itself named ('rank 0 made no
+    progress at step 1 (computing; rank 1 waits on it')."""
+    from tests.distributed import run_cli
+    from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+
+    plan = Plan(global_batch_size=8, balance=BalancePlan(enabled=False, min_share=0),
+                ranks=[RankPlan(rank=0, share=8), RankPlan(rank=1, share=0)])
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    (tmp_path / "skip.py").write_text(SKIP_EMPTY_SCRIPT)
+    start = time.monotonic()
+    r = run_cli([sys.executable, "-m", "hetrain.cli.main", "launch", "--nproc-per-node", "2", "--plan",
+                 str(tmp_path / "plan.json"), str(tmp_path / "skip.py")], cwd=ROOT, timeout=120)
+    assert r.returncode != 0 and time.monotonic() - start < 60, r.stderr[-2000:]
+    assert "rank 1 closed the session after 0 step(s) while rank 0 wait(s) in step 1" in r.stderr, r.stderr[-2000:]
+    assert "an empty one too" in r.stderr
+
+
 def test_a_node_whose_ranks_only_lost_their_peers_says_the_failure_began_on_another_node(tmp_path, monkeypatch):
     import json
 
