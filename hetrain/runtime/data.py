@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset, default_collate
 
+from hetrain.checkpoint.errors import START_FROM_WEIGHTS
 from hetrain.errors import HetrainError, ranks_by_value, ranks_text
 from hetrain.runtime.batch_tree import check_cuttable
 from hetrain.runtime.batch_sampler import RankBatchSampler, ShareSchedule, step_shares
@@ -289,8 +290,7 @@ class HeteroLoader:
             raise HetrainError(
                 f"the checkpoint's data order (global batch {state['global_batch_size']}, seed {state['seed']}) "
                 f"differs from this loader's ({self.global_batch_size}, {self.seed}); "
-                "resume with the same global_batch_size and seed"
-            )
+                f"resume with the same global_batch_size and seed, or {START_FROM_WEIGHTS}")
         epoch, in_epoch = int(state["epoch"]), int(state["step_in_epoch"])
         saved = state.get("order")
         if saved is not None and self.order is not None and saved != self._order_settings():

@@ -610,3 +610,23 @@ def test_a_pipeline_stage_left_in_eval_mode_warns_once():
     warnings = run_ranks(_pipeline_left_in_eval, 2)
     assert all(len(w) == 1 and w[0].startswith("session.forward_backward() on a model in eval mode") for w in warnings), \
         warnings
+
+
+def test_a_resume_with_another_global_batch_is_refused_naming_the_way_on_with_the_weights(tmp_path):
+    import hetrain
+
+    def run(global_batch, steps):
+        with hetrain.Session(checkpoint_dir=str(tmp_path), checkpoint_interval=2, async_checkpoints=False) as session:
+            net = make_net()
+            model, _ = session.prepare(net, adam(net))
+            for x, y in session.loader(make_data(), global_batch_size=global_batch, shuffle=True, seed=0):
+                session.backward(F.cross_entropy(model(x), y))
+                session.step()
+                if session.step_count >= steps:
+                    break
+
+    run(8, 2)
+    with pytest.raises(HetrainError, match=r"data order \(global batch 8, seed 0\) differs from this loader's \(16, 0\); "
+                                           r"resume with the same global_batch_size and seed, or start in an empty "
+                                           r"checkpoint directory, loading this checkpoint's model weights first"):
+        run(16, 4)
