@@ -313,21 +313,28 @@ if __name__ == "__main__":
 '''
 
 
+def _launch_with_plan(tmp_path, plan, script: str):
+    """`hetrain launch` of `script` on 2 ranks with `plan`: the result, and the seconds it took."""
+    from tests.distributed import run_cli
+
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    (tmp_path / "job.py").write_text(script)
+    start = time.monotonic()
+    r = run_cli([sys.executable, "-m", "hetrain.cli.main", "launch", "--nproc-per-node", "2", "--plan",
+                 str(tmp_path / "plan.json"), str(tmp_path / "job.py")], cwd=ROOT, timeout=120)
+    return r, time.monotonic() - start
+
+
 def test_a_rank_that_closes_early_is_named_in_seconds_not_after_the_progress_timeout(tmp_path):
     """Stopping after a count of batches, ranks with 3 and 1 micro-batches a step stop at steps 2 and
     7: rank 1 waits in step 3 for a rank that closed. It is named within seconds of the close, not
     after the 300 s progress timeout."""
-    from tests.distributed import run_cli
     from hetrain.planning.plan import BalancePlan, Plan, RankPlan
 
     plan = Plan(global_batch_size=16, balance=BalancePlan(enabled=False),
                 ranks=[RankPlan(rank=0, share=12, micro_batch=4), RankPlan(rank=1, share=4)])
-    (tmp_path / "plan.json").write_text(plan.to_json())
-    (tmp_path / "early.py").write_text(EARLY_CLOSE_SCRIPT)
-    start = time.monotonic()
-    r = run_cli([sys.executable, "-m", "hetrain.cli.main", "launch", "--nproc-per-node", "2", "--plan",
-                 str(tmp_path / "plan.json"), str(tmp_path / "early.py")], cwd=ROOT, timeout=120)
-    assert r.returncode != 0 and time.monotonic() - start < 60, r.stderr[-2000:]
+    r, took = _launch_with_plan(tmp_path, plan, EARLY_CLOSE_SCRIPT)
+    assert r.returncode != 0 and took < 60, r.stderr[-2000:]
     assert "rank 0 closed the session after 2 step(s) while rank 1 wait(s) in step 3" in r.stderr, r.stderr[-2000:]
 
 
@@ -357,17 +364,12 @@ def test_a_rank_that_skips_its_empty_batches_is_named_in_seconds(tmp_path):
     """A rank whose share is 0 `continue`d past its batches and closed; rank 0 waited in its first step's
     collective, published as computing, and after the 300 s limit was itself named ('rank 0 made no
     progress at step 1 (computing; rank 1 waits on it')."""
-    from tests.distributed import run_cli
     from hetrain.planning.plan import BalancePlan, Plan, RankPlan
 
     plan = Plan(global_batch_size=8, balance=BalancePlan(enabled=False, min_share=0),
                 ranks=[RankPlan(rank=0, share=8), RankPlan(rank=1, share=0)])
-    (tmp_path / "plan.json").write_text(plan.to_json())
-    (tmp_path / "skip.py").write_text(SKIP_EMPTY_SCRIPT)
-    start = time.monotonic()
-    r = run_cli([sys.executable, "-m", "hetrain.cli.main", "launch", "--nproc-per-node", "2", "--plan",
-                 str(tmp_path / "plan.json"), str(tmp_path / "skip.py")], cwd=ROOT, timeout=120)
-    assert r.returncode != 0 and time.monotonic() - start < 60, r.stderr[-2000:]
+    r, took = _launch_with_plan(tmp_path, plan, SKIP_EMPTY_SCRIPT)
+    assert r.returncode != 0 and took < 60, r.stderr[-2000:]
     assert "rank 1 closed the session after 0 step(s) while rank 0 wait(s) in step 1" in r.stderr, r.stderr[-2000:]
     assert "an empty one too" in r.stderr
 
