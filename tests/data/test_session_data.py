@@ -155,3 +155,23 @@ def test_ranks_whose_loader_settings_differ_are_refused_naming_the_setting():
                        ("samples", "samples: rank 0 64, rank 1 65")):
         errors = run_ranks(_loader_settings, 2, key)
         assert all(e is not None and named in e and "same dataset" in e for e in errors), errors
+
+
+def _last_batch_warning(rank, world, samples):
+    import hetrain
+    from tests.log_lines import hetrain_warnings
+
+    with hetrain.Session() as session, hetrain_warnings() as lines:
+        net = torch.nn.Linear(2, 1)
+        session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        session.loader(torch.utils.data.TensorDataset(torch.randn(samples, 2)), global_batch_size=8, drop_last=False)
+    return [line for line in lines if "get an empty batch" in line]
+
+
+def test_a_last_batch_smaller_than_the_ranks_is_said_with_a_fix_that_works():
+    """With fewer samples than one global batch, drop_last=True (the fix it named) is refused: the dataset
+    is that batch."""
+    said = run_ranks(_last_batch_warning, 2, 9)[0]
+    assert len(said) == 1 and said[0].endswith("drop_last=True avoids it"), said
+    said = run_ranks(_last_batch_warning, 2, 1)[0]
+    assert len(said) == 1 and said[0].endswith("the dataset is that batch, so only more samples avoid it"), said
