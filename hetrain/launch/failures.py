@@ -48,6 +48,10 @@ def first_failure(failures: dict[int, Any]) -> tuple[int, Any]:
 
 def how_it_ended(exitcode: int) -> str:
     """"exited with code 1", or "was killed by SIGKILL" for a negative code."""
+    if exitcode == -signal.SIGABRT:   # no Python error to report: say where such aborts come from
+        return ("was killed by SIGABRT (an abort in C++; under gloo, ranks calling different collectives: a branch one "
+                "rank alone takes inside an FSDP2 block, or a collective of the script's own under micro-batches; "
+                "docs/runtime.md)")
     if exitcode < 0:
         try:
             return f"was killed by {signal.Signals(-exitcode).name}"

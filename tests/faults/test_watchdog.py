@@ -259,6 +259,9 @@ def test_the_first_failure_is_the_cause_not_the_peer_that_exited_first(tmp_path,
     # a rank killed outright (no record) is the cause; the peer's record only echoes it
     assert first_failure({0: _failure(1, 100, echo), 1: _failure(-9, 101)})[0] == 1
     assert describe(1, _failure(-9, 101)) == "rank 1 was killed by SIGKILL"
+    # an abort has no Python error to show: the line says where gloo's come from (a bare SIGABRT named none)
+    assert describe(1, _failure(-6, 101)).startswith("rank 1 was killed by SIGABRT (an abort in C++; under gloo, "
+                                                     "ranks calling different collectives: a branch one rank alone")
 
 
 def test_a_stall_report_goes_before_a_peer_killed_by_a_signal_in_the_same_second(tmp_path, monkeypatch):
