@@ -81,7 +81,8 @@ class HeteroLoader:
         self.gradients_pending: Callable[[], bool] = lambda: True
         # told (epoch, batches) when the stream ends a pass, None once every rank began the next (the session's watch)
         self.on_stream_end: Callable[[tuple[int, int] | None], None] = lambda ended: None
-        self.on_phase: Callable[[str], None] = lambda phase: None   # "reading" its batch, then "computing" its step
+        self.on_phase: Callable[[str], None] = lambda phase: None   # "reading" its batch, "computing" its step, or
+        # "between": the loop left it with a batch drawn
         self._warned_no_step = False
         self.collate_fn = collate_fn or default_collate
         self.global_batch_size = order.global_batch_size if order is not None else int(global_batch_size)
@@ -230,7 +231,11 @@ class HeteroLoader:
             self.on_phase("computing")
             self._in_epoch += 1
             self.run_step += 1
-            yield from self._pieces(batch, local, shares)
+            try:
+                yield from self._pieces(batch, local, shares)
+            except GeneratorExit:   # the loop left with this batch drawn (a break, zip's last draw): its own code
+                self.on_phase("between")
+                raise
         del batches
         if self.stream and started_at == 0 and self._in_epoch == 0:   # a whole pass without a global batch
             if self.run_step > 0:

@@ -39,7 +39,7 @@ def watch_loader(loader: Any, own: "ProgressWatch | None", next_step: Callable[[
     def on_phase(phase: str) -> None:
         watch, step = _watch_at(own, next_step)
         if watch is not None:
-            (watch.reading if phase == "reading" else watch.computing)(step)
+            {"reading": watch.reading, "between": watch.between}.get(phase, watch.computing)(step)
 
     loader.on_stream_end, loader.on_phase = on_stream_end, on_phase
 

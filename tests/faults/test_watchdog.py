@@ -377,6 +377,44 @@ def test_a_rank_that_skips_its_empty_batches_is_named_in_seconds(tmp_path):
     assert "an empty one too" in r.stderr
 
 
+BREAK_AT_THE_TOP_SCRIPT = '''
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+import hetrain
+
+if __name__ == "__main__":
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g))
+    session = hetrain.Session()
+    net = torch.nn.Linear(4, 1)
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    for x, y in session.loader(data, global_batch_size=8, shuffle=False):
+        if session.step_count >= 3:   # checked after the next batch is drawn
+            break
+        session.backward(F.mse_loss(model(x), y))
+        session.step()
+    if session.rank == 1:
+        time.sleep(6)   # an evaluation or export on this rank alone, longer than the early-close check's wait
+    session.close()
+    print(f"rank {session.rank} closed", flush=True)
+'''
+
+
+def test_a_loop_that_breaks_after_drawing_a_batch_then_works_on_one_rank_is_not_called_an_early_close(tmp_path):
+    """The drawn batch left rank 1 'computing' step 4, and rank 0's close made it end the job as waiting in a
+    step rank 0 never took (the early-close check counted computing ranks since they wait in their first
+    step's collectives: a rank that skips its empty batches)."""
+    from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+
+    plan = Plan(global_batch_size=8, balance=BalancePlan(enabled=False), ranks=[RankPlan(rank=r, share=4) for r in range(2)])
+    r, _ = _launch_with_plan(tmp_path, plan, BREAK_AT_THE_TOP_SCRIPT)
+    assert r.returncode == 0 and "rank 0 closed" in r.stdout and "rank 1 closed" in r.stdout, r.stderr[-2000:]
+
+
 def test_a_node_whose_ranks_only_lost_their_peers_says_the_failure_began_on_another_node(tmp_path, monkeypatch):
     import json
 
