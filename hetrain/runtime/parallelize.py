@@ -293,7 +293,8 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, sh
     prepared = Prepared(ddp, optimizer, chosen, comm_state,
                         frozenset(id(p) for p in model.parameters() if p.requires_grad), find_unused=find_unused_parameters,
                         sync_batchnorm=any(isinstance(m, nn.SyncBatchNorm) for m in model.modules()), buffers=buffers)
-    if find_unused_parameters:
+    if find_unused_parameters:   # the outputs held from a training forward until the next forward begins
+        ddp.register_forward_pre_hook(lambda *_: prepared.outputs.clear())
         ddp.register_forward_hook(prepared.note_outputs)
     return prepared
 
@@ -312,12 +313,12 @@ def exact_zeros(prepared: Prepared, loss: torch.Tensor) -> torch.Tensor:
         # (an auxiliary head) used, and every rank stepped its zero gradient (weight decay, momentum). A
         # non-finite output (a loss over no tokens a model returns) would send NaN back: left out.
         edges = graph_edges(loss)
-        used = [t for t in prepared.outputs if t.grad_fn is not None and (t.grad_fn, t.output_nr) in edges
+        used = [t for t in prepared.outputs if t.grad_fn is not None and taken(t, edges)
                 and bool(torch.isfinite(t.detach()).all())]
         prepared.outputs = []
         if used:
             return sum((t.sum() * 0.0 for t in used), torch.nan_to_num(loss.detach()) * 0.0)
-        reached = reachable_parameters(loss)
+        reached = {id(fn.variable) for fn, _ in edges if getattr(fn, "variable", None) is not None}
         params = [p for p in params if id(p) in reached]
     return sum((p.sum() * 0.0 for p in params), torch.nan_to_num(loss.detach()) * 0.0)
 
@@ -335,12 +336,34 @@ def tensors_in(output: Any) -> Iterator[torch.Tensor]:
             yield from tensors_in(value)
 
 
+SINK = "_DDPSinkBackward"   # DDP's pass of every output of a forward, under find_unused_parameters
+
+
 def graph_edges(loss: torch.Tensor) -> set[tuple[Any, int]]:
-    """(node, output index) of every tensor the loss's autograd graph takes in, and of the loss itself."""
-    edges = {(loss.grad_fn, loss.output_nr)}
-    for fn in graph_nodes(loss):
-        edges.update((next_fn, nr) for next_fn, nr in fn.next_functions if next_fn is not None)
+    """(node, output index) of every tensor the loss's autograd graph takes in, and of the loss itself. Through
+    DDP's output sink only the branch of the output the loss took: the sink joins every output of the forward,
+    and a loss a model returns (a Hugging Face model's) is one of them."""
+    root = (loss.grad_fn, loss.output_nr)
+    edges, todo = {root}, [root]
+    while todo:
+        fn, nr = todo.pop()
+        nexts = fn.next_functions
+        if fn.name() == SINK and nr < len(nexts):   # its tensor inputs, one per output, in order
+            nexts = (nexts[nr],)
+        for edge in nexts:
+            if edge[0] is not None and edge not in edges:
+                edges.add(edge)
+                todo.append(edge)
     return edges
+
+
+def taken(output: torch.Tensor, edges: set[tuple[Any, int]]) -> bool:
+    """Whether the loss (its graph's `edges`) took a forward's `output`, after DDP's sink or before it (a loss the
+    model computed from its logits inside the forward took the logits before the sink)."""
+    fn, nr = output.grad_fn, output.output_nr
+    if (fn, nr) in edges:
+        return True
+    return fn.name() == SINK and nr < len(fn.next_functions) and fn.next_functions[nr] in edges
 
 
 def graph_nodes(loss: torch.Tensor) -> Iterator[Any]:
@@ -358,12 +381,6 @@ def graph_nodes(loss: torch.Tensor) -> Iterator[Any]:
 def holds_node(loss: torch.Tensor, name: str) -> bool:
     """Whether the loss's autograd graph holds a node of this name."""
     return any(fn.name() == name for fn in graph_nodes(loss))
-
-
-def reachable_parameters(loss: torch.Tensor) -> set[int]:
-    """ids of the leaf tensors the loss's autograd graph reaches (as DDP's search for unused parameters): its
-    AccumulateGrad nodes' variables."""
-    return {id(fn.variable) for fn in graph_nodes(loss) if getattr(fn, "variable", None) is not None}
 
 
 def reduce_late_trainable(prepared: Prepared) -> None:

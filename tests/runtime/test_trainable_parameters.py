@@ -36,6 +36,17 @@ class _AuxOutput(_TwoHeads):
         return {"out": self.head_a(h), "aux": self.head_b(h)}
 
 
+class _OwnLoss(_TwoHeads):
+    """A model that computes its loss in its forward from the targets (a Hugging Face model given labels) and
+    returns it beside its outputs: over no items the loss is 0/0, NaN."""
+
+    def forward(self, x, use_b, y, mask):
+        h = torch.tanh(self.body(x))
+        out = self.head_a(h)
+        loss = (((out - y) ** 2).mean(1) * mask).sum() / mask.sum()
+        return {"loss": loss, "out": out, "aux": self.head_b(h)}
+
+
 def _data():
     g = torch.Generator().manual_seed(1)
     return torch.randn(sum(SHARES) * STEPS, 4, generator=g), torch.randn(sum(SHARES) * STEPS, 1, generator=g)
@@ -46,7 +57,7 @@ def _optimizer(net):   # weight decay moves a parameter given a zero gradient, a
 
 
 def _reference(case):
-    net, (x, y) = (_AuxOutput() if case == "aux" else _TwoHeads()), _data()
+    net, (x, y) = (_AuxOutput() if case in ("aux", "own_loss") else _TwoHeads()), _data()
     if case == "unfreeze":
         net.body.requires_grad_(False)
         net.head_b.requires_grad_(False)
@@ -55,9 +66,9 @@ def _reference(case):
     for step in range(STEPS):
         if case == "unfreeze" and step == UNFREEZE_AT:
             net.requires_grad_(True)
-        used = SHARES[0] if case in ("unused", "aux") and step == NO_ITEMS_AT else n
+        used = SHARES[0] if case in ("unused", "aux", "own_loss") and step == NO_ITEMS_AT else n
         out = net(x[step * n:step * n + used], use_b=step % 2 == 1)
-        out = out["out"] if case == "aux" else out
+        out = out["out"] if case in ("aux", "own_loss") else out
         nn.functional.mse_loss(out, y[step * n:step * n + used]).backward()
         opt.step()
         opt.zero_grad()
@@ -70,7 +81,7 @@ def _train(rank, world, case, sharding, find_unused):
     plan = Plan(global_batch_size=sum(SHARES), sharding=sharding, balance=BalancePlan(enabled=False),
                 ranks=[RankPlan(rank=r, share=s) for r, s in enumerate(SHARES)])
     session = hetrain.Session(plan)
-    net = _AuxOutput() if case == "aux" else _TwoHeads()
+    net = {"aux": _AuxOutput, "own_loss": _OwnLoss}.get(case, _TwoHeads)()
     if case == "unfreeze":
         net.body.requires_grad_(False)
         net.head_b.requires_grad_(False)
@@ -81,11 +92,14 @@ def _train(rank, world, case, sharding, find_unused):
                                      shuffle=False):
             if case == "unfreeze" and session.step_count == UNFREEZE_AT:
                 net.requires_grad_(True)
-            no_items = case in ("unused", "aux") and rank == 1 and session.step_count == NO_ITEMS_AT
-            out = model(xb, session.step_count % 2 == 1)
-            per_sample = (((out["out"] if case == "aux" else out) - yb) ** 2).mean(1)
-            mask = torch.zeros_like(per_sample) if no_items else torch.ones_like(per_sample)
-            loss = (per_sample * mask).sum() / mask.sum()   # a hand-made mean: 0/0 where nothing counts
+            no_items = case in ("unused", "aux", "own_loss") and rank == 1 and session.step_count == NO_ITEMS_AT
+            mask = torch.zeros(len(xb)) if no_items else torch.ones(len(xb))
+            if case == "own_loss":   # the model's own loss, over the items the mask keeps
+                loss = model(xb, session.step_count % 2 == 1, yb, mask)["loss"]
+            else:
+                out = model(xb, session.step_count % 2 == 1)
+                per_sample = (((out["out"] if case == "aux" else out) - yb) ** 2).mean(1)
+                loss = (per_sample * mask).sum() / mask.sum()   # a hand-made mean: 0/0 where nothing counts
             session.backward(loss, num_items=mask.sum())
             session.step()
     except hetrain.HetrainError as e:
@@ -118,14 +132,40 @@ def test_a_forward_that_leaves_parameters_without_gradient_is_named_and_find_unu
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("sharding", ["none", "zero1"])
-def test_a_parameter_behind_an_output_the_loss_leaves_keeps_no_gradient_when_a_rank_has_no_items(sharding):
+@pytest.mark.parametrize("sharding, case", [("none", "aux"), ("zero1", "aux"), ("none", "own_loss")])
+def test_a_parameter_behind_an_output_the_loss_leaves_keeps_no_gradient_when_a_rank_has_no_items(sharding, case):
     """A forward returning {"out", "aux"} and a loss of "out" alone (a base model's pooler output): a rank
     without items sent zeros from the parameters themselves, a graph apart from the forward's, and DDP counted
-    head_b used: every rank stepped its zero gradient (weight decay), off one process where it never moves."""
-    want = _reference("aux")
+    head_b used: every rank stepped its zero gradient (weight decay), off one process where it never moves. A
+    model returning its own loss (NaN over no items) beside its outputs did so still (found in review)."""
+    want = _reference(case)
     net = _AuxOutput()
-    for got in run_ranks(_train, 2, "aux", sharding, True):
+    for got in run_ranks(_train, 2, case, sharding, True):
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
         assert torch.equal(got[-2], net.head_b.weight.detach())   # never trained
+
+
+def test_the_outputs_kept_for_a_rank_without_items_go_with_the_next_forward():
+    """Kept from each training forward under find_unused_parameters, the last step's outputs lived on through an
+    evaluation and the next forward: one more logits-sized tensor at the peak (found in review)."""
+    import gc
+    import weakref
+
+    import hetrain
+
+    with hetrain.Session() as session:
+        net = _AuxOutput()
+        model, _ = session.prepare(net, _optimizer(net), find_unused_parameters=True)
+        x, y = _data()
+        for xb, yb in session.loader(torch.utils.data.TensorDataset(x, y), global_batch_size=8, shuffle=False):
+            out = model(xb, False)
+            session.backward(nn.functional.mse_loss(out["out"], yb))
+            session.step()
+            kept = weakref.ref(out["out"])
+            del out
+            with torch.no_grad():
+                model(xb, False)   # an evaluation
+            gc.collect()
+            assert kept() is None
+            break
