@@ -14,6 +14,7 @@ checkpoint's.
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +32,22 @@ KIND = "hetrain_scheduler_class"   # the scheduler's class, saved beside its sta
 # A scheduler's state entries that move as it steps (or follow the optimizer's settings, base_lrs): the others
 # are its arguments (T_max, step_size, gamma, milestones, ...), which a resume must give again as saved.
 PROGRESS = frozenset({"last_epoch", "T_cur", "T_i", "best", "num_bad_epochs", "cooldown_counter", "base_lrs"})
+
+
+COUNTER = "hetrain_counter"   # a collections.Counter in a scheduler's state (MultiStepLR's milestones), as a dict
+
+
+def savable(state: dict) -> dict:
+    """A scheduler's state as a checkpoint holds it: a Counter (MultiStepLR's milestones), which checkpoints do not
+    load (they load tensors and plain containers only), as a plain dict marked to become a Counter again."""
+    return {k: {COUNTER: dict(v)} if isinstance(v, collections.Counter) else v for k, v in state.items()}
+
+
+def loadable(state: dict) -> dict:
+    """`savable`'s inverse: the state the scheduler's load_state_dict takes (a Counter answers 0 for a step that
+    is no milestone, where a dict would raise)."""
+    return {k: collections.Counter(v[COUNTER]) if isinstance(v, dict) and set(v) == {COUNTER} else v
+            for k, v in state.items()}
 
 
 def position(scheduler: Any) -> Any:
@@ -126,7 +143,7 @@ class Schedulers:
             log.warning("an LR scheduler drives the optimizer and none was given to session.add_scheduler(): the "
                         "checkpoint holds no schedule position, and a resume starts the schedule from its beginning; "
                         "give it to session.add_scheduler(scheduler), which steps it after each update and saves it")
-        return [{**scheduler.state_dict(), KIND: type(scheduler).__name__} for scheduler in self.items]
+        return [{**savable(scheduler.state_dict()), KIND: type(scheduler).__name__} for scheduler in self.items]
 
     def load_state_dict(self, states: list[dict] | None, settings: list[dict] | None, step: int,
                         optimizer: Any) -> None:
@@ -146,7 +163,7 @@ class Schedulers:
                     for key, value in start.items():   # the scheduled ones as at its start; its own, where gone
                         group[key] = value if key in MOVED else group.get(key, value)
             return
-        saved, own, name = dict(self._saved[index]), scheduler.state_dict(), type(scheduler).__name__
+        saved, own, name = loadable(self._saved[index]), scheduler.state_dict(), type(scheduler).__name__
         kind = saved.pop(KIND, None)   # None in a checkpoint written before kinds were saved
         missing = sorted(k for k in own if k not in saved and not k.startswith("_") and k != KIND)
         if (kind is not None and kind != name) or missing:

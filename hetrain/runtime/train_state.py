@@ -222,7 +222,7 @@ class TrainState:
                     f"{where}: parameter group {i} of the optimizer differs from the checkpoint's ({detail}); "
                     f"build the optimizer with the settings it was saved with, or {START_FROM_WEIGHTS}"
                 )
-        changed = replaced_settings(theirs, ours)
+        changed = replaced_settings(theirs, ours, scheduled=bool(shared.get("schedulers")))
         if changed and self.rank == 0:
             log.warning("%s holds other optimizer settings than this script builds (%s): the checkpoint's go on, as "
                         "optimizer.load_state_dict() does (a schedule's position is among them); to train on with "
@@ -248,15 +248,17 @@ def _settings(optimizer: Any) -> list[dict]:
     return out
 
 
-def replaced_settings(saved: list[dict], script: list[dict]) -> list[str]:
+def replaced_settings(saved: list[dict], script: list[dict], scheduled: bool = False) -> list[str]:
     """The scheduled settings (lr, momentum, betas) a resume replaces with other values, as 'group 0 lr: checkpoint
     0.01, script 0.001'. A schedule moves them, so where one ran (its initial_lr saved) the lr it started from is
     compared, and only with the start of the script's schedule, built before session.loader() (one given after it
-    may set its own start: OneCycleLR's max_lr / div_factor); a momentum it cycles (base_momentum saved) is not."""
+    may set its own start: OneCycleLR's max_lr / div_factor); a momentum it cycles (base_momentum saved) is not.
+    `scheduled`: the checkpoint holds a scheduler's state, and one that keeps no start (ReduceLROnPlateau) moved
+    the lr where it is: not compared."""
     out = []
     for i, (a, b) in enumerate(zip(saved, script)):
         pairs = []
-        if "initial_lr" not in a:
+        if "initial_lr" not in a and not scheduled:
             pairs.append(("lr", a.get("lr"), b.get("lr")))
         elif "initial_lr" in b:
             pairs.append(("lr", a["initial_lr"], b["initial_lr"]))

@@ -93,6 +93,9 @@ def test_replaced_settings_compare_where_a_schedule_started_and_leave_a_cycled_m
         "group 0 lr: checkpoint 0.001, script 0.002", "group 0 momentum: checkpoint 0.9, script 0.5"]
     # a schedule given after session.loader() sets its own start (OneCycleLR: max_lr / div_factor)
     assert replaced_settings([scheduled], [{"lr": 0.1, "momentum": 0.9}]) == []
+    # ReduceLROnPlateau keeps no start: the lr it lowered is not the script's changed one (found in review)
+    assert replaced_settings([{"lr": 0.0125}], [{"lr": 0.1}], scheduled=True) == []
+    assert replaced_settings([{"lr": 0.0125}], [{"lr": 0.1}]) == ["group 0 lr: checkpoint 0.0125, script 0.1"]
     cycled = {"lr": 0.01, "initial_lr": 0.004, "momentum": 0.85, "base_momentum": 0.85, "max_momentum": 0.95}
     assert replaced_settings([cycled], [{"lr": 0.004, "momentum": 0.95}]) == []
     assert replaced_settings([{"lr": 0.1, "betas": [0.9, 0.999]}], [{"lr": 0.1, "betas": [0.9, 0.95]}]) == [

@@ -219,3 +219,15 @@ def test_a_scheduler_resumed_with_other_arguments_is_refused_naming_them(tmp_pat
     with pytest.raises(HetrainError, match=rf"built with other arguments \({named}\): resuming would go on with the "
                                            r"checkpoint's; build it with those"):
         _run(str(tmp_path), 6, schedule=again)
+
+
+def test_a_multistep_schedule_is_saved_and_resumed(tmp_path):
+    """Its milestones are a collections.Counter, which a checkpoint refused at the first save ('a checkpoint holds
+    tensors, ...'); resumed, the schedule goes on as one never stopped (found in review)."""
+    multistep = lambda o: torch.optim.lr_scheduler.MultiStepLR(o, milestones=[2, 5], gamma=0.5)   # noqa: E731
+    straight_seen, straight = _run(str(tmp_path / "a"), 8, schedule=multistep)
+    _run(str(tmp_path / "b"), 4, schedule=multistep)
+    seen, resumed = _run(str(tmp_path / "b"), 8, schedule=multistep)
+    assert [lr for lr, _ in straight_seen] == pytest.approx([0.1, 0.1, 0.05, 0.05, 0.05, 0.025, 0.025, 0.025])
+    assert seen == straight_seen[4:]   # resumed at step 4, where the first run closed
+    assert all(torch.equal(a, b) for a, b in zip(resumed, straight, strict=True))
