@@ -41,7 +41,7 @@ from hetrain.errors import HetrainError
 from hetrain.runtime.environment import env_float, env_int
 from hetrain.metrics.events import CheckpointRecord
 from hetrain.runtime.train_state import TrainState
-from hetrain.vocabulary import Env
+from hetrain.vocabulary import LOSSY_COMPRESSIONS, Env
 
 log = logging.getLogger("hetrain.checkpoint")
 
@@ -229,6 +229,10 @@ class SessionCheckpoints:
                                                           None, check_shared=same_layout)
         saved_world = int(shared["world_size"])
         st.restore(shared, per_rank, loaded, str(info.path))
+        lossy = st.plan.comm.compression if st.plan is not None else "none"
+        if lossy in LOSSY_COMPRESSIONS and st.rank == 0:
+            log.warning("the plan's %s compression starts the error each rank carries anew after a resume (it is not "
+                        "checkpointed): the run continues near, not exactly on, an uninterrupted one", lossy)
         if saved_world != st.world_size and st.rank == 0:   # job-wide: said once, not by each of its ranks
             log.warning("resuming a %d-rank checkpoint on %d ranks: the global batches continue in order, "
                         "the split is recomputed (%s)", saved_world, st.world_size, st.balancer.shares)
