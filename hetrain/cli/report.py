@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hetrain.cli.console import stdout_console
 from hetrain.errors import HetrainError
 from hetrain.userfiles import check_writable_file
+
+_IMAGE_FORMATS = ("png", "svg", "svgz", "pdf", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp")   # matplotlib's
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -81,6 +84,11 @@ def run(args: argparse.Namespace) -> int:
     rows = summary_rows(runs)
     emulated = any(r["emulated"] for r in rows)
     out = check_writable_file(args.out, "--out") if args.out else run_dir / "report.png"
+    if not out.suffix:   # matplotlib writes a name without one as PNG, adding .png: say the name it writes
+        out = out.with_name(out.name + ".png")
+    if out.suffix.lower().lstrip(".") not in _IMAGE_FORMATS:
+        raise HetrainError(f"--out {str(out)!r}: {out.suffix} is not an image format the report writes; "
+                           f"use .png, .svg or .pdf")
     title = f"hetrain run {run_dir.resolve().name}: {len(runs)} ranks" + (" (emulated device speeds)" if emulated else "")
     try:
         draw(runs, out, title)
@@ -99,5 +107,5 @@ def run(args: argparse.Namespace) -> int:
         from hetrain.metrics.tensorboard import write_scalars
 
         tb = write_scalars(runs, Path(args.tensorboard) if args.tensorboard else run_dir / "tensorboard")
-        print(f"tensorboard scalars: {tb}")
+        print(f"tensorboard scalars: {tb}", file=sys.stderr if args.json else sys.stdout)   # --json: stdout is JSON
     return 0

@@ -98,6 +98,25 @@ def test_out_into_a_missing_directory_is_refused_not_created(tmp_path):
     assert not (tmp_path / "missing").exists()
 
 
+def test_the_out_name_printed_is_the_file_written_and_an_unknown_format_is_one_line(tmp_path):
+    """Without a suffix matplotlib wrote NAME.png and the report printed NAME; '.txt' ended in a traceback."""
+    write_run(tmp_path)
+    r = hetrain("report", str(tmp_path), "--out", str(tmp_path / "plain"))
+    assert r.returncode == 0 and f"figure: {tmp_path / 'plain.png'}" in r.stdout.replace("\n", ""), r.stdout
+    assert (tmp_path / "plain.png").is_file()
+    r = hetrain("report", str(tmp_path), "--out", str(tmp_path / "report.txt"))
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and ".txt is not an image format" in lines[0], r.stderr
+
+
+def test_json_with_tensorboard_keeps_stdout_json(tmp_path):
+    pytest.importorskip("tensorboard", reason="optional: pip install tensorboard")
+    write_run(tmp_path)
+    r = hetrain("report", str(tmp_path), "--json", "--tensorboard", str(tmp_path / "tb"))
+    assert r.returncode == 0 and len(json.loads(r.stdout)) == 2, r.stdout   # it ended with 'tensorboard scalars: ...'
+    assert "tensorboard scalars:" in r.stderr
+
+
 def test_tensorboard_without_the_package_is_refused_before_the_report_is_made(tmp_path, monkeypatch, capsys):
     from hetrain.cli.main import main
 
