@@ -4,6 +4,7 @@ efficiency per strategy (PNG), and write the figures (CSV)."""
 from __future__ import annotations
 
 import argparse
+import os
 import math
 import csv
 import sys
@@ -25,7 +26,7 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-per-device", type=int, default=64, help="global batch = this x devices")
     parser.add_argument("--out", default="simulate",
                         help="output prefix: PREFIX.png and PREFIX.csv (a .png or .csv ending is dropped: "
-                             "--out sweep.png writes sweep.png and sweep.csv)")
+                             "--out sweep.png writes sweep.png and sweep.csv; a directory gets DIR/simulate.*)")
 
 
 def _mix(text: str) -> list[tuple[str, int]]:
@@ -73,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
         raise HetrainError(f"--sizes {max(sizes)} copies of the mix make {largest} devices, over the limit of "
                            f"{MAX_DEVICES}; use smaller sizes")
     prefix = args.out[:-4] if args.out.lower().endswith((".png", ".csv")) else args.out
+    if not prefix or prefix.endswith(("/", os.sep)) or os.path.isdir(prefix):   # a directory: its files get a name
+        prefix = os.path.join(prefix or ".", "simulate")
     check_writable_file(f"{prefix}.csv", "--out")
     check_writable_file(f"{prefix}.png", "--out")
     rows, skipped = [], []   # skipped: (copies, devices, the planner's NoPlanFits) for the sizes where no plan fits

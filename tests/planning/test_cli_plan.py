@@ -77,6 +77,16 @@ def test_simulate_out_may_name_the_png(tmp_path):
     assert sorted(f.name for f in tmp_path.iterdir()) == ["sweep.csv", "sweep.png"]
 
 
+@pytest.mark.parametrize("given", ["out/", "out"])
+def test_simulate_out_may_name_a_directory(tmp_path, given):
+    """`--out out/` wrote the hidden files out/.csv and out/.png.png, and said it wrote out/.csv and out/.png."""
+    (tmp_path / "out").mkdir()
+    p = _run("simulate", "--model", "resnet50", "--sizes", "1", "--out", given, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert sorted(f.name for f in (tmp_path / "out").iterdir()) == ["simulate.csv", "simulate.png"]
+    assert "wrote out/simulate.csv and out/simulate.png" in p.stdout.replace("//", "/"), p.stdout
+
+
 def test_simulate_bare_runs_the_default_example_and_marks_the_chosen_strategy(tmp_path):
     p = _run("simulate", cwd=tmp_path)
     assert p.returncode == 0, p.stderr
