@@ -37,7 +37,7 @@ def add_job_options(parser: argparse.ArgumentParser, steps: int = 100) -> None:
 def run_job(args: argparse.Namespace, *, progress: bool, schedule: str,
             phases: str = "solo,uniform,balanced") -> dict:
     """Launch the 3-phase job on one rank per speed and return rank 0's figures."""
-    speeds = parse_speeds(args.speeds)
+    speeds = parse_speeds(args.speeds, "--speeds")
     if args.global_batch < len(speeds):
         raise HetrainError(f"global batch {args.global_batch} is smaller than the number of ranks "
                            f"({len(speeds)}); use a global batch of at least {len(speeds)}")
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> dict:
             raise HetrainError("--metrics cannot be used with --outside-load (which runs hetrain alone, with "
                                "nothing to compare metrics on against); drop one of them")
         return outside_load(args)
-    plain = all(s == 1 for s in parse_speeds(args.speeds))   # nothing to emulate: DDP without the hook runs too
+    plain = all(s == 1 for s in parse_speeds(args.speeds, "--speeds"))   # nothing to emulate: DDP without the hook runs too
     phases = "solo,uniform,balanced" + (",metrics" if args.metrics else "") + (",ddp" if plain else "")
     r = run_job(args, progress=False, schedule="interleaved", phases=phases)
     uniform, balanced = r["uniform"]["samples_per_s"], r["balanced"]["samples_per_s"]

@@ -119,7 +119,7 @@ def _check(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> dict:
     from hetrain.launch.launcher import LaunchConfig, launch
 
-    args.speeds = parse_speeds(args.speeds)
+    args.speeds = parse_speeds(args.speeds, "--speeds")
     _check(args)
     config = {k: v for k, v in vars(args).items() if k != "json"}
     with tempfile.TemporaryDirectory(prefix="hetrain-bench-") as tmp:

@@ -8,6 +8,7 @@ import sys
 
 from hetrain.bench.balance import add_job_options, run_job
 from hetrain.cli.console import stdout_console
+from hetrain.runtime.speeds import parse_speeds
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
@@ -17,6 +18,7 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
+    parse_speeds(args.speeds, "--speeds")   # a bad value in one line, before the banner
     console = stdout_console()
     console.print(f"[bold]hetrain demo[/]: {len(args.speeds.split(','))} CPU ranks at emulated speeds "
                   f"{args.speeds}, scikit-learn digits, global batch {args.global_batch}, "

@@ -44,7 +44,9 @@ def test_two_ranks_train_and_the_loss_falls(tmp_path):
      "'2953B' is not a TCP port"),
     # a speed above 1 ran at 1 while the figures said 2 (the emulation only slows a rank)
     (["launch", "--nproc-per-node", "2", "--emulate-speeds", "2,1", "examples/train_digits.py"], "(2,1 is 1,0.5)"),
-    (["bench", "balance", "--speeds", "2,1"], "speed 2 is above 1, full speed"),
+    (["bench", "balance", "--speeds", "2,1"], "--speeds: speed 2 is above 1, full speed"),
+    # the demo's option is --speeds: the line named launch's --emulate-speeds, after the demo's banner
+    (["demo", "--speeds", "1,x"], "--speeds: speed 'x' is not a number; write speeds like --speeds 1,0.5"),
     (["bench", "balance", "--speeds", "1,inf"], "speed inf must be a finite number above 0"),
     (["bench", "balance", "--speeds", "1,-inf"], "speed -inf must be a finite number above 0"),
     (["bench", "balance", "--speeds", "1,0.5", "--global-batch", "1"], "smaller than the number of ranks"),
@@ -57,6 +59,7 @@ def test_bad_input_is_one_line_and_nonzero(args, message):
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and message in lines[0], r.stderr
     assert "Traceback" not in r.stderr
+    assert not r.stdout.strip(), r.stdout
 
 
 def test_global_batch_smaller_than_ranks_inside_a_worker():
