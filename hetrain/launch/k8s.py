@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from hetrain.errors import HetrainError
+from hetrain.launch.launcher import MAX_NPROC_PER_NODE
 from hetrain.metrics.serve import check_port_range
 
 API_VERSION = "kubeflow.org/v1"
@@ -133,8 +134,14 @@ def validate(job: K8sJob) -> None:
         )
     if job.max_restarts < 0:
         raise HetrainError(f"--max-restarts must be >= 0, got {job.max_restarts}")
-    if job.gpus_per_node < 1:
-        raise HetrainError(f"--gpus-per-node must be >= 1, got {job.gpus_per_node}")
+    if not 1 <= job.gpus_per_node <= MAX_NPROC_PER_NODE:   # each a rank of `hetrain launch --nproc-per-node`
+        raise HetrainError(f"--gpus-per-node must be from 1 to {MAX_NPROC_PER_NODE:,}, got {job.gpus_per_node:,}")
+    if job.namespace is not None and (not _NAME.match(job.namespace) or len(job.namespace) > 63):
+        raise HetrainError(f"--namespace {job.namespace!r} is not a Kubernetes namespace: lowercase letters, digits "
+                           "and '-', at most 63")
+    if not job.checkpoint_dir.startswith("/"):
+        raise HetrainError(f"--checkpoint-dir {job.checkpoint_dir!r} is a path inside the pod and Kubernetes mounts "
+                           "only absolute ones: give one starting with /, e.g. /checkpoints")
     if job.metrics_port is not None:
         check_port_range(job.metrics_port, job.gpus_per_node)
         if job.metrics_port <= RDZV_PORT < job.metrics_port + job.gpus_per_node:

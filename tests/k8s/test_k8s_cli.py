@@ -39,6 +39,10 @@ def test_writes_a_valid_manifest_with_plan(tmp_path, capsys):
     (["--image", "x"], "no training script"),
     (["--image", "x", "--script", "t.py", "--node-selector", "A100"], "must be KIND=LABEL_KEY=LABEL_VALUE"),
     (["--image", "x", "--script", "t.py", "--plan", "missing.json"], "plan file 'missing.json' does not exist"),
+    # manifests that hetrain launch, or Kubernetes, refuses were written (found auditing the CLI)
+    (["--image", "x", "--script", "t.py", "--gpus-per-node", "2000"], "--gpus-per-node must be from 1 to 1,024"),
+    (["--image", "x", "--script", "t.py", "--namespace", "Team A"], "is not a Kubernetes namespace"),
+    (["--image", "x", "--script", "t.py", "--checkpoint-dir", "ckpt"], "give one starting with /"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     assert main(["k8s", *argv]) == 2
