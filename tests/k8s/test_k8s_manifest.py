@@ -138,7 +138,7 @@ def test_the_validator_catches_what_the_api_server_would_reject_or_drop():
     ({"script": ""}, "no training script"),
     ({"image": ""}, "no container image"),
     ({"min_replicas": 0}, "--min-replicas must be >= 1"),
-    ({"gpus_per_node": 0}, "--gpus-per-node must be >= 1"),
+    ({"gpus_per_node": 0}, "--gpus-per-node must be from 1 to 1,024, got 0"),
     ({"name": "Mixed_Run"}, "--name 'Mixed_Run'"),
     ({"node_selectors": [A100, A100]}, "repeat"),
 ])
