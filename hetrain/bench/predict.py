@@ -33,7 +33,9 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=whole(0), default=5, help="first steps not timed")
     parser.add_argument("--micro-batches", type=wholes(1), default=[32, 128, 512],
                         help="micro-batch sizes the profile times, comma-separated (default 32,128,512)")
-    parser.add_argument("--rounds", type=whole(1), default=5, help="profile-plan-run rounds (the middle round's ratio counts)")
+    parser.add_argument("--rounds", type=whole(1), default=5,
+                        help="profile-plan-run rounds (their median ratio counts: for an even count, the mean of the "
+                             "two middle ones)")
 
 
 def _profile(args: argparse.Namespace, directory: Path, threads: int):

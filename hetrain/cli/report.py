@@ -79,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
 
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
-        raise HetrainError(f"run directory {args.run_dir!r} does not exist; give the directory the job wrote")
+        what = "is a file, not a directory" if run_dir.exists() else "does not exist"
+        raise HetrainError(f"run directory {args.run_dir!r} {what}; give the directory the job wrote")
     runs = load_run(run_dir)
     rows = summary_rows(runs)
     emulated = any(r["emulated"] for r in rows)

@@ -166,7 +166,8 @@ def check_rendezvous(cfg: LaunchConfig, lo: int, hi: int) -> None:
 def validate(cfg: LaunchConfig) -> None:
     """User errors, each as one line that names the fix."""
     if not cfg.module and not Path(cfg.script).is_file():
-        raise HetrainError(f"script {cfg.script!r} does not exist; give the path of a training script")
+        what = "is a directory" if Path(cfg.script).is_dir() else "does not exist"
+        raise HetrainError(f"script {cfg.script!r} {what}; give the path of a training script")
     if not cfg.module and is_binary(cfg.script):
         raise HetrainError(f"script {cfg.script!r} is a binary file, not a Python script; give the path of a "
                            "training script (.py)")

@@ -83,6 +83,7 @@ def test_cli_draws_the_png_and_prints_the_table(tmp_path):
 
 @pytest.mark.parametrize("make, message", [
     (lambda d: d / "missing", "does not exist"),
+    (lambda d: (d / "f").write_text("x") and d / "f", "is a file, not a directory"),
     (lambda d: d, "no run log in"),
 ])
 def test_cli_errors_are_one_line(tmp_path, make, message):
