@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import tempfile
 from pathlib import Path
 
 from hetrain.bench.args import whole
 from hetrain.errors import HetrainError
-from hetrain.launch.launcher import LaunchConfig, launch
+from hetrain.launch.launcher import JobStopped, LaunchConfig, launch
 from hetrain.runtime.speeds import parse_speeds
 
 
@@ -57,8 +58,13 @@ def run_job(args: argparse.Namespace, *, progress: bool, schedule: str,
             from hetrain.metrics.serve import free_base_port
 
             job_args += ["--metrics-port", str(free_base_port(len(speeds)))]
-        launch(LaunchConfig(script="hetrain.bench.balance_job", module=True, script_args=job_args,
-                            nproc_per_node=len(speeds), emulate_speeds=speeds))
+        try:
+            launch(LaunchConfig(script="hetrain.bench.balance_job", module=True, script_args=job_args,
+                                nproc_per_node=len(speeds), emulate_speeds=speeds))
+        except JobStopped as e:   # Ctrl-C: "interrupted", not a user job's advice on checkpoints and SIGTERM
+            if e.exit_code == 128 + signal.SIGINT:
+                raise KeyboardInterrupt from None
+            raise
         return json.loads(out.read_text())
 
 

@@ -410,4 +410,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:   # Ctrl-C in the terminal reaches every rank: the launcher says it, once
+        sys.exit(130)

@@ -358,3 +358,26 @@ def test_torchruns_console_flags_pass_through(tmp_path):
     assert kept.returncode == 0 and "hello from rank" not in kept.stdout, kept.stderr[-2000:]
     logged = sorted(p.read_text() for p in (tmp_path / "logs").rglob("stdout.log"))
     assert logged == ["hello from rank 0\n", "hello from rank 1\n"], logged
+
+
+def test_ctrl_c_in_the_demo_ends_it_in_one_line_without_tracebacks():
+    """It printed two ranks' tracebacks and the launcher's advice for a user's job (checkpoints, SIGTERM, kill
+    PID), 60 lines, where the demo has neither checkpoints nor a PID to give (found auditing the CLI)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    p = subprocess.Popen([sys.executable, "-m", "hetrain.cli.main", "demo", "--steps", "2000"], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    seen = []
+    for line in p.stderr:   # the ranks are training once they say their speeds are emulated
+        seen.append(line)
+        if "speeds are emulated on CPU ranks" in line:
+            break
+    time.sleep(2)
+    os.killpg(p.pid, signal.SIGINT)   # what Ctrl-C in a terminal sends: the whole foreground group
+    _, err = p.communicate(timeout=60)
+    err = "".join(seen) + err
+    assert p.returncode == 130, err[-2000:]
+    assert err.rstrip().endswith("hetrain demo: interrupted") and "Traceback" not in err, err[-2000:]
