@@ -333,7 +333,7 @@ class Session:
                                    "loss.backward(), which leaves each rank's gradient unweighted by its share "
                                    "of the global batch (a rank with no items calls it too)")
             if self.pipeline is None and self.sharding != "fsdp":
-                check_reduced(self.prepared.comm_state)
+                check_reduced(self.prepared.comm_state, self.prepared.find_unused)
                 reduce_late_trainable(self.prepared)
             if self.sharding == "fsdp":
                 self.timer.grads_ready()  # FSDP2 has no comm hook: backward (and its reduce-scatter) ended here

@@ -339,10 +339,10 @@ def grad_versions(grads: list[torch.Tensor]) -> dict[int, int]:
     return {id(g): g._version for g in grads}
 
 
-def check_reduced(comm_state) -> None:
+def check_reduced(comm_state, find_unused: bool = False) -> None:
     """Under DDP, the step's last backward went through DDP (its last gradient bucket was all-reduced).
     A forward through `model.module` (the unwrapped model) skips DDP: each rank would step on its own
-    gradients, silently."""
+    gradients, silently. `find_unused`: DDP's find_unused_parameters is on."""
     if comm_state is None or not hasattr(comm_state, "reduced"):
         return
     synced, comm_state.forward_synced = getattr(comm_state, "forward_synced", None), None
@@ -351,6 +351,12 @@ def check_reduced(comm_state) -> None:
             "this step's gradients were not all-reduced: its last forward ran inside model.no_sync(); remove "
             "no_sync from the loop (hetrain runs the plan's micro-batches without syncing all but the last; "
             "to accumulate over more samples, raise global_batch_size)")
+    if not comm_state.reduced and synced and find_unused:   # DDP traces a forward's outputs it can see
+        raise HetrainError(
+            "this step's gradients were not all-reduced: some parameters got no gradient in its backward, and "
+            "find_unused_parameters=True found them only through the forward's outputs DDP sees (a tensor, or "
+            "tensors in a dict, list, tuple or ModelOutput; not in a plain dataclass): return the outputs in a dict "
+            "or tuple, or have every output take part in the loss")
     if not comm_state.reduced and synced:
         raise HetrainError(
             "this step's gradients were not all-reduced: some parameters got no gradient in its backward (a "

@@ -169,3 +169,38 @@ def test_the_outputs_kept_for_a_rank_without_items_go_with_the_next_forward():
             gc.collect()
             assert kept() is None
             break
+
+
+def _dataclass_job(rank, world):
+    import dataclasses
+
+    import hetrain
+
+    @dataclasses.dataclass
+    class Outputs:
+        out: torch.Tensor
+        aux: torch.Tensor
+
+    class Net(_TwoHeads):
+        def forward(self, x, use_b):
+            h = torch.tanh(self.body(x))
+            return Outputs(self.head_a(h), self.head_b(h))
+
+    with hetrain.Session() as session:
+        net = Net()
+        model, _ = session.prepare(net, _optimizer(net), find_unused_parameters=True)
+        x, y = _data()
+        try:
+            for xb, yb in session.loader(torch.utils.data.TensorDataset(x, y), global_batch_size=8, shuffle=False):
+                session.backward(nn.functional.mse_loss(model(xb, False).out, yb))
+                session.step()
+        except hetrain.HetrainError as e:
+            return str(e)
+    return None
+
+
+def test_outputs_in_a_plain_dataclass_under_find_unused_parameters_are_named_not_the_flag_given():
+    """DDP does not look inside a plain dataclass for the outputs it traces: the line asked for the
+    find_unused_parameters=True the script had passed (found in review)."""
+    for message in run_ranks(_dataclass_job, 2):
+        assert message is not None and "not in a plain dataclass" in message and "pass session.prepare" not in message
