@@ -16,8 +16,13 @@ def stdout_console(**kwargs: Any) -> Any:
     whichever is wider (a parent process's readline exports COLUMNS=80 to its children)."""
     from rich.console import Console
 
+    class PipedConsole(Console):
+        def on_broken_pipe(self) -> None:   # `hetrain plan | head -1`: rich exits 1; the verb's 141, as for print()
+            self.quiet = True
+            raise BrokenPipeError
+
     width = None
     if not sys.stdout.isatty():
         columns = os.environ.get("COLUMNS", "")
         width = max(PIPED_WIDTH, int(columns) if columns.isdigit() else 0)
-    return Console(file=sys.stdout, width=width, **kwargs)
+    return PipedConsole(file=sys.stdout, width=width, **kwargs)

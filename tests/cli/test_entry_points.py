@@ -51,3 +51,14 @@ def test_bench_without_a_name_lists_the_benchmarks(capsys):
     assert len(lines) == 1, err
     assert "required" not in err and "rest" not in err, err
     assert all(name in lines[0] for name in BENCHES), err
+
+
+def test_a_table_piped_into_a_reader_that_stops_ends_as_a_closed_pipe_quietly():
+    """`hetrain plan ... | head -1`: rich's console exited 1, where a closed pipe ends a verb with 141 and
+    nothing on stderr, as `hetrain devices --json | head` does (found auditing the CLI)."""
+    p = subprocess.Popen([sys.executable, "-m", "hetrain.cli.main", "plan", "--preset", "a100x4+v100x4", "--model",
+                          "resnet152", "--global-batch-size", "1024"], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    p.stdout.close()   # the reader is gone before the table is written (a pipe buffer could hold all of it)
+    err = p.stderr.read()
+    assert p.wait(timeout=120) == 141 and not err.strip(), err
