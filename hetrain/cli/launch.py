@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from hetrain.errors import HetrainError
 from hetrain.launch.launcher import LaunchConfig, launch
 from hetrain.runtime.speeds import parse_speeds
 
@@ -55,11 +56,14 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-malloc-cache", action="store_true",
                         help="keep glibc's default of returning freed memory to the kernel every step")
     parser.add_argument("-m", "--module", action="store_true", help="run the script as a Python module")
-    parser.add_argument("script", help="training script (or module with -m)")
+    parser.add_argument("script", nargs="?", help="training script (or module with -m)")   # missing: one line below
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.script:   # argparse named script_args, which may be left out, as required too
+        raise HetrainError("no training script; give its path after the options: hetrain launch [OPTIONS] train.py "
+                           "[ARGS]")
     cfg = LaunchConfig(
         script=args.script, script_args=list(args.script_args), module=args.module,
         nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,

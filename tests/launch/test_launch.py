@@ -33,6 +33,7 @@ def test_two_ranks_train_and_the_loss_falls(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["launch", "missing.py"], "script 'missing.py' does not exist"),
     (["launch", "examples"], "script 'examples' is a directory"),
+    (["launch"], "no training script; give its path after the options"),   # argparse: "script, script_args"
     (["launch", "--nproc-per-node", "100000", "examples/train_digits.py"], "must be from 1 to 1,024"),
     (["launch", "--nproc-per-node", "0", "examples/train_digits.py"], "must be from 1 to 1,024"),
     (["launch", "--nproc-per-node", "2", "--emulate-speeds", "1,0", "examples/train_digits.py"], "must be above 0"),
