@@ -98,7 +98,15 @@ def _workload(args: argparse.Namespace, runnable):
         return get_profile(args.model)
     # one sample where it is enough (a transformer's figures are per token), two where BatchNorm needs them
     samples = 1 if runnable.kind == "transformer" else 2
-    return profile(runnable.module, runnable.make_input(samples), name=runnable.name, kind=runnable.kind)
+    try:
+        return profile(runnable.module, runnable.make_input(samples), name=runnable.name, kind=runnable.kind)
+    except (RuntimeError, TypeError, ValueError, IndexError) as e:
+        if not args.script:
+            raise
+        first = (str(e).strip().splitlines() or [""])[0]   # a factory's make_input the model cannot take
+        raise HetrainError(f"--script {args.script!r}: the model's forward on make_input({samples}) failed "
+                           f"({type(e).__name__}: {first}); make_input(n) must give a batch of n samples the "
+                           "model takes") from None
 
 
 def _host_micro_batches(micro_batches: list[int], workload, copies: int) -> list[int]:

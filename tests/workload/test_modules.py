@@ -53,6 +53,17 @@ def test_profile_cli_refuses_a_non_python_script_in_one_line(tmp_path):
     assert p.stderr.startswith("hetrain profile: error: --script '/bin/ls:make'") and "FILE.py:FACTORY" in p.stderr
 
 
+def test_a_factory_whose_batch_the_model_cannot_take_is_one_line(tmp_path):
+    """It printed torch's 41-line traceback from the first forward (found auditing the CLI)."""
+    script = tmp_path / "bad.py"
+    script.write_text("import torch\n\ndef make_model():\n    return torch.nn.Linear(64, 10), lambda n: torch.randn(n, 32)\n")
+    p = _cli("--script", str(script), "--device", "cpu", "--out", str(tmp_path / "out"), "--micro-batches", "2",
+             "--seconds", "1", "--no-blocks")
+    assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.count("\n") == 1, p.stderr
+    assert "the model's forward on make_input(2) failed (RuntimeError: mat1 and mat2" in p.stderr
+    assert "make_input(n) must give a batch of n samples the model takes" in p.stderr
+
+
 def test_a_missing_hf_config_path_names_the_path_and_the_fix(tmp_path):
     missing = str(tmp_path / "nonexist" / "config.json")
     with pytest.raises(HetrainError, match="no such file or directory; fix: give a local config.json") as e:
