@@ -24,6 +24,7 @@ from hetrain.planning.plan import CommPlan, RankPlan
 from hetrain.runtime import memory, sharding
 from hetrain.runtime.buffers import buffer_places, keep_buffers_without_samples, sync_buffers
 from hetrain.runtime.cross_rank import GATHER_NODE
+from hetrain.runtime.kept_outputs import KeptOutputs
 from hetrain.runtime.precision import watch_precision
 from hetrain.runtime.replicas import copy_from, module_tensors
 from hetrain.runtime.step_guard import stepped_parameters
@@ -51,11 +52,12 @@ class Prepared:
     find_unused: bool = False   # DDP's find_unused_parameters
     sync_batchnorm: bool = False   # SyncBatchNorm's backward all-reduces: a backward must go through it
     buffers: list[tuple[nn.Module, str, torch.Tensor]] = field(default_factory=list)   # where, and as at prepare()
-    outputs: list[torch.Tensor] = field(default_factory=list)   # find_unused: the last training forward's tensors
+    kept: KeptOutputs | None = None   # find_unused: the last training forward's outputs (hetrain.runtime.kept_outputs)
 
-    def note_outputs(self, _module: nn.Module, _args: Any, output: Any) -> None:
-        """DDP's forward hook under find_unused_parameters: the tensors a training forward returned."""
-        self.outputs = list(tensors_in(output)) if torch.is_grad_enabled() else self.outputs
+    def after_backward(self) -> None:
+        """A backward ran: the outputs kept for one without items are of no more use."""
+        if self.kept is not None:
+            self.kept.drop()
 
     @property
     def module(self) -> nn.Module:
@@ -293,9 +295,10 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, sh
     prepared = Prepared(ddp, optimizer, chosen, comm_state,
                         frozenset(id(p) for p in model.parameters() if p.requires_grad), find_unused=find_unused_parameters,
                         sync_batchnorm=any(isinstance(m, nn.SyncBatchNorm) for m in model.modules()), buffers=buffers)
-    if find_unused_parameters:   # the outputs held from a training forward until the next forward begins
-        ddp.register_forward_pre_hook(lambda *_: prepared.outputs.clear())
-        ddp.register_forward_hook(prepared.note_outputs)
+    if find_unused_parameters:   # the outputs held from a training forward until the next one begins
+        prepared.kept = KeptOutputs()
+        ddp.register_forward_pre_hook(prepared.kept.clear)
+        ddp.register_forward_hook(prepared.kept.note)
     return prepared
 
 
@@ -308,62 +311,18 @@ def exact_zeros(prepared: Prepared, loss: torch.Tensor) -> torch.Tensor:
         return torch.nan_to_num(loss) * 0.0   # (a rank without rows: its tensors are empty, no NaN reaches a weight)
     params = [p for p in prepared.parameters if p.requires_grad]
     if prepared.find_unused:
-        # Zeros from the forward's outputs the loss uses, through DDP's own graph: zeros from the parameters
-        # themselves, a graph of their own, made DDP count a parameter reached only by an output the loss leaves
-        # (an auxiliary head) used, and every rank stepped its zero gradient (weight decay, momentum). A
-        # non-finite output (a loss over no tokens a model returns) would send NaN back: left out.
-        edges = graph_edges(loss)
-        used = [t for t in prepared.outputs if t.grad_fn is not None and taken(t, edges)
-                and bool(torch.isfinite(t.detach()).all())]
-        prepared.outputs = []
-        if used:
-            return sum((t.sum() * 0.0 for t in used), torch.nan_to_num(loss.detach()) * 0.0)
-        reached = {id(fn.variable) for fn, _ in edges if getattr(fn, "variable", None) is not None}
+        zeros = prepared.kept.zeros(loss) if prepared.kept is not None else None
+        if zeros is not None:   # through the outputs the loss took (hetrain.runtime.kept_outputs)
+            return zeros
+        reached = reachable_parameters(loss)
         params = [p for p in params if id(p) in reached]
     return sum((p.sum() * 0.0 for p in params), torch.nan_to_num(loss.detach()) * 0.0)
 
 
-def tensors_in(output: Any) -> Iterator[torch.Tensor]:
-    """The tensors needing gradients in a forward's output: itself, or inside its dicts, lists and tuples."""
-    if isinstance(output, torch.Tensor):
-        if output.requires_grad:
-            yield output
-    elif isinstance(output, dict):
-        for value in output.values():
-            yield from tensors_in(value)
-    elif isinstance(output, (list, tuple)):
-        for value in output:
-            yield from tensors_in(value)
-
-
-SINK = "_DDPSinkBackward"   # DDP's pass of every output of a forward, under find_unused_parameters
-
-
-def graph_edges(loss: torch.Tensor) -> set[tuple[Any, int]]:
-    """(node, output index) of every tensor the loss's autograd graph takes in, and of the loss itself. Through
-    DDP's output sink only the branch of the output the loss took: the sink joins every output of the forward,
-    and a loss a model returns (a Hugging Face model's) is one of them."""
-    root = (loss.grad_fn, loss.output_nr)
-    edges, todo = {root}, [root]
-    while todo:
-        fn, nr = todo.pop()
-        nexts = fn.next_functions
-        if fn.name() == SINK and nr < len(nexts):   # its tensor inputs, one per output, in order
-            nexts = (nexts[nr],)
-        for edge in nexts:
-            if edge[0] is not None and edge not in edges:
-                edges.add(edge)
-                todo.append(edge)
-    return edges
-
-
-def taken(output: torch.Tensor, edges: set[tuple[Any, int]]) -> bool:
-    """Whether the loss (its graph's `edges`) took a forward's `output`, after DDP's sink or before it (a loss the
-    model computed from its logits inside the forward took the logits before the sink)."""
-    fn, nr = output.grad_fn, output.output_nr
-    if (fn, nr) in edges:
-        return True
-    return fn.name() == SINK and nr < len(fn.next_functions) and fn.next_functions[nr] in edges
+def reachable_parameters(loss: torch.Tensor) -> set[int]:
+    """ids of the leaf tensors the loss's autograd graph reaches (as DDP's search for unused parameters): its
+    AccumulateGrad nodes' variables."""
+    return {id(fn.variable) for fn in graph_nodes(loss) if getattr(fn, "variable", None) is not None}
 
 
 def graph_nodes(loss: torch.Tensor) -> Iterator[Any]:

@@ -310,6 +310,7 @@ class Session:
         else:
             weighted = loss * self.state.weight(items)
         self.scaler.scale_loss(weighted).backward()
+        self.prepared.after_backward()   # the outputs kept for a backward without items go (find_unused)
         self._kept.after_backward(self.prepared.parameters, self.state.last_micro)
         self._status = None
         if self.state.last_micro:   # finished now: what the script does before step() (torch's clipping,

@@ -44,7 +44,7 @@ class _OwnLoss(_TwoHeads):
         h = torch.tanh(self.body(x))
         out = self.head_a(h)
         loss = (((out - y) ** 2).mean(1) * mask).sum() / mask.sum()
-        return {"loss": loss, "out": out, "aux": self.head_b(h)}
+        return {"steps": 3, "loss": loss, "out": out, "labels": y, "aux": self.head_b(h)}   # not only tensors
 
 
 def _data():
@@ -96,6 +96,8 @@ def _train(rank, world, case, sharding, find_unused):
             mask = torch.zeros(len(xb)) if no_items else torch.ones(len(xb))
             if case == "own_loss":   # the model's own loss, over the items the mask keeps
                 loss = model(xb, session.step_count % 2 == 1, yb, mask)["loss"]
+                with torch.no_grad():   # a look at the model between forward and backward
+                    model(xb, False, yb, mask)
             else:
                 out = model(xb, session.step_count % 2 == 1)
                 per_sample = (((out["out"] if case == "aux" else out) - yb) ** 2).mean(1)
@@ -137,7 +139,9 @@ def test_a_parameter_behind_an_output_the_loss_leaves_keeps_no_gradient_when_a_r
     """A forward returning {"out", "aux"} and a loss of "out" alone (a base model's pooler output): a rank
     without items sent zeros from the parameters themselves, a graph apart from the forward's, and DDP counted
     head_b used: every rank stepped its zero gradient (weight decay), off one process where it never moves. A
-    model returning its own loss (NaN over no items) beside its outputs did so still (found in review)."""
+    model returning its own loss (NaN over no items) beside its outputs did so still; an int before the tensors
+    in the output sent the walk down another output's branch, and a no_grad forward before the backward dropped
+    the outputs kept (found in review)."""
     want = _reference(case)
     net = _AuxOutput()
     for got in run_ranks(_train, 2, case, sharding, True):
@@ -146,7 +150,7 @@ def test_a_parameter_behind_an_output_the_loss_leaves_keeps_no_gradient_when_a_r
         assert torch.equal(got[-2], net.head_b.weight.detach())   # never trained
 
 
-def test_the_outputs_kept_for_a_rank_without_items_go_with_the_next_forward():
+def test_the_outputs_kept_for_a_rank_without_items_go_once_their_backward_ran():
     """Kept from each training forward under find_unused_parameters, the last step's outputs lived on through an
     evaluation and the next forward: one more logits-sized tensor at the peak (found in review)."""
     import gc
