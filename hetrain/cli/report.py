@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         out = out.with_name(out.name + ".png")
     if out.suffix.lower().lstrip(".") not in _IMAGE_FORMATS:
         raise HetrainError(f"--out {str(out)!r}: {out.suffix} is not an image format the report writes; "
-                           f"use .png, .svg or .pdf")
+                           f"use .png, .svg or .pdf (e.g. {out.name}.png)")
     title = f"hetrain run {run_dir.resolve().name}: {len(runs)} ranks" + (" (emulated device speeds)" if emulated else "")
     try:
         draw(runs, out, title)

@@ -73,9 +73,10 @@ def run(args: argparse.Namespace) -> int:
     if largest > MAX_DEVICES:
         raise HetrainError(f"--sizes {max(sizes)} copies of the mix make {largest} devices, over the limit of "
                            f"{MAX_DEVICES}; use smaller sizes")
-    prefix = args.out[:-4] if args.out.lower().endswith((".png", ".csv")) else args.out
-    if not prefix or prefix.endswith(("/", os.sep)) or os.path.isdir(prefix):   # a directory: its files get a name
-        prefix = os.path.join(prefix or ".", "simulate")
+    if args.out.endswith(("/", os.sep)) or os.path.isdir(args.out):   # a directory: its files get a name
+        prefix = os.path.join(args.out, "simulate")
+    else:
+        prefix = args.out[:-4] if args.out.lower().endswith((".png", ".csv")) else args.out
     check_writable_file(f"{prefix}.csv", "--out")
     check_writable_file(f"{prefix}.png", "--out")
     rows, skipped = [], []   # skipped: (copies, devices, the planner's NoPlanFits) for the sizes where no plan fits

@@ -37,17 +37,29 @@ PROGRESS = frozenset({"last_epoch", "T_cur", "T_i", "best", "num_bad_epochs", "c
 COUNTER = "hetrain_counter"   # a collections.Counter in a scheduler's state (MultiStepLR's milestones), as a dict
 
 
-def savable(state: dict) -> dict:
-    """A scheduler's state as a checkpoint holds it: a Counter (MultiStepLR's milestones), which checkpoints do not
-    load (they load tensors and plain containers only), as a plain dict marked to become a Counter again."""
-    return {k: {COUNTER: dict(v)} if isinstance(v, collections.Counter) else v for k, v in state.items()}
+def savable(state: Any) -> Any:
+    """A scheduler's state as a checkpoint holds it: a Counter (MultiStepLR's milestones, also inside a
+    SequentialLR's or ChainedScheduler's states), which checkpoints do not load (they load tensors and plain
+    containers only), as a plain dict marked to become a Counter again."""
+    if isinstance(state, collections.Counter):
+        return {COUNTER: dict(state)}
+    if isinstance(state, dict):
+        return {k: savable(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(savable(v) for v in state)
+    return state
 
 
-def loadable(state: dict) -> dict:
+def loadable(state: Any) -> Any:
     """`savable`'s inverse: the state the scheduler's load_state_dict takes (a Counter answers 0 for a step that
     is no milestone, where a dict would raise)."""
-    return {k: collections.Counter(v[COUNTER]) if isinstance(v, dict) and set(v) == {COUNTER} else v
-            for k, v in state.items()}
+    if isinstance(state, dict):
+        if set(state) == {COUNTER}:
+            return collections.Counter(state[COUNTER])
+        return {k: loadable(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(loadable(v) for v in state)
+    return state
 
 
 def position(scheduler: Any) -> Any:

@@ -72,9 +72,10 @@ def test_simulate_writes_png_and_csv(tmp_path):
 
 
 def test_simulate_out_may_name_the_png(tmp_path):
+    (tmp_path / "sweep").mkdir()   # a directory of the prefix's name changes nothing (second review)
     p = _run("simulate", "--model", "resnet50", "--sizes", "1,2", "--out", str(tmp_path / "sweep.png"))
     assert p.returncode == 0, p.stderr
-    assert sorted(f.name for f in tmp_path.iterdir()) == ["sweep.csv", "sweep.png"]
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["sweep", "sweep.csv", "sweep.png"]
 
 
 @pytest.mark.parametrize("given", ["out/", "out"])

@@ -231,3 +231,16 @@ def test_a_multistep_schedule_is_saved_and_resumed(tmp_path):
     assert [lr for lr, _ in straight_seen] == pytest.approx([0.1, 0.1, 0.05, 0.05, 0.05, 0.025, 0.025, 0.025])
     assert seen == straight_seen[4:]   # resumed at step 4, where the first run closed
     assert all(torch.equal(a, b) for a, b in zip(resumed, straight, strict=True))
+
+
+def test_a_multistep_schedule_inside_a_sequential_one_is_saved_and_resumed(tmp_path):
+    """A warm-up then MultiStepLR (SequentialLR): the Counter one level down was still refused (second review)."""
+    def warm_then_steps(o):
+        return torch.optim.lr_scheduler.SequentialLR(o, [torch.optim.lr_scheduler.LinearLR(o, 0.5, total_iters=2),
+                                                         torch.optim.lr_scheduler.MultiStepLR(o, [2, 5], gamma=0.5)],
+                                                     milestones=[2])
+    straight_seen, straight = _run(str(tmp_path / "a"), 8, schedule=warm_then_steps)
+    _run(str(tmp_path / "b"), 4, schedule=warm_then_steps)
+    seen, resumed = _run(str(tmp_path / "b"), 8, schedule=warm_then_steps)
+    assert seen == straight_seen[4:]
+    assert all(torch.equal(a, b) for a, b in zip(resumed, straight, strict=True))
