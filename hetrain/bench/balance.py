@@ -104,7 +104,8 @@ def run(args: argparse.Namespace) -> dict:
             raise HetrainError("--metrics cannot be used with --outside-load (which runs hetrain alone, with "
                                "nothing to compare metrics on against); drop one of them")
         return outside_load(args)
-    plain = all(s == 1 for s in parse_speeds(args.speeds, "--speeds"))   # nothing to emulate: DDP without the hook runs too
+    # nothing to emulate: DDP without the hook runs too
+    plain = all(s == 1 for s in parse_speeds(args.speeds, "--speeds"))
     phases = "solo,uniform,balanced" + (",metrics" if args.metrics else "") + (",ddp" if plain else "")
     r = run_job(args, progress=False, schedule="interleaved", phases=phases)
     uniform, balanced = r["uniform"]["samples_per_s"], r["balanced"]["samples_per_s"]

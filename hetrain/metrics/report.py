@@ -175,7 +175,8 @@ def load_run(run_dir: str | Path) -> dict[int, RankRun]:
     logs = find_logs(run_dir)
     if not logs:
         raise HetrainError(f"no run log in {str(run_dir)!r} (looked for metrics/rank-N.jsonl); give the run "
-                           f"directory a job wrote with `hetrain launch --run-dir` (HETRAIN_RUN_DIR) or --checkpoint-dir set")
+                           f"directory a job wrote with `hetrain launch --run-dir` (HETRAIN_RUN_DIR) or "
+                           f"--checkpoint-dir set")
     runs = {rank: read_rank(rank, path) for rank, path in logs.items()}
     if not any(run.steps for run in runs.values()):
         raise HetrainError(f"no step was logged in {str(run_dir)!r}: {len(runs)} rank log(s) but none holds a "

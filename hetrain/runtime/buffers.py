@@ -37,10 +37,11 @@ def buffer_places(module: nn.Module) -> Places:
 
 
 def sync_buffers(places: Places, src: int = 0) -> None:
-    """Overwrite every rank's buffers with rank `src`'s (collective; the step's first rank with samples). Each place's buffer now, where it has the size,
-    dtype and device it had at prepare() (one a forward replaced, `self.m = 0.9 * self.m + ...`, is copied
-    too), else the tensor it held then, as a stand-in of that size: a cache a forward regrew to its rank's
-    longest sequence stays the rank's own, and every rank broadcasts the same sizes in the same order."""
+    """Overwrite every rank's buffers with rank `src`'s (collective; the step's first rank with samples). Each
+    place's buffer now, where it has the size, dtype and device it had at prepare() (one a forward replaced,
+    `self.m = 0.9 * self.m + ...`, is copied too), else the tensor it held then, as a stand-in of that size: a
+    cache a forward regrew to its rank's longest sequence stays the rank's own, and every rank broadcasts the
+    same sizes in the same order."""
     buffers = []
     for m, name, first in places:
         now = getattr(m, name, None)

@@ -486,7 +486,8 @@ def make_loader(dataset: Any, global_batch_size: int, *, shuffle: bool = True, s
     tail, ranks = settings["samples"] % global_batch_size, len(split.shares)
     if not drop_last and 0 < tail < ranks and rank == 0:
         log.warning("the epoch's last global batch has %d sample(s) for %d ranks: %d rank(s) get an empty batch in "
-                    "that step, which some models cannot take (Hugging Face transformers); %s", tail, ranks, ranks - tail,
+                    "that step, which some models cannot take (Hugging Face transformers); %s",
+                    tail, ranks, ranks - tail,
                     "drop_last=True avoids it" if settings["samples"] >= global_batch_size else
                     "the dataset is that batch, so only more samples avoid it")
     return HeteroLoader(dataset, order, **common)

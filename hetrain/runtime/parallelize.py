@@ -236,7 +236,7 @@ def apply_fsdp(model: nn.Module, blocks: Sequence[nn.Module], entry: RankPlan, d
     model.set_reshard_after_forward(True)
     from hetrain.runtime.fsdp_waits import time_fsdp_collectives
 
-    timer.comm_waits = time_fsdp_collectives(model, timer.speed)   # a rank's waits in FSDP2's collectives are not its compute
+    timer.comm_waits = time_fsdp_collectives(model, timer.speed)   # its waits in FSDP2's collectives: not compute
     model.register_forward_pre_hook(timer.outer_pre_hook, prepend=True)   # before FSDP2's all-gather
     model.register_forward_pre_hook(timer.forward_pre_hook)
     return model
@@ -293,7 +293,8 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, sh
     if optimizer is not None and sharding_name in ZERO1_SHARDINGS:
         optimizer = apply_zero1(optimizer, model, sharding_name, entries, device)
     prepared = Prepared(ddp, optimizer, chosen, comm_state,
-                        frozenset(id(p) for p in model.parameters() if p.requires_grad), find_unused=find_unused_parameters,
+                        frozenset(id(p) for p in model.parameters() if p.requires_grad),
+                        find_unused=find_unused_parameters,
                         sync_batchnorm=any(isinstance(m, nn.SyncBatchNorm) for m in model.modules()), buffers=buffers)
     if find_unused_parameters:   # the outputs held from a training forward until the next one begins
         prepared.kept = KeptOutputs()

@@ -184,7 +184,8 @@ class Schedulers:
             raise HetrainError(
                 f"the checkpoint of step {self._saved_step} holds LR scheduler {index}'s state for {what}"
                 + (f" (it lacks {', '.join(missing[:3])})" if missing and kind in (None, name) else "")
-                + f", and this run gives {name}: give the scheduler the checkpoint was saved with, or {START_FROM_WEIGHTS}")
+                + f", and this run gives {name}: give the scheduler the checkpoint was saved with, or "
+                f"{START_FROM_WEIGHTS}")
         changed = [k for k in own if k in saved and not k.startswith("_") and k not in PROGRESS and own[k] != saved[k]]
         if changed:   # loading the state would put the checkpoint's arguments back, silently
             detail = ", ".join(f"{k}: checkpoint {saved[k]!r}, this run {own[k]!r}" for k in changed[:3])

@@ -19,12 +19,13 @@ def parse_speeds(text: str, flag: str = "--emulate-speeds") -> list[float]:
         except ValueError:
             raise HetrainError(f"{flag}: speed {part!r} is not a number; write speeds like {flag} 1,0.5") from None
         if not math.isfinite(value):
-            raise HetrainError(f"{flag}: speed {part} must be a finite number above 0 (1 = full speed, 0.5 = half); got {value}")
+            raise HetrainError(f"{flag}: speed {part} must be a finite number above 0 (1 = full speed, 0.5 = half); "
+                               f"got {value}")
         if not value > 0:
             raise HetrainError(f"{flag}: speed {part} must be above 0 (1 = full speed, 0.5 = half); got {value}")
         if value > 1:
-            raise HetrainError(f"{flag}: speed {part} is above 1, full speed: emulation only slows a rank down; give the "
-                               "fastest rank 1 and the others their fraction of it (2,1 is 1,0.5)")
+            raise HetrainError(f"{flag}: speed {part} is above 1, full speed: emulation only slows a rank down; "
+                               "give the fastest rank 1 and the others their fraction of it (2,1 is 1,0.5)")
         speeds.append(value)
     if not speeds:
         raise HetrainError(f"{flag}: no speeds given; write speeds like {flag} 1,0.5")

@@ -96,7 +96,8 @@ class TrainState:
             "optimizer": optimizer_state,
             "optimizer_class": _optimizer_class(optimizer),
             "optimizer_state_names": with_state,
-            "model_keys": sorted(sharded["model"]) if self.fsdp and not self.pipelined else None,   # FSDP2: resume compares
+            # FSDP2: a resume compares them with its model's (the sharded load reads only the keys it has)
+            "model_keys": sorted(sharded["model"]) if self.fsdp and not self.pipelined else None,
             "optimizer_settings": _settings(optimizer),
             "sharding": self.sharding,
             "scaler": self.scaler.state_dict(),
