@@ -261,7 +261,7 @@ def replaced_settings(saved: list[dict], script: list[dict], scheduled: bool = F
         pairs = []
         if "initial_lr" not in a and not scheduled:
             pairs.append(("lr", a.get("lr"), b.get("lr")))
-        elif "initial_lr" in b:
+        elif "initial_lr" in a and "initial_lr" in b:
             pairs.append(("lr", a["initial_lr"], b["initial_lr"]))
         if "base_momentum" not in a:
             pairs += [(k, a.get(k), b.get(k)) for k in ("momentum", "betas")]

@@ -96,6 +96,8 @@ def test_replaced_settings_compare_where_a_schedule_started_and_leave_a_cycled_m
     # ReduceLROnPlateau keeps no start: the lr it lowered is not the script's changed one (found in review)
     assert replaced_settings([{"lr": 0.0125}], [{"lr": 0.1}], scheduled=True) == []
     assert replaced_settings([{"lr": 0.0125}], [{"lr": 0.1}]) == ["group 0 lr: checkpoint 0.0125, script 0.1"]
+    # a script whose schedule, built before session.loader(), keeps a start the checkpoint's did not: a KeyError
+    assert replaced_settings([{"lr": 0.0125}], [{"lr": 0.1, "initial_lr": 0.1}], scheduled=True) == []
     cycled = {"lr": 0.01, "initial_lr": 0.004, "momentum": 0.85, "base_momentum": 0.85, "max_momentum": 0.95}
     assert replaced_settings([cycled], [{"lr": 0.004, "momentum": 0.95}]) == []
     assert replaced_settings([{"lr": 0.1, "betas": [0.9, 0.999]}], [{"lr": 0.1, "betas": [0.9, 0.95]}]) == [
