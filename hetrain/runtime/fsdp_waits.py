@@ -93,26 +93,25 @@ def _timed(call: Any, waits: CommWaits) -> Any:
     return _TimedWork(work, waits) if isinstance(work, dist.Work) else work
 
 
+class _Timed:
+    """Mixed before one of FSDP2's default collectives: its seconds (the call, and the wait on its work) go to
+    `waits`."""
+
+    def __init__(self, waits: CommWaits) -> None:
+        super().__init__()
+        self.waits = waits
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        call = super().__call__   # the default collective's
+        return _timed(lambda: call(*args, **kwargs), self.waits)
+
+
 if DefaultAllGather is not None:
-    class TimedAllGather(DefaultAllGather):
-        """FSDP2's default all-gather, its seconds (the call and the wait on its work) added to `waits`."""
+    class TimedAllGather(_Timed, DefaultAllGather):
+        """FSDP2's default all-gather, timed."""
 
-        def __init__(self, waits: CommWaits) -> None:
-            super().__init__()
-            self.waits = waits
-
-        def __call__(self, *args: Any, **kwargs: Any) -> Any:
-            return _timed(lambda: super(TimedAllGather, self).__call__(*args, **kwargs), self.waits)
-
-    class TimedReduceScatter(DefaultReduceScatter):
-        """FSDP2's default reduce-scatter, its seconds added to `waits`."""
-
-        def __init__(self, waits: CommWaits) -> None:
-            super().__init__()
-            self.waits = waits
-
-        def __call__(self, *args: Any, **kwargs: Any) -> Any:
-            return _timed(lambda: super(TimedReduceScatter, self).__call__(*args, **kwargs), self.waits)
+    class TimedReduceScatter(_Timed, DefaultReduceScatter):
+        """FSDP2's default reduce-scatter, timed."""
 
 
 def time_fsdp_collectives(model: torch.nn.Module, speed: float | None = None) -> CommWaits | None:

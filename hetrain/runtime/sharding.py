@@ -21,6 +21,7 @@ from torch import nn
 from hetrain.errors import HetrainError
 from hetrain.runtime.batch_tree import plain_values
 from hetrain.runtime.gradients import local_tensor
+from hetrain.runtime.step_guard import stepped_parameters
 
 log = logging.getLogger("hetrain")
 
@@ -163,8 +164,7 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], m
     """The user's optimizer re-created over the model's new (sharded) parameters, matched by name."""
     check_fresh(optimizer, "fsdp")
     by_name = dict(model.named_parameters())
-    missing = [names.get(id(p), "?") for g in optimizer.param_groups for p in g["params"]
-               if names.get(id(p)) not in by_name]
+    missing = [names.get(id(p), "?") for p in stepped_parameters(optimizer) if names.get(id(p)) not in by_name]
     if missing:
         raise HetrainError(
             f"optimizer parameters {missing[:3]} are not parameters of the model; build the optimizer from "

@@ -163,6 +163,7 @@ READING = "reading its batch"
 STREAM_ENDED = "its stream ended"   # after a pass, until every rank begins the next
 DONE = "done"
 BARRIER = f"{INSIDE}barrier()"
+IN_A_STEP = ("waiting", "computing")   # a rank in a step, which needs every rank to end
 
 
 def own_code(phase: str) -> bool:
@@ -269,7 +270,7 @@ def ended_early(after: dict[int, Progress | None]) -> str | None:
     first_untaken = min(p.step for p in ended.values())
     # a rank in a step a closed one never takes waits in vain there, computing or not: its step's collectives (the
     # first backward's agreement, DDP's bucket rebuild) need every rank; a stream's ranks are near a pass's start
-    phases = ("waiting",) if any(STREAM_ENDED in p.phase for p in ended.values()) else ("waiting", "computing")
+    phases = ("waiting",) if any(STREAM_ENDED in p.phase for p in ended.values()) else IN_A_STEP
     ahead = {r: p for r, p in after.items() if p is not None and p.phase in phases and p.step >= first_untaken}
     if not ahead:
         return None
@@ -436,12 +437,11 @@ class ProgressWatch:
     def _closed_early(self, stalled: float) -> bool:
         """Waiting in a step a rank that closed its session never takes: the lowest such rank reports
         it now (the others end with the job), without waiting for the progress timeout."""
-        if self._phase not in ("waiting", "computing") or stalled < 3 * self.interval_s or \
-                not self.store.check([CLOSED_KEY]):
+        if self._phase not in IN_A_STEP or stalled < 3 * self.interval_s or not self.store.check([CLOSED_KEY]):
             return False
         after = self._read_all()
         early = ended_early(after)
-        waiting = sorted(r for r, p in after.items() if p is not None and p.phase in ("waiting", "computing"))
+        waiting = sorted(r for r, p in after.items() if p is not None and p.phase in IN_A_STEP)
         seen, self._seen = self._seen, after
         if early is None or not waiting or waiting[0] != self.rank:
             return False
@@ -460,8 +460,8 @@ def waits_on_work_before_a_barrier(stall: Stall, after: dict[int, Progress | Non
     that stopped publishing (frozen), reading a batch (a stalled dataset) or in a step is named as ever."""
     others = [p for r, p in after.items() if r not in stall.culprits]
     return bool(others) and all(p is not None and p.phase == BARRIER for p in others) and \
-        all(r in after and after[r] is not None and r not in stall.silent and
-            (after[r].phase == BETWEEN or after[r].phase.startswith(STREAM_ENDED)) for r in stall.culprits)
+        all(after.get(r) is not None and r not in stall.silent and own_code(after[r].phase) and
+            after[r].phase != READING for r in stall.culprits)
 
 
 def _report_and_exit(message: str, stall: Stall) -> None:

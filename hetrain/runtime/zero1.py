@@ -17,6 +17,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from hetrain.errors import HetrainError
 from hetrain.runtime.sharding import check_fresh, constructor_settings, param_groups_for, proportional_partition
+from hetrain.runtime.step_guard import stepped_parameters
 
 
 class ProportionalZeroRedundancyOptimizer(ZeroRedundancyOptimizer):
@@ -34,7 +35,7 @@ class ProportionalZeroRedundancyOptimizer(ZeroRedundancyOptimizer):
             raise HetrainError(f"{len(self._weights)} sharding weights for {self.world_size} ranks; give one per rank")
         # Same shape of cache torch builds: per rank, one group per parameter group (maybe empty).
         self._partition_parameters_cache = [[] for _ in range(self.world_size)]
-        all_params = [p for g in self.param_groups for p in g["params"]]
+        all_params = stepped_parameters(self)
         owner = dict(zip(map(id, all_params), proportional_partition([p.numel() for p in all_params], self._weights)))
         for group in self.param_groups:
             per_rank: list[list[torch.Tensor]] = [[] for _ in range(self.world_size)]
