@@ -26,3 +26,41 @@ def stdout_console(**kwargs: Any) -> Any:
         columns = os.environ.get("COLUMNS", "")
         width = max(PIPED_WIDTH, int(columns) if columns.isdigit() else 0)
     return PipedConsole(file=sys.stdout, width=width, **kwargs)
+
+
+
+def fits(console: Any, table: Any) -> bool:
+    """Whether ``table`` prints on ``console`` with every word whole (rich cuts words to "…" below that)."""
+    from rich.measure import Measurement
+
+    unclamped = console.options.update_width(1 << 16)   # measured against the console's own width, it says that width
+    return Measurement.get(console, unclamped, table).minimum <= console.width
+
+
+def print_rows(console: Any, headings: list[str], rows: list[list[str]], *, title: str | None = None,
+               right: tuple[str, ...] = (), **table_options: Any) -> None:
+    """Print ``rows`` as a table under ``headings`` (those in ``right`` right-justified), or, on a terminal
+    too narrow for its words (a 60-column terminal, a split pane), one record per row: each heading
+    beside its value, the records apart by a blank line, so no figure is cut to "…"."""
+    from rich.table import Table
+
+    table = Table(title=title, **table_options)
+    for heading in headings:
+        table.add_column(heading, justify="right" if heading in right else "left")
+    for row in rows:
+        table.add_row(*row)
+    if fits(console, table):
+        console.print(table)
+        return
+    if title:
+        console.print(title, style="italic")
+    for i, row in enumerate(rows):
+        if i:
+            console.print()
+        record = Table.grid(padding=(0, 1))
+        record.add_column(style="bold", no_wrap=True)
+        record.add_column()
+        for heading, cell in zip(headings, row):
+            record.add_row(heading, cell)
+        console.print(record)
+    console.print()

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from hetrain.cli.console import stdout_console
+from hetrain.cli.console import print_rows, stdout_console
 from hetrain.errors import HetrainError
 from hetrain.hardware.catalog import ALIASES, GpuSpec, load_catalog
 from hetrain.hardware.cluster import PRESETS, Cluster, cluster_from_devices, get_preset, load_cluster
@@ -196,13 +196,12 @@ def _render(doc: dict[str, Any]) -> None:
 
     console = _console()
     if "catalog" in doc:
-        table = Table(title="GPU catalog (vendor dense peaks; TFLOP/s, GB, GB/s one direction)")
-        for col in ("name", "aliases", "arch", "cc", "memory GB", "mem GB/s", "fp32", "tf32", "fp16",
-                    "bf16", "NVLink GB/s", "PCIe GB/s", "TDP W"):
-            table.add_column(col, justify="left" if col in ("name", "aliases", "arch") else "right")
+        headings = ["name", "aliases", "arch", "cc", "memory GB", "mem GB/s", "fp32", "tf32", "fp16", "bf16",
+                    "NVLink GB/s", "PCIe GB/s", "TDP W"]
+        rows = []
         for s in doc["catalog"]:
             flops = s["peak_flops"]
-            table.add_row(
+            rows.append([
                 s["name"] + (" *" if s["estimate"] else ""), ", ".join(s["aliases"]), s["arch"],
                 "-" if s["arch"] == "cpu" else ".".join(map(str, s["compute_capability"])),
                 _num(s["memory_bytes"], 1e9, 0), _num(s["mem_bw_bytes_per_s"], 1e9, 0),
@@ -210,21 +209,20 @@ def _render(doc: dict[str, Any]) -> None:
                 _num(s["nvlink_bytes_per_s"], 1e9, 0),
                 _num(s["pcie_bytes_per_s"], 1e9, 2) + ("" if s["pcie_p2p"] else " h"),
                 _num(s["tdp_w"], 1, 0),
-            )
-        console.print(table)
+            ])
+        print_rows(console, headings, rows, title="GPU catalog (vendor dense peaks; TFLOP/s, GB, GB/s one direction)",
+                   right=tuple(headings[3:]))
         console.print("* cpu: this host's RAM; flops and bandwidth are estimates, not measurements")
         console.print("h: no peer-to-peer access over PCIe; a node of these talks through host memory "
                       "(intra_link: host, docs/cluster-file.md)")
     elif "local" in doc:
-        table = Table(title="devices on this machine")
-        for col in ("index", "name", "kind", "memory GB", "cc", "catalog", "source"):
-            table.add_column(col)
+        rows = []
         for d in doc["local"]:
             cc = ".".join(map(str, d["compute_capability"])) if d["compute_capability"] else "-"
             catalog = d["catalog"] or "no catalog entry: name the model in a cluster file"
-            table.add_row(str(d["index"]), d["name"], d["kind"], _num(d["memory_bytes"], 1e9), cc, catalog,
-                          d["source"])
-        console.print(table)
+            rows.append([str(d["index"]), d["name"], d["kind"], _num(d["memory_bytes"], 1e9), cc, catalog, d["source"]])
+        print_rows(console, ["index", "name", "kind", "memory GB", "cc", "catalog", "source"], rows,
+                   title="devices on this machine")
         if any(d["kind"] == "cuda" for d in doc["local"]):
             console.print("NVLink islands: " + "  ".join(f"[{_ranks(i)}]" for i in doc["islands"]))
         if sum(d["kind"] == "cuda" for d in doc["local"]) > 1:

@@ -6,7 +6,7 @@ import argparse
 import json
 import math
 
-from hetrain.cli.console import stdout_console
+from hetrain.cli.console import print_rows, stdout_console
 from hetrain.errors import HetrainError
 from hetrain.userfiles import check_writable_file, read_text
 from hetrain.planning.compression_choice import COMPRESSION_CHOICES
@@ -156,14 +156,9 @@ def run(args: argparse.Namespace) -> int:
 
 def print_result(result) -> None:
     """Rich tables: one row per device (identical rows folded), then the candidates."""
-    from rich.table import Table
-
     console = stdout_console()
     plan = result.plan
-    table = Table(title=f"hetrain plan: {plan.strategy}, global batch {plan.global_batch_size}")
-    for col in ("ranks", "device", "precision", "share", "micro-batch x accum", "memory used / total",
-                "checkpointing", "stage", "compute (s)", "figures"):
-        table.add_column(col)
+    cells: list[list[str]] = []
     rows: dict[tuple, list[int]] = {}
     for r in plan.ranks:
         key = (r.device, r.precision, r.share, r.micro_batch, r.grad_accum, r.memory_bytes, r.memory_capacity_bytes,
@@ -174,16 +169,15 @@ def print_result(result) -> None:
         label = rank_label(ranks)
         # the pieces this share runs in (a data-parallel entry's micro_batch is the largest its device holds)
         pieces = (f"{math.ceil(share / acc)} x {acc}" if share else "-") if plan.pipeline is None else f"{mb} x {acc}"
-        table.add_row(label, dev, prec, str(share), pieces, f"{(mem or 0) / 1e9:.1f} / {(cap or 0) / 1e9:.1f} GB",
+        cells.append([label, dev, prec, str(share), pieces, f"{(mem or 0) / 1e9:.1f} / {(cap or 0) / 1e9:.1f} GB",
                       "yes" if ckpt else "no", str(stage), f"{t:.3f}" if t is not None else "-",
-                      result.figures.get(dev, "modelled"))
-    console.print(table)
-    cands = Table(title="candidates")
-    for col in ("strategy", "samples/s", "compression", "why"):
-        cands.add_column(col)
-    for c in result.candidates:
-        cands.add_row(c.strategy, f"{c.samples_per_s:.1f}" if c.feasible else "-", c.compression, c.reason)
-    console.print(cands)
+                      result.figures.get(dev, "modelled")])
+    print_rows(console, ["ranks", "device", "precision", "share", "micro-batch x accum", "memory used / total",
+                         "checkpointing", "stage", "compute (s)", "figures"], cells,
+               title=f"hetrain plan: {plan.strategy}, global batch {plan.global_batch_size}")
+    print_rows(console, ["strategy", "samples/s", "compression", "why"],
+               [[c.strategy, f"{c.samples_per_s:.1f}" if c.feasible else "-", c.compression, c.reason]
+                for c in result.candidates], title="candidates")
     uniform = f"{result.uniform_ddp_samples_per_s:.1f}" if result.uniform_ddp_samples_per_s else "does not fit"
     console.print(f"predicted {plan.predicted_samples_per_s:.1f} samples/s; uniform DDP {uniform}; "
                   f"ideal (sum of devices alone) {result.ideal_samples_per_s:.1f}")

@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 
-from hetrain.cli.console import stdout_console
+from hetrain.cli.console import print_rows, stdout_console
 from hetrain.errors import HetrainError
 from hetrain.userfiles import ensure_directory
 
@@ -212,18 +212,13 @@ def _progress():
 
 
 def _print(written) -> None:
-    from rich.table import Table
-
     console = stdout_console()
     for path, prof in written:
         s = prof.stamp
-        table = Table(title=f"{prof.model} on {prof.device} ({s.device_name}; torch {s.torch}"
-                      + (f", CUDA {s.cuda}, driver {s.driver}" if s.cuda else f", {s.threads} threads") + f"; {s.date})")
-        for col in ("precision", "micro-batch", "seconds", "samples/s", "peak memory"):
-            table.add_column(col)
-        for t in prof.steps:
-            mem = f"{t.peak_memory_bytes / 1e9:.2f} GB" if t.peak_memory_bytes is not None else "-"
-            table.add_row(t.precision, str(t.micro_batch), f"{t.seconds:.4f}", f"{t.micro_batch / t.seconds:.1f}", mem)
-        console.print(table)
+        rows = [[t.precision, str(t.micro_batch), f"{t.seconds:.4f}", f"{t.micro_batch / t.seconds:.1f}",
+                 f"{t.peak_memory_bytes / 1e9:.2f} GB" if t.peak_memory_bytes is not None else "-"] for t in prof.steps]
+        print_rows(console, ["precision", "micro-batch", "seconds", "samples/s", "peak memory"], rows,
+                   title=f"{prof.model} on {prof.device} ({s.device_name}; torch {s.torch}"
+                   + (f", CUDA {s.cuda}, driver {s.driver}" if s.cuda else f", {s.threads} threads") + f"; {s.date})")
         console.print(f"optimizer step {prof.optimizer_seconds * 1e3:.1f} ms; {len(prof.blocks)} blocks timed; "
                       f"written to {path}")

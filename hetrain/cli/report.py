@@ -6,16 +6,12 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from hetrain.cli.console import stdout_console
+from hetrain.cli.console import print_rows, stdout_console
 from hetrain.errors import HetrainError
 from hetrain.userfiles import check_writable_file
 
 _IMAGE_FORMATS = ("png", "svg", "svgz", "pdf", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp")   # matplotlib's
-
-if TYPE_CHECKING:
-    from rich.table import Table
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
@@ -34,13 +30,9 @@ def _close(items: float | None, samples: float | None) -> bool:
     return items is None or samples is None or abs(items - samples) <= 1e-6 * max(abs(samples), 1.0)
 
 
-def _table(rows: list[dict]) -> "Table":
-    from rich.table import Table
-
+def _print_table(console, rows: list[dict]) -> None:
     from rich import box
 
-    # one space between columns and no side borders: sixteen columns and whole device names fit 136 columns
-    table = Table(title="hetrain run report", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 0))
     columns = [("rank", "d"), ("device", "s"), ("steps", "d"), ("step s", ".4f"), ("predicted step s", ".4f"),
                ("samples/s", ".1f"), ("share", ".1%"), ("compute", ".1%"), ("wait ranks", ".1%"),
                ("wait data", ".1%"), ("script", ".1%"), ("wait ckpt", ".1%"), ("MFU", ".2%"), ("comm sent", "s"),
@@ -51,21 +43,22 @@ def _table(rows: list[dict]) -> "Table":
     if any(not _close(row.get("items_per_second"), row["samples_per_second"]) for row in rows):
         columns.insert(6, ("items/s", ".1f"))   # num_items counted tokens: the work varies by sample
         keys.insert(6, "items_per_second")
-    for name, _ in columns:
-        table.add_column(name, justify="left" if name == "device" else "right")
     split = {row["rank"] for row in rows if sum(r["rank"] == row["rank"] for r in rows) > 1}
+    cells = []
     for row in rows:
-        cells = []
+        cells.append([])
         for key, (_, spec) in zip(keys, columns):
             value = row[key]
             if key == "device" and row["rank"] in split:   # a rank that resumed on another device: a row each
-                cells.append(f"{value}\nsteps {row['first_step']}-{row['last_step']}")
+                cells[-1].append(f"{value}\nsteps {row['first_step']}-{row['last_step']}")
             elif key == "comm_bytes" and value is not None:
-                cells.append(f"{value / 1e9:.1f} GB" if value >= 1e10 else f"{value / 1e6:.1f} MB")
+                cells[-1].append(f"{value / 1e9:.1f} GB" if value >= 1e10 else f"{value / 1e6:.1f} MB")
             else:
-                cells.append(_fmt(value, spec))
-        table.add_row(*cells)
-    return table
+                cells[-1].append(_fmt(value, spec))
+    headings = [name for name, _ in columns]
+    # one space between columns and no side borders: sixteen columns and whole device names fit 136 columns
+    print_rows(console, headings, cells, title="hetrain run report", right=tuple(h for h in headings if h != "device"),
+               box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 0))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -99,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
     else:
         console = stdout_console()
-        console.print(_table(rows))
+        _print_table(console, rows)
         if emulated:
             console.print("timings are emulated: CPU ranks standing in for other devices (a plan's devices, or "
                           "--emulate-speeds)")
