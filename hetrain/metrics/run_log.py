@@ -10,6 +10,7 @@ Only a machine that goes down loses what the OS had not yet stored.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from collections.abc import Iterator
@@ -20,6 +21,8 @@ from typing import Any
 from hetrain.errors import HetrainError
 from hetrain.metrics.events import CheckpointRecord, StepRecord
 from hetrain.vocabulary import Env
+
+log = logging.getLogger("hetrain")
 
 SUBDIR = "metrics"
 BUFFER_BYTES = 1 << 16   # a line longer than this is written in pieces (a SIGKILL between them tears it)
@@ -60,13 +63,24 @@ class RunLog:
 
     def write(self, line: dict[str, Any]) -> None:
         """Append one record and hand it to the OS at once (write-through: nothing waits in this process)."""
+        if self._file.closed:   # stopped after a write failed: the training goes on without its log
+            return
         record = {"time": time.time(), **line}
         try:
             text = json.dumps(record, allow_nan=False)
         except ValueError:   # a skipped step's inf or NaN loss: JSON has no such number, null stands for it
             text = json.dumps(_finite(record), allow_nan=False)
-        self._file.write(text + "\n")
-        self._file.flush()
+        try:
+            self._file.write(text + "\n")
+            self._file.flush()
+        except OSError as e:   # a full disk, a quota, a filesystem gone: training outlives its log
+            log.warning("the run log %s stops here (%s); training goes on, and hetrain report shows the steps "
+                        "written before: free space or give --run-dir on another filesystem", self.path,
+                        e.strerror or e)
+            try:
+                self._file.close()
+            except OSError:   # what the buffer held cannot be written either
+                pass
 
     def step(self, record: StepRecord, **extra: Any) -> None:
         self.write({"kind": "step", **_flat(record), "waiting_seconds": record.waiting_seconds, **extra})

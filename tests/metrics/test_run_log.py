@@ -115,3 +115,18 @@ def test_the_predicted_step_time_is_the_plans_step_not_a_ranks_compute(tmp_path)
     session.close()
     (rank0,) = [r for r in summary_rows(load_run(tmp_path)) if r["rank"] == 0]
     assert rank0["predicted_step_seconds"] == pytest.approx(0.2)
+
+
+def test_a_full_disk_under_the_run_log_ends_the_log_not_the_training(tmp_path):
+    from hetrain.metrics.run_log import RunLog, log_path
+    from tests.log_lines import hetrain_warnings
+
+    path = log_path(tmp_path, 0)
+    path.parent.mkdir(parents=True)
+    path.symlink_to("/dev/full")   # every write there fails with ENOSPC, as on a full filesystem
+    run_log = RunLog(tmp_path, 0)
+    with hetrain_warnings() as warned:
+        for step in range(3):
+            run_log.write({"kind": "step", "step": step})
+    run_log.close()
+    assert len(warned) == 1 and "stops here (No space left on device)" in warned[0] and "--run-dir" in warned[0], warned
