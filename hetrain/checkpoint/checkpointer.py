@@ -79,7 +79,7 @@ class Checkpointer:
                  process_group: Any = None, start_fresh: bool | None = None) -> None:
         if keep is not None and keep < 1:
             raise CheckpointError(f"keep={keep}: at least one checkpoint must be kept; pass keep>=1 (None keeps all)")
-        self.directory = Path(directory)
+        self.directory = Path(directory).absolute()   # the process may change directory; its saves stay here
         self.keep = keep
         self.async_save = async_save
         self.start_fresh = selection.start_fresh_from_env() if start_fresh is None else bool(start_fresh)
@@ -93,6 +93,7 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._verified: set[tuple[Path, float]] = set()
+        self._unremovable: set[str] = set()
         self._buffers: dict[str, Any] = {}  # host copies reused by background saves
         self._stager: Any = None   # DCP's stager, made with the first background save of sharded state
         self.last_save_seconds = 0.0
@@ -238,10 +239,14 @@ class Checkpointer:
         try:
             write_manifest(tmp, manifest)
             final = store.commit(self.directory, tmp, step)
-            store.prune(self.directory, self.keep, newest=final)
+            _, failed = store.prune(self.directory, self.keep, newest=final)
         except OSError as e:
             return f"committing {tmp} failed ({describe_os_error(e)}); {os_error_fix(e)}", 0, ""
         self._verified.add((final, manifest.created_unix))
+        for entry in set(failed) - self._unremovable:   # said once each: every later save tries again
+            warnings.warn(f"old checkpoint {entry} could not be deleted; it takes disk space until it is: "
+                          "delete it by hand", CheckpointWarning, stacklevel=2)
+        self._unremovable |= set(failed)
         return None, manifest.total_bytes, str(final)
 
     # ---- finding and loading -------------------------------------------------------------------

@@ -138,7 +138,7 @@ def check_layout(directory: Path, manifest: Manifest, step: int | None) -> str |
         return f"manifest lists {sorted(unknown)[0]}, which is no checkpoint file"
     for path in sorted(directory.rglob("*")):
         rel = path.relative_to(directory).as_posix()
-        if rel != MANIFEST_NAME and rel not in names and not path.is_dir():
+        if rel != MANIFEST_NAME and rel not in names and not path.is_dir() and not path.name.startswith(".nfs"):
             return f"{rel} is in the directory but not in the manifest"
     return None
 

@@ -14,6 +14,7 @@ _STEP = re.compile(r"^step-(\d{6,})$")
 TMP_PREFIX = ".tmp-step-"
 DAMAGED_PREFIX = "damaged-"
 _REPLACED_PREFIX = ".replaced-step-"
+_PRUNED_PREFIX = ".pruned-step-"
 
 
 def step_name(step: int) -> str:
@@ -104,20 +105,41 @@ def commit(root: Path, tmp: Path, step: int) -> Path:
     return final
 
 
-def prune(root: Path, keep: int | None, newest: Path | None = None) -> list[Path]:
-    """Delete all but `keep` committed checkpoints and any stale partial ones; the deleted.
+def prune(root: Path, keep: int | None, newest: Path | None = None) -> tuple[list[Path], list[str]]:
+    """Delete all but `keep` committed checkpoints and any stale partial ones: (the deleted, those that
+    could not be, each with why).
 
     `newest` (the checkpoint just committed) is always among those kept, with the `keep - 1` highest
     steps besides it: a checkpoint left from an earlier run with a higher step never outranks it.
+    A checkpoint is renamed `.pruned-step-N` before it is deleted, so one whose files cannot all be
+    deleted (a file another user owns, a busy file on NFS) never looks complete; a later prune tries again.
     """
-    removed = []
+    removed: list[Path] = []
+    failed: list[str] = []
     if keep is not None:
         others = [path for _, path in committed(root) if newest is None or path != newest]
         for path in others[keep - (newest is not None):]:
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
+            aside = path.with_name(_PRUNED_PREFIX + path.name.removeprefix("step-"))
+            try:
+                os.rename(path, aside)
+            except OSError as e:
+                failed.append(f"{path} ({describe_os_error(e)})")
+                continue
+            if _remove(aside, failed):
+                removed.append(path)
     for entry in root.iterdir() if root.is_dir() else []:
-        if entry.name.startswith((TMP_PREFIX, _REPLACED_PREFIX)) and entry.is_dir():
-            shutil.rmtree(entry, ignore_errors=True)
+        if entry.name.startswith((TMP_PREFIX, _REPLACED_PREFIX, _PRUNED_PREFIX)) and entry.is_dir() \
+                and _remove(entry, failed):
             removed.append(entry)
-    return removed
+    return removed, failed
+
+
+def _remove(path: Path, failed: list[str]) -> bool:
+    try:
+        shutil.rmtree(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        failed.append(f"{path} ({describe_os_error(e)})")
+        return False
+    return True

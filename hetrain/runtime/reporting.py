@@ -29,9 +29,9 @@ RATES_EVERY_S = 30.0   # measured-rates.json is rewritten at most this often, an
 
 def run_directory(checkpoint_dir: str | None) -> Path | None:
     """Where a run's own files go (measured rates, run log): HETRAIN_RUN_DIR (`hetrain launch --run-dir`),
-    else the checkpoint directory, else none."""
+    else the checkpoint directory, else none; absolute, so a script that changes directory keeps it."""
     chosen = os.environ.get(Env.RUN_DIR) or checkpoint_dir
-    return Path(chosen) if chosen else None
+    return Path(chosen).absolute() if chosen else None
 
 
 def plan_step_seconds(plan: Any) -> float | None:

@@ -63,8 +63,9 @@ def checkpoint_settings(directory: str | os.PathLike | None, interval: int | Non
     if keep is not None and (_whole(keep) is None or keep < 1):
         raise HetrainError(f"keep_checkpoints={keep!r}: at least the newest checkpoint must be kept to resume from it; "
                            "pass keep_checkpoints>=1, or None to keep every checkpoint")
-    return (directory or os.environ.get(Env.CHECKPOINT_DIR) or None, int(interval), None if keep is None else int(keep),
-            bool(async_save))
+    directory = directory or os.environ.get(Env.CHECKPOINT_DIR) or None   # absolute: a script that changes directory
+    return (os.path.abspath(directory) if directory else None, int(interval),   # saves and resumes where it began
+            None if keep is None else int(keep), bool(async_save))
 
 
 def _whole(value: Any) -> int | None:

@@ -122,6 +122,7 @@ class Session:
         self.train: TrainState | None = None
         self.schedulers, self.user_states = Schedulers(), UserStates()
         self.checkpoints: SessionCheckpoints | None = None
+        self.run_dir = run_directory(self._checkpoint_args[0])   # the run's own files: run log, rates
         self.reports = Reports(self.run_dir, is_main=self.is_main)
         self.clock = StepClock(TIMING_HISTORY)
         self.step_seconds, self.compute_seconds = self.clock.step_seconds, self.clock.compute_seconds
@@ -484,8 +485,6 @@ class Session:
         self.close()
 
     # -- services: checkpoints and metrics ----------------------------------------------------------
-
-    run_dir = property(lambda self: run_directory(self._checkpoint_args[0]))   # the run's own files: run log, rates
 
     def _start_metrics(self) -> None:
         """Prometheus on --metrics-port, and the run log (hetrain report) wherever the run has a directory."""

@@ -6,9 +6,12 @@ import signal
 import subprocess
 import sys
 import textwrap
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from hetrain.checkpoint import CheckpointError, Checkpointer, CheckpointWarning
 
@@ -143,3 +146,86 @@ def test_async_save_writes_the_state_of_the_call_not_later_updates(tmp_path):
     ckpt.wait()
     assert torch.equal(ckpt.load()[0]["w"], torch.zeros(1_000_000))
     assert ckpt.last_bytes > 4_000_000 and ckpt.last_save_seconds >= ckpt.last_blocking_seconds > 0
+
+
+def test_an_old_checkpoint_that_cannot_be_deleted_never_looks_complete_and_is_said_once(tmp_path, monkeypatch):
+    import shutil
+
+    import hetrain.checkpoint.store as store
+
+    real_rmtree = shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):   # a file in step 10 that cannot be deleted (another user's, NFS-busy)
+        if Path(path).name == ".pruned-step-000010":
+            (Path(path) / "manifest.json").unlink(missing_ok=True)
+            raise PermissionError(13, "Permission denied", str(Path(path) / "shared.pt"))
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(store.shutil, "rmtree", rmtree)
+    ckpt = Checkpointer(tmp_path, keep=2, async_save=False)
+    with pytest.warns(CheckpointWarning) as caught:
+        for step in (10, 20, 30, 40, 50):
+            ckpt.save(step, _state(step), {"rank": 0})
+    said = [str(w.message) for w in caught if "could not be deleted" in str(w.message)]
+    assert len(said) == 1 and ".pruned-step-000010" in said[0] and "Permission denied" in said[0], said
+    assert _steps(tmp_path) == ["step-000040", "step-000050"]   # step 10 is not among the complete ones
+    assert (tmp_path / ".pruned-step-000010").is_dir()
+    monkeypatch.setattr(store.shutil, "rmtree", real_rmtree)   # deletable again: the next save deletes it
+    ckpt.save(60, _state(60), {"rank": 0})
+    ckpt.close()
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("lease")) == ["step-000050", "step-000060"]
+    assert ckpt.latest().step == 60
+
+
+def test_nfs_own_files_in_a_checkpoint_do_not_make_it_damaged(tmp_path):
+    ckpt = Checkpointer(tmp_path, keep=3, async_save=False)
+    for step in (1, 2):
+        ckpt.save(step, _state(step), {"rank": 0})
+    (tmp_path / "step-000002" / ".nfs000000000123abcd00000001").write_bytes(b"x")   # a deleted file still open
+    (tmp_path / "step-000001" / "stray.pt").write_bytes(b"x")   # any other file still marks a mixed save
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert ckpt.latest().step == 2
+    ckpt.close()
+    assert not [w for w in caught if "damaged" in str(w.message)]
+
+
+def _relative_directory_and_a_change_of_directory(rank: int, world: int, root: str) -> dict:
+    import os
+
+    import hetrain
+    import torch.nn.functional as F
+
+    dist.init_process_group("gloo")
+    os.chdir(root)
+    (Path(root) / "elsewhere").mkdir(exist_ok=True)
+
+    def train(steps: int) -> int:
+        torch.manual_seed(0)
+        session = hetrain.Session(balance=False, checkpoint_dir="ckpt", checkpoint_interval=3)
+        net = torch.nn.Linear(4, 2)
+        model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+        loader = session.loader(data, global_batch_size=8)
+        start = session.step_count
+        os.chdir("elsewhere")   # the script moves on after set-up (a data folder, an output folder)
+        for x, y in loader:
+            session.backward(F.cross_entropy(model(x), y))
+            session.step()
+            if session.step_count >= steps:
+                break
+        session.close()
+        os.chdir(root)
+        return start
+
+    first, resumed = train(6), train(8)
+    return {"first": first, "resumed": resumed, "ckpt": sorted(p.name for p in (Path(root) / "ckpt").glob("step-*")),
+            "elsewhere": sorted(str(p.relative_to(root)) for p in (Path(root) / "elsewhere").rglob("*"))}
+
+
+def test_a_relative_checkpoint_directory_stays_where_the_script_began(tmp_path):
+    from tests.distributed import run_ranks
+
+    result = run_ranks(_relative_directory_and_a_change_of_directory, 1, str(tmp_path))[0]
+    assert result["first"] == 0 and result["resumed"] == 6, result
+    assert result["ckpt"] == ["step-000003", "step-000006", "step-000008"] and result["elsewhere"] == [], result
