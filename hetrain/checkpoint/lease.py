@@ -126,19 +126,24 @@ def _overwrite(path: Path, holder: Holder) -> None:
     os.replace(tmp, path)
 
 
-def _refusal(directory: Path, holder: Holder) -> CheckpointError:
+_FLAGS = {"checkpoint directory": "--checkpoint-dir", "run directory": "--run-dir"}
+
+
+def _refusal(directory: Path, holder: Holder, what: str) -> CheckpointError:
     age = time.time() - holder.heartbeat_unix
     return CheckpointError(
-        f"checkpoint directory {directory} is in use by {holder.describe()}, heartbeat {age:.0f} s ago; two jobs "
-        f"must not share a checkpoint directory: pass another --checkpoint-dir or stop that job (a holder whose "
+        f"{what} {directory} is in use by {holder.describe()}, heartbeat {age:.0f} s ago; two jobs "
+        f"must not share a {what}: pass another {_FLAGS[what]} or stop that job (a holder whose "
         f"heartbeat stops for {STALE_SECONDS:.0f} s is taken over; if it is gone, delete {directory / LEASE_NAME})")
 
 
 class Lease:
-    """This process's hold on one checkpoint directory, refreshed by a daemon thread until released."""
+    """This process's hold on one checkpoint directory (or run directory: ``what``), refreshed by a daemon
+    thread until released."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, what: str = "checkpoint directory") -> None:
         self.directory = directory
+        self.what = what
         self.path = directory / LEASE_NAME
         self.me = replace(this_process(), heartbeat_unix=time.time())
         self.lost: Holder | None = None
@@ -184,13 +189,13 @@ class Lease:
                     return
                 continue
             if local:
-                raise _refusal(self.directory, current)
+                raise _refusal(self.directory, current, self.what)
             seen = (current.token, current.heartbeat)
             if watched is None or seen != watched:
                 if watched is not None:  # its heartbeat moved: it lives
-                    raise _refusal(self.directory, current)
+                    raise _refusal(self.directory, current, self.what)
                 watched, since = seen, time.monotonic()
-                log.warning("checkpoint directory %s is held by %s; waiting up to %.0f s to see whether it lives",
+                log.warning("%s %s is held by %s; waiting up to %.0f s to see whether it lives", self.what,
                             self.directory, current.describe(), STALE_SECONDS)
             elif time.monotonic() - since >= STALE_SECONDS:
                 log.warning("taking over the lease of %s on %s: its heartbeat has not moved for %.0f s",
@@ -265,15 +270,16 @@ _held: dict[str, tuple[Lease, int]] = {}
 _held_lock = threading.RLock()
 
 
-def hold(directory: Path) -> str:
-    """Take (or share, within this process) the lease on `directory`; returns the key for `let_go`."""
+def hold(directory: Path, what: str = "checkpoint directory") -> str:
+    """Take (or share, within this process) the lease on `directory`; returns the key for `let_go`.
+    `what` the directory is for names it in a refusal: "checkpoint directory" or "run directory"."""
     key = os.path.realpath(directory)
     with _held_lock:
         if key in _held:
             lease, count = _held[key]
             _held[key] = (lease, count + 1)
             return key
-        lease = Lease(Path(key))
+        lease = Lease(Path(key), what)
         lease.take()
         _held[key] = (lease, 1)
     lease.start_heartbeat()

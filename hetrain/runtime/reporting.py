@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hetrain.checkpoint import lease
 from hetrain.errors import HetrainError
 from hetrain.metrics.events import CheckpointRecord, StepRecord
 from hetrain.runtime.measured import FlopMeter, rates_by_kind
@@ -72,6 +73,7 @@ class Reports:
         self._rates: tuple | None = None             # the newest rates not yet written
         self._rates_written: float | None = None     # when they were last written (monotonic seconds)
         self.model_params: int | None = None         # of the model the rates are measured on
+        self._lease_key: str | None = None           # rank 0's hold on the run directory
 
     def add(self, observer: Any) -> None:
         self.observers.append(observer)
@@ -87,20 +89,24 @@ class Reports:
         # the rates a run saves hold for its model: --from-run compares (a pipeline stage holds part of it)
         self.model_params = sum(p.numel() for p in module.parameters()) if whole_model else None
 
-        error, metrics = None, None
+        error = None
+        if self.is_main and self.run_dir is not None:   # one job at a time appends to a run directory's logs
+            try:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                self._lease_key = lease.hold(self.run_dir, "run directory")
+            except HetrainError as e:
+                error = e
+            except OSError as e:
+                error = HetrainError(f"cannot write the run directory {self.run_dir} ({e.strerror}); pass a writable "
+                                     "--run-dir")
+        _stop_together(error, rank, device, "could not take the run directory")   # before any rank writes there
         try:
             metrics = RankMetrics(rank=rank, local_rank=local_rank, world_size=world_size, device=device,
                                   device_name=device_name, port=port, run_dir=self.run_dir, job=job,
                                   predicted_step_seconds=predicted_step_seconds, precision=precision, emulated=emulated)
         except HetrainError as e:
             error = e
-        failed = torch.tensor([0.0 if error is None else 1.0 + rank], device=device)
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)   # no rank waits in a collective for one that stopped
-        if error is not None:
-            raise error
-        if failed.item() > 0:
-            raise HetrainError(f"rank {int(failed.item()) - 1} could not serve its metrics or write its run log; "
-                               "see its line above")
+        _stop_together(error, rank, device, "could not serve its metrics or write its run log")
         self.add(metrics)
         if restart_count:
             metrics.on_restart(restart_count)
@@ -153,6 +159,20 @@ class Reports:
             if closer is not None:
                 closer()
         self.observers = []
+        if self._lease_key is not None:
+            lease.let_go(self._lease_key)
+            self._lease_key = None
+
+
+def _stop_together(error: HetrainError | None, rank: int, device: torch.device, what: str) -> None:
+    """Collective: raise `error` on its rank and a line naming that rank on the others (no rank waits in a
+    collective for one that stopped)."""
+    failed = torch.tensor([0.0 if error is None else 1.0 + rank], device=device)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if error is not None:
+        raise error
+    if failed.item() > 0:
+        raise HetrainError(f"rank {int(failed.item()) - 1} {what}; see its line above")
 
 
 def comm_bytes(comm_state: Any) -> dict[str, float]:

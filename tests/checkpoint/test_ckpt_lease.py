@@ -287,3 +287,36 @@ def test_a_lease_given_back_by_another_thread_while_a_new_heartbeat_starts_does_
     assert not (tmp_path / "a" / lease.LEASE_NAME).exists() and (tmp_path / "b" / lease.LEASE_NAME).exists()
     lease.let_go(second)
     assert not (tmp_path / "b" / lease.LEASE_NAME).exists()
+
+
+def _prepare_with_a_run_directory(rank: int, world: int, run_dir: str) -> str | None:
+    import torch.distributed as dist
+
+    import hetrain
+
+    dist.init_process_group("gloo")
+    os.environ["HETRAIN_RUN_DIR"] = run_dir   # hetrain launch --run-dir, with its own checkpoint directory
+    os.environ["TORCHELASTIC_RUN_ID"] = "job-b"
+    session = hetrain.Session(balance=False)
+    net = torch.nn.Linear(2, 2)
+    session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    try:
+        session.loader(torch.utils.data.TensorDataset(torch.randn(8, 2)), global_batch_size=4)
+    except hetrain.HetrainError as e:
+        return str(e)
+    session.close()
+    return None
+
+
+def test_a_second_job_on_a_run_directory_in_use_is_refused_naming_the_holder(tmp_path, monkeypatch):
+    from tests.distributed import run_ranks
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+    key = lease.hold(tmp_path, "run directory")   # job A writes its run log there
+    refused = run_ranks(_prepare_with_a_run_directory, 2, str(tmp_path))
+    assert refused[0] == refused[1] or refused[1].startswith("rank 0"), refused
+    assert f"run directory {tmp_path} is in use by job job-a" in refused[0] and "--run-dir" in refused[0], refused
+    assert not (tmp_path / "metrics").exists() or not list((tmp_path / "metrics").iterdir()), "no line of B's"
+    lease.let_go(key)
+    assert run_ranks(_prepare_with_a_run_directory, 2, str(tmp_path)) == [None, None]
+    assert not (tmp_path / "lease.json").exists(), "close() gives the run directory back"
