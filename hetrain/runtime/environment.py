@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import gc
 import inspect
+import itertools
 import logging
 import os
 import sys
@@ -133,6 +134,9 @@ def collect_at_exit() -> None:
     once_at_exit(settle_at_exit)
 
 
+_GROUPS = itertools.count()   # process groups this process has started: every rank starts them in one order
+
+
 def init_process_group(env: RankEnv, device: torch.device, backend: str | None = None) -> tuple[bool, Any]:
     """Join the job's process group (NCCL on CUDA, gloo on CPU). Returns (whether this call created it,
     a store of the job that other services may use, or None). A group the script started itself
@@ -153,7 +157,9 @@ def init_process_group(env: RankEnv, device: torch.device, backend: str | None =
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=env.world_size,
                               is_master=not agent and env.rank == 0, timeout=timeout)
         attempt = f"/attempt{env.restart_count}" if agent else ""
-        store = dist.PrefixStore(f"hetrain/{env.run_id}{attempt}", store)
+        # a new session after one closed starts a new group: the closed group's keys (its ranks' addresses,
+        # some ranks' gloo connections half made) must not be read by the new one's ranks
+        store = dist.PrefixStore(f"hetrain/{env.run_id}{attempt}/group{next(_GROUPS)}", store)
         dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
         return True, store
     if env.world_size == 1:

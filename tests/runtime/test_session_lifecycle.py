@@ -87,3 +87,35 @@ def test_a_device_named_without_an_index_is_this_local_ranks(monkeypatch):
     assert pick_device(5, "cuda") == torch.device("cuda", 1)
     assert pick_device(5, "cuda:3") == torch.device("cuda", 3)
     assert pick_device(5, "cpu") == torch.device("cpu")
+
+
+_SESSIONS_ONE_AFTER_ANOTHER = """
+import torch, hetrain
+data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+for k in range(4):
+    session = hetrain.Session()
+    net = torch.nn.Linear(4, 1)
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    for x, y in session.loader(data, global_batch_size=64):
+        session.backward(torch.nn.functional.mse_loss(model(x), y))
+        session.step()
+    session.close()
+print("rank", session.rank, "ran 4 sessions", flush=True)
+"""
+
+
+def test_sessions_one_after_another_in_a_launched_job_each_get_a_group_of_their_own(tmp_path):
+    """A new Session after close() (as the refusal of a closed one advises): each re-joined the job's store
+    under the same keys, and a rank could read the closed group's addresses: the job hung in about half
+    the runs of two sessions (one rank in init_process_group, the other in the new group's first collective)."""
+    from pathlib import Path
+
+    from tests.distributed import run_cli
+
+    script = tmp_path / "sessions.py"
+    script.write_text(_SESSIONS_ONE_AFTER_ANOTHER)
+    r = run_cli([sys.executable, "-m", "hetrain.cli.main", "launch", "--nproc-per-node", "2", "--collective-timeout",
+                 "30", str(script)], cwd=Path(__file__).resolve().parents[2], timeout=150)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(line for line in r.stdout.splitlines() if "ran 4" in line) == ["rank 0 ran 4 sessions",
+                                                                                 "rank 1 ran 4 sessions"]
