@@ -25,6 +25,7 @@ from hetrain.runtime import memory, sharding
 from hetrain.runtime.buffers import buffer_places, keep_buffers_without_samples, sync_buffers
 from hetrain.runtime.cross_rank import GATHER_NODE
 from hetrain.runtime.kept_outputs import KeptOutputs
+from hetrain.runtime.plain_backward import PlainBackwards, session_backward
 from hetrain.runtime.precision import watch_precision
 from hetrain.runtime.replicas import copy_from, module_tensors
 from hetrain.runtime.step_guard import stepped_parameters
@@ -53,11 +54,26 @@ class Prepared:
     sync_batchnorm: bool = False   # SyncBatchNorm's backward all-reduces: a backward must go through it
     buffers: list[tuple[nn.Module, str, torch.Tensor]] = field(default_factory=list)   # where, and as at prepare()
     kept: KeptOutputs | None = None   # find_unused: the last training forward's outputs (hetrain.runtime.kept_outputs)
+    plain: PlainBackwards | None = None   # replicated: the script's own backwards in a step (hetrain.runtime.plain_backward)
 
-    def after_backward(self) -> None:
-        """A backward ran: the outputs kept for one without items are of no more use."""
+    def backward(self, loss: torch.Tensor, first_of_step: bool) -> None:
+        """The session's backward of `loss` (weighted, scaled); then the outputs kept for one without items go."""
+        if self.plain is not None:
+            self.plain.before_backward(first_of_step)
+        with session_backward():
+            loss.backward()
         if self.kept is not None:
             self.kept.drop()
+
+    def before_step(self) -> None:
+        """Refuses a step whose gradients a backward of the script's own joined after session.backward()."""
+        if self.plain is not None:
+            self.plain.before_step()
+
+    def release(self) -> None:
+        """The session closed: the hooks it put on the user's parameters go."""
+        if self.plain is not None:
+            self.plain.remove()
 
     @property
     def module(self) -> nn.Module:
@@ -296,6 +312,7 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, sh
                         frozenset(id(p) for p in model.parameters() if p.requires_grad),
                         find_unused=find_unused_parameters,
                         sync_batchnorm=any(isinstance(m, nn.SyncBatchNorm) for m in model.modules()), buffers=buffers)
+    prepared.plain = PlainBackwards(ddp, [p for p in model.parameters() if p.requires_grad])
     if find_unused_parameters:   # the outputs held from a training forward until the next one begins
         prepared.kept = KeptOutputs()
         ddp.register_forward_pre_hook(prepared.kept.clear)

@@ -53,8 +53,8 @@ from hetrain.runtime.resume import SessionCheckpoints, checkpoint_settings, star
 from hetrain.runtime.schedulers import Schedulers
 from hetrain.runtime.step_state import StepState, items_as_number
 from hetrain.runtime.step_clock import StepClock
-from hetrain.runtime.step_guard import (KeptGradients, OptimizerStepGuard, SteadyLearningRate, check_reduced,
-                                        gradients_pending, warn_if_evaluating)
+from hetrain.runtime.step_guard import (BACKWARD_TWICE, KeptGradients, OptimizerStepGuard, SteadyLearningRate,
+                                        check_reduced, gradients_pending, warn_if_evaluating)
 from hetrain.runtime.timing import StepTimer, emulated_speed, figures_carrier, idle_fraction
 from hetrain.runtime.train_state import TrainState
 from hetrain.runtime.user_state import UserStates
@@ -291,8 +291,7 @@ class Session:
                                "session.forward_backward(inputs, target, loss_fn) instead of model(...) and backward()")
         self.state.require_batch("backward")
         if self.state.backwards >= max(self.state.micros, 1):   # the batch's gradients are weighted (or finished)
-            raise HetrainError("session.backward() was called twice for one batch; add the losses and call it "
-                               "once: session.backward(loss_a + loss_b) (with num_items of the combined loss)")
+            raise HetrainError(BACKWARD_TWICE)
         check_not_prescaled(loss)
         warn_if_evaluating(self.prepared.module)
         self._kept.check(self.prepared.parameters, self.state, self.device if self.sharding == "fsdp" else None)
@@ -310,8 +309,7 @@ class Session:
             weighted = exact_zeros(self.prepared, loss)
         else:
             weighted = loss * self.state.weight(items)
-        self.scaler.scale_loss(weighted).backward()
-        self.prepared.after_backward()   # the outputs kept for a backward without items go (find_unused)
+        self.prepared.backward(self.scaler.scale_loss(weighted), first_of_step=self.state.backwards == 1)
         self._kept.after_backward(self.prepared.parameters, self.state.last_micro)
         self._status = None
         if self.state.last_micro:   # finished now: what the script does before step() (torch's clipping,
@@ -385,6 +383,7 @@ class Session:
         if not self.state.last_micro:
             return False
         status = self._finish_gradients()
+        self.prepared.before_step()   # no backward of the script's own joined the step's gradients
         self.schedulers.check_not_stepped_elsewhere(abandon=lambda: self.optimizer.zero_grad(set_to_none=True))
         if self._kept.broke_since_finish(self.prepared.parameters, self.device, None if self.pipeline else self.sharding):
             status = dataclasses.replace(status, found_inf=True)   # skipped too
@@ -464,6 +463,8 @@ class Session:
         self.state.closed = True
         closed(self)
         OptimizerStepGuard.remove(getattr(self, "_step_guard", None))   # the optimizer steps freely again
+        if getattr(self, "prepared", None) is not None:
+            self.prepared.release()
         if self.watch is not None:
             self.watch.stop()
             self.watch = None

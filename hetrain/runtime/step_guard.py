@@ -47,6 +47,10 @@ MID_STEP_ZERO = ("the gradients of this step's earlier micro-batches are gone (s
 MID_STEP_CLIP = ("the step's gradients were scaled between its micro-batches: torch.nn.utils.clip_grad_norm_ in a "
                  "loop body that runs once per micro-batch clips part of the step's gradient; call "
                  "session.clip_grad_norm_(max_norm), which clips the whole global-batch gradient once a step")
+BACKWARD_TWICE = ("session.backward() was called twice for one batch; add the losses and call it once: "
+                  "session.backward(loss_a + loss_b) (with num_items of the combined loss); to run a rank's share in "
+                  "smaller pieces for memory, give its plan entry a micro_batch (hetrain runs the pieces); a step that "
+                  "takes two gradients in turn (SAM) cannot be run by session.step() (docs/porting.md)")
 MID_STEP_LR = ("the learning rate changed between the micro-batches of one step: a scheduler stepped after every "
                "session.step() call runs once per micro-batch (the loop body does), so its schedule runs that many "
                "times too fast; step it only when session.step() returns True, or give it to session.add_scheduler()")
