@@ -44,9 +44,10 @@ OUTSIDE_STEP = ("optimizer.step() was called outside session.step() (a GradScale
 MID_STEP_ZERO = ("the gradients of this step's earlier micro-batches are gone (set to None or zeroed): a "
                  "zero_grad() between a step's micro-batches discards them; remove it (session.step() zeroes the "
                  "gradients after each step)")
-MID_STEP_CLIP = ("the step's gradients were scaled between its micro-batches: torch.nn.utils.clip_grad_norm_ in a "
-                 "loop body that runs once per micro-batch clips part of the step's gradient; call "
-                 "session.clip_grad_norm_(max_norm), which clips the whole global-batch gradient once a step")
+MID_STEP_CLIP = ("the step's gradients were scaled between its micro-batches: torch.nn.utils.clip_grad_norm_ or "
+                 "clip_grad_value_ (of the model, or of a parameter group) in a loop body that runs once per "
+                 "micro-batch clips part of the step's gradient; call session.clip_grad_norm_(max_norm), which clips "
+                 "the whole global-batch gradient once a step")
 BACKWARD_TWICE = ("session.backward() was called twice for one batch; add the losses and call it once: "
                   "session.backward(loss_a + loss_b) (with num_items of the combined loss); to run a rank's share in "
                   "smaller pieces for memory, give its plan entry a micro_batch (hetrain runs the pieces); a step that "
@@ -169,13 +170,13 @@ def holds_gradients(params, *, shard_counts: bool) -> bool:
 class KeptGradients:
     """The gradients stay as the last backward left them: between a step's micro-batches (not zeroed),
     and on a job with a loss scale until the session finishes them (not clipped by torch's function).
-    A change to some gradients only (a mask on an embedding's rows) is the script's own and is kept.
+    A mask on some gradients (an embedding's rows zeroed) is the script's own and is kept: applied
+    after every micro-batch it is the mask applied once.
 
     Gradients that are views of one buffer (DDP's buckets) share one in-place version counter, so a
     change is first noticed by the counters, then told apart by the gradients themselves: all zero
-    (a zero_grad), or all scaled by one factor below 1 (a clipping: each tensor's 2-norm and 1-norm
-    against the ones the last backward left, kept after every backward but a step's last, and after
-    the last on a loss-scaled job)."""
+    (a zero_grad), or clipped (`clipped`: each tensor's norms against the ones the last backward left,
+    kept after every backward but a step's last, and after the last on a loss-scaled job)."""
 
     def __init__(self) -> None:
         self._versions: dict[int, int] = {}
@@ -248,14 +249,10 @@ class KeptGradients:
         return broke
 
     def _scaled_by_one_factor(self, grads: list[torch.Tensor], left: list[torch.Tensor] | None) -> bool:
-        """Whether every gradient was multiplied by one factor below 1 since the last backward left `left`."""
+        """Whether the gradients were clipped since the last backward left `left` (see `clipped`)."""
         if left is None or len(grads) != len(left):
             return False
-        before, now = torch.stack(left), torch.stack(norms_of(grads))   # [tensors, 2]: each one's 2-norm and 1-norm
-        moved = before > 0
-        ratios = now[moved] / before[moved]   # one factor for every tensor and both norms: scaled, not masked
-        return bool(ratios.numel()) and bool((ratios < 1 - 1e-6).all()) and float(ratios.max() - ratios.min()) <= \
-            1e-4 * float(ratios.max().clamp(min=1e-30))
+        return clipped(torch.stack(left), torch.stack(norms_of(grads)))
 
     def _changed(self, grads: list[torch.Tensor]) -> bool:
         return bool(self._versions) and grad_versions(grads) != self._versions
@@ -295,9 +292,30 @@ def _same(a, b) -> bool:
 
 
 def norms_of(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each tensor's 2-norm and 1-norm, left on its device (no synchronisation): a clipping scales both by
-    one factor, a mask on some rows (even of the only tensor with a gradient) moves them apart."""
-    return [torch.stack([torch.linalg.vector_norm(g), torch.linalg.vector_norm(g, 1)]) for g in grads]
+    """Each tensor's 2-norm, 1-norm, largest magnitude and count of non-zeros, left on its device (no
+    synchronisation): what tells a clipping from a mask (`clipped`)."""
+    return [torch.stack([torch.linalg.vector_norm(g), torch.linalg.vector_norm(g, 1),
+                         torch.linalg.vector_norm(g, float("inf")), torch.linalg.vector_norm(g, 0)]) for g in grads]
+
+
+def clipped(before: torch.Tensor, now: torch.Tensor) -> bool:
+    """Whether tensors whose `norms_of` were `before` and are `now` ([tensors, 4]) were clipped: some changed,
+    none lost a non-zero (a mask zeroes some), and either each changed one was scaled by one factor below 1
+    (clip_grad_norm_ of the model or of a parameter group: its 2-norm, 1-norm and largest magnitude moved
+    alike) or the changed ones were cut to one largest magnitude that no tensor exceeds (clip_grad_value_)."""
+    tol = 1e-5
+    changed = ((now - before).abs() > tol * before.abs().clamp(min=1e-30)).any(dim=1)
+    if not bool(changed.any()) or bool((now[changed, 3] != before[changed, 3]).any()):
+        return False
+    b, n = before[changed, :3], now[changed, :3]
+    if bool((b > 0).all()):
+        ratios = n / b
+        if bool((ratios < 1 - tol).all()) and bool((ratios > 0).all()) and \
+                bool((ratios.max(dim=1).values - ratios.min(dim=1).values <= tol * ratios.max(dim=1).values).all()):
+            return True
+    cut = n[:, 2]
+    return bool((cut < b[:, 2]).all()) and float(cut.max() - cut.min()) <= tol * float(cut.max()) and \
+        bool((now[:, 2] <= cut.max() * (1 + tol)).all())
 
 
 STALE = ("parameters held gradients at a step's first session.backward(), written after the last step (a "

@@ -327,15 +327,18 @@ def test_gradients_zeroed_in_place_between_micro_batches_are_refused():
 
 
 @pytest.mark.parametrize("habit,refused", [
-    ("torch clip", "torch.nn.utils.clip_grad_norm_ in a loop body that runs once per micro-batch"),
+    ("torch clip", "clip_grad_norm_ or clip_grad_value_ (of the model, or of a parameter group) in a loop body"),
+    ("torch clip, one layer", "in a loop body that runs once per micro-batch"),   # a group's own max_norm
+    ("torch clip by value", "in a loop body that runs once per micro-batch"),
     ("scheduler each call", "the learning rate changed between the micro-batches of one step"),
     ("session clip, scheduler on True", None),
 ])
 @pytest.mark.parametrize("sharding", ["none", "fsdp"])
 def test_a_loop_body_habit_that_runs_once_per_micro_batch_is_refused(habit, refused, sharding):
     """With a plan's micro-batches the loop body runs per micro-batch: torch's clipping there clipped part of
-    the step's gradient (0.145 off one process; 0.509 under FSDP2, where no check ran) and a scheduler
-    stepped after every session.step() ran twice as fast (0.22 off), all silently."""
+    the step's gradient (0.145 off one process; 0.509 under FSDP2, where no check ran; a parameter group's
+    own clipping or clip_grad_value_ 4.0e-2 and 2.5e-2 off on 2 ranks) and a scheduler stepped after every
+    session.step() ran twice as fast (0.22 off), all silently."""
     session = _plan_session(sharding=sharding, micro_batch=4)
     net = make_net()
     model, optimizer = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
@@ -346,6 +349,10 @@ def test_a_loop_body_habit_that_runs_once_per_micro_batch_is_refused(habit, refu
             session.backward(F.cross_entropy(model(x), y) * 50)   # large enough for a clip to clip
             if habit == "torch clip":
                 torch.nn.utils.clip_grad_norm_(net.parameters(), 0.01)
+            elif habit == "torch clip, one layer":
+                torch.nn.utils.clip_grad_norm_(net[0].parameters(), 0.01)
+            elif habit == "torch clip by value":
+                torch.nn.utils.clip_grad_value_(net.parameters(), 0.001)
             else:
                 session.clip_grad_norm_(0.01)
             applied = session.step()
