@@ -295,7 +295,8 @@ def norms_of(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each tensor's 2-norm, 1-norm, largest magnitude and count of non-zeros, left on its device (no
     synchronisation): what tells a clipping from a mask (`clipped`)."""
     return [torch.stack([torch.linalg.vector_norm(g), torch.linalg.vector_norm(g, 1),
-                         torch.linalg.vector_norm(g, float("inf")), torch.linalg.vector_norm(g, 0)]) for g in grads]
+                         torch.linalg.vector_norm(g, float("inf")) if g.numel() else torch.linalg.vector_norm(g),
+                         torch.linalg.vector_norm(g, 0)]) for g in grads]   # an empty FSDP2 shard's largest: 0
 
 
 def clipped(before: torch.Tensor, now: torch.Tensor) -> bool:
