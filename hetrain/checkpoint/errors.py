@@ -21,25 +21,26 @@ _FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 _DENIED = {errno.EACCES, errno.EPERM}
 
 
-def os_error_fix(e: BaseException) -> str:
+def os_error_fix(e: BaseException, what: str = "checkpoint directory", flag: str = "--checkpoint-dir") -> str:
     """The likely fix for an OS error met while writing a checkpoint, by its errno (never a guess at free space).
 
     Only a full disk or quota (ENOSPC, EDQUOT) speaks of free space; a vanished file points at another
-    writer in the same directory, a read-only filesystem or a refused permission says so.
+    writer in the same directory, a read-only filesystem or a refused permission says so. `what` and `flag`
+    name the directory (a run directory's lease: "run directory", "--run-dir").
     """
     code = getattr(e, "errno", None)
     if code in _FULL:
-        return "the filesystem is full: free space or pass a --checkpoint-dir on a larger filesystem"
+        return f"the filesystem is full: free space or pass a {flag} on a larger filesystem"
     if code == errno.EROFS:
-        return "the filesystem is read-only: pass a writable --checkpoint-dir"
+        return f"the filesystem is read-only: pass a writable {flag}"
     if code in _DENIED:
-        return "this user may not write there: fix the directory's permissions or pass another --checkpoint-dir"
+        return f"this user may not write there: fix the directory's permissions or pass another {flag}"
     if code in (errno.ENOENT, errno.ENOTEMPTY, errno.EEXIST):
-        return ("a file of the save appeared or vanished while it was written: only one job may use a checkpoint "
-                "directory, and every rank must see the same one")
+        return (f"a file appeared or vanished while it was written: only one job may use a {what}, and every "
+                "rank must see the same one")
     if code in (errno.ENOTDIR, errno.EISDIR):
-        return "a path inside the checkpoint directory is not what hetrain wrote: pass a directory only hetrain writes"
-    return "check that the checkpoint directory is writable and that every rank sees the same one"
+        return f"a path inside the {what} is not what hetrain wrote: pass a directory only hetrain writes"
+    return f"check that the {what} is writable and that every rank sees the same one"
 
 
 def describe_os_error(e: BaseException) -> str:

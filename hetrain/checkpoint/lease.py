@@ -102,10 +102,14 @@ def read_holder(path: Path) -> Holder | None:
 
 def _write_tmp(directory: Path, holder: Holder) -> Path:
     tmp = directory / f".lease-{holder.token}-{holder.heartbeat}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps({"format": _FORMAT, **asdict(holder)}, sort_keys=True))
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps({"format": _FORMAT, **asdict(holder)}, sort_keys=True))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:   # a full disk: no empty file left behind each beat
+        tmp.unlink(missing_ok=True)
+        raise
     return tmp
 
 
@@ -123,7 +127,11 @@ def _create(path: Path, holder: Holder) -> bool:
 
 def _overwrite(path: Path, holder: Holder) -> None:
     tmp = _write_tmp(path.parent, holder)
-    os.replace(tmp, path)
+    try:
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 _FLAGS = {"checkpoint directory": "--checkpoint-dir", "run directory": "--run-dir"}
@@ -147,6 +155,7 @@ class Lease:
         self.path = directory / LEASE_NAME
         self.me = replace(this_process(), heartbeat_unix=time.time())
         self.lost: Holder | None = None
+        self._failing = False   # the last heartbeat could not be written
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         # reentrant: release() may run from a garbage-collection finalizer in any thread, this one included
@@ -158,7 +167,7 @@ class Lease:
             self._take()
         except OSError as e:
             raise CheckpointError(f"cannot write the lease {self.path} ({describe_os_error(e)}); "
-                                  f"{os_error_fix(e)}") from None
+                                  f"{os_error_fix(e, self.what, _FLAGS[self.what])}") from None
 
     def start_heartbeat(self) -> None:
         """Refresh the lease from a daemon thread until released (a lease released before this stays released).
@@ -234,8 +243,12 @@ class Lease:
                     if self._stop.is_set():  # released while this beat wrote (a finalizer in this thread)
                         self._remove_if_ours()
                         return
-            except OSError as e:  # a hiccup of the filesystem: the next beat tries again
-                log.warning("could not refresh the lease %s (%s)", self.path, describe_os_error(e))
+                self._failing = False
+            except OSError as e:  # a hiccup of the filesystem: the next beat tries again (said once until one works)
+                if not self._failing:
+                    log.warning("could not refresh the lease %s (%s); trying again every %.0f s", self.path,
+                                describe_os_error(e), HEARTBEAT_SECONDS)
+                self._failing = True
 
     def check(self) -> str | None:
         """None while this process holds the lease; else why it does not (for a refused commit)."""

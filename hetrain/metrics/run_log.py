@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import fields
@@ -48,6 +49,19 @@ def log_path(run_dir: str | Path, rank: int) -> Path:
     return Path(run_dir) / SUBDIR / f"rank-{rank}.jsonl"
 
 
+def _ends_mid_line(path: Path) -> bool:
+    """Whether the file at `path` ends without a newline (part of a line written)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell() == 0:
+                return False
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) != b"\n"
+    except FileNotFoundError:
+        return False
+
+
 class RunLog:
     """Appends this rank's records as JSON lines (the owner writes the `start` line first)."""
 
@@ -55,7 +69,10 @@ class RunLog:
         path = log_path(run_dir, rank)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
+            torn = _ends_mid_line(path)
             self._file = open(path, "a", encoding="utf-8", buffering=BUFFER_BYTES)
+            if torn:   # a rank killed mid-write, or a full disk, left part of a line: this run's first starts anew
+                self._file.write("\n")
         except OSError as e:
             raise HetrainError(f"cannot write the run log {str(path)!r} ({e.strerror}); "
                                f"set {Env.RUN_DIR} to a writable directory") from None

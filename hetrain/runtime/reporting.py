@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -73,7 +74,7 @@ class Reports:
         self._rates: tuple | None = None             # the newest rates not yet written
         self._rates_written: float | None = None     # when they were last written (monotonic seconds)
         self.model_params: int | None = None         # of the model the rates are measured on
-        self._lease_key: str | None = None           # rank 0's hold on the run directory
+        self._release_lease: weakref.finalize | None = None   # gives back rank 0's hold on the run directory
 
     def add(self, observer: Any) -> None:
         self.observers.append(observer)
@@ -93,7 +94,9 @@ class Reports:
         if self.is_main and self.run_dir is not None:   # one job at a time appends to a run directory's logs
             try:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
-                self._lease_key = lease.hold(self.run_dir, "run directory")
+                key = lease.hold(self.run_dir, "run directory")
+                # given back at close(), or when the process exits without it (a script that raised)
+                self._release_lease = weakref.finalize(self, lease.let_go, key)
             except HetrainError as e:
                 error = e
             except OSError as e:
@@ -159,9 +162,9 @@ class Reports:
             if closer is not None:
                 closer()
         self.observers = []
-        if self._lease_key is not None:
-            lease.let_go(self._lease_key)
-            self._lease_key = None
+        if self._release_lease is not None:
+            self._release_lease()
+            self._release_lease = None
 
 
 def _stop_together(error: HetrainError | None, rank: int, device: torch.device, what: str) -> None:

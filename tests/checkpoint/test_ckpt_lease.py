@@ -320,3 +320,54 @@ def test_a_second_job_on_a_run_directory_in_use_is_refused_naming_the_holder(tmp
     lease.let_go(key)
     assert run_ranks(_prepare_with_a_run_directory, 2, str(tmp_path)) == [None, None]
     assert not (tmp_path / "lease.json").exists(), "close() gives the run directory back"
+
+
+_NEVER_CLOSED = """
+import sys, torch, hetrain
+session = hetrain.Session(balance=False)
+net = torch.nn.Linear(2, 2)
+session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+session.loader(torch.utils.data.TensorDataset(torch.randn(8, 2)), global_batch_size=4)
+raise SystemExit(3)   # the script ends without session.close()
+"""
+
+
+def test_a_run_directory_is_given_back_when_the_process_ends_without_close(tmp_path):
+    """Else a job on another node waits STALE_SECONDS for a holder that is gone."""
+    env = {**os.environ, "HETRAIN_RUN_DIR": str(tmp_path)}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, "-c", _NEVER_CLOSED], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    assert (tmp_path / "metrics").is_dir() and not (tmp_path / "lease.json").exists()
+
+
+def test_a_heartbeat_on_a_full_disk_is_said_once_and_leaves_no_file_behind(tmp_path, monkeypatch):
+    from tests.log_lines import hetrain_warnings
+
+    monkeypatch.setattr(lease, "HEARTBEAT_SECONDS", 0.02)
+    key = lease.hold(tmp_path, "run directory")
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    import types
+
+    with hetrain_warnings() as warned:
+        monkeypatch.setattr(lease, "os", types.SimpleNamespace(**{**vars(os), "replace": full}))
+        time.sleep(0.5)
+        monkeypatch.setattr(lease, "os", os)
+        time.sleep(0.2)
+    lease.let_go(key)
+    said = [line for line in warned if f"could not refresh the lease {tmp_path}" in line]
+    assert len(said) == 1 and "No space left" in said[0], warned
+    assert not list(tmp_path.glob(".lease-*")), list(tmp_path.iterdir())
+
+
+def test_a_lease_on_a_read_only_run_directory_names_the_run_directory_flag(tmp_path, monkeypatch):
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(lease, "_write_tmp", read_only)
+    with pytest.raises(CheckpointError, match=r"read-only: pass a writable --run-dir$"):
+        lease.hold(tmp_path, "run directory")

@@ -130,3 +130,16 @@ def test_a_full_disk_under_the_run_log_ends_the_log_not_the_training(tmp_path):
             run_log.write({"kind": "step", "step": step})
     run_log.close()
     assert len(warned) == 1 and "stops here (No space left on device)" in warned[0] and "--run-dir" in warned[0], warned
+
+
+def test_a_log_left_mid_line_keeps_the_next_runs_first_record(tmp_path):
+    """A full disk or a SIGKILL leaves part of a line; the next run's start line was glued to it and lost."""
+    from hetrain.metrics.run_log import RunLog, log_path, read_lines
+
+    path = log_path(tmp_path, 0)
+    path.parent.mkdir(parents=True)
+    path.write_text('{"time": 1.0, "kind": "start", "job": "first"}\n{"ti')
+    run_log = RunLog(tmp_path, 0)
+    run_log.write({"kind": "start", "job": "second"})
+    run_log.close()
+    assert [r.get("job") for r in read_lines(path) if r["kind"] == "start"] == ["first", "second"]
