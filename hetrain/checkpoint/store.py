@@ -120,6 +120,10 @@ def prune(root: Path, keep: int | None, newest: Path | None = None) -> tuple[lis
         others = [path for _, path in committed(root) if newest is None or path != newest]
         for path in others[keep - (newest is not None):]:
             aside = path.with_name(_PRUNED_PREFIX + path.name.removeprefix("step-"))
+            for n in range(2, 1000):   # one of this step left undeletable before (a fresh start saved it again)
+                if not aside.exists():
+                    break
+                aside = path.with_name(f"{_PRUNED_PREFIX}{path.name.removeprefix('step-')}-{n}")
             try:
                 os.rename(path, aside)
             except OSError as e:

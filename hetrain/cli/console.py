@@ -42,14 +42,16 @@ def print_rows(console: Any, headings: list[str], rows: list[list[str]], *, titl
     """Print ``rows`` as a table under ``headings`` (those in ``right`` right-justified), or, on a terminal
     too narrow for its words (a 60-column terminal, a split pane), one record per row: each heading
     beside its value, the records apart by a blank line, so no figure is cut to "…"."""
+    from rich.markup import escape
     from rich.table import Table
 
+    rows = [[escape(cell) for cell in row] for row in rows]   # a device named "gpu[x]" is text, not markup
     table = Table(title=title, **table_options)
     for heading in headings:
         table.add_column(heading, justify="right" if heading in right else "left")
     for row in rows:
         table.add_row(*row)
-    if fits(console, table):
+    if not rows or fits(console, table):
         console.print(table)
         return
     if title:
@@ -59,7 +61,7 @@ def print_rows(console: Any, headings: list[str], rows: list[list[str]], *, titl
             console.print()
         record = Table.grid(padding=(0, 1))
         record.add_column(style="bold", no_wrap=True)
-        record.add_column()
+        record.add_column(overflow="fold")   # a path longer than the terminal folds, whole
         for heading, cell in zip(headings, row):
             record.add_row(heading, cell)
         console.print(record)

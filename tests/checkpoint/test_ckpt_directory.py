@@ -177,6 +177,32 @@ def test_an_old_checkpoint_that_cannot_be_deleted_never_looks_complete_and_is_sa
     assert ckpt.latest().step == 60
 
 
+def test_a_step_left_undeletable_before_does_not_keep_the_same_step_saved_again(tmp_path, monkeypatch):
+    """A fresh start saving step 1 again, whose earlier copy could not be deleted: the rename aside met the
+    old copy's name and the complete step-1 stayed past keep."""
+    import shutil
+
+    import hetrain.checkpoint.store as store
+
+    (tmp_path / ".pruned-step-000001").mkdir()   # left by an earlier run: a file in it cannot be deleted
+    (tmp_path / ".pruned-step-000001" / "shared.pt").write_bytes(b"x")
+    real_rmtree = shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):
+        if Path(path).name == ".pruned-step-000001":
+            raise PermissionError(1, "Operation not permitted", str(Path(path) / "shared.pt"))
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(store.shutil, "rmtree", rmtree)
+    ckpt = Checkpointer(tmp_path, keep=1, async_save=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointWarning)
+        for step in (1, 2, 3):
+            ckpt.save(step, _state(step), {"rank": 0})
+    ckpt.close()
+    assert _steps(tmp_path) == ["step-000003"]
+
+
 def test_nfs_own_files_in_a_checkpoint_do_not_make_it_damaged(tmp_path):
     ckpt = Checkpointer(tmp_path, keep=3, async_save=False)
     for step in (1, 2):

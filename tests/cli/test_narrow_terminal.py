@@ -67,3 +67,20 @@ def test_a_run_report_on_a_narrow_terminal_shows_every_figure_whole(tmp_path):
 @pytest.mark.parametrize("args", [("devices", "--catalog"), ("devices",)])
 def test_device_tables_on_a_narrow_terminal_cut_no_word(args):
     assert "…" not in in_terminal(60, *args)
+
+
+def test_records_fold_a_word_longer_than_the_terminal_and_print_brackets_as_text():
+    import io
+
+    from rich.console import Console
+
+    from hetrain.cli.console import print_rows
+
+    out = io.StringIO()
+    console = Console(file=out, width=40, color_system=None)
+    path = "/very/long/path/to/a/measured/run/directory/of/this/job"
+    print_rows(console, ["device", "run directory", "samples/s"] + [f"figure {i}" for i in range(6)],
+               [["gpu[x] [bold]b[/bold]", path, "12.5"] + ["1.0"] * 6], title="t")
+    text = out.getvalue()
+    assert "…" not in text and "".join(text.split()).count(path) == 1, text
+    assert "gpu[x] [bold]b[/bold]" in text, text
