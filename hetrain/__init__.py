@@ -7,7 +7,15 @@ What a user imports:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from hetrain.errors import HetrainError
+
+if TYPE_CHECKING:   # what a type checker sees of the names imported on first use below
+    from hetrain.planning.plan import Plan
+    from hetrain.planning.planner import plan_job
+    from hetrain.runtime.session import Session
+    from hetrain.workload.profile import profile
 
 __version__ = "0.1.0"
 

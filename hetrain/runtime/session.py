@@ -22,7 +22,8 @@ import math
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import Any, overload
 
 import torch
 import torch.distributed as dist
@@ -42,11 +43,11 @@ from hetrain.runtime.environment import (RankEnv, collective_timeout, configure_
 from hetrain.runtime.gradients import (GradientStatus, SkipCounter, StepFigures, agree_items_per_sample, clip_gradients,
                                        finish_gradients, launch_step_figures, weighted_mean)
 from hetrain.runtime.reporting import Reports, plan_step_seconds, run_directory, step_record
-from hetrain.runtime.parallelize import (Prepared, equal_piece_counts, exact_zeros, gradient_sync, parallelize,
-                                         reduce_late_trainable)
-from hetrain.runtime.pipeline_schedule import call_model, item_counter, prepare_pipeline
+from hetrain.runtime.parallelize import Prepared, equal_piece_counts, exact_zeros, gradient_sync, reduce_late_trainable
+from hetrain.runtime.pipeline_schedule import call_model, item_counter
+from hetrain.runtime.prepare_model import prepare_model
 from hetrain.runtime.pipeline_stages import check_pipeline_plan
-from hetrain.runtime.plan_entries import comm_for_world, find_entries, pipeline_assignment
+from hetrain.runtime.plan_entries import find_entries, pipeline_assignment
 from hetrain.runtime.precision import (LossScale, autocast, check_not_prescaled, configure_tf32, job_loss_scaler,
                                       loss_scale_settings)
 from hetrain.runtime.resume import SessionCheckpoints, checkpoint_settings, start_checkpoints
@@ -160,6 +161,14 @@ class Session:
 
     # -- the user's calls ---------------------------------------------------------------------------
 
+    @overload
+    def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, blocks: list[torch.nn.Module]
+                | None = None, find_unused_parameters: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]: ...
+
+    @overload
+    def prepare(self, model: torch.nn.Module, optimizer: None = None, *, blocks: list[torch.nn.Module] | None = None,
+                find_unused_parameters: bool = False) -> tuple[torch.nn.Module, None]: ...
+
     def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                 blocks: list[torch.nn.Module] | None = None, find_unused_parameters: bool = False
                 ) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
@@ -170,21 +179,9 @@ class Session:
             raise HetrainError("session.prepare() was already called; a session trains one model: a second model "
                                "trained beside it (a GAN's) gets a session of its own (docs/porting.md)")
         with collective_call(self.watch, "prepare"):   # a rank that stalls in its collectives names the call
-            self.prepared, self.pipeline = self._parallelized(model, optimizer, blocks, find_unused_parameters)
+            self.prepared, self.pipeline = prepare_model(self, model, optimizer, blocks, find_unused_parameters)
         self._step_guard = OptimizerStepGuard.of(self.optimizer, given=optimizer, model=model)
         return self.prepared.model, self.prepared.optimizer
-
-    def _parallelized(self, model: torch.nn.Module, optimizer: Any, blocks: Any, find_unused: bool) -> tuple:
-        if self.layout is not None:
-            return prepare_pipeline(model, optimizer, self.plan.pipeline, self.layout, self.device,
-                self.entry.activation_checkpointing, self.autocast, self.emulated_speed, self.sharding == "fsdp")
-        comm, note = comm_for_world(self.plan, self.assignment) if self.plan is not None else (None, None)
-        if note is not None and self.is_main:
-            log.info("%s", note)
-        return parallelize(model, optimizer, sharding_name=self.sharding, entries=self.assignment.entries,
-                           rank=self.rank, comm=comm, device=self.device, timer=self.timer, blocks=blocks,
-                           find_unused_parameters=find_unused,
-                           without_samples=lambda: self.state.active and self.state.current_samples() == 0), None
 
     def add_scheduler(self, scheduler: Any) -> Any:
         """An LR scheduler on the optimizer `prepare()` returned: stepped after each applied update (not by the
@@ -246,7 +243,7 @@ class Session:
 
     local_batch_size = property(lambda self: self.state.local_samples)   # this rank's samples in the current step
 
-    def autocast(self):
+    def autocast(self) -> AbstractContextManager[Any]:
         """This rank's precision for the forward pass (bf16/fp16 autocast, or none)."""
         return autocast(self.precision, self.device)
 

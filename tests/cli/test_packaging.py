@@ -100,3 +100,21 @@ def test_the_version_is_written_once_and_the_package_says_it_is_typed():
     assert version("hetrain") == hetrain.__version__
     assert (ROOT / "hetrain" / "py.typed").is_file()
     assert "py.typed" in PROJECT["tool"]["setuptools"]["package-data"]["hetrain"]
+
+
+def test_a_type_checker_sees_every_name_hetrain_exports_and_prepare_keeps_the_optimizer_type():
+    """The names `import hetrain` gives on first use came from a module __getattr__: a user's type checker
+    saw hetrain.Session as Any, and prepare() returned its optimizer as Optional even when one was given."""
+    import typing
+
+    import hetrain
+    from hetrain.runtime.session import Session
+
+    tree = ast.parse((ROOT / "hetrain" / "__init__.py").read_text())
+    checked = next(node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
+    seen = {(imp.module, alias.name) for imp in checked.body for alias in imp.names}
+    assert set(hetrain._LAZY.values()) == seen
+    if sys.version_info >= (3, 11):
+        returns = [typing.get_type_hints(f)["return"] for f in typing.get_overloads(Session.prepare)]
+        import torch
+        assert returns == [tuple[torch.nn.Module, torch.optim.Optimizer], tuple[torch.nn.Module, None]]
