@@ -308,6 +308,8 @@ class Session:
             weighted = loss * self.state.weight(items)
         self.prepared.backward(self.scaler.scale_loss(weighted), first_of_step=self.state.backwards == 1)
         self._kept.after_backward(self.prepared.parameters, self.state.last_micro)
+        if not self.state.last_micro:   # until the next micro-batch's forward, the loop body's own time
+            self.timer.micro_batch_done()
         self._status = None
         if self.state.last_micro:   # finished now: what the script does before step() (torch's clipping,
             self._finish_gradients()   # logging a norm) sees the global batch's final, unscaled gradients
@@ -399,7 +401,7 @@ class Session:
         first_forward = self.timer.started_at
         compute = self.timer.end_step()
         data_wait = self.train.loader.data_wait_seconds
-        times = self.clock.step_ended(first_forward, compute, data_wait)
+        times = self.clock.step_ended(first_forward, compute, data_wait, self.timer.last_between_s)
         totals = self.state.finish(status.global_items, status.loss)
         self.balancer.record(totals.local_samples, compute + data_wait)
         self.train.step += 1

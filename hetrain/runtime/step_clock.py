@@ -1,8 +1,8 @@
 """Where a rank's wall time between two step ends goes, beside the compute the timer measures.
 
 A step's wall time runs from the previous `step()`'s end to this one's. Besides compute and the
-wait for data, it holds the script's own time (from `step()` returning to the next forward, less
-the data wait: logging, evaluation) and a checkpoint save the previous `step()` made (its blocking
+wait for data, it holds the script's own time (from `step()` returning to the next forward, and
+between the step's micro-batches, less the data wait: logging, evaluation) and a checkpoint save the previous `step()` made (its blocking
 part); what is left is waiting on the other ranks (`StepRecord.waiting_seconds`).
 """
 
@@ -32,15 +32,17 @@ class StepClock:
         self._returned: float | None = None   # when step() last returned
         self._held = 0.0                       # seconds the last step()'s checkpoint save held the loop
 
-    def step_ended(self, first_forward: float | None, compute: float, data_wait: float) -> StepTimes:
-        """The step's optimizer has run: its wall time since the last step's end, and its parts."""
+    def step_ended(self, first_forward: float | None, compute: float, data_wait: float,
+                   between: float = 0.0) -> StepTimes:
+        """The step's optimizer has run: its wall time since the last step's end, and its parts. `between`:
+        the time between the step's micro-batches (the loop body's own, and their data's)."""
         now = time.perf_counter()
         wall = now - self._last_end if self._last_end is not None else None
         if wall is not None:
             self.step_seconds.append(wall)
             self.compute_seconds.append(compute)
         self._last_end = now
-        script = (max(0.0, first_forward - self._returned - data_wait)
+        script = (max(0.0, first_forward - self._returned + between - data_wait)
                   if first_forward is not None and self._returned is not None else 0.0)
         times = StepTimes(wall, script, self._held if wall is not None else 0.0)
         self._held = 0.0

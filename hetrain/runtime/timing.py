@@ -124,6 +124,10 @@ class StepTimer:
     started_at: float | None = None  # the step's first forward (perf_counter), None until it runs
     _armed: bool = False            # a forward through DDP began and has not reached the wrapped module
     comm_waits: Any = None          # FSDP2: a CommWaits, the seconds in its collectives (not compute)
+    _micro_s: float = 0.0           # compute of the step's micro-batches before the running one
+    _paused: float | None = None    # when the last micro-batch (not the step's last) ended its backward
+    between_s: float = 0.0          # the step's time between its micro-batches: the script's and the data's
+    last_between_s: float = 0.0     # that time of the step that ended last
 
     def forward_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
         """On the model the script calls (not DDP-wrapped): the step's first forward begins compute here."""
@@ -169,17 +173,35 @@ class StepTimer:
                 self.comm_waits.mark()
             if self.started_at is None:
                 self.started_at = self._start
+            if self._paused is not None:   # the script's own time (and the data's) since the last micro-batch
+                self.between_s += self._start - self._paused
+                self._paused = None
+
+    def micro_batch_done(self) -> None:
+        """A micro-batch that is not the step's last ended its backward: compute pauses until the next
+        training forward (what the loop body does between them is the script's, never padded as compute)."""
+        if self._start is None:
+            return
+        self._micro_s += self._stretch()
+        self._start, self._paused = None, time.perf_counter()
+
+    def _stretch(self) -> float:
+        """Compute since `_start`: under FSDP2 less its collectives' waits (its last stretch padded first)."""
+        if self.comm_waits is not None:
+            self.comm_waits.finish()
+            return max(0.0, time.perf_counter() - self._start - self.comm_waits.since_mark())
+        return time.perf_counter() - self._start
 
     def grads_ready(self) -> None:
         """Called when this rank's last gradient bucket is ready: the compute of the step is over."""
         if self._start is None:
             return
-        if self.comm_waits is not None:   # FSDP2: less its gathers and reduce-scatters, where ranks wait on each
-            self.comm_waits.finish()      # other; an emulated speed padded each stretch between them
-            self.compute_s = max(0.0, time.perf_counter() - self._start - self.comm_waits.since_mark())
-        else:
-            self.compute_s = pad_to_speed(time.perf_counter() - self._start, self.speed)
-        self._start = None
+        # FSDP2: less its gathers and reduce-scatters, where ranks wait on each other (an emulated speed padded
+        # each stretch between them); else the step's compute padded to an emulated speed once, here
+        stretch = self._stretch()
+        self.compute_s = self._micro_s + stretch if self.comm_waits is not None else \
+            pad_to_speed(self._micro_s + stretch, self.speed)
+        self._start, self._micro_s = None, 0.0
         if self.on_grads_ready is not None:
             self.on_grads_ready()
 
@@ -192,9 +214,9 @@ class StepTimer:
     def end_step(self) -> float:
         """The step's compute seconds (forward, backward, optimizer); resets for the next step."""
         total = self.compute_s + self.optimizer_s
-        self.last_optimizer_s = self.optimizer_s
-        self.compute_s = self.optimizer_s = 0.0
-        self._start = self.started_at = None
+        self.last_optimizer_s, self.last_between_s = self.optimizer_s, self.between_s
+        self.compute_s = self.optimizer_s = self.between_s = self._micro_s = 0.0
+        self._start = self.started_at = self._paused = None
         return total
 
 

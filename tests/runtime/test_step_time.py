@@ -32,6 +32,39 @@ def test_time_the_script_spends_after_step_is_its_own_not_a_wait_on_ranks():
         assert parts == pytest.approx(r.step_seconds, abs=1e-9)
 
 
+@pytest.mark.parametrize("speed", [None, "0.5"])
+def test_the_loop_bodys_time_between_micro_batches_is_the_scripts_never_compute(monkeypatch, speed):
+    """Under micro-batches the loop body runs once per piece; its own time between them was counted as
+    compute (84% of a step that spent 76% sleeping) and, at an emulated speed, padded as compute too."""
+    import hetrain
+    from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+    from hetrain.vocabulary import Env
+
+    if speed:
+        monkeypatch.setenv(Env.EMULATE_SPEEDS, speed)
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 6, generator=g), torch.randint(0, 3, (64,), generator=g))
+    plan = Plan(global_batch_size=8, balance=BalancePlan(enabled=False), ranks=[RankPlan(rank=0, share=8, micro_batch=2)])
+    records = []
+    with hetrain.Session(plan) as session:
+        net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+        model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        session.add_observer(SimpleNamespace(on_step=records.append))
+        for x, y in session.loader(data, global_batch_size=8, shuffle=False):
+            session.backward(F.cross_entropy(model(x), y))
+            if not session.step():
+                time.sleep(0.1)   # the loop body's own work, after each of the step's first three pieces
+            if session.step_count == 5:
+                break
+    timed = [r for r in records if r.step_seconds is not None]
+    assert len(timed) == 4
+    for r in timed:
+        assert r.script_seconds == pytest.approx(0.3, abs=0.06), r
+        assert r.compute_seconds < 0.15, r   # four pieces of a 6-8-3 network, padded to half speed or not
+        parts = r.compute_seconds + r.data_wait_seconds + r.script_seconds + r.waiting_seconds
+        assert parts == pytest.approx(r.step_seconds, abs=1e-9)
+
+
 def _checkpointed_run(tmp_path, *, async_checkpoints, num_items=None, steps=6):
     """Steps of a session whose model holds a large frozen buffer (so a save takes a while), a
     checkpoint every 2 steps; returns (step records, checkpoint records)."""
