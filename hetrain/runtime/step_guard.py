@@ -252,7 +252,8 @@ class KeptGradients:
         """Whether the gradients were clipped since the last backward left `left` (see `clipped`)."""
         if left is None or len(grads) != len(left):
             return False
-        return clipped(torch.stack(left), torch.stack(norms_of(grads)))
+        tol = max(1e-5, 4 * max(torch.finfo(g.dtype).eps for g in grads))   # a bf16 gradient's rounding
+        return clipped(torch.stack(left), torch.stack(norms_of(grads)), grads, tol)
 
     def _changed(self, grads: list[torch.Tensor]) -> bool:
         return bool(self._versions) and grad_versions(grads) != self._versions
@@ -294,17 +295,24 @@ def _same(a, b) -> bool:
 def norms_of(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each tensor's 2-norm, 1-norm, largest magnitude and count of non-zeros, left on its device (no
     synchronisation): what tells a clipping from a mask (`clipped`)."""
-    return [torch.stack([torch.linalg.vector_norm(g), torch.linalg.vector_norm(g, 1),
-                         torch.linalg.vector_norm(g, float("inf")) if g.numel() else torch.linalg.vector_norm(g),
-                         torch.linalg.vector_norm(g, 0)]) for g in grads]   # an empty FSDP2 shard's largest: 0
+    # in float32 (a bf16 sum rounds), the count of non-zeros exact (a mask of a few in a large tensor shows)
+    f32, f64 = torch.float32, torch.float64
+
+    def stats(g: torch.Tensor) -> torch.Tensor:
+        largest = torch.linalg.vector_norm(g, float("inf"), dtype=f32) if g.numel() else g.new_zeros((), dtype=f32)
+        return torch.stack([torch.linalg.vector_norm(g, dtype=f32).to(f64), torch.linalg.vector_norm(g, 1, dtype=f32)
+                            .to(f64), largest.to(f64), torch.count_nonzero(g).to(f64)])   # an empty shard's largest: 0
+
+    return [stats(g) for g in grads]
 
 
-def clipped(before: torch.Tensor, now: torch.Tensor) -> bool:
-    """Whether tensors whose `norms_of` were `before` and are `now` ([tensors, 4]) were clipped: some changed,
+def clipped(before: torch.Tensor, now: torch.Tensor, grads: list[torch.Tensor], tol: float = 1e-5) -> bool:
+    """Whether `grads`, whose `norms_of` were `before` and are `now` ([tensors, 4]), were clipped: some changed,
     none lost a non-zero (a mask zeroes some), and either each changed one was scaled by one factor below 1
     (clip_grad_norm_ of the model or of a parameter group: its 2-norm, 1-norm and largest magnitude moved
-    alike) or the changed ones were cut to one largest magnitude that no tensor exceeds (clip_grad_value_)."""
-    tol = 1e-5
+    alike) or the changed ones were cut to one largest magnitude that no tensor exceeds, held by more than
+    one value (clip_grad_value_ sets every value above it to it; an edit of one tensor, a projection or
+    noise, leaves one largest value; a clip that cut one value alone is not told apart)."""
     changed = ((now - before).abs() > tol * before.abs().clamp(min=1e-30)).any(dim=1)
     if not bool(changed.any()) or bool((now[changed, 3] != before[changed, 3]).any()):
         return False
@@ -315,8 +323,11 @@ def clipped(before: torch.Tensor, now: torch.Tensor) -> bool:
                 bool((ratios.max(dim=1).values - ratios.min(dim=1).values <= tol * ratios.max(dim=1).values).all()):
             return True
     cut = n[:, 2]
-    return bool((cut < b[:, 2]).all()) and float(cut.max() - cut.min()) <= tol * float(cut.max()) and \
-        bool((now[:, 2] <= cut.max() * (1 + tol)).all())
+    if not (bool((cut < b[:, 2]).all()) and float(cut.max() - cut.min()) <= tol * float(cut.max())
+            and bool((now[:, 2] <= cut.max() * (1 + tol)).all())):
+        return False
+    at_cut = float(cut.max()) * (1 - tol)
+    return sum(int((g.abs() >= at_cut).sum()) for g, c in zip(grads, changed.tolist()) if c) > 1
 
 
 STALE = ("parameters held gradients at a step's first session.backward(), written after the last step (a "
