@@ -7,12 +7,14 @@ from hetrain.hardware.catalog import get_gpu
 
 
 def catalog_peak_flops(device_name: str, precision: str) -> float | None:
-    """The catalog's dense peak FLOP/s of `device_name` in `precision`; None when unknown or unsupported."""
+    """The catalog's dense peak FLOP/s of `device_name` in `precision`; None when unknown or unsupported,
+    and for a CPU: its catalog figure is the planner's estimate of what a loop reaches on the host's
+    cores, not a peak of one rank (a rank's threads exceeded it: an MFU of 230%)."""
     try:
-        peak = get_gpu(device_name).peak_flops.get(precision, 0.0)
+        spec = get_gpu(device_name)
     except HetrainError:
         return None
-    return peak or None
+    return None if spec.arch == "cpu" else (spec.peak_flops.get(precision, 0.0) or None)
 
 
 def mfu(flops_per_item: float | None, items: int, seconds: float | None, peak_flops: float | None) -> float | None:

@@ -29,7 +29,7 @@ from tests.ports import free_ports
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 30
 DIGITS_EPOCHS = 8   # 44 steps of 32 digits an epoch: about 2 s of steps, several scrapes of each rank
-GPU_ONLY = ("nvml", "nvlink")
+GPU_ONLY = ("nvml", "nvlink", "mfu")   # MFU divides by a datasheet peak: a CPU rank has none
 DASHBOARD = ROOT / "hetrain" / "data" / "dashboard.json"
 
 
@@ -114,6 +114,8 @@ def test_every_metric_for_both_ranks_with_their_labels(run):
             assert set(RANK_LABELS) | set(m.labels) <= set(labels), (m.name, labels)
             assert labels["device"] == "cpu" and labels["node"] and labels["job"] != "hetrain", labels
             assert not set(CUDA_LABELS) & set(labels), labels   # CPU ranks have no GPU to join on
+    for name in ("hetrain_mfu_ratio", "hetrain_peak_flops"):   # no peak, so no ratio above 100%
+        assert not run.prom.query(f"{name}{{{run.driver}}}"), name
 
 
 def _value(prom: Prometheus, name: str, selector: str) -> dict[str, float]:

@@ -104,6 +104,9 @@ def test_mfu_uses_the_catalog_peak_of_the_device_in_its_precision():
     unknown = cpu_metrics(device_name="not-a-gpu", flops_per_item=1e9)
     unknown.on_step(step_record(2))
     assert "hetrain_mfu_ratio" not in samples(unknown)   # no peak known: absent, not zero
+    cpu = cpu_metrics(device_name="cpu", flops_per_item=1e9)   # the catalog's CPU figure is no peak (MFU of 230%)
+    cpu.on_step(step_record(2, step_seconds=1.0, items=156))
+    assert "hetrain_mfu_ratio" not in samples(cpu) and "hetrain_peak_flops" not in samples(cpu)
 
 
 def test_cuda_rank_labels_and_nvml_readings(monkeypatch):
