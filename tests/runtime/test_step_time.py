@@ -60,7 +60,7 @@ def test_the_loop_bodys_time_between_micro_batches_is_the_scripts_never_compute(
     assert len(timed) == 4
     for r in timed:
         assert r.script_seconds == pytest.approx(0.3, abs=0.06), r
-        assert r.compute_seconds < 0.15, r   # four pieces of a 6-8-3 network, padded to half speed or not
+        assert r.compute_seconds < 0.25, r   # four pieces of a 6-8-3 network (before: the 0.3 s of sleep too)
         parts = r.compute_seconds + r.data_wait_seconds + r.script_seconds + r.waiting_seconds
         assert parts == pytest.approx(r.step_seconds, abs=1e-9)
 
