@@ -299,8 +299,9 @@ def norms_of(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     f32, f64 = torch.float32, torch.float64
 
     def stats(g: torch.Tensor) -> torch.Tensor:
-        largest = torch.linalg.vector_norm(g, float("inf"), dtype=f32) if g.numel() else g.new_zeros((), dtype=f32)
-        return torch.stack([torch.linalg.vector_norm(g, dtype=f32).to(f64), torch.linalg.vector_norm(g, 1, dtype=f32)
+        dt = torch.promote_types(g.dtype, f32)   # float64 gradients stay float64
+        largest = torch.linalg.vector_norm(g, float("inf"), dtype=dt) if g.numel() else g.new_zeros((), dtype=dt)
+        return torch.stack([torch.linalg.vector_norm(g, dtype=dt).to(f64), torch.linalg.vector_norm(g, 1, dtype=dt)
                             .to(f64), largest.to(f64), torch.count_nonzero(g).to(f64)])   # an empty shard's largest: 0
 
     return [stats(g) for g in grads]
