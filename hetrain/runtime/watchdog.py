@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from collections.abc import Iterator
 from typing import Any, Callable
 
-from hetrain.errors import ranks_text
+from hetrain.errors import HetrainError, ranks_text
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 RECORD_KEY = "hetrain"
@@ -60,7 +60,8 @@ def is_peer_loss(exc: BaseException) -> bool:
 
 def one_line(exc: BaseException) -> str:
     """`Type: the message's first paragraph` on one line (a sentence wrapped over lines stays whole;
-    torch's C++ frames after it are left out), at most 300 characters, then hetrain's notes on its cause.
+    torch's C++ frames after it are left out), at most 300 characters (a HetrainError whole), then hetrain's
+    notes on its cause.
     A DataLoader worker's error is told by its own last lines (type, message, notes), not torch's wrapper."""
     message, kind = str(exc).strip(), type(exc).__name__
     hints = [n.removeprefix("hetrain: ") for n in getattr(exc, "__notes__", ()) if n.startswith("hetrain: ")]
@@ -83,7 +84,9 @@ def one_line(exc: BaseException) -> str:
             break
         first.append(text.strip())
     line = f"{kind}: {' '.join(first)}" if first else kind
-    line = line if len(line) <= 300 else line[:297] + "..."
+    if len(line) > 300 and not isinstance(exc, HetrainError):   # hetrain's own are one line, its fix at the end
+        cut = line[:296]
+        line = (cut.rsplit(" ", 1)[0] if " " in cut[200:] else cut) + " ..."   # between words where one is near
     return line + "".join(f" ({hint})" for hint in hints)   # hetrain's notes on its likely cause, whole
 
 

@@ -293,6 +293,12 @@ def test_a_failure_is_summed_up_as_its_whole_first_paragraph_without_torchs_fram
                           "frame #0: c10::Error::Error(...) + 0x96")
     assert one_line(framed) == "RuntimeError: Connection closed by peer [127.0.0.1]:1234"
     assert len(one_line(ValueError("x" * 1000))) == 300 and one_line(KeyError()) == "KeyError"
+    words = one_line(ValueError("see docs/pipeline.md " * 30))   # cut between words, not in "docs/pipe..."
+    assert len(words) <= 300 and words.endswith(" ...") and set(words.split()[1:-1]) == {"see", "docs/pipeline.md"}
+    from hetrain.errors import HetrainError
+
+    long = "a refusal of hetrain's own, whose fix comes at the end: " + "x " * 150 + "pass --the-flag"
+    assert one_line(HetrainError(long)) == f"HetrainError: {long}"   # one line already: never cut
 
 
 EARLY_CLOSE_SCRIPT = '''
