@@ -98,6 +98,10 @@ def _workload(args: argparse.Namespace, runnable):
         return get_profile(args.model)
     # one sample where it is enough (a transformer's figures are per token), two where BatchNorm needs them
     samples = 1 if runnable.kind == "transformer" else 2
+    if args.script and not any(p.requires_grad for p in runnable.module.parameters()):
+        raise HetrainError(f"--script {args.script!r}: its model ({type(runnable.module).__name__}) has no parameter "
+                           "that requires a gradient, so there is no training step to time; return the model you "
+                           "train")
     try:
         return profile(runnable.module, runnable.make_input(samples), name=runnable.name, kind=runnable.kind)
     except (RuntimeError, TypeError, ValueError, IndexError) as e:

@@ -10,6 +10,7 @@ figures), so every rank schedules it for the same step, and nothing is read twic
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator, Sequence
 
 from torch.utils.data import Sampler
@@ -17,6 +18,23 @@ from torch.utils.data import Sampler
 from hetrain.errors import HetrainError
 from hetrain.planning.batch_split import split_partial
 from hetrain.runtime.data_order import GlobalBatchOrder
+
+
+def check_global_batch(global_batch_size: object, world_size: int) -> int:
+    """`session.loader()`'s global_batch_size as a whole number of samples, at least one per rank."""
+    given = global_batch_size
+    try:   # an int, or a NumPy integer (a bool is no count)
+        global_batch_size = operator.index(global_batch_size) if not isinstance(global_batch_size, bool) else None
+    except TypeError:
+        global_batch_size = None
+    if global_batch_size is None:
+        whole = isinstance(given, float) and given.is_integer() and given > 0
+        raise HetrainError(f"session.loader(..., global_batch_size={given!r}): the samples of one optimizer step "
+                           f"over every rank are a whole number; pass one, e.g. {int(given) if whole else 256}")
+    if global_batch_size < world_size:
+        raise HetrainError(f"global batch size {global_batch_size} is smaller than the number of ranks "
+                           f"({world_size}); use a global batch of at least {world_size}")
+    return global_batch_size
 
 
 class ShareSchedule:

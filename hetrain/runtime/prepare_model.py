@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from hetrain.errors import HetrainError
 from hetrain.runtime.parallelize import Prepared, parallelize
 from hetrain.runtime.pipeline_schedule import prepare_pipeline
 from hetrain.runtime.plan_entries import comm_for_world
@@ -20,6 +21,10 @@ log = logging.getLogger("hetrain")
 def prepare_model(session: Any, model: torch.nn.Module, optimizer: Any, blocks: Any,
                   find_unused: bool) -> tuple[Prepared, Any]:
     """(the prepared model, its pipeline runner or None) for `session`'s rank, plan and device."""
+    if not any(p.requires_grad for p in model.parameters()):
+        raise HetrainError(f"session.prepare() was given a {type(model).__name__} with no parameter that requires a "
+                           "gradient (none, or all frozen): a session trains parameters; unfreeze some "
+                           "(p.requires_grad_(True)) before prepare(), or run this model without a session")
     if session.layout is not None:
         return prepare_pipeline(model, optimizer, session.plan.pipeline, session.layout, session.device,
                                 session.entry.activation_checkpointing, session.autocast, session.emulated_speed,

@@ -32,6 +32,7 @@ from hetrain.errors import HetrainError
 from hetrain.planning.plan import Plan, RankPlan
 from hetrain.runtime.balance_config import balance_overrides, balance_setup
 from hetrain.runtime.balancer import Balancer
+from hetrain.runtime.batch_sampler import check_global_batch
 from hetrain.runtime.comm_hooks import forget_feedback
 from hetrain.runtime.companions import closed, follow, leading_loader, opened
 from hetrain.runtime.cross_rank import gather_rows
@@ -201,9 +202,7 @@ class Session:
         on this rank's device. `dataset` is map-style or a stream (IterableDataset); `options` are
         torch DataLoader's (num_workers, pin_memory, prefetch_factor, persistent_workers, collate_fn,
         worker_init_fn, ...; see `hetrain.runtime.data.make_loader` and docs/data.md)."""
-        if global_batch_size < self.world_size:
-            raise HetrainError(f"global batch size {global_batch_size} is smaller than the number of ranks "
-                               f"({self.world_size}); use a global batch of at least {self.world_size}")
+        global_batch_size = check_global_batch(global_batch_size, self.world_size)
         if self.train is not None:
             raise HetrainError("session.loader() was already called; a session reads one dataset")
         if self.prepared is None:

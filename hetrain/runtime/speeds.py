@@ -23,10 +23,12 @@ def parse_speeds(text: str, flag: str = "--emulate-speeds") -> list[float]:
                                f"got {value}")
         if not value > 0:
             raise HetrainError(f"{flag}: speed {part} must be above 0 (1 = full speed, 0.5 = half); got {value}")
-        if value > 1:
-            raise HetrainError(f"{flag}: speed {part} is above 1, full speed: emulation only slows a rank down; "
-                               "give the fastest rank 1 and the others their fraction of it (2,1 is 1,0.5)")
         speeds.append(value)
     if not speeds:
         raise HetrainError(f"{flag}: no speeds given; write speeds like {flag} 1,0.5")
+    if max(speeds) > 1:
+        fastest = max(speeds)
+        scaled = ",".join(f"{v / fastest:.4g}" for v in speeds)
+        raise HetrainError(f"{flag}: speed {fastest:g} is above 1, full speed: emulation only slows a rank down; "
+                           f"give the fastest rank 1 and the others their fraction of it ({flag} {scaled})")
     return speeds

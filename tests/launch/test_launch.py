@@ -45,7 +45,8 @@ def test_two_ranks_train_and_the_loss_falls(tmp_path):
     (["launch", "--nnodes", "2", "--rdzv-endpoint", "localhost:2953B", "examples/train_digits.py"],
      "'2953B' is not a TCP port"),
     # a speed above 1 ran at 1 while the figures said 2 (the emulation only slows a rank)
-    (["launch", "--nproc-per-node", "2", "--emulate-speeds", "2,1", "examples/train_digits.py"], "(2,1 is 1,0.5)"),
+    (["launch", "--nproc-per-node", "2", "--emulate-speeds", "2,1", "examples/train_digits.py"], "(--emulate-speeds 1,0.5)"),
+    (["launch", "--nproc-per-node", "2", "--emulate-speeds", "1,2", "examples/train_digits.py"], "(--emulate-speeds 0.5,1)"),
     (["bench", "balance", "--speeds", "2,1"], "--speeds: speed 2 is above 1, full speed"),
     # the demo's option is --speeds: the line named launch's --emulate-speeds, after the demo's banner
     (["demo", "--speeds", "1,x"], "--speeds: speed 'x' is not a number; write speeds like --speeds 1,0.5"),

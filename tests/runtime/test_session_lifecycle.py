@@ -118,3 +118,47 @@ def test_sessions_one_after_another_in_a_launched_job_each_get_a_group_of_their_
                  "30", str(script)], cwd=Path(__file__).resolve().parents[2], timeout=150)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("rank 0 ran 4 sessions") == 1 and r.stdout.count("rank 1 ran 4 sessions") == 1, r.stdout
+
+
+@pytest.mark.parametrize("given, refused", [
+    (16.0, r"global_batch_size=16.0\): the samples of one optimizer step over every rank are a whole number; "
+           r"pass one, e.g. 16"),
+    (16.5, r"global_batch_size=16.5\).*e.g. 256"),
+    ("16", r"global_batch_size='16'\)"),
+    (True, r"global_batch_size=True\)"),
+])
+def test_a_global_batch_size_that_is_no_whole_number_is_refused_at_loader(given, refused):
+    """16.0 ran until the loop's first batch and ended in torch's TypeError; 16.5 in pydantic's, naming a Plan."""
+    import hetrain
+
+    session = hetrain.Session()
+    net = make_net()
+    session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    with pytest.raises(HetrainError, match=refused):
+        session.loader(make_data(), global_batch_size=given)
+    session.close()
+
+
+def test_a_numpy_integer_global_batch_size_is_a_whole_number():
+    import numpy as np
+
+    import hetrain
+
+    with hetrain.Session() as session:
+        net = make_net()
+        model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        for x, y in session.loader(make_data(), global_batch_size=np.int64(8)):
+            session.backward(F.cross_entropy(model(x), y))
+            assert session.step()
+            break
+
+
+@pytest.mark.parametrize("model", [torch.nn.ReLU(), torch.nn.Linear(2, 2).requires_grad_(False)])
+def test_a_model_with_nothing_to_train_is_refused_at_prepare_naming_it(model):
+    """It ended in DDP's traceback, or, with an optimizer over another tensor, blamed a model made twice."""
+    import hetrain
+
+    session = hetrain.Session()
+    with pytest.raises(HetrainError, match=rf"a {type(model).__name__} with no parameter that requires a gradient"):
+        session.prepare(model, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1))
+    session.close()

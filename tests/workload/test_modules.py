@@ -64,6 +64,15 @@ def test_a_factory_whose_batch_the_model_cannot_take_is_one_line(tmp_path):
     assert "make_input(n) must give a batch of n samples the model takes" in p.stderr
 
 
+def test_a_factory_whose_model_has_nothing_to_train_says_so_not_blame_its_input(tmp_path):
+    script = tmp_path / "relu.py"
+    script.write_text("import torch\n\ndef make_model():\n    return torch.nn.ReLU(), lambda n: torch.randn(n, 5)\n")
+    p = _cli("--script", str(script), "--device", "cpu", "--out", str(tmp_path / "out"), "--micro-batches", "2",
+             "--seconds", "1", "--no-blocks")
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert "its model (ReLU) has no parameter that requires a gradient" in p.stderr and "make_input" not in p.stderr
+
+
 def test_a_missing_hf_config_path_names_the_path_and_the_fix(tmp_path):
     missing = str(tmp_path / "nonexist" / "config.json")
     with pytest.raises(HetrainError, match="no such file or directory; fix: give a local config.json") as e:
