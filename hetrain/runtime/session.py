@@ -344,7 +344,7 @@ class Session:
             if self.pipeline is None:   # every rank holds rank 0's buffers between steps (hetrain.runtime.buffers)
                 self.prepared.sync_buffers(self.state.buffer_source)
             if self.pipeline is None and self.sharding != "fsdp":   # replicated: step() tells a later change
-                self._kept.note_finished(self.prepared.parameters)
+                self._kept.note_finished(self.prepared.parameters, self._status.global_items > 0)
         return self._status
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:

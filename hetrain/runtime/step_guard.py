@@ -48,6 +48,9 @@ MID_STEP_CLIP = ("the step's gradients were scaled between its micro-batches: to
                  "clip_grad_value_ (of the model, or of a parameter group) in a loop body that runs once per "
                  "micro-batch clips part of the step's gradient; call session.clip_grad_norm_(max_norm), which clips "
                  "the whole global-batch gradient once a step")
+GONE_BEFORE_STEP = ("the step's gradients are gone between session.backward() and session.step() (zeroed or set to "
+                    "None: an optimizer.zero_grad() there?), so the step would apply nothing; remove it "
+                    "(session.step() zeroes the gradients after each step)")
 BACKWARD_TWICE = ("session.backward() was called twice for one batch; add the losses and call it once: "
                   "session.backward(loss_a + loss_b) (with num_items of the combined loss); to run a rank's share in "
                   "smaller pieces for memory, give its plan entry a micro_batch (hetrain runs the pieces); a step that "
@@ -182,6 +185,7 @@ class KeptGradients:
         self._versions: dict[int, int] = {}
         self._norms: list[torch.Tensor] | None = None
         self._finished: dict[int, int] | None = None   # versions of the step's gradients when finished
+        self._finished_with_items = False   # and the global batch had items: its gradients are the step's
         self._dropped_stale = False   # said once
 
     def check(self, params: Sequence[torch.nn.Parameter], state, sharded_on: torch.device | None = None) -> None:
@@ -223,9 +227,11 @@ class KeptGradients:
         self._versions = grad_versions(grads)
         self._norms = norms_of(grads) if grads else None
 
-    def note_finished(self, params: Sequence[torch.nn.Parameter]) -> None:
-        """The session finished the step's (replicated) gradients: their versions, to tell a later write."""
+    def note_finished(self, params: Sequence[torch.nn.Parameter], with_items: bool = True) -> None:
+        """The session finished the step's (replicated) gradients: their versions, to tell a later write, and
+        whether the global batch had items (its gradients are then the step's, not nothing)."""
         self._finished = grad_versions(gradients_of(params))
+        self._finished_with_items = with_items and bool(self._finished)
 
     def broke_since_finish(self, params: Sequence[torch.nn.Parameter], device: torch.device,
                            sharding: str | None) -> bool:
@@ -243,7 +249,10 @@ class KeptGradients:
         if sharding == "fsdp":
             broke = has_non_finite(grads, device)
         else:
-            broke = finished is not None and grad_versions(grads) != finished and has_non_finite(grads, device)
+            moved = finished is not None and grad_versions(grads) != finished
+            if self._finished_with_items and (not grads or (moved and not any(bool(g.any()) for g in grads))):
+                raise HetrainError(GONE_BEFORE_STEP)   # every rank alike: their gradients are one all-reduce's
+            broke = moved and has_non_finite(grads, device)
         if sharding != "none":
             broke, = any_rank([broke], device)
         return broke

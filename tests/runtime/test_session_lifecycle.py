@@ -162,3 +162,20 @@ def test_a_model_with_nothing_to_train_is_refused_at_prepare_naming_it(model):
     with pytest.raises(HetrainError, match=rf"a {type(model).__name__} with no parameter that requires a gradient"):
         session.prepare(model, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1))
     session.close()
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_zero_grad_between_backward_and_step_is_refused_not_a_step_that_applies_nothing(set_to_none):
+    """Every step applied nothing, silently: the weights never moved."""
+    import hetrain
+
+    session = hetrain.Session()
+    net = make_net()
+    model, optimizer = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    for x, y in session.loader(make_data(), global_batch_size=8):
+        session.backward(F.cross_entropy(model(x), y))
+        optimizer.zero_grad(set_to_none=set_to_none)
+        with pytest.raises(HetrainError, match=r"gradients are gone between session.backward\(\) and session.step\(\)"):
+            session.step()
+        break
+    session.close()
