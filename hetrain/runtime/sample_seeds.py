@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, Sampler, StackDataset, Subset, get_worker_info
 
-from hetrain.errors import add_note
+from hetrain.errors import HetrainError, add_note
 
 _MASK = (1 << 64) - 1
 
@@ -111,6 +111,9 @@ class SeededSamples(Dataset):
                 _seed_all(sample_seed(self._hetrain_seed, epoch, index))
                 with _named_on_error([(epoch, index)]):
                     out.append(self._hetrain_dataset[index])
+                if out[-1] is None:   # collate would say only "found NoneType", or "has no len()"
+                    raise HetrainError(f"dataset[{index}] returned None: a dataset's __getitem__ returns a sample (a "
+                                       "tensor, a tuple or a dict of them); check its return statement")
             return out
 
 

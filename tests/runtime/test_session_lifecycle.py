@@ -179,3 +179,24 @@ def test_a_zero_grad_between_backward_and_step_is_refused_not_a_step_that_applie
             session.step()
         break
     session.close()
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_dataset_returning_none_is_named_with_its_index(workers):
+    """Collate said only "found <class 'NoneType'>", or "object of type 'NoneType' has no len()"."""
+    import hetrain
+
+    class Holes(torch.utils.data.Dataset):
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, i):
+            return None if i == 5 else (torch.randn(6), 0)
+
+    session = hetrain.Session()
+    net = make_net()
+    session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    with pytest.raises(Exception, match=r"dataset\[5\] returned None: a dataset's __getitem__ returns a sample"):
+        for _ in session.loader(Holes(), global_batch_size=16, shuffle=False, num_workers=workers):
+            pass
+    session.close()
