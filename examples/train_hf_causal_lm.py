@@ -54,7 +54,8 @@ def collate(rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
 if __name__ == "__main__":
     session = hetrain.Session()
     torch.manual_seed(0)
-    net = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=64, n_layer=2, n_head=4))
+    net = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=64, n_layer=2, n_head=4,
+                                     bos_token_id=0, eos_token_id=0))
     model, optimizer = session.prepare(net, torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=0.01))
     session.add_scheduler(get_linear_schedule_with_warmup(optimizer, args.steps // 10, args.steps))
     loader = session.loader(Sequences(), global_batch_size=args.global_batch_size, collate_fn=collate)
