@@ -310,8 +310,8 @@ def norms_of(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     def stats(g: torch.Tensor) -> torch.Tensor:
         dt = torch.promote_types(g.dtype, f32)   # float64 gradients stay float64
         largest = torch.linalg.vector_norm(g, float("inf"), dtype=dt) if g.numel() else g.new_zeros((), dtype=dt)
-        return torch.stack([torch.linalg.vector_norm(g, dtype=dt).to(f64), torch.linalg.vector_norm(g, 1, dtype=dt)
-                            .to(f64), largest.to(f64), torch.count_nonzero(g).to(f64)])   # an empty shard's largest: 0
+        norms = torch.stack([torch.linalg.vector_norm(g, dtype=dt), torch.linalg.vector_norm(g, 1, dtype=dt), largest])
+        return torch.cat([norms.to(f64), torch.count_nonzero(g).to(f64).reshape(1)])   # an empty shard's largest: 0
 
     return [stats(g) for g in grads]
 
@@ -336,8 +336,7 @@ def clipped(before: torch.Tensor, now: torch.Tensor, grads: list[torch.Tensor], 
     if not (bool((cut < b[:, 2]).all()) and float(cut.max() - cut.min()) <= tol * float(cut.max())
             and bool((now[:, 2] <= cut.max() * (1 + tol)).all())):
         return False
-    at_cut = float(cut.max()) * (1 - tol)
-    return sum(int((g.abs() >= at_cut).sum()) for g, c in zip(grads, changed.tolist()) if c) > 1
+    return sum(int((g.abs() == g.abs().max()).sum()) for g, c in zip(grads, changed.tolist()) if c and g.numel()) > 1
 
 
 STALE = ("parameters held gradients at a step's first session.backward(), written after the last step (a "

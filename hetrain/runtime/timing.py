@@ -138,6 +138,7 @@ class StepTimer:
         first training forward ends the script's own time here; compute begins after the gather."""
         if torch.is_grad_enabled():
             self.step_begins()
+            self._unpause()
 
     def attach_ddp(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
         """Time a DDP model: the step's first forward begins at the wrapper (the script's own time ends),
@@ -151,6 +152,7 @@ class StepTimer:
             return
         if self.started_at is None:
             self.started_at = time.perf_counter()
+        self._unpause()   # DDP's pre-forward collectives that follow are waits, as at the step's first piece
         self._armed = True   # this forward came through DDP: the wrapped module's next forward is compute
 
     def wrapped_forward(self, module: torch.nn.Module, args: Any) -> None:
@@ -173,9 +175,14 @@ class StepTimer:
                 self.comm_waits.mark()
             if self.started_at is None:
                 self.started_at = self._start
-            if self._paused is not None:   # the script's own time (and the data's) since the last micro-batch
-                self.between_s += self._start - self._paused
-                self._paused = None
+            self._unpause()   # a model no wrapper's hook saw begin
+
+    def _unpause(self) -> None:
+        """A training forward begins after a micro-batch: the time since it ended was the script's own (and
+        the data's); what follows is the step's (FSDP2's all-gather, DDP's broadcasts: waits; then compute)."""
+        if self._paused is not None:
+            self.between_s += time.perf_counter() - self._paused
+            self._paused = None
 
     def micro_batch_done(self) -> None:
         """A micro-batch that is not the step's last ended its backward: compute pauses until the next

@@ -124,3 +124,39 @@ def test_mfu_counts_the_flops_of_each_batch_not_its_item_count(tmp_path):
     assert all(f is not None for f in flops), flops
     expected = 3 * 2 * 8 * (6 * 8 + 8 * 3)   # forward and backward of two Linear layers on 8 samples
     assert flops == [pytest.approx(expected)] * len(flops)
+
+
+def _fsdp2_pieces(rank, world):
+    import torch.distributed as dist
+
+    import hetrain
+    from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+
+    dist.init_process_group("gloo")
+    plan = Plan(global_batch_size=32, sharding="fsdp", balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=r, share=16, micro_batch=2) for r in range(2)])
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(256, 64, generator=g), torch.randint(0, 8, (256,), generator=g))
+    records = []
+    with hetrain.Session(plan) as session:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.Tanh(), torch.nn.Linear(512, 512), torch.nn.Tanh(),
+                                  torch.nn.Linear(512, 8))
+        model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        session.add_observer(SimpleNamespace(on_step=records.append))
+        for x, y in session.loader(data, global_batch_size=32, shuffle=False):
+            session.backward(F.cross_entropy(model(x), y))   # nothing of the script's own between the pieces
+            session.step()
+            if session.step_count == 6:
+                break
+    return [(r.script_seconds, r.waiting_seconds) for r in records if r.step_seconds is not None]
+
+
+def test_fsdp2s_all_gathers_between_micro_batches_are_waits_not_the_scripts_time():
+    """The fast rank's wait in a later piece's all-gather for the slow rank was taken for the script's time."""
+    from tests.distributed import run_ranks
+
+    fast, slow = run_ranks(_fsdp2_pieces, 2, env={"HETRAIN_EMULATE_SPEEDS": "1,0.25"})
+    for script, _ in fast + slow:
+        assert script < 0.01, (fast, slow)
+    assert sum(wait for _, wait in fast) > sum(wait for _, wait in slow), (fast, slow)
