@@ -11,6 +11,7 @@ figures), so every rank schedules it for the same step, and nothing is read twic
 from __future__ import annotations
 
 import operator
+import reprlib
 from collections.abc import Iterator, Sequence
 
 from torch.utils.data import Sampler
@@ -28,9 +29,10 @@ def check_global_batch(global_batch_size: object, world_size: int) -> int:
     except TypeError:
         global_batch_size = None
     if global_batch_size is None:
-        whole = isinstance(given, float) and given.is_integer() and given > 0
-        raise HetrainError(f"session.loader(..., global_batch_size={given!r}): the samples of one optimizer step "
-                           f"over every rank are a whole number; pass one, e.g. {int(given) if whole else 256}")
+        whole = isinstance(given, float) and given.is_integer() and 0 < given < 1e9
+        raise HetrainError(f"session.loader(..., global_batch_size={reprlib.repr(given)}): the samples of one "
+                           f"optimizer step over every rank are a whole number; pass one, e.g. "
+                           f"{int(given) if whole else 256}")
     if global_batch_size < world_size:
         raise HetrainError(f"global batch size {global_batch_size} is smaller than the number of ranks "
                            f"({world_size}); use a global batch of at least {world_size}")

@@ -108,7 +108,7 @@ class HeteroLoader:
                 self.dataloader = DataLoader(TensorGather(dataset), batch_sampler=self.sampler, collate_fn=as_is,
                                              generator=self._generator, **dataloader_options)
             else:   # each sample read with the generators seeded from (seed, epoch, index): sample_seeds.py
-                self.dataloader = DataLoader(SeededSamples(dataset, self.seed),
+                self.dataloader = DataLoader(SeededSamples(dataset, self.seed, self.collate_fn is default_collate),
                                              batch_sampler=KeyedBatches(self.sampler), collate_fn=self.collate_fn,
                                              generator=self._generator, **dataloader_options)
 

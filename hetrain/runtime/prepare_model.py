@@ -21,7 +21,7 @@ log = logging.getLogger("hetrain")
 def prepare_model(session: Any, model: torch.nn.Module, optimizer: Any, blocks: Any,
                   find_unused: bool) -> tuple[Prepared, Any]:
     """(the prepared model, its pipeline runner or None) for `session`'s rank, plan and device."""
-    if not any(p.requires_grad for p in model.parameters()):
+    if session.sharding != "fsdp" and not any(p.requires_grad for p in model.parameters()):   # DDP needs some
         raise HetrainError(f"session.prepare() was given a {type(model).__name__} with no parameter that requires a "
                            "gradient (none, or all frozen): a session trains parameters; unfreeze some "
                            "(p.requires_grad_(True)) before prepare(), or run this model without a session")

@@ -75,9 +75,11 @@ def _batched_read(dataset: Any) -> Any:
 class SeededSamples(Dataset):
     """`dataset` read by (epoch, index) keys, each sample read with the generators seeded from its key."""
 
-    def __init__(self, dataset: Any, seed: int) -> None:
+    def __init__(self, dataset: Any, seed: int, none_is_an_error: bool = False) -> None:
         object.__setattr__(self, "_hetrain_dataset", dataset)
         object.__setattr__(self, "_hetrain_seed", int(seed))
+        # torch's default collate cannot take a None; a script's own collate_fn may drop them (unreadable files)
+        object.__setattr__(self, "_hetrain_none_is_an_error", none_is_an_error)
 
     # A worker_init_fn reaches the dataset through get_worker_info().dataset, which is this wrapper: every
     # name it reads or sets there (a file handle opened per worker, the dataset's own `seed`) is the script's
@@ -111,7 +113,7 @@ class SeededSamples(Dataset):
                 _seed_all(sample_seed(self._hetrain_seed, epoch, index))
                 with _named_on_error([(epoch, index)]):
                     out.append(self._hetrain_dataset[index])
-                if out[-1] is None:   # collate would say only "found NoneType", or "has no len()"
+                if out[-1] is None and self._hetrain_none_is_an_error:   # collate: only "found NoneType"
                     raise HetrainError(f"dataset[{index}] returned None: a dataset's __getitem__ returns a sample (a "
                                        "tensor, a tuple or a dict of them); check its return statement")
             return out

@@ -185,7 +185,7 @@ class KeptGradients:
         self._versions: dict[int, int] = {}
         self._norms: list[torch.Tensor] | None = None
         self._finished: dict[int, int] | None = None   # versions of the step's gradients when finished
-        self._finished_with_items = False   # and the global batch had items: its gradients are the step's
+        self._finished_held: torch.Tensor | None = None   # their largest magnitude, when the batch had items
         self._dropped_stale = False   # said once
 
     def check(self, params: Sequence[torch.nn.Parameter], state, sharded_on: torch.device | None = None) -> None:
@@ -230,19 +230,24 @@ class KeptGradients:
     def note_finished(self, params: Sequence[torch.nn.Parameter], with_items: bool = True) -> None:
         """The session finished the step's (replicated) gradients: their versions, to tell a later write, and
         whether the global batch had items (its gradients are then the step's, not nothing)."""
-        self._finished = grad_versions(gradients_of(params))
-        self._finished_with_items = with_items and bool(self._finished)
+        grads = gradients_of(params)
+        self._finished = grad_versions(grads)
+        # whether they held anything (left on the device: read only if they are all zero at the step)
+        self._finished_held = torch.nn.utils.get_total_norm(grads, float("inf")) if with_items and grads else None
 
     def broke_since_finish(self, params: Sequence[torch.nn.Parameter], device: torch.device,
-                           sharding: str | None) -> bool:
+                           sharding: str | None, skipped: bool = False) -> bool:
         """Whether a gradient became non-finite after the session finished them at the last backward (a
         hook's or the script's write on one rank), by `sharding` (None: a pipeline, which finishes them in
         step() itself). Replicated gradients are read again only where their version counters moved;
         under ZeRO-1, whose step is collective, the verdict is all-reduced (one scalar all-reduce each
         step); under DDP a rank that skips alone is told apart at the next step
         (`gradients.check_skips_agreed`). FSDP2's shards move no version counter that can be read, and
-        no rank sees the others': every rank reads its shards and the verdict is all-reduced."""
+        no rank sees the others': every rank reads its shards and the verdict is all-reduced. A step that
+        held gradients and has none left (a zero_grad() between backward and step) is refused, unless
+        `skipped` (it is skipped anyway: non-finite)."""
         finished, self._finished = self._finished, None
+        held, self._finished_held = self._finished_held, None
         if sharding is None:
             return False
         grads = gradients_of(params)
@@ -250,7 +255,8 @@ class KeptGradients:
             broke = has_non_finite(grads, device)
         else:
             moved = finished is not None and grad_versions(grads) != finished
-            if self._finished_with_items and (not grads or (moved and not any(bool(g.any()) for g in grads))):
+            if held is not None and not skipped and (not grads or moved) and bool(held > 0) and \
+                    (not grads or not bool(torch.nn.utils.get_total_norm(grads, float("inf")) > 0)):
                 raise HetrainError(GONE_BEFORE_STEP)   # every rank alike: their gradients are one all-reduce's
             broke = moved and has_non_finite(grads, device)
         if sharding != "none":

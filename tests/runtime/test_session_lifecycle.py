@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.data import TensorDataset
 
 from hetrain.errors import HetrainError
 from tests.runtime.test_refusals import make_data, make_net
@@ -199,4 +200,78 @@ def test_a_dataset_returning_none_is_named_with_its_index(workers):
     with pytest.raises(Exception, match=r"dataset\[5\] returned None: a dataset's __getitem__ returns a sample"):
         for _ in session.loader(Holes(), global_batch_size=16, shuffle=False, num_workers=workers):
             pass
+    session.close()
+
+
+@pytest.mark.parametrize("clip", ["torch", "session", "value"])
+def test_a_step_whose_gradients_are_all_zero_is_applied_through_a_clipping(clip):
+    """A hinge margin already met leaves every gradient zero; a clipping writes them in place (a factor of 1):
+    that is no zero_grad(), and AdamW's weight decay still applies."""
+    import hetrain
+
+    session = hetrain.Session()
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 1)
+    model, _ = session.prepare(net, torch.optim.AdamW(net.parameters(), lr=0.1, weight_decay=0.1))
+    data = TensorDataset(torch.randn(8, 4), torch.ones(8))
+    for x, y in session.loader(data, global_batch_size=8):
+        session.backward(torch.clamp(-1e6 - model(x).squeeze(-1) * y, min=0).mean())   # the margin is met
+        if clip == "torch":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        elif clip == "session":
+            session.clip_grad_norm_(1.0)
+        else:
+            torch.nn.utils.clip_grad_value_(model.parameters(), 1.0)
+        assert session.step()
+        break
+    session.close()
+
+
+def test_a_step_skipped_for_a_non_finite_loss_may_zero_its_gradients_first():
+    import hetrain
+
+    session = hetrain.Session()
+    net = make_net()
+    model, optimizer = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    for x, y in session.loader(make_data(), global_batch_size=8):
+        loss = F.cross_entropy(model(x), y) * float("nan")
+        session.backward(loss)
+        if not torch.isfinite(loss):
+            optimizer.zero_grad()   # the script's own guard against the bad step
+        assert not session.step()   # skipped, as without the zero_grad()
+        break
+    session.close()
+
+
+def test_a_collate_fn_that_drops_the_samples_a_dataset_could_not_read_still_works():
+    import hetrain
+    from torch.utils.data import default_collate
+
+    class Unreadable(torch.utils.data.Dataset):
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, i):
+            return None if i % 5 == 3 else (torch.randn(6), 0)
+
+    with hetrain.Session() as session:
+        net = make_net()
+        model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        loader = session.loader(Unreadable(), global_batch_size=16, shuffle=False,
+                                collate_fn=lambda batch: default_collate([s for s in batch if s is not None]))
+        x, y = next(iter(loader))
+        assert x.shape == (13, 6)
+        session.backward(F.cross_entropy(model(x), y))
+        assert session.step()
+
+
+def test_a_global_batch_size_refusal_quotes_a_long_value_short():
+    import hetrain
+
+    session = hetrain.Session()
+    net = make_net()
+    session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    with pytest.raises(HetrainError) as refused:
+        session.loader(make_data(), global_batch_size=list(range(300)))
+    assert len(str(refused.value)) < 250, str(refused.value)
     session.close()
