@@ -7,8 +7,10 @@ runs in the server's daemon thread: it never waits on the training step or on an
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import socket
+import weakref
 from typing import Any
 
 from prometheus_client import start_http_server
@@ -82,4 +84,16 @@ def serve(registry: CollectorRegistry, base: int, local_rank: int, addr: str = B
             count = max(local_rank + 1, int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0))
             raise _in_use(base, port, count, addr) from None
         raise
+    # a process forked from this rank (a DataLoader worker, persistent ones outliving a closed session) holds a
+    # copy of the listening socket, and with it the port: the copy is closed in the child
+    os.register_at_fork(after_in_child=functools.partial(_close_in_child, weakref.ref(server)))
     return server
+
+
+def _close_in_child(ref: Any) -> None:
+    server = ref()
+    if server is not None:
+        try:
+            server.socket.close()
+        except OSError:
+            pass

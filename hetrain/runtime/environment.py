@@ -6,6 +6,7 @@ rendezvous address; a script started by hand runs as a single rank.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import inspect
@@ -16,7 +17,7 @@ import sys
 import time
 import weakref
 from dataclasses import dataclass
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -134,7 +135,23 @@ def collect_at_exit() -> None:
     once_at_exit(settle_at_exit)
 
 
-_GROUPS = itertools.count()   # process groups this process has started: every rank starts them in one order
+_GROUPS = itertools.count()
+_TORCH_PREFIXED = "_hetrain_torch_prefixed"   # marks torch's "[rankN]: " excepthook set by a session's first group
+
+
+@contextlib.contextmanager
+def _one_rank_prefix() -> Iterator[None]:
+    """torch's init_process_group wraps sys.excepthook to prefix "[rankN]: " each time it runs: a process whose
+    sessions start one group after another kept one wrapper per group ("[rank0]: [rank0]: ..."). The first
+    stays; a later group's is taken off again."""
+    before = sys.excepthook
+    try:
+        yield
+    finally:
+        if getattr(before, _TORCH_PREFIXED, False):
+            sys.excepthook = before
+        elif sys.excepthook is not before:
+            setattr(sys.excepthook, _TORCH_PREFIXED, True)   # process groups this process has started: every rank starts them in one order
 
 
 def init_process_group(env: RankEnv, device: torch.device, backend: str | None = None) -> tuple[bool, Any]:
@@ -160,10 +177,12 @@ def init_process_group(env: RankEnv, device: torch.device, backend: str | None =
         # a new session after one closed starts a new group: the closed group's keys (its ranks' addresses,
         # some ranks' gloo connections half made) must not be read by the new one's ranks
         store = dist.PrefixStore(f"hetrain/{env.run_id}{attempt}/group{next(_GROUPS)}", store)
-        dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
+        with _one_rank_prefix():
+            dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
         return True, store
     if env.world_size == 1:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        with _one_rank_prefix():
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return True, None
     raise HetrainError(
         f"WORLD_SIZE is {env.world_size} but no rendezvous address is set; "
@@ -210,7 +229,7 @@ def _add_hints(error: BaseException) -> None:
 def print_user_errors_as_one_line() -> None:
     """In a worker, a HetrainError (bad input) ends the rank with one line, on every rank, and exit 2."""
     previous = sys.excepthook
-    if getattr(previous, "_hetrain", False):
+    if getattr(previous, "_hetrain", False) or getattr(previous, _TORCH_PREFIXED, False):   # (it wraps ours)
         return
 
     def hook(kind, value, tb):

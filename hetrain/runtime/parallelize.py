@@ -55,6 +55,7 @@ class Prepared:
     buffers: list[tuple[nn.Module, str, torch.Tensor]] = field(default_factory=list)   # where, and as at prepare()
     kept: KeptOutputs | None = None   # find_unused: the last training forward's outputs (hetrain.runtime.kept_outputs)
     plain: PlainBackwards | None = None   # replicated: the script's own backwards in a step (hetrain.runtime.plain_backward)
+    handles: list[Any] = field(default_factory=list)   # hooks on the script's own model, removed at release()
 
     def backward(self, loss: torch.Tensor, first_of_step: bool) -> None:
         """The session's backward of `loss` (weighted, scaled); then the outputs kept for one without items go."""
@@ -71,9 +72,12 @@ class Prepared:
             self.plain.before_step()
 
     def release(self) -> None:
-        """The session closed: the hooks it put on the user's parameters go."""
+        """The session closed: the hooks it put on the user's model and parameters go."""
         if self.plain is not None:
             self.plain.remove()
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
 
     @property
     def module(self) -> nn.Module:
@@ -210,8 +214,9 @@ def apply_activation_checkpointing(model: nn.Module, entry: RankPlan,
 
 
 def apply_ddp(model: nn.Module, device: torch.device, comm: CommPlan | None, timer: StepTimer,
-              find_unused_parameters: bool = False) -> tuple[DistributedDataParallel, Any]:
-    """DistributedDataParallel with the plan's comm hook, timed (the last bucket ends the compute)."""
+              find_unused_parameters: bool = False) -> tuple[DistributedDataParallel, Any, Any]:
+    """DistributedDataParallel with the plan's comm hook, timed (the last bucket ends the compute): (the model,
+    the hook's state, the handle of the timer's hook on the script's own model)."""
     ddp = DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
@@ -230,7 +235,7 @@ def apply_ddp(model: nn.Module, device: torch.device, comm: CommPlan | None, tim
 
         timed = inner_state = TimedHookState(timer, None, default_hooks.allreduce_hook, stats=CommStats())
     ddp.register_comm_hook(timed, timed_hook)
-    timer.attach_ddp(ddp)
+    timed_handle = timer.attach_ddp(ddp)
 
     def note_sync(module: DistributedDataParallel, args: Any) -> None:
         """Whether a training forward will have its gradients all-reduced (False inside `no_sync()`)."""
@@ -238,7 +243,7 @@ def apply_ddp(model: nn.Module, device: torch.device, comm: CommPlan | None, tim
             timed.forward_synced = module.require_backward_grad_sync
 
     ddp.register_forward_pre_hook(note_sync)
-    return ddp, inner_state
+    return ddp, inner_state, timed_handle
 
 
 def apply_fsdp(model: nn.Module, blocks: Sequence[nn.Module], entry: RankPlan, device: torch.device,
@@ -302,7 +307,7 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, sh
             f"rank {rank} asks for offload_optimizer with sharding {sharding_name!r}; optimizer state is "
             "offloaded through FSDP2's CPUOffloadPolicy: set the plan's sharding to 'fsdp'"
         )
-    ddp, comm_state = apply_ddp(model, device, comm, timer, find_unused_parameters)
+    ddp, comm_state, timed_handle = apply_ddp(model, device, comm, timer, find_unused_parameters)
     buffers = buffer_places(model)
     sync_buffers(buffers)   # DDP copied rank 0's parameters (a lazy module is refused there); buffers here, each step
     keep_buffers_without_samples(ddp, without_samples)   # on the wrapper: the user's model still pickles
@@ -312,6 +317,7 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, sh
                         frozenset(id(p) for p in model.parameters() if p.requires_grad),
                         find_unused=find_unused_parameters,
                         sync_batchnorm=any(isinstance(m, nn.SyncBatchNorm) for m in model.modules()), buffers=buffers)
+    prepared.handles.append(timed_handle)   # on the script's own model: gone when the session closes
     prepared.plain = PlainBackwards(ddp, [p for p in model.parameters() if p.requires_grad])
     if find_unused_parameters:   # the outputs held from a training forward until the next one begins
         prepared.kept = KeptOutputs()

@@ -162,6 +162,9 @@ class Reports:
             if closer is not None:
                 closer()
         self.observers = []
+        if self._flop_meter is not None:   # its hooks leave the script's model (a model prepared again keeps none)
+            self._flop_meter.remove()
+            self._flop_meter = None
         if self._release_lease is not None:
             self._release_lease()
             self._release_lease = None

@@ -15,8 +15,10 @@ slower device. Whatever it produces is labelled as emulated.
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -140,12 +142,13 @@ class StepTimer:
             self.step_begins()
             self._unpause()
 
-    def attach_ddp(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+    def attach_ddp(self, ddp: torch.nn.parallel.DistributedDataParallel) -> Any:
         """Time a DDP model: the step's first forward begins at the wrapper (the script's own time ends),
-        compute at the wrapped module's forward, after DDP's pre-forward collectives."""
+        compute at the wrapped module's forward, after DDP's pre-forward collectives. Returns the handle of
+        the hook on the script's own model (removed when the session closes: a model prepared again keeps none)."""
         ddp.register_forward_pre_hook(self._ddp_pre_hook)
         # the wrapped module is the script's own model: its hook pickles as one that does nothing
-        ddp.module.register_forward_pre_hook(_WrappedHook(self), prepend=True)
+        return ddp.module.register_forward_pre_hook(_WrappedHook(self), prepend=True)
 
     def _ddp_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
         if not torch.is_grad_enabled():   # an evaluation (no_grad, generate()) between steps: not the step's
@@ -209,8 +212,16 @@ class StepTimer:
         self.compute_s = self._micro_s + stretch if self.comm_waits is not None else \
             pad_to_speed(self._micro_s + stretch, self.speed)
         self._start, self._micro_s = None, 0.0
-        if self.on_grads_ready is not None:
-            self.on_grads_ready()
+        told = self.on_grads_ready() if isinstance(self.on_grads_ready, weakref.WeakMethod) else self.on_grads_ready
+        if told is not None:
+            told()
+
+    def __post_init__(self) -> None:
+        # a session's bound method, held weakly: DDP's C++ reducer holds this timer through its comm hook, and a
+        # cycle through it back to the session is one Python's collector cannot see (a closed session, its model
+        # and process group were never freed)
+        if inspect.ismethod(self.on_grads_ready):
+            self.on_grads_ready = weakref.WeakMethod(self.on_grads_ready)
 
     def time_optimizer(self, fn: Callable[[], Any]) -> Any:
         t0 = time.perf_counter()

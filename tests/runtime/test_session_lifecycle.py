@@ -275,3 +275,56 @@ def test_a_global_batch_size_refusal_quotes_a_long_value_short():
         session.loader(make_data(), global_batch_size=list(range(300)))
     assert len(str(refused.value)) < 250, str(refused.value)
     session.close()
+
+
+def test_a_closed_session_its_model_and_hooks_are_freed_and_sessions_one_after_another_add_nothing():
+    """A notebook running session after session: each closed one was kept alive by a cycle through DDP's C++
+    reducer (its model, optimizer state and gloo threads: 74 MB and 3 threads a session), its hooks stayed on
+    a model prepared again, and torch's "[rank0]: " excepthook prefix was stacked once more per session."""
+    import gc
+    import weakref
+
+    import hetrain
+
+    net = make_net()
+    hooks_before, excepthook_after_first = len(net._forward_pre_hooks), None
+    wrapped = []
+    for k in range(3):
+        session = hetrain.Session()
+        model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        wrapped.append(weakref.ref(model))   # the DDP wrapper of this session
+        for x, y in session.loader(make_data(), global_batch_size=8):
+            session.backward(F.cross_entropy(model(x), y))
+            session.step()
+            break
+        session.close()
+        if k == 0:
+            excepthook_after_first = sys.excepthook
+        del session, model
+    gc.collect()
+    assert [ref() for ref in wrapped] == [None, None, None]
+    assert len(net._forward_pre_hooks) == hooks_before
+    assert sys.excepthook is excepthook_after_first
+
+
+def test_a_metrics_port_is_free_after_close_while_persistent_loader_workers_live(tmp_path):
+    """The workers, forked while the port was served, held its socket: a second session could not bind it."""
+    import socket
+
+    import hetrain
+    from tests.ports import free_port
+
+    port = free_port()
+    session = hetrain.Session(metrics_port=port)
+    net = make_net()
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    loader = session.loader(make_data(), global_batch_size=8, num_workers=2, persistent_workers=True)
+    for x, y in loader:
+        session.backward(F.cross_entropy(model(x), y))
+        session.step()
+        break
+    session.close()   # the loader, and its persistent workers, are still referenced here
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("0.0.0.0", port))
+    del loader
