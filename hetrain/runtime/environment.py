@@ -135,7 +135,7 @@ def collect_at_exit() -> None:
     once_at_exit(settle_at_exit)
 
 
-_GROUPS = itertools.count()
+_GROUPS = itertools.count()   # process groups this process has started: every rank starts them in one order
 _TORCH_PREFIXED = "_hetrain_torch_prefixed"   # marks torch's "[rankN]: " excepthook set by a session's first group
 
 
@@ -151,7 +151,7 @@ def _one_rank_prefix() -> Iterator[None]:
         if getattr(before, _TORCH_PREFIXED, False):
             sys.excepthook = before
         elif sys.excepthook is not before:
-            setattr(sys.excepthook, _TORCH_PREFIXED, True)   # process groups this process has started: every rank starts them in one order
+            setattr(sys.excepthook, _TORCH_PREFIXED, True)
 
 
 def init_process_group(env: RankEnv, device: torch.device, backend: str | None = None) -> tuple[bool, Any]:

@@ -232,8 +232,11 @@ class KeptGradients:
         whether the global batch had items (its gradients are then the step's, not nothing)."""
         grads = gradients_of(params)
         self._finished = grad_versions(grads)
-        # whether they held anything (left on the device: read only if they are all zero at the step)
-        self._finished_held = torch.nn.utils.get_total_norm(grads, float("inf")) if with_items and grads else None
+        # whether they held anything: on a GPU left on the device (read only if they are all zero at the step);
+        # on a CPU a look that stops at the first gradient holding something (the inf-norm of all costs more)
+        self._finished_held = None if not (with_items and grads) else \
+            torch.nn.utils.get_total_norm(grads, float("inf")) if grads[0].device.type != "cpu" else \
+            torch.tensor(float(any(bool(g.any()) for g in grads)))
 
     def broke_since_finish(self, params: Sequence[torch.nn.Parameter], device: torch.device,
                            sharding: str | None, skipped: bool = False) -> bool:
@@ -255,8 +258,9 @@ class KeptGradients:
             broke = has_non_finite(grads, device)
         else:
             moved = finished is not None and grad_versions(grads) != finished
-            if held is not None and not skipped and (not grads or moved) and bool(held > 0) and \
-                    (not grads or not bool(torch.nn.utils.get_total_norm(grads, float("inf")) > 0)):
+            # all zero now (a NaN is not zero: such a step is skipped below), and they held something at finish
+            if held is not None and not skipped and (not grads or moved) and \
+                    (not grads or not any(bool(g.any()) for g in grads)) and bool(held > 0):
                 raise HetrainError(GONE_BEFORE_STEP)   # every rank alike: their gradients are one all-reduce's
             broke = moved and has_non_finite(grads, device)
         if sharding != "none":

@@ -328,3 +328,19 @@ def test_a_metrics_port_is_free_after_close_while_persistent_loader_workers_live
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("0.0.0.0", port))
     del loader
+
+
+def test_a_nan_written_into_the_gradients_before_step_skips_the_step_not_refuses_it():
+    """A NaN's inf-norm is NaN, and "not above 0" took it for gradients all zero: the job stopped."""
+    import hetrain
+
+    session = hetrain.Session()
+    net = make_net()
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    for x, y in session.loader(make_data(), global_batch_size=8):
+        session.backward(F.cross_entropy(model(x), y))
+        with torch.no_grad():
+            next(model.parameters()).grad[0, 0] = float("nan")   # a hook's or the script's write
+        assert not session.step()   # skipped as non-finite
+        break
+    session.close()
