@@ -54,7 +54,7 @@ class Prepared:
     sync_batchnorm: bool = False   # SyncBatchNorm's backward all-reduces: a backward must go through it
     buffers: list[tuple[nn.Module, str, torch.Tensor]] = field(default_factory=list)   # where, and as at prepare()
     kept: KeptOutputs | None = None   # find_unused: the last training forward's outputs (hetrain.runtime.kept_outputs)
-    plain: PlainBackwards | None = None   # replicated: the script's own backwards in a step (hetrain.runtime.plain_backward)
+    plain: PlainBackwards | None = None   # replicated: the script's own backwards in a step (plain_backward.py)
     handles: list[Any] = field(default_factory=list)   # hooks on the script's own model, removed at release()
 
     def backward(self, loss: torch.Tensor, first_of_step: bool) -> None:

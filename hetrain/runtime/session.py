@@ -164,7 +164,8 @@ class Session:
 
     @overload
     def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, blocks: list[torch.nn.Module]
-                | None = None, find_unused_parameters: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]: ...
+                | None = None, find_unused_parameters: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        ...
 
     @overload
     def prepare(self, model: torch.nn.Module, optimizer: None = None, *, blocks: list[torch.nn.Module] | None = None,
@@ -383,8 +384,8 @@ class Session:
         status = self._finish_gradients()
         self.prepared.before_step()   # no backward of the script's own joined the step's gradients
         self.schedulers.check_not_stepped_elsewhere(abandon=lambda: self.optimizer.zero_grad(set_to_none=True))
-        if self._kept.broke_since_finish(self.prepared.parameters, self.device, None if self.pipeline else self.sharding,
-                                         status.found_inf):
+        if self._kept.broke_since_finish(self.prepared.parameters, self.device,
+                                         None if self.pipeline else self.sharding, status.found_inf):
             status = dataclasses.replace(status, found_inf=True)   # skipped too
         applied = not status.found_inf and not self.skips.without_items(status, self.train.step + 1, self.is_main)
         self.state.skipped_last = status.found_inf

@@ -2,8 +2,9 @@
 
 A step's wall time runs from the previous `step()`'s end to this one's. Besides compute and the
 wait for data, it holds the script's own time (from `step()` returning to the next forward, and
-between the step's micro-batches, less the data wait: logging, evaluation) and a checkpoint save the previous `step()` made (its blocking
-part); what is left is waiting on the other ranks (`StepRecord.waiting_seconds`).
+between the step's micro-batches, less the data wait: logging, evaluation) and a checkpoint save
+the previous `step()` made (its blocking part); what is left is waiting on the other ranks
+(`StepRecord.waiting_seconds`).
 """
 
 from __future__ import annotations
