@@ -19,6 +19,7 @@ MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_ yourself) keeps glibc's default
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import signal
@@ -316,6 +317,10 @@ def agent_args(cfg: LaunchConfig) -> Any:
     return args
 
 
+def _without_failed_line(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("failed (exitcode")
+
+
 def launch(cfg: LaunchConfig) -> int:
     """Run the job on the elastic agent; returns 0, or raises HetrainError naming the failed rank."""
     validate(cfg)
@@ -335,6 +340,9 @@ def launch(cfg: LaunchConfig) -> int:
     launch_id = adopt_orphans()
     stop = GracefulStop(launch_id)
     stop.install()
+    # the agent's own "failed (exitcode: ...) local_rank: ..." line: the launcher's last line names the rank and why
+    agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    agent_log.addFilter(_without_failed_line)
     try:
         run(args)
     except ChildFailedError as e:
@@ -344,6 +352,7 @@ def launch(cfg: LaunchConfig) -> int:
     except SignalException as e:
         raise JobStopped(stopped_line(signal.Signals(e.sigval)), 128 + int(e.sigval)) from None
     finally:
+        agent_log.removeFilter(_without_failed_line)
         stop.uninstall()
         os.environ.clear()
         os.environ.update(saved)

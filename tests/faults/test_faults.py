@@ -118,6 +118,7 @@ def test_fault(request, tmp_path, uninterrupted, waiting_jobs, faults, restarts,
     if report:
         last = r.stderr.strip().splitlines()[-1]
         assert re.search(report, last), last
+        assert "failed (exitcode" not in r.stderr   # torch's agent line: the last line says it, naming the rank
         injected = float(re.search(r"injecting \w+ on rank \d+ at step \d+ at ([0-9.]+)", r.stdout).group(1))
         assert r.ended - injected < TIMEOUT_S + 10, "the job ended, but not within the collective timeout"
 
