@@ -76,14 +76,18 @@ def damaged(root: Path) -> list[Path]:
     return sorted(p for p in root.glob(f"{DAMAGED_PREFIX}step-*") if p.is_dir()) if root.is_dir() else []
 
 
+def _unused(path: Path, name: str) -> Path:
+    """`name` beside `path`, or `name-2`, `name-3`... when taken."""
+    target, n = path.with_name(name), 2
+    while target.exists():
+        target, n = path.with_name(f"{name}-{n}"), n + 1
+    return target
+
+
 def set_aside(path: Path) -> Path:
     """Rename a damaged `step-N` to `damaged-step-N` (`-2`, `-3`... when taken), so it is kept for inspection
     but never loaded or counted among the kept checkpoints."""
-    target = path.with_name(DAMAGED_PREFIX + path.name)
-    n = 2
-    while target.exists():
-        target = path.with_name(f"{DAMAGED_PREFIX}{path.name}-{n}")
-        n += 1
+    target = _unused(path, DAMAGED_PREFIX + path.name)
     os.rename(path, target)
     fsync_dir(path.parent)
     return target
@@ -119,11 +123,8 @@ def prune(root: Path, keep: int | None, newest: Path | None = None) -> tuple[lis
     if keep is not None:
         others = [path for _, path in committed(root) if newest is None or path != newest]
         for path in others[keep - (newest is not None):]:
-            aside = path.with_name(_PRUNED_PREFIX + path.name.removeprefix("step-"))
-            for n in range(2, 1000):   # one of this step left undeletable before (a fresh start saved it again)
-                if not aside.exists():
-                    break
-                aside = path.with_name(f"{_PRUNED_PREFIX}{path.name.removeprefix('step-')}-{n}")
+            # a name of its own: one of this step may be left undeletable before (a fresh start saved it again)
+            aside = _unused(path, _PRUNED_PREFIX + path.name.removeprefix("step-"))
             try:
                 os.rename(path, aside)
             except OSError as e:

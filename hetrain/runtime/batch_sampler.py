@@ -10,13 +10,13 @@ figures), so every rank schedules it for the same step, and nothing is read twic
 
 from __future__ import annotations
 
-import operator
 import reprlib
 from collections.abc import Iterator, Sequence
 
 from torch.utils.data import Sampler
 
 from hetrain.errors import HetrainError
+from hetrain.runtime.environment import whole_number
 from hetrain.planning.batch_split import split_partial
 from hetrain.runtime.data_order import GlobalBatchOrder
 
@@ -24,10 +24,7 @@ from hetrain.runtime.data_order import GlobalBatchOrder
 def check_global_batch(global_batch_size: object, world_size: int) -> int:
     """`session.loader()`'s global_batch_size as a whole number of samples, at least one per rank."""
     given = global_batch_size
-    try:   # an int, or a NumPy integer (a bool is no count)
-        global_batch_size = operator.index(global_batch_size) if not isinstance(global_batch_size, bool) else None
-    except TypeError:
-        global_batch_size = None
+    global_batch_size = whole_number(global_batch_size)   # an int, or a NumPy integer (a bool is no count)
     if global_batch_size is None:
         whole = isinstance(given, float) and given.is_integer() and 0 < given < 1e9
         raise HetrainError(f"session.loader(..., global_batch_size={reprlib.repr(given)}): the samples of one "

@@ -12,6 +12,7 @@ import gc
 import inspect
 import itertools
 import logging
+import operator
 import os
 import sys
 import time
@@ -31,6 +32,16 @@ log = logging.getLogger("hetrain")
 
 DEFAULT_PROGRESS_TIMEOUT_S = 300.0
 """Seconds a rank may make no progress before the job ends naming it (HETRAIN_COLLECTIVE_TIMEOUT)."""
+
+
+def whole_number(value: Any) -> int | None:
+    """`value` as an int where it is a whole number (a NumPy integer too), else None (a bool is not one)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def env_int(name: str, default: int) -> int:

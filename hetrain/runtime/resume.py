@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import operator
 import os
 import signal
 import threading
@@ -38,7 +37,7 @@ from typing import Any
 from hetrain.checkpoint.checkpointer import Checkpointer
 from hetrain.checkpoint.errors import START_FROM_WEIGHTS
 from hetrain.errors import HetrainError
-from hetrain.runtime.environment import env_float, env_int
+from hetrain.runtime.environment import env_float, env_int, whole_number
 from hetrain.metrics.events import CheckpointRecord
 from hetrain.runtime.train_state import TrainState
 from hetrain.vocabulary import LOSSY_COMPRESSIONS, Env
@@ -57,25 +56,15 @@ def checkpoint_settings(directory: str | os.PathLike | None, interval: int | Non
         if interval < 1:
             raise HetrainError(f"{Env.CHECKPOINT_INTERVAL}={interval}: a checkpoint every {interval} steps; set it to "
                                "a whole number >= 1, or unset it (default 100)")
-    elif _whole(interval) is None or interval < 1:
+    elif whole_number(interval) is None or interval < 1:
         raise HetrainError(f"checkpoint_interval={interval!r}: pass a whole number of steps >= 1 (None reads "
                            f"{Env.CHECKPOINT_INTERVAL}, default 100; without checkpoint_dir nothing is saved)")
-    if keep is not None and (_whole(keep) is None or keep < 1):
+    if keep is not None and (whole_number(keep) is None or keep < 1):
         raise HetrainError(f"keep_checkpoints={keep!r}: at least the newest checkpoint must be kept to resume from it; "
                            "pass keep_checkpoints>=1, or None to keep every checkpoint")
     directory = directory or os.environ.get(Env.CHECKPOINT_DIR) or None   # absolute: a script that changes directory
     return (os.path.abspath(directory) if directory else None, int(interval),   # saves and resumes where it began
             None if keep is None else int(keep), bool(async_save))
-
-
-def _whole(value: Any) -> int | None:
-    """`value` as an int where it is a whole number (a NumPy integer too), else None (a bool is not one)."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
 
 
 def start_checkpoints(state: TrainState, settings: tuple, recent_step_seconds: Callable[[], Sequence[float]],

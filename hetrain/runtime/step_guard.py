@@ -206,10 +206,10 @@ class KeptGradients:
         if sharded_on is None:   # replicated: every rank reads the same; the version counters say what changed
             changed = self._changed(grads)
             gone = not grads or (changed and not any(bool(g.any()) for g in grads) and had())
-            scaled = changed and self._scaled_by_one_factor(grads, left)
+            scaled = changed and self._clipped_since(grads, left)
         else:   # FSDP2: an in-place change of a sharded gradient moves no version counter that can be read
             now = any(bool(g.any()) for g in grads)
-            held, was, now, scaled = any_rank([bool(grads), had(), now, self._scaled_by_one_factor(grads, left)],
+            held, was, now, scaled = any_rank([bool(grads), had(), now, self._clipped_since(grads, left)],
                                              sharded_on)
             gone = not held or (was and not now)
         if gone:
@@ -232,11 +232,12 @@ class KeptGradients:
         whether the global batch had items (its gradients are then the step's, not nothing)."""
         grads = gradients_of(params)
         self._finished = grad_versions(grads)
-        # whether they held anything: on a GPU left on the device (read only if they are all zero at the step);
-        # on a CPU a look that stops at the first gradient holding something (the inf-norm of all costs more)
-        self._finished_held = None if not (with_items and grads) else \
-            torch.nn.utils.get_total_norm(grads, float("inf")) if grads[0].device.type != "cpu" else \
-            torch.tensor(float(any(bool(g.any()) for g in grads)))
+        self._finished_held = None
+        if with_items and grads:   # whether they held anything (a verdict read only if they are all zero at the step)
+            if grads[0].device.type == "cpu":   # a look that stops at the first gradient holding something
+                self._finished_held = torch.tensor(float(holds_gradients(params, shard_counts=False)))
+            else:   # left on the device: no synchronisation here
+                self._finished_held = torch.nn.utils.get_total_norm(grads, float("inf"))
 
     def broke_since_finish(self, params: Sequence[torch.nn.Parameter], device: torch.device,
                            sharding: str | None, skipped: bool = False) -> bool:
@@ -260,14 +261,14 @@ class KeptGradients:
             moved = finished is not None and grad_versions(grads) != finished
             # all zero now (a NaN is not zero: such a step is skipped below), and they held something at finish
             if held is not None and not skipped and (not grads or moved) and \
-                    (not grads or not any(bool(g.any()) for g in grads)) and bool(held > 0):
+                    not holds_gradients(params, shard_counts=False) and bool(held > 0):
                 raise HetrainError(GONE_BEFORE_STEP)   # every rank alike: their gradients are one all-reduce's
             broke = moved and has_non_finite(grads, device)
         if sharding != "none":
             broke, = any_rank([broke], device)
         return broke
 
-    def _scaled_by_one_factor(self, grads: list[torch.Tensor], left: list[torch.Tensor] | None) -> bool:
+    def _clipped_since(self, grads: list[torch.Tensor], left: list[torch.Tensor] | None) -> bool:
         """Whether the gradients were clipped since the last backward left `left` (see `clipped`)."""
         if left is None or len(grads) != len(left):
             return False
