@@ -114,6 +114,7 @@ def test_a_rank_blocked_in_a_collective_exits_soon_after_sigterm(tmp_path):
 
 
 WORKERS_SCRIPT = '''
+import os
 import time
 import torch
 import torch.nn.functional as F
@@ -128,12 +129,13 @@ if __name__ == "__main__":
     model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
     loader = session.loader(data, global_batch_size=16, seed=0, num_workers=2)
     print(f"rank {session.rank} starts at step {session.step_count}", flush=True)
-    while session.step_count < 400:
+    steps = int(os.environ.get("STEPS", "400"))
+    while session.step_count < steps:
         for x, y in loader:
             session.backward(F.cross_entropy(model(x), y))
             session.step()
             time.sleep(0.02)
-            if session.step_count >= 400:
+            if session.step_count >= steps:
                 break
     session.close()
 '''
@@ -161,5 +163,5 @@ def test_sigterm_to_the_launcher_saves_the_step_in_flight_with_dataloader_worker
     saved = Checkpointer(tmp_path / "ckpt").latest()
     assert saved is not None and saved.step > 0, stopped.stderr[-3000:]
     again = subprocess.run([*launch[:-1], "--max-restarts", "0", str(script)], capture_output=True, text=True,
-                           timeout=180, env=env)
+                           timeout=180, env={**env, "STEPS": "0"})   # where it starts is all this run tells
     assert f"rank 0 starts at step {saved.step}" in again.stdout, again.stderr[-3000:]
