@@ -40,11 +40,14 @@ from hetrain.errors import HetrainError
 from hetrain.runtime.environment import env_float, env_int, whole_number
 from hetrain.metrics.events import CheckpointRecord
 from hetrain.runtime.train_state import TrainState
+from hetrain.runtime.watchdog import ProgressWatch
 from hetrain.vocabulary import LOSSY_COMPRESSIONS, Env
 
 log = logging.getLogger("hetrain.checkpoint")
 
 SIGTERM_EXIT = 143
+PEER_CHECK_S = 1.0
+"""After SIGTERM's grace, how often a rank that has not reached its step's end asks whether every rank still speaks."""
 
 
 def checkpoint_settings(directory: str | os.PathLike | None, interval: int | None, keep: int | None,
@@ -105,7 +108,7 @@ class SessionCheckpoints:
         self.resumed_from: int | None = None
         self._sigterm = False
         self._previous_handler = None
-        self._watch = _SigtermWatch(self._on_watched_sigterm, self._grace_seconds)
+        self._watch = _SigtermWatch(self._on_watched_sigterm, self._grace_seconds, self._peers_gone)
         try:
             self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
         except ValueError:  # not the main thread: the interval and close() still save
@@ -117,6 +120,19 @@ class SessionCheckpoints:
 
     def _on_watched_sigterm(self) -> None:
         self._sigterm = True
+
+    def _peers_gone(self) -> list[int] | None:
+        """The ranks the job's progress watch sees gone or frozen ([] when every one still speaks: none for
+        one rank), or None when there is no watch to ask (a process group the script started itself)."""
+        if self.state.world_size == 1:
+            return []
+        watch = ProgressWatch.current
+        if watch is None:
+            return None
+        try:
+            return watch.silent_peers()
+        except Exception:  # the store is gone: so is the job
+            return None
 
     def _grace_seconds(self) -> float:
         """How long a rank may take to reach the end of its step after SIGTERM before it exits unsaved."""
@@ -235,11 +251,14 @@ class SessionCheckpoints:
 
 class _SigtermWatch:
     """A thread that sees SIGTERM at once (through the signal wakeup fd), even while the main thread is
-    blocked in a collective, and exits the process if the main thread does not reach the save in time."""
+    blocked in a collective, and exits the process if the main thread has not reached the save within its
+    grace and a rank it may wait on is gone or frozen (or nothing can tell: no progress watch). While
+    every rank still speaks (an evaluation, a slow loader start), the save waits for the step's end."""
 
-    def __init__(self, on_sigterm: Any, grace: Any) -> None:
+    def __init__(self, on_sigterm: Any, grace: Any, peers_gone: Any) -> None:
         self._on_sigterm = on_sigterm
         self._grace = grace
+        self._peers_gone = peers_gone
         self._reached = threading.Event()
         self._stopped = False
         self._fds: tuple[int, int] | None = None
@@ -295,13 +314,18 @@ class _SigtermWatch:
             if signal.SIGTERM not in data:
                 continue
             self._on_sigterm()
-            grace = self._grace()
             started = time.monotonic()
-            if self._reached.wait(grace) or self._stopped:
+            if self._reached.wait(self._grace()) or self._stopped:
                 return
-            log.warning("SIGTERM: rank %s did not reach the end of its step within %.1f s (blocked in a collective "
-                        "with a rank that is gone?); exiting without saving, the last checkpoint stays",
-                        os.environ.get("RANK", "0"), time.monotonic() - started)
+            gone = self._peers_gone()
+            while gone == []:   # every rank still speaks: an evaluation, a slow loader; the step end comes
+                if self._reached.wait(PEER_CHECK_S) or self._stopped:
+                    return
+                gone = self._peers_gone()
+            why = (f"rank(s) {', '.join(map(str, gone))} gone or frozen" if gone
+                   else "blocked in a collective with a rank that is gone?")
+            log.warning("SIGTERM: rank %s did not reach the end of its step within %.1f s (%s); exiting without "
+                        "saving, the last checkpoint stays", os.environ.get("RANK", "0"), time.monotonic() - started, why)
             logging.shutdown()
             from hetrain.checkpoint.lease import release_all
 

@@ -378,6 +378,15 @@ class ProgressWatch:
         except Exception:  # the store is gone: the job is over
             pass
 
+    def silent_peers(self) -> list[int]:
+        """The other ranks that cannot be counted on to reach the end of the step: closed, or whose entry
+        did not move over a few publish intervals (gone, frozen). Takes about three intervals."""
+        before = self._read_all()
+        time.sleep(2.5 * self.interval_s)
+        after = self._read_all()
+        return [r for r, p in after.items() if r != self.rank and
+                (p is None or before[r] is None or p.seq == before[r].seq or is_done(p.phase))]
+
     def _set(self, step: int, phase: str) -> None:
         if (step, phase) != (self._step, self._phase):
             self._step, self._phase, self._since = step, phase, time.monotonic()

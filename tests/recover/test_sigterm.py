@@ -113,6 +113,55 @@ def test_a_rank_blocked_in_a_collective_exits_soon_after_sigterm(tmp_path):
             p.join(5)
 
 
+def _evaluating(rank, world, port, tmp):
+    """After step 3 rank 1 sends SIGTERM to rank 0, then evaluates alone for 4 s (the script's own code):
+    rank 0 waits on it in the next step, blocked in a collective, past its 1 s grace."""
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "HETRAIN_SIGTERM_GRACE": "1"})
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    import hetrain
+
+    session = hetrain.Session(balance=False, checkpoint_dir=f"{tmp}/ckpt", checkpoint_interval=100)
+    net = make_model()
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    loader = session.loader(make_data(), global_batch_size=8)
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    while session.step_count < 40:
+        for x, y in loader:
+            session.backward(F.cross_entropy(model(x), y))
+            session.step()
+            if session.step_count == 3 and rank == 1:
+                os.kill(pids[0], signal.SIGTERM)
+                time.sleep(4)
+
+
+def test_sigterm_while_a_peer_evaluates_past_the_grace_still_saves(tmp_path):
+    """The grace counted from the signal, whatever the ranks were doing: a rank waiting on a peer that
+    evaluated (or started its loader's workers) for longer exited unsaved, and the job lost every step since
+    its last checkpoint. Now it exits early only when a rank is gone or frozen."""
+    from hetrain.checkpoint.checkpointer import Checkpointer
+
+    ctx = rank_context()
+    port = free_port()
+    procs = [ctx.Process(target=_evaluating, args=(r, 2, port, str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(timeout=60)
+        assert [p.exitcode for p in procs] == [143, 143]
+        saved = Checkpointer(tmp_path / "ckpt").latest()
+        assert saved is not None and 3 < saved.step <= 5 and saved.world_size == 2
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+
+
 WORKERS_SCRIPT = '''
 import os
 import time
