@@ -34,17 +34,10 @@ def full_model_state(session: Any) -> dict[str, torch.Tensor] | None:
 
 
 def _gathered(session: Any) -> dict[str, torch.Tensor] | None:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    module = session.prepared.module
-    if session.sharding == "fsdp" and session.pipeline is not None:
-        # a stage sharded over its replicas: every rank of the stage gets the stage whole (cpu_offload would
-        # hand it to global rank 0 only), and the first replica's send it on below
-        state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
-    elif session.sharding == "fsdp":   # every rank of the shards' group gathers; rank 0 receives
-        state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if session.sharding != "fsdp" and session.pipeline is None:   # each rank holds the model whole
+        state = session.prepared.state_module.state_dict()
     else:
-        state = session.prepared.state_module.state_dict() if session.pipeline is None else get_model_state_dict(module)
+        state = _torch_gathered(session)
     state = {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
     if session.pipeline is None:
         return state if session.rank == 0 else None
@@ -57,4 +50,19 @@ def _gathered(session: Any) -> dict[str, torch.Tensor] | None:
     for p in parts:
         whole.update(p or {})
     return whole
+
+
+def _torch_gathered(session: Any) -> dict[str, Any]:
+    """A sharded or staged model's state through torch's state-dict helpers (imported here: a DDP job's
+    first export does not pay for them)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    module = session.prepared.module
+    if session.sharding == "fsdp" and session.pipeline is not None:
+        # a stage sharded over its replicas: every rank of the stage gets the stage whole (cpu_offload would
+        # hand it to global rank 0 only), and the first replica's send it on below
+        return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+    if session.sharding == "fsdp":   # every rank of the shards' group gathers; rank 0 receives
+        return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return get_model_state_dict(module)
 
