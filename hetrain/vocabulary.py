@@ -46,6 +46,8 @@ class Env:
     """1: start from step 0 when the checkpoint directory holds checkpoints and none verifies (they are kept
     as damaged-step-*); without it such a job stops and names them."""
     SIGTERM_GRACE = "HETRAIN_SIGTERM_GRACE"
+    SIGTERM_MAX_WAIT = "HETRAIN_SIGTERM_MAX_WAIT"
+    """Seconds after SIGTERM a rank whose peers all still run waits for its step's end (default 25)."""
     EMULATE_SPEEDS = "HETRAIN_EMULATE_SPEEDS"
     EMULATE_DEVICES = "HETRAIN_EMULATE_DEVICES"
     """Comma-separated catalog names, one per local rank: the device each CPU rank stands in for."""

@@ -142,19 +142,27 @@ def settle_at_exit() -> None:
     object) would otherwise be finalised here the slow way, joining each worker for 5 s before killing
     it. `_data_loaders_exiting` raises that flag first, as torch does a moment later: the daemonic
     workers end with the process."""
-    _data_loaders_exiting()
-    gc.collect()
+    with _data_loaders_exiting():
+        gc.collect()
     time.sleep(EXIT_SETTLE_S)
     gc.freeze()
 
 
-def _data_loaders_exiting() -> None:
-    """Set the flag torch's exit hook sets, by which a DataLoader iterator finalised at exit leaves its
-    workers to the process's end (`settle_at_exit`)."""
+@contextlib.contextmanager
+def _data_loaders_exiting() -> Iterator[None]:
+    """While it lasts, the flag torch's exit hook sets, by which a DataLoader iterator finalised at exit
+    leaves its workers to the process's end (`settle_at_exit`); exit hooks that run after the collection
+    (the script's own, registered earlier) see it as they did."""
     from torch.utils.data import _utils as data_utils
 
-    if hasattr(data_utils, "python_exit_status"):
+    before = getattr(data_utils, "python_exit_status", None)
+    if before is not None:
         data_utils.python_exit_status = True
+    try:
+        yield
+    finally:
+        if before is not None:
+            data_utils.python_exit_status = before
 
 
 def collect_at_exit() -> None:

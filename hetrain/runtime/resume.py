@@ -47,6 +47,9 @@ log = logging.getLogger("hetrain.checkpoint")
 
 SIGTERM_EXIT = 143
 PEER_CHECK_S = 1.0
+SIGTERM_MAX_WAIT_S = 25.0
+"""How long after SIGTERM a rank whose peers all still run waits for its step's end: under the 30 s
+`hetrain launch` gives its ranks (HETRAIN_SIGTERM_MAX_WAIT)."""
 """After SIGTERM's grace, how often a rank that has not reached its step's end asks whether every rank still speaks."""
 
 
@@ -123,16 +126,27 @@ class SessionCheckpoints:
 
     def _peers_gone(self) -> list[int] | None:
         """The ranks the job's progress watch sees gone or frozen ([] when every one still speaks: none for
-        one rank), or None when there is no watch to ask (a process group the script started itself)."""
+        one rank), or None when nothing can tell: no watch to ask (a process group the script started
+        itself), or a store that does not answer (its host is gone). A rank counts as frozen when its entry
+        did not move for the grace period (a rank holding the interpreter lock in a long C call is not)."""
         if self.state.world_size == 1:
             return []
         watch = ProgressWatch.current
         if watch is None:
             return None
-        try:
-            return watch.silent_peers()
-        except Exception:  # the store is gone: so is the job
-            return None
+        window = max(self._grace_seconds(), 3 * watch.interval_s)
+        answer: list[list[int] | None] = []
+
+        def ask() -> None:
+            try:
+                answer.append(watch.silent_peers(window))
+            except Exception:  # the store is gone: so is the job
+                answer.append(None)
+
+        asking = threading.Thread(target=ask, name="hetrain-sigterm-peers", daemon=True)
+        asking.start()
+        asking.join(window + 2 * watch.interval_s)   # a store whose host froze answers no read
+        return answer[0] if answer else None
 
     def _grace_seconds(self) -> float:
         """How long a rank may take to reach the end of its step after SIGTERM before it exits unsaved."""
@@ -317,12 +331,17 @@ class _SigtermWatch:
             started = time.monotonic()
             if self._reached.wait(self._grace()) or self._stopped:
                 return
+            most = env_float(Env.SIGTERM_MAX_WAIT, SIGTERM_MAX_WAIT_S)
             gone = self._peers_gone()
-            while gone == []:   # every rank still speaks: an evaluation, a slow loader; the step end comes
+            while gone == [] and time.monotonic() - started < most:
+                # every rank still speaks (an evaluation, a slow loader start): the step's end comes
                 if self._reached.wait(PEER_CHECK_S) or self._stopped:
                     return
                 gone = self._peers_gone()
+            if self._reached.is_set() or self._stopped:   # the save began while the peers were asked about
+                return
             why = (f"rank(s) {', '.join(map(str, gone))} gone or frozen" if gone
+                   else f"every rank still ran after {most:g} s ({Env.SIGTERM_MAX_WAIT})" if gone == []
                    else "blocked in a collective with a rank that is gone?")
             log.warning("SIGTERM: rank %s did not reach the end of its step within %.1f s (%s); exiting without "
                         "saving, the last checkpoint stays", os.environ.get("RANK", "0"), time.monotonic() - started, why)

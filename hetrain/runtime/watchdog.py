@@ -378,14 +378,16 @@ class ProgressWatch:
         except Exception:  # the store is gone: the job is over
             pass
 
-    def silent_peers(self) -> list[int]:
-        """The other ranks that cannot be counted on to reach the end of the step: closed, or whose entry
-        did not move over a few publish intervals (gone, frozen). Takes about three intervals."""
+    def silent_peers(self, window_s: float) -> list[int]:
+        """The other ranks whose entry did not move over `window_s` seconds (gone, stopped, or holding the
+        interpreter lock all that time) and who have not closed: ranks that cannot be counted on to reach
+        the end of the step. A closed rank is not among them: it waits in its final save, and a rank
+        that waits for it in a step is named by this watch's own check (`_closed_early`)."""
         before = self._read_all()
-        time.sleep(2.5 * self.interval_s)
+        time.sleep(window_s)
         after = self._read_all()
-        return [r for r, p in after.items() if r != self.rank and
-                (p is None or before[r] is None or p.seq == before[r].seq or is_done(p.phase))]
+        return [r for r, p in after.items() if r != self.rank and (p is None or before[r] is None or
+                                                                   (p.seq == before[r].seq and not is_done(p.phase)))]
 
     def _set(self, step: int, phase: str) -> None:
         if (step, phase) != (self._step, self._phase):

@@ -5,6 +5,7 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -67,10 +68,13 @@ def test_sigterm_to_one_rank_saves_the_same_step_on_every_rank_and_a_restart_res
         assert torch.equal(v, resumed[0]["params"][k]), k   # nothing lost, nothing repeated
 
 
-def _stuck(rank, world, port, tmp):
-    """Rank 1 sends SIGTERM to rank 0 after step 3 and stops itself: rank 0 blocks in the next collective."""
+def _stuck(rank, world, port, tmp, how):
+    """After step 3 one rank sends SIGTERM to the other and stops answering: it stops itself (SIGSTOP), as a
+    node off the network does ("stopped"; "store host stopped": rank 0, which holds the job's store), or
+    sleeps with its threads alive ("hung"). The rank signalled blocks in the next collective."""
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "HETRAIN_SIGTERM_GRACE": "1"})
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "HETRAIN_SIGTERM_GRACE": "1",
+                       "HETRAIN_SIGTERM_MAX_WAIT": "4"})
     torch.set_num_threads(1)
     import torch.distributed as dist
 
@@ -82,29 +86,37 @@ def _stuck(rank, world, port, tmp):
     loader = session.loader(make_data(), global_batch_size=8)
     pids = [None] * world
     dist.all_gather_object(pids, os.getpid())
+    sender = 0 if how == "store host stopped" else 1
     while True:
         for x, y in loader:
             session.backward(F.cross_entropy(model(x), y))
             session.step()
-            if session.step_count == 3 and rank == 1:
+            if session.step_count == 3 and rank == sender:
                 Path(f"{tmp}/sent").write_text(repr(time.time()))
-                os.kill(pids[0], signal.SIGTERM)
+                os.kill(pids[1 - sender], signal.SIGTERM)
+                if how == "hung":
+                    time.sleep(120)   # alive, its progress watch still speaking, never reaching the step
                 os.kill(os.getpid(), signal.SIGSTOP)   # alive, connections open, never answering
 
 
-def test_a_rank_blocked_in_a_collective_exits_soon_after_sigterm(tmp_path):
+@pytest.mark.parametrize("how", ["stopped", "store host stopped", "hung"])
+def test_a_rank_blocked_in_a_collective_exits_soon_after_sigterm(tmp_path, how):
+    """The store's host stopped held the signalled rank in its question to the store for gloo's timeout
+    (a review); a hung peer whose threads still speak, until the progress timeout."""
     ctx = rank_context()   # the forkserver run_ranks uses: torch is imported once
     port = free_port()
-    procs = [ctx.Process(target=_stuck, args=(r, 2, port, str(tmp_path))) for r in range(2)]
+    procs = [ctx.Process(target=_stuck, args=(r, 2, port, str(tmp_path), how)) for r in range(2)]
+    signalled = procs[1 if how == "store host stopped" else 0]
     for p in procs:
         p.start()
     try:
-        procs[0].join(timeout=60)
+        signalled.join(timeout=60)
         exited = time.time()
-        assert not procs[0].is_alive(), "rank 0 stayed blocked after SIGTERM"
-        assert procs[0].exitcode == 143
+        assert not signalled.is_alive(), "the rank signalled stayed blocked after SIGTERM"
+        assert signalled.exitcode == 143
         sent = float((tmp_path / "sent").read_text())
-        assert exited - sent < 10, exited - sent   # grace 1 s (HETRAIN_SIGTERM_GRACE), not gloo's timeout
+        # grace 1 s (HETRAIN_SIGTERM_GRACE), then 3 s to tell a rank gone, or the 4 s cap: not gloo's timeout
+        assert exited - sent < 10, exited - sent
         assert not list((tmp_path / "ckpt").glob("step-*"))   # no partial state was passed off as a checkpoint
     finally:
         for p in procs:
@@ -155,6 +167,52 @@ def test_sigterm_while_a_peer_evaluates_past_the_grace_still_saves(tmp_path):
         assert [p.exitcode for p in procs] == [143, 143]
         saved = Checkpointer(tmp_path / "ckpt").latest()
         assert saved is not None and 3 < saved.step <= 5 and saved.world_size == 2
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+
+
+def _closed_then_evaluating(rank, world, port, tmp):
+    """After 6 steps rank 1 closes (its final save waits for rank 0); rank 0 gets SIGTERM and evaluates for
+    4 s alone before it closes too."""
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "HETRAIN_SIGTERM_GRACE": "1"})
+    torch.set_num_threads(1)
+    import hetrain
+
+    session = hetrain.Session(balance=False, checkpoint_dir=f"{tmp}/ckpt", checkpoint_interval=100)
+    net = make_model()
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    for x, y in session.loader(make_data(), global_batch_size=8):
+        session.backward(F.cross_entropy(model(x), y))
+        session.step()
+        if session.step_count >= 6:
+            break
+    if rank == 0:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(4)
+    session.close()
+
+
+def test_sigterm_during_a_final_evaluation_while_a_peer_closed_saves_at_close(tmp_path):
+    """A closed peer counted as gone: the evaluating rank exited unsaved and the closed one failed in its
+    final save (a review). A closed rank waits in its final save; the progress watch names a step it
+    never takes."""
+    from hetrain.checkpoint.checkpointer import Checkpointer
+
+    ctx = rank_context()
+    port = free_port()
+    procs = [ctx.Process(target=_closed_then_evaluating, args=(r, 2, port, str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(timeout=60)
+        assert [p.exitcode for p in procs] == [0, 0]
+        saved = Checkpointer(tmp_path / "ckpt").latest()
+        assert saved is not None and saved.step == 6
     finally:
         for p in procs:
             if p.is_alive():
