@@ -29,6 +29,7 @@ from hetrain.runtime.batch_sampler import RankBatchSampler, ShareSchedule, step_
 from hetrain.runtime.batch_transfer import to_device
 from hetrain.runtime.environment import add_error_hint
 from hetrain.runtime.loader_position import StepPosition
+from hetrain.runtime.loader_workers import with_sigterm_left_to_rank
 from hetrain.runtime.data_order import GlobalBatchOrder, rank_slice
 from hetrain.runtime.sample_seeds import KeyedBatches, SeededSamples
 from hetrain.runtime.memory import empty_batch, equal_pieces, job_piece_count, micro_batch_sizes, split_batch
@@ -469,7 +470,7 @@ def make_loader(dataset: Any, global_batch_size: int, *, shuffle: bool = True, s
     lag = agreed_lag(prefetch_depth(dataloader_options), device, settings)
     common = dict(rank=rank, split=split, step=step, device=device, micro_batch=micro_batch, grad_accum=grad_accum,
                   gradient_sync=gradient_sync, same_piece_count=same_piece_count, collate_fn=collate_fn, lag=lag,
-                  **dataloader_options)
+                  **with_sigterm_left_to_rank(dataloader_options))
     if isinstance(dataset, IterableDataset):
         if dataloader_options.get("persistent_workers"):
             raise HetrainError(

@@ -125,6 +125,48 @@ def test_a_rank_blocked_in_a_collective_exits_soon_after_sigterm(tmp_path, how):
             p.join(5)
 
 
+def _signalled_with_workers(rank, world, root):
+    """A scheduler that ends a job (SLURM's time limit, scancel) signals every process of it, the ranks'
+    DataLoader workers included: here the workers after step 3, each rank after step 8."""
+    import multiprocessing
+    import subprocess
+
+    import torch.distributed as dist
+
+    import hetrain
+
+    dist.init_process_group("gloo")
+    session = hetrain.Session(balance=False, checkpoint_dir=f"{root}/ckpt", checkpoint_interval=100)
+    net = make_model()
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    loader = session.loader(make_data(), global_batch_size=8, num_workers=2, persistent_workers=True)
+    try:
+        while True:
+            for x, y in loader:
+                session.backward(F.cross_entropy(model(x), y))
+                session.step()
+                # from another process, as the scheduler's: the workers first, so that the batches they
+                # had read ahead are used up before the rank's own signal asks for the save
+                if session.step_count == 3:
+                    subprocess.run(["kill", "-TERM", *[str(w.pid) for w in multiprocessing.active_children()]],
+                                   check=True)
+                if session.step_count == 8:
+                    subprocess.run(["kill", "-TERM", str(os.getpid())], check=True)
+    except SystemExit as stop:
+        return {"exit": stop.code, "step": session.step_count}
+
+
+def test_sigterm_to_every_process_with_loader_workers_saves_the_step_in_flight(tmp_path):
+    """The workers died of the signal and the rank's next batch failed ("DataLoader worker ... is killed by
+    signal: Terminated"): no save, a traceback per rank (a scheduler audit). The workers leave it to the rank."""
+    from hetrain.checkpoint.checkpointer import Checkpointer
+
+    stopped = run_ranks(_signalled_with_workers, 2, str(tmp_path))
+    assert [r["exit"] for r in stopped] == [143, 143], stopped
+    saved = Checkpointer(tmp_path / "ckpt").latest()
+    assert saved is not None and saved.step == stopped[0]["step"] == stopped[1]["step"] and 8 <= saved.step <= 10
+
+
 def _evaluating(rank, world, port, tmp):
     """After step 3 rank 1 sends SIGTERM to rank 0, then evaluates alone for 4 s (the script's own code):
     rank 0 waits on it in the next step, blocked in a collective, past its 1 s grace."""

@@ -1,0 +1,69 @@
+"""A loader's workers leave a scheduler's SIGTERM to their rank, and still end with it.
+
+A scheduler that ends a job signals every process of it; a worker that died of it failed the rank's
+next batch before the rank could save (tests/recover/test_sigterm.py has the save). The workers ignore
+it, so the rank's exit must end them itself: multiprocessing's own exit (SIGTERM to each, then a join)
+would wait on them for ever, at an interpreter's exit and at the end of a process multiprocessing
+started (torch.multiprocessing.spawn's ranks)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+SCRIPT = """
+import os, sys, time
+import torch
+from torch.utils.data import TensorDataset
+import hetrain
+
+def main(index=0):
+    session = hetrain.Session()
+    net = torch.nn.Linear(1, 1)
+    session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    loader = session.loader(TensorDataset(torch.arange(4096.0)), global_batch_size=4, num_workers=2,
+                            persistent_workers=True, multiprocessing_context=sys.argv[2] or None)
+    batches = iter(loader)
+    for _ in range(8):   # every worker has started and served (batches go to the workers in turn)
+        next(batches)
+    import multiprocessing
+    print(" ".join(str(p.pid) for p in multiprocessing.active_children()), flush=True)
+    sys.stdin.readline()   # the test has signalled the workers
+    for _ in range(64):    # more than they had read ahead
+        next(batches)
+    print("read on", flush=True)
+
+if __name__ == "__main__":
+    if sys.argv[1] == "spawned":
+        import torch.multiprocessing as mp
+        mp.spawn(main, nprocs=1)
+    else:
+        main()
+    print("ended", time.monotonic(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("how, context", [("main", ""), ("spawned", ""), ("main", "spawn")])
+def test_workers_outlive_an_outside_sigterm_and_end_with_their_rank(tmp_path, how, context):
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    p = subprocess.Popen([sys.executable, str(script), how, context], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env={**env, "PYTHONPATH": os.getcwd()})
+    try:
+        workers = [int(pid) for pid in p.stdout.readline().split()]
+        assert len(workers) == 2, p.stderr.read()[-2000:] if p.poll() is not None else workers
+        for pid in workers:
+            os.kill(pid, signal.SIGTERM)   # from outside the rank, as a scheduler's
+        time.sleep(0.5)
+        out, err = p.communicate("go\n", timeout=60)   # the exit does not wait on the workers for ever
+        assert p.returncode == 0 and "read on" in out, err[-2000:]
+        for pid in workers:   # and they ended with the rank
+            assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
