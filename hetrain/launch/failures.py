@@ -22,6 +22,13 @@ STOPPED_BY_AGENT = (-int(signal.SIGTERM), 128 + int(signal.SIGTERM))
 """Exit codes of a rank the agent stopped after another failed (killed, or saved and exited 143)."""
 
 
+def stopped_on_sigterm(failures: dict[int, Any]) -> bool:
+    """Every rank saved and stopped on a SIGTERM it received (exit 143), but for ranks the agent itself
+    then stopped on their way out (SIGTERM): a scheduler that signals the ranks before their launcher."""
+    codes = [f.exitcode for f in failures.values()]
+    return 128 + int(signal.SIGTERM) in codes and all(c in STOPPED_BY_AGENT for c in codes)
+
+
 def _record(failure: Any) -> FailureRecord | None:
     return read_failure_record(getattr(failure, "error_file_data", None))
 

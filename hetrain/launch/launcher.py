@@ -31,7 +31,7 @@ from typing import Any
 from hetrain.errors import HetrainError, ranks_text
 from hetrain.hardware.catalog import rank_threads
 from hetrain.malloc_cache import worker_env as malloc_cache_env
-from hetrain.launch.failures import describe, first_failure, is_cause
+from hetrain.launch.failures import describe, first_failure, is_cause, stopped_on_sigterm
 from hetrain.launch.graceful_stop import GracefulStop, agent_signals
 from hetrain.launch.leftovers import adopt_orphans, end_leftovers
 from hetrain.metrics.serve import check_ports_free
@@ -346,6 +346,8 @@ def launch(cfg: LaunchConfig) -> int:
     try:
         run(args)
     except ChildFailedError as e:
+        if stopped_on_sigterm(e.failures):   # saved and stopped: the exit status a requeue script looks for
+            raise JobStopped(failure_line(e.failures, cfg), 128 + int(signal.SIGTERM)) from None
         raise HetrainError(failure_line(e.failures, cfg)) from None
     except RendezvousError as e:
         raise HetrainError(rendezvous_line(e, cfg)) from None
@@ -399,7 +401,7 @@ def failure_line(failures: dict[int, Any], cfg: LaunchConfig) -> str:
                 f"({describe(rank, failure)}): a script that returns on some ranks only (a break, return or "
                 "sys.exit(0) on one rank) leaves the others waiting on it; every rank takes the same steps (end the "
                 f"loop on session.step_count or the loader's epoch) and calls session.close(); {where}")
-    if all(f.exitcode == 128 + signal.SIGTERM for f in failures.values()):   # saved and stopped: a worker got SIGTERM
+    if stopped_on_sigterm(failures):   # saved and stopped: the ranks got SIGTERM before this launcher
         return ("every rank stopped on a SIGTERM a worker received (not this launcher): a hetrain.Session saves the "
                 "step in flight on every rank and stops, where checkpoints are on (each rank's output says which "
                 f"step); run the same command again to resume; {where}")
