@@ -374,6 +374,8 @@ def rendezvous_line(error: BaseException, cfg: LaunchConfig) -> str:
     detail = f" ({said[0][:200]})" if said else ""
     same = (f"every node must run hetrain launch with the same --nnodes (here {cfg.nnodes}), --rdzv-endpoint and "
             "--rdzv-id")
+    if cfg.node_rank is not None and not cfg.rdzv_endpoint:   # --master-addr: the node of --node-rank 0 serves it
+        same += f", and exactly one node --node-rank 0 (this one has {cfg.node_rank})"
     kind = type(error).__name__
     if kind == "RendezvousTimeoutError":
         return (f"the nodes did not all arrive at the rendezvous at {endpoint} within {timeout} s{detail}: {same}, "

@@ -82,6 +82,7 @@ class RankEnv:
 
     @classmethod
     def from_environ(cls) -> "RankEnv":
+        _ranks_from_slurm()
         rank, world = env_int("RANK", 0), env_int("WORLD_SIZE", 1)
         if world < 1 or not 0 <= rank < world:
             raise HetrainError(f"RANK={rank} and WORLD_SIZE={world} do not describe a rank of a job; "
@@ -89,6 +90,25 @@ class RankEnv:
         return cls(rank=rank, world_size=world, local_rank=env_int("LOCAL_RANK", 0),
                    restart_count=env_int("TORCHELASTIC_RESTART_COUNT", 0),
                    run_id=os.environ.get("TORCHELASTIC_RUN_ID", "local"))
+
+
+def _ranks_from_slurm() -> None:
+    """A process `srun` started as one task of several (no launcher: RANK and WORLD_SIZE unset) takes its
+    rank from Slurm's task variables, which `hetrain launch` and torchrun would otherwise have set; without
+    a rendezvous address every task silently trained a one-rank job of its own."""
+    tasks = os.environ.get("SLURM_NTASKS", "")
+    if "RANK" in os.environ or "WORLD_SIZE" in os.environ or "SLURM_STEP_ID" not in os.environ \
+            or not tasks.isdigit() or int(tasks) < 2:
+        return
+    if not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
+        raise HetrainError(
+            f"this process is one of {tasks} tasks srun started (SLURM_NTASKS={tasks}), with no rank of a job: "
+            "start one `hetrain launch --nnodes $SLURM_NNODES --nproc-per-node GPUS --rdzv-backend c10d "
+            "--rdzv-endpoint HEAD:29500 --rdzv-id $SLURM_JOB_ID script.py` per node (srun --ntasks-per-node=1), "
+            "or export MASTER_ADDR (the first node's host) and MASTER_PORT so that each task is a rank "
+            "(docs/runtime.md, Schedulers)")
+    os.environ.update({"RANK": os.environ.get("SLURM_PROCID", "0"), "WORLD_SIZE": tasks,
+                       "LOCAL_RANK": os.environ.get("SLURM_LOCALID", "0")})
 
 
 def pick_device(local_rank: int, device: str | torch.device | None = None) -> torch.device:
@@ -220,8 +240,8 @@ def init_process_group(env: RankEnv, device: torch.device, backend: str | None =
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return True, None
     raise HetrainError(
-        f"WORLD_SIZE is {env.world_size} but no rendezvous address is set; "
-        "start the script with `hetrain launch --nproc-per-node N script.py`"
+        f"WORLD_SIZE is {env.world_size} but no rendezvous address is set (MASTER_ADDR and MASTER_PORT); "
+        "start the script with `hetrain launch --nproc-per-node N script.py`, or set both"
     )
 
 

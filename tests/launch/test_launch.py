@@ -253,6 +253,11 @@ def test_rendezvous_failures_are_one_line_naming_what_to_check():
     closed = rendezvous_line(kinds["RendezvousClosedError"](""), cfg)
     assert "is closed: the job it served ended" in closed
     assert all("\n" not in line for line in (late, gone, closed))
+    assert "--node-rank" not in late
+    # --master-addr with --node-rank: the node of rank 0 serves the rendezvous; two nodes both 0 never meet
+    classic = LaunchConfig(script="train.py", nnodes="2", master_addr="node0", master_port=29500, node_rank=0)
+    for kind in ("RendezvousTimeoutError", "RendezvousConnectionError"):
+        assert "exactly one node --node-rank 0 (this one has 0)" in rendezvous_line(kinds[kind]("x"), classic)
 
 
 def test_rendezvous_endpoints_torch_accepts_pass_and_bad_ports_do_not():
