@@ -68,13 +68,11 @@ def test_sigterm_to_one_rank_saves_the_same_step_on_every_rank_and_a_restart_res
         assert torch.equal(v, resumed[0]["params"][k]), k   # nothing lost, nothing repeated
 
 
-def _stuck(rank, world, port, tmp, how):
-    """After step 3 one rank sends SIGTERM to the other and stops answering: it stops itself (SIGSTOP), as a
-    node off the network does ("stopped"; "store host stopped": rank 0, which holds the job's store), or
-    sleeps with its threads alive ("hung"). The rank signalled blocks in the next collective."""
+def _rank_with_grace(rank, world, port, tmp, **env):
+    """A rank the session starts itself (so it has a progress watch), SIGTERM's grace 1 s: (session, model,
+    loader, every rank's pid)."""
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "HETRAIN_SIGTERM_GRACE": "1",
-                       "HETRAIN_SIGTERM_MAX_WAIT": "4"})
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "HETRAIN_SIGTERM_GRACE": "1", **env})
     torch.set_num_threads(1)
     import torch.distributed as dist
 
@@ -86,6 +84,14 @@ def _stuck(rank, world, port, tmp, how):
     loader = session.loader(make_data(), global_batch_size=8)
     pids = [None] * world
     dist.all_gather_object(pids, os.getpid())
+    return session, model, loader, pids
+
+
+def _stuck(rank, world, port, tmp, how):
+    """After step 3 one rank sends SIGTERM to the other and stops answering: it stops itself (SIGSTOP), as a
+    node off the network does ("stopped"; "store host stopped": rank 0, which holds the job's store), or
+    sleeps with its threads alive ("hung"). The rank signalled blocks in the next collective."""
+    session, model, loader, pids = _rank_with_grace(rank, world, port, tmp, HETRAIN_SIGTERM_MAX_WAIT="4")
     sender = 0 if how == "store host stopped" else 1
     while True:
         for x, y in loader:
@@ -170,19 +176,7 @@ def test_sigterm_to_every_process_with_loader_workers_saves_the_step_in_flight(t
 def _evaluating(rank, world, port, tmp):
     """After step 3 rank 1 sends SIGTERM to rank 0, then evaluates alone for 4 s (the script's own code):
     rank 0 waits on it in the next step, blocked in a collective, past its 1 s grace."""
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "HETRAIN_SIGTERM_GRACE": "1"})
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    import hetrain
-
-    session = hetrain.Session(balance=False, checkpoint_dir=f"{tmp}/ckpt", checkpoint_interval=100)
-    net = make_model()
-    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
-    loader = session.loader(make_data(), global_batch_size=8)
-    pids = [None] * world
-    dist.all_gather_object(pids, os.getpid())
+    session, model, loader, pids = _rank_with_grace(rank, world, port, tmp)
     while session.step_count < 40:
         for x, y in loader:
             session.backward(F.cross_entropy(model(x), y))
@@ -219,15 +213,8 @@ def test_sigterm_while_a_peer_evaluates_past_the_grace_still_saves(tmp_path):
 def _closed_then_evaluating(rank, world, port, tmp):
     """After 6 steps rank 1 closes (its final save waits for rank 0); rank 0 gets SIGTERM and evaluates for
     4 s alone before it closes too."""
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "HETRAIN_SIGTERM_GRACE": "1"})
-    torch.set_num_threads(1)
-    import hetrain
-
-    session = hetrain.Session(balance=False, checkpoint_dir=f"{tmp}/ckpt", checkpoint_interval=100)
-    net = make_model()
-    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
-    for x, y in session.loader(make_data(), global_batch_size=8):
+    session, model, loader, _ = _rank_with_grace(rank, world, port, tmp)
+    for x, y in loader:
         session.backward(F.cross_entropy(model(x), y))
         session.step()
         if session.step_count >= 6:
