@@ -47,10 +47,10 @@ log = logging.getLogger("hetrain.checkpoint")
 
 SIGTERM_EXIT = 143
 PEER_CHECK_S = 1.0
-SIGTERM_MAX_WAIT_S = 25.0
-"""How long after SIGTERM a rank whose peers all still run waits for its step's end: under the 30 s
-`hetrain launch` gives its ranks (HETRAIN_SIGTERM_MAX_WAIT)."""
 """After SIGTERM's grace, how often a rank that has not reached its step's end asks whether every rank still speaks."""
+SIGTERM_MAX_WAIT_S = 25.0
+"""How long after SIGTERM a rank whose peers all still run waits for its step's end (one question to the
+store more at most): under the 30 s `hetrain launch` gives its ranks (HETRAIN_SIGTERM_MAX_WAIT)."""
 
 
 def checkpoint_settings(directory: str | os.PathLike | None, interval: int | None, keep: int | None,
