@@ -398,15 +398,15 @@ def failure_line(failures: dict[int, Any], cfg: LaunchConfig) -> str:
     where = f"its output is above{' and in ' + cfg.log_dir if cfg.log_dir else ''}"
     echoes = not any(is_cause(f) for f in failures.values())
     returned = sorted(set(range(cfg.nproc_per_node)) - set(failures)) if _max_nodes(cfg.nnodes)[1] == 1 else []
+    if stopped_on_sigterm(failures):   # saved and stopped: the ranks got SIGTERM before this launcher
+        return ("every rank stopped on a SIGTERM a worker received (not this launcher): a hetrain.Session saves the "
+                "step in flight on every rank and stops, where checkpoints are on (each rank's output says which "
+                f"step); run the same command again to resume; {where}")
     if echoes and returned:   # the others only lost a peer that had ended as if done
         return (f"{ranks_text(returned)} ended with exit code 0 while the others were in a step "
                 f"({describe(rank, failure)}): a script that returns on some ranks only (a break, return or "
                 "sys.exit(0) on one rank) leaves the others waiting on it; every rank takes the same steps (end the "
                 f"loop on session.step_count or the loader's epoch) and calls session.close(); {where}")
-    if stopped_on_sigterm(failures):   # saved and stopped: the ranks got SIGTERM before this launcher
-        return ("every rank stopped on a SIGTERM a worker received (not this launcher): a hetrain.Session saves the "
-                "step in flight on every rank and stops, where checkpoints are on (each rank's output says which "
-                f"step); run the same command again to resume; {where}")
     if _max_nodes(cfg.nnodes)[1] > 1 and echoes:
         # every rank here only lost its peers: the first failure was a rank on another node
         return (f"every rank on this node lost its peers ({describe(rank, failure)}): the failure began on another "

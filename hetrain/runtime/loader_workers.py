@@ -50,7 +50,7 @@ class LeaveSigtermToRank:
 
 def _end_when_told(watched: Any) -> None:
     try:
-        watched.poll(None)   # readable once the rank wrote (the byte stays for every worker) or its end closed
+        watched.poll(None)   # readable once the rank wrote (the byte stays for every worker) or died
     finally:
         os._exit(0)
 
@@ -81,6 +81,27 @@ def _at_exit() -> None:
     if not _registered:
         multiprocessing.util.Finalize(None, _rank_exiting, exitpriority=100)
         _registered = True
+
+
+def _forked() -> None:
+    """In a process forked from this one (a loader's worker, a rank started by fork): the parent's loaders
+    are not its own. It drops their write ends, so that their workers see the pipe end when the parent
+    dies however it dies (SIGKILL, os._exit), and registers its own exit hook anew (multiprocessing
+    empties its finalizers in a forked child)."""
+    global _registered
+    _registered = False
+    for workers in list(_LIVE):
+        detached = workers.end_workers.detach()
+        if detached is not None:
+            try:
+                detached[2][0].close()   # the write end (`_say_end`'s argument)
+            except OSError:
+                pass
+    _LIVE.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
 
 
 def with_sigterm_left_to_rank(dataloader_options: dict[str, Any]) -> dict[str, Any]:

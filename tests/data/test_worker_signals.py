@@ -4,7 +4,8 @@ A scheduler that ends a job signals every process of it; a worker that died of i
 next batch before the rank could save (tests/recover/test_sigterm.py has the save). The workers ignore
 it, so the rank's exit must end them itself: multiprocessing's own exit (SIGTERM to each, then a join)
 would wait on them for ever, at an interpreter's exit and at the end of a process multiprocessing
-started (torch.multiprocessing.spawn's ranks)."""
+started (torch.multiprocessing.spawn's ranks, or a rank forked by a process that had made a loader of its
+own: a forked child inherits the parent's loaders, not its exit hooks)."""
 
 import os
 import signal
@@ -36,17 +37,31 @@ def main(index=0):
         next(batches)
     print("read on", flush=True)
 
+def a_loader_tried_then_dropped():
+    from torch.utils.data import DataLoader
+    from hetrain.runtime.loader_workers import with_sigterm_left_to_rank
+    options = with_sigterm_left_to_rank({"num_workers": 1})
+    list(DataLoader(TensorDataset(torch.arange(8.0)), batch_size=4, **options))
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "spawned":
         import torch.multiprocessing as mp
         mp.spawn(main, nprocs=1)
+    elif sys.argv[1] == "forked":   # a rank forked by a process that had made (and dropped) a loader of its own
+        import multiprocessing
+        a_loader_tried_then_dropped()
+        rank = multiprocessing.get_context("fork").Process(target=main)
+        rank.start()
+        rank.join()
+        assert rank.exitcode == 0, rank.exitcode
     else:
         main()
     print("ended", time.monotonic(), flush=True)
 """
 
 
-@pytest.mark.parametrize("how, context", [("main", ""), ("spawned", ""), ("main", "spawn")])
+@pytest.mark.parametrize("how, context", [("main", ""), ("spawned", ""), ("main", "spawn"), ("forked", "")])
 def test_workers_outlive_an_outside_sigterm_and_end_with_their_rank(tmp_path, how, context):
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)

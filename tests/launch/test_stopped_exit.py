@@ -34,3 +34,12 @@ def test_ranks_that_saved_on_sigterm_end_the_launcher_with_143(tmp_path, monkeyp
     assert main(["launch", "--nproc-per-node", "2", str(script)]) == status
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith(f"hetrain launch: error: {says}"), last
+
+
+def test_a_rank_that_had_returned_beside_one_that_saved_on_sigterm_is_not_blamed(tmp_path):
+    """At the very end of training rank 0 returned (exit 0) as rank 1 saved and stopped on SIGTERM: the
+    status was 143 and the line blamed rank 0 for returning alone (a review)."""
+    from hetrain.launch.launcher import LaunchConfig, failure_line
+
+    line = failure_line({1: _failure(1, 143, tmp_path)}, LaunchConfig(script="t.py", nproc_per_node=2))
+    assert line.startswith("every rank stopped on a SIGTERM a worker received (not this launcher)"), line
