@@ -173,6 +173,25 @@ def test_sigterm_to_every_process_with_loader_workers_saves_the_step_in_flight(t
     assert saved is not None and saved.step == stopped[0]["step"] == stopped[1]["step"] and 8 <= saved.step <= 10
 
 
+def _exit_codes(target, tmp_path, world=2):
+    """Run `target(rank, world, port, tmp)` on `world` ranks the session starts itself; their exit codes
+    (None for a rank still running after 60 s, which is then killed)."""
+    ctx = rank_context()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port, str(tmp_path))) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(timeout=60)
+        return [p.exitcode for p in procs]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+
+
 def _evaluating(rank, world, port, tmp):
     """After step 3 rank 1 sends SIGTERM to rank 0, then evaluates alone for 4 s (the script's own code):
     rank 0 waits on it in the next step, blocked in a collective, past its 1 s grace."""
@@ -192,22 +211,9 @@ def test_sigterm_while_a_peer_evaluates_past_the_grace_still_saves(tmp_path):
     its last checkpoint. Now it exits early only when a rank is gone or frozen."""
     from hetrain.checkpoint.checkpointer import Checkpointer
 
-    ctx = rank_context()
-    port = free_port()
-    procs = [ctx.Process(target=_evaluating, args=(r, 2, port, str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(timeout=60)
-        assert [p.exitcode for p in procs] == [143, 143]
-        saved = Checkpointer(tmp_path / "ckpt").latest()
-        assert saved is not None and 3 < saved.step <= 5 and saved.world_size == 2
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(5)
+    assert _exit_codes(_evaluating, tmp_path) == [143, 143]
+    saved = Checkpointer(tmp_path / "ckpt").latest()
+    assert saved is not None and 3 < saved.step <= 5 and saved.world_size == 2
 
 
 def _closed_then_evaluating(rank, world, port, tmp):
@@ -231,22 +237,9 @@ def test_sigterm_during_a_final_evaluation_while_a_peer_closed_saves_at_close(tm
     never takes."""
     from hetrain.checkpoint.checkpointer import Checkpointer
 
-    ctx = rank_context()
-    port = free_port()
-    procs = [ctx.Process(target=_closed_then_evaluating, args=(r, 2, port, str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(timeout=60)
-        assert [p.exitcode for p in procs] == [0, 0]
-        saved = Checkpointer(tmp_path / "ckpt").latest()
-        assert saved is not None and saved.step == 6
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(5)
+    assert _exit_codes(_closed_then_evaluating, tmp_path) == [0, 0]
+    saved = Checkpointer(tmp_path / "ckpt").latest()
+    assert saved is not None and saved.step == 6
 
 
 WORKERS_SCRIPT = '''
