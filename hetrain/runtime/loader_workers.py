@@ -8,21 +8,32 @@ until it has saved, and end with it. DataLoader ends them as it always does (its
 their rank's death); what multiprocessing does at a process's exit, SIGTERM to each worker and a
 join, would wait on workers that ignore it, so the rank tells its workers to end first: at its exit,
 and when the loader is dropped. It tells them through a pipe each worker watches, which a worker
-that has already ended cannot hold up.
+that has already ended cannot hold up. A worker that cannot hear it (stuck in a call that holds the
+interpreter lock, which its listening thread needs) is killed after `WORKER_EXIT_WAIT_S` at the rank's
+exit, as multiprocessing's SIGTERM would have ended it: each worker tells its rank its pid.
 """
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import multiprocessing.util
 import os
 import signal
+import struct
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
 
+log = logging.getLogger("hetrain")
+
+WORKER_EXIT_WAIT_S = 2.0   # how long a rank's exit waits for its told workers before it kills them
+_PID = struct.Struct("=i")   # what a worker writes its rank: 4 bytes, one atomic write to a pipe
+
 _LIVE: "weakref.WeakSet[LeaveSigtermToRank]" = weakref.WeakSet()
+_TOLD: set[int] = set()   # the pids of the workers this process has told to end
 
 
 class LeaveSigtermToRank:
@@ -33,15 +44,17 @@ class LeaveSigtermToRank:
     def __init__(self, worker_init_fn: Callable[[int], Any] | None) -> None:
         self.worker_init_fn = worker_init_fn
         self._watched, writer = multiprocessing.Pipe(duplex=False)
-        self.end_workers = weakref.finalize(self, _say_end, writer)   # also when the loader is dropped
+        pids, self._pid_to_rank = multiprocessing.Pipe(duplex=False)
+        self.end_workers = weakref.finalize(self, _say_end, writer, pids)   # also when the loader is dropped
         _LIVE.add(self)
         _at_exit()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"worker_init_fn": self.worker_init_fn, "_watched": self._watched}
+        return {"worker_init_fn": self.worker_init_fn, "_watched": self._watched, "_pid_to_rank": self._pid_to_rank}
 
     def __call__(self, worker_id: int) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _tell_pid(self._pid_to_rank.fileno())
         threading.Thread(target=_end_when_told, args=(self._watched,), name="hetrain-worker-end",
                          daemon=True).start()
         if self.worker_init_fn is not None:
@@ -55,19 +68,73 @@ def _end_when_told(watched: Any) -> None:
         os._exit(0)
 
 
-def _say_end(writer: Any) -> None:
+def _tell_pid(fd: int) -> None:
+    """Without blocking: a pipe that a rank never read fills after thousands of workers (a loader without
+    persistent workers starts new ones each epoch); a worker whose pid is lost is only not killed if stuck."""
+    try:
+        os.set_blocking(fd, False)
+        os.write(fd, _PID.pack(os.getpid()))
+    except OSError:
+        pass
+
+
+def _read_pids(pids: Any) -> set[int]:
+    fd = pids.fileno()
+    os.set_blocking(fd, False)
+    data = b""
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except (BlockingIOError, InterruptedError):
+            break
+        if not chunk:
+            break
+        data += chunk
+    return {pid for (pid,) in _PID.iter_unpack(data[: len(data) - len(data) % _PID.size])}
+
+
+def _say_end(writer: Any, pids: Any) -> None:
     try:
         writer.send_bytes(b"\0")
         writer.close()
     except OSError:
         pass
+    try:
+        _TOLD.update(_read_pids(pids))
+        pids.close()
+    except OSError:
+        pass
+    _TOLD.intersection_update(p.pid for p in multiprocessing.active_children())   # those not yet ended
+
+
+def _end_workers_left(pids: set[int], wait_s: float) -> int:
+    """Join this process's children among `pids` for up to `wait_s` together, then kill those still
+    running; returns how many it killed. Only unreaped children are looked at, so a pid cannot have
+    been reused by another process."""
+    children = [p for p in multiprocessing.active_children() if p.pid in pids]
+    deadline = time.monotonic() + wait_s
+    for p in children:
+        p.join(max(0.0, deadline - time.monotonic()))
+    stuck = [p for p in children if p.exitcode is None]
+    if stuck and hasattr(signal, "SIGCHLD") and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)   # DataLoader's handler would raise that a worker was killed
+    for p in stuck:
+        p.kill()
+    for p in stuck:
+        p.join(1.0)
+    return len(stuck)
 
 
 def _rank_exiting() -> None:
     """At the rank's exit, before multiprocessing sends each worker SIGTERM and joins it: every worker
-    of this process's loaders ends now."""
+    of this process's loaders ends now, or is killed if it has not ended within `WORKER_EXIT_WAIT_S`."""
     for workers in list(_LIVE):
         workers.end_workers()
+    killed = _end_workers_left(_TOLD, WORKER_EXIT_WAIT_S)
+    _TOLD.clear()
+    if killed:
+        log.warning("killed %d DataLoader worker(s) that had not ended %.0f s after their rank's exit began "
+                    "(stuck in a call that holds the interpreter lock?)", killed, WORKER_EXIT_WAIT_S)
 
 
 _registered = False
@@ -90,11 +157,12 @@ def _forked() -> None:
     empties its finalizers in a forked child)."""
     global _registered
     _registered = False
+    _TOLD.clear()
     for workers in list(_LIVE):
         detached = workers.end_workers.detach()
         if detached is not None:
             try:
-                detached[2][0].close()   # the write end (`_say_end`'s argument)
+                detached[2][0].close()   # the write end (`_say_end`'s first argument)
             except OSError:
                 pass
     _LIVE.clear()

@@ -82,3 +82,52 @@ def test_workers_outlive_an_outside_sigterm_and_end_with_their_rank(tmp_path, ho
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+STUCK = """
+import ctypes, multiprocessing, sys, time
+import torch
+from torch.utils.data import DataLoader, Dataset
+from hetrain.runtime.loader_workers import with_sigterm_left_to_rank
+
+class Stuck(Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        if i >= 8:
+            ctypes.PyDLL(None).sleep(120)   # a C call that keeps the interpreter lock: no Python thread runs
+        return torch.tensor([float(i)])
+
+def own_child(path):   # a child of the script's own: the rank's exit waits for it, as ever
+    time.sleep(3)
+    open(path, "w").write("done")
+
+if __name__ == "__main__":
+    multiprocessing.Process(target=own_child, args=(sys.argv[1],)).start()
+    batches = iter(DataLoader(Stuck(), batch_size=4,
+                              **with_sigterm_left_to_rank({"num_workers": 1, "persistent_workers": True})))
+    next(batches)
+    time.sleep(0.5)   # the worker reads ahead, into the stuck call
+    print(" ".join(str(p.pid) for p in multiprocessing.active_children()), flush=True)
+"""
+
+
+def test_a_worker_stuck_holding_the_interpreter_lock_does_not_hold_up_its_ranks_exit(tmp_path):
+    """A worker ends through a thread of its own, which a call holding the interpreter lock starves; the
+    rank's exit would wait for that call (multiprocessing joins its children; SIGTERM no longer ends them)."""
+    script, done = tmp_path / "stuck.py", tmp_path / "own_child_done"
+    script.write_text(STUCK)
+    p = subprocess.Popen([sys.executable, str(script), str(done)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        out, err = p.communicate(timeout=60)   # not the 120 s of the stuck call
+        assert p.returncode == 0, err[-2000:]
+        assert "killed 1 DataLoader worker(s)" in err
+        assert done.read_text() == "done"   # the script's own child was left to end by itself
+        for pid in [int(pid) for pid in out.split()]:
+            assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
