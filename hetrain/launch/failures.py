@@ -56,9 +56,10 @@ def first_failure(failures: dict[int, Any]) -> tuple[int, Any]:
 def how_it_ended(exitcode: int) -> str:
     """"exited with code 1", or "was killed by SIGKILL" for a negative code."""
     if exitcode == -signal.SIGABRT:   # no Python error to report: say where such aborts come from
-        return ("was killed by SIGABRT (an abort in C++; under gloo, ranks calling different collectives: a branch one "
-                "rank alone takes inside an FSDP2 block, or a collective of the script's own under micro-batches; "
-                "docs/runtime.md)")
+        return ("was killed by SIGABRT (an abort in C++; under gloo, ranks calling different collectives: a "
+                "collective of the script's own that one rank alone calls (inside `if rank == 0:`) or whose size "
+                "follows the rank's share (dist.all_gather of batch rows: session.gather_rows), one under "
+                "micro-batches, or a branch one rank alone takes inside an FSDP2 block; docs/porting.md)")
     if exitcode < 0:
         try:
             return f"was killed by {signal.Signals(-exitcode).name}"

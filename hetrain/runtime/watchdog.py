@@ -230,6 +230,12 @@ def stall_message(stall: Stall, after: dict[int, Progress | None], own_seconds: 
                 f"{', session.'.join(sorted(set(calls.values())))} for {own_seconds:.0f} s: a collective call every rank "
                 f"makes before close() (is it inside `if rank == 0:`?; limit {timeout_s:g} s, hetrain launch "
                 "--collective-timeout)")
+    stepping = sorted(r for r, p in after.items() if p is not None and p.phase == "waiting")
+    if calls and stepping and len(calls) + len(stepping) == len(after) and not set(stepping) & set(stall.silent):   # `if rank == 0: session.barrier()`
+        return (f"{ranks_text(sorted(calls))} wait(s) in session.{', session.'.join(sorted(set(calls.values())))} "
+                f"while {ranks_text(stepping)} wait(s) in step {stall.step} for {own_seconds:.0f} s: a collective "
+                f"call every rank makes at the same point of its loop (is it inside `if rank == 0:`?; limit "
+                f"{timeout_s:g} s, hetrain launch --collective-timeout)")
     if len(calls) == len(after) and len(set(calls.values())) > 1:   # e.g. session.barrier() inside `if rank == 0:`
         where = "; ".join(f"{ranks_text(sorted(r for r in calls if calls[r] == c))} in session.{c}"
                           for c in sorted(set(calls.values())))
@@ -256,7 +262,8 @@ def stall_message(stall: Stall, after: dict[int, Progress | None], own_seconds: 
                    "every rank must make")
     compiling = " (torch.compile's compile and recompiles count as computing)" if doing == "computing" else \
         (" (an evaluation, a save or a download on this rank alone? ranks that wait for it call session.barrier(); "
-         "under FSDP2 or a pipeline every rank takes part in every forward)" if doing == BETWEEN else
+         "or a collective of the script's own that the other ranks do not call, a dist.barrier() inside `if rank == "
+         "0:`; under FSDP2 or a pipeline every rank takes part in every forward)" if doing == BETWEEN else
          " (a DataLoader worker or the dataset stalled)" if doing == READING else "")
     return (f"{who} made no progress at step {stall.step} for {seconds:.0f} s ({doing}{others}; "
             f"limit {timeout_s:g} s, hetrain launch --collective-timeout{compiling})")

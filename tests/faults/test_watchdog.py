@@ -260,8 +260,10 @@ def test_the_first_failure_is_the_cause_not_the_peer_that_exited_first(tmp_path,
     assert first_failure({0: _failure(1, 100, echo), 1: _failure(-9, 101)})[0] == 1
     assert describe(1, _failure(-9, 101)) == "rank 1 was killed by SIGKILL"
     # an abort has no Python error to show: the line says where gloo's come from (a bare SIGABRT named none)
-    assert describe(1, _failure(-6, 101)).startswith("rank 1 was killed by SIGABRT (an abort in C++; under gloo, "
-                                                     "ranks calling different collectives: a branch one rank alone")
+    aborted = describe(1, _failure(-6, 101))
+    assert aborted.startswith("rank 1 was killed by SIGABRT (an abort in C++; under gloo, ranks calling different "
+                              "collectives: a collective of the script's own that one rank alone calls"), aborted
+    assert "session.gather_rows" in aborted and "FSDP2" in aborted
 
 
 def test_a_stall_report_goes_before_a_peer_killed_by_a_signal_in_the_same_second(tmp_path, monkeypatch):
@@ -546,6 +548,20 @@ def test_a_barrier_one_rank_calls_alone_is_named_within_the_progress_limit(tmp_p
     assert r.returncode != 0 and time.monotonic() - start < 60, r.stderr[-2000:]
     assert ("the ranks wait in different collective calls at step 0" in r.stderr and "rank 0 in session.barrier(); "
             "rank 1 in session.prepare()" in r.stderr), r.stderr[-2000:]
+
+
+def test_a_session_barrier_one_rank_calls_while_the_other_waits_in_its_step_is_named_as_such():
+    """`if rank == 0: session.barrier()` after a step: 'ranks 0,1 made no progress at step 6 (in
+    session.barrier())', as if both waited in the barrier, with no word of the branch."""
+    from hetrain.runtime.watchdog import BARRIER, stall_message
+
+    before = {0: _p(6, BARRIER, 9), 1: _p(6, "waiting", 9)}
+    after = {0: _p(6, BARRIER, 12), 1: _p(6, "waiting", 12)}
+    message = stall_message(find_stall(before, after), after, 16.0, 15.0)
+    assert message.startswith("rank 0 wait(s) in session.barrier() while rank 1 wait(s) in step 6 for 16 s"), message
+    assert "inside `if rank == 0:`" in message
+    frozen = {0: _p(6, BARRIER, 12), 1: _p(6, "waiting", 9)}   # a rank that stopped speaking: not the branch
+    assert "wait(s) in step" not in stall_message(find_stall(before, frozen), frozen, 16.0, 15.0)
 
 
 def test_a_rank_in_its_own_code_between_steps_is_the_culprit_before_one_whose_forward_waits_on_it():
