@@ -37,6 +37,11 @@ PROGRESS = frozenset({"last_epoch", "T_cur", "T_i", "best", "num_bad_epochs", "c
 COUNTER = "hetrain_counter"   # a collections.Counter in a scheduler's state (MultiStepLR's milestones), as a dict
 
 
+def is_scheduler(obj: Any) -> bool:
+    """Whether `obj` is one of torch's LR schedulers (ReduceLROnPlateau included)."""
+    return isinstance(obj, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau))
+
+
 def savable(state: Any) -> Any:
     """A scheduler's state as a checkpoint holds it: a Counter (MultiStepLR's milestones, also inside a
     SequentialLR's or ChainedScheduler's states), which checkpoints do not load (they load tensors and plain
@@ -145,16 +150,19 @@ class Schedulers:
 
     # -- checkpoints --------------------------------------------------------------------------------
 
-    def state_dict(self, optimizer: Any = None) -> list[dict]:
+    def state_dict(self, optimizer: Any = None, *, saved_by_script: bool = False) -> list[dict]:
         """Each scheduler's state, with its class's name (a resume compares it). A scheduler drives `optimizer`
-        (building one sets each group's initial_lr) and none was given to the session: said once."""
+        (building one sets each group's initial_lr) and none was given to the session, nor saved as a state of
+        the script's own (`saved_by_script`, a schedule stepped once an epoch): said once."""
         self.check_not_stepped_elsewhere()
-        if not self.items and not self._unmanaged_said and optimizer is not None and any(
+        if not self.items and not saved_by_script and not self._unmanaged_said and optimizer is not None and any(
                 "initial_lr" in g for g in optimizer.param_groups):
             self._unmanaged_said = True
             log.warning("an LR scheduler drives the optimizer and none was given to session.add_scheduler(): the "
                         "checkpoint holds no schedule position, and a resume starts the schedule from its beginning; "
-                        "give it to session.add_scheduler(scheduler), which steps it after each update and saves it")
+                        "give it to session.add_scheduler(scheduler), which steps it after each update and saves it, "
+                        "or, to step it yourself (once an epoch), to session.add_state(\"lr_schedule\", scheduler), "
+                        "which saves it")
         return [{**savable(scheduler.state_dict()), KIND: type(scheduler).__name__} for scheduler in self.items]
 
     def load_state_dict(self, states: list[dict] | None, settings: list[dict] | None, step: int,

@@ -27,7 +27,7 @@ from hetrain.runtime.gradients import local_tensor
 from hetrain.runtime.data import HeteroLoader
 from hetrain.runtime.parallelize import Prepared
 from hetrain.runtime.precision import JobLossScaler
-from hetrain.runtime.schedulers import MOVED, Schedulers
+from hetrain.runtime.schedulers import MOVED, Schedulers, is_scheduler
 from hetrain.runtime.sharding import is_zero1
 from hetrain.runtime.step_state import StepState
 from hetrain.runtime.user_state import UserStates
@@ -102,7 +102,8 @@ class TrainState:
             "sharding": self.sharding,
             "scaler": self.scaler.state_dict(),
             "items_per_sample": self.step_state.items_per_sample if self.step_state is not None else None,
-            "schedulers": self.schedulers.state_dict(optimizer),
+            "schedulers": self.schedulers.state_dict(
+                optimizer, saved_by_script=any(is_scheduler(obj) for obj in self.user_states.items.values())),
             "user_state": user_state,
             "balancer": self.balancer.state_dict(),
             "loader": self.loader.state_dict(),

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from hetrain.errors import HetrainError
+from hetrain.runtime.schedulers import loadable, savable
 
 log = logging.getLogger("hetrain")
 
@@ -83,7 +84,9 @@ class UserStates:
             self._load(name, obj)
 
     def state_dict(self) -> dict[str, Any]:
-        return {name: dict(obj) if isinstance(obj, dict) else obj.state_dict() for name, obj in self.items.items()}
+        # savable: a Counter (a MultiStepLR's milestones, a scheduler stepped by the script once an epoch)
+        return {name: savable(dict(obj) if isinstance(obj, dict) else obj.state_dict())
+                for name, obj in self.items.items()}
 
     def load_state_dict(self, saved: dict[str, Any] | None) -> None:
         """A checkpoint's states: loaded into the objects given so far, kept for those given later."""
@@ -115,7 +118,7 @@ class UserStates:
             log.warning("the checkpoint resumed holds no state named %r (session.add_state): it starts as the "
                         "script built it", name)
             return
-        value = self._saved.pop(name)
+        value = loadable(self._saved.pop(name))
         if isinstance(obj, dict):   # tensors go back to the devices the script's dict holds them on
             value = {k: v.to(obj[k].device) if isinstance(v, torch.Tensor) and isinstance(obj.get(k), torch.Tensor)
                      else copy.deepcopy(v) for k, v in value.items()}

@@ -117,6 +117,35 @@ def test_a_schedule_the_session_was_not_given_is_said_at_the_first_checkpoint(tm
     assert sum("none was given to session.add_scheduler()" in line for line in lines) == 1
 
 
+def test_a_schedule_the_script_steps_each_epoch_and_saves_with_add_state_resumes_with_no_warning(tmp_path):
+    """A per-epoch schedule saved through session.add_state() was still told to go to add_scheduler(), and a
+    MultiStepLR's milestones (a Counter) made the first checkpoint fail."""
+    def run(steps):
+        session = _session(checkpoint_dir=tmp_path, checkpoint_interval=1, async_checkpoints=False)
+        net = make_net()
+        model, optimizer = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        scheduler = session.add_state("lr_schedule", torch.optim.lr_scheduler.MultiStepLR(optimizer, [1, 2], 0.5))
+        with hetrain_warnings() as lines:
+            loader = session.loader(make_data(), global_batch_size=8, shuffle=False)   # 4 steps an epoch
+            while session.step_count < steps:
+                for x, y in loader:
+                    session.backward(F.cross_entropy(model(x), y))
+                    session.step()
+                    if session.step_count == steps:
+                        break
+                else:
+                    scheduler.step()
+        session.close()
+        return scheduler, optimizer, lines
+
+    scheduler, optimizer, lines = run(6)   # epoch 0, its scheduler.step(), 2 steps of epoch 1
+    assert (scheduler.last_epoch, optimizer.param_groups[0]["lr"]) == (1, 0.05)
+    assert not any("add_scheduler" in line for line in lines), lines
+    resumed, optimizer, lines = run(6)   # resumes at step 6: nothing left to train
+    assert (resumed.last_epoch, optimizer.param_groups[0]["lr"]) == (1, 0.05)
+    assert not any("add_scheduler" in line for line in lines), lines
+
+
 @pytest.mark.parametrize("sharding", ["zero1", "fsdp"])
 def test_a_tensor_learning_rate_the_rebuilt_optimizer_shares_is_not_taken_for_a_change(sharding):
     """The rebuilt optimizer holds the script's lr tensor, which the session's scheduler moves in place."""
