@@ -82,6 +82,7 @@ class HeteroLoader:
         self.gradients_pending: Callable[[], bool] = lambda: True
         # told (epoch, batches) when the stream ends a pass, None once every rank began the next (the session's watch)
         self.on_stream_end: Callable[[tuple[int, int] | None], None] = lambda ended: None
+        self.before_epoch: Callable[[], None] = lambda: None   # each pass begins with it (a checkpoint due: resume.py)
         self.on_phase: Callable[[str], None] = lambda phase: None   # "reading" its batch, "computing" its step, or
         # "between": the loop left it with a batch drawn
         self._warned_no_step = False
@@ -184,6 +185,7 @@ class HeteroLoader:
                         "moves the data position, so that batch's step of data is skipped (docs/porting.md)")
 
     def __iter__(self) -> Iterator[Any]:
+        self.before_epoch()
         self._warned_no_step = False
         if self._epoch_done():
             self._epoch += 1

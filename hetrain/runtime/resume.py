@@ -24,10 +24,12 @@ new ranks, and a new rank without an RNG state of its own keeps the one it start
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -74,7 +76,8 @@ def checkpoint_settings(directory: str | os.PathLike | None, interval: int | Non
 
 
 def start_checkpoints(state: TrainState, settings: tuple, recent_step_seconds: Callable[[], Sequence[float]],
-                      on_saved: Callable[[CheckpointRecord], None] | None) -> "SessionCheckpoints | None":
+                      on_saved: Callable[[CheckpointRecord], None] | None,
+                      between_steps: Callable[[], Any] = contextlib.nullcontext) -> "SessionCheckpoints | None":
     """A session's checkpoints with `checkpoint_settings(...)` (None without a directory), resumed from the newest
     checkpoint there. A resume that fails (every checkpoint damaged, another model's) gives the directory back
     before the error leaves, so that the script, or a new session, can try again."""
@@ -88,6 +91,8 @@ def start_checkpoints(state: TrainState, settings: tuple, recent_step_seconds: C
     except BaseException:
         checkpoints.close(save=False)
         raise
+    checkpoints.between_steps = between_steps
+    state.loader.before_epoch = checkpoints.save_due
     return checkpoints
 
 
@@ -109,6 +114,8 @@ class SessionCheckpoints:
         self._blocking: dict[int, float] = {}   # step -> seconds its save held the loop, until reported
         self._captured: dict[int, float] = {}   # step -> seconds capturing its state took
         self.resumed_from: int | None = None
+        self.between_steps: Callable[[], Any] = contextlib.nullcontext   # a save's time between steps (StepClock)
+        self._due = False   # a checkpoint due at an epoch's last step, written as the next epoch begins
         self._sigterm = False
         self._previous_handler = None
         self._watch = _SigtermWatch(self._on_watched_sigterm, self._grace_seconds, self._peers_gone)
@@ -193,14 +200,30 @@ class SessionCheckpoints:
             self._restore_signals()
             raise SystemExit(SIGTERM_EXIT)
         if self.state.step % self.interval == 0:
-            self.save()
+            if self.state.loader.step_in_epoch == 0:   # the epoch's last step
+                self._due = True
+            else:
+                self.save()
+
+    def save_due(self) -> None:
+        """The checkpoint due at an epoch's last step, written as the next epoch begins (or at close): it holds
+        what the script does at an epoch's end (a schedule stepped once an epoch, an evaluation's best value,
+        the generators an evaluation drew from), which a run resumed from that step would not do again: it
+        begins the next epoch."""
+        if self._due:
+            self._due = False
+            with self.between_steps():
+                self.save()
 
     def close(self, save: bool = True) -> None:
         """Save the last step (unless saved already, or not `save`), finish pending saves, restore the SIGTERM
         handler."""
         self._watch.reached()
+        self._due = False
+        # an error at an epoch's end: that step's state without (all) the script does there, which a resume skips
+        erred_at_epoch_end = sys.exc_info()[0] not in (None, SystemExit) and self.state.loader.step_in_epoch == 0
         try:
-            if save and self.last_saved_step != self.state.step and self.state.step > 0:
+            if save and self.last_saved_step != self.state.step and self.state.step > 0 and not erred_at_epoch_end:
                 self.save(blocking=True)
             self.checkpointer.close()
             self._report_committed()

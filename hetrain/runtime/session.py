@@ -227,7 +227,7 @@ class Session:
                            self.rank, schedulers=self.schedulers, step_state=self.state, user_states=self.user_states)
         # resumes the newest checkpoint; a failed resume leaves the session without a loader (and the directory free)
         self.checkpoints = start_checkpoints(train, self._checkpoint_args, lambda: list(self.step_seconds)[-20:],
-                                             self.reports.checkpoint)
+                                             self.reports.checkpoint, self.clock.checkpoint_between)
         self.train = train
         self.skips.total = self.train.skipped_steps   # a resumed run keeps counting its skipped steps
         self._start_metrics()

@@ -1,0 +1,56 @@
+"""What a script does at an epoch's end is in the checkpoint of the epoch's last step.
+
+A loop steps a schedule once an epoch, evaluates (drawing from the generators), keeps a best value: code
+after the epoch's last `session.step()`. A run resumed from that step's checkpoint begins the next epoch
+and never runs that code again, so the checkpoint must hold its effect: it is written as the next epoch
+begins (or at close), not inside the step."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+from tests.runtime.test_refusals import make_data
+
+EPOCHS = 3
+
+
+def _run(directory, crash=None):
+    """3 epochs of 4 steps, a checkpoint every 4 steps (each at an epoch's last step); the epoch's end steps
+    a MultiStepLR saved with add_state and draws from the generator dropout uses. `crash`: the script raises
+    after step 8, or in epoch 1's end."""
+    import hetrain
+
+    plan = Plan(global_batch_size=8, balance=BalancePlan(enabled=False), ranks=[RankPlan(rank=0, share=8)])
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Dropout(0.3), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    with hetrain.Session(plan, checkpoint_dir=directory, checkpoint_interval=4, async_checkpoints=False) as session:
+        model, optimizer = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        schedule = session.add_state("schedule", torch.optim.lr_scheduler.MultiStepLR(optimizer, [1, 2], 0.5))
+        best = session.add_state("best", {"loss": float("inf"), "noise": 0.0})
+        loader = session.loader(make_data(), global_batch_size=8, shuffle=True, seed=3)
+        while loader.epoch < EPOCHS:
+            for x, y in loader:
+                session.backward(F.cross_entropy(model(x), y))
+                session.step()
+                if session.step_count == 8 and crash == "after step 8":
+                    raise RuntimeError("crash")
+            schedule.step()
+            if session.step_count == 8 and crash == "at epoch 1's end":
+                raise RuntimeError("crash")
+            best["loss"] = min(best["loss"], session.loss)
+            best["noise"] += float(torch.rand(()))   # an evaluation's random crop: the generator moves
+        params = [p.detach().clone() for p in net.parameters()]
+    return params, optimizer.param_groups[0]["lr"], dict(best)
+
+
+@pytest.mark.parametrize("crash", ["after step 8", "at epoch 1's end"])
+def test_a_run_resumed_from_an_epochs_last_step_equals_an_uninterrupted_one(tmp_path, crash):
+    """The crash leaves step 8 unsaved (its state lacks epoch 1's end, which a resume from it would skip): the
+    run resumes from step 4, whose checkpoint holds epoch 0's end."""
+    expected, lr, best = _run(tmp_path / "whole")
+    with pytest.raises(RuntimeError, match="crash"):
+        _run(tmp_path / "resumed", crash=crash)
+    resumed, resumed_lr, resumed_best = _run(tmp_path / "resumed")
+    assert resumed_lr == lr == 0.025 and resumed_best == best
+    assert all(torch.equal(a, b) for a, b in zip(resumed, expected))
