@@ -62,7 +62,12 @@ class Prepared:
         if self.plain is not None:
             self.plain.before_backward(first_of_step)
         with session_backward():
-            loss.backward()
+            try:
+                loss.backward()
+            except NotImplementedError as e:   # DDP's buckets read a sparse gradient (F.embedding(sparse=True))
+                if "Sparse" not in str(e):
+                    raise
+                raise HetrainError(f"a sparse gradient reached the step ({e}): {SPARSE_FIX}") from e
         if self.kept is not None:
             self.kept.drop()
 
@@ -172,14 +177,16 @@ def check_parameters(model: nn.Module, sharding_name: str = "none") -> None:
     sparse = [n for n, m in model.named_modules()
               if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
     if sparse:
-        raise HetrainError(
-            f"{sparse[0]} makes sparse gradients (sparse=True), and a step counts, unscales and clips dense ones; "
-            "build it with sparse=False (an optimizer for sparse gradients, such as SparseAdam, becomes Adam)")
+        raise HetrainError(f"{sparse[0]} makes sparse gradients (sparse=True): {SPARSE_FIX}")
     if len(dtypes) > 1 and sharding_name != "none":
         kinds = ", ".join(f"{str(d).removeprefix('torch.')} ({n})" for d, n in dtypes.items())
         raise HetrainError(
             f"sharding {sharding_name!r} needs the model's parameters in one dtype, and they are {kinds}: torch's "
             "ZeRO-1 and FSDP2 flatten them together; give them one dtype, or use sharding 'none'")
+
+
+SPARSE_FIX = ("a step counts, unscales and clips dense gradients; build the embedding with sparse=False (or call "
+              "F.embedding without sparse=True), and an optimizer for sparse gradients, such as SparseAdam, becomes Adam")
 
 
 def sync_batchnorm(model: nn.Module, device: torch.device, world_size: int, warn: bool) -> nn.Module:
@@ -385,6 +392,8 @@ def reduce_late_trainable(prepared: Prepared) -> None:
     world = torch.distributed.get_world_size()
     for dtype, params in groups.items():
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        if any(g.is_sparse for g in grads):   # an embedding made trainable after prepare() (checked there when trainable)
+            raise HetrainError(f"a parameter made trainable after session.prepare() has a sparse gradient: {SPARSE_FIX}")
         flats = [(torch.view_as_real(g) if g.is_complex() else g).reshape(-1) for g in grads]
         given = torch.tensor([float(p.grad is not None) for p in params], dtype=dtype, device=flats[0].device)
         flat = torch.cat([*flats, given])

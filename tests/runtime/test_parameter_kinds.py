@@ -104,3 +104,51 @@ def test_frozen_parameters_of_another_dtype_or_a_frozen_sparse_table_are_not_ref
     assert torch.equal(after["emb.weight"], before["emb.weight"]) and torch.equal(after["table"], before["table"])
     assert after["table"].dtype == torch.float64
     assert not torch.equal(after["head.weight"], before["head.weight"])   # the head trained
+
+
+class FunctionalSparse(torch.nn.Module):
+    """A table of its own read through F.embedding(sparse=True), or an nn.Embedding(sparse=True) frozen at
+    prepare() and made trainable later: neither is an nn.Embedding prepare() can see train sparsely."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.emb = torch.nn.Embedding(10, 4, sparse=how == "unfrozen later")
+        self.emb.weight.requires_grad_(how != "unfrozen later")
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        rows = torch.nn.functional.embedding(x, self.emb.weight, sparse=True) if self.how == "functional" else self.emb(x)
+        return self.head(rows).sum(1)
+
+
+def _sparse_steps(rank, world, how):
+    import hetrain
+    import torch.nn.functional as F
+
+    plan = Plan(global_batch_size=8, balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=0, share=5), RankPlan(rank=1, share=3)])
+    session = hetrain.Session(plan)
+    torch.manual_seed(0)
+    net = FunctionalSparse(how)
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    data = torch.utils.data.TensorDataset(torch.randint(0, 10, (32, 3)), torch.randint(0, 2, (32,)))
+    try:
+        for x, y in session.loader(data, global_batch_size=8, shuffle=False):
+            if session.step_count == 1:
+                net.emb.weight.requires_grad_(True)
+            session.backward(F.cross_entropy(model(x), y))
+            session.step()
+    except HetrainError as e:
+        return str(e)
+    return "trained"
+
+
+@pytest.mark.parametrize("how", ["functional", "unfrozen later"])
+def test_a_sparse_gradient_prepare_could_not_see_is_refused_naming_sparse_false(how):
+    """F.embedding(sparse=True) ended in torch's 'Cannot access storage of SparseTensorImpl' from inside the
+    backward; a sparse embedding unfrozen after prepare() in 'reshape is not implemented for sparse tensors'."""
+    from tests.distributed import run_ranks
+
+    for said in run_ranks(_sparse_steps, 2, how):
+        assert "sparse gradient" in said and "sparse=False" in said, said
