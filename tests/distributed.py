@@ -147,9 +147,9 @@ def _join_all(threads, seconds: float) -> None:
         t.join(max(0.0, deadline - time.monotonic()))
 
 
-def sigterm_when(cmd: list[str], ready: str, *, after: float, cwd=None, timeout: float = 90, env=None
-                 ) -> subprocess.CompletedProcess:
-    """Start `cmd` in its own process group, wait for a stdout line holding `ready`, send SIGTERM
+def sigterm_when(cmd: list[str], ready: str, *, after: float, cwd=None, timeout: float = 90, env=None,
+                 sig: int | None = None) -> subprocess.CompletedProcess:
+    """Start `cmd` in its own process group, wait for a stdout line holding `ready`, send SIGTERM (or `sig`)
     `after` seconds later and return when it exits (its stdout from then on, its stderr); the whole
     group is killed if the test fails on the way."""
     import signal
@@ -160,7 +160,7 @@ def sigterm_when(cmd: list[str], ready: str, *, after: float, cwd=None, timeout:
         started = any(ready in line for line in proc.stdout)
         assert started and proc.poll() is None, f"no line with {ready!r}, or the job ended first"
         time.sleep(after)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM if sig is None else sig)
         out, err = proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:

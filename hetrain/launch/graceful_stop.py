@@ -10,6 +10,8 @@ So the launcher takes SIGTERM itself. It sends it to each rank process alone (it
 keep serving it), waits until every rank has exited (a hetrain.Session saves the step in flight and
 exits with 143, ending its own workers) or `wait_s` has passed, and only then hands the signal to
 the agent, which stops whatever is left as it always does. A second SIGTERM hands it over at once.
+SIGUSR1, which a scheduler may send as a warning before the end (Slurm's
+`--signal=USR1@N`) and whose default action would kill the launcher at once, is taken as SIGTERM.
 SIGINT, SIGHUP and SIGQUIT stay the agent's. Where /proc is missing (not Linux) the launcher finds
 no ranks and hands the signal over at once.
 """
@@ -23,6 +25,7 @@ import time
 from types import FrameType
 
 from hetrain.launch.leftovers import children_of_launch, process_status
+from hetrain.runtime.stop_signals import takes_usr1
 
 STOP_WAIT_S = 30.0
 """How long the ranks get to save and exit before the agent stops them (its own SIGKILL follows 30 s
@@ -64,6 +67,7 @@ class GracefulStop:
         self.wait_s = wait_s
         self._stopping = False
         self._previous = None
+        self._previous_usr1 = None
 
     def install(self) -> bool:
         """Take SIGTERM (from the main thread only); the agent must be started without it
@@ -71,23 +75,28 @@ class GracefulStop:
         if threading.current_thread() is not threading.main_thread():
             return False
         self._previous = signal.signal(signal.SIGTERM, self.on_sigterm)
+        if takes_usr1():   # a scheduler's warning before the end (Slurm's --signal=USR1@N): a SIGTERM stop
+            self._previous_usr1 = signal.signal(signal.SIGUSR1, self.on_sigterm)
         return True
 
     def uninstall(self) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
             self._previous = None
+        if self._previous_usr1 is not None:
+            signal.signal(signal.SIGUSR1, self._previous_usr1)
+            self._previous_usr1 = None
 
     def on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         from torch.distributed.elastic.multiprocessing import SignalException
 
-        sigval = signal.Signals(signum)
+        sigval = signal.SIGTERM   # SIGUSR1 too: the ranks save and stop, and the job ends with 143
         if not self._stopping:
             self._stopping = True
             pids = rank_pids(self.launch_id)
             for pid in pids:
                 try:
-                    os.kill(pid, signum)
+                    os.kill(pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
             deadline = time.monotonic() + self.wait_s

@@ -54,6 +54,8 @@ class LeaveSigtermToRank:
 
     def __call__(self, worker_id: int) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if hasattr(signal, "SIGUSR1"):   # a scheduler's warning signal, which the rank takes as SIGTERM
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         _tell_pid(self._pid_to_rank.fileno())
         threading.Thread(target=_end_when_told, args=(self._watched,), name="hetrain-worker-end",
                          daemon=True).start()

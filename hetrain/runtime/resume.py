@@ -39,6 +39,7 @@ from typing import Any
 from hetrain.checkpoint.checkpointer import Checkpointer
 from hetrain.checkpoint.errors import START_FROM_WEIGHTS
 from hetrain.errors import HetrainError
+from hetrain.runtime.stop_signals import takes_usr1
 from hetrain.runtime.environment import env_float, env_int, whole_number
 from hetrain.metrics.events import CheckpointRecord
 from hetrain.runtime.train_state import TrainState
@@ -118,11 +119,15 @@ class SessionCheckpoints:
         self._due = False   # a checkpoint due at an epoch's last step, written as the next epoch begins
         self._sigterm = False
         self._previous_handler = None
+        self._previous_usr1 = None
         self._watch = _SigtermWatch(self._on_watched_sigterm, self._grace_seconds, self._peers_gone)
         try:
             self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
         except ValueError:  # not the main thread: the interval and close() still save
             return
+        if takes_usr1():   # a scheduler's warning before the end (Slurm's --signal=USR1@N) would kill it unsaved
+            self._previous_usr1 = signal.signal(signal.SIGUSR1, self._on_sigterm)
+            self._watch.signals.add(signal.SIGUSR1)
         self._watch.start()
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
@@ -238,6 +243,12 @@ class SessionCheckpoints:
             except ValueError:
                 pass
             self._previous_handler = None
+        if self._previous_usr1 is not None:
+            try:
+                signal.signal(signal.SIGUSR1, self._previous_usr1)
+            except ValueError:
+                pass
+            self._previous_usr1 = None
 
     # -- resume -----------------------------------------------------------------------------------
 
@@ -294,6 +305,7 @@ class _SigtermWatch:
 
     def __init__(self, on_sigterm: Any, grace: Any, peers_gone: Any) -> None:
         self._on_sigterm = on_sigterm
+        self.signals = {int(signal.SIGTERM)}   # and SIGUSR1 where the session took it
         self._grace = grace
         self._peers_gone = peers_gone
         self._reached = threading.Event()
@@ -348,7 +360,7 @@ class _SigtermWatch:
             data = os.read(r, 64)
             if self._stopped or not data:
                 return
-            if signal.SIGTERM not in data:
+            if not self.signals.intersection(data):
                 continue
             self._on_sigterm()
             started = time.monotonic()

@@ -131,9 +131,10 @@ def test_a_rank_blocked_in_a_collective_exits_soon_after_sigterm(tmp_path, how):
             p.join(5)
 
 
-def _signalled_with_workers(rank, world, root):
+def _signalled_with_workers(rank, world, root, sig="TERM"):
     """A scheduler that ends a job (SLURM's time limit, scancel) signals every process of it, the ranks'
-    DataLoader workers included: here the workers after step 3, each rank after step 8."""
+    DataLoader workers included: here the workers after step 3, each rank after step 8. Slurm's warning
+    before the time limit (--signal=USR1@N) is SIGUSR1, whose default action kills at once."""
     import multiprocessing
     import subprocess
 
@@ -154,20 +155,22 @@ def _signalled_with_workers(rank, world, root):
                 # from another process, as the scheduler's: the workers first, so that the batches they
                 # had read ahead are used up before the rank's own signal asks for the save
                 if session.step_count == 3:
-                    subprocess.run(["kill", "-TERM", *[str(w.pid) for w in multiprocessing.active_children()]],
+                    subprocess.run(["kill", f"-{sig}", *[str(w.pid) for w in multiprocessing.active_children()]],
                                    check=True)
                 if session.step_count == 8:
-                    subprocess.run(["kill", "-TERM", str(os.getpid())], check=True)
+                    subprocess.run(["kill", f"-{sig}", str(os.getpid())], check=True)
     except SystemExit as stop:
         return {"exit": stop.code, "step": session.step_count}
 
 
-def test_sigterm_to_every_process_with_loader_workers_saves_the_step_in_flight(tmp_path):
+@pytest.mark.parametrize("sig", ["TERM", "USR1"])
+def test_sigterm_to_every_process_with_loader_workers_saves_the_step_in_flight(tmp_path, sig):
     """The workers died of the signal and the rank's next batch failed ("DataLoader worker ... is killed by
-    signal: Terminated"): no save, a traceback per rank (a scheduler audit). The workers leave it to the rank."""
+    signal: Terminated"): no save, a traceback per rank (a scheduler audit). The workers leave it to the rank.
+    SIGUSR1 killed every process unsaved."""
     from hetrain.checkpoint.checkpointer import Checkpointer
 
-    stopped = run_ranks(_signalled_with_workers, 2, str(tmp_path))
+    stopped = run_ranks(_signalled_with_workers, 2, str(tmp_path), sig)
     assert [r["exit"] for r in stopped] == [143, 143], stopped
     saved = Checkpointer(tmp_path / "ckpt").latest()
     assert saved is not None and saved.step == stopped[0]["step"] == stopped[1]["step"] and 8 <= saved.step <= 10
@@ -270,10 +273,11 @@ if __name__ == "__main__":
 '''
 
 
-def test_sigterm_to_the_launcher_saves_the_step_in_flight_with_dataloader_workers(tmp_path):
+@pytest.mark.parametrize("sig", ["TERM", "USR1"])
+def test_sigterm_to_the_launcher_saves_the_step_in_flight_with_dataloader_workers(tmp_path, sig):
     """The launcher passes SIGTERM to each rank alone, not to its process group: the loader's workers
     keep serving the rank, which saves the step in flight instead of failing on a dead worker, and the
-    next launch resumes there."""
+    next launch resumes there. SIGUSR1 (a scheduler's warning) killed the launcher and its job unsaved."""
     import subprocess
     import sys
 
@@ -285,7 +289,7 @@ def test_sigterm_to_the_launcher_saves_the_step_in_flight_with_dataloader_worker
     launch = [sys.executable, "-m", "hetrain.cli.main", "launch", "--nproc-per-node", "2", "--checkpoint-dir",
               str(tmp_path / "ckpt"), str(script)]
     env = {**os.environ, "HETRAIN_CHECKPOINT_INTERVAL": "100000"}   # only the SIGTERM save
-    stopped = sigterm_when(launch, "starts at step 0", after=3, env=env)
+    stopped = sigterm_when(launch, "starts at step 0", after=3, env=env, sig=getattr(signal, f"SIG{sig}"))
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     assert "DataLoader worker" not in stopped.stderr, stopped.stderr[-3000:]
     assert stopped.stderr.count("SIGTERM: saving step") == 1, stopped.stderr[-3000:]   # job-wide: said once
