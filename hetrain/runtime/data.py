@@ -82,7 +82,6 @@ class HeteroLoader:
         self.gradients_pending: Callable[[], bool] = lambda: True
         # told (epoch, batches) when the stream ends a pass, None once every rank began the next (the session's watch)
         self.on_stream_end: Callable[[tuple[int, int] | None], None] = lambda ended: None
-        self.before_epoch: Callable[[], None] = lambda: None   # each pass begins with it (a checkpoint due: resume.py)
         self.on_phase: Callable[[str], None] = lambda phase: None   # "reading" its batch, "computing" its step, or
         # "between": the loop left it with a batch drawn
         self._warned_no_step = False
@@ -91,6 +90,7 @@ class HeteroLoader:
         self.seed = order.seed if order is not None else seed
         self._epoch = 0
         self._in_epoch = 0   # steps of `epoch` already handed out
+        self._end_pending = False   # resumed from a checkpoint the epoch's last step took inside session.step()
         self.run_step = 0        # steps handed out since the run began (all epochs)
         self._position = StepPosition()   # as of the last step taken: what a checkpoint saves
         self.schedule = ShareSchedule(split.shares, lag=0 if self.stream else lag)
@@ -116,15 +116,15 @@ class HeteroLoader:
 
     @property
     def epoch(self) -> int:
-        """The epoch the loop is in. Once the step of an epoch's last batch has ended (`session.step()`), the
-        next one: `while loader.epoch < epochs` then stops after the run's last step however the pass was
-        left (a `break`, a resume from a checkpoint saved at that step)."""
-        return self._epoch + 1 if self._finished() else self._epoch
+        """The epoch the loop is in; once the step of its last batch has ended (`session.step()`) the next, so
+        `while loader.epoch < epochs` stops after the run's last step. Resumed from a checkpoint that step took,
+        the epoch's own until a pass with no batch: the loop's code after the epoch's batches runs again."""
+        return self._epoch + 1 if self._finished() and not self._end_pending else self._epoch
 
     @property
     def step_in_epoch(self) -> int:
         """Steps of `epoch` handed out (0 once an epoch's last step has ended)."""
-        return 0 if self._finished() else self._in_epoch
+        return 0 if self._finished() and not self._end_pending else self._in_epoch
 
     def _finished(self) -> bool:
         return self._epoch_done() and not self.step.active
@@ -185,8 +185,10 @@ class HeteroLoader:
                         "moves the data position, so that batch's step of data is skipped (docs/porting.md)")
 
     def __iter__(self) -> Iterator[Any]:
-        self.before_epoch()
         self._warned_no_step = False
+        if self._end_pending:   # resumed from an epoch's last step: a pass with no batch, then the epoch's end code
+            self._end_pending, self._epoch, self._in_epoch = False, self._epoch + 1, 0
+            return
         if self._epoch_done():
             self._epoch += 1
             self._in_epoch = 0
@@ -281,10 +283,11 @@ class HeteroLoader:
             with self.gradient_sync(last):  # DDP reads it in forward: span the user's whole pass
                 yield piece
 
-    def state_dict(self) -> dict:
+    def state_dict(self, in_step: bool = False) -> dict:
         epoch, in_epoch, run_step = self._position.saved((self._epoch, self._in_epoch, self.run_step),
                                                          self.step.finished)   # a draw given no step is not in it
         state = {"epoch": epoch, "step_in_epoch": in_epoch, "run_step": run_step, "seed": self.seed,
+                 "epoch_end_pending": in_step and self._epoch_done(),
                  "global_batch_size": self.global_batch_size, "schedule": self.schedule.state_dict()}
         if self.order is not None:
             state["order"] = self._order_settings()
@@ -313,6 +316,7 @@ class HeteroLoader:
                     f"differently ({changed}): the rest of the epoch would repeat some samples and skip others; "
                     "resume with the checkpoint's dataset and loader settings, or change them at an epoch's end")
         self._epoch, self._in_epoch = epoch, in_epoch
+        self._end_pending = bool(state.get("epoch_end_pending")) and self._epoch_done()
         self.run_step = int(state.get("run_step", 0))
         saved = state.get("schedule")
         if saved is not None and all(len(s) == len(self.split.shares) for _, s in saved["changes"]):

@@ -24,7 +24,6 @@ new ranks, and a new rank without an RNG state of its own keeps the one it start
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -77,8 +76,7 @@ def checkpoint_settings(directory: str | os.PathLike | None, interval: int | Non
 
 
 def start_checkpoints(state: TrainState, settings: tuple, recent_step_seconds: Callable[[], Sequence[float]],
-                      on_saved: Callable[[CheckpointRecord], None] | None,
-                      between_steps: Callable[[], Any] = contextlib.nullcontext) -> "SessionCheckpoints | None":
+                      on_saved: Callable[[CheckpointRecord], None] | None) -> "SessionCheckpoints | None":
     """A session's checkpoints with `checkpoint_settings(...)` (None without a directory), resumed from the newest
     checkpoint there. A resume that fails (every checkpoint damaged, another model's) gives the directory back
     before the error leaves, so that the script, or a new session, can try again."""
@@ -92,8 +90,6 @@ def start_checkpoints(state: TrainState, settings: tuple, recent_step_seconds: C
     except BaseException:
         checkpoints.close(save=False)
         raise
-    checkpoints.between_steps = between_steps
-    state.loader.before_epoch = checkpoints.save_due
     return checkpoints
 
 
@@ -115,8 +111,6 @@ class SessionCheckpoints:
         self._blocking: dict[int, float] = {}   # step -> seconds its save held the loop, until reported
         self._captured: dict[int, float] = {}   # step -> seconds capturing its state took
         self.resumed_from: int | None = None
-        self.between_steps: Callable[[], Any] = contextlib.nullcontext   # a save's time between steps (StepClock)
-        self._due = False   # a checkpoint due at an epoch's last step, written as the next epoch begins
         self._sigterm = False
         self._previous_handler = None
         self._previous_usr1 = None
@@ -168,10 +162,10 @@ class SessionCheckpoints:
 
     # -- saving -----------------------------------------------------------------------------------
 
-    def save(self, *, blocking: bool | None = None) -> None:
-        """Collective: write a checkpoint of the current step."""
+    def save(self, *, blocking: bool | None = None, in_step: bool = False) -> None:
+        """Collective: write a checkpoint of the current step (`in_step`: from inside `session.step()`)."""
         start = time.perf_counter()
-        shared, per_rank, sharded = self.state.capture()
+        shared, per_rank, sharded = self.state.capture(in_step=in_step)
         self._captured[self.state.step] = time.perf_counter() - start   # part of the save's time until committed
         self.checkpointer.save(self.state.step, shared, per_rank, sharded, blocking=blocking)
         self.last_saved_step = self.state.step
@@ -200,32 +194,19 @@ class SessionCheckpoints:
             self._watch.reached()  # every rank is here: the save can proceed
             if self.state.rank == 0:   # every rank saves it: said once
                 log.warning("SIGTERM: saving step %d and stopping", self.state.step)
-            self.save(blocking=True)
+            self.save(blocking=True, in_step=True)
             self.checkpointer.close()
             self._restore_signals()
             raise SystemExit(SIGTERM_EXIT)
         if self.state.step % self.interval == 0:
-            if self.state.loader.step_in_epoch == 0:   # the epoch's last step
-                self._due = True
-            else:
-                self.save()
-
-    def save_due(self) -> None:
-        """The checkpoint due at an epoch's last step, written as the next epoch begins (or at close): it holds
-        what the script does at an epoch's end (a schedule stepped once an epoch, an evaluation's best value,
-        the generators an evaluation drew from), which a run resumed from that step would not do again: it
-        begins the next epoch."""
-        if self._due:
-            self._due = False
-            with self.between_steps():
-                self.save()
+            self.save(in_step=True)
 
     def close(self, save: bool = True) -> None:
         """Save the last step (unless saved already, or not `save`), finish pending saves, restore the SIGTERM
         handler."""
         self._watch.reached()
-        self._due = False
-        # an error at an epoch's end: that step's state without (all) the script does there, which a resume skips
+        # an error at an epoch's end: that step's state with part of what the script does there, which a resume
+        # from the step's own checkpoint (taken inside it) does again
         erred_at_epoch_end = sys.exc_info()[0] not in (None, SystemExit) and self.state.loader.step_in_epoch == 0
         try:
             if save and self.last_saved_step != self.state.step and self.state.step > 0 and not erred_at_epoch_end:

@@ -227,7 +227,7 @@ class Session:
                            self.rank, schedulers=self.schedulers, step_state=self.state, user_states=self.user_states)
         # resumes the newest checkpoint; a failed resume leaves the session without a loader (and the directory free)
         self.checkpoints = start_checkpoints(train, self._checkpoint_args, lambda: list(self.step_seconds)[-20:],
-                                             self.reports.checkpoint, self.clock.checkpoint_between)
+                                             self.reports.checkpoint)
         self.train = train
         self.skips.total = self.train.skipped_steps   # a resumed run keeps counting its skipped steps
         self._start_metrics()
@@ -425,8 +425,9 @@ class Session:
 
     @property
     def loss(self) -> float | None:
-        """The global-batch mean loss of the last finished step (item-weighted over every rank)."""
-        return self.state.last.loss if self.state.last is not None else None
+        """The global-batch mean loss of the last finished step (item-weighted over every rank; a resumed checkpoint's
+        until this process's first step)."""
+        return self.state.last_loss
 
     def global_mean(self, value: torch.Tensor | float, weight: float | None = None) -> float:
         """The mean over all ranks of per-rank means, weighted by each rank's items: by default this

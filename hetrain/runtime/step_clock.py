@@ -58,18 +58,6 @@ class StepClock:
         finally:
             self._held = time.perf_counter() - start
 
-    @contextmanager
-    def checkpoint_between(self) -> Iterator[None]:
-        """A save made after step() returned, before the next step: its own part, not the script's time."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            held = time.perf_counter() - start
-            self._held += held
-            if self._returned is not None:
-                self._returned += held
-
     def returned(self) -> None:
         """step() returns: from here to the next forward, the script's own time."""
         self._returned = time.perf_counter()

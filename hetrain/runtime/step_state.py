@@ -54,6 +54,7 @@ class StepState:
         self.begun = 0                          # steps begun (tells one step's batch from the next)
         self.finished = 0                       # steps finished (a batch drawn and not stepped is not counted)
         self.last: StepTotals | None = None
+        self.resumed_loss: float | None = None   # a resumed checkpoint's last loss, until this process's first step
         self.skipped_last = False               # this rank skipped its last finished step (replicated gradients:
                                                 # the next step's figures check every rank did the same)
         self.closed = False                     # session.close() ran: no more steps
@@ -119,6 +120,11 @@ class StepState:
         self.local_samples = self.global_samples = self.micro_samples = None
         self.last_micro, self.items, self.loss_sum, self.backwards, self.micros = True, 0.0, None, 0, 0
         return self.last
+
+    @property
+    def last_loss(self) -> float | None:
+        """The last finished step's global-batch loss: this process's, else the resumed checkpoint's."""
+        return self.last.loss if self.last is not None else self.resumed_loss
 
     def mean_weight(self) -> float:
         """This rank's weight in a mean over ranks: the current step's items so far (its samples before

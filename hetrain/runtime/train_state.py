@@ -66,10 +66,12 @@ class TrainState:
         """Model and optimizer state go through the checkpoint's sharded part (DCP): FSDP2 or pipeline stages."""
         return self.sharding == "fsdp" or self.pipelined
 
-    def capture(self, names_with_state: Sequence[str] | None = None) -> tuple[dict, dict, dict | None]:
+    def capture(self, names_with_state: Sequence[str] | None = None, *,
+                in_step: bool = False) -> tuple[dict, dict, dict | None]:
         """(shared, per_rank, sharded) as of now (collective under ZeRO-1 and FSDP2). Under FSDP2 the
         optimizer state of every parameter that has some, frozen now or not (torch's state dicts leave
-        frozen ones out); `names_with_state`: a checkpoint's such parameters, for a template."""
+        frozen ones out); `names_with_state`: a checkpoint's such parameters, for a template. `in_step`: taken
+        inside `session.step()`, before the script's code after it (the loader's state says so)."""
         model, optimizer = self.prepared.model, self.prepared.optimizer
         self.check_finite()
         with_state = state_names(self.prepared.state_module, optimizer) if self.sharding == "fsdp" else []
@@ -102,11 +104,12 @@ class TrainState:
             "sharding": self.sharding,
             "scaler": self.scaler.state_dict(),
             "items_per_sample": self.step_state.items_per_sample if self.step_state is not None else None,
+            "loss": self.step_state.last_loss if self.step_state is not None else None,   # session.loss on resume
             "schedulers": self.schedulers.state_dict(
                 optimizer, saved_by_script=any(is_scheduler(obj) for obj in self.user_states.items.values())),
             "user_state": user_state,
             "balancer": self.balancer.state_dict(),
-            "loader": self.loader.state_dict(),
+            "loader": self.loader.state_dict(in_step=in_step),
             "world_size": self.world_size,
             "plan": self.plan.to_json() if self.plan is not None else "",
         }
@@ -150,6 +153,8 @@ class TrainState:
                                         optimizer)
         self.skipped_steps = int(shared.get("skipped_steps", 0))
         self.user_states.load_state_dict(shared.get("user_state"))
+        if self.step_state is not None:
+            self.step_state.resumed_loss = shared.get("loss")
         if self.step_state is not None and shared.get("items_per_sample") is not None:
             self.step_state.items_per_sample = float(shared["items_per_sample"])
         if int(shared["world_size"]) == self.world_size and not self.balancer.load_state_dict(shared["balancer"]):
