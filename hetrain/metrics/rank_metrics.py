@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import weakref
 from pathlib import Path
 from types import ModuleType
 
@@ -24,8 +25,20 @@ from hetrain.metrics.run_log import RunLog
 from hetrain.metrics.serve import serve
 from hetrain.metrics.state import RankState
 from hetrain.metrics.events import CheckpointRecord, StepRecord
+from hetrain.runtime.exiting import once_at_exit
 
 log = logging.getLogger(__name__)
+
+
+_LOGGING: "weakref.WeakSet[RankMetrics]" = weakref.WeakSet()
+
+
+def begin_logs() -> None:
+    """At exit: the start line (and a restart held for after it) of every run log not yet begun, so that an
+    attempt that failed before its first step (a restart that failed again) is in the log."""
+    for metrics in list(_LOGGING):
+        if metrics._log is not None:
+            metrics._begin_log()
 
 
 class RankMetrics:
@@ -63,6 +76,9 @@ class RankMetrics:
                                     "predicted_step_seconds": predicted_step_seconds}
         self._held: list[dict] = []   # lines that come before the first step (a restart), after the start line
         self._log = RunLog(run_dir, rank) if run_dir is not None else None
+        if self._log is not None:   # a rank that fails before its first step still logs its start (and restart)
+            _LOGGING.add(self)
+            once_at_exit(begin_logs)
         self._server = None
         self.port = None if port is None else port + local_rank
         if port is not None:

@@ -94,7 +94,8 @@ class RankRun:
 
     @property
     def restarts(self) -> int:
-        return max((a.restarts for a in self.attempts), default=0)
+        """Attempts that were restarts (each launch counts its own from 1: a second launch's first restart is 1)."""
+        return sum(1 for a in self.attempts if a.restarts > 0)
 
     @property
     def devices(self) -> list[str]:

@@ -65,6 +65,30 @@ def test_summary_figures(tmp_path):
     assert r1["step_seconds"] == pytest.approx((0.5 * 3 + 1.0) / 4)
 
 
+def test_restarts_count_every_launchs_and_one_that_failed_before_its_first_step(tmp_path):
+    """A restarted attempt that failed again before its first step left no line (its restart was held for its
+    start line), and a second launch's first restart counts 1 again: 'restarts 0', then 'restarts 1' for 2."""
+    def attempt(restart, steps):
+        m = RankMetrics(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), device_name="cpu", port=None,
+                        run_dir=tmp_path, job="report")
+        m.on_restart(restart)
+        for step in steps:
+            m.on_step(step_record(step, rank=0, world_size=1, device="cpu", share=8, samples=8, shares=(8,),
+                                  step_seconds=0.5, compute_seconds=0.4, data_wait_seconds=0.0, loss=1.0))
+        if steps:
+            m.close()
+        else:   # failed before its first step: no close(), only the process's exit
+            from hetrain.metrics.rank_metrics import begin_logs
+
+            begin_logs()
+
+    attempt(0, [1, 2])   # the first launch, failed after step 2
+    attempt(1, [])       # its restart, failed again at once
+    attempt(0, [1, 2, 3])   # a second launch, from the start (no checkpoint)
+    attempt(1, [3, 4])   # its restart
+    assert load_run(tmp_path)[0].restarts == 2   # one in each launch
+
+
 def hetrain(*args):
     return run_cli([sys.executable, "-m", "hetrain.cli.main", *args], cwd=ROOT, timeout=120)
 
