@@ -72,6 +72,7 @@ class RankRun:
     attempts: list[Attempt] = field(default_factory=list)
     steps: list[dict[str, Any]] = field(default_factory=list)
     step_attempts: list[int] = field(default_factory=list)
+    mixed_emulation: bool = False   # a part of a rank that ran at emulated speeds and without
 
     @property
     def start(self) -> dict[str, Any]:
@@ -99,26 +100,34 @@ class RankRun:
 
     @property
     def devices(self) -> list[str]:
-        """The devices this rank's steps ran on, in order of first use."""
-        seen = list(dict.fromkeys(s["device"] for s in self.steps))
+        """The devices this rank's steps ran on, in order of first use (`cpu (emulated)` for emulated speeds
+        where the rank also ran without)."""
+        seen = list(dict.fromkeys(self._where(s) for s in self.steps))
         return seen or [d for d in dict.fromkeys(a.device for a in self.attempts) if d][-1:]
+
+    def _where(self, step: dict[str, Any]) -> str:
+        mixed = self.mixed_emulation or len({bool(s.get("emulated")) for s in self.steps}) > 1
+        return step["device"] + (" (emulated)" if mixed and step.get("emulated") else "")
 
     @property
     def device(self) -> str:
         return " → ".join(self.devices) or "?"
 
     def parts(self) -> list["RankRun"]:
-        """One RankRun per device this rank ran on (itself when only one): its steps and attempts there."""
+        """One RankRun per device this rank ran on (itself when only one): its steps and attempts there. A
+        rank that ran at emulated speeds and without (a resume on fewer ranks, launched without) gets a part
+        for each: their timings are not of one device."""
         devices = self.devices
         if len(devices) <= 1:
             return [self]
         parts = []
         for device in devices:
-            picked = [(s, a) for s, a in zip(self.steps, self.step_attempts) if s["device"] == device]
+            picked = [(s, a) for s, a in zip(self.steps, self.step_attempts) if self._where(s) == device]
             used = sorted({a for _, a in picked} | {i for i, a in enumerate(self.attempts) if a.device == device})
             index = {a: j for j, a in enumerate(used)}
             parts.append(RankRun(self.rank, [self.attempts[a] for a in used], [s for s, _ in picked],
-                                 [index[a] for _, a in picked]))
+                                 [index[a] for _, a in picked], self.mixed_emulation or
+                                 len({bool(s.get("emulated")) for s in self.steps}) > 1))
         return parts
 
     @property

@@ -89,6 +89,23 @@ def test_restarts_count_every_launchs_and_one_that_failed_before_its_first_step(
     assert load_run(tmp_path)[0].restarts == 2   # one in each launch
 
 
+def test_a_rank_that_ran_at_emulated_speeds_then_without_gets_a_row_for_each(tmp_path):
+    """A 2-rank job at emulated speeds, resumed on 1 rank without them: one 'cpu' row blended both phases'
+    samples/s (381 of 303 and 442) and called the real steps emulated."""
+    for emulated, steps, seconds in ((True, range(1, 21), 1.0), (False, range(21, 41), 0.5)):
+        m = RankMetrics(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), device_name="cpu", port=None,
+                        run_dir=tmp_path, job="report")
+        for step in steps:
+            m.on_step(step_record(step, rank=0, world_size=1, device="cpu", share=8, samples=8, shares=(8,),
+                                  step_seconds=seconds, compute_seconds=0.4, data_wait_seconds=0.0, loss=1.0,
+                                  emulated=emulated))
+        m.close()
+    rows = summary_rows(load_run(tmp_path))
+    assert [(r["device"], r["emulated"], r["first_step"], r["last_step"]) for r in rows] == [
+        ("cpu (emulated)", True, 1, 20), ("cpu", False, 21, 40)]
+    assert [r["samples_per_second"] for r in rows] == [pytest.approx(8.0), pytest.approx(16.0)]
+
+
 def hetrain(*args):
     return run_cli([sys.executable, "-m", "hetrain.cli.main", *args], cwd=ROOT, timeout=120)
 
