@@ -33,6 +33,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from hetrain.runtime.exiting import once_at_exit
 from hetrain.checkpoint import lease, selection, store
 from hetrain.checkpoint.errors import CheckpointError, describe_os_error, os_error_fix
 from hetrain.checkpoint.manifest import (
@@ -64,6 +65,18 @@ class CheckpointInfo:
     world_size: int
     sharded: bool
     bytes: int
+
+
+EXIT_SAVE_WAIT_S = 120.0   # how long a process's exit waits for a background save still being written
+_SAVING: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
+
+
+def finish_saves_at_exit() -> None:
+    """The process exits: every background save it started is finished first (each rank joins its own; a save's
+    collectives pair with the other ranks', which exit through the same script)."""
+    deadline = time.monotonic() + EXIT_SAVE_WAIT_S
+    for checkpointer in list(_SAVING):
+        checkpointer.finish_at_exit(max(0.0, deadline - time.monotonic()))
 
 
 class Checkpointer:
@@ -134,7 +147,17 @@ class Checkpointer:
             self._thread = threading.Thread(target=self._background, args=args, name=f"hetrain-ckpt-{step}",
                                             daemon=True)
             self._thread.start()
+            _SAVING.add(self)
+            once_at_exit(finish_saves_at_exit)
         self.last_blocking_seconds = time.perf_counter() - start
+
+    def finish_at_exit(self, timeout_s: float) -> None:
+        """At exit, a background save still being written (a script that never closed its session): joined for
+        up to `timeout_s`; a daemon thread writing while the interpreter is torn down loses the checkpoint and
+        can abort the process ("terminate called without an active exception")."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
 
     def wait(self) -> None:
         """Block until the background save (if any) is committed; raise its error if it failed."""
