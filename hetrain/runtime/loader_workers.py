@@ -30,10 +30,10 @@ from typing import Any
 log = logging.getLogger("hetrain")
 
 WORKER_EXIT_WAIT_S = 2.0   # how long a rank's exit waits for its told workers before it kills them
-_PID = struct.Struct("=i")   # what a worker writes its rank: 4 bytes, one atomic write to a pipe
+_PID = struct.Struct("=iq")   # what a worker writes its rank: its pid and start time, one atomic write to a pipe
 
 _LIVE: "weakref.WeakSet[LeaveSigtermToRank]" = weakref.WeakSet()
-_TOLD: set[int] = set()   # the pids of the workers this process has told to end
+_TOLD: set[tuple[int, int]] = set()   # (pid, start time) of the workers this process has told to end
 
 
 class LeaveSigtermToRank:
@@ -75,12 +75,22 @@ def _tell_pid(fd: int) -> None:
     persistent workers starts new ones each epoch); a worker whose pid is lost is only not killed if stuck."""
     try:
         os.set_blocking(fd, False)
-        os.write(fd, _PID.pack(os.getpid()))
+        os.write(fd, _PID.pack(os.getpid(), start_time(os.getpid())))
     except OSError:
         pass
 
 
-def _read_pids(pids: Any) -> set[int]:
+def start_time(pid: int) -> int:
+    """When process `pid` started (clock ticks since boot, from /proc), -1 where that cannot be read: a pid
+    alone names another process once the worker has been reaped and its pid reused."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def _read_pids(pids: Any) -> set[tuple[int, int]]:
     fd = pids.fileno()
     os.set_blocking(fd, False)
     data = b""
@@ -92,7 +102,7 @@ def _read_pids(pids: Any) -> set[int]:
         if not chunk:
             break
         data += chunk
-    return {pid for (pid,) in _PID.iter_unpack(data[: len(data) - len(data) % _PID.size])}
+    return set(_PID.iter_unpack(data[: len(data) - len(data) % _PID.size]))
 
 
 def _say_end(writer: Any, pids: Any) -> None:
@@ -106,14 +116,16 @@ def _say_end(writer: Any, pids: Any) -> None:
         pids.close()
     except OSError:
         pass
-    _TOLD.intersection_update(p.pid for p in multiprocessing.active_children())   # those not yet ended
+    running = {p.pid for p in multiprocessing.active_children()}   # those not yet ended
+    _TOLD.intersection_update(told for told in _TOLD if told[0] in running)
 
 
-def _end_workers_left(pids: set[int], wait_s: float) -> int:
-    """Join this process's children among `pids` for up to `wait_s` together, then kill those still
-    running; returns how many it killed. Only unreaped children are looked at, so a pid cannot have
-    been reused by another process."""
-    children = [p for p in multiprocessing.active_children() if p.pid in pids]
+def end_workers_left(told: set[tuple[int, int]], wait_s: float) -> int:
+    """Join this process's children that are among the `told` workers (pid and start time: a worker reaped
+    long ago may have left its pid to a process of the script's own) for up to `wait_s` together, then kill
+    those still running; returns how many it killed."""
+    children = [p for p in multiprocessing.active_children()
+                if p.pid is not None and (p.pid, start_time(p.pid)) in told and start_time(p.pid) != -1]
     deadline = time.monotonic() + wait_s
     for p in children:
         p.join(max(0.0, deadline - time.monotonic()))
@@ -132,7 +144,7 @@ def _rank_exiting() -> None:
     of this process's loaders ends now, or is killed if it has not ended within `WORKER_EXIT_WAIT_S`."""
     for workers in list(_LIVE):
         workers.end_workers()
-    killed = _end_workers_left(_TOLD, WORKER_EXIT_WAIT_S)
+    killed = end_workers_left(_TOLD, WORKER_EXIT_WAIT_S)
     _TOLD.clear()
     if killed:
         log.warning("killed %d DataLoader worker(s) that had not ended %.0f s after their rank's exit began "

@@ -115,6 +115,7 @@ class SessionCheckpoints:
         self._previous_handler = None
         self._previous_usr1 = None
         self._watch = _SigtermWatch(self._on_watched_sigterm, self._grace_seconds, self._peers_gone)
+        self._watch.handler = self._on_sigterm
         try:
             self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
         except ValueError:  # not the main thread: the interval and close() still save
@@ -217,19 +218,16 @@ class SessionCheckpoints:
             self._restore_signals()
 
     def _restore_signals(self) -> None:
+        """The handlers this session replaced, where its own is still in place (not one the script set since)."""
         self._watch.stop()
-        if self._previous_handler is not None:
-            try:
-                signal.signal(signal.SIGTERM, self._previous_handler)
-            except ValueError:
-                pass
-            self._previous_handler = None
-        if self._previous_usr1 is not None:
-            try:
-                signal.signal(signal.SIGUSR1, self._previous_usr1)
-            except ValueError:
-                pass
-            self._previous_usr1 = None
+        for sig, previous in ((signal.SIGTERM, self._previous_handler), (getattr(signal, "SIGUSR1", None),
+                                                                          self._previous_usr1)):
+            if previous is not None and signal.getsignal(sig) == self._on_sigterm:
+                try:
+                    signal.signal(sig, previous)
+                except ValueError:
+                    pass
+        self._previous_handler = self._previous_usr1 = None
 
     # -- resume -----------------------------------------------------------------------------------
 
@@ -287,6 +285,7 @@ class _SigtermWatch:
     def __init__(self, on_sigterm: Any, grace: Any, peers_gone: Any) -> None:
         self._on_sigterm = on_sigterm
         self.signals = {int(signal.SIGTERM)}   # and SIGUSR1 where the session took it
+        self.handler: Any = None   # the session's: a signal counts while it is the signal's handler
         self._grace = grace
         self._peers_gone = peers_gone
         self._reached = threading.Event()
@@ -341,8 +340,8 @@ class _SigtermWatch:
             data = os.read(r, 64)
             if self._stopped or not data:
                 return
-            if not self.signals.intersection(data):
-                continue
+            if not any(signal.getsignal(sig) == self.handler for sig in self.signals.intersection(data)):
+                continue   # not a stop signal, or one the script has taken back with a handler of its own
             self._on_sigterm()
             started = time.monotonic()
             if self._reached.wait(self._grace()) or self._stopped:

@@ -43,27 +43,44 @@ def is_scheduler(obj: Any) -> bool:
 
 
 def savable(state: Any) -> Any:
-    """A scheduler's state as a checkpoint holds it: a Counter (MultiStepLR's milestones, also inside a
-    SequentialLR's or ChainedScheduler's states), which checkpoints do not load (they load tensors and plain
-    containers only), as a plain dict marked to become a Counter again."""
+    """A state as a checkpoint holds it: a Counter (MultiStepLR's milestones, also inside a SequentialLR's or
+    ChainedScheduler's states, or a script's own state), which checkpoints do not load (they load tensors and
+    plain containers only), as a plain dict marked to become a Counter again. Containers without a Counter
+    inside are the same objects."""
     if isinstance(state, collections.Counter):
         return {COUNTER: dict(state)}
-    if isinstance(state, dict):
-        return {k: savable(v) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(savable(v) for v in state)
-    return state
+    return _each(state, savable)
 
 
 def loadable(state: Any) -> Any:
-    """`savable`'s inverse: the state the scheduler's load_state_dict takes (a Counter answers 0 for a step that
-    is no milestone, where a dict would raise)."""
+    """`savable`'s inverse: the state load_state_dict takes (a Counter answers 0 for a step that is no
+    milestone, where a dict would raise)."""
+    if isinstance(state, dict) and set(state) == {COUNTER}:
+        return collections.Counter(state[COUNTER])
+    return _each(state, loadable)
+
+
+def _each(state: Any, convert: Callable[[Any], Any]) -> Any:
+    """`state` with `convert` applied to each item of a dict, list or tuple: the same object where nothing
+    changed, else one of its own type (an OrderedDict, a namedtuple) where that type can be built so."""
     if isinstance(state, dict):
-        if set(state) == {COUNTER}:
-            return collections.Counter(state[COUNTER])
-        return {k: loadable(v) for k, v in state.items()}
+        items = {k: convert(v) for k, v in state.items()}
+        if all(items[k] is v for k, v in state.items()):
+            return state
+        try:
+            return type(state)(items)
+        except TypeError:   # a defaultdict, a dict subclass of other arguments
+            return items
     if isinstance(state, (list, tuple)):
-        return type(state)(loadable(v) for v in state)
+        converted = [convert(v) for v in state]
+        if all(a is b for a, b in zip(converted, state)):
+            return state
+        if isinstance(state, tuple) and hasattr(state, "_fields"):   # a namedtuple
+            return type(state)(*converted)
+        try:
+            return type(state)(converted)
+        except TypeError:
+            return list(converted) if isinstance(state, list) else tuple(converted)
     return state
 
 

@@ -131,3 +131,36 @@ def test_a_worker_stuck_holding_the_interpreter_lock_does_not_hold_up_its_ranks_
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def _sleep(seconds):
+    time.sleep(seconds)
+
+
+def test_a_process_that_took_a_reaped_workers_pid_is_not_killed_at_the_ranks_exit():
+    """Workers of a loader without persistent workers are reaped each epoch; on a long job a process of the
+    script's own can get such a pid, and the rank's exit killed it as a stuck worker. A worker is known by its
+    pid and its start time."""
+    import multiprocessing
+
+    from hetrain.runtime.loader_workers import end_workers_left, start_time
+
+    own = multiprocessing.get_context("fork").Process(target=_sleep, args=(1.5,))
+    own.start()
+    try:
+        started = start_time(own.pid)
+        assert started != -1
+        assert end_workers_left({(own.pid, started - 1)}, 0.1) == 0   # the pid of a worker gone long ago
+        own.join(5)
+        assert own.exitcode == 0   # ended by itself, not killed
+    finally:
+        if own.is_alive():
+            own.kill()
+    stuck = multiprocessing.get_context("fork").Process(target=_sleep, args=(60,))
+    stuck.start()
+    chld = signal.getsignal(signal.SIGCHLD)   # reset by the kill (a rank's exit), put back for this test process
+    try:
+        assert end_workers_left({(stuck.pid, start_time(stuck.pid))}, 0.1) == 1   # the worker itself
+    finally:
+        signal.signal(signal.SIGCHLD, chld)
+    assert stuck.exitcode == -signal.SIGKILL

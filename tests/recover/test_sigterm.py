@@ -298,3 +298,31 @@ def test_sigterm_to_the_launcher_saves_the_step_in_flight_with_dataloader_worker
     again = subprocess.run([*launch[:-1], "--max-restarts", "0", str(script)], capture_output=True, text=True,
                            timeout=180, env={**env, "STEPS": "0"})   # where it starts is all this run tells
     assert f"rank 0 starts at step {saved.step}" in again.stdout, again.stderr[-3000:]
+
+
+def test_a_sigusr1_handler_the_script_sets_after_the_loader_keeps_sigusr1_and_outlives_close(tmp_path):
+    """The session took SIGUSR1 at its loader; a handler of the script's own set after it still saw the session
+    stop on SIGUSR1 (its watch heard the signal), and close() put SIG_DFL back over it (a later SIGUSR1 killed
+    the process)."""
+    import hetrain
+
+    got, original = [], signal.getsignal(signal.SIGUSR1)
+    session = hetrain.Session(balance=False, checkpoint_dir=str(tmp_path / "ckpt"), async_checkpoints=False)
+    net = make_model()
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    loader = session.loader(make_data(), global_batch_size=8, seed=0)
+    signal.signal(signal.SIGUSR1, lambda signum, frame: got.append(signum))
+    try:
+        for x, y in loader:
+            session.backward(F.cross_entropy(model(x), y))
+            session.step()
+            if session.step_count == 2:
+                os.kill(os.getpid(), signal.SIGUSR1)
+                time.sleep(0.3)   # the session's watch would have heard it by now
+            if session.step_count == 5:
+                break
+        session.close()
+        assert session.step_count == 5 and got == [signal.SIGUSR1]
+        assert signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None)   # still the script's
+    finally:
+        signal.signal(signal.SIGUSR1, original)

@@ -206,3 +206,22 @@ def test_a_group_of_another_stages_parameters_added_mid_run_is_the_models_own():
     from tests.distributed import run_ranks
 
     assert run_ranks(_unfreeze_the_head_of_a_pipeline, 2) == [3, 3]
+
+
+def test_a_checkpoints_counter_conversion_leaves_every_other_container_as_it_was():
+    """Passing every add_state entry through it rebuilt containers: a nested OrderedDict came back a dict, and
+    a namedtuple failed the first checkpoint with a TypeError instead of the checkpoint's one-line refusal."""
+    import collections
+
+    from hetrain.runtime.schedulers import loadable, savable
+
+    point = collections.namedtuple("Point", "x y")
+    ordered = collections.OrderedDict(b=1)
+    state = {"ordered": ordered, "point": point(1, 2), "steps": [1, {"seen": collections.Counter(a=2)}]}
+    saved = savable(state)
+    assert saved["ordered"] is ordered and saved["point"] is state["point"]
+    assert saved["steps"][1]["seen"] == {"hetrain_counter": {"a": 2}}
+    back = loadable(saved)
+    assert type(back["ordered"]) is collections.OrderedDict and back["point"] == point(1, 2)
+    assert back["steps"][1]["seen"] == collections.Counter(a=2) and type(back["steps"][1]["seen"]) is collections.Counter
+    assert savable(point(collections.Counter(a=1), 2)) == point({"hetrain_counter": {"a": 1}}, 2)
