@@ -57,6 +57,7 @@ class Attempt:
     first_device: str | None = None   # the device of its first step, for a log that lost its start line
     first_step: int | None = None     # the first step it logged: a resumed attempt's checkpoint is the one before
     unlogged: set[int] = field(default_factory=set)   # steps it committed a checkpoint at that a later one resumed
+    last_time: float | None = None    # when it logged its last step
 
     @property
     def device(self) -> str | None:
@@ -161,6 +162,7 @@ def read_rank(rank: int, path: Path) -> RankRun:
             run.attempts.append(Attempt(start=line if kind == "start" else {}))
         attempt = run.attempts[-1]
         if kind == "step" and complete_step(line):
+            attempt.last_time = line["time"] if _number(line.get("time")) else attempt.last_time
             line = {k: line[k] for k in _KEPT if k in line}
             by_step[line["step"]] = (line, len(run.attempts) - 1)
             attempt.first_device = attempt.first_device or line["device"]
@@ -187,11 +189,36 @@ def load_run(run_dir: str | Path) -> dict[int, RankRun]:
         raise HetrainError(f"no run log in {str(run_dir)!r} (looked for metrics/rank-N.jsonl); give the run "
                            f"directory a job wrote with `hetrain launch --run-dir` (HETRAIN_RUN_DIR) or "
                            f"--checkpoint-dir set")
-    runs = {rank: read_rank(rank, path) for rank, path in logs.items()}
+    runs = drop_rolled_back({rank: read_rank(rank, path) for rank, path in logs.items()})
     if not any(run.steps for run in runs.values()):
         raise HetrainError(f"no step was logged in {str(run_dir)!r}: {len(runs)} rank log(s) but none holds a "
                            "finished step (the job stopped before its first step ended); see the job's own output")
     return runs
+
+
+def drop_rolled_back(runs: dict[int, RankRun]) -> dict[int, RankRun]:
+    """Without the steps an attempt logged that a later attempt of another world size resumed before (it began
+    after the first's last step, at a step the first had run): a rank that left when the job resumed on fewer
+    ranks (the ranks that stayed ran those steps again). A rank left with no step (a new run from step 1 in
+    the same directory, without it) is not in the result."""
+    resumes = [(a.start["time"], a.first_step, a.start.get("world_size")) for run in runs.values()
+               for a in run.attempts if _number(a.start.get("time")) and isinstance(a.first_step, int)]
+
+    def taken_back(attempt: Attempt, step: int) -> bool:
+        ended = attempt.last_time
+        return _number(ended) and any(when > ended and step >= first and world != attempt.start.get("world_size")
+                                      for when, first, world in resumes)
+
+    kept = {}
+    for rank, run in runs.items():
+        keep = [i for i, (s, a) in enumerate(zip(run.steps, run.step_attempts))
+                if not taken_back(run.attempts[a], s["step"])]
+        if len(keep) < len(run.steps):
+            if not keep:
+                continue
+            run.steps, run.step_attempts = [run.steps[i] for i in keep], [run.step_attempts[i] for i in keep]
+        kept[rank] = run
+    return kept
 
 
 def split_change_steps(runs: dict[int, RankRun]) -> list[int]:

@@ -106,6 +106,30 @@ def test_a_rank_that_ran_at_emulated_speeds_then_without_gets_a_row_for_each(tmp
     assert [r["samples_per_second"] for r in rows] == [pytest.approx(8.0), pytest.approx(16.0)]
 
 
+def test_steps_a_resume_on_fewer_ranks_took_back_are_not_the_departed_ranks(tmp_path):
+    """A 2-rank job checkpointed at step 20 and failed after step 24; it resumed on 1 rank. Rank 1's row kept
+    steps 21-24, which the job took back (rank 0 ran them again alone): 24 steps, its shares at step 24."""
+    import time
+
+    def attempt(rank, world, steps):
+        m = RankMetrics(rank=rank, local_rank=rank, world_size=world, device=torch.device("cpu"), device_name="cpu",
+                        port=None, run_dir=tmp_path, job="report")
+        shares = (40, 24) if world == 2 else (64,)
+        for step in steps:
+            m.on_step(step_record(step, rank=rank, world_size=world, device="cpu", share=shares[rank],
+                                  samples=shares[rank], shares=shares, step_seconds=0.5, compute_seconds=0.4,
+                                  data_wait_seconds=0.0, loss=1.0))
+        m.close()
+
+    attempt(0, 2, range(1, 25))
+    attempt(1, 2, range(1, 25))
+    time.sleep(0.01)
+    attempt(0, 1, range(21, 41))
+    runs = load_run(tmp_path)
+    assert [s["step"] for s in runs[1].steps] == list(range(1, 21))
+    assert [s["step"] for s in runs[0].steps] == list(range(1, 41)) and runs[0].steps[-1]["shares"] == [64]
+
+
 def hetrain(*args):
     return run_cli([sys.executable, "-m", "hetrain.cli.main", *args], cwd=ROOT, timeout=120)
 
