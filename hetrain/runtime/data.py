@@ -287,7 +287,7 @@ class HeteroLoader:
         epoch, in_epoch, run_step = self._position.saved((self._epoch, self._in_epoch, self.run_step),
                                                          self.step.finished)   # a draw given no step is not in it
         state = {"epoch": epoch, "step_in_epoch": in_epoch, "run_step": run_step, "seed": self.seed,
-                 "epoch_end_pending": in_step and self._epoch_done(),
+                 "epoch_end_pending": (in_step and self._epoch_done()) or self._end_pending,
                  "global_batch_size": self.global_batch_size, "schedule": self.schedule.state_dict()}
         if self.order is not None:
             state["order"] = self._order_settings()

@@ -124,8 +124,8 @@ def end_workers_left(told: set[tuple[int, int]], wait_s: float) -> int:
     """Join this process's children that are among the `told` workers (pid and start time: a worker reaped
     long ago may have left its pid to a process of the script's own) for up to `wait_s` together, then kill
     those still running; returns how many it killed."""
-    children = [p for p in multiprocessing.active_children()
-                if p.pid is not None and (p.pid, start_time(p.pid)) in told and start_time(p.pid) != -1]
+    children = [p for p in multiprocessing.active_children()   # without /proc (-1 both sides): the pid alone
+                if p.pid is not None and (p.pid, start_time(p.pid)) in told]
     deadline = time.monotonic() + wait_s
     for p in children:
         p.join(max(0.0, deadline - time.monotonic()))

@@ -285,7 +285,7 @@ class _SigtermWatch:
     def __init__(self, on_sigterm: Any, grace: Any, peers_gone: Any) -> None:
         self._on_sigterm = on_sigterm
         self.signals = {int(signal.SIGTERM)}   # and SIGUSR1 where the session took it
-        self.handler: Any = None   # the session's: a signal counts while it is the signal's handler
+        self.handler: Any = None   # the session's: SIGUSR1 counts while it is SIGUSR1's handler
         self._grace = grace
         self._peers_gone = peers_gone
         self._reached = threading.Event()
@@ -340,8 +340,11 @@ class _SigtermWatch:
             data = os.read(r, 64)
             if self._stopped or not data:
                 return
-            if not any(signal.getsignal(sig) == self.handler for sig in self.signals.intersection(data)):
-                continue   # not a stop signal, or one the script has taken back with a handler of its own
+            # SIGTERM always (a script's own handler may chain to the session's, which cannot run while the main
+            # thread is blocked); SIGUSR1 while the session's handler is its handler (a script may take it back)
+            if not any(sig == signal.SIGTERM or signal.getsignal(sig) == self.handler
+                       for sig in self.signals.intersection(data)):
+                continue
             self._on_sigterm()
             started = time.monotonic()
             if self._reached.wait(self._grace()) or self._stopped:
