@@ -10,7 +10,7 @@ join, would wait on workers that ignore it, so the rank tells its workers to end
 and when the loader is dropped. It tells them through a pipe each worker watches, which a worker
 that has already ended cannot hold up. A worker that cannot hear it (stuck in a call that holds the
 interpreter lock, which its listening thread needs) is killed after `WORKER_EXIT_WAIT_S` at the rank's
-exit, as multiprocessing's SIGTERM would have ended it: each worker tells its rank its pid.
+exit, as multiprocessing's SIGTERM would have ended it: each worker tells its rank its pid and start time.
 """
 
 from __future__ import annotations
