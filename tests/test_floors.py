@@ -5,7 +5,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hetrain"
 FLOORS = {
-    "vocabulary": 0, "errors": 0, "userfiles": 0, "malloc_cache": 0, "__init__": 0,
+    "vocabulary": 0, "errors": 0, "userfiles": 0, "malloc_cache": 0, "exiting": 0, "__init__": 0,
     "hardware": 1, "workload": 2, "planning": 3, "checkpoint": 4, "metrics": 4,
     "runtime": 5, "launch": 6, "bench": 7, "cli": 8, "__main__": 8,   # python -m hetrain: the cli's
 }

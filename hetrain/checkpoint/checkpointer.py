@@ -33,7 +33,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hetrain.runtime.exiting import once_at_exit
+from hetrain.exiting import once_at_exit
 from hetrain.checkpoint import lease, selection, store
 from hetrain.checkpoint.errors import CheckpointError, describe_os_error, os_error_fix
 from hetrain.checkpoint.manifest import (
@@ -77,6 +77,7 @@ def finish_saves_at_exit() -> None:
     deadline = time.monotonic() + EXIT_SAVE_WAIT_S
     for checkpointer in list(_SAVING):
         checkpointer.finish_at_exit(max(0.0, deadline - time.monotonic()))
+
 
 
 class Checkpointer:

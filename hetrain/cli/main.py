@@ -11,7 +11,7 @@ import os
 import sys
 
 from hetrain.errors import HetrainError
-from hetrain.runtime.exiting import collect_then_freeze, once_at_exit
+from hetrain.exiting import collect_then_freeze, once_at_exit
 
 # verb -> (module, one-line help). The order here is the order of `hetrain --help`.
 VERBS: dict[str, tuple[str, str]] = {

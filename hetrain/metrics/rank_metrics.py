@@ -17,6 +17,7 @@ from types import ModuleType
 import torch
 from prometheus_client.registry import CollectorRegistry
 
+from hetrain.exiting import once_at_exit
 from hetrain.metrics.collector import RankCollector
 from hetrain.metrics.memory import rank_memory
 from hetrain.metrics.mfu import catalog_peak_flops, mfu
@@ -25,7 +26,6 @@ from hetrain.metrics.run_log import RunLog
 from hetrain.metrics.serve import serve
 from hetrain.metrics.state import RankState
 from hetrain.metrics.events import CheckpointRecord, StepRecord
-from hetrain.runtime.exiting import once_at_exit
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,7 @@ def begin_logs() -> None:
     for metrics in list(_LOGGING):
         if metrics._log is not None:
             metrics._begin_log()
+
 
 
 class RankMetrics:

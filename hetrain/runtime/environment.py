@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from hetrain.errors import HetrainError, add_note
-from hetrain.runtime.exiting import once_at_exit
+from hetrain.exiting import once_at_exit
 from hetrain.vocabulary import Env
 
 log = logging.getLogger("hetrain")

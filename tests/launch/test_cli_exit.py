@@ -2,7 +2,7 @@
 does not walk the heap of torch that the verb imported again."""
 
 from hetrain.cli import main as cli
-from hetrain.runtime import exiting
+from hetrain import exiting
 
 
 def test_a_verb_registers_one_collect_then_freeze_per_process(monkeypatch):
