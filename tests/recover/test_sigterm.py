@@ -277,11 +277,10 @@ if __name__ == "__main__":
 '''
 
 
-@pytest.mark.parametrize("sig", ["TERM", "USR1"])
-def test_sigterm_to_the_launcher_saves_the_step_in_flight_with_dataloader_workers(tmp_path, sig):
+def test_sigterm_to_the_launcher_saves_the_step_in_flight_with_dataloader_workers(tmp_path):
     """The launcher passes SIGTERM to each rank alone, not to its process group: the loader's workers
     keep serving the rank, which saves the step in flight instead of failing on a dead worker, and the
-    next launch resumes there. SIGUSR1 (a scheduler's warning) killed the launcher and its job unsaved."""
+    next launch resumes there."""
     import subprocess
     import sys
 
@@ -293,7 +292,7 @@ def test_sigterm_to_the_launcher_saves_the_step_in_flight_with_dataloader_worker
     launch = [sys.executable, "-m", "hetrain.cli.main", "launch", "--nproc-per-node", "2", "--checkpoint-dir",
               str(tmp_path / "ckpt"), str(script)]
     env = {**os.environ, "HETRAIN_CHECKPOINT_INTERVAL": "100000"}   # only the SIGTERM save
-    stopped = sigterm_when(launch, "starts at step 0", after=3, env=env, sig=getattr(signal, f"SIG{sig}"))
+    stopped = sigterm_when(launch, "starts at step 0", after=3, env=env)
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     assert "DataLoader worker" not in stopped.stderr, stopped.stderr[-3000:]
     assert stopped.stderr.count("SIGTERM: saving step") == 1, stopped.stderr[-3000:]   # job-wide: said once
@@ -330,3 +329,34 @@ def test_a_sigusr1_handler_the_script_sets_after_the_loader_keeps_sigusr1_and_ou
         assert signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None)   # still the script's
     finally:
         signal.signal(signal.SIGUSR1, original)
+
+
+def test_the_launcher_takes_sigusr1_as_sigterm_unless_something_handles_it(monkeypatch):
+    """SIGUSR1 (a scheduler's warning before the end: Slurm's --signal=USR1@N) killed the launcher, and with it
+    the job, unsaved. The launcher now stops the job as on SIGTERM: SIGTERM to each rank, then exit 143."""
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    from hetrain.launch import graceful_stop
+
+    sent = []
+    monkeypatch.setattr(graceful_stop, "rank_pids", lambda launch_id: [12345])
+    monkeypatch.setattr(graceful_stop, "_running", lambda pid: False)
+    monkeypatch.setattr(graceful_stop.os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    original = signal.getsignal(signal.SIGUSR1)
+    stop = graceful_stop.GracefulStop("launch-id")
+    try:
+        assert stop.install() and signal.getsignal(signal.SIGUSR1) == stop.on_sigterm
+        with pytest.raises(SignalException) as stopped:
+            stop.on_sigterm(signal.SIGUSR1, None)
+        assert stopped.value.sigval == signal.SIGTERM and sent == [(12345, signal.SIGTERM)]
+    finally:
+        stop.uninstall()
+    assert signal.getsignal(signal.SIGUSR1) == original
+    mine = signal.signal(signal.SIGUSR1, lambda signum, frame: None)   # the script's (or scheduler shell's) own
+    try:
+        stop = graceful_stop.GracefulStop("launch-id")
+        stop.install()
+        assert signal.getsignal(signal.SIGUSR1) != stop.on_sigterm
+        stop.uninstall()
+    finally:
+        signal.signal(signal.SIGUSR1, mine)
