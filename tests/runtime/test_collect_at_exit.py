@@ -7,7 +7,8 @@ import time
 import pytest
 import torch
 
-from hetrain.runtime import environment, exiting
+from hetrain import exiting
+from hetrain.runtime import environment
 from hetrain.planning.plan import BalancePlan
 from hetrain.runtime.balancer import Balancer
 from tests.distributed import run_ranks
