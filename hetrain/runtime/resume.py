@@ -108,6 +108,7 @@ class SessionCheckpoints:
         self.on_saved = on_saved
         self.checkpointer = Checkpointer(Path(directory), keep=keep, async_save=async_save)
         self.last_saved_step: int | None = None
+        self._saved_end_pending = False   # the last checkpoint left its epoch's end to a resume (data.py)
         self._blocking: dict[int, float] = {}   # step -> seconds its save held the loop, until reported
         self._captured: dict[int, float] = {}   # step -> seconds capturing its state took
         self.resumed_from: int | None = None
@@ -170,6 +171,7 @@ class SessionCheckpoints:
         self._captured[self.state.step] = time.perf_counter() - start   # part of the save's time until committed
         self.checkpointer.save(self.state.step, shared, per_rank, sharded, blocking=blocking)
         self.last_saved_step = self.state.step
+        self._saved_end_pending = bool(shared["loader"].get("epoch_end_pending"))
         self._blocking[self.state.step] = time.perf_counter() - start   # the loop held: capture, then the save
         self._report_committed()
 
@@ -209,8 +211,13 @@ class SessionCheckpoints:
         # an error at an epoch's end: that step's state with part of what the script does there, which a resume
         # from the step's own checkpoint (taken inside it) does again
         erred_at_epoch_end = sys.exc_info()[0] not in (None, SystemExit) and self.state.loader.step_in_epoch == 0
+        # the last checkpoint, of this step, left the epoch's end to a resume, and the loop has since gone past it
+        # (its pass ended): saved again, so that a run launched again after this one does not run that end again
+        past_end = (self._saved_end_pending and self.last_saved_step == self.state.step
+                    and not self.state.loader.state_dict(in_step=True)["epoch_end_pending"])
         try:
-            if save and self.last_saved_step != self.state.step and self.state.step > 0 and not erred_at_epoch_end:
+            if save and (self.last_saved_step != self.state.step or past_end) and self.state.step > 0 \
+                    and not erred_at_epoch_end:
                 self.save(blocking=True)
             self.checkpointer.close()
             self._report_committed()
@@ -271,6 +278,7 @@ class SessionCheckpoints:
                         "the split is recomputed (%s)", saved_world, st.world_size, st.balancer.shares)
         self.resumed_from = st.step
         self.last_saved_step = st.step
+        self._saved_end_pending = bool(shared["loader"].get("epoch_end_pending"))
         log.info("resumed from %s (step %d, epoch %d, step in epoch %d)", info.path, st.step,
                  st.loader.epoch, st.loader.step_in_epoch)
         return True

@@ -1,6 +1,5 @@
 """`while loader.epoch < epochs: for batch in loader:` runs exactly `epochs` epochs however the pass is
-left: a break at the last step, or a resume from a checkpoint saved at the last step (whose first pass
-yields no batch: the code after the epoch's `for` runs again, as after that step)."""
+left: a break at the last step, or a resume from a checkpoint saved at the last step."""
 
 import pytest
 import torch
@@ -48,9 +47,9 @@ def test_a_resume_from_the_last_steps_checkpoint_trains_nothing_more(tmp_path):
     steps, _, params = run_ranks(_loop, 2, str(tmp_path), 0)[0]
     assert steps == 8
     again, seen, resumed = run_ranks(_loop, 2, str(tmp_path), 0)[0]
-    # the run had ended: the loop does not start another epoch. Its step-8 checkpoint was taken inside the step,
-    # before the code after the `for`, so the resumed loop reads epoch 1 until a pass with no batch ends it
-    assert again == 8 and seen == [(1, 4)], seen
+    # the run had ended: the loop does not start another epoch (its close() saved step 8 again once the loop had
+    # gone past the epoch's end: a resume from the in-step checkpoint would run that end again)
+    assert again == 8 and seen == [(2, 0)], seen
     assert all(torch.equal(a, b) for a, b in zip(params, resumed))
 
 

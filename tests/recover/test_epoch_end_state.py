@@ -18,6 +18,7 @@ from hetrain.planning.plan import BalancePlan, Plan, RankPlan
 from tests.runtime.test_refusals import make_data
 
 EPOCHS = 3
+ENDS = []   # the epoch ends each run ran: (directory, epoch)
 
 
 def _run(directory, crash=None):
@@ -42,6 +43,7 @@ def _run(directory, crash=None):
                 session.step()
                 if session.step_count == 8 and crash == "after step 8":
                     raise RuntimeError("crash")
+            ENDS.append((str(directory), loader.epoch))
             schedule.step()
             if session.step_count == 8 and crash == "at epoch 1's end":
                 raise RuntimeError("crash")
@@ -62,3 +64,14 @@ def test_a_run_resumed_from_an_epochs_last_step_equals_an_uninterrupted_one(tmp_
     resumed, resumed_lr, resumed_best = _run(tmp_path / "resumed")
     assert resumed_lr == lr == 0.025 and resumed_best == best
     assert all(torch.equal(a, b) for a, b in zip(resumed, expected))
+
+
+def test_a_finished_run_launched_again_runs_no_epoch_end_again(tmp_path):
+    """Its last checkpoint, of its last step (an epoch's), was taken inside the step: launched again, the run
+    ran that epoch's end code once more (its evaluation, a best-model file written again). close() saves the
+    step again once the loop has gone past the epoch's end."""
+    expected, lr, best = _run(tmp_path)
+    assert [e for d, e in ENDS if d == str(tmp_path)] == [1, 2, 3]
+    again, again_lr, again_best = _run(tmp_path)
+    assert [e for d, e in ENDS if d == str(tmp_path)] == [1, 2, 3]   # nothing ran again
+    assert (again_lr, again_best) == (lr, best) and all(torch.equal(a, b) for a, b in zip(again, expected))
