@@ -36,9 +36,8 @@ _LOGGING: "weakref.WeakSet[RankMetrics]" = weakref.WeakSet()
 def begin_logs() -> None:
     """At exit: the start line (and a restart held for after it) of every run log not yet begun, so that an
     attempt that failed before its first step (a restart that failed again) is in the log."""
-    for metrics in list(_LOGGING):
-        if metrics._log is not None:
-            metrics._begin_log()
+    for metrics in list(_LOGGING):   # only those with a run log are in it
+        metrics._begin_log()
 
 
 

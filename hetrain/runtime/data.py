@@ -119,15 +119,15 @@ class HeteroLoader:
         """The epoch the loop is in; once the step of its last batch has ended (`session.step()`) the next, so
         `while loader.epoch < epochs` stops after the run's last step. Resumed from a checkpoint that step took,
         the epoch's own until a pass with no batch: the loop's code after the epoch's batches runs again."""
-        return self._epoch + 1 if self._finished() and not self._end_pending else self._epoch
+        return self._epoch + 1 if self._finished() else self._epoch
 
     @property
     def step_in_epoch(self) -> int:
         """Steps of `epoch` handed out (0 once an epoch's last step has ended)."""
-        return 0 if self._finished() and not self._end_pending else self._in_epoch
+        return 0 if self._finished() else self._in_epoch
 
-    def _finished(self) -> bool:
-        return self._epoch_done() and not self.step.active
+    def _finished(self) -> bool:   # the epoch's last step has ended (a resumed one's end code has run too)
+        return self._epoch_done() and not self.step.active and not self._end_pending
 
     @property
     def piece_samples(self) -> int | None:

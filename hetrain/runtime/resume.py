@@ -211,8 +211,9 @@ class SessionCheckpoints:
         # an error at an epoch's end: that step's state with part of what the script does there, which a resume
         # from the step's own checkpoint (taken inside it) does again
         erred_at_epoch_end = sys.exc_info()[0] not in (None, SystemExit) and self.state.loader.step_in_epoch == 0
-        # the last checkpoint, of this step, left the epoch's end to a resume, and the loop has since gone past it
-        # (its pass ended): saved again, so that a run launched again after this one does not run that end again
+        # the last checkpoint, of this step, left the epoch's end to a resume, and a save now would not (the loop
+        # has gone past that end, its pass ended; the loader's own test): saved again, so that a run launched again
+        # does not run that end again
         past_end = (self._saved_end_pending and self.last_saved_step == self.state.step
                     and not self.state.loader.state_dict(in_step=True)["epoch_end_pending"])
         try:

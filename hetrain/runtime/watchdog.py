@@ -231,7 +231,8 @@ def stall_message(stall: Stall, after: dict[int, Progress | None], own_seconds: 
                 f"makes before close() (is it inside `if rank == 0:`?; limit {timeout_s:g} s, hetrain launch "
                 "--collective-timeout)")
     stepping = sorted(r for r, p in after.items() if p is not None and p.phase == "waiting")
-    if calls and stepping and len(calls) + len(stepping) == len(after) and not set(stepping) & set(stall.silent):   # `if rank == 0: session.barrier()`
+    # `if rank == 0: session.barrier()`: the others wait in their step (a rank that stopped speaking is named below)
+    if calls and stepping and len(calls) + len(stepping) == len(after) and not set(stepping) & set(stall.silent):
         return (f"{ranks_text(sorted(calls))} wait(s) in session.{', session.'.join(sorted(set(calls.values())))} "
                 f"while {ranks_text(stepping)} wait(s) in step {stall.step} for {own_seconds:.0f} s: a collective "
                 f"call every rank makes at the same point of its loop (is it inside `if rank == 0:`?; limit "
