@@ -153,16 +153,13 @@ def check_optimizer_holds_the_model(optimizer: Any, model: nn.Module) -> None:
 
 
 def check_parameters(model: nn.Module, sharding_name: str = "none") -> None:
-    """Parameters must be fp32 (or float64, complex) and real tensors: each rank computes in its precision
-    under autocast, and the step counts, unscales and clips dense gradients."""
+    """Trainable parameters must be fp32 (or float64, complex) and real tensors: each rank computes in its
+    precision under autocast, and the step counts, unscales and clips dense gradients. A frozen part may be
+    half precision (a distillation's teacher held by the model): it has no gradient, master weight or state."""
     dtypes: dict[torch.dtype, str] = {}
     for name, p in model.named_parameters():
-        if p.dtype in (torch.float16, torch.bfloat16):
-            raise HetrainError(
-                f"parameter {name} is {str(p.dtype).removeprefix('torch.')}; hetrain keeps master weights and "
-                "optimizer state in fp32 and computes in each rank's precision under session.autocast(); "
-                "pass the model in fp32 (model.float())"
-            )
+        if p.dtype in (torch.float16, torch.bfloat16) and p.requires_grad:
+            raise HetrainError(half_trainable(name, p.dtype))
         if isinstance(p, nn.parameter.UninitializedParameter):
             raise HetrainError(
                 f"parameter {name} is not initialised yet (a lazy module's shape comes from its first input); run "
@@ -183,6 +180,12 @@ def check_parameters(model: nn.Module, sharding_name: str = "none") -> None:
         raise HetrainError(
             f"sharding {sharding_name!r} needs the model's parameters in one dtype, and they are {kinds}: torch's "
             "ZeRO-1 and FSDP2 flatten them together; give them one dtype, or use sharding 'none'")
+
+
+def half_trainable(name: str, dtype: torch.dtype) -> str:
+    return (f"parameter {name} is {str(dtype).removeprefix('torch.')} and trainable; hetrain keeps master weights "
+            "and optimizer state in fp32 and computes in each rank's precision under session.autocast(); pass the "
+            "model in fp32 (model.float()), or freeze that part (requires_grad_(False)) if it is not trained")
 
 
 SPARSE_FIX = ("a step counts, unscales and clips dense gradients; build the embedding with sparse=False (or call "
@@ -382,6 +385,10 @@ def reduce_late_trainable(prepared: Prepared) -> None:
     late = [p for p in prepared.parameters if p.requires_grad and id(p) not in prepared.ddp_reduces]
     if not late or not isinstance(prepared.model, DistributedDataParallel):
         return
+    half = next((p for p in late if p.dtype in (torch.float16, torch.bfloat16)), None)
+    if half is not None:   # frozen in half precision at prepare() (allowed there), trainable now
+        name = next((n for n, q in prepared.model.module.named_parameters() if q is half), f"a {tuple(half.shape)} tensor")
+        raise HetrainError(half_trainable(name, half.dtype))
     if not prepared.late_trainable_said:
         prepared.late_trainable_said = True
         log.info("%d parameter(s) became trainable after session.prepare(): their gradients are all-reduced after "

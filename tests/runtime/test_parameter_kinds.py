@@ -152,3 +152,75 @@ def test_a_sparse_gradient_prepare_could_not_see_is_refused_naming_sparse_false(
 
     for said in run_ranks(_sparse_steps, 2, how):
         assert "sparse gradient" in said and "sparse=False" in said, said
+
+
+class Distiller(torch.nn.Module):
+    """A student trained toward a frozen teacher that the model holds, the teacher in bfloat16."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.student = torch.nn.Linear(4, 3)
+        self.teacher = torch.nn.Linear(4, 3).to(torch.bfloat16).requires_grad_(False)
+
+    def forward(self, x):
+        target = self.teacher(x.to(torch.bfloat16)).float().softmax(-1)
+        return torch.nn.functional.kl_div(self.student(x).log_softmax(-1), target, reduction="batchmean")
+
+
+@pytest.mark.parametrize("sharding", ["none", "zero1", "fsdp"])
+def test_a_frozen_half_precision_teacher_inside_the_model_trains_the_student_as_one_process(sharding):
+    """Refused before (the teacher had to be kept in fp32, twice its memory): a frozen part has no gradient,
+    master weight or optimizer state. Made trainable later it is refused, naming the parameter."""
+    import hetrain
+
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4))
+    reference = Distiller()
+    opt = torch.optim.SGD(reference.student.parameters(), lr=0.5)
+    for start in (0, 8):
+        reference(data.tensors[0][start:start + 8]).backward()
+        opt.step()
+        opt.zero_grad()
+    plan = Plan(global_batch_size=8, sharding=sharding, balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=0, share=8)])
+    model = Distiller()
+    with hetrain.Session(plan) as session:
+        net, _ = session.prepare(model, torch.optim.SGD(model.student.parameters(), lr=0.5))
+        for x, in session.loader(data, global_batch_size=8, shuffle=False):
+            session.backward(net(x))
+            session.step()
+        after = session.model_state_dict()
+    assert after["teacher.weight"].dtype == torch.bfloat16
+    assert torch.equal(after["teacher.weight"], reference.teacher.weight)
+    torch.testing.assert_close(after["student.weight"], reference.student.weight, rtol=1e-6, atol=1e-6)
+
+    trainable = Distiller()
+    trainable.teacher.requires_grad_(True)
+    with pytest.raises(HetrainError, match=r"^parameter teacher.weight is bfloat16 and trainable.*requires_grad_\(False\)"):
+        _prepare(trainable, sharding)
+
+
+def _unfreeze_half(rank, world):
+    import hetrain
+
+    plan = Plan(global_batch_size=8, balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=0, share=5), RankPlan(rank=1, share=3)])
+    session = hetrain.Session(plan)
+    net = Distiller()
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    try:
+        for x, in session.loader(torch.utils.data.TensorDataset(torch.randn(32, 4)), global_batch_size=8):
+            if session.step_count == 1:
+                net.teacher.requires_grad_(True)
+            session.backward(model(x))
+            session.step()
+    except HetrainError as e:
+        return str(e)
+    return "trained"
+
+
+def test_a_half_precision_part_made_trainable_after_prepare_is_refused_on_every_rank():
+    from tests.distributed import run_ranks
+
+    for said in run_ranks(_unfreeze_half, 2):
+        assert said.startswith("parameter teacher.weight is bfloat16 and trainable"), said
