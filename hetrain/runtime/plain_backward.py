@@ -62,6 +62,11 @@ class PlainBackwards:
         self._handles = [p.register_post_accumulate_grad_hook(self._accumulated) for p in params if p.requires_grad]
         self._handles.append(model.register_forward_pre_hook(self._forward))
 
+    def __getstate__(self) -> dict:
+        """A copy of the prepared model (deepcopy, an AveragedModel of it) carries inert hooks: it notes nothing
+        the session reads (the forward pre-hook is copied with the module; the parameters' hooks are not)."""
+        return {"since_forward": False, "in_step": False, "_armed": False, "_handles": []}
+
     def remove(self) -> None:
         """The session closed: its hooks leave the parameters (a new session prepares them again)."""
         for handle in self._handles:

@@ -223,6 +223,11 @@ class StepTimer:
         if inspect.ismethod(self.on_grads_ready):
             self.on_grads_ready = weakref.WeakMethod(self.on_grads_ready)
 
+    def __getstate__(self) -> dict:
+        """A copy of the prepared model (deepcopy, an AveragedModel of it) copies the hooks this timer's methods
+        are: the copy tells no session and measures nothing a session reads."""
+        return {**self.__dict__, "on_grads_ready": None, "comm_waits": None}
+
     def time_optimizer(self, fn: Callable[[], Any]) -> Any:
         t0 = time.perf_counter()
         out = fn()
@@ -251,6 +256,11 @@ class TimedHookState:
     bucket_bytes: dict[int, int] = field(default_factory=dict)   # this step's buckets so far, by index
     carrier: int | None = None   # the bucket the figures ride in (the last step's smallest)
     carrier_bytes: int | None = None
+
+    def __getstate__(self) -> dict:
+        """A copy of the prepared model (deepcopy, an AveragedModel of it) copies DDP's comm hook with this state;
+        the copy's own reducer never calls it: it carries a timer of its own and no inner state or counters."""
+        return dict(vars(TimedHookState(StepTimer(), None, self.inner_hook)))
 
 
 # The step's figures ride in a bucket only if one was this small in the last step (DDP's first bucket, 1 MiB,
