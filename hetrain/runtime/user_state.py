@@ -1,9 +1,10 @@
 """The script's own state, saved in every checkpoint and restored on resume (`session.add_state`).
 
 An EMA of the weights (`torch.optim.swa_utils.AveragedModel`), a metric tracker, a best value: anything
-with `state_dict()` and `load_state_dict()`, or a plain dict (saved as it is, restored in place). The
-checkpoint holds rank 0's, so such state must be the same on every rank (as anything derived from the
-replicated weights and the global-batch loss is).
+with `state_dict()` and `load_state_dict()`, or a plain dict (saved as it is, restored in place: its
+tensors are copied into the ones it holds, which a hook may hold too). The checkpoint holds rank 0's, so
+such state must be the same on every rank (as anything derived from the replicated weights and the
+global-batch loss is).
 
 A checkpoint is written inside `session.step()`, right after the update: state the script changes
 after `step()` returns is saved one step behind. Change it with the update instead, from a hook on the
@@ -119,10 +120,30 @@ class UserStates:
                         "script built it", name)
             return
         value = loadable(self._saved.pop(name))
-        if isinstance(obj, dict):   # tensors go back to the devices the script's dict holds them on
-            value = {k: v.to(obj[k].device) if isinstance(v, torch.Tensor) and isinstance(obj.get(k), torch.Tensor)
-                     else copy.deepcopy(v) for k, v in value.items()}
+        if isinstance(obj, dict):
+            restored = {k: _restored(obj.get(k), v) for k, v in value.items()}
             obj.clear()
-            obj.update(value)
+            obj.update(restored)
         else:
             obj.load_state_dict(value)
+
+
+def _restored(mine: Any, saved: Any) -> Any:
+    """A saved value put back where the script's dict holds one: a tensor of the same shape is copied into
+    in place, as a module's load_state_dict does (a hook updating an EMA's tensors, `torch._foreach_lerp_`,
+    holds them, and went on updating tensors the dict no longer held); a list or dict of them likewise;
+    anything else is the saved value (a tensor on the device the script's is on)."""
+    if isinstance(saved, torch.Tensor) and isinstance(mine, torch.Tensor):
+        if mine.shape == saved.shape and not mine.is_inference():
+            with torch.no_grad():
+                return mine.copy_(saved)
+        return saved.to(mine.device)
+    if isinstance(saved, dict) and isinstance(mine, dict):
+        restored = {k: _restored(mine.get(k), v) for k, v in saved.items()}
+        mine.clear()
+        mine.update(restored)
+        return mine
+    if isinstance(saved, list) and isinstance(mine, list) and len(saved) == len(mine):
+        mine[:] = [_restored(m, v) for m, v in zip(mine, saved)]
+        return mine
+    return copy.deepcopy(saved)

@@ -1,6 +1,6 @@
 """The script's own state (`session.add_state`) goes into every checkpoint and comes back on resume: an EMA
-of the weights updated with each applied update, and a dict of the script's values, end where an
-uninterrupted run's do."""
+of the weights updated with each applied update (an AveragedModel, or a dict of tensors a hook updates in
+place), and a dict of the script's values, end where an uninterrupted run's do."""
 
 import pytest
 import torch
@@ -21,15 +21,21 @@ def _train(rank, world, ckpt_dir, steps, stop_after, add_late):
     model, opt = session.prepare(net, torch.optim.Adam(net.parameters(), lr=1e-2))
     ema = torch.optim.swa_utils.AveragedModel(net, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
     values = {"updates": 0, "losses": []}
-    # the EMA and the count move with each applied update, before that step's checkpoint
-    opt.register_step_post_hook(lambda *_: (ema.update_parameters(net), values.update(updates=values["updates"] + 1)))
+    # an EMA of the script's own, a dict of tensors its hook holds and updates in place
+    own_ema = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    held, weights = list(own_ema.values()), list(net.state_dict().values())
+    # the EMAs and the count move with each applied update, before that step's checkpoint
+    opt.register_step_post_hook(lambda *_: (ema.update_parameters(net), values.update(updates=values["updates"] + 1),
+                                            torch._foreach_lerp_(held, weights, 0.1)))
     if not add_late:
         session.add_state("ema", ema)
         session.add_state("values", values)
+        session.add_state("own_ema", own_ema)
     loader = session.loader(train, global_batch_size=64, seed=2)
     if add_late:   # given after loader(), which resumed: loaded when given
         session.add_state("ema", ema)
         session.add_state("values", values)
+        session.add_state("own_ema", own_ema)
     resumed_at = session.step_count
 
     def body(batch):
@@ -40,7 +46,8 @@ def _train(rank, world, ckpt_dir, steps, stop_after, add_late):
     if not train_steps(session, loader, steps, stop_after, body):
         return {}                                   # a crash: no final save
     session.close()
-    return {"ema": {k: v.clone() for k, v in ema.state_dict().items()}, "values": values, "resumed_at": resumed_at}
+    return {"ema": {k: v.clone() for k, v in ema.state_dict().items()}, "values": values, "resumed_at": resumed_at,
+            "own_ema": {k: v.clone() for k, v in own_ema.items()}}
 
 
 @pytest.mark.parametrize("add_late", [False, True])
@@ -53,6 +60,8 @@ def test_an_ema_and_the_scripts_values_resume_where_an_uninterrupted_run_has_the
     assert resumed[0]["values"]["updates"] == 10 and len(resumed[0]["values"]["losses"]) == 10
     for k, v in straight[0]["ema"].items():
         assert torch.equal(v, resumed[0]["ema"][k]), k
+    for k, v in straight[0]["own_ema"].items():   # restored into the tensors the hook holds, not beside them
+        assert torch.equal(v, resumed[0]["own_ema"][k]), k
 
 
 def test_state_without_state_dict_is_refused_naming_what_it_takes():
