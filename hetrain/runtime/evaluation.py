@@ -37,12 +37,8 @@ def _evaluate(session: Any, inputs: Any, target: Any, loss_fn: Callable[[Any, An
               num_items: Any) -> float:
     if session.prepared is None:
         raise HetrainError("call session.prepare(model, optimizer) before session.evaluate()")
-    state = session.state
-    if state.active and state.backwards > 0 and not state.last_micro:
-        raise HetrainError(
-            "session.evaluate() ran between the micro-batches of a step (session.step() returned False: the step "
-            "has more): ranks run different numbers of micro-batches, so their evaluations would not pair up; "
-            "evaluate where session.step() returns True, e.g. if session.step() and session.step_count % N == 0:")
+    session.state.refuse_between_micro_batches("session.evaluate()", "evaluate where session.step() returns True, "
+                                               "e.g. if session.step() and session.step_count % N == 0:")
     count = item_counter(num_items)
     warn_if_training(session.prepared.module)
     if session.pipeline is not None:

@@ -53,7 +53,7 @@ from hetrain.runtime.precision import (LossScale, autocast, check_not_prescaled,
                                       loss_scale_settings)
 from hetrain.runtime.resume import SessionCheckpoints, checkpoint_settings, start_checkpoints
 from hetrain.runtime.schedulers import Schedulers
-from hetrain.runtime.step_state import StepState, items_as_number
+from hetrain.runtime.step_state import GLOBAL_MEAN_FIX, StepState, items_as_number
 from hetrain.runtime.step_clock import StepClock
 from hetrain.runtime.step_guard import (BACKWARD_TWICE, KeptGradients, OptimizerStepGuard, SteadyLearningRate,
                                         check_reduced, gradients_pending, warn_if_evaluating)
@@ -432,6 +432,7 @@ class Session:
     def global_mean(self, value: torch.Tensor | float, weight: float | None = None) -> float:
         """The mean over all ranks of per-rank means, weighted by each rank's items: by default this
         step's items so far, or the last finished step's after `step()` (collective)."""
+        self.state.refuse_between_micro_batches("session.global_mean()", GLOBAL_MEAN_FIX)
         return weighted_mean(value, self.state.mean_weight() if weight is None else weight, self.device)
 
     def idle_fraction(self, last: int | None = None) -> float:

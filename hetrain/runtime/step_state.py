@@ -92,6 +92,14 @@ class StepState:
         """A later micro-batch of a step whose earlier ones ran backward: their gradients are pending."""
         return self.active and self.backwards > 0 and self.micros > 1
 
+    def refuse_between_micro_batches(self, call: str, fix: str) -> None:
+        """A collective of the script's own called between a step's micro-batches, which ranks may run different
+        numbers of: the calls would not pair up (gloo's 'Received data size doesn't match', then SIGABRT)."""
+        if self.active and self.backwards > 0 and not self.last_micro:
+            raise HetrainError(
+                f"{call} ran between the micro-batches of a step (session.step() returned False: the step has more): "
+                f"ranks run different numbers of micro-batches, so their calls would not pair up; {fix}")
+
     def current_samples(self) -> int:
         return self.local_samples if self.micro_samples is None else self.micro_samples
 
@@ -148,6 +156,9 @@ class StepState:
         self.check_open()
         if not self.active:
             raise HetrainError(f"session.{what}() needs a batch from session.loader(); iterate the loader first")
+
+
+GLOBAL_MEAN_FIX = "call it where session.step() returns True (session.loss is the finished step's loss)"
 
 
 def check_scalar_loss(loss: object) -> None:

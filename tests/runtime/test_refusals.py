@@ -1,5 +1,6 @@
 """Inputs the Session refuses with one line naming the fix, and a run that stops instead of going wrong."""
 
+import math
 import pickle
 
 import pytest
@@ -670,3 +671,38 @@ def test_the_clipping_checks_count_of_non_zeros_is_exact_for_a_bf16_gradient():
     g = torch.ones(40_000, dtype=torch.bfloat16)
     g[:16] = 0
     assert norms_of([g])[0][3].item() == 39_984
+
+
+@pytest.mark.parametrize("call", ["global_mean", "evaluate"])
+@pytest.mark.parametrize("gated", [False, True])
+def test_a_figure_over_ranks_taken_between_a_steps_micro_batches_is_refused_naming_where_to_take_it(call, gated):
+    """A loop body that averaged its loss over ranks on every pass (`log(loss, sync_dist=True)` ported to
+    session.global_mean) ran that collective once per micro-batch: where ranks run different numbers of them
+    the calls paired up wrong and the job ended in gloo's SIGABRT. Taken where step() returns True it runs."""
+    session = _plan_session(micro_batch=2)
+    net = make_net()
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    loader = session.loader(make_data(), global_batch_size=8, shuffle=False, seed=0)
+    figures = []
+
+    def figure(x, y):
+        if call == "global_mean":
+            return session.global_mean(F.cross_entropy(model(x), y).detach())
+        net.eval()
+        value = session.evaluate(x, y, F.cross_entropy)
+        net.train()
+        return value
+
+    try:
+        for x, y in loader:
+            if not gated:
+                figures.append(figure(x, y))
+            session.backward(F.cross_entropy(model(x), y))
+            if session.step() and gated:
+                figures.append(figure(x, y))
+        assert gated and len(figures) == 4 and all(math.isfinite(f) for f in figures)
+    except HetrainError as e:
+        assert not gated and len(figures) == 1, e   # the step's first micro-batch, before any backward, ran
+        assert str(e).startswith(f"session.{call}() ran between the micro-batches of a step"), e
+        assert "where session.step() returns True" in str(e)
+    session.close()
