@@ -146,6 +146,11 @@ def check_optimizer_holds_the_model(optimizer: Any, model: nn.Module) -> None:
             f"the optimizer holds none of the model's parameters (shapes {shapes}): it was built on another model "
             "object (a model made again after its optimizer); build the optimizer on the model passed to "
             "session.prepare()")
+    if not any(p.requires_grad for p in other):   # another model's frozen weights: harmless now, not if unfrozen
+        raise HetrainError(
+            f"the optimizer holds {len(other)} frozen tensor(s) that are not the model's parameters (shapes "
+            f"{shapes}), another model's (a distillation's teacher?): leave them out of the optimizer (build it on "
+            "the model's parameters only); if they are to be trained, make them the model's")
     raise HetrainError(
         f"the optimizer holds {len(other)} tensor(s) that are not the model's parameters (shapes {shapes}): their "
         "gradients would be neither all-reduced nor counted over the global batch, so each rank would train its "

@@ -53,7 +53,7 @@ from hetrain.runtime.precision import (LossScale, autocast, check_not_prescaled,
                                       loss_scale_settings)
 from hetrain.runtime.resume import SessionCheckpoints, checkpoint_settings, start_checkpoints
 from hetrain.runtime.schedulers import Schedulers
-from hetrain.runtime.step_state import GLOBAL_MEAN_FIX, StepState, items_as_number
+from hetrain.runtime.step_state import GLOBAL_MEAN_FIX, ONE_DATASET, ONE_MODEL, StepState, items_as_number
 from hetrain.runtime.step_clock import StepClock
 from hetrain.runtime.step_guard import (BACKWARD_TWICE, KeptGradients, OptimizerStepGuard, SteadyLearningRate,
                                         check_reduced, gradients_pending, warn_if_evaluating)
@@ -178,8 +178,7 @@ class Session:
         `blocks`, found when not given; FSDP2 or DDP with the plan's comm hook; ZeRO-1). Under DDP,
         `find_unused_parameters=True` is DDP's: for forwards that leave some parameters without a gradient."""
         if self.prepared is not None:
-            raise HetrainError("session.prepare() was already called; a session trains one model: a second model "
-                               "trained beside it (a GAN's) gets a session of its own (docs/porting.md)")
+            raise HetrainError(ONE_MODEL)
         with collective_call(self.watch, "prepare"):   # a rank that stalls in its collectives names the call
             self.prepared, self.pipeline = prepare_model(self, model, optimizer, blocks, find_unused_parameters)
         self._step_guard = OptimizerStepGuard.of(self.optimizer, given=optimizer, model=model)
@@ -205,7 +204,7 @@ class Session:
         worker_init_fn, ...; see `hetrain.runtime.data.make_loader` and docs/data.md)."""
         global_batch_size = check_global_batch(global_batch_size, self.world_size)
         if self.train is not None:
-            raise HetrainError("session.loader() was already called; a session reads one dataset")
+            raise HetrainError(ONE_DATASET)
         if self.prepared is None:
             raise HetrainError("call session.prepare(model, optimizer) before session.loader()")
         leader = leading_loader(self, global_batch_size, self._checkpoint_args[0])   # a companion session's

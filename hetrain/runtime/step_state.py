@@ -158,6 +158,12 @@ class StepState:
             raise HetrainError(f"session.{what}() needs a batch from session.loader(); iterate the loader first")
 
 
+ONE_MODEL = ("session.prepare() was already called; a session trains one model: a second model trained beside it "
+             "(a GAN's) gets a session of its own (docs/porting.md), and one not trained (a frozen teacher, an EMA, a "
+             "reference model) needs none: run it as it is")
+ONE_DATASET = ("session.loader() was already called; a session reads one dataset, the training set: evaluate on a plain "
+               "DataLoader of each rank's part with session.evaluate() or session.global_mean() (docs/data.md, "
+               "Evaluation uses a plain DataLoader)")
 GLOBAL_MEAN_FIX = "call it where session.step() returns True (session.loss is the finished step's loss)"
 
 

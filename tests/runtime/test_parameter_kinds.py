@@ -78,6 +78,10 @@ def test_an_optimizer_over_tensors_that_are_not_the_model_s_is_refused():
     model, temperature = torch.nn.Linear(4, 2), torch.nn.Parameter(torch.ones(()))
     with pytest.raises(HetrainError, match=r"holds 1 tensor\(s\) that are not the model's parameters \(shapes \(\)\)"):
         prepare(model, [*model.parameters(), temperature])
+    teacher = torch.nn.Linear(4, 2).requires_grad_(False)   # a distillation's teacher, frozen, in the optimizer
+    with pytest.raises(HetrainError, match=r"holds 2 frozen tensor\(s\) that are not the model's parameters .*another "
+                                           r"model's .*leave them out of the optimizer"):
+        prepare(model, [*model.parameters(), *teacher.parameters()])
     both = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 2), "b": torch.nn.Linear(2, 1)})
     prepare(both, [{"params": both["a"].parameters()}, {"params": both["b"].parameters(), "lr": 0.01}])
 

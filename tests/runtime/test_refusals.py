@@ -706,3 +706,19 @@ def test_a_figure_over_ranks_taken_between_a_steps_micro_batches_is_refused_nami
         assert str(e).startswith(f"session.{call}() ran between the micro-batches of a step"), e
         assert "where session.step() returns True" in str(e)
     session.close()
+
+
+def test_a_second_loader_or_model_is_refused_naming_what_to_do_instead():
+    """An Accelerate habit (`prepare(val_dataloader)`) and a frozen teacher given to prepare() again got a
+    refusal that named no way forward, or the GAN's."""
+    session = _plan_session()
+    net = make_net()
+    session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    with pytest.raises(HetrainError, match=r"already called; a session trains one model.*a frozen teacher, an EMA, "
+                                           r"a reference model\) needs none: run it as it is"):
+        session.prepare(make_net())
+    session.loader(make_data(), global_batch_size=8)
+    with pytest.raises(HetrainError, match=r"already called; a session reads one dataset, the training set: evaluate "
+                                           r"on a plain DataLoader .*session.evaluate\(\) or session.global_mean\(\)"):
+        session.loader(make_data(16), global_batch_size=8)
+    session.close()
