@@ -23,6 +23,7 @@ def test_bench_balance_prints_the_figures_as_one_json_object():
     assert sum(d["balanced_shares"]) == 256 and d["emulated"] is True and d["speeds"] == [1.0, 0.5]
     assert d["balanced_shares"][0] > d["balanced_shares"][1]    # the faster rank took more
     assert abs(d["metrics_overhead_ratio"] - d["metrics_samples_per_s"] / d["balanced_samples_per_s"]) < 1e-9
+    assert "ddp_samples_per_s" not in d    # a slow rank: no DDP without hooks to hold hetrain against
 
 
 def test_bench_balance_under_outside_load_reports_the_split_changes():
@@ -45,6 +46,3 @@ def test_bench_balance_at_equal_speeds_holds_hetrain_against_ddp_without_hooks()
     assert d["ddp_samples_per_s"] > 0
     assert abs(d["balanced_over_ddp"] - d["balanced_samples_per_s"] / d["ddp_samples_per_s"]) < 1e-9
     assert abs(d["uniform_over_ddp"] - d["uniform_samples_per_s"] / d["ddp_samples_per_s"]) < 1e-9
-    assert "ddp_samples_per_s" not in json.loads(run_cli(
-        [sys.executable, "-m", "hetrain.cli.main", "bench", "balance", "--speeds", "1,0.5", "--steps", "6", "--warmup",
-         "2", "--global-batch-size", "64", "--json"], cwd=ROOT, timeout=240).stdout)   # a slow rank: nothing to hold
