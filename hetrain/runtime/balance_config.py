@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from hetrain.errors import HetrainError
 from hetrain.planning.plan import BalancePlan, Plan
+from hetrain.runtime.memory import job_piece_count
 
 
 @dataclass(frozen=True)
@@ -66,3 +67,16 @@ def balance_setup(plan: Plan | None, plan_shares: list[int], world_size: int, gl
                 f"rank {over[0]} starts at {shares[over[0]]} samples, above balance.max_share {config.max_share}; "
                 "give the plan's shares within it (re-plan) or raise max_share")
     return BalanceSetup(shares, config)
+
+
+def piece_caps(shares: list[int], pieces: list[tuple[int | None, int]] | None) -> list[int | None] | None:
+    """Each rank's most samples a re-split may give it without adding to the job's micro-batches a step, where
+    every rank runs the job's count (`pieces`: each rank's (micro_batch, grad_accum); FSDP2 data parallelism,
+    SyncBatchNorm), else None. There a rank's step costs its pieces' fixed work (FSDP2 gathers every block's
+    weights for each), and the count follows the largest share: moving samples to a fast rank gave every rank
+    more pieces, the slow rank's time did not fall with its share, and the split ran to [47, 1] at 2-3x the
+    step time of the plan's. A rank whose count does not follow its share (no micro_batch) has no cap."""
+    if pieces is None or all(mb is None for mb, _ in pieces):
+        return None
+    count = job_piece_count(shares, pieces)
+    return [count * mb if mb else None for mb, _ in pieces]

@@ -199,6 +199,7 @@ class Balancer:
     warmup_steps: int = 1
     rank: int | None = None         # this rank: its window takes only steps at its full share
     devices: list[str] | None = None   # each rank's device kind: measurements belong to them
+    share_caps: list[int | None] | None = None   # each rank's most samples that keep the job's pieces a step
     _interval: list[tuple[int, float]] = field(default_factory=list)  # this rank's steps of the interval
     _window: list[tuple[int, float]] = field(default_factory=list)    # ... since the split last changed
     _scatter: list[tuple[float, int]] = field(default_factory=list)   # _spread() of past windows
@@ -221,6 +222,20 @@ class Balancer:
     def __post_init__(self) -> None:
         if self._skip is None:
             self._skip = self.warmup_steps
+        if self.share_caps is not None and self.config.enabled and self.rank == 0:
+            log.info("every rank runs the job's count of micro-batches a step (FSDP2, SyncBatchNorm): re-splits keep "
+                     "it, a rank taking at most %s samples (re-plan with larger micro-batches to move more)",
+                     [c if c is not None else sum(self.shares) for c in self.share_caps])
+
+    def _max_shares(self, min_share: int) -> int | list[int] | None:
+        """The plan's max_share, and where every rank runs the job's count of micro-batches, each rank's cap
+        that keeps that count (never below the current share or min_share)."""
+        if self.share_caps is None:
+            return self.config.max_share
+        total = sum(self.shares)
+        plan_cap = self.config.max_share if self.config.max_share is not None else total
+        return [min(plan_cap, max(cap if cap is not None else total, now, min_share))
+                for cap, now in zip(self.share_caps, self.shares)]
 
     @property
     def window_cap(self) -> int:
@@ -350,8 +365,8 @@ class Balancer:
             self._asked, self._streak = None, self._streak and young
             return False
         min_share = min(self.config.min_share, sum(self.shares) // len(self.shares))
-        new, t_old, t_new = rebalance(self.shares, costs, min_share=min_share,
-                                      max_share=self.config.max_share, hysteresis=self.config.hysteresis)
+        new, t_old, t_new = rebalance(self.shares, costs, min_share=min_share, max_share=self._max_shares(min_share),
+                                      hysteresis=self.config.hysteresis)
         asked, self._asked = self._asked, None
         streak, self._streak = self._streak, False
         if new == self.shares:

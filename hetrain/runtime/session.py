@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from hetrain.errors import HetrainError
 from hetrain.planning.plan import Plan, RankPlan
-from hetrain.runtime.balance_config import balance_overrides, balance_setup
+from hetrain.runtime.balance_config import balance_overrides, balance_setup, piece_caps
 from hetrain.runtime.balancer import Balancer
 from hetrain.runtime.batch_sampler import check_global_batch
 from hetrain.runtime.comm_hooks import forget_feedback
@@ -210,14 +210,15 @@ class Session:
         leader = leading_loader(self, global_batch_size, self._checkpoint_args[0])   # a companion session's
         setup = balance_setup(self.plan, self.assignment.shares, self.world_size, global_batch_size,
                               *self._balance_overrides, pipeline=self.layout is not None or leader is not None)
-        balancer = self.balancer = Balancer(config=setup.config, shares=setup.shares, rank=self.rank,
-                                            devices=self.assignment.devices)
+        pieces = [(e.micro_batch, e.grad_accum) for e in self.assignment.entries] \
+            if equal_piece_counts(self.prepared.model, self.sharding, self.layout) else None   # the job's count
+        balancer = self.balancer = Balancer(config=setup.config, shares=setup.shares, devices=self.assignment.devices,
+                                            rank=self.rank, share_caps=piece_caps(setup.shares, pieces))
         loader = make_loader(dataset, global_batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
                              rank=self.rank, split=balancer, step=self.state, device=self.device,
                              micro_batch=self.entry.micro_batch, grad_accum=self.entry.grad_accum,
                              gradient_sync=lambda sync: gradient_sync(self.prepared, self.sharding, sync),
-                             same_piece_count=[(e.micro_batch, e.grad_accum) for e in self.assignment.entries]
-                             if equal_piece_counts(self.prepared.model, self.sharding, self.layout) else None, **options)
+                             same_piece_count=pieces, **options)
         follow(loader, leader)   # None: its own split
         balancer.lag = loader.lag   # a new split reaches the loop this many steps after it is decided
         loader.gradients_pending = lambda: gradients_pending(self.prepared.model)

@@ -371,3 +371,32 @@ def test_a_slowdown_that_lasts_is_followed_within_a_few_intervals():
                 b.rebalance(step, observed)
             split_at[step] = list(ranks[0].shares)
     assert split_at[120][0] >= 150 and abs(split_at[200][0] - 171) <= 9, split_at
+
+
+def test_piece_caps_keep_the_job_s_count_of_micro_batches_where_every_rank_runs_it():
+    from hetrain.runtime.balance_config import piece_caps
+
+    assert piece_caps([24, 24], None) is None                          # ranks run their own counts
+    assert piece_caps([24, 24], [(None, 1), (None, 2)]) is None        # counts that do not follow the shares
+    assert piece_caps([24, 24], [(8, 1), (8, 1)]) == [24, 24]          # 3 pieces each: full
+    assert piece_caps([24, 24], [(10, 1), (8, 1)]) == [30, 24]         # 3 pieces: 30 and 24 fit them
+    assert piece_caps([30, 2], [(8, 1), (None, 2)]) == [32, None]      # 4 pieces; a rank of 2 pieces has no cap
+
+
+def test_a_resplit_where_every_rank_runs_the_job_s_micro_batches_keeps_their_count():
+    """FSDP2 with micro-batches (every rank runs the job's count of pieces, the slow rank's time following
+    that count, not its share) ran from [24, 24] to [47, 1] at 2-3x the step time: each move to the fast rank
+    added a piece to both. With the caps the split stops where the count would grow."""
+    from hetrain.runtime.balance_config import piece_caps
+
+    def slow_rank_pays_per_piece(r, n, shares):
+        pieces = max(-(-s // 10) for s in shares)   # micro_batch 10 on both ranks: the job's count
+        return pieces * (0.010 if r == 0 else 0.020) + n * 1e-4
+
+    for caps, most in ((None, 47), (piece_caps([24, 24], [(10, 1), (10, 1)]), 30)):
+        b = Balancer(BalancePlan(interval=5, hysteresis=0.02), shares=[24, 24], share_caps=caps)
+        for i in range(1, 13):
+            shares = list(b.shares)
+            b.rebalance(i * 5, exacts(*[(n, slow_rank_pays_per_piece(r, n, shares)) for r, n in enumerate(shares)]))
+            assert max(b.shares) <= most and sum(b.shares) == 48
+        assert b.shares[0] == most or caps is None and b.shares[0] >= 40, b.shares
