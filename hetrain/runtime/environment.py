@@ -209,11 +209,31 @@ def _one_rank_prefix() -> Iterator[None]:
             setattr(sys.excepthook, _TORCH_PREFIXED, True)
 
 
+_LEFT_OPEN: list[Any] = []   # the group a session that started it could not leave (it closed on an error)
+
+
+def leave_group(failing: bool, settle: Callable[[], Any] | None) -> None:
+    """A session leaves the process group it started. Closing on an error, it stays (leaving means meeting peers
+    that may be inside a step): the next session of this process leaves it and starts its own."""
+    if failing:
+        _LEFT_OPEN[:] = [dist.group.WORLD]
+        return
+    if settle is not None:   # every rank gets here, its last balancer exchange landed, before the group goes
+        settle()
+    dist.barrier()   # destroying gloo's group while a peer is still in a collective can abort at exit
+    dist.destroy_process_group()
+
+
 def init_process_group(env: RankEnv, device: torch.device, backend: str | None = None) -> tuple[bool, Any]:
     """Join the job's process group (NCCL on CUDA, gloo on CPU). Returns (whether this call created it,
     a store of the job that other services may use, or None). A group the script started itself
     is used as it is; either way the rank collects at exit (`collect_at_exit`)."""
     collect_at_exit()
+    if dist.is_initialized() and _LEFT_OPEN and _LEFT_OPEN[0] is dist.group.WORLD:
+        # the group of a session that closed on an error (it could not meet its peers to leave): a sweep's next
+        # trial ran on it without a progress watch; it is left now, and a new one made as for any session
+        _LEFT_OPEN.clear()
+        dist.destroy_process_group()
     if dist.is_initialized():
         return False, None
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")

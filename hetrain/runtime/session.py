@@ -40,7 +40,7 @@ from hetrain.runtime.data import HeteroLoader, make_loader
 from hetrain.runtime.evaluation import evaluate
 from hetrain.runtime.export import full_model_state
 from hetrain.runtime.environment import (RankEnv, collective_timeout, configure_logging, env_int, init_process_group,
-                                         pick_device, print_user_errors_as_one_line, progress_timeout)
+                                         leave_group, pick_device, print_user_errors_as_one_line, progress_timeout)
 from hetrain.runtime.gradients import (GradientStatus, SkipCounter, StepFigures, agree_items_per_sample, clip_gradients,
                                        finish_gradients, launch_step_figures, weighted_mean)
 from hetrain.runtime.reporting import Reports, plan_step_seconds, run_directory, step_record
@@ -474,12 +474,8 @@ class Session:
             self.checkpoints.close(save=not failing)
             self.checkpoints = None
         self.reports.close()
-        if self._owns_group and dist.is_initialized() and not failing:
-            # Every rank gets here (its last balancer exchange landed) before the group is torn down:
-            if self.balancer is not None:
-                self.balancer.arrived()
-            dist.barrier()   # destroying gloo's group while a peer is still in a collective can abort at exit
-            dist.destroy_process_group()
+        if self._owns_group and dist.is_initialized():
+            leave_group(failing, self.balancer.arrived if self.balancer is not None else None)
 
     def __enter__(self) -> "Session":
         return self

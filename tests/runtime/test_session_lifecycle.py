@@ -91,16 +91,24 @@ def test_a_device_named_without_an_index_is_this_local_ranks(monkeypatch):
 
 
 _SESSIONS_ONE_AFTER_ANOTHER = """
-import torch, hetrain
+import torch, torch.distributed as dist, hetrain
 data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
 for k in range(4):
+    if k == 2:   # a trial that fails on every rank, caught by the sweep: its session closes on the error
+        try:
+            with hetrain.Session() as failed:
+                raise RuntimeError("trial failed")
+        except RuntimeError:
+            pass
     session = hetrain.Session()
+    assert session.watch is not None, k   # its own group and progress watch, not the failed trial's group
     net = torch.nn.Linear(4, 1)
     model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
     for x, y in session.loader(data, global_batch_size=64):
         session.backward(torch.nn.functional.mse_loss(model(x), y))
         session.step()
     session.close()
+assert not dist.is_initialized()
 print(f"rank {session.rank} ran 4 sessions", flush=True)
 """
 
@@ -108,7 +116,8 @@ print(f"rank {session.rank} ran 4 sessions", flush=True)
 def test_sessions_one_after_another_in_a_launched_job_each_get_a_group_of_their_own(tmp_path):
     """A new Session after close() (as the refusal of a closed one advises): each re-joined the job's store
     under the same keys, and a rank could read the closed group's addresses: the job hung in about half
-    the runs of two sessions (one rank in init_process_group, the other in the new group's first collective)."""
+    the runs of two sessions (one rank in init_process_group, the other in the new group's first collective).
+    A session that closed on an error left its group, and the next ran on it without a progress watch."""
     from pathlib import Path
 
     from tests.distributed import run_cli
