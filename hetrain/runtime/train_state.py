@@ -56,6 +56,11 @@ class TrainState:
     step: int = 0
     skipped_steps: int = 0
 
+    def __post_init__(self) -> None:
+        # a dict of the script's state restores into the tensors it holds, never into the model's own
+        self.user_states.protected = lambda: [*self.prepared.state_module.parameters(),
+                                              *self.prepared.state_module.buffers()]
+
     @property
     def pipelined(self) -> bool:
         """A pipeline plan: each rank holds one stage's blocks, under the whole model's names."""

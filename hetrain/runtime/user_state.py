@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -75,6 +76,7 @@ class UserStates:
     def __init__(self) -> None:
         self.items: dict[str, Any] = {}
         self._saved: dict[str, Any] | None = None   # a restored checkpoint's states, by name, not yet loaded
+        self.protected: Callable[[], list[torch.Tensor]] = list   # tensors a restore never writes into (the model's)
 
     def add(self, name: str, obj: Any) -> None:
         _check(name, obj)
@@ -121,29 +123,53 @@ class UserStates:
             return
         value = loadable(self._saved.pop(name))
         if isinstance(obj, dict):
-            restored = {k: _restored(obj.get(k), v) for k, v in value.items()}
+            shared = _shared_storages([*self.protected(), *_tensors(obj)])
+            restored = {k: _restored(obj.get(k), v, shared) for k, v in value.items()}
             obj.clear()
             obj.update(restored)
         else:
             obj.load_state_dict(value)
 
 
-def _restored(mine: Any, saved: Any) -> Any:
-    """A saved value put back where the script's dict holds one: a tensor of the same shape is copied into
-    in place, as a module's load_state_dict does (a hook updating an EMA's tensors, `torch._foreach_lerp_`,
-    holds them, and went on updating tensors the dict no longer held); a list or dict of them likewise;
-    anything else is the saved value (a tensor on the device the script's is on)."""
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _shared_storages(tensors: list[torch.Tensor]) -> set[int]:
+    """The storages held by more than one of `tensors`."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        key = t.untyped_storage().data_ptr()
+        seen[key] = seen.get(key, 0) + 1
+    return {k for k, n in seen.items() if n > 1}
+
+
+def _restored(mine: Any, saved: Any, shared: set[int]) -> Any:
+    """A saved value put back where the script's dict holds one. A tensor of its own (the same shape and dtype,
+    one block of memory that no other tensor of the state or of the model holds) is copied into in place, as a
+    module's load_state_dict does: a hook updating an EMA's tensors (`torch._foreach_lerp_`) holds them, and
+    went on updating tensors the dict no longer held. Any other is replaced by the saved one (a placeholder of
+    the model's weights, `net.state_dict()`, must not take a best model's values), on the script's device; a
+    list or dict of them likewise; anything else is the saved value."""
     if isinstance(saved, torch.Tensor) and isinstance(mine, torch.Tensor):
-        if mine.shape == saved.shape and not mine.is_inference():
+        own = mine.shape == saved.shape and mine.dtype == saved.dtype and mine.is_contiguous() and \
+            not mine.is_inference() and mine.untyped_storage().data_ptr() not in shared
+        if own:
             with torch.no_grad():
                 return mine.copy_(saved)
         return saved.to(mine.device)
     if isinstance(saved, dict) and isinstance(mine, dict):
-        restored = {k: _restored(mine.get(k), v) for k, v in saved.items()}
+        restored = {k: _restored(mine.get(k), v, shared) for k, v in saved.items()}
         mine.clear()
         mine.update(restored)
         return mine
     if isinstance(saved, list) and isinstance(mine, list) and len(saved) == len(mine):
-        mine[:] = [_restored(m, v) for m, v in zip(mine, saved)]
+        mine[:] = [_restored(m, v, shared) for m, v in zip(mine, saved)]
         return mine
     return copy.deepcopy(saved)

@@ -119,3 +119,53 @@ def _same_state_other_threads(rank, world, ckpt_dir):
 def test_state_the_same_on_every_rank_is_never_refused(tmp_path):
     """A float sum of identical values differed between 1 and 2 threads, and refused identical state."""
     assert run_ranks(_same_state_other_threads, 2, str(tmp_path)) == [2, 2]
+
+
+def _placeholders(directory, stop_after=None):
+    """A dict state built on placeholders: the model's own weights (`net.state_dict()`, views of them), one
+    tensor under two keys and three list slots, an integer tensor later holding a float, an expanded zero."""
+    import math
+
+    import hetrain
+    from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+
+    plan = Plan(global_batch_size=8, balance=BalancePlan(enabled=False), ranks=[RankPlan(rank=0, share=8)])
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 1)
+    with hetrain.Session(plan, checkpoint_dir=directory, checkpoint_interval=1, async_checkpoints=False) as session:
+        model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        state = session.add_state("state", {"best": math.inf, "weights": net.state_dict(),
+                                            **dict.fromkeys(["first", "last"], torch.zeros(())),
+                                            "history": [torch.zeros(())] * 3, "accuracy": torch.tensor(0),
+                                            "expanded": torch.zeros(()).expand(4)})
+        g = torch.Generator().manual_seed(1)
+        data = torch.utils.data.TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g))
+        for x, y in session.loader(data, global_batch_size=8, shuffle=False):
+            session.backward(F.mse_loss(model(x), y))
+            k = session.step_count + 1   # changed before the step: its checkpoint holds them
+            if k == 3:
+                state["weights"] = {n: v.clone() for n, v in net.state_dict().items()}
+            state["first" if k == 1 else "last"] = torch.tensor(float(k))
+            state["history"][k % 3] = torch.tensor(float(k))
+            state["accuracy"], state["expanded"] = torch.tensor(k + 0.5), torch.arange(4.0) * k
+            session.step()
+            if k == stop_after:
+                raise RuntimeError("stop")
+    return [p.detach().clone() for p in net.parameters()], state
+
+
+def test_a_dict_state_restores_beside_tensors_it_shares_with_the_model_or_with_itself(tmp_path):
+    """Restored in place, a placeholder holding the model's weights took the step-2 best weights over the
+    resumed model, keys sharing one tensor all took the last value, an int placeholder truncated 5.5 to 5, and
+    an expanded one failed with torch's 'more than one element of the written-to tensor'."""
+    expected, whole = _placeholders(tmp_path / "whole")
+    with pytest.raises(RuntimeError, match="stop"):
+        _placeholders(tmp_path / "resumed", stop_after=6)
+    weights, resumed = _placeholders(tmp_path / "resumed")
+    assert all(torch.equal(a, b) for a, b in zip(weights, expected))
+    assert float(resumed["first"]) == 1.0 and float(resumed["last"]) == 8.0
+    assert [float(t) for t in resumed["history"]] == [6.0, 7.0, 8.0]
+    assert resumed["accuracy"].dtype == torch.float32 and float(resumed["accuracy"]) == 8.5
+    for key in ("weights", "expanded"):
+        assert all(torch.equal(a, b) for a, b in zip(torch.utils._pytree.tree_leaves(resumed[key]),
+                                                     torch.utils._pytree.tree_leaves(whole[key])))
