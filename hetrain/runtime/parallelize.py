@@ -56,9 +56,13 @@ class Prepared:
     kept: KeptOutputs | None = None   # find_unused: the last training forward's outputs (hetrain.runtime.kept_outputs)
     plain: PlainBackwards | None = None   # replicated: the script's own backwards in a step (plain_backward.py)
     handles: list[Any] = field(default_factory=list)   # hooks on the script's own model, removed at release()
+    half: list[tuple[str, nn.Parameter]] = field(default_factory=list)   # frozen in half precision at prepare()
 
     def backward(self, loss: torch.Tensor, first_of_step: bool) -> None:
         """The session's backward of `loss` (weighted, scaled); then the outputs kept for one without items go."""
+        unfrozen = next((name for name, p in self.half if p.requires_grad), None)
+        if unfrozen is not None:   # refused before FSDP2's reduce-scatter fails on it, or DDP leaves it unreduced
+            raise HetrainError(half_trainable(unfrozen, next(p.dtype for n, p in self.half if n == unfrozen)))
         if self.plain is not None:
             self.plain.before_backward(first_of_step)
         with session_backward():
@@ -185,6 +189,11 @@ def check_parameters(model: nn.Module, sharding_name: str = "none") -> None:
         raise HetrainError(
             f"sharding {sharding_name!r} needs the model's parameters in one dtype, and they are {kinds}: torch's "
             "ZeRO-1 and FSDP2 flatten them together; give them one dtype, or use sharding 'none'")
+
+
+def half_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The model's parameters in half precision (frozen: check_parameters refused trainable ones)."""
+    return [(n, p) for n, p in model.named_parameters() if p.dtype in (torch.float16, torch.bfloat16)]
 
 
 def half_trainable(name: str, dtype: torch.dtype) -> str:
@@ -316,7 +325,7 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, sh
         keep_buffers_without_samples(model, without_samples)
         if optimizer is not None:
             optimizer = sharding.rebuild_optimizer(optimizer, names, model)
-        return Prepared(model, optimizer, chosen, buffers=buffer_places(model))
+        return Prepared(model, optimizer, chosen, buffers=buffer_places(model), half=half_parameters(model))
     if entry.offload_optimizer and device.type == "cuda":
         raise HetrainError(
             f"rank {rank} asks for offload_optimizer with sharding {sharding_name!r}; optimizer state is "
@@ -331,7 +340,8 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, sh
     prepared = Prepared(ddp, optimizer, chosen, comm_state,
                         frozenset(id(p) for p in model.parameters() if p.requires_grad),
                         find_unused=find_unused_parameters,
-                        sync_batchnorm=any(isinstance(m, nn.SyncBatchNorm) for m in model.modules()), buffers=buffers)
+                        sync_batchnorm=any(isinstance(m, nn.SyncBatchNorm) for m in model.modules()), buffers=buffers,
+                        half=half_parameters(model))
     prepared.handles.append(timed_handle)   # on the script's own model: gone when the session closes
     prepared.plain = PlainBackwards(ddp, [p for p in model.parameters() if p.requires_grad])
     if find_unused_parameters:   # the outputs held from a training forward until the next one begins
@@ -390,10 +400,6 @@ def reduce_late_trainable(prepared: Prepared) -> None:
     late = [p for p in prepared.parameters if p.requires_grad and id(p) not in prepared.ddp_reduces]
     if not late or not isinstance(prepared.model, DistributedDataParallel):
         return
-    half = next((p for p in late if p.dtype in (torch.float16, torch.bfloat16)), None)
-    if half is not None:   # frozen in half precision at prepare() (allowed there), trainable now
-        name = next((n for n, q in prepared.model.module.named_parameters() if q is half), f"a {tuple(half.shape)} tensor")
-        raise HetrainError(half_trainable(name, half.dtype))
     if not prepared.late_trainable_said:
         prepared.late_trainable_said = True
         log.info("%d parameter(s) became trainable after session.prepare(): their gradients are all-reduced after "

@@ -48,6 +48,12 @@ class ProportionalZeroRedundancyOptimizer(ZeroRedundancyOptimizer):
 def zero1_optimizer(optimizer: torch.optim.Optimizer, weights: Sequence[float] | None = None) -> ZeroRedundancyOptimizer:
     """The user's optimizer (class, groups, hyper-parameters) as ZeRO-1: even, or by `weights`."""
     check_fresh(optimizer, "zero1")
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in stepped_parameters(optimizer)})
+    if len(dtypes) > 1:   # torch's ZeroRedundancyOptimizer flattens them together, frozen ones too
+        raise HetrainError(
+            f"sharding 'zero1' shards every parameter the optimizer holds, frozen ones included, in one dtype, and "
+            f"they are {', '.join(dtypes)}: build the optimizer on the trainable parameters "
+            "([p for p in model.parameters() if p.requires_grad]), or use sharding 'none'")
     groups = param_groups_for(optimizer)
     cls = type(optimizer)
     if weights is None:
