@@ -212,6 +212,7 @@ class Session:
                               *self._balance_overrides, pipeline=self.layout is not None or leader is not None)
         pieces = [(e.micro_batch, e.grad_accum) for e in self.assignment.entries] \
             if equal_piece_counts(self.prepared.model, self.sharding, self.layout) else None   # the job's count
+        self.state.equal_pieces = pieces is not None
         balancer = self.balancer = Balancer(config=setup.config, shares=setup.shares, devices=self.assignment.devices,
                                             rank=self.rank, share_caps=piece_caps(setup.shares, pieces))
         loader = make_loader(dataset, global_batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
@@ -432,7 +433,7 @@ class Session:
     def global_mean(self, value: torch.Tensor | float, weight: float | None = None) -> float:
         """The mean over all ranks of per-rank means, weighted by each rank's items: by default this
         step's items so far, or the last finished step's after `step()` (collective)."""
-        self.state.refuse_between_micro_batches("session.global_mean()", GLOBAL_MEAN_FIX)
+        self.state.refuse_between_micro_batches("session.global_mean()", GLOBAL_MEAN_FIX, forward=False)
         return weighted_mean(value, self.state.mean_weight() if weight is None else weight, self.device)
 
     def idle_fraction(self, last: int | None = None) -> float:

@@ -45,6 +45,7 @@ class StepState:
         self.split: list[int] | None = None     # every rank's samples of the step, as the loader split it
         self.micro_samples: int | None = None   # samples of the current micro-batch
         self.last_micro = True                  # the current micro-batch is the step's last on this rank
+        self.equal_pieces = False               # every rank runs the job's count of micro-batches a step
         self.items = 0.0                        # items this rank has passed to backward this step
         self.loss_sum: torch.Tensor | None = None   # sum of loss * items over this step's backwards
         self.backwards = 0
@@ -92,10 +93,11 @@ class StepState:
         """A later micro-batch of a step whose earlier ones ran backward: their gradients are pending."""
         return self.active and self.backwards > 0 and self.micros > 1
 
-    def refuse_between_micro_batches(self, call: str, fix: str) -> None:
+    def refuse_between_micro_batches(self, call: str, fix: str, forward: bool = True) -> None:
         """A collective of the script's own called between a step's micro-batches, which ranks may run different
-        numbers of: the calls would not pair up (gloo's 'Received data size doesn't match', then SIGABRT)."""
-        if self.active and self.backwards > 0 and not self.last_micro:
+        numbers of: the calls would not pair up (gloo's 'Received data size doesn't match', then SIGABRT). Where
+        every rank runs the job's count (`equal_pieces`: FSDP2, SyncBatchNorm) one without a forward pairs."""
+        if self.active and self.backwards > 0 and not self.last_micro and (forward or not self.equal_pieces):
             raise HetrainError(
                 f"{call} ran between the micro-batches of a step (session.step() returned False: the step has more): "
                 f"ranks run different numbers of micro-batches, so their calls would not pair up; {fix}")
