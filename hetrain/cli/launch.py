@@ -3,43 +3,53 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from hetrain.errors import HetrainError
 from hetrain.launch.launcher import LaunchConfig, launch
 from hetrain.runtime.speeds import parse_speeds
 
 
+def _pet(name: str, default: object = None) -> object:
+    """torchrun's default for a flag: its PET_<NAME> environment variable (set by job operators such as Kubeflow's
+    PyTorchJob for each node), else `default`. A flag given on the command line wins, as under torchrun."""
+    return os.environ.get(f"PET_{name}", default)
+
+
 def build_parser(parser: argparse.ArgumentParser) -> None:
     # Everything after the script is the script's: without abbreviations a script flag that a launcher
     # flag begins with (--n, --log, --max) is not read as an ambiguous launcher flag.
     parser.allow_abbrev = False
-    parser.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1,
+    parser.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=_pet("NPROC_PER_NODE", 1),
                         help="worker processes on this node (one per GPU), 1 to 1,024")
-    parser.add_argument("--nnodes", default="1", help="nodes, or MIN:MAX for an elastic job")
-    parser.add_argument("--node-rank", "--node_rank", type=int, default=None)
-    parser.add_argument("--rdzv-backend", "--rdzv_backend", default=None,
+    parser.add_argument("--nnodes", default=_pet("NNODES", "1"), help="nodes, or MIN:MAX for an elastic job")
+    parser.add_argument("--node-rank", "--node_rank", type=int, default=_pet("NODE_RANK"))
+    parser.add_argument("--rdzv-backend", "--rdzv_backend", default=_pet("RDZV_BACKEND"),
                         help="c10d (default; at --master-addr:--master-port on several nodes without "
                              "--rdzv-endpoint), or static")
-    parser.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None, help="HOST:PORT of the rendezvous")
-    parser.add_argument("--rdzv-id", "--rdzv_id", default=None, help="job id shared by all nodes")
-    parser.add_argument("--rdzv-conf", "--rdzv_conf", default=None, metavar="K=V,...",
+    parser.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=_pet("RDZV_ENDPOINT"),
+                        help="HOST:PORT of the rendezvous")
+    parser.add_argument("--rdzv-id", "--rdzv_id", default=_pet("RDZV_ID"), help="job id shared by all nodes")
+    parser.add_argument("--rdzv-conf", "--rdzv_conf", default=_pet("RDZV_CONF"), metavar="K=V,...",
                         help="rendezvous settings, e.g. join_timeout=120 (seconds nodes wait for each other; 600), "
                              "read_timeout=10 (seconds per connection attempt to the endpoint; 60)")
-    parser.add_argument("--local-addr", "--local_addr", default=None, help="this node's address for the rendezvous")
-    parser.add_argument("--standalone", action="store_true", help="one node with its own local rendezvous")
-    parser.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
+    parser.add_argument("--local-addr", "--local_addr", default=_pet("LOCAL_ADDR"),
+                        help="this node's address for the rendezvous")
+    parser.add_argument("--standalone", action="store_true", default=_pet("STANDALONE", "0") not in ("", "0"),
+                        help="one node with its own local rendezvous")
+    parser.add_argument("--max-restarts", "--max_restarts", type=int, default=_pet("MAX_RESTARTS", 0),
                         help="restart the workers this many times after a failure")
-    parser.add_argument("--monitor-interval", "--monitor_interval", type=float, default=None)
-    parser.add_argument("--master-addr", "--master_addr", default=None)
-    parser.add_argument("--master-port", "--master_port", type=int, default=None)
-    parser.add_argument("--log-dir", "--log_dir", default=None, help="where the agent writes worker logs")
-    parser.add_argument("-r", "--redirects", default=None,
+    parser.add_argument("--monitor-interval", "--monitor_interval", type=float, default=_pet("MONITOR_INTERVAL"))
+    parser.add_argument("--master-addr", "--master_addr", default=_pet("MASTER_ADDR"))
+    parser.add_argument("--master-port", "--master_port", type=int, default=_pet("MASTER_PORT"))
+    parser.add_argument("--log-dir", "--log_dir", default=_pet("LOG_DIR"), help="where the agent writes worker logs")
+    parser.add_argument("-r", "--redirects", default=_pet("REDIRECTS"),
                         help="write ranks' streams to files in --log-dir instead of the console (3: both, for every "
                              "local rank; 0:3,1:1: per local rank)")
-    parser.add_argument("-t", "--tee", default=None, help="as --redirects, and to the console too")
-    parser.add_argument("--local-ranks-filter", "--local_ranks_filter", default=None, metavar="R0,R1,...",
-                        help="show only these local ranks' output on the console (0: rank 0's, without its "
-                             "copies from the other ranks)")
+    parser.add_argument("-t", "--tee", default=_pet("TEE"), help="as --redirects, and to the console too")
+    parser.add_argument("--local-ranks-filter", "--local_ranks_filter", default=_pet("LOCAL_RANKS_FILTER"),
+                        metavar="R0,R1,...", help="show only these local ranks' output on the console (0: rank 0's, "
+                                                  "without its copies from the other ranks)")
     parser.add_argument("--emulate-speeds", default=None, metavar="S0,S1,...",
                         help="CPU ranks only: relative speed per rank (1 = full, 0.5 = half); output is labelled emulated")
     parser.add_argument("--plan", default=None, help="plan.json written by `hetrain plan --out`")

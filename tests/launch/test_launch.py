@@ -100,6 +100,25 @@ def test_every_argument_after_the_script_is_the_scripts():
     assert (agent.training_script, agent.training_script_args) == ("train.py", args.script_args)
 
 
+def test_torchruns_environment_defaults_are_read_and_a_flag_on_the_line_wins(monkeypatch):
+    """A job operator (Kubeflow's PyTorchJob) sets PET_NNODES, PET_NPROC_PER_NODE, ... for each node, as torchrun
+    reads them: hetrain launch ignored them, and each node of a two-node job trained alone."""
+    import argparse
+
+    from hetrain.cli.launch import build_parser
+
+    for name, value in {"NPROC_PER_NODE": "3", "NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.5",
+                        "MASTER_PORT": "29400", "MAX_RESTARTS": "2", "RDZV_ID": "job7", "STANDALONE": "0"}.items():
+        monkeypatch.setenv(f"PET_{name}", value)
+    parser = argparse.ArgumentParser()
+    build_parser(parser)
+    args = parser.parse_args(["train.py"])
+    assert (args.nproc_per_node, args.nnodes, args.node_rank, args.master_addr, args.master_port, args.max_restarts,
+            args.rdzv_id, args.standalone) == (3, "2", 1, "10.0.0.5", 29400, 2, "job7", False)
+    args = parser.parse_args(["--nproc-per-node", "1", "--nnodes", "1", "train.py"])
+    assert (args.nproc_per_node, args.nnodes) == (1, "1")
+
+
 FAULTS_SNIPPET = """
 import os, resource, torch
 if os.environ.get("HETRAIN_TEST_APPLY"):
