@@ -70,6 +70,12 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
 
+def _path(value: str | None) -> str | None:
+    """A path flag as given, `~` expanded (not done by the shell after `--flag=`); empty is unset, as an empty
+    HETRAIN_CHECKPOINT_DIR is (an empty --checkpoint-dir checkpointed into the working directory)."""
+    return os.path.expanduser(value) if value else None
+
+
 def run(args: argparse.Namespace) -> int:
     if not args.script:   # argparse named script_args, which may be left out, as required too
         raise HetrainError("no training script; give its path after the options: hetrain launch [OPTIONS] train.py "
@@ -80,10 +86,11 @@ def run(args: argparse.Namespace) -> int:
         rdzv_backend=args.rdzv_backend, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
         rdzv_conf=args.rdzv_conf, local_addr=args.local_addr, standalone=args.standalone,
         max_restarts=args.max_restarts, monitor_interval=args.monitor_interval,
-        master_addr=args.master_addr, master_port=args.master_port, log_dir=args.log_dir,
+        master_addr=args.master_addr, master_port=args.master_port, log_dir=_path(args.log_dir),
         redirects=args.redirects, tee=args.tee, local_ranks_filter=args.local_ranks_filter,
-        emulate_speeds=parse_speeds(args.emulate_speeds) if args.emulate_speeds else None, plan=args.plan,
-        checkpoint_dir=args.checkpoint_dir, run_dir=args.run_dir, collective_timeout=args.collective_timeout,
+        emulate_speeds=parse_speeds(args.emulate_speeds) if args.emulate_speeds else None, plan=_path(args.plan),
+        checkpoint_dir=_path(args.checkpoint_dir), run_dir=_path(args.run_dir),
+        collective_timeout=args.collective_timeout,
         malloc_cache=not args.no_malloc_cache, metrics_port=args.metrics_port, start_fresh=args.start_fresh,
     )
     return launch(cfg)

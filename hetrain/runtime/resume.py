@@ -70,9 +70,22 @@ def checkpoint_settings(directory: str | os.PathLike | None, interval: int | Non
     if keep is not None and (whole_number(keep) is None or keep < 1):
         raise HetrainError(f"keep_checkpoints={keep!r}: at least the newest checkpoint must be kept to resume from it; "
                            "pass keep_checkpoints>=1, or None to keep every checkpoint")
-    directory = directory or os.environ.get(Env.CHECKPOINT_DIR) or None   # absolute: a script that changes directory
-    return (os.path.abspath(directory) if directory else None, int(interval),   # saves and resumes where it began
+    launched = os.environ.get(Env.CHECKPOINT_DIR) or None
+    if directory and launched and env_int("RANK", 0) == 0 and not _inside(directory, launched):
+        log.warning("Session(checkpoint_dir=%s) checkpoints there, not in %s (hetrain launch --checkpoint-dir, or "
+                    "%s): a restart resumes from the script's directory", directory, launched, Env.CHECKPOINT_DIR)
+    directory = directory or launched   # absolute: a script that changes directory saves and resumes where it began
+    return (os.path.abspath(os.path.expanduser(directory)) if directory else None, int(interval),
             None if keep is None else int(keep), bool(async_save))
+
+
+def _inside(directory: str | os.PathLike, parent: str) -> bool:
+    """Whether `directory` is `parent` or below it (a GAN's second session's own folder in the job's)."""
+    mine, theirs = (os.path.realpath(os.path.expanduser(p)) for p in (directory, parent))
+    return mine == theirs or mine.startswith(theirs.rstrip(os.sep) + os.sep)
+
+
+_WRITTEN: set[str] = set()   # the checkpoint directories sessions of this process have saved to
 
 
 def start_checkpoints(state: TrainState, settings: tuple, recent_step_seconds: Callable[[], Sequence[float]],
@@ -171,6 +184,7 @@ class SessionCheckpoints:
         self._captured[self.state.step] = time.perf_counter() - start   # part of the save's time until committed
         self.checkpointer.save(self.state.step, shared, per_rank, sharded, blocking=blocking)
         self.last_saved_step = self.state.step
+        _WRITTEN.add(os.path.realpath(self.checkpointer.directory))
         self._saved_end_pending = bool(shared["loader"].get("epoch_end_pending"))
         self._blocking[self.state.step] = time.perf_counter() - start   # the loop held: capture, then the save
         self._report_committed()
@@ -282,6 +296,10 @@ class SessionCheckpoints:
         self._saved_end_pending = bool(shared["loader"].get("epoch_end_pending"))
         log.info("resumed from %s (step %d, epoch %d, step in epoch %d)", info.path, st.step,
                  st.loader.epoch, st.loader.step_in_epoch)
+        if os.path.realpath(self.checkpointer.directory) in _WRITTEN and st.rank == 0:
+            log.warning("resumed from %s, which an earlier session of this process saved: this session continues that "
+                        "one's model (a sweep's next trial would go on from the last trial's); give each trial a "
+                        "checkpoint_dir of its own (hetrain.Session(checkpoint_dir=...))", info.path)
         return True
 
 

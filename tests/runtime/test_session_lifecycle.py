@@ -353,3 +353,57 @@ def test_a_nan_written_into_the_gradients_before_step_skips_the_step_not_refuses
         assert not session.step()   # skipped as non-finite
         break
     session.close()
+
+
+def _trial(directory, lr):
+    import hetrain
+
+    with hetrain.Session(checkpoint_dir=directory, checkpoint_interval=2, async_checkpoints=False) as session:
+        net = make_net()
+        model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=lr))
+        for x, y in session.loader(make_data(), global_batch_size=8, seed=0):
+            session.backward(torch.nn.functional.cross_entropy(model(x), y))
+            session.step()
+        return session.step_count
+
+
+def test_a_sweeps_next_trial_in_the_same_checkpoint_directory_is_told_it_continues_the_last_one(tmp_path,
+                                                                                                 monkeypatch):
+    """A sweep of Sessions in one process under one checkpoint directory (hetrain launch --checkpoint-dir sets
+    it for every Session): the second trial resumed the first one's last checkpoint and returned its model,
+    trained no step, and said so only at INFO. A directory set both by the launch and by the script is named."""
+    from tests.log_lines import hetrain_warnings
+
+    with hetrain_warnings() as lines:
+        _trial(tmp_path / "sweep", 0.1)
+        assert not any("earlier session of this process" in line for line in lines)
+        _trial(tmp_path / "sweep", 0.05)
+    assert any("which an earlier session of this process saved: this session continues that one's model" in line
+               and "checkpoint_dir of its own" in line for line in lines), lines
+    monkeypatch.setenv("HETRAIN_CHECKPOINT_DIR", str(tmp_path / "launched"))
+    with hetrain_warnings() as lines:
+        _trial(tmp_path / "launched" / "generator", 0.1)   # a folder of the launch's own: as the GAN docs say
+        assert not any("checkpoints there, not in" in line for line in lines), lines
+        _trial(tmp_path / "elsewhere", 0.1)
+    assert any(f"checkpoint_dir={tmp_path / 'elsewhere'}) checkpoints there, not in {tmp_path / 'launched'}" in line
+               for line in lines), lines
+
+
+def test_empty_and_home_relative_path_flags_of_launch(monkeypatch, tmp_path):
+    """`--checkpoint-dir ""` checkpointed into the working directory (an empty HETRAIN_CHECKPOINT_DIR means
+    none), and `--checkpoint-dir=~/ckpt` (the shell expands no ~ after =) into a folder named ~."""
+    import argparse
+    import os
+
+    import hetrain.cli.launch as cli
+
+    seen = []
+    monkeypatch.setattr(cli, "launch", lambda cfg: seen.append(cfg) or 0)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    parser = argparse.ArgumentParser()
+    cli.build_parser(parser)
+    cli.run(parser.parse_args(["--checkpoint-dir", "", "--run-dir", "", "--plan", "", "train.py"]))
+    cli.run(parser.parse_args(["--checkpoint-dir=~/ckpt", "--plan=~/plan.json", "train.py"]))
+    assert (seen[0].checkpoint_dir, seen[0].run_dir, seen[0].plan) == (None, None, None)
+    assert seen[1].checkpoint_dir == os.path.join(tmp_path, "ckpt")
+    assert seen[1].plan == os.path.join(tmp_path, "plan.json")
