@@ -72,6 +72,9 @@ def free_base_port(count: int, start: int = 19400, addr: str = BIND_ADDR) -> int
     raise HetrainError(f"no {count} consecutive free ports from {start}; free some, or pass --metrics-port")
 
 
+_SERVING: dict[int, Any] = {}   # port -> the server this process started on it (weakly)
+
+
 def serve(registry: CollectorRegistry, base: int, local_rank: int, addr: str = BIND_ADDR) -> Any:
     """Start serving `registry` on base + local_rank; returns the server (call `.shutdown()`)."""
     port = base + local_rank
@@ -80,10 +83,17 @@ def serve(registry: CollectorRegistry, base: int, local_rank: int, addr: str = B
         server, _ = start_http_server(port, addr=addr, registry=registry)
     except OSError as e:
         if e.errno in (errno.EADDRINUSE, errno.EACCES):
+            held = _SERVING.get(port)
+            if held is not None and held() is not None and held().socket.fileno() != -1:
+                raise HetrainError(
+                    f"--metrics-port {base}: port {port} is served by an earlier hetrain.Session of this process that "
+                    "was not closed (a sweep's trial that raised): close each session (session.close(), or with "
+                    "hetrain.Session() as session:)") from None
             # the node's ranks (torchrun's LOCAL_WORLD_SIZE): a suggestion must leave room for all of them
             count = max(local_rank + 1, int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0))
             raise _in_use(base, port, count, addr) from None
         raise
+    _SERVING[port] = weakref.ref(server)
     # a process forked from this rank (a DataLoader worker, persistent ones outliving a closed session) holds a
     # copy of the listening socket, and with it the port: the copy is closed in the child
     os.register_at_fork(after_in_child=functools.partial(_close_in_child, weakref.ref(server)))

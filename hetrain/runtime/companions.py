@@ -105,7 +105,8 @@ def follow(loader: Any, leader: Any) -> None:
         return
     if loader.rank == 0:
         log.info("this session takes the split of the one made beside it in this process (two models trained on "
-                 "one batch): that session's balancer re-splits both")
+                 "one batch): that session's balancer re-splits both (a session an earlier trial left open, not "
+                 "closed after an error before its first batch, is taken for one: close each session)")
     lag = max(leader.schedule.lag, loader.schedule.lag)
     leader.schedule.lag = loader.schedule.lag = leader.split.lag = lag
     loader.split = _LeadersSplit(leader, loader)

@@ -274,10 +274,14 @@ def configure_logging(level: int | None) -> None:
         handler.addFilter(_RankFilter())
         logger.addHandler(handler)
         logger.propagate = False
-    if level is not None:
-        logger.setLevel(level)
-    elif logger.level == logging.NOTSET:
-        logger.setLevel(logging.INFO if env_int("RANK", 0) == 0 else logging.WARNING)
+    if level is None and logger.level not in (logging.NOTSET, _SET_LEVEL[0]):
+        return   # the script set the level itself
+    level = level if level is not None else logging.INFO if env_int("RANK", 0) == 0 else logging.WARNING
+    logger.setLevel(level)
+    _SET_LEVEL[0] = level   # a later session without log_level goes back to the default (a sweep's trials)
+
+
+_SET_LEVEL = [logging.NOTSET]   # the level the last session set on hetrain's logger
 
 
 _ERROR_HINTS: list[Callable[[], Callable[[BaseException], str | None] | None]] = []

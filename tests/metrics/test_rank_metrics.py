@@ -256,3 +256,31 @@ def test_a_cpu_ranks_peak_memory_is_never_below_its_current_memory():
     grown[::4096] = b"x" * len(grown[::4096])
     m = process_memory()
     assert m["peak_rss"] >= m["rss"] > 64 * 2**20
+
+
+def test_a_port_held_by_an_unclosed_session_of_this_process_says_so():
+    """A sweep's trial that raised without closing its session kept serving the port; the next trial's error
+    suggested another base port, not the close() that frees it."""
+    import hetrain
+
+    base = free_ports(1)
+    sessions = []
+
+    def trial():
+        session = hetrain.Session(metrics_port=base)
+        sessions.append(session)
+        net = torch.nn.Linear(4, 1)
+        session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+        for _ in session.loader(data, global_batch_size=8):
+            raise RuntimeError("trial failed")
+
+    try:
+        with pytest.raises(RuntimeError, match="trial failed"):
+            trial()
+        with pytest.raises(HetrainError, match=rf"port {base} is served by an earlier hetrain.Session of this process "
+                                               r"that was not closed.*session.close\(\)"):
+            trial()
+    finally:
+        sessions[0].close()   # the process group and the port go with it (the second never got them)
+    assert not torch.distributed.is_initialized()

@@ -407,3 +407,24 @@ def test_empty_and_home_relative_path_flags_of_launch(monkeypatch, tmp_path):
     assert (seen[0].checkpoint_dir, seen[0].run_dir, seen[0].plan) == (None, None, None)
     assert seen[1].checkpoint_dir == os.path.join(tmp_path, "ckpt")
     assert seen[1].plan == os.path.join(tmp_path, "plan.json")
+
+
+def test_a_log_level_given_to_one_session_is_not_kept_by_the_next():
+    """A sweep's trial with log_level=logging.ERROR left every later trial silent (its INFO lines gone); a level
+    the script set on the logger itself stays."""
+    import logging
+
+    import hetrain
+
+    logger = logging.getLogger("hetrain")
+    before = logger.level
+    try:
+        with hetrain.Session(log_level=logging.ERROR):
+            assert logger.level == logging.ERROR
+        with hetrain.Session():
+            assert logger.level == logging.INFO   # rank 0's default
+        logger.setLevel(logging.WARNING)
+        with hetrain.Session():
+            assert logger.level == logging.WARNING
+    finally:
+        logger.setLevel(before)
