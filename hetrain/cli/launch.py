@@ -50,20 +50,21 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local-ranks-filter", "--local_ranks_filter", default=_pet("LOCAL_RANKS_FILTER"),
                         metavar="R0,R1,...", help="show only these local ranks' output on the console (0: rank 0's, "
                                                   "without its copies from the other ranks)")
-    parser.add_argument("--emulate-speeds", default=None, metavar="S0,S1,...",
+    parser.add_argument("--emulate-speeds", "--emulate_speeds", default=None, metavar="S0,S1,...",
                         help="CPU ranks only: relative speed per rank (1 = full, 0.5 = half); output is labelled emulated")
     parser.add_argument("--plan", default=None, help="plan.json written by `hetrain plan --out`")
-    parser.add_argument("--checkpoint-dir", default=None, help="where sessions save and resume checkpoints")
-    parser.add_argument("--run-dir", default=None, metavar="DIR",
+    parser.add_argument("--checkpoint-dir", "--checkpoint_dir", default=None,
+                        help="where sessions save and resume checkpoints")
+    parser.add_argument("--run-dir", "--run_dir", default=None, metavar="DIR",
                         help="where the job writes its run log and measured rates, for `hetrain report` and "
                              "`hetrain plan --from-run` (default: --checkpoint-dir, else none)")
-    parser.add_argument("--start-fresh", action="store_true",
+    parser.add_argument("--start-fresh", "--start_fresh", action="store_true",
                         help="when no checkpoint in --checkpoint-dir verifies, set them aside and start at step 0")
-    parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+    parser.add_argument("--metrics-port", "--metrics_port", type=int, default=None, metavar="PORT",
                         help="each local rank serves Prometheus /metrics on PORT + local_rank")
-    parser.add_argument("--collective-timeout", type=float, default=None, metavar="S",
+    parser.add_argument("--collective-timeout", "--collective_timeout", type=float, default=None, metavar="S",
                         help="end (or restart) the job when a rank makes no progress for S seconds, naming it")
-    parser.add_argument("--no-malloc-cache", action="store_true",
+    parser.add_argument("--no-malloc-cache", "--no_malloc_cache", action="store_true",
                         help="keep glibc's default of returning freed memory to the kernel every step")
     parser.add_argument("-m", "--module", action="store_true", help="run the script as a Python module")
     parser.add_argument("script", nargs="?", help="training script (or module with -m)")   # missing: one line below

@@ -40,7 +40,7 @@ def emulated_speed(rank: int, world_size: int) -> float | None:
     text = os.environ.get(EMULATE_ENV)
     if not text:
         return None
-    speeds = parse_speeds(text)
+    speeds = parse_speeds(text, EMULATE_ENV)   # exported by the user: the launcher checks its flag's value itself
     if len(speeds) < world_size:
         raise HetrainError(
             f"{len(speeds)} emulated speeds ({text}) for {world_size} ranks; give one speed per rank"

@@ -117,6 +117,19 @@ def test_torchruns_environment_defaults_are_read_and_a_flag_on_the_line_wins(mon
             args.rdzv_id, args.standalone) == (3, "2", 1, "10.0.0.5", 29400, 2, "job7", False)
     args = parser.parse_args(["--nproc-per-node", "1", "--nnodes", "1", "train.py"])
     assert (args.nproc_per_node, args.nnodes) == (1, "1")
+    # hetrain's own flags take torchrun's underscore spelling too
+    args = parser.parse_args(["--checkpoint_dir", "c", "--emulate_speeds", "1,0.5", "--collective_timeout", "9",
+                              "--metrics_port", "9400", "--run_dir", "r", "--start_fresh", "--no_malloc_cache", "t.py"])
+    assert (args.checkpoint_dir, args.emulate_speeds, args.collective_timeout, args.metrics_port, args.run_dir,
+            args.start_fresh, args.no_malloc_cache) == ("c", "1,0.5", 9.0, 9400, "r", True, True)
+
+
+def test_an_exported_emulated_speed_that_is_wrong_names_the_variable_not_the_flag(monkeypatch):
+    from hetrain.runtime.timing import emulated_speed
+
+    monkeypatch.setenv("HETRAIN_EMULATE_SPEEDS", "1,0")
+    with pytest.raises(HetrainError, match=r"^HETRAIN_EMULATE_SPEEDS: speed 0 must be above 0"):
+        emulated_speed(0, 2)
 
 
 FAULTS_SNIPPET = """
