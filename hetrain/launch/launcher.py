@@ -270,7 +270,8 @@ def torchrun_argv(cfg: LaunchConfig) -> list[str]:
             argv.append(f"{flag}={value}")
     if cfg.module:
         argv.append("--module")
-    return [*argv, cfg.script, *cfg.script_args]
+    # after "--" the script and its arguments are read as they were given (a "--" among them included)
+    return [*argv, "--", cfg.script, *cfg.script_args]
 
 
 SHARED_STORE_OPT_OUT = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"   # torch's rendezvous reads it in the agent

@@ -98,6 +98,10 @@ def test_every_argument_after_the_script_is_the_scripts():
     # and the elastic agent's parser, which reads the same line again, keeps them too
     agent = agent_args(LaunchConfig(script="train.py", script_args=args.script_args))
     assert (agent.training_script, agent.training_script_args) == ("train.py", args.script_args)
+    # a "--" the script is given (after torchrun's own, as torchrun passes it) reached it only once read twice
+    args = parser.parse_args(["--", "train.py", "--", "--x"])
+    agent = agent_args(LaunchConfig(script=args.script, script_args=args.script_args))
+    assert (agent.training_script, agent.training_script_args) == ("train.py", ["--", "--x"])
 
 
 def test_torchruns_environment_defaults_are_read_and_a_flag_on_the_line_wins(monkeypatch):
