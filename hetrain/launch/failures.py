@@ -33,6 +33,12 @@ def _record(failure: Any) -> FailureRecord | None:
     return read_failure_record(getattr(failure, "error_file_data", None))
 
 
+def killed_from_outside(failures: dict[int, Any]) -> bool:
+    """Every failed rank was killed by a SIGTERM and wrote no record: the agent sends SIGTERM only after a failure,
+    and none came first, so the signal came from outside the job (a user's kill, a scheduler)."""
+    return all(f.exitcode == -int(signal.SIGTERM) and _record(f) is None for f in failures.values())
+
+
 def is_cause(failure: Any) -> bool:
     """Whether this failure may be where the job's trouble began, not a consequence of another."""
     record = _record(failure)

@@ -31,7 +31,7 @@ from typing import Any
 from hetrain.errors import HetrainError, ranks_text
 from hetrain.hardware.catalog import rank_threads
 from hetrain.malloc_cache import worker_env as malloc_cache_env
-from hetrain.launch.failures import describe, first_failure, is_cause, stopped_on_sigterm
+from hetrain.launch.failures import describe, first_failure, is_cause, killed_from_outside, stopped_on_sigterm
 from hetrain.launch.graceful_stop import GracefulStop, agent_signals
 from hetrain.launch.leftovers import adopt_orphans, end_leftovers
 from hetrain.metrics.serve import check_ports_free
@@ -391,18 +391,35 @@ def rendezvous_line(error: BaseException, cfg: LaunchConfig) -> str:
     return f"the rendezvous at {endpoint} failed ({kind}{': ' + said[0][:200] if said else ''}); {same}"
 
 
+def output_place(cfg: LaunchConfig, local_rank: int) -> str:
+    """Where a failed rank's output is: above, unless the console does not show it."""
+    files = f" and in {cfg.log_dir}" if cfg.log_dir else ""
+    if cfg.redirects and not cfg.tee:
+        return (f"its output is in {cfg.log_dir} (--redirects)" if cfg.log_dir else
+                "its output went to the agent's files in a temporary folder (--redirects without --log-dir)")
+    shown = [part.strip() for part in (cfg.local_ranks_filter or "").split(",") if part.strip()]
+    if shown and str(local_rank) not in shown:
+        return f"its output is not on the console (--local-ranks-filter {cfg.local_ranks_filter}){files}"
+    return f"its output is above{files}"
+
+
 def failure_line(failures: dict[int, Any], cfg: LaunchConfig) -> str:
     """The launcher's one line for a failed job: the rank that failed first, and why."""
     if not failures:
         return "the job failed before any worker reported"
     rank, failure = first_failure(failures)
-    where = f"its output is above{' and in ' + cfg.log_dir if cfg.log_dir else ''}"
+    where = output_place(cfg, getattr(failure, "local_rank", rank))
     echoes = not any(is_cause(f) for f in failures.values())
-    returned = sorted(set(range(cfg.nproc_per_node)) - set(failures)) if _max_nodes(cfg.nnodes)[1] == 1 else []
+    one_node = _max_nodes(cfg.nnodes)[1] == 1
+    returned = sorted(set(range(cfg.nproc_per_node)) - set(failures)) if one_node else []
     if stopped_on_sigterm(failures):   # saved and stopped: the ranks got SIGTERM before this launcher
         return ("every rank stopped on a SIGTERM a worker received (not this launcher): a hetrain.Session saves the "
                 "step in flight on every rank and stops, where checkpoints are on (each rank's output says which "
                 f"step); run the same command again to resume; {where}")
+    if one_node and killed_from_outside(failures):   # (several nodes' agents stop workers when a node leaves)
+        return (f"{describe(rank, failure)} from outside the job (no rank had failed before it, so neither this "
+                "launcher nor the agent sent it: a kill, a scheduler's signal to one process); a hetrain.Session "
+                f"saves and stops on SIGTERM, a script without one ends there; {where}")
     if echoes and returned:   # the others only lost a peer that had ended as if done
         return (f"{ranks_text(returned)} ended with exit code 0 while the others were in a step "
                 f"({describe(rank, failure)}): a script that returns on some ranks only (a break, return or "

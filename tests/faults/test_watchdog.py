@@ -447,6 +447,15 @@ def test_a_node_whose_ranks_only_lost_their_peers_says_the_failure_began_on_anot
     line = failure_line({0: _failure(143, 100), 1: _failure(143, 100)}, LaunchConfig(script="t.py", nproc_per_node=2))
     assert line.startswith("every rank stopped on a SIGTERM a worker received (not this launcher)"), line
     assert "run the same command again to resume" in line, line
+    # one node: a rank killed by a SIGTERM no failure came before (a kill from outside) is named, not the others
+    line = failure_line({1: _failure(-15, 100)}, LaunchConfig(script="t.py", nproc_per_node=2))
+    assert line.startswith("rank 1 was killed by SIGTERM from outside the job (no rank had failed before it"), line
+    # where its output is when the console does not show it
+    line = failure_line({1: _failure(1, 100)}, LaunchConfig(script="t.py", nproc_per_node=2, local_ranks_filter="0"))
+    assert line.endswith("its output is not on the console (--local-ranks-filter 0)"), line
+    line = failure_line({1: _failure(1, 100)}, LaunchConfig(script="t.py", nproc_per_node=2, redirects="3"))
+    assert line.endswith("its output went to the agent's files in a temporary folder (--redirects without "
+                         "--log-dir)"), line
     # a rank of this node that failed by itself is named as before
     line = failure_line({0: _failure(1, 100, echo), 1: _failure(-9, 100)}, LaunchConfig(script="t.py", nnodes="2"))
     assert line.startswith("rank 1 was killed by SIGKILL; the job ended"), line
