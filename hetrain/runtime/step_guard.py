@@ -450,3 +450,17 @@ def warn_if_training(model: torch.nn.Module) -> None:
         _WARNED_TRAINING.add(id(model))
         log.warning("session.evaluate() on a model in train mode: dropout and batch norm run as in training; "
                     "call model.eval() before evaluating and model.train() after")
+
+
+@contextmanager
+def quiet_step_hooks(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """torch's distributed checkpoint creates an optimizer's empty state (SGD without momentum: always) with a step
+    over zero gradients at learning rate 0 (`_init_optim_state`), at every save and load: the script's step hooks
+    (an EMA updated in `register_step_post_hook`, as docs/checkpoints.md says) took it for an update, one more at
+    every checkpoint. They are set aside for it (torch keeps them in the optimizer's own attributes)."""
+    saved = optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks
+    optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = type(saved[0])(), type(saved[1])()
+    try:
+        yield
+    finally:
+        optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = saved

@@ -29,6 +29,7 @@ from hetrain.runtime.parallelize import Prepared
 from hetrain.runtime.precision import JobLossScaler
 from hetrain.runtime.schedulers import MOVED, Schedulers, is_scheduler
 from hetrain.runtime.sharding import is_zero1
+from hetrain.runtime.step_guard import quiet_step_hooks
 from hetrain.runtime.step_state import StepState
 from hetrain.runtime.user_state import UserStates
 
@@ -90,7 +91,8 @@ class TrainState:
             sharded = {"model": get_model_state_dict(model)}
             if optimizer is not None:  # a fresh optimizer's state is initialised first, as a template
                 with trainable(self.prepared.state_module, with_state if names_with_state is None else names_with_state):
-                    sharded["optimizer"] = get_optimizer_state_dict(model, optimizer)
+                    with quiet_step_hooks(optimizer):
+                        sharded["optimizer"] = get_optimizer_state_dict(model, optimizer)
         else:
             model_state = self.prepared.state_module.state_dict()
             optimizer_state = self._full_optimizer_state()
@@ -139,7 +141,8 @@ class TrainState:
                 set_model_state_dict(model, sharded["model"])
                 if optimizer is not None:
                     with trainable(self.prepared.state_module, shared.get("optimizer_state_names", ())):
-                        set_optimizer_state_dict(model, optimizer, sharded["optimizer"])
+                        with quiet_step_hooks(optimizer):
+                            set_optimizer_state_dict(model, optimizer, sharded["optimizer"])
             else:
                 # a checkpoint saved before compiled models were saved by the plain model's names
                 consume_prefix_in_state_dict_if_present(shared["model"], "_orig_mod.")
@@ -316,8 +319,9 @@ def stage_state(module: torch.nn.Module, optimizer: Any) -> dict:
 
     state = {"model": get_model_state_dict(module)}
     if optimizer is not None:
-        state["optimizer"] = get_optimizer_state_dict(module, optimizer,
-                                                      options=StateDictOptions(flatten_optimizer_state_dict=True))
+        with quiet_step_hooks(optimizer):
+            state["optimizer"] = get_optimizer_state_dict(module, optimizer,
+                                                          options=StateDictOptions(flatten_optimizer_state_dict=True))
     return state
 
 
@@ -326,8 +330,9 @@ def load_stage_state(module: torch.nn.Module, optimizer: Any, state: dict) -> No
 
     set_model_state_dict(module, state["model"])
     if optimizer is not None and "optimizer" in state:
-        set_optimizer_state_dict(module, optimizer, state["optimizer"],
-                                 options=StateDictOptions(flatten_optimizer_state_dict=True))
+        with quiet_step_hooks(optimizer):
+            set_optimizer_state_dict(module, optimizer, state["optimizer"],
+                                     options=StateDictOptions(flatten_optimizer_state_dict=True))
 
 
 def load_error_summary(e: BaseException) -> str:

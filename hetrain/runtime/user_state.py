@@ -123,7 +123,7 @@ class UserStates:
             return
         value = loadable(self._saved.pop(name))
         if isinstance(obj, dict):
-            shared = _shared_storages([*self.protected(), *_tensors(obj)])
+            shared = _aliased(_tensors(obj), self.protected())
             restored = {k: _restored(obj.get(k), v, shared) for k, v in value.items()}
             obj.clear()
             obj.update(restored)
@@ -141,25 +141,40 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def _shared_storages(tensors: list[torch.Tensor]) -> set[int]:
-    """The storages held by more than one of `tensors`."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        key = t.untyped_storage().data_ptr()
-        seen[key] = seen.get(key, 0) + 1
-    return {k for k, n in seen.items() if n > 1}
+def _aliased(state: list[torch.Tensor], protected: list[torch.Tensor]) -> set[int]:
+    """The ids of the state's tensors whose memory overlaps another of the state's (one tensor under two keys) or
+    one of `protected` (the model's: `net.state_dict()` holds views of its weights). Views of one buffer that do
+    not overlap (a flat EMA's parts) are each their own."""
+    spans: dict[int, list[tuple[int, int, int | None]]] = {}
+    for i, t in enumerate([*state, *protected]):
+        local = t.to_local() if hasattr(t, "to_local") else t   # FSDP2's DTensor parameters: their shard
+        try:
+            ptr = local.untyped_storage().data_ptr()
+        except RuntimeError:   # a tensor without storage of its own to read
+            continue
+        start = local.storage_offset() * local.element_size()
+        whole = local.untyped_storage().nbytes()   # a strided tensor: taken to span its whole storage
+        end = start + local.numel() * local.element_size() if local.is_contiguous() else whole
+        if local.numel():
+            spans.setdefault(ptr, []).append((start, end, id(t) if i < len(state) else None))
+    aliased: set[int] = set()
+    for held in spans.values():
+        for a, (start, end, owner) in enumerate(held):
+            if any(s < end and start < e for b, (s, e, _) in enumerate(held) if b != a) and owner is not None:
+                aliased.add(owner)
+    return aliased
 
 
 def _restored(mine: Any, saved: Any, shared: set[int]) -> Any:
     """A saved value put back where the script's dict holds one. A tensor of its own (the same shape and dtype,
-    one block of memory that no other tensor of the state or of the model holds) is copied into in place, as a
+    one block of memory that no other tensor of the state or of the model overlaps) is copied into in place, as a
     module's load_state_dict does: a hook updating an EMA's tensors (`torch._foreach_lerp_`) holds them, and
     went on updating tensors the dict no longer held. Any other is replaced by the saved one (a placeholder of
     the model's weights, `net.state_dict()`, must not take a best model's values), on the script's device; a
     list or dict of them likewise; anything else is the saved value."""
     if isinstance(saved, torch.Tensor) and isinstance(mine, torch.Tensor):
         own = mine.shape == saved.shape and mine.dtype == saved.dtype and mine.is_contiguous() and \
-            not mine.is_inference() and mine.untyped_storage().data_ptr() not in shared
+            not mine.is_inference() and id(mine) not in shared
         if own:
             with torch.no_grad():
                 return mine.copy_(saved)
