@@ -13,15 +13,34 @@ from hetrain.runtime.speeds import parse_speeds
 def _pet(name: str, default: object = None) -> object:
     """torchrun's default for a flag: its PET_<NAME> environment variable (set by job operators such as Kubeflow's
     PyTorchJob for each node), else `default`. A flag given on the command line wins, as under torchrun."""
-    return os.environ.get(f"PET_{name}", default)
+    return os.environ.get(f"PET_{name}") or default
+
+
+def nproc(value: str) -> int:
+    """--nproc-per-node as torchrun reads it: a number, or auto (the CUDA devices, else the CPU cores), gpu, cpu."""
+    if value not in ("auto", "gpu", "cpu"):
+        try:
+            return int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r}: give a number of ranks, or auto, gpu or cpu") from None
+    if value == "cpu":
+        return os.cpu_count() or 1
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    if value == "gpu":
+        raise argparse.ArgumentTypeError("gpu: this machine has no CUDA device; give a number of ranks, or cpu")
+    return os.cpu_count() or 1
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
     # Everything after the script is the script's: without abbreviations a script flag that a launcher
     # flag begins with (--n, --log, --max) is not read as an ambiguous launcher flag.
     parser.allow_abbrev = False
-    parser.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=_pet("NPROC_PER_NODE", 1),
-                        help="worker processes on this node (one per GPU), 1 to 1,024")
+    parser.add_argument("--nproc-per-node", "--nproc_per_node", type=nproc, default=_pet("NPROC_PER_NODE", 1),
+                        help="worker processes on this node (one per GPU), 1 to 1,024; or auto (one per CUDA device, "
+                             "else per CPU core), gpu, cpu")
     parser.add_argument("--nnodes", default=_pet("NNODES", "1"), help="nodes, or MIN:MAX for an elastic job")
     parser.add_argument("--node-rank", "--node_rank", type=int, default=_pet("NODE_RANK"))
     parser.add_argument("--rdzv-backend", "--rdzv_backend", default=_pet("RDZV_BACKEND"),
@@ -35,7 +54,8 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
                              "read_timeout=10 (seconds per connection attempt to the endpoint; 60)")
     parser.add_argument("--local-addr", "--local_addr", default=_pet("LOCAL_ADDR"),
                         help="this node's address for the rendezvous")
-    parser.add_argument("--standalone", action="store_true", default=_pet("STANDALONE", "0") not in ("", "0"),
+    parser.add_argument("--standalone", action="store_true",
+                        default=str(_pet("STANDALONE", "0")).strip().lower() in ("1", "true", "yes"),
                         help="one node with its own local rendezvous")
     parser.add_argument("--max-restarts", "--max_restarts", type=int, default=_pet("MAX_RESTARTS", 0),
                         help="restart the workers this many times after a failure")

@@ -391,10 +391,20 @@ def rendezvous_line(error: BaseException, cfg: LaunchConfig) -> str:
     return f"the rendezvous at {endpoint} failed ({kind}{': ' + said[0][:200] if said else ''}); {same}"
 
 
+def _streams(value: str | None, local_rank: int) -> int:
+    """torchrun's --redirects/--tee for one local rank: 0 none, 1 stdout, 2 stderr, 3 both ("3", or "0:3,1:1")."""
+    try:
+        if value and ":" in value:
+            return dict((int(r), int(v)) for r, v in (part.split(":") for part in value.split(","))).get(local_rank, 0)
+        return int(value) if value else 0
+    except ValueError:   # torchrun's parser refuses it before the job starts
+        return 0
+
+
 def output_place(cfg: LaunchConfig, local_rank: int) -> str:
     """Where a failed rank's output is: above, unless the console does not show it."""
     files = f" and in {cfg.log_dir}" if cfg.log_dir else ""
-    if cfg.redirects and not cfg.tee:
+    if _streams(cfg.redirects, local_rank) & 2 and not _streams(cfg.tee, local_rank) & 2:   # its stderr, the error
         return (f"its output is in {cfg.log_dir} (--redirects)" if cfg.log_dir else
                 "its output went to the agent's files in a temporary folder (--redirects without --log-dir)")
     shown = [part.strip() for part in (cfg.local_ranks_filter or "").split(",") if part.strip()]
@@ -417,9 +427,13 @@ def failure_line(failures: dict[int, Any], cfg: LaunchConfig) -> str:
                 "step in flight on every rank and stops, where checkpoints are on (each rank's output says which "
                 f"step); run the same command again to resume; {where}")
     if one_node and killed_from_outside(failures):   # (several nodes' agents stop workers when a node leaves)
-        return (f"{describe(rank, failure)} from outside the job (no rank had failed before it, so neither this "
-                "launcher nor the agent sent it: a kill, a scheduler's signal to one process); a hetrain.Session "
-                f"saves and stops on SIGTERM, a script without one ends there; {where}")
+        # the agent stops the others with SIGTERM too, recorded alike and in the same second: one is not told
+        # from the others where there are several
+        killed = f"{describe(rank, failure)}" if len(failures) == 1 else \
+            f"{ranks_text(sorted(failures))} were killed by SIGTERM, the first of them"
+        return (f"{killed} from outside the job (no rank had failed before it, so neither this launcher nor the agent "
+                "sent it: a kill, a scheduler's signal to one process); a hetrain.Session saves and stops on SIGTERM, "
+                f"a script without one ends there; {where}")
     if echoes and returned:   # the others only lost a peer that had ended as if done
         return (f"{ranks_text(returned)} ended with exit code 0 while the others were in a step "
                 f"({describe(rank, failure)}): a script that returns on some ranks only (a break, return or "

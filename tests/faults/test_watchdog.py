@@ -450,12 +450,18 @@ def test_a_node_whose_ranks_only_lost_their_peers_says_the_failure_began_on_anot
     # one node: a rank killed by a SIGTERM no failure came before (a kill from outside) is named, not the others
     line = failure_line({1: _failure(-15, 100)}, LaunchConfig(script="t.py", nproc_per_node=2))
     assert line.startswith("rank 1 was killed by SIGTERM from outside the job (no rank had failed before it"), line
+    # ... and where the agent then stopped the other rank with SIGTERM too (as torch records it), neither is blamed
+    line = failure_line({0: _failure(-15, 100), 1: _failure(-15, 100)}, LaunchConfig(script="t.py", nproc_per_node=2))
+    assert line.startswith("ranks 0,1 were killed by SIGTERM, the first of them from outside the job"), line
     # where its output is when the console does not show it
     line = failure_line({1: _failure(1, 100)}, LaunchConfig(script="t.py", nproc_per_node=2, local_ranks_filter="0"))
     assert line.endswith("its output is not on the console (--local-ranks-filter 0)"), line
     line = failure_line({1: _failure(1, 100)}, LaunchConfig(script="t.py", nproc_per_node=2, redirects="3"))
     assert line.endswith("its output went to the agent's files in a temporary folder (--redirects without "
                          "--log-dir)"), line
+    for redirects in ("0", "1:3", "1"):   # none, another rank's, its stdout only: its error is on the console
+        cfg = LaunchConfig(script="t.py", nproc_per_node=2, redirects=redirects, log_dir="L")
+        assert failure_line({0: _failure(1, 100)}, cfg).endswith("its output is above and in L"), redirects
     # a rank of this node that failed by itself is named as before
     line = failure_line({0: _failure(1, 100, echo), 1: _failure(-9, 100)}, LaunchConfig(script="t.py", nnodes="2"))
     assert line.startswith("rank 1 was killed by SIGKILL; the job ended"), line

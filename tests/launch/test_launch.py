@@ -1,5 +1,6 @@
 """`hetrain launch` end to end, and its one-line errors."""
 
+import os
 import re
 import sys
 from pathlib import Path
@@ -121,6 +122,14 @@ def test_torchruns_environment_defaults_are_read_and_a_flag_on_the_line_wins(mon
             args.rdzv_id, args.standalone) == (3, "2", 1, "10.0.0.5", 29400, 2, "job7", False)
     args = parser.parse_args(["--nproc-per-node", "1", "--nnodes", "1", "train.py"])
     assert (args.nproc_per_node, args.nnodes) == (1, "1")
+    # torchrun's other spellings: auto (CUDA devices, else CPU cores), cpu; an empty variable is unset
+    for name, value in {"NPROC_PER_NODE": "auto", "MASTER_PORT": "", "STANDALONE": "false"}.items():
+        monkeypatch.setenv(f"PET_{name}", value)
+    parser = argparse.ArgumentParser()
+    build_parser(parser)
+    args = parser.parse_args(["train.py"])
+    assert (args.nproc_per_node, args.master_port, args.standalone) == (os.cpu_count(), None, False)
+    assert parser.parse_args(["--nproc-per-node", "cpu", "train.py"]).nproc_per_node == os.cpu_count()
     # hetrain's own flags take torchrun's underscore spelling too
     args = parser.parse_args(["--checkpoint_dir", "c", "--emulate_speeds", "1,0.5", "--collective_timeout", "9",
                               "--metrics_port", "9400", "--run_dir", "r", "--start_fresh", "--no_malloc_cache", "t.py"])
