@@ -265,7 +265,7 @@ def init_process_group(env: RankEnv, device: torch.device, backend: str | None =
     )
 
 
-def configure_logging(level: int | None) -> None:
+def configure_logging(level: int | str | None) -> int | None:
     """`[hetrain rank R]` lines; INFO on rank 0, warnings elsewhere, unless a level is given."""
     logger = logging.getLogger("hetrain")
     if not logger.handlers:
@@ -274,14 +274,19 @@ def configure_logging(level: int | None) -> None:
         handler.addFilter(_RankFilter())
         logger.addHandler(handler)
         logger.propagate = False
-    if level is None and logger.level not in (logging.NOTSET, _SET_LEVEL[0]):
-        return   # the script set the level itself
-    level = level if level is not None else logging.INFO if env_int("RANK", 0) == 0 else logging.WARNING
-    logger.setLevel(level)
-    _SET_LEVEL[0] = level   # a later session without log_level goes back to the default (a sweep's trials)
+    if level is not None:   # for this session's life: close() puts back the level before it (a sweep's next trial)
+        before = logger.level
+        logger.setLevel(level)
+        return before
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO if env_int("RANK", 0) == 0 else logging.WARNING)
+    return None
 
 
-_SET_LEVEL = [logging.NOTSET]   # the level the last session set on hetrain's logger
+def restore_logging(before: int | None) -> None:
+    """The level a session given `log_level` found, back at its close."""
+    if before is not None:
+        logging.getLogger("hetrain").setLevel(before)
 
 
 _ERROR_HINTS: list[Callable[[], Callable[[BaseException], str | None] | None]] = []

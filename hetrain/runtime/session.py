@@ -40,7 +40,8 @@ from hetrain.runtime.data import HeteroLoader, make_loader
 from hetrain.runtime.evaluation import evaluate
 from hetrain.runtime.export import full_model_state
 from hetrain.runtime.environment import (RankEnv, collective_timeout, configure_logging, env_int, init_process_group,
-                                         leave_group, pick_device, print_user_errors_as_one_line, progress_timeout)
+                                         leave_group, pick_device, print_user_errors_as_one_line, progress_timeout,
+                                         restore_logging)
 from hetrain.runtime.gradients import (GradientStatus, SkipCounter, StepFigures, agree_items_per_sample, clip_gradients,
                                        finish_gradients, launch_step_figures, weighted_mean)
 from hetrain.runtime.reporting import Reports, plan_step_seconds, run_directory, step_record
@@ -83,7 +84,7 @@ class Session:
         if "TORCHELASTIC_RUN_ID" in os.environ:
             die_with_parent()   # a worker ends (saving on SIGTERM) when its launcher dies
         env = RankEnv.from_environ()
-        configure_logging(log_level)
+        self._log_level_before = configure_logging(log_level)
         # Every setting is read and checked before the process group exists: a bad value stops here.
         self._checkpoint_args = checkpoint_settings(checkpoint_dir, checkpoint_interval, keep_checkpoints,
                                                     async_checkpoints)
@@ -475,6 +476,7 @@ class Session:
             self.checkpoints.close(save=not failing)
             self.checkpoints = None
         self.reports.close()
+        restore_logging(self._log_level_before)
         if self._owns_group and dist.is_initialized():
             leave_group(failing, self.balancer.arrived if self.balancer is not None else None)
 

@@ -419,10 +419,14 @@ def test_a_log_level_given_to_one_session_is_not_kept_by_the_next():
     logger = logging.getLogger("hetrain")
     before = logger.level
     try:
-        with hetrain.Session(log_level=logging.ERROR):
+        logger.setLevel(logging.NOTSET)
+        with hetrain.Session(log_level="ERROR"):   # a name, as logging takes it
             assert logger.level == logging.ERROR
         with hetrain.Session():
             assert logger.level == logging.INFO   # rank 0's default
+        with hetrain.Session(log_level=logging.DEBUG) as generator, hetrain.Session():   # a GAN's two sessions
+            assert logger.level == logging.DEBUG and generator.rank == 0   # the second leaves the first's level
+        assert logger.level == logging.INFO
         logger.setLevel(logging.WARNING)
         with hetrain.Session():
             assert logger.level == logging.WARNING
