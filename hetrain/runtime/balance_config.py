@@ -70,13 +70,16 @@ def balance_setup(plan: Plan | None, plan_shares: list[int], world_size: int, gl
 
 
 def piece_caps(shares: list[int], pieces: list[tuple[int | None, int]] | None) -> list[int | None] | None:
-    """Each rank's most samples a re-split may give it without adding to the job's micro-batches a step, where
-    every rank runs the job's count (`pieces`: each rank's (micro_batch, grad_accum); FSDP2 data parallelism,
-    SyncBatchNorm), else None. There a rank's step costs its pieces' fixed work (FSDP2 gathers every block's
-    weights for each), and the count follows the largest share: moving samples to a fast rank gave every rank
-    more pieces, the slow rank's time did not fall with its share, and the split ran to [47, 1] at 2-3x the
-    step time of the plan's. A rank whose count does not follow its share (no micro_batch) has no cap."""
+    """Each rank's most samples a re-split may give it, where every rank runs the job's count of micro-batches
+    (`pieces`: each rank's (micro_batch, grad_accum); FSDP2 data parallelism, SyncBatchNorm), else None: those
+    of one piece more than the starting split's count. There a rank's step also costs its pieces' fixed work
+    (FSDP2 gathers every block's weights for each), the count follows the largest share, and the balancer's
+    model of a rank (fixed + samples x cost) does not see it: moving samples to a fast rank gave every rank
+    more pieces, the slow rank's time did not fall with its share, and the split ran to [47, 1] at 2x the step
+    time of the plan's. Held at the starting count, a plan whose shares fill their pieces could not move at all
+    (a slow rank at twice the time per sample kept [24, 24]): one piece more lets it move, and bounds what the
+    count can cost. A rank whose count does not follow its share (no micro_batch) has no cap."""
     if pieces is None or all(mb is None for mb, _ in pieces):
         return None
-    count = job_piece_count(shares, pieces)
+    count = job_piece_count(shares, pieces) + 1
     return [count * mb if mb else None for mb, _ in pieces]

@@ -223,8 +223,9 @@ class Balancer:
         if self._skip is None:
             self._skip = self.warmup_steps
         if self.share_caps is not None and self.config.enabled and self.rank == 0:
-            log.info("every rank runs the job's count of micro-batches a step (FSDP2, SyncBatchNorm): re-splits keep "
-                     "it, a rank taking at most %s samples (re-plan with larger micro-batches to move more)",
+            log.info("every rank runs the job's count of micro-batches a step (FSDP2, SyncBatchNorm): re-splits add "
+                     "at most one to it, a rank taking at most %s samples (re-plan with larger micro-batches to move "
+                     "more)",
                      [c if c is not None else sum(self.shares) for c in self.share_caps])
 
     def _max_shares(self, min_share: int) -> int | list[int] | None:
