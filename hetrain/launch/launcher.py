@@ -305,14 +305,26 @@ def worker_env(cfg: LaunchConfig) -> dict[str, str]:
     return env
 
 
+HETRAIN_READS_PET = frozenset((
+    "NPROC_PER_NODE", "NNODES", "NODE_RANK", "RDZV_BACKEND", "RDZV_ENDPOINT", "RDZV_ID", "RDZV_CONF", "LOCAL_ADDR",
+    "STANDALONE", "MAX_RESTARTS", "MONITOR_INTERVAL", "MASTER_ADDR", "MASTER_PORT", "LOG_DIR", "REDIRECTS", "TEE",
+    "LOCAL_RANKS_FILTER"))   # hetrain.cli.launch's flags with torchrun's environment defaults
+
+
 def agent_args(cfg: LaunchConfig) -> Any:
     """The elastic agent's arguments (torchrun's parser). No abbreviations: a script's own `--n 64` is the
     script's, not an ambiguous launcher option."""
     from torch.distributed.run import get_args_parser
 
-    parser = get_args_parser()
-    parser.allow_abbrev = False
-    args = parser.parse_args(torchrun_argv(cfg))
+    # torchrun's PET_* defaults of the flags hetrain reads were read by its own parser and are passed explicitly
+    # where set; torch's parser would read them again, raw (PET_STANDALONE=false, an empty PET_MASTER_PORT failed)
+    read = {k: os.environ.pop(k) for k in list(os.environ) if k.removeprefix("PET_") in HETRAIN_READS_PET}
+    try:
+        parser = get_args_parser()
+        parser.allow_abbrev = False
+        args = parser.parse_args(torchrun_argv(cfg))
+    finally:
+        os.environ.update(read)
     if hasattr(args, "signals_to_handle"):   # torchrun's option where it has one; an older agent takes SIGTERM back
         args.signals_to_handle = agent_signals(args.signals_to_handle)
     return args

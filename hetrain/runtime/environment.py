@@ -265,7 +265,7 @@ def init_process_group(env: RankEnv, device: torch.device, backend: str | None =
     )
 
 
-def configure_logging(level: int | str | None) -> int | None:
+def configure_logging(level: int | str | None) -> object | None:
     """`[hetrain rank R]` lines; INFO on rank 0, warnings elsewhere, unless a level is given."""
     logger = logging.getLogger("hetrain")
     if not logger.handlers:
@@ -274,19 +274,30 @@ def configure_logging(level: int | str | None) -> int | None:
         handler.addFilter(_RankFilter())
         logger.addHandler(handler)
         logger.propagate = False
-    if level is not None:   # for this session's life: close() puts back the level before it (a sweep's next trial)
-        before = logger.level
-        logger.setLevel(level)
-        return before
+    if level is not None:   # for this session's life (a sweep's next trial gets the default again)
+        if not _LEVELS:
+            _LEVELS.append((None, logger.level))   # the level before any session set one
+        logger.setLevel(level.upper() if isinstance(level, str) else level)
+        token = object()
+        _LEVELS.append((token, logger.level))
+        return token
     if logger.level == logging.NOTSET:
         logger.setLevel(logging.INFO if env_int("RANK", 0) == 0 else logging.WARNING)
     return None
 
 
-def restore_logging(before: int | None) -> None:
-    """The level a session given `log_level` found, back at its close."""
-    if before is not None:
-        logging.getLogger("hetrain").setLevel(before)
+_LEVELS: list[tuple[object, int]] = []   # the levels sessions given log_level set, over the one before them
+
+
+def restore_logging(token: object | None) -> None:
+    """A session given `log_level` closes: the level of the latest one still open comes back, or the level before
+    them (sessions may close in any order)."""
+    if token is None or not any(t is token for t, _ in _LEVELS):
+        return
+    _LEVELS[:] = [(t, lvl) for t, lvl in _LEVELS if t is not token]
+    logging.getLogger("hetrain").setLevel(_LEVELS[-1][1])
+    if len(_LEVELS) == 1:
+        _LEVELS.clear()
 
 
 _ERROR_HINTS: list[Callable[[], Callable[[BaseException], str | None] | None]] = []

@@ -152,9 +152,8 @@ def _aliased(state: list[torch.Tensor], protected: list[torch.Tensor]) -> set[in
             ptr = local.untyped_storage().data_ptr()
         except RuntimeError:   # a tensor without storage of its own to read
             continue
-        start = local.storage_offset() * local.element_size()
-        whole = local.untyped_storage().nbytes()   # a strided tensor: taken to span its whole storage
-        end = start + local.numel() * local.element_size() if local.is_contiguous() else whole
+        start = local.storage_offset() * local.element_size()   # to one past its last element, whatever its strides
+        end = start + (sum((n - 1) * abs(st) for n, st in zip(local.shape, local.stride())) + 1) * local.element_size()
         if local.numel():
             spans.setdefault(ptr, []).append((start, end, id(t) if i < len(state) else None))
     aliased: set[int] = set()

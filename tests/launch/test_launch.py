@@ -130,6 +130,9 @@ def test_torchruns_environment_defaults_are_read_and_a_flag_on_the_line_wins(mon
     args = parser.parse_args(["train.py"])
     assert (args.nproc_per_node, args.master_port, args.standalone) == (os.cpu_count(), None, False)
     assert parser.parse_args(["--nproc-per-node", "cpu", "train.py"]).nproc_per_node == os.cpu_count()
+    # and the elastic agent's parser, which reads the line again, does not read those variables raw
+    agent_args(LaunchConfig(script="train.py", nproc_per_node=args.nproc_per_node))
+    assert os.environ["PET_STANDALONE"] == "false" and os.environ["PET_MASTER_PORT"] == ""
     # hetrain's own flags take torchrun's underscore spelling too
     args = parser.parse_args(["--checkpoint_dir", "c", "--emulate_speeds", "1,0.5", "--collective_timeout", "9",
                               "--metrics_port", "9400", "--run_dir", "r", "--start_fresh", "--no_malloc_cache", "t.py"])

@@ -427,6 +427,11 @@ def test_a_log_level_given_to_one_session_is_not_kept_by_the_next():
         with hetrain.Session(log_level=logging.DEBUG) as generator, hetrain.Session():   # a GAN's two sessions
             assert logger.level == logging.DEBUG and generator.rank == 0   # the second leaves the first's level
         assert logger.level == logging.INFO
+        first, second = hetrain.Session(log_level=logging.DEBUG), hetrain.Session(log_level="error")
+        first.close()   # closed out of order: the one still open keeps its level, then the one before them comes back
+        assert logger.level == logging.ERROR
+        second.close()
+        assert logger.level == logging.INFO
         logger.setLevel(logging.WARNING)
         with hetrain.Session():
             assert logger.level == logging.WARNING
