@@ -17,7 +17,7 @@ def _failure(rank, exitcode, tmp_path):
     ((143, -15), 143, "every rank stopped on a SIGTERM a worker received (not this launcher)"),
     ((-15, 143), 143, "every rank stopped on a SIGTERM a worker received (not this launcher)"),
     ((143, 1), 2, "rank 1 exited with code 1"),
-    ((-15, -15), 2, "rank 0 was killed by SIGTERM"),
+    ((-15, -15), 2, "ranks 0,1 were killed by SIGTERM, the first of them from outside the job"),
 ])
 def test_ranks_that_saved_on_sigterm_end_the_launcher_with_143(tmp_path, monkeypatch, capsys, codes, status, says):
     import torch.distributed.run
