@@ -199,7 +199,7 @@ class Balancer:
     warmup_steps: int = 1
     rank: int | None = None         # this rank: its window takes only steps at its full share
     devices: list[str] | None = None   # each rank's device kind: measurements belong to them
-    share_caps: list[int | None] | None = None   # each rank's most samples that keep the job's pieces a step
+    share_caps: list[int | None] | None = None   # each rank's most samples (piece_caps: one piece over the count)
     _interval: list[tuple[int, float]] = field(default_factory=list)  # this rank's steps of the interval
     _window: list[tuple[int, float]] = field(default_factory=list)    # ... since the split last changed
     _scatter: list[tuple[float, int]] = field(default_factory=list)   # _spread() of past windows
@@ -230,7 +230,7 @@ class Balancer:
 
     def _max_shares(self, min_share: int) -> int | list[int] | None:
         """The plan's max_share, and where every rank runs the job's count of micro-batches, each rank's cap
-        that keeps that count (never below the current share or min_share)."""
+        (`share_caps`: one piece over the starting split's count; never below the current share or min_share)."""
         if self.share_caps is None:
             return self.config.max_share
         total = sum(self.shares)

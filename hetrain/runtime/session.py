@@ -84,7 +84,7 @@ class Session:
         if "TORCHELASTIC_RUN_ID" in os.environ:
             die_with_parent()   # a worker ends (saving on SIGTERM) when its launcher dies
         env = RankEnv.from_environ()
-        self._log_level_before = configure_logging(log_level)
+        self._log_level_token = configure_logging(log_level)
         # Every setting is read and checked before the process group exists: a bad value stops here.
         self._checkpoint_args = checkpoint_settings(checkpoint_dir, checkpoint_interval, keep_checkpoints,
                                                     async_checkpoints)
@@ -476,7 +476,7 @@ class Session:
             self.checkpoints.close(save=not failing)
             self.checkpoints = None
         self.reports.close()
-        restore_logging(self._log_level_before)
+        restore_logging(self._log_level_token)
         if self._owns_group and dist.is_initialized():
             leave_group(failing, self.balancer.arrived if self.balancer is not None else None)
 
