@@ -6,13 +6,14 @@ import argparse
 import os
 
 from hetrain.errors import HetrainError
-from hetrain.launch.launcher import LaunchConfig, launch
+from hetrain.launch.launcher import HETRAIN_READS_PET, LaunchConfig, launch
 from hetrain.runtime.speeds import parse_speeds
 
 
 def _pet(name: str, default: object = None) -> object:
     """torchrun's default for a flag: its PET_<NAME> environment variable (set by job operators such as Kubeflow's
     PyTorchJob for each node), else `default`. A flag given on the command line wins, as under torchrun."""
+    assert name in HETRAIN_READS_PET, name   # the one list the agent's parser is kept from reading again
     return os.environ.get(f"PET_{name}") or default
 
 

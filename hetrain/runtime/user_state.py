@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from hetrain.errors import HetrainError
+from hetrain.runtime.batch_tree import tensors
 from hetrain.runtime.schedulers import loadable, savable
 
 log = logging.getLogger("hetrain")
@@ -123,22 +124,12 @@ class UserStates:
             return
         value = loadable(self._saved.pop(name))
         if isinstance(obj, dict):
-            shared = _aliased(_tensors(obj), self.protected())
+            shared = _aliased(tensors(obj), self.protected())
             restored = {k: _restored(obj.get(k), v, shared) for k, v in value.items()}
             obj.clear()
             obj.update(restored)
         else:
             obj.load_state_dict(value)
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
 
 
 def _aliased(state: list[torch.Tensor], protected: list[torch.Tensor]) -> set[int]:
