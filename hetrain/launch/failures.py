@@ -16,7 +16,7 @@ from __future__ import annotations
 import signal
 from typing import Any
 
-from hetrain.runtime.watchdog import FailureRecord, read_failure_record
+from hetrain.runtime.failure_record import FailureRecord, read_failure_record
 
 STOPPED_BY_AGENT = (-int(signal.SIGTERM), 128 + int(signal.SIGTERM))
 """Exit codes of a rank the agent stopped after another failed (killed, or saved and exited 143)."""

@@ -328,7 +328,7 @@ def print_user_errors_as_one_line() -> None:
         return
 
     def hook(kind, value, tb):
-        from hetrain.runtime.watchdog import record_exception
+        from hetrain.runtime.failure_record import record_exception
 
         if not isinstance(value, HetrainError):
             _add_hints(value)

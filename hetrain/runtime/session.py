@@ -470,7 +470,7 @@ class Session:
         if getattr(self, "prepared", None) is not None:
             self.prepared.release()
         if self.watch is not None:
-            self.watch.stop()
+            self.watch.stop(sys.exc_info()[1] if failing else None)   # the others are told why
             self.watch = None
         if self.checkpoints is not None:   # no final checkpoint the others, in a step, could not join
             self.checkpoints.close(save=not failing)

@@ -1,10 +1,7 @@
 """Nothing silent: a rank ends with its launcher, a stalled rank is named, and a failure is recorded.
 
 - a worker dies with its launcher: `hetrain.runtime.parent_death`.
-- `record_failure()` / `record_exception()`: one line about why this rank ends, written to the
-  error file torch's elastic agent gives each worker (TORCHELASTIC_ERROR_FILE), with the time to the
-  microsecond and whether it is only the echo of a peer's death (a closed connection). The launcher
-  reads these to name the rank that failed first.
+- why a rank ends, for the launcher to name the rank that failed first: `hetrain.runtime.failure_record`.
 - `ProgressWatch`: each rank publishes (step, phase) to the job's c10d store; a rank that sees no
   progress of its own for `timeout_s` reads every rank's entry, finds the rank the others wait on,
   and one rank prints `hetrain: error: rank R made no progress at step S for T s (...)` and ends
@@ -16,123 +13,18 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import sys
 import threading
 import time
-import traceback
 from dataclasses import dataclass
 from collections.abc import Iterator
 from typing import Any, Callable
 
-from hetrain.errors import HetrainError, ranks_text
+from hetrain.errors import ranks_text
+from hetrain.runtime.failure_record import one_line, record_failure
 
-ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
-RECORD_KEY = "hetrain"
 STALL_EXIT = 124
 """Exit status of a rank that ends a stalled job (as coreutils' `timeout`)."""
-
-# ---- failure records -----------------------------------------------------------------------------
-
-_PEER_LOSS = re.compile(
-    r"connection closed by peer|connection reset by peer|broken pipe|remote process exited|"
-    r"communicator was aborted|timed out waiting|socket timeout|connection refused|"
-    r"ProcessGroup.*(aborted|shut ?down)", re.IGNORECASE)
-
-
-@dataclass(frozen=True)
-class FailureRecord:
-    """Why one rank ended, as its error file tells."""
-
-    message: str
-    time: float
-    """seconds since the epoch when the rank recorded it"""
-    secondary: bool = False
-    """the echo of a peer's failure (its connection closed), not a cause"""
-    blame: int | None = None
-    """the rank this record names as the cause (a stall report), if not the writer"""
-
-
-def is_peer_loss(exc: BaseException) -> bool:
-    """Whether `exc` only says that a peer rank is gone (a collective lost its connection)."""
-    return bool(_PEER_LOSS.search(f"{type(exc).__name__}: {exc}"))
-
-
-def one_line(exc: BaseException) -> str:
-    """`Type: the message's first paragraph` on one line (a sentence wrapped over lines stays whole;
-    torch's C++ frames after it are left out), at most 300 characters (a HetrainError whole), then hetrain's
-    notes on its cause.
-    A DataLoader worker's error is told by its own last lines (type, message, notes), not torch's wrapper."""
-    message, kind = str(exc).strip(), type(exc).__name__
-    hints = [n.removeprefix("hetrain: ") for n in getattr(exc, "__notes__", ()) if n.startswith("hetrain: ")]
-    head, sep, original = message.partition("\nOriginal Traceback (most recent call last):\n")
-    if sep and head.startswith("Caught ") and " in DataLoader worker process " in head:   # torch's wrapper
-        lines = original.splitlines()
-        frames = [i for i, t in enumerate(lines) if t.startswith('  File "')]
-        start = frames[-1] + 1 if frames else 0
-        while start < len(lines) and lines[start][:1].isspace():   # the frame's code line and carets
-            start += 1
-        tail = lines[start:]   # the worker's own "Type: message" (with its lines) and notes
-        if tail and tail[0].strip():
-            hints = ["in " + head.strip().rstrip(".").split(" in ", 1)[-1]] + \
-                [t.removeprefix("hetrain: ") for t in tail if t.startswith("hetrain: ")] + hints
-            kind, _, message = "\n".join(t for t in tail if not t.startswith("hetrain: ")).partition(": ")
-            kind = kind.rsplit(".", 1)[-1]   # a module-qualified name, as traceback writes it
-    first = []
-    for text in message.splitlines():
-        if not text.strip() or text.startswith(("Exception raised from", "frame #")):
-            break
-        first.append(text.strip())
-    line = f"{kind}: {' '.join(first)}" if first else kind
-    if len(line) > 300 and not isinstance(exc, HetrainError):   # hetrain's own are one line, its fix at the end
-        cut = line[:296]
-        line = (cut.rsplit(" ", 1)[0] if " " in cut[200:] else cut) + " ..."   # between words where one is near
-    return line + "".join(f" ({hint})" for hint in hints)   # hetrain's notes on its likely cause, whole
-
-
-def record_failure(message: str, *, secondary: bool = False, blame: int | None = None,
-                   callstack: str = "") -> None:
-    """Write this rank's failure to its elastic error file; the first record of a process stays."""
-    path = os.environ.get(ERROR_FILE_ENV)
-    if not path or os.path.exists(path):
-        return
-    now = time.time()
-    doc = {"message": {"message": message, "extraInfo": {
-        "py_callstack": callstack, "timestamp": str(int(now)),
-        RECORD_KEY: {"time": now, "secondary": secondary, "blame": blame}}}}
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(tmp, "w") as f:
-            json.dump(doc, f)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # the record helps the launcher name the rank; the rank's own output still says why
-
-
-def record_exception(exc: BaseException) -> None:
-    """Record an exception that ends this rank (call it from the rank's excepthook)."""
-    record_failure(one_line(exc), secondary=is_peer_loss(exc),
-                   callstack="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
-
-
-def read_failure_record(error_file_data: Any) -> FailureRecord | None:
-    """The record in an elastic error file's JSON (hetrain's, or torch's @record), or None."""
-    if not isinstance(error_file_data, dict):
-        return None
-    message = error_file_data.get("message")
-    if message == "<NONE>":  # torch's stand-in when the rank wrote no error file
-        return None
-    if isinstance(message, str) and message:
-        return FailureRecord(message.strip().splitlines()[0], float(error_file_data.get("timestamp", 0) or 0))
-    if not isinstance(message, dict) or not message.get("message"):
-        return None
-    extra = message.get("extraInfo") or {}
-    ours = extra.get(RECORD_KEY) or {}
-    text = str(message["message"]).strip().splitlines()[0]
-    when = float(ours.get("time", extra.get("timestamp", 0)) or 0)
-    return FailureRecord(text, when, bool(ours.get("secondary", False)), ours.get("blame"))
-
 
 # ---- progress watch ------------------------------------------------------------------------------
 
@@ -165,6 +57,7 @@ BETWEEN = "in the script's own code between steps"
 READING = "reading its batch"
 STREAM_ENDED = "its stream ended"   # after a pass, until every rank begins the next
 DONE = "done"
+ERRED = "left on an error: "   # after DONE's ": ", then the error's one line
 BARRIER = f"{INSIDE}barrier()"
 IN_A_STEP = ("waiting", "computing")   # a rank in a step, which needs every rank to end
 
@@ -226,10 +119,13 @@ def stall_message(stall: Stall, after: dict[int, Progress | None], own_seconds: 
     calls = {r: p.phase[len(INSIDE):] for r, p in after.items() if p is not None and p.phase.startswith(INSIDE)}
     done = sorted(r for r, p in after.items() if p is not None and is_done(p.phase))
     if calls and done and len(calls) + len(done) == len(after):   # `if rank == 0: session.model_state_dict()` at the end
-        return (f"{ranks_text(done)} closed the session while {ranks_text(sorted(calls))} wait(s) in session."
-                f"{', session.'.join(sorted(set(calls.values())))} for {own_seconds:.0f} s: a collective call every rank "
-                f"makes before close() (is it inside `if rank == 0:`?; limit {timeout_s:g} s, hetrain launch "
-                "--collective-timeout)")
+        erred = [after[r].phase.split(ERRED, 1)[1] for r in done if ERRED in after[r].phase]
+        how = f"left the session on an error ({'; '.join(erred)})" if erred else "closed the session"
+        why = "every rank makes (let the error end the script, rather than catch it and go on" if erred else \
+            "every rank makes before close() (is it inside `if rank == 0:`?"
+        return (f"{ranks_text(done)} {how} while {ranks_text(sorted(calls))} wait(s) in session."
+                f"{', session.'.join(sorted(set(calls.values())))} for {own_seconds:.0f} s: a collective call {why}; "
+                f"limit {timeout_s:g} s, hetrain launch --collective-timeout)")
     stepping = sorted(r for r, p in after.items() if p is not None and p.phase == "waiting")
     # `if rank == 0: session.barrier()`: the others wait in their step (a rank that stopped speaking is named below)
     if calls and stepping and len(calls) + len(stepping) == len(after) and not set(stepping) & set(stall.silent):
@@ -278,16 +174,22 @@ def ended_early(after: dict[int, Progress | None]) -> str | None:
     ended = {r: p for r, p in after.items() if p is not None and (is_done(p.phase) or p.phase.startswith(STREAM_ENDED))}
     if not ended:
         return None
+    erred = {r: p.phase[len(f"{DONE}: {ERRED}"):] for r, p in ended.items() if p.phase.startswith(f"{DONE}: {ERRED}")}
     first_untaken = min(p.step for p in ended.values())
     # a rank in a step a closed one never takes waits in vain there, computing or not: its step's collectives (the
     # first backward's agreement, DDP's bucket rebuild) need every rank; a stream's ranks are near a pass's start
-    phases = ("waiting",) if any(STREAM_ENDED in p.phase for p in ended.values()) else IN_A_STEP
+    streams = {r: p.phase.split(STREAM_ENDED, 1)[1] for r, p in ended.items() if STREAM_ENDED in p.phase and r not in erred}
+    phases = ("waiting",) if streams else IN_A_STEP
     ahead = {r: p for r, p in after.items() if p is not None and p.phase in phases and p.step >= first_untaken}
     if not ahead:
         return None
     closed, last, waiting = sorted(ended), first_untaken - 1, sorted(ahead)
     step = min(ahead[r].step for r in waiting)
-    streams = {r: p.phase.split(STREAM_ENDED, 1)[1] for r, p in ended.items() if STREAM_ENDED in p.phase}
+    if erred:   # the script caught the error and went on (or is still on its way out)
+        what = "; ".join(f"{ranks_text([r])} left the session on an error ({erred[r]})" for r in sorted(erred))
+        return (f"{what} after {last} step(s), while {ranks_text(waiting)} wait(s) in step {step}, which every rank "
+                "must take: let the error end the script, so that the launcher stops or restarts the job, rather "
+                "than catch it and go on (its output has the traceback)")
     if streams:
         what = "; ".join(f"{ranks_text([r])}'s stream ended{streams[r]}" for r in sorted(streams))
         return (f"{what}, while {ranks_text(waiting)} wait(s) in step {step} for more: every rank reads the "
@@ -372,14 +274,16 @@ class ProgressWatch:
         finally:
             self._set(step, phase)
 
-    def stop(self) -> None:
-        """Stop watching and say so in the store, so that ranks still watching do not take this one for silent."""
+    def stop(self, error: BaseException | None = None) -> None:
+        """Stop watching and say so in the store, so that ranks still watching do not take this one for silent;
+        `error`: what ended the session, when it is left on an error, which a rank waiting for it is told."""
         self._stop.set()
         if ProgressWatch.current is self:
             ProgressWatch.current = None
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5 * self.interval_s)
-        self._phase = f"{DONE}: {self._phase}" if self._phase.startswith(STREAM_ENDED) else DONE
+        self._phase = f"{DONE}: {ERRED}{one_line(error)}" if error is not None else \
+            f"{DONE}: {self._phase}" if self._phase.startswith(STREAM_ENDED) else DONE
         try:
             self._publish()
             self.store.set(CLOSED_KEY, "1")   # ranks still waiting look for a step this one never takes

@@ -362,7 +362,7 @@ def test_a_sample_that_fails_to_read_is_named_by_index_and_epoch_also_from_a_wor
     from torch._utils import ExceptionWrapper
 
     from hetrain.runtime.sample_seeds import SeededSamples
-    from hetrain.runtime.watchdog import one_line
+    from hetrain.runtime.failure_record import one_line
 
     with pytest.raises(ValueError) as raised:
         SeededSamples(_Failing(), seed=0)[(3, 17)]
@@ -388,7 +388,7 @@ def test_a_sample_that_fails_to_read_is_named_by_index_and_epoch_also_from_a_wor
 def test_a_worker_error_of_several_lines_or_none_keeps_its_type_and_message(error, line):
     from torch._utils import ExceptionWrapper
 
-    from hetrain.runtime.watchdog import one_line
+    from hetrain.runtime.failure_record import one_line
 
     try:
         raise error

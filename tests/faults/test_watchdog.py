@@ -13,7 +13,8 @@ from types import SimpleNamespace
 import pytest
 
 from hetrain.launch.failures import describe, first_failure
-from hetrain.runtime.watchdog import Progress, find_stall, read_failure_record, record_exception, record_failure
+from hetrain.runtime.failure_record import read_failure_record, record_exception, record_failure
+from hetrain.runtime.watchdog import Progress, find_stall
 from tests.distributed import free_port, run_ranks
 from tests.faults.jobs import run_job
 
@@ -66,6 +67,19 @@ def test_a_stall_beside_a_rank_inside_a_collective_call_of_the_session_names_the
     with watch.inside("evaluate"):
         assert (watch._step, watch._phase) == (4, "in session.evaluate()")
     assert (watch._step, watch._phase) == (4, "computing")
+
+
+def test_a_rank_that_left_on_an_error_while_the_others_wait_in_a_collective_call_is_named_with_it():
+    """A rank that caught its error after close() left the others in session.evaluate(): they were told to look
+    for the call inside `if rank == 0:`."""
+    from hetrain.runtime.watchdog import stall_message
+
+    after = {0: _p(3, "in session.evaluate()", 9), 1: _p(3, "done: left on an error: KeyError: 'label'", 9)}
+    message = stall_message(find_stall(after, after), after, 16.0, 10.0)
+    assert message.startswith("rank 1 left the session on an error (KeyError: 'label') while rank 0 wait(s) in "
+                              "session.evaluate() for 16 s"), message
+    assert "let the error end the script" in message and "if rank == 0" not in message, message
+    assert message.count("(") == message.count(")"), message
 
 
 def test_a_rank_that_closed_before_the_others_step_is_named_as_the_cause():
@@ -283,7 +297,7 @@ def test_a_stall_report_goes_before_a_peer_killed_by_a_signal_in_the_same_second
 
 
 def test_a_failure_is_summed_up_as_its_whole_first_paragraph_without_torchs_frames():
-    from hetrain.runtime.watchdog import one_line
+    from hetrain.runtime.failure_record import one_line
 
     wrapped = RuntimeError("An attempt has been made to start a new process before the\n"
                            "        current process has finished its bootstrapping phase.\n\n"
@@ -347,6 +361,46 @@ def test_a_rank_that_closes_early_is_named_in_seconds_not_after_the_progress_tim
     r, took = _launch_with_plan(tmp_path, plan, EARLY_CLOSE_SCRIPT)
     assert r.returncode != 0 and took < 60, r.stderr[-2000:]
     assert "rank 0 closed the session after 2 step(s) while rank 1 wait(s) in step 3" in r.stderr, r.stderr[-2000:]
+
+
+CAUGHT_ERROR_SCRIPT = '''
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+import hetrain
+
+if __name__ == "__main__":
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(256, 6, generator=g), torch.randint(0, 3, (256,), generator=g))
+    try:
+        with hetrain.Session() as session:
+            net = torch.nn.Linear(6, 3)
+            model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+            for x, y in session.loader(data, global_batch_size=16, seed=0):
+                if session.rank == 1 and session.step_count == 2:
+                    raise ValueError("a bad batch on rank 1")
+                session.backward(F.cross_entropy(model(x), y))
+                session.step()
+    except ValueError as e:          # logged, and the script goes on to its other work
+        print("caught:", e, flush=True)
+        time.sleep(60)
+'''
+
+
+def test_a_rank_that_caught_its_error_is_named_with_the_error_not_as_a_closed_loop(tmp_path):
+    """Rank 1 raised in its third step inside `with Session()` and the script caught the error: rank 0, waiting
+    in step 3, was told that rank 1 closed the session and to end its loop on step_count, which it does."""
+    from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+
+    plan = Plan(global_batch_size=16, balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=0, share=8), RankPlan(rank=1, share=8)])
+    r, took = _launch_with_plan(tmp_path, plan, CAUGHT_ERROR_SCRIPT)
+    assert r.returncode != 0 and took < 60, r.stderr[-2000:]
+    assert ("rank 1 left the session on an error (ValueError: a bad batch on rank 1) after 2 step(s), while rank 0 "
+            "wait(s) in step 3") in r.stderr, r.stderr[-2000:]
+    assert "let the error end the script" in r.stderr and "step_count" not in r.stderr, r.stderr[-2000:]
 
 
 SKIP_EMPTY_SCRIPT = '''
