@@ -45,6 +45,11 @@ def check_directory(root: Path, probe: str) -> str | None:
     try:
         root.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
+        link = next((p for p in (root, *root.parents) if p.is_symlink() and not p.exists()), None)
+        if link is not None:   # a link to a volume not mounted yet, say: its target is not made here
+            return (f"checkpoint directory {root} cannot be created: {link} is a link to {os.readlink(link)}, "
+                    "which does not exist; create the link's target (mount its volume) or pass another directory "
+                    "as --checkpoint-dir (checkpoint_dir=)")
         return (f"checkpoint directory {root} cannot be created: a part of its path is a file; pass a directory "
                 f"path as --checkpoint-dir (checkpoint_dir=)")
     except OSError as e:

@@ -201,6 +201,16 @@ def test_a_checkpoint_dir_that_is_a_file_or_under_a_file_is_refused_at_start(tmp
         Checkpointer(path / "sub")
 
 
+def test_a_checkpoint_dir_that_is_a_dangling_link_names_the_link_and_its_target(tmp_path):
+    """A link to a volume that is not mounted was refused as 'a part of its path is a file'."""
+    (tmp_path / "ckpt").symlink_to(tmp_path / "volume" / "ckpt")
+    for path in (tmp_path / "ckpt", tmp_path / "ckpt" / "run1"):
+        with pytest.raises(CheckpointError, match=rf"{tmp_path / 'ckpt'} is a link to {tmp_path / 'volume' / 'ckpt'}, "
+                                                  "which does not exist; create the link's target"):
+            Checkpointer(path)
+    assert not (tmp_path / "volume").exists()   # the target is not made: it may be a volume's mount point
+
+
 _READ_ONLY = textwrap.dedent("""
     import sys
     from hetrain.checkpoint import Checkpointer, CheckpointError
