@@ -27,8 +27,10 @@ def format_validation_error(e, model=None, kind: str | None = None) -> str:
     missing_top = [err for err in errors if err["type"] == "missing" and len(err["loc"]) == 1]
     required = (model.model_json_schema().get("required", []) if model is not None else [])
     extra_top = [str(err["loc"][0]) for err in errors if err["type"] == "extra_forbidden" and len(err["loc"]) == 1]
-    misspelt = any(difflib.get_close_matches(str(err["loc"][0]), extra_top, n=1, cutoff=0.6) for err in missing_top)
-    if kind and len(missing_top) >= 2 and 2 * len(missing_top) >= len(required) and not misspelt:
+    # a missing field an unknown one may be a misspelling of is not counted ("steps" and "notes" are spelt alike)
+    unexplained = [err for err in missing_top
+                   if not difflib.get_close_matches(str(err["loc"][0]), extra_top, n=1, cutoff=0.6)]
+    if kind and len(unexplained) >= 2 and 2 * len(unexplained) >= len(required):
         return f"not {kind} (it lacks {', '.join(str(err['loc'][0]) for err in missing_top[:3])}" \
                + (f" and {len(missing_top) - 3} more" if len(missing_top) > 3 else "") + ")"
     schema = model.model_json_schema() if model is not None else None

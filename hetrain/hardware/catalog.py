@@ -247,6 +247,10 @@ def get_gpu(name: str) -> GpuSpec:
     key = ALIASES.get(key, key)
     if key in catalog:
         return catalog[key]
+    read = match_device_name(str(name))   # the name torch or nvidia-smi reports: "NVIDIA A100 80GB PCIe"
+    if read is not None:
+        raise HetrainError(f"unknown GPU model {name!r}; fix: write {read.name!r}, the catalog's name for the device "
+                           "torch names so (see `hetrain devices --catalog`)")
     raise HetrainError(
         f"unknown GPU model {name!r}; closest catalog names: {', '.join(closest_names(str(name)))}; "
         "see `hetrain devices --catalog`"

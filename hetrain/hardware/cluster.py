@@ -289,12 +289,31 @@ def _explain(err: dict[str, Any]) -> str:
     if kind in ("int_type", "int_from_float"):
         return f"{key} must be a whole number, got {got!r}; fix: write a number such as 4"
     if kind in ("float_type", "finite_number"):
+        if isinstance(got.value, str) and _is_number(got.value):   # YAML 1.1 reads 1e2 (no dot, no sign) as text
+            return (f"{key} must be a finite number, got {got!r}, which YAML reads as text; fix: write it with a "
+                    f"dot and a signed exponent (1.0e+2) or in full (100)")
         return f"{key} must be a finite number, got {got!r}; fix: write a number such as 100"
+    if kind == "string_type" and isinstance(got.value, (bool, int, float)):   # model: 3090, name: on
+        what = "true or false (as it reads on, off, yes and no)" if isinstance(got.value, bool) else "a number"
+        return f"{key} must be text, got {got!r}: YAML reads it as {what}; fix: quote it (\"...\")"
+    if kind == "model_type" and len(loc) >= 2 and loc[-2] in ("devices", "nodes"):   # `devices: [a100]`
+        what, such, how = (("a device group", "{model: a100, count: 4}", "`- model: NAME` with `count: N` under it")
+                           if loc[-2] == "devices" else ("a node", "{name: n1, devices: [...]}",
+                                                         "`- name: NAME` with its `devices:` under it"))
+        return f"{what} must be a mapping such as {such}, got {got!r}; fix: write it as {how} (docs/cluster-file.md)"
     if kind == "greater_than":
         return f"{key} must be more than {err['ctx']['gt']}, got {got!r}; fix: use a positive value"
     if kind == "literal_error":
         return f"{key} must be {err['msg'].split('Input should be ')[-1]}, got {got!r}; fix: use one of those"
     return f"{err['msg'].lower()}, got {got!r}; fix: correct the value"
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
 
 
 def _validation_message(source: str, exc: ValidationError, root: yaml.Node | None) -> str:
@@ -385,6 +404,9 @@ def load_cluster(path: str | Path) -> Cluster:
         mark = getattr(e, "problem_mark", None)
         place = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        line = text.splitlines()[mark.line] if mark and mark.line < len(text.splitlines()) else ""
+        if "\t" in line[: mark.column + 1 if mark else 0]:
+            raise HetrainError(f"{place}: malformed YAML: a tab in the indentation; fix: indent with spaces") from None
         raise HetrainError(f"{place}: malformed YAML: {problem}; fix: correct the YAML syntax there") from None
     finally:
         loader.dispose()

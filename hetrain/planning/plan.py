@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -192,8 +192,9 @@ class Plan(_Strict):
     @classmethod
     def from_json(cls, text: str, source: str = "plan") -> "Plan":
         try:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=lambda pairs: _unique_keys(pairs, source))
             if isinstance(data, dict) and "candidates" in data and isinstance(data.get("plan"), dict):
+                _check_summary(data, source)
                 data = data["plan"]   # `hetrain plan --json` output: its plan
             return cls.model_validate(data)
         except json.JSONDecodeError as e:
@@ -219,3 +220,35 @@ class Plan(_Strict):
         ranks = [RankPlan(rank=r, share=n) for r, n in enumerate(split_even(global_batch_size, world_size))]
         return cls(global_batch_size=global_batch_size, ranks=ranks, **fields)
 
+
+def _unique_keys(pairs: list[tuple[str, Any]], source: str) -> dict[str, Any]:
+    """A JSON object, refused where one key is written twice (json keeps the last one silently)."""
+    keys = [k for k, _ in pairs]
+    twice = next((k for k in keys if keys.count(k) > 1), None)
+    if twice is not None:
+        where = f" (rank {dict(pairs)['rank']})" if "rank" in keys and "rank" != twice else ""
+        raise HetrainError(f"{source}: key {twice!r} appears twice in one object{where}; fix: keep one")
+    return dict(pairs)
+
+
+_SUMMARY_FIELDS = ("device", "precision", "share", "micro_batch", "grad_accum", "activation_checkpointing", "stage")
+
+
+def _check_summary(data: dict[str, Any], source: str) -> None:
+    """`hetrain plan --json` prints a summary (strategy, ranks) above the plan launch runs: an edit to the summary
+    alone would be ignored, so it is refused."""
+    plan, changed = data["plan"], []
+    if "strategy" in data and data["strategy"] != plan.get("strategy", data["strategy"]):
+        changed.append(f"strategy {data['strategy']!r} against {plan.get('strategy')!r}")
+    ranks = {r.get("rank"): r for r in plan.get("ranks", []) if isinstance(r, dict)}
+    for row in data.get("ranks", []) if isinstance(data.get("ranks"), list) else []:
+        theirs = ranks.get(row.get("rank")) if isinstance(row, dict) else None
+        if theirs is None:
+            changed.append(f"rank {row.get('rank') if isinstance(row, dict) else row!r} missing from its plan")
+            continue
+        changed += [f"rank {row['rank']} {k} {row[k]!r} against {theirs[k]!r}" for k in _SUMMARY_FIELDS
+                    if k in row and k in theirs and row[k] != theirs[k]]
+    if changed:
+        raise HetrainError(f"{source}: its summary at the top differs from the `plan` below it, which is what runs "
+                           f"({'; '.join(changed[:3])}{' ...' if len(changed) > 3 else ''}); make the edit under "
+                           "\"plan\" (hetrain plan --out FILE writes the plan alone)")

@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from hetrain.errors import HetrainError
+from hetrain.hardware.catalog import get_gpu
 
 DEVICE_PROFILE_VERSION = 1
 WORKLOAD_FILE = "workload.json"
@@ -68,6 +69,26 @@ class DeviceProfile(_Strict):
     steps: list[StepTiming]
     optimizer_seconds: float = Field(0.0, ge=0, description="one optimizer step (AdamW) over all parameters")
     blocks: list[BlockTiming] = Field(default_factory=list)
+
+    @field_validator("version")
+    @classmethod
+    def _known_version(cls, v: int) -> int:
+        if v != DEVICE_PROFILE_VERSION:
+            raise ValueError(f"device profile version {v} is not supported; this hetrain reads version "
+                             f"{DEVICE_PROFILE_VERSION}: re-run hetrain profile")
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _catalog_name(cls, v: str) -> str:
+        """An alias or another case ("A100") is the catalog's name, as the planner looks it up; a name the catalog
+        lacks stays (a cluster file's own device)."""
+        if v.strip().lower() == "cpu":
+            return "cpu"
+        try:
+            return get_gpu(v).name
+        except HetrainError:
+            return v
 
     def precisions(self) -> list[str]:
         return sorted({s.precision for s in self.steps})
@@ -168,12 +189,17 @@ def load_profiles(directory: str | Path) -> dict[str, DeviceProfile]:
     if not directory.is_dir():
         raise HetrainError(f"--profiles {str(directory)!r} is not a directory; pass the directory "
                            "hetrain profile --out wrote")
-    found = {}
+    found: dict[str, DeviceProfile] = {}
+    paths: dict[str, Path] = {}
     for path in sorted(directory.glob("*.json")):
         if path.name == WORKLOAD_FILE:
             continue
         prof = DeviceProfile.load(path)
-        found[prof.device] = prof
+        if prof.device in found:   # an older profile kept beside the new one: which is meant?
+            raise HetrainError(f"{paths[prof.device]} and {path} are both profiles of {prof.device} (measured "
+                               f"{found[prof.device].stamp.date} and {prof.stamp.date}); fix: keep one of them in "
+                               f"{directory}")
+        found[prof.device], paths[prof.device] = prof, path
     if not found:
         raise HetrainError(f"{directory} holds no device profiles; run hetrain profile --out {directory}")
     return found

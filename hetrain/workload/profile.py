@@ -14,7 +14,7 @@ from typing import Literal
 
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from hetrain.errors import HetrainError, format_validation_error
 
@@ -59,6 +59,14 @@ class WorkloadProfile(BaseModel):
     )
     blocks: list[BlockProfile] = Field(default_factory=list)
     source: str = "measured"
+
+    @field_validator("version")
+    @classmethod
+    def _known_version(cls, v: int) -> int:
+        if v != PROFILE_VERSION:
+            raise ValueError(f"workload profile version {v} is not supported; this hetrain reads version "
+                             f"{PROFILE_VERSION}: re-run hetrain profile")
+        return v
 
     def held_params(self, start: int, stop: int) -> int:
         """Parameters a device that runs blocks [start, stop) holds: theirs, and the tied ones whose

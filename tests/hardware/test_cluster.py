@@ -154,6 +154,31 @@ def test_malformed_yaml(tmp_path: Path) -> None:
     assert "expected a mapping" in _error(tmp_path, "- a100\n- v100\n")
 
 
+def test_values_yaml_reads_otherwise_than_meant_name_the_reading_and_the_fix(tmp_path: Path) -> None:
+    """`inter_node_gbps: 1e2` was told to be 'a finite number' (YAML 1.1 reads it as text); `model: 3090` and
+    `name: on` were told 'fix: correct the value'; `devices: [a100]` named an internal class, tabs went unnamed."""
+    group = "nodes:\n  - name: n\n    devices:\n      - model: a100\n"
+    assert ("inter_node_gbps must be a finite number, got '1e2', which YAML reads as text; fix: write it with a dot "
+            "and a signed exponent (1.0e+2) or in full (100)") in _error(tmp_path, "inter_node_gbps: 1e2\n" + group)
+    assert "model must be text, got 3090: YAML reads it as a number; fix: quote it" in _error(
+        tmp_path, "nodes:\n  - name: n\n    devices:\n      - model: 3090\n")
+    assert "name must be text, got True: YAML reads it as true or false (as it reads on, off" in _error(
+        tmp_path, "name: on\n" + group)
+    msg = _error(tmp_path, "nodes:\n  - name: n\n    devices: [a100]\n")
+    assert "a device group must be a mapping such as {model: a100, count: 4}, got 'a100'" in msg
+    assert "devicegroup" not in msg.lower(), msg
+    msg = _error(tmp_path, "nodes:\n  - name: n\n    devices:\n\t- model: a100\n")
+    assert msg.endswith("malformed YAML: a tab in the indentation; fix: indent with spaces"), msg
+
+
+def test_a_device_named_as_torch_names_it_is_told_the_catalog_name(tmp_path: Path) -> None:
+    """'NVIDIA A100 80GB PCIe' (nvidia-smi's name) was offered 'a100-80gb', the SXM4 card, with NVLink."""
+    msg = _error(tmp_path, "nodes:\n  - name: n\n    devices:\n      - model: NVIDIA A100 80GB PCIe\n")
+    assert "unknown GPU model 'NVIDIA A100 80GB PCIe'; fix: write 'a100-pcie-80gb'" in msg, msg
+    assert "fix: write 'h100-pcie-80gb'" in _error(tmp_path, "nodes:\n  - name: n\n    devices:\n"
+                                                             "      - model: NVIDIA H100 PCIe\n")
+
+
 def test_bad_link_and_duplicates(tmp_path: Path) -> None:
     msg = _error(tmp_path, "nodes:\n  - name: n\n    intra_link: infiniband\n    devices:\n      - model: l4\n")
     assert "nodes[0].intra_link: intra_link must be 'nvlink', 'pcie' or 'host', got 'infiniband'" in msg
@@ -248,6 +273,23 @@ def test_an_error_shows_a_short_part_of_a_large_value(tmp_path: Path) -> None:
     levels = ['l0: &l0 ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
     levels += [f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]" for i in range(1, 4)]
     msg = _error(tmp_path, "\n".join(levels) + "\nnodes: [*l3]\n")
-    assert "nodes[0]: input should be a valid dictionary" in msg and len(msg) < 400
+    assert "nodes[0]: a node must be a mapping such as {name: n1, devices: [...]}, got [[" in msg and len(msg) < 400
     msg = _error(tmp_path, f'nodes:\n  - name: n\n    devices:\n      - model: a100\n        count: "{"9" * 300}"\n')
     assert "count must be a whole number, got '999" in msg and len(msg) < 300
+
+
+def test_the_docs_alias_list_names_every_alias_and_catalog_name() -> None:
+    """docs/cluster-file.md left out the aliases a100-80gb and v100-32gb, which error messages suggest, and three
+    PCIe catalog names."""
+    import re
+
+    from hetrain.hardware.catalog import ALIASES, load_catalog
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "cluster-file.md").read_text()
+    section = docs.split("## Aliases", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"[a-z0-9]+(?:-[a-z0-9]+)*", section))
+    names = set(ALIASES) | set(load_catalog())
+    assert names <= named, sorted(names - named)
+    for alias, name in ALIASES.items():   # each alias is written beside the name it stands for
+        assert re.search(rf"`{alias}`\s+=\s+(`[a-z0-9-]+`\s+=\s+)*{name}\b", section), alias
+

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from hetrain.errors import HetrainError
 from hetrain.planning.cost_model import data_parallel_efficiency
 from hetrain.planning.plan import Plan
 
@@ -187,6 +188,34 @@ def test_plan_json_output_saved_to_a_file_is_a_plan_the_launcher_reads(tmp_path)
     (tmp_path / "plan.json").write_text(p.stdout)
     plan = Plan.load(tmp_path / "plan.json")
     assert plan.shares == [r["share"] for r in json.loads(p.stdout)["ranks"]] and plan.global_batch_size == 256
+
+
+def test_an_edit_to_the_summary_of_plan_json_output_alone_is_refused_not_ignored(tmp_path):
+    """`hetrain plan --json` prints a summary (strategy, ranks) above the plan launch runs: shares edited in the
+    summary, the first `ranks` a user sees, were ignored, and the job ran the old split without a word."""
+    p = _run("plan", "--devices", "a100:1,v100:1", "--model", "resnet50", "--global-batch", "128", "--json")
+    doc = json.loads(p.stdout)
+    old = [r["share"] for r in doc["ranks"]]
+    doc["ranks"][0]["share"], doc["ranks"][1]["share"] = 100, 28
+    (tmp_path / "plan.json").write_text(json.dumps(doc))
+    with pytest.raises(HetrainError, match=rf"its summary at the top differs from the `plan` below it, which is what "
+                                           rf"runs \(rank 0 share 100 against {old[0]}; rank 1 share 28 against "
+                                           rf"{old[1]}\); make the edit under \"plan\""):
+        Plan.load(tmp_path / "plan.json")
+    for row, rank in zip(doc["ranks"], doc["plan"]["ranks"]):   # the same edit made in both places runs
+        rank["share"] = row["share"]
+    (tmp_path / "plan.json").write_text(json.dumps(doc))
+    assert Plan.load(tmp_path / "plan.json").shares == [100, 28]
+
+
+def test_a_key_written_twice_in_a_plan_is_refused(tmp_path):
+    """json keeps the last of two equal keys: a rank with "precision" twice ran in the second without a word."""
+    text = ('{"version": 1, "global_batch_size": 128, "ranks": [{"rank": 0, "share": 64}, '
+            '{"rank": 1, "share": 64, "precision": "bf16", "precision": "fp32"}]}')
+    (tmp_path / "plan.json").write_text(text)
+    with pytest.raises(HetrainError, match=rf"^{tmp_path / 'plan.json'}: key 'precision' appears twice in one "
+                                           r"object \(rank 1\); fix: keep one$"):
+        Plan.load(tmp_path / "plan.json")
 
 
 def test_files_of_another_kind_say_what_they_are_not(tmp_path):

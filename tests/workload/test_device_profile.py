@@ -117,6 +117,60 @@ def test_unreadable_profiles_are_one_line_errors(tmp_path):
         DeviceProfile.load(tmp_path / "missing.json")
 
 
+def _saved_profile(directory, **changes) -> dict:
+    """A small measured CPU profile saved in `directory`, as the dict its file holds (with `changes` made)."""
+    import json
+
+    prof = measure(_tiny(), torch.device("cpu"), ["fp32"], [2], repeats=2, budget_s=0.05, blocks=False)
+    doc = {**json.loads(prof.model_dump_json()), **changes}
+    (directory / f"{doc['device']}.json").write_text(json.dumps(doc))
+    return doc
+
+
+def test_two_profiles_of_one_device_kind_are_refused_naming_both(tmp_path):
+    """An older profile kept as cpu-2024.json beside cpu.json: the one whose name sorts last was used silently."""
+    import json
+
+    doc = _saved_profile(tmp_path)
+    (tmp_path / "cpu-2024.json").write_text(json.dumps({**doc, "stamp": {**doc["stamp"], "date": "2024-01-01"}}))
+    with pytest.raises(HetrainError, match=rf"{tmp_path / 'cpu-2024.json'} and {tmp_path / 'cpu.json'} are both "
+                                           rf"profiles of cpu \(measured 2024-01-01 and .*\); fix: keep one of them"):
+        load_profiles(tmp_path)
+
+
+def test_a_profile_names_its_device_kind_as_the_catalog_does(tmp_path):
+    """A profile written for "A100" or "a100" was keyed by that spelling, which no cluster device matched: the
+    planner modelled the device and said nothing of the profile."""
+    for spelling in ("a100", "A100-SXM4-80GB", "CPU"):
+        for old in tmp_path.glob("*.json"):
+            old.unlink()
+        _saved_profile(tmp_path, device=spelling)
+        assert list(load_profiles(tmp_path)) == ["cpu" if spelling == "CPU" else "a100-sxm4-80gb"]
+
+
+def test_profiles_of_another_version_and_other_files_in_the_directory_are_refused_naming_what_they_are(tmp_path):
+    """A version 99 profile was planned from as if current; a plan saved into the profiles directory was told
+    'model: Field required; device: Field required; ...' (its "notes" read as a misspelling of "steps")."""
+    import json
+
+    from hetrain.workload import get_profile
+
+    _saved_profile(tmp_path, version=99)
+    with pytest.raises(HetrainError, match="device profile version 99 is not supported; this hetrain reads version 1: "
+                                           "re-run hetrain profile"):
+        load_profiles(tmp_path)
+    (tmp_path / "cpu.json").write_text(json.dumps({"version": 1, "global_batch_size": 8, "notes": [],
+                                                   "ranks": [{"rank": 0, "share": 8}]}))
+    with pytest.raises(HetrainError, match="cpu.json: not a device profile: hetrain profile writes them"):
+        load_profiles(tmp_path)
+    workload = {**json.loads(get_profile("resnet50").model_dump_json()), "version": 99}
+    from hetrain.workload.profile import WorkloadProfile
+
+    (tmp_path / "workload.json").write_text(json.dumps(workload))
+    with pytest.raises(HetrainError, match="workload profile version 99 is not supported"):
+        WorkloadProfile.load(tmp_path / "workload.json")
+
+
 def test_profile_out_that_is_a_file_is_refused_before_any_timing(tmp_path):
     import subprocess
     import sys
