@@ -6,6 +6,7 @@ rendezvous address; a script started by hand runs as a single rank.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import gc
@@ -269,7 +270,7 @@ def configure_logging(level: int | str | None) -> object | None:
     """`[hetrain rank R]` lines; INFO on rank 0, warnings elsewhere, unless a level is given."""
     logger = logging.getLogger("hetrain")
     if not logger.handlers:
-        handler = logging.StreamHandler()
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("[hetrain rank %(rank)s] %(message)s"))
         handler.addFilter(_RankFilter())
         logger.addHandler(handler)
@@ -321,6 +322,24 @@ def _add_hints(error: BaseException) -> None:
             add_note(error, note)
 
 
+def _open_files() -> list[Any]:
+    """Every open file object the script may have written to: interpreter teardown flushes them, os._exit does
+    not. (Found before the exit hooks run: hetrain's own freezes the collector, which then lists none.)"""
+    import io
+
+    files = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)   # classes, not io.IOBase: its isinstance asks
+    return [obj for obj in gc.get_objects() if type(obj) in files]     # every object (torch's warn when asked)
+
+
+def _flush(files: list[Any]) -> None:
+    for obj in files:
+        try:
+            if not obj.closed and obj.writable():
+                obj.flush()
+        except Exception:   # a file that cannot be flushed now (a closed pipe) stays as it is
+            pass
+
+
 def print_user_errors_as_one_line() -> None:
     """In a worker, a HetrainError (bad input) ends the rank with one line, on every rank, and exit 2."""
     previous = sys.excepthook
@@ -346,11 +365,31 @@ def print_user_errors_as_one_line() -> None:
             from hetrain.checkpoint.lease import release_all
 
             release_all()  # os._exit runs no finalizer: give back the checkpoint directory now
+            files = _open_files()   # the script's own files keep what it wrote
+            if os.environ.get("WORLD_SIZE", "1") == "1":   # no peer to block the exit: the script's own atexit work
+                atexit._run_exitfuncs()   # (its run logger's last upload, logging's flush) runs as on any error
+            _flush(files)
             os._exit(2)  # skip interpreter teardown: peers may be blocked in collectives
         previous(kind, value, tb)
 
     hook._hetrain = True
     sys.excepthook = hook
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to sys.stderr as it is at each line: one replaced for a while (pytest's capture, redirect_stderr) and
+    closed since is not kept."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
 
 
 class _RankFilter(logging.Filter):

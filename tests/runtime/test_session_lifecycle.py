@@ -2,7 +2,10 @@
 after close(), the same optimizer prepared again by a new session, an error at an interactive prompt, a
 device named without an index."""
 
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +14,8 @@ from torch.utils.data import TensorDataset
 
 from hetrain.errors import HetrainError
 from tests.runtime.test_refusals import make_data, make_net
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _session():
@@ -62,6 +67,68 @@ def test_a_new_session_prepares_the_optimizer_a_closed_one_had():
             again.backward(F.cross_entropy(model(x), y))
             assert again.step()
             break
+
+
+ERROR_AFTER_WRITES = """
+import atexit
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import hetrain
+
+if __name__ == "__main__":
+    log = open(sys.argv[1], "w")             # the script's own log, written through its buffer
+    log.write("run started\\n")
+    atexit.register(lambda: open(sys.argv[1] + ".atexit", "w").write("ran"))
+    session = hetrain.Session()
+    net = torch.nn.Linear(4, 1)
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    for x, y in session.loader(torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randn(8, 1)), global_batch_size=4):
+        session.backward(torch.nn.functional.mse_loss(model(x), y))
+        session.step()
+        log.write(f"step {session.step_count}\\n")
+    session.clip_grad_norm_(1.0)            # after the loop: a HetrainError
+"""
+
+
+def test_an_error_of_hetrain_keeps_what_the_script_wrote_and_runs_its_atexit_work(tmp_path):
+    """A HetrainError ended the process with os._exit(2): the script's buffered log was lost (0 bytes) and its
+    atexit handlers (a run logger's last upload) never ran, where any other error kept both."""
+    script, log = tmp_path / "job.py", tmp_path / "train.log"
+    script.write_text(ERROR_AFTER_WRITES)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    r = subprocess.run([sys.executable, str(script), str(log)], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "hetrain: error: session.clip_grad_norm_()" in r.stderr, r.stderr[-2000:]
+    assert log.read_text() == "run started\nstep 1\nstep 2\n"
+    assert (tmp_path / "train.log.atexit").read_text() == "ran"
+
+
+def test_hetrain_lines_go_to_stderr_as_it_is_at_each_line(capsys, monkeypatch):
+    """The log handler kept the sys.stderr of the first session: a test's capture, closed since, made every later
+    line a '--- Logging error --- I/O operation on closed file' and lost it."""
+    import io
+    import logging
+
+    from hetrain.runtime.environment import configure_logging
+
+    monkeypatch.setattr(logging.getLogger("hetrain"), "handlers", [])   # as in a process's first session
+    first = io.StringIO()
+    old = sys.stderr
+    sys.stderr = first
+    try:
+        configure_logging(None)
+        logging.getLogger("hetrain").warning("one")
+    finally:
+        sys.stderr = old
+    first.close()
+    logging.getLogger("hetrain").warning("two")
+    err = capsys.readouterr().err
+    assert "] two\n" in err and "Logging error" not in err, err
 
 
 def test_an_error_at_an_interactive_prompt_leaves_the_interpreter(monkeypatch, capfd):
