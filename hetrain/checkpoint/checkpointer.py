@@ -76,7 +76,7 @@ def finish_saves_at_exit() -> None:
     collectives pair with the other ranks', which exit through the same script)."""
     deadline = time.monotonic() + EXIT_SAVE_WAIT_S
     for checkpointer in list(_SAVING):
-        checkpointer.finish_at_exit(max(0.0, deadline - time.monotonic()))
+        checkpointer.finish_save(max(0.0, deadline - time.monotonic()))
 
 
 
@@ -94,6 +94,9 @@ class Checkpointer:
         if keep is not None and keep < 1:
             raise CheckpointError(f"keep={keep}: at least one checkpoint must be kept; pass keep>=1 (None keeps all)")
         self.directory = Path(directory).absolute()   # the process may change directory; its saves stay here
+        for earlier in list(_SAVING):   # an earlier session of this process still writing here (a notebook cell
+            if earlier.directory == self.directory:   # stopped and run again): its save ends before this one looks
+                earlier.finish_save(EXIT_SAVE_WAIT_S)
         self.keep = keep
         self.async_save = async_save
         self.start_fresh = selection.start_fresh_from_env() if start_fresh is None else bool(start_fresh)
@@ -152,10 +155,11 @@ class Checkpointer:
             once_at_exit(finish_saves_at_exit)
         self.last_blocking_seconds = time.perf_counter() - start
 
-    def finish_at_exit(self, timeout_s: float) -> None:
-        """At exit, a background save still being written (a script that never closed its session): joined for
-        up to `timeout_s`; a daemon thread writing while the interpreter is torn down loses the checkpoint and
-        can abort the process ("terminate called without an active exception")."""
+    def finish_save(self, timeout_s: float) -> None:
+        """A background save still being written, joined for up to `timeout_s`: at exit (a script that never closed
+        its session; a daemon thread writing while the interpreter is torn down loses the checkpoint and can abort
+        the process, "terminate called without an active exception"), or before a new Checkpointer of this
+        process looks in the same directory."""
         thread = self._thread
         if thread is not None:
             thread.join(timeout_s)

@@ -128,7 +128,11 @@ class SessionCheckpoints:
         self._sigterm = False
         self._previous_handler = None
         self._previous_usr1 = None
-        self._watch = _SigtermWatch(self._on_watched_sigterm, self._grace_seconds, self._peers_gone)
+        self._closed_elsewhere = False
+        for other in list(_CLOSED_ELSEWHERE) if threading.current_thread() is threading.main_thread() else ():
+            other._restore_signals()   # an earlier session closed from another thread: its signals come back first
+        self._watch = _SigtermWatch(self._on_watched_sigterm, self._grace_seconds, self._peers_gone,
+                                    self._between_steps)
         self._watch.handler = self._on_sigterm
         try:
             self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -140,10 +144,22 @@ class SessionCheckpoints:
         self._watch.start()
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if self._closed_elsewhere:   # the session closed from another thread: the signal is the script's again
+            self._restore_signals()
+            handler = signal.getsignal(signum)
+            if callable(handler):
+                handler(signum, frame)
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), signum)   # its default action, now that it is back
+            return
         self._sigterm = True
 
     def _on_watched_sigterm(self) -> None:
         self._sigterm = True
+
+    def _between_steps(self) -> int | None:
+        """The step this rank last took, while it is in the script's own code after it (no batch drawn since)."""
+        return None if self.state.loader.step.active else self.state.step
 
     def _peers_gone(self) -> list[int] | None:
         """The ranks the job's progress watch sees gone or frozen ([] when every one still speaks: none for
@@ -240,8 +256,18 @@ class SessionCheckpoints:
             self._restore_signals()
 
     def _restore_signals(self) -> None:
-        """The handlers this session replaced, where its own is still in place (not one the script set since)."""
+        """The handlers this session replaced, where its own is still in place (not one the script set since).
+        Only the main thread can set them: closed from another thread, they come back when the session's handler
+        next runs (in the main thread) or the next session starts."""
         self._watch.stop()
+        if threading.current_thread() is not threading.main_thread() and \
+                (self._previous_handler is not None or self._previous_usr1 is not None):
+            self._closed_elsewhere = True
+            _CLOSED_ELSEWHERE.append(self)
+            return
+        if self._closed_elsewhere:
+            self._closed_elsewhere = False
+            _CLOSED_ELSEWHERE.remove(self)
         for sig, previous in ((signal.SIGTERM, self._previous_handler), (getattr(signal, "SIGUSR1", None),
                                                                           self._previous_usr1)):
             if previous is not None and signal.getsignal(sig) == self._on_sigterm:
@@ -303,14 +329,18 @@ class SessionCheckpoints:
         return True
 
 
+_CLOSED_ELSEWHERE: list[SessionCheckpoints] = []   # closed from a thread other than the main one, signals not yet back
+
+
 class _SigtermWatch:
     """A thread that sees SIGTERM at once (through the signal wakeup fd), even while the main thread is
     blocked in a collective, and exits the process if the main thread has not reached the save within its
     grace and a rank it may wait on is gone or frozen (or nothing can tell: no progress watch). While
     every rank still speaks (an evaluation, a slow loader start), the save waits for the step's end."""
 
-    def __init__(self, on_sigterm: Any, grace: Any, peers_gone: Any) -> None:
+    def __init__(self, on_sigterm: Any, grace: Any, peers_gone: Any, between_steps: Any = lambda: None) -> None:
         self._on_sigterm = on_sigterm
+        self._between_steps = between_steps
         self.signals = {int(signal.SIGTERM)}   # and SIGUSR1 where the session took it
         self.handler: Any = None   # the session's: SIGUSR1 counts while it is SIGUSR1's handler
         self._grace = grace
@@ -345,18 +375,19 @@ class _SigtermWatch:
     def stop(self) -> None:
         if self._fds is None:
             return
-        self._stopped = True
-        self._reached.set()
         r, w = self._fds
+        if not self._stopped:
+            self._stopped = True
+            self._reached.set()
+            os.write(w, b"\0")
+            if self._thread is not None:
+                self._thread.join(timeout=5)
         try:
             current = signal.set_wakeup_fd(-1)
             if current not in (-1, w):  # someone replaced ours meanwhile: leave theirs
                 signal.set_wakeup_fd(current)
-        except ValueError:  # not the main thread
-            pass
-        os.write(w, b"\0")
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        except ValueError:  # not the main thread: the wakeup fd stays ours, so its pipe stays open until stop()
+            return          # is called again from the main thread (a closed fd's number is soon another file's)
         os.close(r)
         os.close(w)
         self._fds = None
@@ -388,8 +419,11 @@ class _SigtermWatch:
             why = (f"rank(s) {', '.join(map(str, gone))} gone or frozen" if gone
                    else f"every rank still ran after {most:g} s ({Env.SIGTERM_MAX_WAIT})" if gone == []
                    else "blocked in a collective with a rank that is gone?")
-            log.warning("SIGTERM: rank %s did not reach the end of its step within %.1f s (%s); exiting without "
-                        "saving, the last checkpoint stays", os.environ.get("RANK", "0"), time.monotonic() - started, why)
+            after = self._between_steps()
+            where = (f"was in the script's own code after step {after} for" if after is not None else
+                     "did not reach the end of its step within")   # an evaluation after the loop, not yet at close()
+            log.warning("SIGTERM: rank %s %s %.1f s (%s); exiting without saving, the last checkpoint stays",
+                        os.environ.get("RANK", "0"), where, time.monotonic() - started, why)
             logging.shutdown()
             from hetrain.checkpoint.lease import release_all
 

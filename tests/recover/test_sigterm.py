@@ -360,3 +360,108 @@ def test_the_launcher_takes_sigusr1_as_sigterm_unless_something_handles_it(monke
         stop.uninstall()
     finally:
         signal.signal(signal.SIGUSR1, mine)
+
+
+CLOSED_FROM_A_THREAD = '''
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+import hetrain
+
+if __name__ == "__main__":
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+    session = hetrain.Session(checkpoint_dir=sys.argv[1])
+    net = torch.nn.Linear(8, 1)
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    for x, y in session.loader(data, global_batch_size=16):
+        session.backward(torch.nn.functional.mse_loss(model(x), y))
+        session.step()
+    closing = threading.Thread(target=session.close)    # a GUI's or a trainer's worker thread ends the run
+    closing.start()
+    closing.join()
+    files = [open(os.path.join(sys.argv[1], f"user{i}.bin"), "wb") for i in range(4)]   # the script's own files
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.5)
+        print("SIGINT was not raised", flush=True)
+    except KeyboardInterrupt:
+        print("KeyboardInterrupt", flush=True)
+    for f in files:
+        f.close()
+    print("bytes in the script's files:", sum(os.path.getsize(f.name) for f in files), flush=True)
+    if sys.argv[2:] == ["again"]:   # a new session in the main thread takes SIGTERM as usual, and gives it back
+        with hetrain.Session(checkpoint_dir=sys.argv[1] + "2") as second:
+            net = torch.nn.Linear(8, 1)
+            model, _ = second.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+            for x, y in second.loader(data, global_batch_size=16):
+                second.backward(torch.nn.functional.mse_loss(model(x), y))
+                second.step()
+            assert signal.getsignal(signal.SIGTERM) != signal.SIG_DFL
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        print("second session", flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(2)
+    print("still alive after SIGTERM", flush=True)
+'''
+
+
+@pytest.mark.parametrize("again", [False, True])
+def test_a_session_closed_from_another_thread_gives_the_signals_back(tmp_path, again):
+    """close() from a worker thread could not reset the signal wakeup fd (main thread only) but closed its pipe:
+    the next file opened took that fd number, and a Ctrl-C wrote a byte into it; SIGTERM stayed the closed
+    session's, which no longer acted on it, and the process lived on."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text(CLOSED_FROM_A_THREAD)
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    r = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt"), *(["again"] if again else [])],
+                       capture_output=True, text=True, timeout=120, env={**env, "PYTHONPATH": str(root)})
+    assert "KeyboardInterrupt" in r.stdout and "bytes in the script's files: 0" in r.stdout, r.stdout + r.stderr[-2000:]
+    assert ("second session" in r.stdout) == again, r.stdout + r.stderr[-2000:]
+    assert r.returncode == -signal.SIGTERM and "still alive" not in r.stdout, r.stdout + r.stderr[-2000:]
+
+
+IDLE_AFTER_THE_LOOP = '''
+import sys
+import time
+
+import torch
+import hetrain
+
+if __name__ == "__main__":
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+    session = hetrain.Session(checkpoint_dir=sys.argv[1], checkpoint_interval=2)
+    net = torch.nn.Linear(8, 1)
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    for x, y in session.loader(data, global_batch_size=16):
+        session.backward(torch.nn.functional.mse_loss(model(x), y))
+        session.step()
+        if session.step_count == 3:
+            break
+    print("evaluating", flush=True)
+    time.sleep(60)   # a long evaluation after the loop, before close()
+'''
+
+
+def test_sigterm_during_work_after_the_loop_says_where_the_rank_was(tmp_path):
+    """A rank in the script's own code after its last step (an evaluation before close()) was said not to have
+    reached the end of its step."""
+    import sys
+
+    from tests.distributed import sigterm_when
+
+    script = tmp_path / "job.py"
+    script.write_text(IDLE_AFTER_THE_LOOP)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(PYTHONPATH=str(Path(__file__).resolve().parents[2]), HETRAIN_SIGTERM_GRACE="0.5",
+               HETRAIN_SIGTERM_MAX_WAIT="1")
+    r = sigterm_when([sys.executable, str(script), str(tmp_path / "ckpt")], "evaluating", after=0, env=env)
+    assert "SIGTERM: rank 0 was in the script's own code after step 3 for" in r.stderr, r.stderr[-2000:]
+    assert "did not reach the end of its step" not in r.stderr

@@ -126,6 +126,43 @@ def test_a_session_left_open_by_an_error_neither_leads_nor_holds_its_directory(t
     old.close()
 
 
+def test_a_cell_stopped_right_after_a_save_and_run_again_resumes_from_that_save(tmp_path, monkeypatch):
+    """A notebook cell interrupted just after the step that saves, then run again: its new session looked while the
+    old one's background save was still being written, ignored it as unfinished, started from step 0 and then
+    wrote its own step 2 over the same temporary directory."""
+    import time
+
+    import hetrain
+    from hetrain.checkpoint import checkpointer
+
+    written, calls = checkpointer.write_torch_file, []
+
+    def slow(*args, **kwargs):   # the first save takes a while, as a large model's does
+        calls.append(1)
+        time.sleep(1.0 if len(calls) <= 2 else 0.0)
+        return written(*args, **kwargs)
+
+    monkeypatch.setattr("hetrain.checkpoint.checkpointer.write_torch_file", slow)
+
+    def cell(stop_at=None):
+        session = hetrain.Session(checkpoint_dir=tmp_path, checkpoint_interval=2)
+        _, disc = _nets()
+        model, _ = session.prepare(disc, torch.optim.SGD(disc.parameters(), lr=0.1))
+        loader = session.loader(TensorDataset(*_data()), GLOBAL)
+        started = session.step_count
+        for real, _z in loader:
+            session.backward(_bce(model(real), 1.0))
+            session.step()
+            if session.step_count == stop_at:
+                raise KeyboardInterrupt   # Ctrl-C right after the step that saved
+        session.close()
+        return started
+
+    with pytest.raises(KeyboardInterrupt):
+        cell(stop_at=2)
+    assert cell() == 2
+
+
 def test_a_session_steps_apart_from_the_one_it_follows_is_said():
     """Resumed from checkpoints of different steps (a SIGTERM stop saves the session that sees it), or one
     trained alone first: the paired batches differ in size after each re-split, with no word before."""
