@@ -31,8 +31,8 @@ def format_validation_error(e, model=None, kind: str | None = None) -> str:
     unexplained = [err for err in missing_top
                    if not difflib.get_close_matches(str(err["loc"][0]), extra_top, n=1, cutoff=0.6)]
     if kind and len(unexplained) >= 2 and 2 * len(unexplained) >= len(required):
-        return f"not {kind} (it lacks {', '.join(str(err['loc'][0]) for err in missing_top[:3])}" \
-               + (f" and {len(missing_top) - 3} more" if len(missing_top) > 3 else "") + ")"
+        return f"not {kind} (it lacks {', '.join(str(err['loc'][0]) for err in unexplained[:3])}" \
+               + (f" and {len(unexplained) - 3} more" if len(unexplained) > 3 else "") + ")"
     schema = model.model_json_schema() if model is not None else None
     by_parent: dict[tuple, dict[str, list[int]]] = {}
     for i, err in enumerate(errors):

@@ -247,10 +247,14 @@ def get_gpu(name: str) -> GpuSpec:
     key = ALIASES.get(key, key)
     if key in catalog:
         return catalog[key]
-    read = match_device_name(str(name))   # the name torch or nvidia-smi reports: "NVIDIA A100 80GB PCIe"
-    if read is not None:
-        raise HetrainError(f"unknown GPU model {name!r}; fix: write {read.name!r}, the catalog's name for the device "
-                           "torch names so (see `hetrain devices --catalog`)")
+    # a name as torch or nvidia-smi reports it ("NVIDIA A100 80GB PCIe"): the entries it may be, by memory size
+    read = {match_device_name(str(name), memory_bytes=size) for size in (None, 1, 10**15)} - {None}
+    if len(read) == 1:
+        raise HetrainError(f"unknown GPU model {name!r}; fix: write {read.pop().name!r}, the catalog's name for it "
+                           "(see `hetrain devices --catalog`)")
+    if read:
+        raise HetrainError(f"unknown GPU model {name!r}; fix: write the catalog's name for its memory size, one of "
+                           f"{', '.join(sorted(s.name for s in read))} (see `hetrain devices --catalog`)")
     raise HetrainError(
         f"unknown GPU model {name!r}; closest catalog names: {', '.join(closest_names(str(name)))}; "
         "see `hetrain devices --catalog`"

@@ -9,6 +9,7 @@ memory: their node's link is "host".
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -309,9 +310,9 @@ def _explain(err: dict[str, Any]) -> str:
 
 
 def _is_number(text: str) -> bool:
+    """A finite number as Python reads it (1e2), which YAML 1.1 left as text."""
     try:
-        float(text)
-        return True
+        return math.isfinite(float(text))
     except ValueError:
         return False
 
@@ -405,7 +406,7 @@ def load_cluster(path: str | Path) -> Cluster:
         place = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         line = text.splitlines()[mark.line] if mark and mark.line < len(text.splitlines()) else ""
-        if "\t" in line[: mark.column + 1 if mark else 0]:
+        if "\t" in line[: len(line) - len(line.lstrip())]:
             raise HetrainError(f"{place}: malformed YAML: a tab in the indentation; fix: indent with spaces") from None
         raise HetrainError(f"{place}: malformed YAML: {problem}; fix: correct the YAML syntax there") from None
     finally:

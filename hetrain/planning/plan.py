@@ -194,7 +194,8 @@ class Plan(_Strict):
         try:
             data = json.loads(text, object_pairs_hook=lambda pairs: _unique_keys(pairs, source))
             if isinstance(data, dict) and "candidates" in data and isinstance(data.get("plan"), dict):
-                _check_summary(data, source)
+                if data.get("plan_sha256") == plan_digest(data["plan"]):   # its plan as printed: an edit, if
+                    _check_summary(data, source)                          # any, is in the summary alone
                 data = data["plan"]   # `hetrain plan --json` output: its plan
             return cls.model_validate(data)
         except json.JSONDecodeError as e:
@@ -231,12 +232,20 @@ def _unique_keys(pairs: list[tuple[str, Any]], source: str) -> dict[str, Any]:
     return dict(pairs)
 
 
+def plan_digest(plan: dict[str, Any]) -> str:
+    """sha256 of a plan's JSON object (keys sorted): `hetrain plan --json` prints it beside the plan, so that an
+    edit to the summary alone can be told from an edit to the plan."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
+
+
 _SUMMARY_FIELDS = ("device", "precision", "share", "micro_batch", "grad_accum", "activation_checkpointing", "stage")
 
 
 def _check_summary(data: dict[str, Any], source: str) -> None:
     """`hetrain plan --json` prints a summary (strategy, ranks) above the plan launch runs: an edit to the summary
-    alone would be ignored, so it is refused."""
+    alone (the plan as printed) would be ignored, so it is refused."""
     plan, changed = data["plan"], []
     if "strategy" in data and data["strategy"] != plan.get("strategy", data["strategy"]):
         changed.append(f"strategy {data['strategy']!r} against {plan.get('strategy')!r}")

@@ -15,7 +15,7 @@ from hetrain.planning.compression import compression_ratio, lossless_for
 from hetrain.planning.compression_choice import COMPRESSION_CHOICES, choose_compression
 from hetrain.planning.batch_split import FunctionCost, split_even, split_min_max
 from hetrain.planning.pieces import fsdp_pieces
-from hetrain.planning.plan import STRATEGY_SHARDINGS, BalancePlan, CommPlan, Plan, RankPlan
+from hetrain.planning.plan import STRATEGY_SHARDINGS, BalancePlan, CommPlan, Plan, RankPlan, plan_digest
 from hetrain.planning.precision_policy import needs_loss_scaling
 from hetrain.planning.explain import PIPELINES_WEIGHED, idle_devices_note, why_not
 from hetrain.planning.kinds import Kind, cpu_sharing_notes, extrapolation_notes, figures_notes, kinds_of
@@ -100,6 +100,7 @@ class PlanResult:
             "candidates": [c.summary() for c in self.candidates],
             "notes": self.notes,
             "plan": self.plan.model_dump(mode="json"),
+            "plan_sha256": plan_digest(self.plan.model_dump(mode="json")),
         }
 
 

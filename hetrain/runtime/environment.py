@@ -364,10 +364,11 @@ def print_user_errors_as_one_line() -> None:
             sys.__stderr__.flush()
             from hetrain.checkpoint.lease import release_all
 
-            release_all()  # os._exit runs no finalizer: give back the checkpoint directory now
             files = _open_files()   # the script's own files keep what it wrote
-            if os.environ.get("WORLD_SIZE", "1") == "1":   # no peer to block the exit: the script's own atexit work
-                atexit._run_exitfuncs()   # (its run logger's last upload, logging's flush) runs as on any error
+            peers = os.environ.get("WORLD_SIZE", "1") != "1" or (dist.is_initialized() and dist.get_world_size() > 1)
+            if not peers:   # none to block the exit: the script's own atexit work (its run logger's last upload,
+                atexit._run_exitfuncs()   # logging's flush) and a background save's commit run as on any error
+            release_all()  # os._exit runs no finalizer: give back the checkpoint directory now
             _flush(files)
             os._exit(2)  # skip interpreter teardown: peers may be blocked in collectives
         previous(kind, value, tb)

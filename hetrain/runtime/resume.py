@@ -42,7 +42,7 @@ from hetrain.runtime.stop_signals import takes_usr1
 from hetrain.runtime.environment import env_float, env_int, whole_number
 from hetrain.metrics.events import CheckpointRecord
 from hetrain.runtime.train_state import TrainState
-from hetrain.runtime.watchdog import ProgressWatch
+from hetrain.runtime.watchdog import BETWEEN, INSIDE, READING, ProgressWatch
 from hetrain.vocabulary import LOSSY_COMPRESSIONS, Env
 
 log = logging.getLogger("hetrain.checkpoint")
@@ -129,6 +129,7 @@ class SessionCheckpoints:
         self._previous_handler = None
         self._previous_usr1 = None
         self._closed_elsewhere = False
+        self._forward: dict[int, Any] | None = None   # once closed: signal -> the handler this session replaced
         for other in list(_CLOSED_ELSEWHERE) if threading.current_thread() is threading.main_thread() else ():
             other._restore_signals()   # an earlier session closed from another thread: its signals come back first
         self._watch = _SigtermWatch(self._on_watched_sigterm, self._grace_seconds, self._peers_gone,
@@ -144,22 +145,37 @@ class SessionCheckpoints:
         self._watch.start()
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
-        if self._closed_elsewhere:   # the session closed from another thread: the signal is the script's again
-            self._restore_signals()
-            handler = signal.getsignal(signum)
-            if callable(handler):
-                handler(signum, frame)
-            elif handler == signal.SIG_DFL:
-                os.kill(os.getpid(), signum)   # its default action, now that it is back
+        if self._forward is not None:   # closed: the signal is the script's again (this handler may still be
+            self._pass_on(signum, frame)   # installed, closed from another thread, or called by one that chains)
             return
         self._sigterm = True
+
+    def _pass_on(self, signum: int, frame: Any) -> None:
+        """A signal after close(): to the handler this session replaced, as if it had never been there."""
+        previous = self._forward.get(signum, signal.SIG_DFL) if self._forward else signal.SIG_DFL
+        if self._closed_elsewhere:
+            self._restore_signals()   # in the main thread now: the wakeup fd and the handlers come back
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:   # its default action: the process ends
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
 
     def _on_watched_sigterm(self) -> None:
         self._sigterm = True
 
-    def _between_steps(self) -> int | None:
-        """The step this rank last took, while it is in the script's own code after it (no batch drawn since)."""
-        return None if self.state.loader.step.active else self.state.step
+    def _between_steps(self) -> str | None:
+        """Where this rank is, when not in a step (no batch handed out since its last step), in words."""
+        if self.state.loader.step.active:
+            return None
+        watch, after = ProgressWatch.current, f"after step {self.state.step}"
+        phase = watch.phase if watch is not None else None
+        if phase == BETWEEN:
+            return f"was in the script's own code {after} for"
+        if phase is not None and phase.startswith(INSIDE):
+            return f"was in {phase[len('in '):]} {after} for"
+        return (f"was reading its batch {after} for" if phase == READING else
+                f"was between steps ({after}: in the script's own code, or reading its next batch) for")
 
     def _peers_gone(self) -> list[int] | None:
         """The ranks the job's progress watch sees gone or frozen ([] when every one still speaks: none for
@@ -259,15 +275,22 @@ class SessionCheckpoints:
         """The handlers this session replaced, where its own is still in place (not one the script set since).
         Only the main thread can set them: closed from another thread, they come back when the session's handler
         next runs (in the main thread) or the next session starts."""
+        if self._forward is None:
+            usr1 = getattr(signal, "SIGUSR1", None)
+            self._forward = {int(sig): previous for sig, previous in ((signal.SIGTERM, self._previous_handler),
+                                                                    (usr1, self._previous_usr1))
+                             if sig is not None and previous is not None}
         self._watch.stop()
         if threading.current_thread() is not threading.main_thread() and \
-                (self._previous_handler is not None or self._previous_usr1 is not None):
-            self._closed_elsewhere = True
-            _CLOSED_ELSEWHERE.append(self)
+                (self._watch.holds_wakeup_fd or self._previous_handler is not None or self._previous_usr1 is not None):
+            if not self._closed_elsewhere:
+                _CLOSED_ELSEWHERE.append(self)
+                self._closed_elsewhere = True
             return
         if self._closed_elsewhere:
             self._closed_elsewhere = False
-            _CLOSED_ELSEWHERE.remove(self)
+            if self in _CLOSED_ELSEWHERE:
+                _CLOSED_ELSEWHERE.remove(self)
         for sig, previous in ((signal.SIGTERM, self._previous_handler), (getattr(signal, "SIGUSR1", None),
                                                                           self._previous_usr1)):
             if previous is not None and signal.getsignal(sig) == self._on_sigterm:
@@ -368,6 +391,11 @@ class _SigtermWatch:
         self._thread = threading.Thread(target=self._run, name="hetrain-sigterm", daemon=True)
         self._thread.start()
 
+    @property
+    def holds_wakeup_fd(self) -> bool:
+        """Whether its pipe is still the signal wakeup fd (set in the main thread; only that thread resets it)."""
+        return self._fds is not None
+
     def reached(self) -> None:
         """The main thread is at the save point (or closing): no early exit from here on."""
         self._reached.set()
@@ -419,9 +447,7 @@ class _SigtermWatch:
             why = (f"rank(s) {', '.join(map(str, gone))} gone or frozen" if gone
                    else f"every rank still ran after {most:g} s ({Env.SIGTERM_MAX_WAIT})" if gone == []
                    else "blocked in a collective with a rank that is gone?")
-            after = self._between_steps()
-            where = (f"was in the script's own code after step {after} for" if after is not None else
-                     "did not reach the end of its step within")   # an evaluation after the loop, not yet at close()
+            where = self._between_steps() or "did not reach the end of its step within"   # work after the loop
             log.warning("SIGTERM: rank %s %s %.1f s (%s); exiting without saving, the last checkpoint stays",
                         os.environ.get("RANK", "0"), where, time.monotonic() - started, why)
             logging.shutdown()

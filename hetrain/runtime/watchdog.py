@@ -240,6 +240,7 @@ class ProgressWatch:
         self._set(step, "computing")
 
     step = property(lambda self: self._step)
+    phase = property(lambda self: self._phase)
 
     def between(self, step: int) -> None:
         self._set(step, BETWEEN)
@@ -282,7 +283,7 @@ class ProgressWatch:
             ProgressWatch.current = None
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5 * self.interval_s)
-        self._phase = f"{DONE}: {ERRED}{one_line(error)}" if error is not None else \
+        self._phase = f"{DONE}: {ERRED}{_said(error)}" if error is not None else \
             f"{DONE}: {self._phase}" if self._phase.startswith(STREAM_ENDED) else DONE
         try:
             self._publish()
@@ -378,6 +379,14 @@ class ProgressWatch:
             return False
         self.on_stall(early, find_stall(after, after))
         return True
+
+
+def _said(error: BaseException) -> str:
+    """`one_line(error)`, or its type where its message cannot be made (a __str__ that raises)."""
+    try:
+        return one_line(error)
+    except Exception:
+        return type(error).__name__
 
 
 def waits_on_work_before_a_barrier(stall: Stall, after: dict[int, Progress | None]) -> bool:

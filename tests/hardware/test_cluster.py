@@ -169,6 +169,9 @@ def test_values_yaml_reads_otherwise_than_meant_name_the_reading_and_the_fix(tmp
     assert "devicegroup" not in msg.lower(), msg
     msg = _error(tmp_path, "nodes:\n  - name: n\n    devices:\n\t- model: a100\n")
     assert msg.endswith("malformed YAML: a tab in the indentation; fix: indent with spaces"), msg
+    assert "which YAML reads as text" not in _error(tmp_path, "inter_node_gbps: inf\n" + group)   # no finite number
+    msg = _error(tmp_path, "nodes:\n  - name: n\t@x: [\n")   # a tab after the indentation
+    assert "malformed YAML" in msg and "a tab in the indentation" not in msg, msg
 
 
 def test_a_device_named_as_torch_names_it_is_told_the_catalog_name(tmp_path: Path) -> None:
@@ -177,6 +180,9 @@ def test_a_device_named_as_torch_names_it_is_told_the_catalog_name(tmp_path: Pat
     assert "unknown GPU model 'NVIDIA A100 80GB PCIe'; fix: write 'a100-pcie-80gb'" in msg, msg
     assert "fix: write 'h100-pcie-80gb'" in _error(tmp_path, "nodes:\n  - name: n\n    devices:\n"
                                                              "      - model: NVIDIA H100 PCIe\n")
+    # a name that does not say its memory size: the sizes it may be, not one of them picked
+    assert "one of a100-pcie-40gb, a100-pcie-80gb" in _error(tmp_path, "nodes:\n  - name: n\n    devices:\n"
+                                                                      "      - model: NVIDIA A100 PCIe\n")
 
 
 def test_bad_link_and_duplicates(tmp_path: Path) -> None:

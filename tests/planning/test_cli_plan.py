@@ -206,6 +206,11 @@ def test_an_edit_to_the_summary_of_plan_json_output_alone_is_refused_not_ignored
         rank["share"] = row["share"]
     (tmp_path / "plan.json").write_text(json.dumps(doc))
     assert Plan.load(tmp_path / "plan.json").shares == [100, 28]
+    doc = json.loads(p.stdout)   # an edit under "plan" alone, where docs/planner.md says launch reads it, runs
+    doc["plan"]["ranks"][0]["share"], doc["plan"]["ranks"][1]["share"] = 80, 48
+    doc["plan"]["ranks"][1]["precision"] = "fp32"
+    (tmp_path / "plan.json").write_text(json.dumps(doc))
+    assert Plan.load(tmp_path / "plan.json").shares == [80, 48]
 
 
 def test_a_key_written_twice_in_a_plan_is_refused(tmp_path):

@@ -380,9 +380,36 @@ if __name__ == "__main__":
     for x, y in session.loader(data, global_batch_size=16):
         session.backward(torch.nn.functional.mse_loss(model(x), y))
         session.step()
-    closing = threading.Thread(target=session.close)    # a GUI's or a trainer's worker thread ends the run
-    closing.start()
-    closing.join()
+    if sys.argv[2:] == ["chain"]:   # a handler of the script's that passes the signal on to the one it replaced
+        chained = signal.getsignal(signal.SIGTERM)
+
+        def handler(signum, frame):
+            print("script handler", flush=True)
+            chained(signum, frame)
+
+        signal.signal(signal.SIGTERM, handler)
+    if sys.argv[2:] == ["not-last-first"]:   # a second session, made after this one and closed before it
+        other = hetrain.Session(checkpoint_dir=sys.argv[1] + "2")
+        net2 = torch.nn.Linear(8, 1)
+        model2, _ = other.prepare(net2, torch.optim.SGD(net2.parameters(), lr=0.1))
+        for x, y in other.loader(data, global_batch_size=16):
+            other.backward(torch.nn.functional.mse_loss(model2(x), y))
+            other.step()
+        closing = threading.Thread(target=other.close)
+        closing.start()
+        closing.join()
+        session.close()   # in the main thread; the handler on top is the other session's
+    else:
+        def close():
+            if sys.argv[2:] == ["twice"]:   # a SIGTERM stop gives the signals back, then close() does again
+                session.checkpoints._restore_signals()
+            session.close()
+
+        closing = threading.Thread(target=close)    # a GUI's or a trainer's worker thread ends the run
+        closing.start()
+        closing.join()
+        from hetrain.runtime import resume
+        print("sessions waiting for their signals back:", len(resume._CLOSED_ELSEWHERE), flush=True)
     files = [open(os.path.join(sys.argv[1], f"user{i}.bin"), "wb") for i in range(4)]   # the script's own files
     try:
         os.kill(os.getpid(), signal.SIGINT)
@@ -409,8 +436,8 @@ if __name__ == "__main__":
 '''
 
 
-@pytest.mark.parametrize("again", [False, True])
-def test_a_session_closed_from_another_thread_gives_the_signals_back(tmp_path, again):
+@pytest.mark.parametrize("how", ["once", "again", "twice", "chain", "not-last-first"])
+def test_a_session_closed_from_another_thread_gives_the_signals_back(tmp_path, how):
     """close() from a worker thread could not reset the signal wakeup fd (main thread only) but closed its pipe:
     the next file opened took that fd number, and a Ctrl-C wrote a byte into it; SIGTERM stayed the closed
     session's, which no longer acted on it, and the process lived on."""
@@ -421,11 +448,14 @@ def test_a_session_closed_from_another_thread_gives_the_signals_back(tmp_path, a
     script.write_text(CLOSED_FROM_A_THREAD)
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    r = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt"), *(["again"] if again else [])],
+    r = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt"), how],
                        capture_output=True, text=True, timeout=120, env={**env, "PYTHONPATH": str(root)})
     assert "KeyboardInterrupt" in r.stdout and "bytes in the script's files: 0" in r.stdout, r.stdout + r.stderr[-2000:]
-    assert ("second session" in r.stdout) == again, r.stdout + r.stderr[-2000:]
+    assert ("second session" in r.stdout) == (how == "again"), r.stdout + r.stderr[-2000:]
     assert r.returncode == -signal.SIGTERM and "still alive" not in r.stdout, r.stdout + r.stderr[-2000:]
+    assert r.stdout.count("script handler") == (how == "chain"), r.stdout   # once, not again through the session's
+    if how != "not-last-first":
+        assert "sessions waiting for their signals back: 1" in r.stdout, r.stdout   # a session closed twice: once
 
 
 IDLE_AFTER_THE_LOOP = '''
@@ -463,5 +493,6 @@ def test_sigterm_during_work_after_the_loop_says_where_the_rank_was(tmp_path):
     env.update(PYTHONPATH=str(Path(__file__).resolve().parents[2]), HETRAIN_SIGTERM_GRACE="0.5",
                HETRAIN_SIGTERM_MAX_WAIT="1")
     r = sigterm_when([sys.executable, str(script), str(tmp_path / "ckpt")], "evaluating", after=0, env=env)
-    assert "SIGTERM: rank 0 was in the script's own code after step 3 for" in r.stderr, r.stderr[-2000:]
+    assert ("SIGTERM: rank 0 was between steps (after step 3: in the script's own code, or reading its next batch) "
+            "for") in r.stderr, r.stderr[-2000:]
     assert "did not reach the end of its step" not in r.stderr

@@ -108,6 +108,49 @@ def test_an_error_of_hetrain_keeps_what_the_script_wrote_and_runs_its_atexit_wor
     assert (tmp_path / "train.log.atexit").read_text() == "ran"
 
 
+ERROR_DURING_A_SAVE = """
+import sys
+import time
+
+import torch
+import hetrain
+from hetrain.checkpoint import checkpointer
+
+if __name__ == "__main__":
+    written = checkpointer.write_torch_file
+
+    def slow(*args, **kwargs):   # a background save that takes a while, as a large model's does
+        time.sleep(1.0)
+        return written(*args, **kwargs)
+
+    checkpointer.write_torch_file = slow
+    session = hetrain.Session(checkpoint_dir=sys.argv[1], checkpoint_interval=2)
+    net = torch.nn.Linear(4, 1)
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randn(8, 1))
+    for x, y in session.loader(data, global_batch_size=4):
+        session.backward(torch.nn.functional.mse_loss(model(x), y))
+        session.step()
+    session.clip_grad_norm_(1.0)            # after the loop, before close(): a HetrainError
+"""
+
+
+def test_an_error_of_hetrain_during_a_background_save_keeps_the_save(tmp_path):
+    """The directory's lease was given back before the exit hooks waited for the save in flight, whose commit then
+    found the lease gone and threw the checkpoint away (any other error kept it)."""
+    from hetrain.checkpoint.checkpointer import Checkpointer
+
+    script = tmp_path / "job.py"
+    script.write_text(ERROR_DURING_A_SAVE)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    r = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt")], cwd=ROOT,
+                       env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "hetrain: error: session.clip_grad_norm_()" in r.stderr, r.stderr[-2000:]
+    saved = Checkpointer(tmp_path / "ckpt").latest()
+    assert saved is not None and saved.step == 2, sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+
+
 def test_hetrain_lines_go_to_stderr_as_it_is_at_each_line(capsys, monkeypatch):
     """The log handler kept the sys.stderr of the first session: a test's capture, closed since, made every later
     line a '--- Logging error --- I/O operation on closed file' and lost it."""

@@ -163,6 +163,10 @@ def test_profiles_of_another_version_and_other_files_in_the_directory_are_refuse
                                                    "ranks": [{"rank": 0, "share": 8}]}))
     with pytest.raises(HetrainError, match="cpu.json: not a device profile: hetrain profile writes them"):
         load_profiles(tmp_path)
+    (tmp_path / "cpu.json").write_text(json.dumps({"modle": "tiny", "device": "cpu"}))   # "model" spelt wrong
+    with pytest.raises(HetrainError, match=r"not a device profile: hetrain profile writes them \(it lacks stamp, "
+                                           r"steps\)$"):
+        load_profiles(tmp_path)
     workload = {**json.loads(get_profile("resnet50").model_dump_json()), "version": 99}
     from hetrain.workload.profile import WorkloadProfile
 
