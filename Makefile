@@ -1,6 +1,6 @@
 # Set-up is part of every target: a fresh clone needs only `make demo` or `make test`.
 # Without GPUs torch's CPU build is installed; on GPU machines override, for example
-#   make test TORCH_REQ='torch>=2.8'
+#   make test TORCH_REQ='torch>=2.11'
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_REQ ?= torch==2.13.0

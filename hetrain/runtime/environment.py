@@ -15,6 +15,7 @@ import itertools
 import logging
 import operator
 import os
+import re
 import sys
 import time
 import weakref
@@ -83,6 +84,7 @@ class RankEnv:
 
     @classmethod
     def from_environ(cls) -> "RankEnv":
+        check_torch(torch.__version__)
         _ranks_from_slurm()
         rank, world = env_int("RANK", 0), env_int("WORLD_SIZE", 1)
         if world < 1 or not 0 <= rank < world:
@@ -91,6 +93,18 @@ class RankEnv:
         return cls(rank=rank, world_size=world, local_rank=env_int("LOCAL_RANK", 0),
                    restart_count=env_int("TORCHELASTIC_RESTART_COUNT", 0),
                    run_id=os.environ.get("TORCHELASTIC_RUN_ID", "local"))
+
+
+OLDEST_TORCH = (2, 11)   # as pyproject.toml requires: older pipelining, DCP readers and gloo's AVG differ
+
+
+def check_torch(version: str) -> None:
+    """Refuse a torch older than OLDEST_TORCH (installed beside hetrain without its requirement: `--no-deps`)."""
+    found = tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:2])
+    if found < OLDEST_TORCH:
+        raise HetrainError(f"hetrain needs torch {'.'.join(map(str, OLDEST_TORCH))} or later, and this is torch "
+                           f"{version}: its pipeline schedules, sharded checkpoint readers and FSDP2 on gloo differ; "
+                           f"fix: pip install 'torch>={'.'.join(map(str, OLDEST_TORCH))}'")
 
 
 def _ranks_from_slurm() -> None:

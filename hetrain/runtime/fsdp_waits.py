@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from hetrain.runtime.timing import pad_to_speed
 
-try:   # the classes FSDP2's custom collectives extend (torch >= 2.8)
+try:   # the classes FSDP2's custom collectives extend
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 except ImportError:   # pragma: no cover - an older torch: FSDP2's waits stay inside compute
     DefaultAllGather = DefaultReduceScatter = None

@@ -118,3 +118,18 @@ def test_a_type_checker_sees_every_name_hetrain_exports_and_prepare_keeps_the_op
         returns = [typing.get_type_hints(f)["return"] for f in typing.get_overloads(Session.prepare)]
         import torch
         assert returns == [tuple[torch.nn.Module, torch.optim.Optimizer], tuple[torch.nn.Module, None]]
+
+
+def test_the_torch_hetrain_requires_is_the_one_a_session_checks_and_the_readme_names():
+    """pyproject.toml promised torch>=2.8, where pipelines (schedule.step's return_outputs, schedule.eval), sharded
+    checkpoint reads and FSDP2 on gloo (reduce-scatter's AVG summed) fail; 2.11 is the oldest that runs them. A
+    torch installed beside hetrain without its requirements is refused when a session starts."""
+    from hetrain.errors import HetrainError
+    from hetrain.runtime.environment import OLDEST_TORCH, check_torch
+
+    oldest = ".".join(map(str, OLDEST_TORCH))
+    assert f"torch>={oldest}" in PROJECT["project"]["dependencies"]
+    assert f"TORCH_REQ='torch>={oldest}'" in (ROOT / "README.md").read_text()
+    check_torch(f"{oldest}.0+cu130")
+    with pytest.raises(HetrainError, match=rf"hetrain needs torch {oldest} or later, and this is torch 2.10.0\+cu128"):
+        check_torch("2.10.0+cu128")
