@@ -15,6 +15,8 @@ exit, as multiprocessing's SIGTERM would have ended it: each worker tells its ra
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import multiprocessing
 import multiprocessing.util
@@ -24,7 +26,7 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 log = logging.getLogger("hetrain")
@@ -191,3 +193,19 @@ def with_sigterm_left_to_rank(dataloader_options: dict[str, Any]) -> dict[str, A
     if not dataloader_options.get("num_workers"):
         return dataloader_options
     return {**dataloader_options, "worker_init_fn": LeaveSigtermToRank(dataloader_options.get("worker_init_fn"))}
+
+
+@contextlib.contextmanager
+def garbage_left_to_parent(dataloader: Any) -> Iterator[None]:
+    """While a DataLoader starts its workers: the heap frozen (`gc.freeze`), so that a forked worker never collects
+    the garbage it inherited. A model of an earlier session left in a reference cycle holds its process group;
+    collected in a worker, its destructor waits on threads the fork did not copy, and the worker (and its rank,
+    waiting for its first batch) hangs. The rank collects that garbage itself, as before, once unfrozen."""
+    if not dataloader.num_workers or gc.get_freeze_count():   # no fork; or the script froze it (and thaws it)
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

@@ -399,3 +399,81 @@ def test_a_worker_error_of_several_lines_or_none_keeps_its_type_and_message(erro
     assert one_line(raised.value) == f"{line} (in DataLoader worker process 0)"
     quoted = RuntimeError("rank 1 failed: " + str(raised.value))   # not torch's wrapper: its own type stays
     assert one_line(quoted).startswith("RuntimeError: rank 1 failed: Caught")
+
+
+GARBAGE_AT_FORK = '''
+import gc
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+import hetrain
+
+
+class Collecting(Dataset):
+    """A dataset whose reads collect garbage in the worker, as an allocation-heavy one may at any time."""
+
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        gc.collect()
+        return torch.randn(4), torch.randn(1)
+
+
+def trial():
+    session = hetrain.Session()
+    net = torch.nn.Linear(4, 1)
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    for x, y in session.loader(torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randn(8, 1)), 8):
+        session.backward(F.mse_loss(model(x), y))
+        session.step()
+    session.close()
+
+    class Trainer:   # holds the model in a reference cycle, as a trainer object with callbacks does
+        pass
+
+    t = Trainer()
+    t.me, t.model = t, model
+
+
+if __name__ == "__main__":
+    gc.disable()   # no collection in this process: the first trial's model is garbage when the workers start
+    trial()
+    session = hetrain.Session()
+    net = torch.nn.Linear(4, 1)
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    for x, y in session.loader(Collecting(), global_batch_size=8, num_workers=1):
+        session.backward(F.mse_loss(model(x), y))
+        session.step()
+    session.close()
+    print("trained", flush=True)
+'''
+
+
+def test_workers_started_beside_an_earlier_sessions_model_in_a_reference_cycle_do_not_hang(tmp_path):
+    """A model of an earlier session (a sweep's trial, a notebook cell) left in a reference cycle holds its process
+    group; a DataLoader worker forked before the rank collected it collected it itself, and its destructor waited
+    on threads the fork did not copy: the worker, and the rank waiting for its first batch, hung for good."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "job.py"
+    script.write_text(GARBAGE_AT_FORK)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    proc = subprocess.Popen([sys.executable, str(script)], env={**env, "PYTHONPATH": str(Path(__file__).parents[2])},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        out, err = "", "hung"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)   # a hung worker ignores SIGTERM: the whole group goes
+        except ProcessLookupError:
+            pass
+    assert "trained" in out, err[-2000:]
