@@ -153,10 +153,38 @@ def fully_shard_model(model: nn.Module, blocks: Sequence[nn.Module], *, offload:
                     "every forward gathers all its weights at once and the peak holds the whole model; pass "
                     "session.prepare(model, optimizer, blocks=[...]) to gather one block at a time",
                     type(model).__name__)
-    for block in blocks:
-        fully_shard(block, offload_policy=policy)
+    hooked = [name for name, p in model.named_parameters()
+              if getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None)]
+    if hooked:   # FSDP2 computes gradients on its own sharded tensors: a hook on the parameter given never runs
+        log.warning("FSDP2 runs no gradient hook registered on a parameter (register_hook, "
+                    "register_post_accumulate_grad_hook), which these have: %s; change p.grad between the step's "
+                    "last session.backward() and session.step() instead, or use sharding none or zero1 "
+                    "(docs/porting.md)",
+                    ", ".join(hooked[:3]) + (f" and {len(hooked) - 3} more" if len(hooked) > 3 else ""))
+    for group in sharing_groups(blocks):   # blocks that share a weight (ALBERT's layers) gather it as one group
+        fully_shard(group if len(group) > 1 else group[0], offload_policy=policy)
     fully_shard(model, offload_policy=policy)
     return model
+
+
+def sharing_groups(blocks: Sequence[nn.Module]) -> list[list[nn.Module]]:
+    """The blocks in groups joined by a parameter they share, in their order (each block alone where none)."""
+    group_of: list[int] = list(range(len(blocks)))
+
+    def root(i: int) -> int:
+        while group_of[i] != i:
+            i = group_of[i]
+        return i
+
+    owner: dict[int, int] = {}
+    for i, block in enumerate(blocks):
+        for p in block.parameters():
+            j = owner.setdefault(id(p), i)
+            group_of[root(i)] = root(j)
+    groups: dict[int, list[nn.Module]] = {}
+    for i, block in enumerate(blocks):
+        groups.setdefault(root(i), []).append(block)
+    return list(groups.values())
 
 
 def rebuild_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], model: nn.Module

@@ -235,3 +235,68 @@ def test_a_half_precision_part_made_trainable_after_prepare_is_refused_on_every_
 
     for said in run_ranks(_unfreeze_half, 2, sharding):
         assert said.startswith("parameter teacher.weight is bfloat16 and trainable"), said
+
+
+class SharedAcrossBlocks(torch.nn.Module):
+    """ALBERT-style: one weight shared by the layers of two blocks."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(3))
+        self.blocks[1][0].weight = self.blocks[0][0].weight
+        self.out = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return self.out(x)
+
+
+def test_a_weight_shared_by_two_blocks_trains_under_fsdp_as_one_process():
+    """prepare() sharded each block as its own FSDP2 group, and the first forward ended in torch's 'shared with a
+    parameter already managed by another FSDP group ... use fully_shard([module_a, module_b])', a call a hetrain
+    user never makes. Blocks that share a weight are now one group."""
+    import hetrain
+    from hetrain.runtime.sharding import sharing_groups
+
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(24, 8, generator=g), torch.randint(0, 3, (24,), generator=g))
+    reference = SharedAcrossBlocks()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for start in range(0, 24, 8):
+        torch.nn.functional.cross_entropy(reference(data.tensors[0][start:start + 8]),
+                                          data.tensors[1][start:start + 8]).backward()
+        opt.step()
+        opt.zero_grad()
+    model = SharedAcrossBlocks()
+    assert [len(group) for group in sharing_groups(list(model.blocks))] == [2, 1]
+    plan = Plan(global_batch_size=8, sharding="fsdp", balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=0, share=8)])
+    with hetrain.Session(plan) as session:
+        net, _ = session.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        for x, y in session.loader(data, global_batch_size=8, shuffle=False):
+            session.backward(torch.nn.functional.cross_entropy(net(x), y))
+            session.step()
+        after = session.model_state_dict()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(after[name], value, rtol=1e-6, atol=1e-6, msg=name)
+    assert torch.equal(after["blocks.0.0.weight"], after["blocks.1.0.weight"])
+
+
+def test_gradient_hooks_on_parameters_fsdp2_never_runs_are_said(tmp_path):
+    """A hook on a parameter's gradient (x 0.5) registered before prepare() ran under none and zero1 and silently
+    not at all under FSDP2: the update changed without a word."""
+    from tests.log_lines import hetrain_warnings
+
+    for sharding in ("fsdp", "none"):
+        model = SharedAcrossBlocks()
+        model.out.weight.register_hook(lambda g: g * 0.5)
+        model.out.bias.register_post_accumulate_grad_hook(lambda p: None)
+        with hetrain_warnings() as lines:
+            _prepare(model, sharding)
+        if sharding == "fsdp":
+            said = [line for line in lines if "runs no gradient hook" in line]
+        else:
+            assert not [line for line in lines if "runs no gradient hook" in line], lines
+    assert len(said) == 1 and "which these have: out.weight, out.bias; change p.grad between the step's" in said[0], said
