@@ -233,10 +233,15 @@ def _unique_keys(pairs: list[tuple[str, Any]], source: str) -> dict[str, Any]:
 
 
 def plan_digest(plan: dict[str, Any]) -> str:
-    """sha256 of a plan's JSON object (keys sorted): `hetrain plan --json` prints it beside the plan, so that an
-    edit to the summary alone can be told from an edit to the plan."""
+    """sha256 of a plan's JSON object as the Plan reads it (keys sorted, numbers as its fields hold them, so a tool
+    that rewrote 25.0 as 25 changes nothing): `hetrain plan --json` prints it beside the plan, so that an edit to
+    the summary alone can be told from an edit to the plan."""
     import hashlib
 
+    try:
+        plan = Plan.model_validate(plan).model_dump(mode="json")
+    except ValidationError:   # a plan edited wrong: the raw text's digest, which differs; the plan's errors follow
+        pass
     return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
 
 

@@ -29,7 +29,7 @@ from hetrain.runtime.batch_sampler import RankBatchSampler, ShareSchedule, step_
 from hetrain.runtime.batch_transfer import to_device
 from hetrain.runtime.environment import add_error_hint
 from hetrain.runtime.loader_position import StepPosition
-from hetrain.runtime.loader_workers import garbage_left_to_parent, with_sigterm_left_to_rank
+from hetrain.runtime.loader_workers import with_sigterm_left_to_rank
 from hetrain.runtime.data_order import GlobalBatchOrder, rank_slice
 from hetrain.runtime.sample_seeds import KeyedBatches, SeededSamples
 from hetrain.runtime.memory import empty_batch, equal_pieces, job_piece_count, micro_batch_sizes, split_batch
@@ -197,8 +197,7 @@ class HeteroLoader:
             self._source.new_pass(self._in_epoch)
         else:
             self.sampler.start(self._epoch, self._in_epoch, self.run_step)
-        with garbage_left_to_parent(self.dataloader):   # where workers start: collected here, never in them
-            batches = map(unpack, iter(self.dataloader)) if self.stream else iter(self.dataloader)
+        batches = map(unpack, iter(self.dataloader)) if self.stream else iter(self.dataloader)
         if self.stream and self.dataloader.num_workers > 1:   # every worker's first batch, before any step
             head = list(itertools.islice(batches, self.dataloader.num_workers))
             self._source.check_workers(head)

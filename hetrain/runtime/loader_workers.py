@@ -15,7 +15,6 @@ exit, as multiprocessing's SIGTERM would have ended it: each worker tells its ra
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import multiprocessing
@@ -26,7 +25,7 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger("hetrain")
@@ -170,8 +169,12 @@ def _forked() -> None:
     """In a process forked from this one (a loader's worker, a rank started by fork): the parent's loaders
     are not its own. It drops their write ends, so that their workers see the pipe end when the parent
     dies however it dies (SIGKILL, os._exit), and registers its own exit hook anew (multiprocessing
-    empties its finalizers in a forked child)."""
+    empties its finalizers in a forked child). What it inherited is frozen (`gc.freeze`) first: a model of an
+    earlier session left in a reference cycle holds its process group, whose destructor, run by a collection
+    here, waits on threads the fork did not copy, and the worker (and its rank, waiting for a batch) hung.
+    The parent collects that garbage itself."""
     global _registered
+    gc.freeze()
     _registered = False
     _TOLD.clear()
     for workers in list(_LIVE):
@@ -193,19 +196,3 @@ def with_sigterm_left_to_rank(dataloader_options: dict[str, Any]) -> dict[str, A
     if not dataloader_options.get("num_workers"):
         return dataloader_options
     return {**dataloader_options, "worker_init_fn": LeaveSigtermToRank(dataloader_options.get("worker_init_fn"))}
-
-
-@contextlib.contextmanager
-def garbage_left_to_parent(dataloader: Any) -> Iterator[None]:
-    """While a DataLoader starts its workers: the heap frozen (`gc.freeze`), so that a forked worker never collects
-    the garbage it inherited. A model of an earlier session left in a reference cycle holds its process group;
-    collected in a worker, its destructor waits on threads the fork did not copy, and the worker (and its rank,
-    waiting for its first batch) hangs. The rank collects that garbage itself, as before, once unfrozen."""
-    if not dataloader.num_workers or gc.get_freeze_count():   # no fork; or the script froze it (and thaws it)
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()

@@ -151,13 +151,15 @@ class SessionCheckpoints:
         self._sigterm = True
 
     def _pass_on(self, signum: int, frame: Any) -> None:
-        """A signal after close(): to the handler this session replaced, as if it had never been there."""
-        previous = self._forward.get(signum, signal.SIG_DFL) if self._forward else signal.SIG_DFL
+        """A signal after close(): to the handler this session replaced, as if it had never been there. Called by a
+        handler of the script's that passes signals on, a default or ignored one is that handler's to act on."""
+        delivered = signal.getsignal(signum) == self._on_sigterm   # still installed: the signal came here first
+        previous = (self._forward or {}).get(signum)
         if self._closed_elsewhere:
             self._restore_signals()   # in the main thread now: the wakeup fd and the handlers come back
         if callable(previous):
             previous(signum, frame)
-        elif previous == signal.SIG_DFL:   # its default action: the process ends
+        elif previous == signal.SIG_DFL and delivered:   # its default action: the process ends
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
 

@@ -161,7 +161,13 @@ def fully_shard_model(model: nn.Module, blocks: Sequence[nn.Module], *, offload:
                     "last session.backward() and session.step() instead, or use sharding none or zero1 "
                     "(docs/porting.md)",
                     ", ".join(hooked[:3]) + (f" and {len(hooked) - 3} more" if len(hooked) > 3 else ""))
+    inside = {id(m) for block in blocks for m in block.modules()}
+    outside = {id(p) for m in model.modules() if id(m) not in inside for p in m.parameters(recurse=False)}
     for group in sharing_groups(blocks):   # blocks that share a weight (ALBERT's layers) gather it as one group
+        if any(id(p) in outside for block in group for p in block.parameters()):   # shared with the model's own
+            log.info("FSDP2 gathers %d block(s) with the model's own weights: they share a weight with them",
+                     len(group))
+            continue   # parts: sharded with the root, which holds it
         fully_shard(group if len(group) > 1 else group[0], offload_policy=policy)
     fully_shard(model, offload_policy=policy)
     return model

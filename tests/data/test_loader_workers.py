@@ -438,6 +438,10 @@ def trial():
 
 
 if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] == ["frozen"]:
+        gc.freeze()   # the script froze its heap early (before forking, as Python's docs advise): later objects not
     gc.disable()   # no collection in this process: the first trial's model is garbage when the workers start
     trial()
     session = hetrain.Session()
@@ -451,7 +455,8 @@ if __name__ == "__main__":
 '''
 
 
-def test_workers_started_beside_an_earlier_sessions_model_in_a_reference_cycle_do_not_hang(tmp_path):
+@pytest.mark.parametrize("frozen", [False, True])
+def test_workers_started_beside_an_earlier_sessions_model_in_a_reference_cycle_do_not_hang(tmp_path, frozen):
     """A model of an earlier session (a sweep's trial, a notebook cell) left in a reference cycle holds its process
     group; a DataLoader worker forked before the rank collected it collected it itself, and its destructor waited
     on threads the fork did not copy: the worker, and the rank waiting for its first batch, hung for good."""
@@ -465,7 +470,7 @@ def test_workers_started_beside_an_earlier_sessions_model_in_a_reference_cycle_d
     script.write_text(GARBAGE_AT_FORK)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                              "MASTER_PORT")}
-    proc = subprocess.Popen([sys.executable, str(script)], env={**env, "PYTHONPATH": str(Path(__file__).parents[2])},
+    proc = subprocess.Popen([sys.executable, str(script), *(["frozen"] if frozen else [])], env={**env, "PYTHONPATH": str(Path(__file__).parents[2])},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=60)

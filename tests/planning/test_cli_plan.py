@@ -202,6 +202,16 @@ def test_an_edit_to_the_summary_of_plan_json_output_alone_is_refused_not_ignored
                                            rf"runs \(rank 0 share 100 against {old[0]}; rank 1 share 28 against "
                                            rf"{old[1]}\); make the edit under \"plan\""):
         Plan.load(tmp_path / "plan.json")
+    def whole_as_int(value):   # as a tool that rewrites numbers (jq 1.6) writes 25.0: 25
+        if isinstance(value, dict):
+            return {k: whole_as_int(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [whole_as_int(v) for v in value]
+        return int(value) if isinstance(value, float) and value.is_integer() else value
+
+    (tmp_path / "plan.json").write_text(json.dumps(whole_as_int(doc)))
+    with pytest.raises(HetrainError, match="its summary at the top differs"):
+        Plan.load(tmp_path / "plan.json")
     for row, rank in zip(doc["ranks"], doc["plan"]["ranks"]):   # the same edit made in both places runs
         rank["share"] = row["share"]
     (tmp_path / "plan.json").write_text(json.dumps(doc))

@@ -300,3 +300,42 @@ def test_gradient_hooks_on_parameters_fsdp2_never_runs_are_said(tmp_path):
         else:
             assert not [line for line in lines if "runs no gradient hook" in line], lines
     assert len(said) == 1 and "which these have: out.weight, out.bias; change p.grad between the step's" in said[0], said
+
+
+class SharedWithTheRoot(SharedAcrossBlocks):
+    """Besides the first two blocks' shared weight, the third block's tied to a layer outside the blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(8, 8)
+        self.head.weight = self.blocks[2][0].weight
+
+    def forward(self, x):
+        return super().forward(self.head(x))
+
+
+def test_a_weight_a_block_shares_with_a_layer_outside_the_blocks_trains_under_fsdp_as_one_process():
+    """Sharded as its own group, the block held the weight the root's layer also uses: torch refused the first
+    forward. Such a block is sharded with the root."""
+    import hetrain
+
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g))
+    reference = SharedWithTheRoot()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for start in (0, 8):
+        torch.nn.functional.cross_entropy(reference(data.tensors[0][start:start + 8]),
+                                          data.tensors[1][start:start + 8]).backward()
+        opt.step()
+        opt.zero_grad()
+    model = SharedWithTheRoot()
+    plan = Plan(global_batch_size=8, sharding="fsdp", balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=0, share=8)])
+    with hetrain.Session(plan) as session:
+        net, _ = session.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        for x, y in session.loader(data, global_batch_size=8, shuffle=False):
+            session.backward(torch.nn.functional.cross_entropy(net(x), y))
+            session.step()
+        after = session.model_state_dict()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(after[name], value, rtol=1e-6, atol=1e-6, msg=name)
