@@ -33,7 +33,14 @@ def opened(session: Any) -> None:
 
 
 def closed(session: Any) -> None:
+    """`session` closes. Where it started the process group and another session of this process is still open (a
+    GAN's two sessions, the first made closed first), the group and the progress watch go on with that one, which
+    leaves the group when it closes (the group left here failed that one's last save: "not registered")."""
+    heir = next(iter(_companions(session)), None) if getattr(session, "owns_group", False) else None
     _open[:] = [(ref, peers) for ref, peers in _open if ref() is not None and ref() is not session]
+    if heir is not None:   # (a companion: made beside it, not a session an earlier error left open)
+        heir.owns_group, session.owns_group = True, False
+        heir.watch, session.watch = heir.watch or session.watch, None
 
 
 def _companions(session: Any) -> list[Any]:

@@ -99,7 +99,7 @@ class Session:
             check_pipeline_plan(plan)
         self.plan: Plan | None = plan
         self.device = pick_device(env.local_rank, device)
-        self._owns_group, store = init_process_group(env, self.device, backend)
+        self.owns_group, store = init_process_group(env, self.device, backend)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.watch = None
         if store is not None and self.world_size > 1:
@@ -477,7 +477,7 @@ class Session:
             self.checkpoints = None
         self.reports.close()
         restore_logging(self._log_level_token)
-        if self._owns_group and dist.is_initialized():
+        if self.owns_group and dist.is_initialized():
             leave_group(failing, self.balancer.arrived if self.balancer is not None else None)
 
     def __enter__(self) -> "Session":

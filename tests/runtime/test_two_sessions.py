@@ -106,6 +106,34 @@ def test_two_open_sessions_checkpointing_to_one_directory_are_refused(tmp_path):
     again.close()
 
 
+def test_two_sessions_close_in_the_order_they_were_made_and_each_saves_its_last_step(tmp_path):
+    """The first session made started the process group and left it at its close: the second's final save then
+    failed in torch's 'Group ... is not registered'. The group now goes on with the second, which leaves it."""
+    import torch.distributed as dist
+
+    import hetrain
+    from hetrain.checkpoint.checkpointer import Checkpointer
+
+    first = hetrain.Session(checkpoint_dir=tmp_path / "disc")
+    second = hetrain.Session(checkpoint_dir=tmp_path / "gen")
+    gen, disc = _nets()
+    d_model, _ = first.prepare(disc, torch.optim.SGD(disc.parameters(), lr=0.1))
+    g_model, _ = second.prepare(gen, torch.optim.SGD(gen.parameters(), lr=0.1))
+    for (real, _z), (_r, z) in zip(first.loader(TensorDataset(*_data()), GLOBAL),
+                                   second.loader(TensorDataset(*_data()), GLOBAL)):
+        first.backward(_bce(d_model(real), 1.0))
+        first.step()
+        second.backward(_bce(d_model(g_model(z)), 1.0))
+        second.step()
+    steps = first.step_count
+    first.close()
+    assert dist.is_initialized()   # the second session still uses it
+    second.close()
+    assert not dist.is_initialized()
+    for name in ("disc", "gen"):
+        assert Checkpointer(tmp_path / name).latest().step == steps
+
+
 def test_a_session_left_open_by_an_error_neither_leads_nor_holds_its_directory(tmp_path):
     """A notebook cell that failed mid-run leaves its session open (nothing frees it): the cell run again made a
     session that took the old one's split for good (its own balancer off) and was refused the directory."""
