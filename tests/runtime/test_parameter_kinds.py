@@ -253,34 +253,43 @@ class SharedAcrossBlocks(torch.nn.Module):
         return self.out(x)
 
 
-def test_a_weight_shared_by_two_blocks_trains_under_fsdp_as_one_process():
-    """prepare() sharded each block as its own FSDP2 group, and the first forward ended in torch's 'shared with a
-    parameter already managed by another FSDP group ... use fully_shard([module_a, module_b])', a call a hetrain
-    user never makes. Blocks that share a weight are now one group."""
+def _fsdp_trains_as_one_process(make, samples, momentum):
+    """`make()`'s model trained by one plain process and by a one-rank FSDP2 session on the same batches of 8:
+    each weight the same. Returns the session's whole state dict."""
     import hetrain
-    from hetrain.runtime.sharding import sharing_groups
 
     g = torch.Generator().manual_seed(1)
-    data = torch.utils.data.TensorDataset(torch.randn(24, 8, generator=g), torch.randint(0, 3, (24,), generator=g))
-    reference = SharedAcrossBlocks()
-    opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    for start in range(0, 24, 8):
+    data = torch.utils.data.TensorDataset(torch.randn(samples, 8, generator=g),
+                                          torch.randint(0, 3, (samples,), generator=g))
+    reference = make()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=momentum)
+    for start in range(0, samples, 8):
         torch.nn.functional.cross_entropy(reference(data.tensors[0][start:start + 8]),
                                           data.tensors[1][start:start + 8]).backward()
         opt.step()
         opt.zero_grad()
-    model = SharedAcrossBlocks()
-    assert [len(group) for group in sharing_groups(list(model.blocks))] == [2, 1]
+    model = make()
     plan = Plan(global_batch_size=8, sharding="fsdp", balance=BalancePlan(enabled=False),
                 ranks=[RankPlan(rank=0, share=8)])
     with hetrain.Session(plan) as session:
-        net, _ = session.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        net, _ = session.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum))
         for x, y in session.loader(data, global_batch_size=8, shuffle=False):
             session.backward(torch.nn.functional.cross_entropy(net(x), y))
             session.step()
         after = session.model_state_dict()
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(after[name], value, rtol=1e-6, atol=1e-6, msg=name)
+    return after
+
+
+def test_a_weight_shared_by_two_blocks_trains_under_fsdp_as_one_process():
+    """prepare() sharded each block as its own FSDP2 group, and the first forward ended in torch's 'shared with a
+    parameter already managed by another FSDP group ... use fully_shard([module_a, module_b])', a call a hetrain
+    user never makes. Blocks that share a weight are now one group."""
+    from hetrain.runtime.sharding import sharing_groups
+
+    assert [len(group) for group in sharing_groups(list(SharedAcrossBlocks().blocks))] == [2, 1]
+    after = _fsdp_trains_as_one_process(SharedAcrossBlocks, 24, momentum=0.9)
     assert torch.equal(after["blocks.0.0.weight"], after["blocks.1.0.weight"])
 
 
@@ -317,25 +326,5 @@ class SharedWithTheRoot(SharedAcrossBlocks):
 def test_a_weight_a_block_shares_with_a_layer_outside_the_blocks_trains_under_fsdp_as_one_process():
     """Sharded as its own group, the block held the weight the root's layer also uses: torch refused the first
     forward. Such a block is sharded with the root."""
-    import hetrain
-
-    g = torch.Generator().manual_seed(1)
-    data = torch.utils.data.TensorDataset(torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g))
-    reference = SharedWithTheRoot()
-    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for start in (0, 8):
-        torch.nn.functional.cross_entropy(reference(data.tensors[0][start:start + 8]),
-                                          data.tensors[1][start:start + 8]).backward()
-        opt.step()
-        opt.zero_grad()
-    model = SharedWithTheRoot()
-    plan = Plan(global_batch_size=8, sharding="fsdp", balance=BalancePlan(enabled=False),
-                ranks=[RankPlan(rank=0, share=8)])
-    with hetrain.Session(plan) as session:
-        net, _ = session.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-        for x, y in session.loader(data, global_batch_size=8, shuffle=False):
-            session.backward(torch.nn.functional.cross_entropy(net(x), y))
-            session.step()
-        after = session.model_state_dict()
-    for name, value in reference.state_dict().items():
-        torch.testing.assert_close(after[name], value, rtol=1e-6, atol=1e-6, msg=name)
+    after = _fsdp_trains_as_one_process(SharedWithTheRoot, 16, momentum=0.0)
+    assert torch.equal(after["head.weight"], after["blocks.2.0.weight"])
