@@ -50,7 +50,7 @@ def _evaluate(session: Any, inputs: Any, target: Any, loss_fn: Callable[[Any, An
         with torch.no_grad(), session.autocast():
             loss = loss_fn(call_model(session.prepared.module, inputs), target)
         items = count(target)
-        total = float(loss.detach().float()) * items if items > 0 else 0.0
+        total = float(loss.detach()) * items if items > 0 else 0.0   # a Python float: an fp64 loss stays exact
     sums = torch.tensor([total, items], dtype=torch.float64, device=session.device)
     dist.all_reduce(sums)
     return float(sums[0] / sums[1]) if float(sums[1]) > 0 else math.nan

@@ -54,7 +54,7 @@ from hetrain.runtime.precision import (LossScale, autocast, check_not_prescaled,
                                       loss_scale_settings)
 from hetrain.runtime.resume import SessionCheckpoints, checkpoint_settings, start_checkpoints
 from hetrain.runtime.schedulers import Schedulers
-from hetrain.runtime.step_state import GLOBAL_MEAN_FIX, ONE_DATASET, ONE_MODEL, StepState, items_as_number
+from hetrain.runtime.step_state import GLOBAL_MEAN_FIX, ONE_DATASET, ONE_MODEL, StepState, check_has_graph, items_as_number
 from hetrain.runtime.step_clock import StepClock
 from hetrain.runtime.step_guard import (BACKWARD_TWICE, KeptGradients, OptimizerStepGuard, SteadyLearningRate,
                                         check_reduced, gradients_pending, warn_if_evaluating)
@@ -297,6 +297,7 @@ class Session:
         items = self.state.current_samples() if num_items is None else items_as_number(num_items)
         if self.state.micro_samples == 0:
             items = 0   # a piece without samples of its own (a stand-in under FSDP2) counts nothing
+        check_has_graph(loss, items)
         if self.state.items_per_sample is None:   # the run's first backward: the ranks agree on an estimate
             self.state.items_per_sample = agree_items_per_sample(items, self.state.current_samples(), self.device)
         self.state.record_backward(loss, items)

@@ -118,7 +118,7 @@ class StepState:
         self.items += num_items
         self.backwards += 1
         if num_items > 0:
-            value = loss.detach().float() * num_items
+            value = loss.detach().to(torch.promote_types(loss.dtype, torch.float32)) * num_items   # fp64 kept
             self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
 
     def finish(self, global_items: float, loss: float | None) -> StepTotals:
@@ -177,6 +177,20 @@ def check_scalar_loss(loss: object) -> None:
     if loss.numel() != 1:
         raise HetrainError(f"session.backward() takes a scalar loss; got a tensor of shape {list(loss.shape)}: reduce "
                            "it to the batch's mean, e.g. loss.mean() (or loss.sum() / num_items with num_items=...)")
+
+
+def check_has_graph(loss: object, num_items: float) -> None:
+    """A loss that counts items must have a graph to go back through. Checked before the step counts this
+    backward, so that the script can run the forward again and call session.backward() on the same batch."""
+    check_scalar_loss(loss)
+    if num_items > 0 and not loss.requires_grad:
+        where = ("grad mode is off here (torch.set_grad_enabled(False) left on by an evaluation, or this call "
+                 "inside torch.no_grad() or torch.inference_mode())" if not torch.is_grad_enabled() else
+                 "its forward ran with grad mode off (inside torch.no_grad() or torch.inference_mode(), as an "
+                 "evaluation's), or it was detached")
+        raise HetrainError(f"the loss passed to session.backward() has no graph to go back through: {where}. "
+                           "Nothing was counted: run the forward with grad enabled and call session.backward() "
+                           "again for this batch")
 
 
 def items_as_number(num_items: object) -> float:

@@ -90,3 +90,29 @@ def test_a_float64_token_mean_loss_trains_as_one_float64_process():
         torch.set_default_dtype(default)
     for params in results:
         assert max((a - b).abs().max().item() for a, b in zip(params, net.parameters())) < 1e-13
+
+
+def test_the_loss_and_evaluation_a_float64_script_reads_keep_float64():
+    """session.loss and session.evaluate() came back rounded to float32 (2e-8 off), though the step was exact."""
+    import hetrain
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with hetrain.Session() as session:
+            net = _model()
+            model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=LR))
+            for x, y in session.loader(_data(), global_batch_size=GLOBAL, shuffle=False):
+                with torch.no_grad():
+                    want = F.mse_loss(net(x), y).item()
+                session.backward(F.mse_loss(model(x), y))
+                session.step()
+                break
+            assert abs(session.loss - want) <= 1e-12 * abs(want), (session.loss, want)
+            x_all, y_all = _data().tensors
+            with torch.no_grad():
+                want = F.mse_loss(net(x_all), y_all).item()
+            got = session.evaluate(x_all, y_all, F.mse_loss)
+            assert abs(got - want) <= 1e-12 * abs(want), (got, want)
+    finally:
+        torch.set_default_dtype(default)

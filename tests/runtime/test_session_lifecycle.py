@@ -39,6 +39,29 @@ def test_a_loss_that_is_not_one_number_is_refused_naming_the_reduction():
     session.close()
 
 
+@pytest.mark.parametrize("off", ["no_grad", "inference_mode", "set_grad_enabled"])
+def test_a_loss_without_a_graph_is_refused_naming_grad_mode_and_the_batch_can_be_retried(off):
+    """A forward under torch.no_grad() (or grad mode left off by an evaluation cell): torch's 'element 0 of
+    tensors does not require grad', and the fixed retry on the same batch was refused as a second backward."""
+    session, _, model, _, loader = _session()
+    x, y = next(iter(loader))
+    if off == "set_grad_enabled":
+        torch.set_grad_enabled(False)
+        try:
+            with pytest.raises(HetrainError, match=r"no graph.*grad mode is off here.*set_grad_enabled\(False\)"):
+                session.backward(F.cross_entropy(model(x), y))
+        finally:
+            torch.set_grad_enabled(True)
+    else:
+        with getattr(torch, off)():
+            loss = F.cross_entropy(model(x), y)
+        with pytest.raises(HetrainError, match=r"no graph.*forward ran with grad mode off.*Nothing was counted"):
+            session.backward(loss)
+    session.backward(F.cross_entropy(model(x), y))   # the same batch, its forward run again, goes on
+    assert session.step()
+    session.close()
+
+
 def test_a_closed_session_says_so_and_its_optimizer_steps_freely():
     session, net, model, optimizer, loader = _session()
     batches = iter(loader)
