@@ -9,11 +9,15 @@ optimizer, the broadcasts after each step, state dicts.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.distributed.optim import ZeroRedundancyOptimizer
+
+with warnings.catch_warnings():   # torch's own module scripts functions with torch.jit, which torch deprecates:
+    warnings.simplefilter("ignore", DeprecationWarning)   # nothing a script can act on, an error under -W error
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from hetrain.errors import HetrainError
 from hetrain.runtime.sharding import check_fresh, constructor_settings, param_groups_for, proportional_partition

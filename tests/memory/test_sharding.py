@@ -230,3 +230,14 @@ def _shard_without_blocks(rank, world):
 def test_fsdp2_over_a_model_without_blocks_says_it_gathers_the_whole_model_at_once():
     seen = run_ranks(_shard_without_blocks, 1)[0]
     assert len(seen) == 1 and "gathers all its weights at once" in seen[0] and "blocks=[...]" in seen[0], seen
+
+
+def test_a_zero1_plan_runs_where_warnings_are_errors():
+    """A script (or its pytest) under `-W error`: torch's own ZeRO module emits torch.jit's deprecation as it is
+    imported, which then failed every ZeRO-1 plan's prepare() on every rank, while DDP and FSDP2 plans ran."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-W", "error", "-c", "import hetrain.runtime.zero1"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
