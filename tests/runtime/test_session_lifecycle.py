@@ -62,6 +62,31 @@ def test_a_loss_without_a_graph_is_refused_naming_grad_mode_and_the_batch_can_be
     session.close()
 
 
+def test_a_refused_loss_without_a_graph_keeps_the_guards_of_the_step_s_earlier_micro_batches():
+    """The refusal ran after the check of what the last micro-batch left, which it cleared: the retry then let a
+    zero_grad() between the micro-batches wipe the first one's gradients without a word."""
+    import hetrain
+    from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+
+    plan = Plan(global_batch_size=8, balance=BalancePlan(enabled=False), ranks=[RankPlan(rank=0, share=8, micro_batch=4)])
+    with hetrain.Session(plan) as session:
+        net = make_net()
+        model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        batches = iter(session.loader(make_data(), global_batch_size=8, shuffle=False))
+        x, y = next(batches)
+        session.backward(F.cross_entropy(model(x), y))
+        assert session.step() is False   # the step's first micro-batch
+        x, y = next(batches)
+        with torch.no_grad():
+            loss = F.cross_entropy(model(x), y)
+        with pytest.raises(HetrainError, match="no graph"):
+            session.backward(loss)
+        for p in net.parameters():
+            p.grad.zero_()
+        with pytest.raises(HetrainError, match="earlier micro-batches are gone"):
+            session.backward(F.cross_entropy(model(x), y))
+
+
 def test_a_closed_session_says_so_and_its_optimizer_steps_freely():
     session, net, model, optimizer, loader = _session()
     batches = iter(loader)
