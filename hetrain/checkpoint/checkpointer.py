@@ -294,6 +294,10 @@ class Checkpointer:
             except OSError as e:
                 outcome = (None, f"cannot look for checkpoints in {self.directory} ({describe_os_error(e)}); "
                                  f"{os_error_fix(e)}")
+            except CheckpointWarning as w:   # raised by the script's filters (-W error): every rank stops on it
+                outcome = (None, f"{w} (a CheckpointWarning, an error under this script's warning filters: allow "
+                                 "it with warnings.filterwarnings('default', category=hetrain.checkpoint."
+                                 "CheckpointWarning))")
         chosen, refusal = self._broadcast(outcome)
         if refusal is not None:
             self._let_go()  # the job stops here: the next launch need not wait for this one's lease

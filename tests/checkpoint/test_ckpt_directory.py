@@ -255,3 +255,31 @@ def test_a_relative_checkpoint_directory_stays_where_the_script_began(tmp_path):
     result = run_ranks(_relative_directory_and_a_change_of_directory, 1, str(tmp_path))[0]
     assert result["first"] == 0 and result["resumed"] == 6, result
     assert result["ckpt"] == ["step-000003", "step-000006", "step-000008"] and result["elsewhere"] == [], result
+
+
+def _resume_where_warnings_are_errors(rank, world, directory):
+    import hetrain
+
+    warnings.simplefilter("error")   # a strict script
+    session = hetrain.Session(checkpoint_dir=directory)
+    net = torch.nn.Linear(2, 1)
+    session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    try:
+        session.loader(torch.utils.data.TensorDataset(torch.randn(8, 2)), global_batch_size=4)
+        return None
+    except Exception as e:
+        return type(e).__name__, str(e)
+    finally:
+        session.close()
+
+
+def test_an_unfinished_save_found_where_warnings_are_errors_stops_every_rank_naming_the_filter(tmp_path):
+    """Under -W error the unfinished save's warning was raised on rank 0 alone, inside the choice every rank waits
+    for: rank 1 died on a closed connection. Every rank now stops with the warning and the filter that allows it."""
+    from tests.distributed import run_ranks
+
+    (tmp_path / ".tmp-step-000002").mkdir()   # a crash mid-save
+    for name, message in run_ranks(_resume_where_warnings_are_errors, 2, tmp_path, timeout=90):
+        assert name == "CheckpointError", message
+        assert "unfinished save of step 2" in message
+        assert "warnings.filterwarnings('default', category=hetrain.checkpoint.CheckpointWarning)" in message
