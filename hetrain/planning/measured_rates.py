@@ -36,7 +36,7 @@ class DeviceRate(BaseModel):
 class MeasuredRates(BaseModel):
     """A run's measured rates, by device kind."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())   # model_params: no warning on pydantic < 2.10
 
     version: int = RATES_VERSION
     step: int = Field(ge=0, description="the step at which they were measured")

@@ -303,8 +303,9 @@ def _block_times(runnable, module, device, steps, clock, repeats, budget_s) -> l
     for name, block in blocks:
         args, kwargs = captured.get(name, ((), {}))
         called = [*args, *kwargs.values()]
+        # flags and sizes passed by position (transformers before 4.53 pass a layer's so) are replayed as they are
         if not any(isinstance(a, torch.Tensor) for a in called) or not all(
-                isinstance(a, torch.Tensor) or a is None for a in args):
+                isinstance(a, (torch.Tensor, bool, int, float, str)) or a is None for a in args):
             continue   # not called in the forward, or with inputs it cannot be called with again alone
         # positional and keyword inputs (hidden states, a layer's rotary embeddings, its mask) as the model
         # passed them, cut from the graph that made them; floating-point ones take a gradient, as in training

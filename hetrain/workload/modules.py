@@ -217,6 +217,10 @@ def _hf_config(config: str):
 
     if not config.strip() or (_looks_local(config) and not Path(config).exists()):
         raise HetrainError(f"--hf-config {config!r}: no such file or directory; fix: {_HF_FIX}")
+    if _looks_local(config) and Path(config).is_dir() and not (Path(config) / "config.json").is_file():
+        # said here: transformers' own words for it differ from one release to the next
+        raise HetrainError(f"--hf-config {config!r} cannot be loaded (the directory holds no config.json); "
+                           f"fix: {_HF_FIX}")
     if not _looks_local(config):
         try:   # a hub name already in the local cache needs no network
             return AutoConfig.from_pretrained(config, local_files_only=True)

@@ -80,7 +80,7 @@ def test_a_missing_hf_config_path_names_the_path_and_the_fix(tmp_path):
     assert missing in str(e.value) and "Hugging Face model name" in str(e.value)
 
 
-@pytest.mark.parametrize("content,reason", [(None, "model_type"), ("{not json", "not a valid JSON file"),
+@pytest.mark.parametrize("content,reason", [(None, "the directory holds no config.json"), ("{not json", "not a valid JSON file"),
                                             ('{"model_type": "nosuchtype"}', "nosuchtype")])
 def test_a_bad_hf_config_is_one_line(tmp_path, content, reason):
     if content is not None:
