@@ -11,6 +11,7 @@ from torch.utils.data import TensorDataset
 from hetrain.errors import HetrainError
 from hetrain.planning.plan import BalancePlan, Plan, RankPlan
 from tests.distributed import run_ranks, session_error
+from tests.log_lines import hetrain_warnings
 
 
 def make_data(n: int = 32) -> TensorDataset:
@@ -237,15 +238,15 @@ def test_the_prepared_optimizer_refuses_a_step_outside_session_step():
     session.close()
 
 
-def test_a_batch_drawn_and_dropped_is_a_warning_once(caplog):
+def test_a_batch_drawn_and_dropped_is_a_warning_once():
     session, model, _, loader = _session_and_loader()
     next(iter(loader))                         # a look at the data: that step of data is skipped
-    with caplog.at_level("WARNING"):
+    with hetrain_warnings() as lines:
         for x, y in loader:
             session.backward(F.cross_entropy(model(x), y))
             session.step()
             break
-    assert sum("no session.step() followed" in r.getMessage() for r in caplog.records) == 1
+    assert sum("no session.step() followed" in line for line in lines) == 1, lines
     assert session.step_count == 1 and loader.step_in_epoch == 2
     session.close()
 
