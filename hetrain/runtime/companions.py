@@ -27,6 +27,11 @@ def _alive() -> list[Any]:
     return [s for s in (ref() for ref, _ in _open) if s is not None]
 
 
+def open_sessions() -> list[Any]:
+    """The sessions of this process not yet closed, oldest first (a notebook's or a test harness's look)."""
+    return _alive()
+
+
 def opened(session: Any) -> None:
     peers = [weakref.ref(s) for s in _alive() if s.state.begun == 0]
     _open.append((weakref.ref(session), peers))
