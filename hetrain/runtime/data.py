@@ -35,7 +35,7 @@ from hetrain.runtime.sample_seeds import KeyedBatches, SeededSamples
 from hetrain.runtime.memory import empty_batch, equal_pieces, job_piece_count, micro_batch_sizes, split_batch
 from hetrain.runtime.step_state import StepState
 from hetrain.runtime.tensor_gather import TensorGather, as_is
-from hetrain.runtime.stream import unpack
+from hetrain.runtime.stream import check_workers, unpack
 from hetrain.planning.batch_split import split_partial
 
 __all__ = ["GlobalBatchOrder", "HeteroLoader", "make_loader", "rank_slice"]
@@ -194,13 +194,13 @@ class HeteroLoader:
         self.schedule.observe(self.run_step, self.split.shares)
         self._generator.manual_seed(self.seed * 1_000_003 + self._epoch)
         if self.stream:
-            self._source.new_pass(self._in_epoch)
+            self._source.new_pass(self._in_epoch, self._epoch)
         else:
             self.sampler.start(self._epoch, self._in_epoch, self.run_step)
         batches = map(unpack, iter(self.dataloader)) if self.stream else iter(self.dataloader)
         if self.stream and self.dataloader.num_workers > 1:   # every worker's first batch, before any step
             head = list(itertools.islice(batches, self.dataloader.num_workers))
-            self._source.check_workers(head)
+            check_workers(head, self.dataloader.num_workers)
             batches = itertools.chain(head, batches)
         started_at = self._in_epoch
         while not self._epoch_done():
@@ -336,22 +336,8 @@ class _GlobalBatchSource:
 
         self.stream = GlobalBatchStream(dataset, global_batch_size, drop_last=drop_last)
 
-    def new_pass(self, skip: int) -> None:
-        self.stream.skip = skip
-
-    @staticmethod
-    def check_workers(head: list[tuple[str | None, list[Any]]]) -> None:
-        """The workers' first batches of a pass carry the digest of the pass's first global batch as each
-        worker read it: they must agree."""
-        if len({first for first, _ in head if first is not None}) > 1:
-            raise HetrainError(
-                "the stream gave the DataLoader's workers different samples (their first global batches "
-                "differ): hetrain has every worker read the whole stream and keep every num_workers-th "
-                "global batch, so a stream that splits itself by get_worker_info() (Hugging Face datasets "
-                "and WebDataset's split_by_worker do) would lose the other workers' samples; turn its "
-                "worker splitting off, or pass num_workers=0. A stream that draws integers (token windows, "
-                "masks) or, holding only floats, any value at random differs by worker too: draw them from "
-                "the sample's position in the stream (docs/data.md, Streams)")
+    def new_pass(self, skip: int, epoch: int) -> None:
+        self.stream.new_pass(skip, epoch)
 
     @staticmethod
     def check_ranks(item: tuple[str | None, list[Any]] | None, floats: bool) -> None:

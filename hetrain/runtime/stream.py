@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from hetrain.errors import HetrainError
 from hetrain.runtime.batch_tree import flatten
 
 
@@ -175,4 +176,35 @@ class GlobalBatchStream(IterableDataset):
 
     def _mine(self, number: int, worker: int, workers: int) -> bool:
         return number >= self.skip and (number - self.skip) % workers == worker
+
+    def new_pass(self, skip: int, epoch: int) -> None:
+        """The next pass starts at global batch `skip` of epoch `epoch`. A stream with `set_epoch` (Hugging Face's
+        IterableDataset, whose shuffle reseeds by it) is told the epoch first, as a DDP loop tells its sampler: it
+        read the same order every epoch. Called on every rank, and again with the epoch a resume continues."""
+        self.skip = skip
+        set_epoch = getattr(self.dataset, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+
+
+def check_workers(head: list[tuple[str | None, list[Any]]], workers: int) -> None:
+    """The workers' first batches of a pass (the loop's first `workers` items) carry the digest of the pass's
+    first global batch as each worker read it: they must agree, and there must be one from each worker."""
+    digests = [first for first, _ in head if first is not None]
+    if len(set(digests)) > 1:
+        raise HetrainError(
+            "the stream gave the DataLoader's workers different samples (their first global batches "
+            "differ): hetrain has every worker read the whole stream and keep every num_workers-th "
+            "global batch, so a stream that splits itself by get_worker_info() (Hugging Face datasets "
+            "and WebDataset's split_by_worker do) would lose the other workers' samples; turn its "
+            "worker splitting off, or pass num_workers=0. A stream that draws integers (token windows, "
+            "masks) or, holding only floats, any value at random differs by worker too: draw them from "
+            "the sample's position in the stream (docs/data.md, Streams)")
+    if len(head) == workers and len(digests) < workers:   # one worker gave two batches before another gave one
+        raise HetrainError(
+            f"{workers - len(digests)} of the DataLoader's {workers} workers gave no global batch while another "
+            "gave several: the stream stopped them (Hugging Face datasets stops the workers beyond its shards: "
+            "'Too many dataloader workers'), and the global batches hetrain gives them would be lost; hetrain "
+            "has every worker read the whole stream, so pass num_workers=1 (one process reading ahead) or 0, "
+            "or a stream that reads whole in every worker")
 

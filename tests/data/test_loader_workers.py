@@ -161,6 +161,56 @@ def test_a_stream_that_splits_itself_across_workers_is_refused_not_half_lost():
         _stream_ids(_Stream(split_by_worker=True), num_workers=2)
 
 
+class _OneShardStream(torch.utils.data.IterableDataset):
+    """Samples 0..47 read whole by worker 0, while the other workers stop at once: what a Hugging Face stream of
+    one shard does with num_workers=2 ('Too many dataloader workers ... Stopping 1 dataloader workers')."""
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        if info is not None and info.id > 0:
+            return
+        for i in range(48):
+            yield torch.tensor([float(i)]), torch.tensor(i)
+
+
+def test_a_stream_that_stops_the_workers_beyond_its_shards_is_refused_not_read_in_part():
+    """Only worker 0 gave batches and its first alone carried a digest: the check passed, and the global batches
+    given to worker 1 (every other one) were lost from every epoch without a word."""
+    with pytest.raises(HetrainError, match=r"1 of the DataLoader's 2 workers gave no global batch while another "
+                                           r"gave several.*Too many dataloader workers.*num_workers=1"):
+        _stream_ids(_OneShardStream(), num_workers=2)
+    assert _stream_ids(_OneShardStream(), num_workers=1) == list(range(48))
+
+
+class _EpochStream(torch.utils.data.IterableDataset):
+    """A stream whose shuffle reseeds by its epoch, as a Hugging Face stream's does once told by set_epoch()."""
+
+    def __init__(self):
+        self.epoch = 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        for i in torch.randperm(48, generator=torch.Generator().manual_seed(self.epoch)).tolist():
+            yield torch.tensor([float(i)]), torch.tensor(i)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stream_with_set_epoch_is_told_each_epoch_and_reshuffles(workers):
+    """Never told, a Hugging Face stream read the same order every epoch (a DDP loop calls set_epoch itself)."""
+    loader = make_loader(_EpochStream(), 8, shuffle=False, seed=0, rank=0, split=_Split([8]), step=StepState(1),
+                         device=torch.device("cpu"), num_workers=workers)
+    epochs = []
+    while loader.epoch < 3:
+        ids = []
+        for _, i in loader:
+            ids += i.tolist()
+            loader.step.finish(8, None)
+        epochs.append(ids)
+    assert epochs == [torch.randperm(48, generator=torch.Generator().manual_seed(e)).tolist() for e in range(3)]
+
+
 class _FloatStream(torch.utils.data.IterableDataset):
     """Floats only (a regression stream): nothing but the values tells one worker's stream from another's."""
 
