@@ -220,7 +220,7 @@ def sync_batchnorm(model: nn.Module, device: torch.device, world_size: int, warn
         return model
     if device.type == "cuda":
         return nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    with warnings.catch_warnings(record=not warn):   # said by rank 0; raised on every rank where warnings are errors
+    if warn:
         warnings.warn(
             "BatchNorm statistics stay local to each CPU rank (SyncBatchNorm needs CUDA); with uneven "
             "shares each rank normalises over its own share. Use GroupNorm/LayerNorm for exact results.",

@@ -294,27 +294,3 @@ def test_a_buffer_replaced_by_each_forward_is_rank_0s_on_every_rank(sharding):
     torch.testing.assert_close(m0, net.m, rtol=0, atol=1e-6)
     for name, value in net.state_dict().items():
         torch.testing.assert_close(s0[name], value, rtol=0, atol=1e-6, msg=name)
-
-
-def _strict_prepare(rank, world):
-    import warnings
-
-    import hetrain
-
-    warnings.simplefilter("error")   # a strict script
-    session = hetrain.Session()
-    net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
-    try:
-        session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
-        return None
-    except UserWarning as w:
-        return str(w)
-    finally:
-        session.close()
-
-
-def test_the_cpu_batchnorm_warning_where_warnings_are_errors_stops_every_rank_at_prepare():
-    """Rank 0 alone warns (so the line is said once): under -W error it alone raised, and rank 1 went on into the
-    model's first collective and died there on a closed connection. Every rank now stops on the warning."""
-    for message in run_ranks(_strict_prepare, 2, timeout=90):
-        assert message is not None and "BatchNorm statistics stay local" in message
