@@ -19,6 +19,7 @@ selection.py).
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
@@ -40,6 +41,8 @@ from hetrain.checkpoint.manifest import (
     SHARDED_DIR, SHARED_FILE, FileEntry, Manifest, check_layout, rank_file, read_manifest, verify, write_manifest,
 )
 from hetrain.checkpoint.safe_io import fsync_dir, fsync_file, read_torch_file, sha256_file, snapshot, write_torch_file
+
+log = logging.getLogger("hetrain")
 
 __all__ = ["SHARED_FILE", "CheckpointInfo", "CheckpointWarning", "Checkpointer", "rank_file"]
 
@@ -271,10 +274,13 @@ class Checkpointer:
         except OSError as e:
             return f"committing {tmp} failed ({describe_os_error(e)}); {os_error_fix(e)}", 0, ""
         self._verified.add((final, manifest.created_unix))
-        for entry in set(failed) - self._unremovable:   # said once each: every later save tries again
-            warnings.warn(f"old checkpoint {entry} could not be deleted; it takes disk space until it is: "
-                          "delete it by hand", CheckpointWarning, stacklevel=2)
-        self._unremovable |= set(failed)
+        new, self._unremovable = set(failed) - self._unremovable, self._unremovable | set(failed)
+        for entry in new:   # said once each: every later save tries again
+            try:
+                warnings.warn(f"old checkpoint {entry} could not be deleted; it takes disk space until it is: "
+                              "delete it by hand", CheckpointWarning, stacklevel=2)
+            except CheckpointWarning as w:   # an error under the script's filters, raised on rank 0 alone after
+                log.warning("%s", w)         # the step was committed: said, not a save failed on one rank
         return None, manifest.total_bytes, str(final)
 
     # ---- finding and loading -------------------------------------------------------------------
@@ -294,10 +300,12 @@ class Checkpointer:
             except OSError as e:
                 outcome = (None, f"cannot look for checkpoints in {self.directory} ({describe_os_error(e)}); "
                                  f"{os_error_fix(e)}")
+            except CheckpointError as e:   # (a manifest of a newer hetrain): every rank stops on it, not rank 0 alone
+                outcome = (None, str(e))
             except CheckpointWarning as w:   # raised by the script's filters (-W error): every rank stops on it
-                outcome = (None, f"{w} (a CheckpointWarning, an error under this script's warning filters: allow "
-                                 "it with warnings.filterwarnings('default', category=hetrain.checkpoint."
-                                 "CheckpointWarning))")
+                outcome = (None, f"stopped on a CheckpointWarning, which this script's warning filters make an error: "
+                                 f"{w}; allow it with warnings.filterwarnings('default', category=hetrain.checkpoint."
+                                 "CheckpointWarning)")
         chosen, refusal = self._broadcast(outcome)
         if refusal is not None:
             self._let_go()  # the job stops here: the next launch need not wait for this one's lease

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hetrain.checkpoint import Checkpointer, CheckpointWarning, capture_rng
+from hetrain.checkpoint import CheckpointError, Checkpointer, CheckpointWarning, capture_rng
 from tests.distributed import run_ranks
 
 
@@ -169,3 +169,46 @@ def test_nodes_that_do_not_share_the_checkpoint_directory_are_refused_before_tra
     from hetrain.checkpoint import lease
 
     assert lease.seen_within(tmp_path / "nowhere", "token", 0.0) == (False, None)
+
+
+def _newer_manifest(rank: int, world: int, root: str) -> str:
+    import json
+
+    dist.init_process_group("gloo")
+    ckpt = Checkpointer(root, async_save=False)
+    ckpt.save(1, {"w": torch.ones(2)}, {"rank": rank})
+    if rank == 0:   # as a newer hetrain would have written it
+        manifest = Path(root) / "step-000001" / "manifest.json"
+        manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "version": 999}))
+    dist.barrier()
+    try:
+        ckpt.latest()
+        return "resumed"
+    except CheckpointError as e:
+        return str(e)
+
+
+def test_a_checkpoint_of_a_newer_hetrain_stops_every_rank_with_its_refusal(tmp_path):
+    """Rank 0 alone raised it, inside the choice every rank waits for: rank 1 died on a closed connection."""
+    said = run_ranks(_newer_manifest, 2, str(tmp_path), timeout=60)
+    assert all("manifest version 999, written by a newer hetrain" in s for s in said), said
+
+
+def _undeletable_old_checkpoint_under_strict_filters(rank: int, world: int, root: str) -> list:
+    from hetrain.checkpoint import store
+
+    dist.init_process_group("gloo")
+    pruned = store.prune
+    store.prune = lambda directory, keep, newest=None: (pruned(directory, keep, newest=newest)[0], ["step-000000"])
+    ckpt = Checkpointer(root, async_save=rank == 1)
+    warnings.simplefilter("error")   # a strict script
+    for step in (1, 2):
+        ckpt.save(step, {"w": torch.full((2,), float(step))}, {"rank": rank})
+    ckpt.wait()
+    return [ckpt.latest().step]
+
+
+def test_an_old_checkpoint_left_undeletable_under_strict_warning_filters_fails_no_save(tmp_path):
+    """The notice came after the step was committed, on rank 0 alone: under -W error rank 0's save raised and
+    rank 1 died on a closed connection, and every later save raised again. It is now logged there instead."""
+    assert run_ranks(_undeletable_old_checkpoint_under_strict_filters, 2, str(tmp_path), timeout=60) == [[2], [2]]
