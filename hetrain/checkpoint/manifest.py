@@ -105,7 +105,7 @@ def read_manifest(directory: Path) -> Manifest:
         raise ValueError("no manifest.json")
     try:
         return Manifest.from_json(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+    except (json.JSONDecodeError, KeyError, TypeError, OverflowError) as e:   # (OverflowError: Infinity as a count)
         raise ValueError(f"manifest.json is malformed ({type(e).__name__}: {e})") from None
 
 

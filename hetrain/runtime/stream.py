@@ -200,7 +200,7 @@ def check_workers(head: list[tuple[str | None, list[Any]]], workers: int) -> Non
             "worker splitting off, or pass num_workers=0. A stream that draws integers (token windows, "
             "masks) or, holding only floats, any value at random differs by worker too: draw them from "
             "the sample's position in the stream (docs/data.md, Streams)")
-    if len(head) == workers and len(digests) < workers:   # one worker gave two batches before another gave one
+    if workers > 1 and len(digests) < len(head):   # a worker's second batch came before another worker's first
         raise HetrainError(
             f"{workers - len(digests)} of the DataLoader's {workers} workers gave no global batch while another "
             "gave several: the stream stopped them (Hugging Face datasets stops the workers beyond its shards: "

@@ -185,3 +185,22 @@ def test_a_checkpoint_a_newer_hetrain_wrote_is_refused_not_set_aside_as_damaged(
                                               r"one reads version \d+; resume it with the hetrain version that wrote it"):
         Checkpointer(tmp_path, keep=3).latest()
     assert _names(tmp_path, "step-") == ["step-000010", "step-000015", "step-000020"] and not _names(tmp_path, "damaged-")
+
+
+@pytest.mark.parametrize("field", ["step", "bytes"])
+def test_a_manifest_holding_infinity_as_a_count_is_damaged_not_an_error_of_rank_0_alone(tmp_path, field):
+    """json reads Infinity; int() of it raised OverflowError out of the choice every rank waits for."""
+    import json
+
+    ckpt = Checkpointer(tmp_path, keep=3, async_save=False)
+    for step in (10, 20):
+        ckpt.save(step, _state(step), {})
+    manifest = tmp_path / "step-000020" / "manifest.json"
+    d = json.loads(manifest.read_text())
+    if field == "step":
+        d["step"] = float("inf")
+    else:
+        d["files"][0]["bytes"] = float("inf")
+    manifest.write_text(json.dumps(d))   # written as Infinity
+    with pytest.warns(CheckpointWarning, match=r"step-000020 is damaged \(manifest.json is malformed \(OverflowError"):
+        assert ckpt.latest().step == 10

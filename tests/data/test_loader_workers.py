@@ -165,11 +165,14 @@ class _OneShardStream(torch.utils.data.IterableDataset):
     """Samples 0..47 read whole by worker 0, while the other workers stop at once: what a Hugging Face stream of
     one shard does with num_workers=2 ('Too many dataloader workers ... Stopping 1 dataloader workers')."""
 
+    def __init__(self, samples=48):
+        self.samples = samples
+
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         if info is not None and info.id > 0:
             return
-        for i in range(48):
+        for i in range(self.samples):
             yield torch.tensor([float(i)]), torch.tensor(i)
 
 
@@ -179,6 +182,8 @@ def test_a_stream_that_stops_the_workers_beyond_its_shards_is_refused_not_read_i
     with pytest.raises(HetrainError, match=r"1 of the DataLoader's 2 workers gave no global batch while another "
                                            r"gave several.*Too many dataloader workers.*num_workers=1"):
         _stream_ids(_OneShardStream(), num_workers=2)
+    with pytest.raises(HetrainError, match=r"2 of the DataLoader's 3 workers gave no global batch"):
+        _stream_ids(_OneShardStream(32), num_workers=3)   # a short stream: fewer batches came than workers
     assert _stream_ids(_OneShardStream(), num_workers=1) == list(range(48))
 
 
