@@ -277,8 +277,8 @@ class Checkpointer:
         new, self._unremovable = set(failed) - self._unremovable, self._unremovable | set(failed)
         for entry in new:   # said once each: every later save tries again
             try:
-                warnings.warn(f"old checkpoint {entry} could not be deleted; it takes disk space until it is: "
-                              "delete it by hand", CheckpointWarning, stacklevel=2)
+                warnings.warn(f"old checkpoint {entry} ({failed[entry]}) could not be deleted; it takes disk space "
+                              "until it is: delete it by hand", CheckpointWarning, stacklevel=2)
             except CheckpointWarning as w:   # an error under the script's filters, raised on rank 0 alone after
                 log.warning("%s", w)         # the step was committed: said, not a save failed on one rank
         return None, manifest.total_bytes, str(final)

@@ -114,9 +114,9 @@ def commit(root: Path, tmp: Path, step: int) -> Path:
     return final
 
 
-def prune(root: Path, keep: int | None, newest: Path | None = None) -> tuple[list[Path], list[str]]:
+def prune(root: Path, keep: int | None, newest: Path | None = None) -> tuple[list[Path], dict[str, str]]:
     """Delete all but `keep` committed checkpoints and any stale partial ones: (the deleted, those that
-    could not be, each with why).
+    could not be, each with why: path -> reason).
 
     `newest` (the checkpoint just committed) is always among those kept, with the `keep - 1` highest
     steps besides it: a checkpoint left from an earlier run with a higher step never outranks it.
@@ -124,7 +124,7 @@ def prune(root: Path, keep: int | None, newest: Path | None = None) -> tuple[lis
     deleted (a file another user owns, a busy file on NFS) never looks complete; a later prune tries again.
     """
     removed: list[Path] = []
-    failed: list[str] = []
+    failed: dict[str, str] = {}   # path -> why, the first reason only (a retry below may fail another way)
     if keep is not None:
         others = [path for _, path in committed(root) if newest is None or path != newest]
         for path in others[keep - (newest is not None):]:
@@ -133,7 +133,7 @@ def prune(root: Path, keep: int | None, newest: Path | None = None) -> tuple[lis
             try:
                 os.rename(path, aside)
             except OSError as e:
-                failed.append(f"{path} ({describe_os_error(e)})")
+                failed.setdefault(str(path), describe_os_error(e))
                 continue
             if _remove(aside, failed):
                 removed.append(path)
@@ -144,12 +144,12 @@ def prune(root: Path, keep: int | None, newest: Path | None = None) -> tuple[lis
     return removed, failed
 
 
-def _remove(path: Path, failed: list[str]) -> bool:
+def _remove(path: Path, failed: dict[str, str]) -> bool:
     try:
         shutil.rmtree(path)
     except FileNotFoundError:
         pass
     except OSError as e:
-        failed.append(f"{path} ({describe_os_error(e)})")
+        failed.setdefault(str(path), describe_os_error(e))
         return False
     return True

@@ -207,4 +207,3 @@ def check_workers(head: list[tuple[str | None, list[Any]]], workers: int) -> Non
             "'Too many dataloader workers'), and the global batches hetrain gives them would be lost; hetrain "
             "has every worker read the whole stream, so pass num_workers=1 (one process reading ahead) or 0, "
             "or a stream that reads whole in every worker")
-

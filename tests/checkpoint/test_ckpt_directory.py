@@ -177,6 +177,35 @@ def test_an_old_checkpoint_that_cannot_be_deleted_never_looks_complete_and_is_sa
     assert ckpt.latest().step == 60
 
 
+def test_an_old_checkpoint_that_fails_to_delete_two_ways_is_said_once(tmp_path, monkeypatch):
+    """On NFS the first try fails 'Directory not empty' and the retry of the same prune 'Device or resource busy':
+    the notice was keyed by path and reason, and came twice."""
+    import errno
+    import os
+    import shutil
+
+    import hetrain.checkpoint.store as store
+
+    real_rmtree, tries = shutil.rmtree, []
+
+    def rmtree(path, *args, **kwargs):
+        if Path(path).name == ".pruned-step-000001":
+            tries.append(path)
+            code = errno.ENOTEMPTY if len(tries) == 1 else errno.EBUSY
+            raise OSError(code, os.strerror(code), str(path))
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(store.shutil, "rmtree", rmtree)
+    ckpt = Checkpointer(tmp_path, keep=1, async_save=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in (1, 2, 3):
+            ckpt.save(step, _state(step), {"rank": 0})
+    ckpt.close()
+    said = [str(w.message) for w in caught if "could not be deleted" in str(w.message)]
+    assert len(tries) > 1 and len(said) == 1, said
+
+
 def test_a_step_left_undeletable_before_does_not_keep_the_same_step_saved_again(tmp_path, monkeypatch):
     """A fresh start saving step 1 again, whose earlier copy could not be deleted: the rename aside met the
     old copy's name and the complete step-1 stayed past keep."""

@@ -199,7 +199,8 @@ def _undeletable_old_checkpoint_under_strict_filters(rank: int, world: int, root
 
     dist.init_process_group("gloo")
     pruned = store.prune
-    store.prune = lambda directory, keep, newest=None: (pruned(directory, keep, newest=newest)[0], ["step-000000"])
+    store.prune = lambda directory, keep, newest=None: (pruned(directory, keep, newest=newest)[0],
+                                                        {"step-000000": "Permission denied"})
     ckpt = Checkpointer(root, async_save=rank == 1)
     warnings.simplefilter("error")   # a strict script
     for step in (1, 2):
