@@ -35,7 +35,7 @@ from hetrain.runtime.sample_seeds import KeyedBatches, SeededSamples
 from hetrain.runtime.memory import empty_batch, equal_pieces, job_piece_count, micro_batch_sizes, split_batch
 from hetrain.runtime.step_state import StepState
 from hetrain.runtime.tensor_gather import TensorGather, as_is
-from hetrain.runtime.stream import check_workers, unpack
+from hetrain.runtime.stream import PassCount, check_workers, unpack
 from hetrain.planning.batch_split import split_partial
 
 __all__ = ["GlobalBatchOrder", "HeteroLoader", "make_loader", "rank_slice"]
@@ -198,7 +198,10 @@ class HeteroLoader:
         else:
             self.sampler.start(self._epoch, self._in_epoch, self.run_step)
         batches = map(unpack, iter(self.dataloader)) if self.stream else iter(self.dataloader)
+        counted = None
         if self.stream and self.dataloader.num_workers > 1:   # every worker's first batch, before any step
+            counted = PassCount(batches)
+            batches = iter(counted)
             head = list(itertools.islice(batches, self.dataloader.num_workers))
             check_workers(head, self.dataloader.num_workers)
             batches = itertools.chain(head, batches)
@@ -214,6 +217,8 @@ class HeteroLoader:
                 self._source.check_ranks(None if batch is _END else batch, floats=self.run_step == 0)
                 self.on_stream_end(None)
             if batch is _END:
+                if counted is not None:   # every global batch of the pass came (no worker stopped by the stream)
+                    counted.check(self._in_epoch - started_at, started_at, self.dataloader.num_workers)
                 if self.stream:
                     self.on_stream_end((self._epoch, self._in_epoch))
                 break

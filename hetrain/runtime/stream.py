@@ -173,6 +173,8 @@ class GlobalBatchStream(IterableDataset):
         if batch and not self.drop_last and self._mine(number, worker, workers):
             yield (fingerprint(batch) if number == self.skip and workers > 1 else first), \
                 (Packed(batch) if info is not None else batch)
+        if workers > 1:   # how many global batches the pass held, as this worker read it (PassCount)
+            yield None, PassEnd(number + (1 if batch and not self.drop_last else 0))
 
     def _mine(self, number: int, worker: int, workers: int) -> bool:
         return number >= self.skip and (number - self.skip) % workers == worker
@@ -185,6 +187,39 @@ class GlobalBatchStream(IterableDataset):
         set_epoch = getattr(self.dataset, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(epoch)
+
+
+class PassEnd:
+    """A worker's last item of a pass: the global batches the whole pass held, as that worker read them."""
+
+    def __init__(self, batches: int) -> None:
+        self.batches = batches
+
+
+class PassCount:
+    """The items of a pass read by several workers, without their `PassEnd`s; once the pass has ended, `check`
+    that every global batch came. A worker the stream stopped (Hugging Face datasets stops the workers beyond
+    its shards) gives none of its batches: at the pass's start `check_workers` sees it, unless the pass holds
+    no more batches than workers and the stopped worker's batch is the last one (a short evaluation stream)."""
+
+    def __init__(self, items: Iterator[Any]) -> None:
+        self.items, self.held = items, 0
+
+    def __iter__(self) -> Iterator[Any]:
+        for item in self.items:
+            if isinstance(item[1], PassEnd):
+                self.held = max(self.held, item[1].batches)
+            else:
+                yield item
+
+    def check(self, received: int, skip: int, workers: int) -> None:
+        if received < self.held - skip:
+            raise HetrainError(
+                f"{self.held - skip - received} of the {self.held - skip} global batches of this pass never came: "
+                f"some of the DataLoader's {workers} workers gave none, the stream stopped them (Hugging Face "
+                "datasets stops the workers beyond its shards: 'Too many dataloader workers'); hetrain has every "
+                "worker read the whole stream, so pass num_workers=1 (one process reading ahead) or 0, or a "
+                "stream that reads whole in every worker")
 
 
 def check_workers(head: list[tuple[str | None, list[Any]]], workers: int) -> None:

@@ -184,6 +184,9 @@ def test_a_stream_that_stops_the_workers_beyond_its_shards_is_refused_not_read_i
         _stream_ids(_OneShardStream(), num_workers=2)
     with pytest.raises(HetrainError, match=r"2 of the DataLoader's 3 workers gave no global batch"):
         _stream_ids(_OneShardStream(32), num_workers=3)   # a short stream: fewer batches came than workers
+    with pytest.raises(HetrainError, match=r"1 of the 2 global batches of this pass never came.*num_workers=1"):
+        _stream_ids(_OneShardStream(16), num_workers=2)   # no more batches than workers: seen at the pass's end
+    assert _stream_ids(_OneShardStream(8), num_workers=2) == list(range(8))   # one batch: worker 0's, whole
     assert _stream_ids(_OneShardStream(), num_workers=1) == list(range(48))
 
 
