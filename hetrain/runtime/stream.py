@@ -160,21 +160,22 @@ class GlobalBatchStream(IterableDataset):
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         batch: list[Any] = []
         number = 0
-        first = None
+        first = digest = None
         for sample in self.dataset:
             batch.append(sample)
             if len(batch) == self.global_batch_size:
                 if number == self.skip and workers > 1:
-                    first = fingerprint(batch)
+                    first = digest = fingerprint(batch)
                 if self._mine(number, worker, workers):
                     yield first, (Packed(batch) if info is not None else batch)   # a worker's: stacked
                     first = None
                 batch, number = [], number + 1
+        if batch and not self.drop_last and number == self.skip and workers > 1:
+            first = digest = fingerprint(batch)
         if batch and not self.drop_last and self._mine(number, worker, workers):
-            yield (fingerprint(batch) if number == self.skip and workers > 1 else first), \
-                (Packed(batch) if info is not None else batch)
-        if workers > 1:   # how many global batches the pass held, as this worker read it (PassCount)
-            yield None, PassEnd(number + (1 if batch and not self.drop_last else 0))
+            yield first, (Packed(batch) if info is not None else batch)
+        if workers > 1:   # the pass as this worker read it: its global batches and first digest (PassCount)
+            yield None, PassEnd(number + (1 if batch and not self.drop_last else 0), digest)
 
     def _mine(self, number: int, worker: int, workers: int) -> bool:
         return number >= self.skip and (number - self.skip) % workers == worker
@@ -189,11 +190,22 @@ class GlobalBatchStream(IterableDataset):
             set_epoch(epoch)
 
 
-class PassEnd:
-    """A worker's last item of a pass: the global batches the whole pass held, as that worker read them."""
+DIFFERENT_SAMPLES = (
+    "the stream gave the DataLoader's workers different samples (their first global batches "
+    "differ): hetrain has every worker read the whole stream and keep every num_workers-th "
+    "global batch, so a stream that splits itself by get_worker_info() (Hugging Face datasets "
+    "and WebDataset's split_by_worker do) would lose the other workers' samples; turn its "
+    "worker splitting off, or pass num_workers=0. A stream that draws integers (token windows, "
+    "masks) or, holding only floats, any value at random differs by worker too: draw them from "
+    "the sample's position in the stream (docs/data.md, Streams)")
 
-    def __init__(self, batches: int) -> None:
-        self.batches = batches
+
+class PassEnd:
+    """A worker's last item of a pass: the global batches the whole pass held and the digest of its first one,
+    as that worker read them (None where it read none)."""
+
+    def __init__(self, batches: int, digest: str | None) -> None:
+        self.batches, self.digest = batches, digest
 
 
 class PassCount:
@@ -203,16 +215,19 @@ class PassCount:
     no more batches than workers and the stopped worker's batch is the last one (a short evaluation stream)."""
 
     def __init__(self, items: Iterator[Any]) -> None:
-        self.items, self.held = items, 0
+        self.items, self.held, self.digests = items, 0, set()
 
     def __iter__(self) -> Iterator[Any]:
         for item in self.items:
             if isinstance(item[1], PassEnd):
                 self.held = max(self.held, item[1].batches)
+                self.digests |= {item[1].digest} - {None}
             else:
                 yield item
 
     def check(self, received: int, skip: int, workers: int) -> None:
+        if len(self.digests) > 1:   # a stream split by worker, of no more batches than workers: each kept its own
+            raise HetrainError(DIFFERENT_SAMPLES)
         if received < self.held - skip:
             raise HetrainError(
                 f"{self.held - skip - received} of the {self.held - skip} global batches of this pass never came: "
@@ -227,14 +242,7 @@ def check_workers(head: list[tuple[str | None, list[Any]]], workers: int) -> Non
     first global batch as each worker read it: they must agree, and there must be one from each worker."""
     digests = [first for first, _ in head if first is not None]
     if len(set(digests)) > 1:
-        raise HetrainError(
-            "the stream gave the DataLoader's workers different samples (their first global batches "
-            "differ): hetrain has every worker read the whole stream and keep every num_workers-th "
-            "global batch, so a stream that splits itself by get_worker_info() (Hugging Face datasets "
-            "and WebDataset's split_by_worker do) would lose the other workers' samples; turn its "
-            "worker splitting off, or pass num_workers=0. A stream that draws integers (token windows, "
-            "masks) or, holding only floats, any value at random differs by worker too: draw them from "
-            "the sample's position in the stream (docs/data.md, Streams)")
+        raise HetrainError(DIFFERENT_SAMPLES)
     if workers > 1 and len(digests) < len(head):   # a worker's second batch came before another worker's first
         raise HetrainError(
             f"{workers - len(digests)} of the DataLoader's {workers} workers gave no global batch while another "

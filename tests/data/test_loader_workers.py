@@ -132,13 +132,13 @@ class _Stream(torch.utils.data.IterableDataset):
     """Samples 0..47 with an integer label; `split_by_worker` reads only this worker's share, as torch's
     IterableDataset example and Hugging Face streams do; `augment` adds noise from the worker's RNG."""
 
-    def __init__(self, split_by_worker=False, augment=False):
-        self.split_by_worker, self.augment = split_by_worker, augment
+    def __init__(self, split_by_worker=False, augment=False, samples=48):
+        self.split_by_worker, self.augment, self.samples = split_by_worker, augment, samples
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         first, step = (info.id, info.num_workers) if info is not None and self.split_by_worker else (0, 1)
-        for i in range(first, 48, step):
+        for i in range(first, self.samples, step):
             x = torch.tensor([float(i)])
             yield (x + torch.rand(1) if self.augment else x), torch.tensor(i)
 
@@ -159,6 +159,10 @@ def test_a_stream_that_splits_itself_across_workers_is_refused_not_half_lost():
     assert _stream_ids(_Stream(split_by_worker=True), num_workers=0) == list(range(48))
     with pytest.raises(HetrainError, match=r"splits itself by get_worker_info\(\) .* num_workers=0"):
         _stream_ids(_Stream(split_by_worker=True), num_workers=2)
+    for samples in (8, 16):   # no more global batches than workers: each worker keeps its own, half is lost
+        with pytest.raises(HetrainError, match=r"splits itself by get_worker_info\(\) .* num_workers=0"):
+            _stream_ids(_Stream(split_by_worker=True, samples=samples), num_workers=2, drop_last=False)
+    assert _stream_ids(_Stream(samples=16), num_workers=2, drop_last=False) == list(range(16))
 
 
 class _OneShardStream(torch.utils.data.IterableDataset):
