@@ -75,6 +75,7 @@ class PlanResult:
 
     def to_dict(self) -> dict:
         """The `hetrain plan --json` object."""
+        plan = self.plan.model_dump(mode="json")
         return {
             "strategy": self.plan.strategy,
             "predicted_samples_per_s": self.plan.predicted_samples_per_s,
@@ -99,8 +100,8 @@ class PlanResult:
             ],
             "candidates": [c.summary() for c in self.candidates],
             "notes": self.notes,
-            "plan": self.plan.model_dump(mode="json"),
-            "plan_sha256": plan_digest(self.plan.model_dump(mode="json")),
+            "plan": plan,
+            "plan_sha256": plan_digest(plan),
         }
 
 

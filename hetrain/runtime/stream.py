@@ -200,6 +200,12 @@ DIFFERENT_SAMPLES = (
     "the sample's position in the stream (docs/data.md, Streams)")
 
 
+STOPPED_WORKERS = (
+    "the stream stopped them (Hugging Face datasets stops the workers beyond its shards: 'Too many dataloader "
+    "workers'), and the global batches hetrain gives them are lost; hetrain has every worker read the whole "
+    "stream, so pass num_workers=1 (one process reading ahead) or 0, or a stream that reads whole in every worker")
+
+
 class PassEnd:
     """A worker's last item of a pass: the global batches the whole pass held and the digest of its first one,
     as that worker read them (None where it read none)."""
@@ -231,10 +237,7 @@ class PassCount:
         if received < self.held - skip:
             raise HetrainError(
                 f"{self.held - skip - received} of the {self.held - skip} global batches of this pass never came: "
-                f"some of the DataLoader's {workers} workers gave none, the stream stopped them (Hugging Face "
-                "datasets stops the workers beyond its shards: 'Too many dataloader workers'); hetrain has every "
-                "worker read the whole stream, so pass num_workers=1 (one process reading ahead) or 0, or a "
-                "stream that reads whole in every worker")
+                f"some of the DataLoader's {workers} workers gave none, {STOPPED_WORKERS}")
 
 
 def check_workers(head: list[tuple[str | None, list[Any]]], workers: int) -> None:
@@ -246,7 +249,4 @@ def check_workers(head: list[tuple[str | None, list[Any]]], workers: int) -> Non
     if workers > 1 and len(digests) < len(head):   # a worker's second batch came before another worker's first
         raise HetrainError(
             f"{workers - len(digests)} of the DataLoader's {workers} workers gave no global batch while another "
-            "gave several: the stream stopped them (Hugging Face datasets stops the workers beyond its shards: "
-            "'Too many dataloader workers'), and the global batches hetrain gives them would be lost; hetrain "
-            "has every worker read the whole stream, so pass num_workers=1 (one process reading ahead) or 0, "
-            "or a stream that reads whole in every worker")
+            f"gave several: {STOPPED_WORKERS}")
