@@ -20,7 +20,7 @@ from typing import Any, ContextManager
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, IterableDataset, TensorDataset, default_collate
+from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from hetrain.checkpoint.errors import START_FROM_WEIGHTS
 from hetrain.errors import HetrainError, ranks_by_value, ranks_text
@@ -34,7 +34,7 @@ from hetrain.runtime.data_order import GlobalBatchOrder, rank_slice
 from hetrain.runtime.sample_seeds import KeyedBatches, SeededSamples
 from hetrain.runtime.memory import empty_batch, equal_pieces, job_piece_count, micro_batch_sizes, split_batch
 from hetrain.runtime.step_state import StepState
-from hetrain.runtime.tensor_gather import TensorGather, as_is
+from hetrain.runtime.tensor_gather import TensorGather, as_is, reads_as_tensor_dataset
 from hetrain.runtime.stream import PassCount, check_workers, unpack
 from hetrain.planning.batch_split import split_partial
 
@@ -106,7 +106,7 @@ class HeteroLoader:
                                          generator=self._generator, **dataloader_options)
         else:
             self.sampler = RankBatchSampler(order, self.schedule, rank)
-            if isinstance(dataset, TensorDataset) and collate_fn in (None, default_collate):   # nothing random
+            if reads_as_tensor_dataset(dataset) and collate_fn in (None, default_collate):   # nothing random
                 self.dataloader = DataLoader(TensorGather(dataset), batch_sampler=self.sampler, collate_fn=as_is,
                                              generator=self._generator, **dataloader_options)
             else:   # each sample read with the generators seeded from (seed, epoch, index): sample_seeds.py
@@ -254,7 +254,7 @@ class HeteroLoader:
                     "object stored in the dataset is read once); or loop over one epoch of it")
             raise HetrainError(
                 f"the stream ended before one global batch of {self.global_batch_size} samples"
-                + (" (drop_last=True drops a last, partial batch)" if self._source.stream.drop_last else "")
+                + (" (drop_last=True drops a last, partial batch)" if self._source.drop_last else "")
                 + "; lower global_batch_size, pass drop_last=False, or check the stream yields samples")
         # the epoch is complete: the next iteration starts the next one
         self._epoch += 1
@@ -264,7 +264,7 @@ class HeteroLoader:
         """Whether a step may cut a batch: micro-batches, or a rank given no samples (a share of 0, a last
         partial global batch smaller than the ranks, a balancer allowed to give none)."""
         pieces = self.micro_batch or self.same_piece_count or self.grad_accum > 1
-        drop_last = self._source.stream.drop_last if self.stream else self.order.drop_last
+        drop_last = self._source.drop_last if self.stream else self.order.drop_last
         min_share = getattr(getattr(self.split, "config", None), "min_share", 1)
         return bool(pieces) or (len(shares) > 1 and (0 in shares or not drop_last or min_share == 0))
 
@@ -340,6 +340,7 @@ class _GlobalBatchSource:
         from hetrain.runtime.stream import GlobalBatchStream
 
         self.stream = GlobalBatchStream(dataset, global_batch_size, drop_last=drop_last)
+        self.drop_last = drop_last
 
     def new_pass(self, skip: int, epoch: int) -> None:
         self.stream.new_pass(skip, epoch)

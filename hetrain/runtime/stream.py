@@ -148,10 +148,20 @@ class GlobalBatchStream(IterableDataset):
     """The samples of a stream grouped into global batches (lists), from batch ``skip`` on."""
 
     def __init__(self, dataset: Any, global_batch_size: int, *, drop_last: bool = True) -> None:
-        self.dataset = dataset
-        self.global_batch_size = global_batch_size
-        self.drop_last = drop_last
-        self.skip = 0   # global batches of this pass already taken by the loop (resume mid-epoch)
+        object.__setattr__(self, "_hetrain_dataset", dataset)
+        object.__setattr__(self, "_hetrain_global_batch_size", global_batch_size)
+        object.__setattr__(self, "_hetrain_drop_last", drop_last)
+        object.__setattr__(self, "_hetrain_skip", 0)   # global batches of this pass the loop already took (resume)
+
+    # A worker_init_fn reaches the stream through get_worker_info().dataset, which is this wrapper: every name
+    # it reads or sets there (a file handle or shard list opened per worker) is the script's dataset's.
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith(("__", "_hetrain_")):
+            raise AttributeError(name)
+        return getattr(self._hetrain_dataset, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._hetrain_dataset, name, value)
 
     def __iter__(self) -> Iterator[tuple[str | None, list[Any]]]:
         """(a fingerprint or None, a global batch): with workers, each worker's first batch carries the
@@ -161,31 +171,31 @@ class GlobalBatchStream(IterableDataset):
         batch: list[Any] = []
         number = 0
         first = digest = None
-        for sample in self.dataset:
+        for sample in self._hetrain_dataset:
             batch.append(sample)
-            if len(batch) == self.global_batch_size:
-                if number == self.skip and workers > 1:
+            if len(batch) == self._hetrain_global_batch_size:
+                if number == self._hetrain_skip and workers > 1:
                     first = digest = fingerprint(batch)
                 if self._mine(number, worker, workers):
                     yield first, (Packed(batch) if info is not None else batch)   # a worker's: stacked
                     first = None
                 batch, number = [], number + 1
-        if batch and not self.drop_last and number == self.skip and workers > 1:
+        if batch and not self._hetrain_drop_last and number == self._hetrain_skip and workers > 1:
             first = digest = fingerprint(batch)
-        if batch and not self.drop_last and self._mine(number, worker, workers):
+        if batch and not self._hetrain_drop_last and self._mine(number, worker, workers):
             yield first, (Packed(batch) if info is not None else batch)
         if workers > 1:   # the pass as this worker read it: its global batches and first digest (PassCount)
-            yield None, PassEnd(number + (1 if batch and not self.drop_last else 0), digest)
+            yield None, PassEnd(number + (1 if batch and not self._hetrain_drop_last else 0), digest)
 
     def _mine(self, number: int, worker: int, workers: int) -> bool:
-        return number >= self.skip and (number - self.skip) % workers == worker
+        return number >= self._hetrain_skip and (number - self._hetrain_skip) % workers == worker
 
     def new_pass(self, skip: int, epoch: int) -> None:
         """The next pass starts at global batch `skip` of epoch `epoch`. A stream with `set_epoch` (Hugging Face's
         IterableDataset, whose shuffle reseeds by it) is told the epoch first, as a DDP loop tells its sampler: it
         read the same order every epoch. Called on every rank, and again with the epoch a resume continues."""
-        self.skip = skip
-        set_epoch = getattr(self.dataset, "set_epoch", None)
+        object.__setattr__(self, "_hetrain_skip", skip)
+        set_epoch = getattr(self._hetrain_dataset, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(epoch)
 

@@ -8,6 +8,14 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 
+def reads_as_tensor_dataset(dataset: Any) -> bool:
+    """Whether `dataset` reads its samples as TensorDataset does: a subclass with a read of its own (an
+    augmentation, a label map, a dict per sample) is read through that read, sample by sample."""
+    cls = type(dataset)
+    return (isinstance(dataset, TensorDataset) and cls.__getitem__ is TensorDataset.__getitem__
+            and getattr(cls, "__getitems__", None) is None)
+
+
 class TensorGather(Dataset):
     """A TensorDataset read by one gather per tensor instead of a tuple per sample (same batch)."""
 

@@ -118,3 +118,48 @@ def test_a_worker_init_fn_reaches_the_scripts_dataset_and_a_stack_of_datasets_re
         one += [tuple(map(float, b[0][2].reshape(-1))) for b in batches[:1]]
         two += [tuple(map(float, b[0][2].reshape(-1))) for b in batches[1:]]
     assert sorted(x for xs in one for x in xs) == sorted(x for xs in two for x in xs)
+
+
+class _PerWorkerStream(torch.utils.data.IterableDataset):
+    """A stream whose worker_init_fn opens a handle per worker on get_worker_info().dataset."""
+
+    seed = 1234
+    handle = None
+
+    def __iter__(self):
+        if self.handle is None:
+            raise RuntimeError("handle not opened")
+        return iter(range(N))
+
+
+def _open_stream_handle(worker_id):
+    dataset = torch.utils.data.get_worker_info().dataset
+    assert dataset.seed == 1234 and dataset.handle is None   # the stream's own names, not the loader's
+    dataset.handle = f"opened by worker {worker_id}"
+
+
+def test_a_worker_init_fn_reaches_the_scripts_stream():
+    loader = make_loader(_PerWorkerStream(), GLOBAL, shuffle=False, seed=5, rank=0, split=_Split([GLOBAL]),
+                         step=StepState(1), device=torch.device("cpu"), num_workers=2,
+                         worker_init_fn=_open_stream_handle)
+    assert sorted(int(i) for batch in loader for i in batch) == list(range(N))
+
+
+class _Relabelled(torch.utils.data.TensorDataset):
+    """A TensorDataset whose own read maps the labels and adds a field, as a script's subclass does."""
+
+    def __getitem__(self, i):
+        x, y = super().__getitem__(i)
+        return {"x": x * 2, "y": y + 100, "index": i}
+
+
+def test_a_tensor_dataset_subclass_is_read_through_its_own_getitem():
+    x, y = torch.arange(N, dtype=torch.float32).unsqueeze(1), torch.arange(N)
+    loader = make_loader(_Relabelled(x, y), GLOBAL, shuffle=True, seed=5, rank=0, split=_Split([GLOBAL]),
+                         step=StepState(1), device=torch.device("cpu"))
+    batches = list(loader)
+    assert len(batches) == N // GLOBAL
+    for batch in batches:
+        assert torch.equal(batch["x"].squeeze(1), 2 * batch["index"].float())
+        assert torch.equal(batch["y"], batch["index"] + 100)
+    assert sorted(int(i) for b in batches for i in b["index"]) == list(range(N))
