@@ -220,9 +220,14 @@ class JobLossScaler:
         return {"enabled": self.enabled, "scale": self.scale, "good_steps": self.good_steps}
 
     def load_state_dict(self, state: dict) -> None:
+        """This scale's own state, or a torch GradScaler's (`scaler.state_dict()` of a run before hetrain: its
+        scale and its count of good steps since the last growth; {} where that scaler was disabled)."""
+        if not state:
+            return
+        good_steps = state["good_steps"] if "good_steps" in state else state.get("_growth_tracker", 0)
         if self.enabled and state.get("enabled", True):
             self.scale = max(float(state["scale"]), self.min_scale)
-        self.good_steps = int(state["good_steps"])
+        self.good_steps = int(good_steps)
 
 
 @contextlib.contextmanager

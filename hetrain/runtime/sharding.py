@@ -70,12 +70,6 @@ def constructor_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return {k: v for k, v in optimizer.defaults.items() if k in accepted}
 
 
-def _stepped(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether the optimizer has stepped: state of its own, but not what a constructor makes at step 0
-    (Adagrad's sums)."""
-    return any(float(state.get("step", 1)) != 0 for state in optimizer.state.values())
-
-
 _TORCH_OPTIMIZER_ATTRIBUTES = frozenset(vars(torch.optim.SGD([torch.zeros(1, requires_grad=True)])))
 
 
@@ -99,21 +93,38 @@ def check_rebuilt_alike(old: torch.optim.Optimizer, sharding: str) -> None:
 
 
 def check_fresh(optimizer: torch.optim.Optimizer, sharding: str) -> None:
-    """An optimizer that sharding may re-create: one holding nothing another object depends on, and no
-    setting its re-creation would lose."""
-    if _stepped(optimizer):
-        raise HetrainError(
-            f"the optimizer already holds state, which sharding {sharding!r} would drop; pass a freshly built "
-            "optimizer to session.prepare() and load optimizer state through the session's checkpoints"
-        )
-    if any("initial_lr" in group for group in optimizer.param_groups):   # what torch's LRScheduler sets
+    """An optimizer that sharding may re-create: no LR scheduler drives it, and it keeps no setting its
+    re-creation would lose. The state it holds (a run continued from before hetrain) goes over to the new one:
+    `carry_state`, and ZeroRedundancyOptimizer.load_state_dict in hetrain.runtime.zero1."""
+    if getattr(optimizer.step, "_wrapped_by_lr_sched", False):   # what torch's LRScheduler wraps step with
         raise HetrainError(
             f"an LR scheduler was built on this optimizer before session.prepare(); sharding {sharding!r} "
             "re-creates the optimizer, so the scheduler would drive the old one and the learning rate would "
             "stay where it was built (0 at a warm-up's start); build the scheduler on the optimizer "
-            "session.prepare() returns"
+            "session.prepare() returns (its state, loaded from a checkpoint, with scheduler.load_state_dict)"
         )
     check_rebuilt_alike(optimizer, sharding)
+
+
+def carry_state(old: torch.optim.Optimizer, new: torch.optim.Optimizer, new_by_old: dict[int, nn.Parameter]) -> None:
+    """The state `old` holds (loaded before session.prepare() from a run before hetrain) given to `new`, whose
+    parameters are FSDP2's shards of old's: each tensor of a parameter's shape cut as the parameter is (every
+    rank holds the whole state, as it loaded it), the rest (Adam's step) as it is."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for p, state in old.state.items():
+        shard = new_by_old[id(p)]
+        carried = {}
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and isinstance(shard, DTensor) and value.dim() > 0 \
+                    and value.shape == p.shape:
+                cut = distribute_tensor(value.detach().to(shard.device_mesh.device_type), shard.device_mesh,
+                                        shard.placements, src_data_rank=None)
+                like = torch.zeros_like(shard, dtype=value.dtype)   # the parameter's placement and device
+                like.to_local().copy_(cut.to_local())
+                value = like
+            carried[key] = value
+        new.state[shard] = carried
 
 
 def free_memory_weights(capacities: Sequence[int | None], model: nn.Module, device: torch.device) -> list[float]:
@@ -205,7 +216,9 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], m
             "model.parameters() before session.prepare()"
         )
     new_by_old = {pid: by_name[name] for pid, name in names.items() if name in by_name}
-    return type(optimizer)(param_groups_for(optimizer, new_by_old), **constructor_settings(optimizer))
+    rebuilt = type(optimizer)(param_groups_for(optimizer, new_by_old), **constructor_settings(optimizer))
+    carry_state(optimizer, rebuilt, new_by_old)
+    return rebuilt
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

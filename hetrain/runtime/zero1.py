@@ -61,5 +61,9 @@ def zero1_optimizer(optimizer: torch.optim.Optimizer, weights: Sequence[float] |
     groups = param_groups_for(optimizer)
     cls = type(optimizer)
     if weights is None:
-        return ZeroRedundancyOptimizer(groups, cls, **constructor_settings(optimizer))
-    return ProportionalZeroRedundancyOptimizer(groups, cls, weights=weights, **constructor_settings(optimizer))
+        sharded = ZeroRedundancyOptimizer(groups, cls, **constructor_settings(optimizer))
+    else:
+        sharded = ProportionalZeroRedundancyOptimizer(groups, cls, weights=weights, **constructor_settings(optimizer))
+    if optimizer.state:   # loaded before session.prepare() (a run continued from before hetrain): each rank its part
+        sharded.load_state_dict(optimizer.state_dict())
+    return sharded

@@ -193,20 +193,90 @@ def test_an_optimizer_re_created_by_sharding_keeps_its_settings_or_is_refused():
             torch.testing.assert_close(got[name], p, rtol=0, atol=1e-5)   # Adagrad divides by small sums
 
 
-def test_an_optimizer_that_has_stepped_is_refused_before_sharding_re_creates_it():
+def _groups(net):
+    """Two parameter groups as a fine-tuning script builds them: no weight decay on biases and norms."""
+    decay = [p for n, p in net.named_parameters() if n.endswith("weight") and p.dim() > 1]
+    rest = [p for n, p in net.named_parameters() if not (n.endswith("weight") and p.dim() > 1)]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+
+
+def _earlier_run():
+    """A run before hetrain, in one process: 3 AdamW steps on other samples; its model and optimizer state, as
+    a DDP script saves them."""
+    net = make_model()
+    opt = torch.optim.AdamW(_groups(net), lr=1e-2)
+    x, y = make_data().tensors
+    for step in range(3):
+        torch.nn.functional.cross_entropy(net(-x[step * 8:(step + 1) * 8]), y[step * 8:(step + 1) * 8]).backward()
+        opt.step()
+        opt.zero_grad()
+    return net, opt
+
+
+def _continued(rank, world, sharding, saved):
+    import io
+
+    import hetrain
+
+    saved = torch.load(io.BytesIO(saved))
+    plan = Plan(global_batch_size=8, sharding=sharding, balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=r, share=s) for r, s in enumerate([5, 3])])
+    session = hetrain.Session(plan)
+    net = make_model()
+    net.load_state_dict(saved["model"])
+    optimizer = torch.optim.AdamW(_groups(net), lr=1e-2)
+    optimizer.load_state_dict(saved["optimizer"])   # before prepare, as the ported script loads its checkpoint
+    model, _ = session.prepare(net, optimizer)
+    for step, (x, y) in enumerate(session.loader(make_data(), global_batch_size=8, shuffle=False)):
+        session.backward(torch.nn.functional.cross_entropy(model(x), y))
+        session.step()
+        if step == 1:
+            break
+    state = session.model_state_dict()
+    session.close()
+    return state
+
+
+def test_optimizer_state_loaded_before_prepare_carries_into_the_sharded_optimizer():
+    """A run continued from a DDP checkpoint: its Adam moments, loaded before session.prepare(), were refused
+    under ZeRO-1 and FSDP2 ('already holds state'), with a fix (the session's checkpoints) such a run has not."""
+    import io
+
+    net, opt = _earlier_run()
+    buf = io.BytesIO()
+    torch.save({"model": net.state_dict(), "optimizer": opt.state_dict()}, buf)
+    fresh = make_model()
+    fresh.load_state_dict(net.state_dict())
+    fresh_opt = torch.optim.AdamW(_groups(fresh), lr=1e-2)
+    x, y = make_data().tensors
+    for step in range(2):   # the reference: the same run continued in one process, on the whole global batches
+        for model, optimizer in ((net, opt), (fresh, fresh_opt)):
+            torch.nn.functional.cross_entropy(model(x[step * 8:(step + 1) * 8]), y[step * 8:(step + 1) * 8]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for sharding in ("zero1", "fsdp"):
+        got = run_ranks(_continued, 2, sharding, buf.getvalue())[0]
+        for name, p in net.state_dict().items():
+            torch.testing.assert_close(got[name], p, rtol=0, atol=1e-6, msg=f"{sharding} {name}")
+        assert any((got[n] - p).abs().max() > 1e-4 for n, p in fresh.state_dict().items())   # the moments counted
+
+
+def test_a_scheduler_is_told_from_param_groups_a_checkpoint_loaded():
+    """The param groups of a checkpoint whose run had a scheduler carry `initial_lr`: that was refused as 'an LR
+    scheduler was built on this optimizer before session.prepare()' though none was."""
     import pytest
 
     from hetrain.errors import HetrainError
     from hetrain.runtime.sharding import check_fresh
 
-    for cls in (torch.optim.Adam, torch.optim.SGD, torch.optim.Adagrad):
-        net = make_model()
-        opt = cls(net.parameters(), lr=0.1, **({"momentum": 0.9} if cls is torch.optim.SGD else {}))
-        check_fresh(opt, "zero1")   # fresh: Adagrad's sums made by its constructor too
-        net(torch.randn(2, 6)).sum().backward()
-        opt.step()
-        with pytest.raises(HetrainError, match="already holds state"):
-            check_fresh(opt, "zero1")
+    net, opt = _earlier_run()
+    torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    loaded = torch.optim.AdamW(_groups(make_model()), lr=1e-2)
+    loaded.load_state_dict(opt.state_dict())
+    assert all("initial_lr" in group for group in loaded.param_groups)
+    check_fresh(loaded, "zero1")
+    with pytest.raises(HetrainError, match="LR scheduler was built on this optimizer before session.prepare"):
+        check_fresh(opt, "zero1")
 
 
 def _shard_without_blocks(rank, world):

@@ -157,6 +157,26 @@ def test_scaler_state_round_trips_and_grows_identically():
     assert a.scale == b.scale == 2.0**17
 
 
+def test_a_grad_scalers_state_from_a_run_before_hetrain_loads_into_the_job_scale():
+    """A ported run continuing its fp16 training: session.scaler.load_state_dict(scaler.state_dict()) of torch's
+    GradScaler raised a bare KeyError('good_steps')."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    for _ in range(2):
+        scaler.scale(p.sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    job = JobLossScaler(enabled=True, growth_interval=3)
+    job.load_state_dict(scaler.state_dict())
+    assert (job.scale, job.good_steps) == (1024.0, 2)
+    job.update(True)   # the third good step grows the scale, as it would have grown the GradScaler's
+    assert job.scale == 2048.0
+    job.load_state_dict(torch.amp.GradScaler("cpu", enabled=False).state_dict())   # {}: nothing to take
+    assert (job.scale, job.good_steps) == (2048.0, 3)
+
+
 def test_loss_scale_has_a_floor():
     """1,091 overflows in a row once took the scale to 0.0 and a ZeroDivisionError."""
     scaler = JobLossScaler(enabled=True, min_scale=1.0)
