@@ -10,8 +10,6 @@ DataLoader meaning. A stream (`IterableDataset`) is cut into global batches in s
 from __future__ import annotations
 
 import contextlib
-import difflib
-import inspect
 import itertools
 import logging
 import time
@@ -28,6 +26,7 @@ from hetrain.runtime.batch_tree import check_cuttable
 from hetrain.runtime.batch_sampler import RankBatchSampler, ShareSchedule, step_shares
 from hetrain.runtime.batch_transfer import to_device
 from hetrain.runtime.environment import add_error_hint
+from hetrain.runtime.loader_options import checked_options
 from hetrain.runtime.loader_position import StepPosition
 from hetrain.runtime.loader_workers import with_sigterm_left_to_rank
 from hetrain.runtime.data_order import GlobalBatchOrder, rank_slice
@@ -43,10 +42,6 @@ __all__ = ["GlobalBatchOrder", "HeteroLoader", "make_loader", "rank_slice"]
 log = logging.getLogger("hetrain")
 
 # DataLoader options hetrain decides itself: which samples form a batch and how many.
-OWNED = {"batch_size": "global_batch_size", "shuffle": "shuffle", "sampler": "seed and shuffle",
-         "batch_sampler": "the balancer's split", "generator": "the workers' seeds, from seed"}
-
-
 _END = object()
 
 
@@ -274,6 +269,12 @@ class HeteroLoader:
             f"loader.set_epoch({epoch}): the loader orders each epoch itself and resumes mid-epoch; remove the "
             "call and loop with 'while loader.epoch < epochs: for batch in loader' (docs/porting.md)")
 
+    @property
+    def batch_sampler(self) -> Any:
+        """DataLoader's name for it (`loader.batch_sampler.set_epoch(epoch)`, an Accelerate loop's call): the
+        sampler of this rank's batches, whose set_epoch says what to do instead."""
+        return self.sampler
+
     def _pieces(self, batch: Any, n: int, shares: Sequence[int]) -> Iterator[Any]:
         """The step's batch, or its micro-batches when the plan caps this rank's micro_batch below its share
         (under FSDP2, as many as the rank that needs the most, some maybe empty)."""
@@ -410,35 +411,6 @@ def agreed_lag(depth: int, device: torch.device, settings: dict[str, Any] | None
     return max(g[0] for g in gathered)
 
 
-def check_dataset(dataset: Any, options: dict[str, Any]) -> None:
-    """One-line errors for what a user coming from a DataLoader passes first."""
-    if isinstance(dataset, DataLoader):
-        raise HetrainError(
-            "session.loader() was given a DataLoader; it reads the dataset itself: pass loader.dataset and the "
-            "loader's options, e.g. session.loader(dl.dataset, global_batch_size, num_workers=dl.num_workers, "
-            "collate_fn=dl.collate_fn)"
-        )
-    if options.get("in_order") is False:
-        raise HetrainError("session.loader(..., in_order=False) would hand out steps out of order, and each step's "
-                           "batch must be that step's slice; drop in_order=False")
-    for name, owner in OWNED.items():
-        if name in options:
-            sampled = ("; a sampler's own order or weights cannot be kept: draw the epoch's indices yourself "
-                       "(e.g. torch.multinomial over the weights) and pass Subset(dataset, indices) with "
-                       "shuffle=False") if name in ("sampler", "batch_sampler") else ""
-            raise HetrainError(
-                f"session.loader(..., {name}=) is decided by hetrain ({owner}): every rank takes its share of "
-                f"one global batch; drop it and pass global_batch_size, shuffle and seed{sampled}"
-            )
-    known = set(inspect.signature(DataLoader.__init__).parameters) - {"self", "dataset"}
-    for name in options:
-        if name not in known:
-            close = difflib.get_close_matches(name, sorted(known), n=1)
-            raise HetrainError(f"session.loader(..., {name}=): not an option of torch's DataLoader"
-                               + (f"; did you mean {close[0]}=?" if close else
-                                  f"; its options: {', '.join(sorted(known - set(OWNED)))}"))
-
-
 def _length(dataset: Any) -> int:
     try:
         return len(dataset)
@@ -460,7 +432,7 @@ def make_loader(dataset: Any, global_batch_size: int, *, shuffle: bool = True, s
     prefetch_factor, persistent_workers, worker_init_fn, timeout, multiprocessing_context, ...),
     with DataLoader's meaning. Collective when ranks are initialised (they agree on the lag).
     """
-    check_dataset(dataset, dataloader_options)
+    dataloader_options = checked_options(dataset, dataloader_options)
     stream = isinstance(dataset, IterableDataset)
     settings = {"global_batch_size": global_batch_size, "seed": seed, "shuffle": shuffle if not stream else None,
                 "drop_last": drop_last, "samples": "a stream" if stream else _length(dataset)}

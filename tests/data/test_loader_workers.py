@@ -258,6 +258,18 @@ def test_a_distributed_samplers_set_epoch_left_in_the_loop_names_the_fix():
         loader.sampler.set_epoch(1)
     with pytest.raises(HetrainError, match=r"loader.set_epoch\(1\): the loader orders each epoch itself"):
         loader.set_epoch(1)   # the habit of a loop written for Accelerate
+    with pytest.raises(HetrainError, match=r"set_epoch\(\): the loader orders each epoch itself"):
+        loader.batch_sampler.set_epoch(1)   # and of Accelerate's own loader: a bare AttributeError
+
+
+def test_dataloaders_own_defaults_passed_through_are_let_be_and_a_distributed_sampler_is_named():
+    """`sampler=sampler if ddp else None`, generator=None: DataLoader's defaults, refused as options hetrain
+    decides; a DistributedSampler left from the DDP script got the advice meant for a weighted sampler."""
+    loader = _loader(0, _Split([6, 6]), sampler=None, batch_sampler=None, generator=None)
+    assert sum(len(b[0]) for b in loader) == 6 * len(loader)
+    sampler = torch.utils.data.DistributedSampler(TensorDataset(torch.arange(12)), num_replicas=2, rank=0)
+    with pytest.raises(HetrainError, match=r"a DistributedSampler gives each rank an even part.*pass its shuffle and seed"):
+        _loader(0, _Split([6, 6]), sampler=sampler)
 
 
 def test_a_weighted_sampler_is_refused_naming_how_to_keep_its_weights():
