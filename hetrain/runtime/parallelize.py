@@ -331,6 +331,8 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, sh
             f"rank {rank} asks for offload_optimizer with sharding {sharding_name!r}; optimizer state is "
             "offloaded through FSDP2's CPUOffloadPolicy: set the plan's sharding to 'fsdp'"
         )
+    if sharding_name not in ZERO1_SHARDINGS:   # ZeRO-1 takes this rank's part of it to the device itself
+        sharding.state_where_parameters_are(optimizer)
     ddp, comm_state, timed_handle = apply_ddp(model, device, comm, timer, find_unused_parameters)
     buffers = buffer_places(model)
     sync_buffers(buffers)   # DDP copied rank 0's parameters (a lazy module is refused there); buffers here, each step

@@ -33,6 +33,7 @@ from hetrain.planning.partition import microbatches_for
 from hetrain.runtime.pipeline_stages import PipelineLayout, compute_in_precision, rank_stages, stage_modules
 from hetrain.runtime.precision import JobLossScaler
 from hetrain.runtime.replicas import module_tensors, receive_from, send_to
+from hetrain.runtime.sharding import carry_state, state_where_parameters_are
 from hetrain.runtime.step_guard import warn_if_evaluating
 from hetrain.runtime.step_state import StepState, items_as_number
 from hetrain.runtime.timing import pad_to_speed
@@ -394,22 +395,25 @@ def prepare_pipeline(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
         keep = {id(p) for p in module.parameters()}
         for group in optimizer.param_groups:   # the optimizer steps (and checkpoints) this stage's parameters
             group["params"] = [p for p in group["params"] if id(p) in keep]
+        for p in [p for p in optimizer.state if id(p) not in keep]:   # loaded before prepare(): another stage's
+            del optimizer.state[p]
     if layout.stages > 1:   # each stage draws its own dropout masks (one seed repeated a stage's masks in the next)
         torch.manual_seed(int(torch.randint(0, 2**62, ()).item()) + layout.stage)
     if sharded:
         from hetrain.runtime.pipeline_sharding import ShardedChunks, shard_stage
 
-        if optimizer is not None and optimizer.state:
-            raise HetrainError("the optimizer already holds state; pass a fresh optimizer to session.prepare() "
-                               "(FSDP2 replaces the stage's parameters with sharded ones)")
         names = {id(p): n for n, p in module.named_parameters()}
         shard_stage(chunks, layout, device)
         if len(chunks) > 1:
             module = ShardedChunks(chunks)
         by_name = dict(module.named_parameters())
         ties = [(stages, by_name[names[id(p)]] if id(p) in names else p) for stages, p in ties]
-        if optimizer is not None:   # the same optimizer over the sharded parameters (it holds no state yet)
+        if optimizer is not None:   # the same optimizer over the sharded parameters, its state cut as they are
+            new_by_old = {id(p): by_name[names[id(p)]] for group in optimizer.param_groups for p in group["params"]}
+            carry_state(optimizer, optimizer, new_by_old, names)
             for group in optimizer.param_groups:
-                group["params"] = [by_name[names[id(p)]] for p in group["params"]]
+                group["params"] = [new_by_old[id(p)] for p in group["params"]]
+    else:
+        state_where_parameters_are(optimizer)
     runner = PipelineRunner(module, layout, pipeline, device, autocast, ties, speed, sharded, chunks)
     return Prepared(module, optimizer, blocks), runner

@@ -106,18 +106,27 @@ def check_fresh(optimizer: torch.optim.Optimizer, sharding: str) -> None:
     check_rebuilt_alike(optimizer, sharding)
 
 
-def carry_state(old: torch.optim.Optimizer, new: torch.optim.Optimizer, new_by_old: dict[int, nn.Parameter]) -> None:
-    """The state `old` holds (loaded before session.prepare() from a run before hetrain) given to `new`, whose
-    parameters are FSDP2's shards of old's: each tensor of a parameter's shape cut as the parameter is (every
-    rank holds the whole state, as it loaded it), the rest (Adam's step) as it is."""
+def carry_state(old: torch.optim.Optimizer, new: torch.optim.Optimizer, new_by_old: dict[int, nn.Parameter],
+                names: dict[int, str]) -> None:
+    """The state `old` holds (loaded before session.prepare() from a run that began without hetrain) moved to `new`,
+    whose parameters are FSDP2's shards of old's: each tensor of a parameter's shape cut as the parameter is (every
+    rank holds the whole state, as it loaded it), the rest (Adam's step) as it is. `old` is left without state:
+    each rank keeps its shards only. `new` may be `old` (a pipeline stage's optimizer, given its shards)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    for p, state in old.state.items():
+    held = list(old.state.items())
+    old.state.clear()
+    for p, state in held:
         shard = new_by_old[id(p)]
         carried = {}
         for key, value in state.items():
-            if isinstance(value, torch.Tensor) and isinstance(shard, DTensor) and value.dim() > 0 \
-                    and value.shape == p.shape:
+            if isinstance(value, torch.Tensor) and isinstance(shard, DTensor) and value.dim() > 0:
+                if value.shape != p.shape:
+                    raise HetrainError(
+                        f"the optimizer's state {key!r} of {names.get(id(p), 'a parameter')} has shape "
+                        f"{tuple(value.shape)}, not its parameter's {tuple(p.shape)}: FSDP2 shards the state of a "
+                        "parameter's shape only; load it into the optimizer session.prepare() returns, or use "
+                        "sharding 'zero1' or 'none'")
                 cut = distribute_tensor(value.detach().to(shard.device_mesh.device_type), shard.device_mesh,
                                         shard.placements, src_data_rank=None)
                 like = torch.zeros_like(shard, dtype=value.dtype)   # the parameter's placement and device
@@ -125,6 +134,14 @@ def carry_state(old: torch.optim.Optimizer, new: torch.optim.Optimizer, new_by_o
                 value = like
             carried[key] = value
         new.state[shard] = carried
+        state.clear()
+
+
+def state_where_parameters_are(optimizer: torch.optim.Optimizer | None) -> None:
+    """State loaded into the optimizer before session.prepare() moved the model to this rank's device, cast as
+    torch's load_state_dict casts it (a tensor on its parameter's device, a step counter where torch keeps it)."""
+    if optimizer is not None and optimizer.state:
+        optimizer.load_state_dict(optimizer.state_dict())
 
 
 def free_memory_weights(capacities: Sequence[int | None], model: nn.Module, device: torch.device) -> list[float]:
@@ -217,7 +234,7 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], m
         )
     new_by_old = {pid: by_name[name] for pid, name in names.items() if name in by_name}
     rebuilt = type(optimizer)(param_groups_for(optimizer, new_by_old), **constructor_settings(optimizer))
-    carry_state(optimizer, rebuilt, new_by_old)
+    carry_state(optimizer, rebuilt, new_by_old, names)
     return rebuilt
 
 

@@ -66,4 +66,5 @@ def zero1_optimizer(optimizer: torch.optim.Optimizer, weights: Sequence[float] |
         sharded = ProportionalZeroRedundancyOptimizer(groups, cls, weights=weights, **constructor_settings(optimizer))
     if optimizer.state:   # loaded before session.prepare() (a run continued from before hetrain): each rank its part
         sharded.load_state_dict(optimizer.state_dict())
+        optimizer.state.clear()   # the whole state, which the step guard's hold on this optimizer would keep
     return sharded

@@ -227,6 +227,7 @@ def _continued(rank, world, sharding, saved):
     optimizer = torch.optim.AdamW(_groups(net), lr=1e-2)
     optimizer.load_state_dict(saved["optimizer"])   # before prepare, as the ported script loads its checkpoint
     model, _ = session.prepare(net, optimizer)
+    assert not optimizer.state, "the whole loaded state stays on every rank beside its shard"
     for step, (x, y) in enumerate(session.loader(make_data(), global_batch_size=8, shuffle=False)):
         session.backward(torch.nn.functional.cross_entropy(model(x), y))
         session.step()
@@ -259,6 +260,40 @@ def test_optimizer_state_loaded_before_prepare_carries_into_the_sharded_optimize
         for name, p in net.state_dict().items():
             torch.testing.assert_close(got[name], p, rtol=0, atol=1e-6, msg=f"{sharding} {name}")
         assert any((got[n] - p).abs().max() > 1e-4 for n, p in fresh.state_dict().items())   # the moments counted
+
+
+class _Factored(torch.optim.SGD):
+    """An optimizer whose state is not of its parameters' shapes (factored second moments, as Adafactor keeps)."""
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p].setdefault("row", torch.zeros(p.shape[0]))
+        return super().step(closure)
+
+
+def _factored(rank, world):
+    import hetrain
+
+    plan = Plan(global_batch_size=8, sharding="fsdp", balance=BalancePlan(enabled=False), ranks=[RankPlan(rank=0, share=8)])
+    session = hetrain.Session(plan)
+    net = make_model()
+    optimizer = _Factored(net.parameters(), lr=0.1)
+    net(torch.randn(2, 6)).sum().backward()
+    optimizer.step()
+    try:
+        session.prepare(net, optimizer)
+    except hetrain.HetrainError as e:
+        return str(e)
+    finally:
+        session.close()
+
+
+def test_state_fsdp2_cannot_cut_as_its_parameter_is_named():
+    said = run_ranks(_factored, 1)[0]
+    assert said is not None and "state 'row' of embed.weight has shape (16,), not its parameter's (16, 6)" in said, said
+    assert "sharding 'zero1' or 'none'" in said
 
 
 def test_a_scheduler_is_told_from_param_groups_a_checkpoint_loaded():
