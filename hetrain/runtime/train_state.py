@@ -37,6 +37,8 @@ log = logging.getLogger("hetrain")
 
 # Optimizer settings that a schedule moves during training: a checkpoint's values are expected to differ.
 SCHEDULED = {*MOVED, "initial_lr"}
+# How torch's optimizers run a step, not what it computes: a resume keeps the script's (fused=True added later).
+HOW_STEPPED = ("foreach", "fused", "capturable", "differentiable")
 
 
 @dataclass
@@ -132,6 +134,8 @@ class TrainState:
         """Load a checkpoint's state into this run (every rank, same checkpoint)."""
         model, optimizer = self.prepared.model, self.prepared.optimizer
         self._check_optimizer(shared, where)
+        for saved in ((sharded or {}).get("optimizer"), shared.get("optimizer")):
+            keep_how_stepped(saved, optimizer)
         try:
             if self.pipelined:
                 load_stage_state(self.prepared.module, optimizer, sharded)
@@ -228,16 +232,12 @@ class TrainState:
                 "when it resumes (at session.loader()): build it with the groups it was saved with (one the run "
                 "added with optimizer.add_param_group must be there from the start, its parameters frozen with "
                 f"requires_grad=False until they train: docs/checkpoints.md), or {START_FROM_WEIGHTS}")
-        for i, (a, b) in enumerate(zip(theirs, ours)):
-            # keys only one side has are a scheduler's own (max_lr, base_momentum, ...), set when it is built
-            differ = sorted(k for k in set(a) & set(b) if k not in SCHEDULED and not _same(a[k], b[k]))
-            if differ:
-                detail = ", ".join(f"{k}: checkpoint {a.get(k)!r}, script {b.get(k)!r}" for k in differ)
-                raise HetrainError(
-                    f"{where}: parameter group {i} of the optimizer differs from the checkpoint's ({detail}); "
-                    f"build the optimizer with the settings it was saved with, or {START_FROM_WEIGHTS}"
-                )
         changed = replaced_settings(theirs, ours, scheduled=bool(shared.get("schedulers")))
+        for i, (a, b) in enumerate(zip(theirs, ours)):
+            # keys only one side has are a scheduler's own (max_lr, base_momentum, ...), set when it is built; the
+            # others (a weight decay the script schedules by hand) go on as the checkpoint has them, as lr does
+            changed += [f"group {i} {k}: checkpoint {a[k]!r}, script {b[k]!r}" for k in sorted(set(a) & set(b))
+                        if k not in SCHEDULED and k not in HOW_STEPPED and not _same(a[k], b[k])]
         if changed and self.rank == 0:
             log.warning("%s holds other optimizer settings than this script builds (%s): the checkpoint's go on, as "
                         "optimizer.load_state_dict() does (a schedule's position is among them); to train on with "
@@ -282,6 +282,24 @@ def replaced_settings(saved: list[dict], script: list[dict], scheduled: bool = F
         out += [f"group {i} {k}: checkpoint {x!r}, script {y!r}" for k, x, y in pairs
                 if x is not None and y is not None and not _same(x, y)]
     return out
+
+
+def keep_how_stepped(saved: dict | None, optimizer: Any) -> None:
+    """The script's `HOW_STEPPED` flags written into an optimizer state dict before it loads (its param groups, or
+    a flattened dict's `param_groups.<name>.<key>`), so that the load casts the state for them (a fused step's
+    counter on the device) and they stay the script's."""
+    if not isinstance(saved, dict) or optimizer is None:
+        return
+    mine = [{k: g[k] for k in HOW_STEPPED if k in g} for g in optimizer.param_groups]
+    groups = saved.get("param_groups")
+    if isinstance(groups, list):
+        for group, flags in zip(groups, mine):
+            group.update({k: v for k, v in flags.items() if k in group})
+        return
+    for key in saved:   # flattened (a pipeline stage's): the flags are the optimizer's, the same in every group
+        name = key.rsplit(".", 1)[-1] if key.startswith("param_groups.") else None
+        if name in HOW_STEPPED and mine and name in mine[0]:
+            saved[key] = mine[0][name]
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -53,7 +53,6 @@ def adam(net):
     lambda: (make_net(depth=2), adam),                                     # deeper
     lambda: (make_net(), lambda n: torch.optim.SGD(n.parameters(), lr=0.1, momentum=0.9)),   # another optimizer
     lambda: (make_net(), lambda n: torch.optim.AdamW(n.parameters(), lr=1e-3, weight_decay=0.1)),
-    lambda: (make_net(), lambda n: torch.optim.Adam(n.parameters(), lr=1e-3, weight_decay=0.1)),  # other settings
 ])
 def test_resuming_with_another_model_or_optimizer_is_refused_with_the_fix(tmp_path, other):
     _train(str(tmp_path), 2, make_net(), adam)
@@ -84,6 +83,27 @@ def test_a_changed_learning_rate_resumes_with_the_checkpoints_and_says_so(tmp_pa
     with hetrain_warnings() as lines:   # the same settings again: nothing to say
         _train(str(tmp_path), 6, make_net(), adam)
     assert not [line for line in lines if "other optimizer settings" in line], lines
+
+
+def test_a_weight_decay_scheduled_by_hand_resumes_with_the_checkpoints_and_a_fused_flag_with_the_scripts(tmp_path):
+    """A weight decay the loop sets before each step (a cosine schedule of it) differs from the one the script
+    builds with, and the resume was refused, every restart alike; so was fused=True turned on between runs, which
+    changes how the step runs, not what it computes."""
+    _train(str(tmp_path), 2, make_net(), lambda n: torch.optim.Adam(n.parameters(), lr=1e-3, weight_decay=0.05))
+    used = []
+
+    def other(net):
+        optimizer = torch.optim.Adam(net.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
+        used.append(optimizer)
+        return optimizer
+
+    with hetrain_warnings() as lines:
+        _train(str(tmp_path), 4, make_net(), other)
+    group = used[0].param_groups[0]
+    assert group["weight_decay"] == 0.05 and group["fused"] is True
+    said = [line for line in lines if "other optimizer settings" in line]
+    assert len(said) == 1 and "group 0 weight_decay: checkpoint 0.05, script 0.01" in said[0], lines
+    assert "fused" not in said[0]
 
 
 def test_replaced_settings_compare_where_a_schedule_started_and_leave_a_cycled_momentum_alone():
