@@ -294,10 +294,10 @@ class Session:
         check_not_prescaled(loss)
         warn_if_evaluating(self.prepared.module)
         items = self.state.current_samples() if num_items is None else items_as_number(num_items)
-        if self.state.micro_samples == 0:
-            items = 0   # a piece without samples of its own (a stand-in under FSDP2) counts nothing
+        items = 0 if self.state.micro_samples == 0 else items   # a piece without samples of its own counts nothing
         check_has_graph(loss, items)   # before anything is counted or checked: the retry finds all as it was
-        self._kept.check(self.prepared.parameters, self.state, self.device if self.sharding == "fsdp" else None)
+        self._kept.check(self.prepared.parameters, self.state, self.device if self.sharding == "fsdp" else None,
+                         self.optimizer)
         if self.state.items_per_sample is None:   # the run's first backward: the ranks agree on an estimate
             self.state.items_per_sample = agree_items_per_sample(items, self.state.current_samples(), self.device)
         self.state.record_backward(loss, items)

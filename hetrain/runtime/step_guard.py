@@ -187,15 +187,22 @@ class KeptGradients:
         self._finished: dict[int, int] | None = None   # versions of the step's gradients when finished
         self._finished_held: torch.Tensor | None = None   # their largest magnitude, when the batch had items
         self._dropped_stale = False   # said once
+        self._zeroed: set[int] | None = None   # ids of the parameters session.step() zeroed last
 
-    def check(self, params: Sequence[torch.nn.Parameter], state, sharded_on: torch.device | None = None) -> None:
+    def check(self, params: Sequence[torch.nn.Parameter], state, sharded_on: torch.device | None = None,
+              optimizer: torch.optim.Optimizer | None = None) -> None:
         """Before a backward: a step whose earlier micro-batches ran backward still holds their gradients
         (not zeroed), not scaled down by a clipping. `sharded_on`: the gradients are this rank's FSDP2
         shards (some may be empty), and the ranks agree on the verdicts (collective, tensors on that device).
-        Gradients the last backward left all zero (a first micro-batch without items) are not gone."""
+        Gradients the last backward left all zero (a first micro-batch without items) are not gone.
+        `optimizer`: the one session.step() zeroes; a parameter it did not hold kept the last step's gradient."""
         if not state.between_micro_batches():
             self._versions, self._norms = {}, None
-            self._dropped_stale = drop_stale_gradients(params, warn=not self._dropped_stale) or self._dropped_stale
+            # what the last step zeroed: the optimizer's parameters as of that step's first backward (one an
+            # add_param_group since then takes held the gradient step() left it)
+            held = None if optimizer is None else {id(p) for p in stepped_parameters(optimizer)}
+            zeroed, self._zeroed = (held if self._zeroed is None else self._zeroed), held
+            self._dropped_stale = drop_stale_gradients(params, not self._dropped_stale, zeroed) or self._dropped_stale
             return
         grads = gradients_of(params)
         left, self._norms = self._norms, None
@@ -356,11 +363,18 @@ STALE = ("parameters held gradients at a step's first session.backward(), writte
          "the first time)")
 
 
-def drop_stale_gradients(params: Sequence[torch.nn.Parameter], warn: bool) -> bool:
+def drop_stale_gradients(params: Sequence[torch.nn.Parameter], warn: bool, zeroed: set[int] | None = None) -> bool:
     """Before a step's first backward: `session.step()` left no gradient, so any a parameter holds now was written
     outside the session's step and is not part of it (a plain PyTorch loop would add it to the step unless it
-    called zero_grad()). Each rank drops its own (FSDP2: its shards); no collective. True when some were not zero."""
+    called zero_grad()). Each rank drops its own (FSDP2: its shards); no collective. True when some were not zero.
+    A trainable parameter the optimizer did not hold at the last step (`zeroed`: the ids it did) kept that step's
+    gradient, which step() did not zero: dropped without a word."""
     held = [p for p in params if p.grad is not None]
+    if zeroed is not None:
+        for p in held:
+            if id(p) not in zeroed:
+                p.grad = None
+        held = [p for p in held if id(p) in zeroed]
     if not held:
         return False
     grads = [g for g in gradients_of(held) if g.numel()]   # an FSDP2 shard may be empty

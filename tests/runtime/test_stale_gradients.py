@@ -79,3 +79,30 @@ def test_a_sanity_backward_before_the_loop_is_left_out_with_a_warning():
     F.mse_loss(ref(x), y).backward()
     opt.step()
     assert all(torch.allclose(a, b, atol=1e-7) for a, b in zip(net.parameters(), ref.parameters()))
+
+
+def test_a_trainable_layer_the_optimizer_takes_later_is_not_called_a_backward_outside_the_session():
+    """Staged fine-tuning: the head trains, but joins the optimizer (add_param_group) at step 2. step() zeroes the
+    optimizer's gradients, so the head's stayed, and every step warned of a 'loss.backward() outside the session'
+    the script never ran. Its update was right, and is."""
+    import hetrain
+
+    net, data, ref = _model(), _data(), _model()
+    with hetrain.Session() as session:
+        model, optimizer = session.prepare(net, torch.optim.SGD(net[0].parameters(), lr=LR))
+        with hetrain_warnings() as lines:
+            for x, y in session.loader(data, global_batch_size=GLOBAL, shuffle=False):
+                if session.step_count == 2:
+                    optimizer.add_param_group({"params": net[2].parameters(), "lr": LR / 2})
+                session.backward(F.mse_loss(model(x), y))
+                session.step()
+    assert not [line for line in lines if "held gradients" in line], lines
+    opt = torch.optim.SGD(ref[0].parameters(), lr=LR)
+    for step in range(STEPS):
+        if step == 2:
+            opt.add_param_group({"params": ref[2].parameters(), "lr": LR / 2})
+        x, y = data[step * GLOBAL:(step + 1) * GLOBAL]
+        ref.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        opt.step()
+    assert all(torch.allclose(a, b, atol=1e-7) for a, b in zip(net.parameters(), ref.parameters()))
