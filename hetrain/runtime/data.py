@@ -272,8 +272,8 @@ class HeteroLoader:
     @property
     def batch_sampler(self) -> Any:
         """DataLoader's name for it (`loader.batch_sampler.set_epoch(epoch)`, an Accelerate loop's call): the
-        sampler of this rank's batches, whose set_epoch says what to do instead."""
-        return self.sampler
+        sampler of this rank's batches (a stream's: the loader), whose set_epoch says what to do instead."""
+        return self.sampler if self.sampler is not None else self
 
     def _pieces(self, batch: Any, n: int, shares: Sequence[int]) -> Iterator[Any]:
         """The step's batch, or its micro-batches when the plan caps this rank's micro_batch below its share
