@@ -114,34 +114,46 @@ def carry_state(old: torch.optim.Optimizer, new: torch.optim.Optimizer, new_by_o
     each rank keeps its shards only. `new` may be `old` (a pipeline stage's optimizer, given its shards)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
+    def cut(p: torch.Tensor, key: str, value: Any) -> bool:
+        return isinstance(value, torch.Tensor) and isinstance(new_by_old[id(p)], DTensor) and value.dim() > 0
+
+    for p, state in old.state.items():   # refused before anything moves: the script's optimizer keeps its state
+        for key, value in state.items():
+            if cut(p, key, value) and value.shape != p.shape:
+                raise HetrainError(
+                    f"the optimizer's state {key!r} of {names.get(id(p), 'a parameter')} has shape "
+                    f"{tuple(value.shape)}, not its parameter's {tuple(p.shape)}: FSDP2 shards the state of a "
+                    "parameter's shape only; load it into the optimizer session.prepare() returns, or use "
+                    "sharding 'zero1' or 'none'")
     held = list(old.state.items())
     old.state.clear()
     for p, state in held:
         shard = new_by_old[id(p)]
         carried = {}
         for key, value in state.items():
-            if isinstance(value, torch.Tensor) and isinstance(shard, DTensor) and value.dim() > 0:
-                if value.shape != p.shape:
-                    raise HetrainError(
-                        f"the optimizer's state {key!r} of {names.get(id(p), 'a parameter')} has shape "
-                        f"{tuple(value.shape)}, not its parameter's {tuple(p.shape)}: FSDP2 shards the state of a "
-                        "parameter's shape only; load it into the optimizer session.prepare() returns, or use "
-                        "sharding 'zero1' or 'none'")
-                cut = distribute_tensor(value.detach().to(shard.device_mesh.device_type), shard.device_mesh,
-                                        shard.placements, src_data_rank=None)
-                like = torch.zeros_like(shard, dtype=value.dtype)   # the parameter's placement and device
-                like.to_local().copy_(cut.to_local())
-                value = like
+            if cut(p, key, value):
+                whole = distribute_tensor(value.detach().to(shard.device_mesh.device_type), shard.device_mesh,
+                                          shard.placements, src_data_rank=None)
+                value = torch.zeros_like(shard, dtype=value.dtype)   # the parameter's placement and device
+                value.to_local().copy_(whole.to_local())
             carried[key] = value
         new.state[shard] = carried
         state.clear()
 
 
 def state_where_parameters_are(optimizer: torch.optim.Optimizer | None) -> None:
-    """State loaded into the optimizer before session.prepare() moved the model to this rank's device, cast as
-    torch's load_state_dict casts it (a tensor on its parameter's device, a step counter where torch keeps it)."""
-    if optimizer is not None and optimizer.state:
-        optimizer.load_state_dict(optimizer.state_dict())
+    """State loaded into the optimizer before session.prepare() moved the model to this rank's device, moved to its
+    parameter's device in place (the script's param_groups and hooks untouched), by the rule torch's
+    load_state_dict casts with: a step counter stays where it is unless the group is fused or capturable."""
+    if optimizer is None or not optimizer.state:
+        return
+    for group in optimizer.param_groups:
+        on_device = bool(group.get("fused")) or bool(group.get("capturable"))
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            for key, value in (state or {}).items():
+                if isinstance(value, torch.Tensor) and value.device != p.device and (key != "step" or on_device):
+                    state[key] = value.to(device=p.device)
 
 
 def free_memory_weights(capacities: Sequence[int | None], model: nn.Module, device: torch.device) -> list[float]:

@@ -39,6 +39,13 @@ log = logging.getLogger("hetrain")
 SCHEDULED = {*MOVED, "initial_lr"}
 # How torch's optimizers run a step, not what it computes: a resume keeps the script's (fused=True added later).
 HOW_STEPPED = ("foreach", "fused", "capturable", "differentiable")
+# Settings that decide which state torch's optimizers keep (Adam's max_exp_avg_sq, RMSprop's grad_avg, a momentum
+# buffer or none).
+STATE_KINDS = ("amsgrad", "centered", "momentum")
+
+
+def _kind_differs(key: str, saved: Any, script: Any) -> bool:
+    return (saved == 0) != (script == 0) if key == "momentum" else saved != script
 
 
 @dataclass
@@ -152,7 +159,12 @@ class TrainState:
                 consume_prefix_in_state_dict_if_present(shared["model"], "_orig_mod.")
                 self.prepared.state_module.load_state_dict(shared["model"])
                 if shared["optimizer"] is not None and optimizer is not None:
-                    optimizer.load_state_dict(shared["optimizer"])
+                    if is_zero1(optimizer):
+                        from hetrain.runtime.zero1 import load_zero1_state
+
+                        load_zero1_state(optimizer, shared["optimizer"])
+                    else:
+                        optimizer.load_state_dict(shared["optimizer"])
         except (RuntimeError, KeyError, ValueError) as e:
             raise HetrainError(
                 f"{where} was saved from a different model or optimizer ({load_error_summary(e)}); resume with the model "
@@ -232,6 +244,14 @@ class TrainState:
                 "when it resumes (at session.loader()): build it with the groups it was saved with (one the run "
                 "added with optimizer.add_param_group must be there from the start, its parameters frozen with "
                 f"requires_grad=False until they train: docs/checkpoints.md), or {START_FROM_WEIGHTS}")
+        for i, (a, b) in enumerate(zip(theirs, ours)):
+            kinds = [k for k in STATE_KINDS if k in a and k in b and _kind_differs(k, a[k], b[k])]
+            if kinds and self.fsdp:   # a sharded load (FSDP2, pipelines) reads the state the script's settings make
+                detail = ", ".join(f"{k}: checkpoint {a[k]!r}, script {b[k]!r}" for k in kinds)
+                raise HetrainError(
+                    f"{where}: parameter group {i} of the optimizer keeps other state than the checkpoint's ({detail}), "
+                    f"and a sharded checkpoint is read into the state the script's optimizer keeps; build it with the "
+                    f"checkpoint's settings, or {START_FROM_WEIGHTS}")
         changed = replaced_settings(theirs, ours, scheduled=bool(shared.get("schedulers")))
         for i, (a, b) in enumerate(zip(theirs, ours)):
             # keys only one side has are a scheduler's own (max_lr, base_momentum, ...), set when it is built; the

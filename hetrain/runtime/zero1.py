@@ -65,6 +65,14 @@ def zero1_optimizer(optimizer: torch.optim.Optimizer, weights: Sequence[float] |
     else:
         sharded = ProportionalZeroRedundancyOptimizer(groups, cls, weights=weights, **constructor_settings(optimizer))
     if optimizer.state:   # loaded before session.prepare() (a run continued from before hetrain): each rank its part
-        sharded.load_state_dict(optimizer.state_dict())
+        load_zero1_state(sharded, optimizer.state_dict())
         optimizer.state.clear()   # the whole state, which the step guard's hold on this optimizer would keep
     return sharded
+
+
+def load_zero1_state(optimizer: ZeroRedundancyOptimizer, state: dict) -> None:
+    """A full optimizer state dict loaded into ZeRO-1: this rank's part into its local optimizer. torch's load also
+    gives the wrapper's own `state` a copy of that part (made apart from the local one on a GPU), which nothing
+    reads (its state_dict() is built from the local optimizers'): it is let go."""
+    optimizer.load_state_dict(state)
+    optimizer.state.clear()

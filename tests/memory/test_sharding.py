@@ -226,8 +226,9 @@ def _continued(rank, world, sharding, saved):
     net.load_state_dict(saved["model"])
     optimizer = torch.optim.AdamW(_groups(net), lr=1e-2)
     optimizer.load_state_dict(saved["optimizer"])   # before prepare, as the ported script loads its checkpoint
-    model, _ = session.prepare(net, optimizer)
+    model, sharded = session.prepare(net, optimizer)
     assert not optimizer.state, "the whole loaded state stays on every rank beside its shard"
+    assert sharding == "fsdp" or not sharded.state, "ZeRO-1's wrapper keeps a copy of this rank's part"
     for step, (x, y) in enumerate(session.loader(make_data(), global_batch_size=8, shuffle=False)):
         session.backward(torch.nn.functional.cross_entropy(model(x), y))
         session.step()
@@ -285,6 +286,7 @@ def _factored(rank, world):
     try:
         session.prepare(net, optimizer)
     except hetrain.HetrainError as e:
+        assert len(optimizer.state) == len(list(net.parameters())), "refused, and the optimizer was left without state"
         return str(e)
     finally:
         session.close()

@@ -106,6 +106,58 @@ def test_a_weight_decay_scheduled_by_hand_resumes_with_the_checkpoints_and_a_fus
     assert "fused" not in said[0]
 
 
+def _fsdp_run(directory, steps, amsgrad):
+    import hetrain
+
+    plan = Plan(global_batch_size=8, sharding="fsdp", balance=BalancePlan(enabled=False), ranks=[RankPlan(rank=0, share=8)])
+    session = hetrain.Session(plan, checkpoint_dir=directory, checkpoint_interval=2, async_checkpoints=False)
+    net = make_net()
+    model, _ = session.prepare(net, torch.optim.Adam(net.parameters(), lr=1e-3, amsgrad=amsgrad))
+    try:
+        for x, y in session.loader(make_data(), global_batch_size=8, shuffle=True, seed=0):
+            session.backward(F.cross_entropy(model(x), y))
+            session.step()
+            if session.step_count >= steps:
+                break
+    finally:
+        session.close()
+
+
+def test_a_setting_that_decides_the_optimizers_state_is_refused_where_a_sharded_checkpoint_is_read():
+    """FSDP2 reads its checkpoint into the state the script's optimizer keeps: amsgrad turned off at a resume
+    failed at the first step with torch's KeyError 'max_exp_avg_sq'."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as directory:
+        _fsdp_run(directory, 2, amsgrad=True)
+        with pytest.raises(HetrainError, match=r"keeps other state than the checkpoint's \(amsgrad: checkpoint True, "
+                                               r"script False\).*start in an empty checkpoint directory"):
+            _fsdp_run(directory, 4, amsgrad=False)
+
+
+def test_optimizer_state_loaded_before_prepare_keeps_the_scripts_param_groups():
+    """A ported script holds a param group (`head = optimizer.param_groups[1]`) and sets its lr later: with state
+    loaded before prepare(), prepare() replaced the groups, and the head trained on at the old lr."""
+    import hetrain
+
+    net = make_net()
+    earlier = torch.optim.SGD([{"params": net[0].parameters()}, {"params": net[2].parameters()}], lr=0.1, momentum=0.9)
+    F.cross_entropy(net(make_data().tensors[0]), make_data().tensors[1]).backward()
+    earlier.step()
+    optimizer = torch.optim.SGD([{"params": net[0].parameters()}, {"params": net[2].parameters()}], lr=0.1, momentum=0.9)
+    optimizer.load_state_dict(earlier.state_dict())
+    head = optimizer.param_groups[1]
+    with hetrain.Session(balance=False) as session:
+        model, _ = session.prepare(net, optimizer)
+        head["lr"] = 0.0
+        before = net[2].weight.detach().clone()
+        for x, y in session.loader(make_data(), global_batch_size=8, shuffle=False):
+            session.backward(F.cross_entropy(model(x), y))
+            session.step()
+            break
+    assert torch.equal(net[2].weight, before)
+
+
 def test_replaced_settings_compare_where_a_schedule_started_and_leave_a_cycled_momentum_alone():
     from hetrain.runtime.train_state import replaced_settings
 
