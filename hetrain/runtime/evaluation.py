@@ -23,6 +23,7 @@ from hetrain.errors import HetrainError
 from hetrain.runtime.batch_tree import tensors
 from hetrain.runtime.pipeline_schedule import call_model, item_counter
 from hetrain.runtime.step_guard import any_rank, warn_if_training
+from hetrain.runtime.step_state import items_as_number
 from hetrain.runtime.watchdog import collective_call
 
 
@@ -39,21 +40,35 @@ def _evaluate(session: Any, inputs: Any, target: Any, loss_fn: Callable[[Any, An
         raise HetrainError("call session.prepare(model, optimizer) before session.evaluate()")
     session.state.refuse_between_micro_batches("session.evaluate()", "evaluate where session.step() returns True, "
                                                "e.g. if session.step() and session.step_count % N == 0:")
-    count = item_counter(num_items)
     warn_if_training(session.prepared.module)
     if session.pipeline is not None:
         inputs, target = session.pipeline.gather_batch((inputs, target))
-        total, items = session.pipeline.evaluate(inputs, target, loss_fn, count)
+        total, items = session.pipeline.evaluate(inputs, target, loss_fn, item_counter(num_items))
     elif _agreed_empty(inputs, session):   # a rank whose part is empty runs no forward and counts nothing
         total, items = 0.0, 0.0
     else:   # the script's model inside DDP's wrapper
         with torch.no_grad(), session.autocast():
             loss = loss_fn(call_model(session.prepared.module, inputs), target)
-        items = count(target)
+        items = batch_items(num_items, inputs, target)
         total = float(loss.detach()) * items if items > 0 else 0.0   # a Python float: an fp64 loss stays exact
     sums = torch.tensor([total, items], dtype=torch.float64, device=session.device)
     dist.all_reduce(sums)
     return float(sums[0] / sums[1]) if float(sums[1]) > 0 else math.nan
+
+
+def batch_items(num_items: Any, inputs: Any, target: Any) -> float:
+    """The items of a data-parallel rank's batch: `num_items` (a number, or a function of the target), else its
+    samples: the rows of the target, or of the inputs where the model takes its labels with them (a Hugging Face
+    model's `labels`, target None)."""
+    if callable(num_items):
+        return items_as_number(num_items(target))
+    if num_items is not None:
+        return items_as_number(num_items)
+    rows = [t for t in tensors(target) + tensors(inputs) if t.dim() > 0]
+    if not rows:
+        raise HetrainError("session.evaluate() found no tensor with a row per sample in the target or the inputs to "
+                           "count the batch's items: pass num_items= (a number, or a function of the target)")
+    return float(rows[0].shape[0])
 
 
 def _agreed_empty(inputs: Any, session: Any) -> bool:

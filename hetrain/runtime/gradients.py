@@ -253,7 +253,7 @@ def weighted_mean(value: torch.Tensor | float, weight: float, device: torch.devi
     if isinstance(value, torch.Tensor) and value.numel() != 1:
         raise HetrainError(f"session.global_mean() takes one number per rank, got a tensor of {value.numel()} "
                            "elements; call it once per figure (or all-reduce a sum and a count yourself)")
-    v = float(value.detach().float().item() if isinstance(value, torch.Tensor) else value)
+    v = float(value.detach().item() if isinstance(value, torch.Tensor) else value)   # a float64 tensor stays exact
     t = torch.tensor([v * w if w else 0.0, w], dtype=torch.float64, device=device)
     with collective_call(None, "global_mean"):   # a rank that waits here alone is named with the call
         dist.all_reduce(t)

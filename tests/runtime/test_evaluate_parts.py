@@ -146,3 +146,36 @@ def test_evaluating_between_a_steps_micro_batches_is_refused_naming_where_to_eva
         assert isinstance(message, str) and "where session.step() returns True" in message, message
     ranks = run_ranks(_evaluate_every_second_step, 2, True)
     assert ranks[0] == ranks[1] and [s for s, _ in ranks[0]] == [2, 4]
+
+
+def _evaluate_hf_style(rank, world):
+    """The model takes its labels with its inputs and returns its loss (target None), or a count given as a number:
+    refused under data parallelism as 'a pipeline's target must be a tensor' and 'a pipeline cuts the batch'."""
+    import hetrain
+
+    plan = Plan(global_batch_size=8, balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=0, share=5), RankPlan(rank=1, share=3)])
+    session = hetrain.Session(plan)
+    torch.manual_seed(0)
+    net = tiny_gpt2(context=16)
+    session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    data = PaddedTokens(n=EVAL, length=12, seed=3)
+    rows = range(0, 4) if rank == 0 else range(4, EVAL)
+    batch = default_collate([data[i] for i in rows])
+    by_samples = session.evaluate(batch, None, _lm_loss)
+    by_tokens = session.evaluate(batch, None, _lm_loss, num_items=predicted_tokens(batch["labels"]))
+    session.close()
+    return by_samples, by_tokens
+
+
+def test_a_model_that_takes_its_labels_evaluates_with_target_none_and_a_number_of_items():
+    torch.manual_seed(0)
+    net, data = tiny_gpt2(context=16), PaddedTokens(n=EVAL, length=12, seed=3)
+    parts = [default_collate([data[i] for i in rows]) for rows in (range(0, 4), range(4, EVAL))]
+    with torch.no_grad():
+        losses = [net(**part).loss.item() for part in parts]
+    tokens = [float(predicted_tokens(part["labels"])) for part in parts]
+    by_samples = (losses[0] * 4 + losses[1] * 2) / EVAL
+    by_tokens = sum(loss * n for loss, n in zip(losses, tokens)) / sum(tokens)
+    for got_samples, got_tokens in run_ranks(_evaluate_hf_style, 2):
+        assert abs(got_samples - by_samples) < 1e-5 and abs(got_tokens - by_tokens) < 1e-5

@@ -61,3 +61,12 @@ def test_a_vector_is_refused_naming_what_global_mean_takes():
 
     with pytest.raises(HetrainError, match="one number per rank"):
         weighted_mean(torch.tensor([1.0, 2.0]), 1.0, torch.device("cpu"))
+
+
+def test_a_float64_figure_keeps_its_precision():
+    """A float64 tensor was rounded to float32 before the float64 all-reduce: 1e8 + 0.5 came back as 1e8."""
+    import hetrain
+
+    with hetrain.Session(balance=False) as session:
+        assert session.global_mean(torch.tensor(1e8 + 0.5, dtype=torch.float64), weight=1) == 1e8 + 0.5
+        assert session.global_mean(torch.tensor(3, dtype=torch.int64), weight=1) == 3.0
