@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import Dataset, Sampler, StackDataset, Subset, get_worker_info
 
 from hetrain.errors import HetrainError, add_note
+from hetrain.runtime.dataset_names import ScriptDatasetNames
 
 _MASK = (1 << 64) - 1
 
@@ -72,7 +73,7 @@ def _batched_read(dataset: Any) -> Any:
     return getattr(dataset, "__getitems__", None)
 
 
-class SeededSamples(Dataset):
+class SeededSamples(ScriptDatasetNames, Dataset):
     """`dataset` read by (epoch, index) keys, each sample read with the generators seeded from its key."""
 
     def __init__(self, dataset: Any, seed: int, none_is_an_error: bool = False) -> None:
@@ -80,17 +81,6 @@ class SeededSamples(Dataset):
         object.__setattr__(self, "_hetrain_seed", int(seed))
         # torch's default collate cannot take a None; a script's own collate_fn may drop them (unreadable files)
         object.__setattr__(self, "_hetrain_none_is_an_error", none_is_an_error)
-
-    # A worker_init_fn reaches the dataset through get_worker_info().dataset, which is this wrapper: every
-    # name it reads or sets there (a file handle opened per worker, the dataset's own `seed`) is the script's
-    # dataset's.
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith(("__", "_hetrain_")):
-            raise AttributeError(name)
-        return getattr(self._hetrain_dataset, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._hetrain_dataset, name, value)
 
     def __len__(self) -> int:
         return len(self._hetrain_dataset)

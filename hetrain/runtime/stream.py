@@ -27,6 +27,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from hetrain.errors import HetrainError
 from hetrain.runtime.batch_tree import flatten
+from hetrain.runtime.dataset_names import ScriptDatasetNames
 
 
 def fingerprint(samples: list[Any], floats: bool = True) -> str:
@@ -144,7 +145,7 @@ def unpack(item: Any) -> Any:
     return first, [_rebuilt(sample, lambda x: rows[x.block][x.row]) for sample in batch.samples]
 
 
-class GlobalBatchStream(IterableDataset):
+class GlobalBatchStream(ScriptDatasetNames, IterableDataset):
     """The samples of a stream grouped into global batches (lists), from batch ``skip`` on."""
 
     def __init__(self, dataset: Any, global_batch_size: int, *, drop_last: bool = True) -> None:
@@ -152,16 +153,6 @@ class GlobalBatchStream(IterableDataset):
         object.__setattr__(self, "_hetrain_global_batch_size", global_batch_size)
         object.__setattr__(self, "_hetrain_drop_last", drop_last)
         object.__setattr__(self, "_hetrain_skip", 0)   # global batches of this pass the loop already took (resume)
-
-    # A worker_init_fn reaches the stream through get_worker_info().dataset, which is this wrapper: every name
-    # it reads or sets there (a file handle or shard list opened per worker) is the script's dataset's.
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith(("__", "_hetrain_")):
-            raise AttributeError(name)
-        return getattr(self._hetrain_dataset, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._hetrain_dataset, name, value)
 
     def __iter__(self) -> Iterator[tuple[str | None, list[Any]]]:
         """(a fingerprint or None, a global batch): with workers, each worker's first batch carries the
