@@ -41,7 +41,6 @@ __all__ = ["GlobalBatchOrder", "HeteroLoader", "make_loader", "rank_slice"]
 
 log = logging.getLogger("hetrain")
 
-# DataLoader options hetrain decides itself: which samples form a batch and how many.
 _END = object()
 
 

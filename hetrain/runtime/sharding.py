@@ -95,7 +95,7 @@ def check_rebuilt_alike(old: torch.optim.Optimizer, sharding: str) -> None:
 def check_fresh(optimizer: torch.optim.Optimizer, sharding: str) -> None:
     """An optimizer that sharding may re-create: no LR scheduler drives it, and it keeps no setting its
     re-creation would lose. The state it holds (a run continued from before hetrain) goes over to the new one:
-    `carry_state`, and ZeroRedundancyOptimizer.load_state_dict in hetrain.runtime.zero1."""
+    `carry_state`, and `load_zero1_state` in hetrain.runtime.zero1."""
     if getattr(optimizer.step, "_wrapped_by_lr_sched", False):   # what torch's LRScheduler wraps step with
         raise HetrainError(
             f"an LR scheduler was built on this optimizer before session.prepare(); sharding {sharding!r} "
@@ -114,12 +114,12 @@ def carry_state(old: torch.optim.Optimizer, new: torch.optim.Optimizer, new_by_o
     each rank keeps its shards only. `new` may be `old` (a pipeline stage's optimizer, given its shards)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    def cut(p: torch.Tensor, key: str, value: Any) -> bool:
+    def cut(p: torch.Tensor, value: Any) -> bool:
         return isinstance(value, torch.Tensor) and isinstance(new_by_old[id(p)], DTensor) and value.dim() > 0
 
     for p, state in old.state.items():   # refused before anything moves: the script's optimizer keeps its state
         for key, value in state.items():
-            if cut(p, key, value) and value.shape != p.shape:
+            if cut(p, value) and value.shape != p.shape:
                 raise HetrainError(
                     f"the optimizer's state {key!r} of {names.get(id(p), 'a parameter')} has shape "
                     f"{tuple(value.shape)}, not its parameter's {tuple(p.shape)}: FSDP2 shards the state of a "
@@ -131,7 +131,7 @@ def carry_state(old: torch.optim.Optimizer, new: torch.optim.Optimizer, new_by_o
         shard = new_by_old[id(p)]
         carried = {}
         for key, value in state.items():
-            if cut(p, key, value):
+            if cut(p, value):
                 whole = distribute_tensor(value.detach().to(shard.device_mesh.device_type), shard.device_mesh,
                                           shard.placements, src_data_rank=None)
                 value = torch.zeros_like(shard, dtype=value.dtype)   # the parameter's placement and device
