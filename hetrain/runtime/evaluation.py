@@ -58,17 +58,19 @@ def _evaluate(session: Any, inputs: Any, target: Any, loss_fn: Callable[[Any, An
 
 def batch_items(num_items: Any, inputs: Any, target: Any) -> float:
     """The items of a data-parallel rank's batch: `num_items` (a number, or a function of the target), else its
-    samples: the rows of the target, or of the inputs where the model takes its labels with them (a Hugging Face
-    model's `labels`, target None)."""
+    samples: the rows of the target's tensors, or of the inputs' where the target has none (a Hugging Face model
+    takes its `labels` with its inputs, target None), which must all agree."""
     if callable(num_items):
         return items_as_number(num_items(target))
     if num_items is not None:
         return items_as_number(num_items)
-    rows = [t for t in tensors(target) + tensors(inputs) if t.dim() > 0]
-    if not rows:
-        raise HetrainError("session.evaluate() found no tensor with a row per sample in the target or the inputs to "
-                           "count the batch's items: pass num_items= (a number, or a function of the target)")
-    return float(rows[0].shape[0])
+    rows = {t.shape[0] for t in tensors(target) if t.dim() > 0} or {t.shape[0] for t in tensors(inputs) if t.dim() > 0}
+    if len(rows) != 1:   # none, or tensors of several lengths (a class-weight vector, a detection target's boxes)
+        where = "the target" if any(t.dim() > 0 for t in tensors(target)) else "the inputs"
+        raise HetrainError(f"session.evaluate() cannot tell the batch's samples from {where} (tensors of "
+                           f"{', '.join(map(str, sorted(rows))) or 'no'} rows): pass num_items= (a number, or a "
+                           "function of the target)")
+    return float(rows.pop())
 
 
 def _agreed_empty(inputs: Any, session: Any) -> bool:

@@ -179,3 +179,23 @@ def test_a_model_that_takes_its_labels_evaluates_with_target_none_and_a_number_o
     by_tokens = sum(loss * n for loss, n in zip(losses, tokens)) / sum(tokens)
     for got_samples, got_tokens in run_ranks(_evaluate_hf_style, 2):
         assert abs(got_samples - by_samples) < 1e-5 and abs(got_tokens - by_tokens) < 1e-5
+
+
+def test_the_items_of_a_batch_are_counted_only_where_its_tensors_agree_on_the_samples():
+    """A dict target holding a class-weight vector of 10 beside 6 labels was counted as 10 samples, and a
+    detection target as its first image's boxes: the mean was weighted wrongly, without a word."""
+    import pytest
+
+    from hetrain.errors import HetrainError
+    from hetrain.runtime.evaluation import batch_items
+
+    x, y = torch.randn(6, 3), torch.arange(6)
+    assert batch_items(None, x, y) == 6
+    assert batch_items(None, {"input_ids": torch.ones(6, 4, dtype=torch.long), "labels": y}, None) == 6
+    assert batch_items(None, x, torch.tensor(2.0)) == 6   # a 0-dim target: the inputs' rows
+    assert batch_items(5, x, y) == 5 and batch_items(lambda t: (t > 2).sum(), x, y) == 3
+    with pytest.raises(HetrainError, match=r"cannot tell the batch's samples from the target \(tensors of 6, 10 rows\)"
+                                           r": pass num_items="):
+        batch_items(None, x, {"weight": torch.ones(10), "labels": y})
+    with pytest.raises(HetrainError, match="pass num_items="):
+        batch_items(None, [torch.randn(3, 8, 8)] * 2, [{"boxes": torch.ones(3, 4)}, {"boxes": torch.ones(5, 4)}])
