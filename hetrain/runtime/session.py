@@ -433,8 +433,7 @@ class Session:
         return self.state.last_loss
 
     def global_mean(self, value: torch.Tensor | float, weight: float | None = None) -> float:
-        """The mean over all ranks of per-rank means, weighted by each rank's items: by default this
-        step's items so far, or the last finished step's after `step()` (collective)."""
+        """The mean over ranks of per-rank means, weighted by their items (this step's, or the last's) (collective)."""
         self.state.refuse_between_micro_batches("session.global_mean()", GLOBAL_MEAN_FIX, forward=False)
         return weighted_mean(value, self.state.mean_weight() if weight is None else weight, self.device)
 
@@ -454,6 +453,7 @@ class Session:
 
     def barrier(self) -> None:
         """Every rank waits until each has reached it, however long one rank's work before it takes (collective)."""
+        self.state.check_open()
         meet(self.watch)
 
     def model_state_dict(self) -> dict[str, torch.Tensor] | None:

@@ -96,7 +96,9 @@ class StepState:
     def refuse_between_micro_batches(self, call: str, fix: str, forward: bool = True) -> None:
         """A collective of the script's own called between a step's micro-batches, which ranks may run different
         numbers of: the calls would not pair up (gloo's 'Received data size doesn't match', then SIGABRT). Where
-        every rank runs the job's count (`equal_pieces`: FSDP2, SyncBatchNorm) one without a forward pairs."""
+        every rank runs the job's count (`equal_pieces`: FSDP2, SyncBatchNorm) one without a forward pairs. Refused
+        after close() too: the session's process group is gone."""
+        self.check_open()
         if self.active and self.backwards > 0 and not self.last_micro and (forward or not self.equal_pieces):
             raise HetrainError(
                 f"{call} ran between the micro-batches of a step (session.step() returned False: the step has more): "

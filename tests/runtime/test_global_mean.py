@@ -70,3 +70,21 @@ def test_a_float64_figure_keeps_its_precision():
     with hetrain.Session(balance=False) as session:
         assert session.global_mean(torch.tensor(1e8 + 0.5, dtype=torch.float64), weight=1) == 1e8 + 0.5
         assert session.global_mean(torch.tensor(3, dtype=torch.int64), weight=1) == 3.0
+
+
+def test_collectives_after_close_name_the_closed_session():
+    """After close() global_mean(), evaluate() and barrier() failed with torch's 'Default process group has not
+    been initialized', where step() names the closed session and the fix."""
+    import pytest
+
+    import hetrain
+    from hetrain.errors import HetrainError
+
+    session = hetrain.Session(balance=False)
+    net = torch.nn.Linear(3, 1)
+    session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    session.close()
+    for call in (lambda: session.global_mean(1.0, weight=1), session.barrier,
+                 lambda: session.evaluate(torch.ones(2, 3), torch.ones(2, 1), torch.nn.functional.mse_loss)):
+        with pytest.raises(HetrainError, match="the session was closed"):
+            call()
