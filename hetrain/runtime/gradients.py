@@ -250,6 +250,9 @@ def weighted_mean(value: torch.Tensor | float, weight: float, device: torch.devi
     """The mean over all ranks of each rank's `value`, weighted by its `weight` (collective); NaN when
     every weight is 0."""
     w = float(weight)
+    if not w >= 0 or w == float("inf"):   # NaN too
+        raise HetrainError(f"session.global_mean(weight={weight!r}): a weight is what this rank's value is a mean "
+                           "over (its samples or tokens, 0 for none, 1 for a plain mean over ranks)")
     if isinstance(value, torch.Tensor) and value.numel() != 1:
         raise HetrainError(f"session.global_mean() takes one number per rank, got a tensor of {value.numel()} "
                            "elements; call it once per figure (or all-reduce a sum and a count yourself)")

@@ -89,6 +89,9 @@ def pad_to_speed(elapsed: float, speed: float | None) -> float:
 
 def idle_fraction(wall_seconds, compute_seconds, last: int | None = None) -> float:
     """Fraction of the wall time of the last `last` steps (all when None) spent not computing."""
+    if last is not None and (isinstance(last, bool) or not isinstance(last, int) or last < 1):
+        raise HetrainError(f"idle_fraction(last={last!r}): the number of recent steps to measure, 1 or more (None: "
+                           "every step)")
     wall = list(wall_seconds)[-last:] if last else list(wall_seconds)
     comp = list(compute_seconds)[-last:] if last else list(compute_seconds)
     return max(0.0, 1.0 - sum(comp) / sum(wall)) if wall and sum(wall) > 0 else 0.0

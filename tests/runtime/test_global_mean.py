@@ -88,3 +88,22 @@ def test_collectives_after_close_name_the_closed_session():
                  lambda: session.evaluate(torch.ones(2, 3), torch.ones(2, 1), torch.nn.functional.mse_loss)):
         with pytest.raises(HetrainError, match="the session was closed"):
             call()
+
+
+def test_a_weight_or_a_step_count_that_cannot_be_one_is_refused_naming_what_it_is():
+    """weight=-1 on one rank (the weights then summed to 0) and weight=nan gave nan without a word; idle_fraction's
+    last=0 measured every step and last=-1 dropped the first."""
+    import pytest
+
+    import hetrain
+    from hetrain.errors import HetrainError
+
+    with hetrain.Session(balance=False) as session:
+        for weight in (-1, float("nan"), float("inf")):
+            with pytest.raises(HetrainError, match=r"global_mean\(weight=.*\): a weight is what this rank's value"):
+                session.global_mean(1.0, weight=weight)
+        assert session.global_mean(2.0, weight=0) != session.global_mean(2.0, weight=0)   # no items anywhere: NaN
+        for last in (0, -1, 1.5):
+            with pytest.raises(HetrainError, match=r"idle_fraction\(last=.*\): the number of recent steps"):
+                session.idle_fraction(last=last)
+        assert session.idle_fraction(last=3) == 0.0   # no step yet
