@@ -244,6 +244,7 @@ class TrainState:
                 "when it resumes (at session.loader()): build it with the groups it was saved with (one the run "
                 "added with optimizer.add_param_group must be there from the start, its parameters frozen with "
                 f"requires_grad=False until they train: docs/checkpoints.md), or {START_FROM_WEIGHTS}")
+        changed = replaced_settings(theirs, ours, scheduled=bool(shared.get("schedulers")))
         for i, (a, b) in enumerate(zip(theirs, ours)):
             kinds = [k for k in STATE_KINDS if k in a and k in b and _kind_differs(k, a[k], b[k])
                      and not (k == "momentum" and "base_momentum" in a)]   # one a schedule cycles, to 0 maybe
@@ -253,8 +254,6 @@ class TrainState:
                     f"{where}: parameter group {i} of the optimizer keeps other state than the checkpoint's ({detail}), "
                     f"and a sharded checkpoint is read into the state the script's optimizer keeps; build it with the "
                     f"checkpoint's settings, or {START_FROM_WEIGHTS}")
-        changed = replaced_settings(theirs, ours, scheduled=bool(shared.get("schedulers")))
-        for i, (a, b) in enumerate(zip(theirs, ours)):
             # keys only one side has are a scheduler's own (max_lr, base_momentum, ...), set when it is built; the
             # others (a weight decay the script schedules by hand) go on as the checkpoint has them, as lr does
             changed += [f"group {i} {k}: checkpoint {a[k]!r}, script {b[k]!r}" for k in sorted(set(a) & set(b))
