@@ -22,12 +22,12 @@ MAX_PORT = 65535
 BIND_ADDR = "0.0.0.0"  # reachable by a Prometheus on another host or pod
 
 
-def check_port_range(base: int, nproc_per_node: int) -> None:
-    """`--metrics-port` must leave room for PORT..PORT+nproc_per_node-1."""
+def check_port_range(base: int, nproc_per_node: int, given_as: str = "--metrics-port {}") -> None:
+    """`--metrics-port` (or what `given_as` names) must leave room for PORT..PORT+nproc_per_node-1."""
     last = base + nproc_per_node - 1
     if base < 1 or last > MAX_PORT:
         raise HetrainError(
-            f"--metrics-port {base}: local ranks serve ports {base}..{last}, outside 1..{MAX_PORT}; "
+            f"{given_as.format(base)}: local ranks serve ports {base}..{last}, outside 1..{MAX_PORT}; "
             f"choose a base port between 1024 and {MAX_PORT - nproc_per_node + 1}"
         )
 

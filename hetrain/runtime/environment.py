@@ -130,8 +130,17 @@ def pick_device(local_rank: int, device: str | torch.device | None = None) -> to
     """The device given, else this local rank's GPU, else the CPU."""
     if device is not None:
         chosen = torch.device(device)
-        if chosen.type == "cuda" and chosen.index is None and torch.cuda.is_available():
-            return torch.device("cuda", local_rank % torch.cuda.device_count())   # "cuda": this local rank's GPU
+        if chosen.type == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if count == 0:
+                raise HetrainError(f"Session(device={str(device)!r}): torch sees no CUDA device on this machine "
+                                   "(torch.cuda.is_available() is False); leave device= unset to take this rank's "
+                                   "GPU where there is one and the CPU elsewhere")
+            if chosen.index is None:
+                return torch.device("cuda", local_rank % count)   # "cuda": this local rank's GPU
+            if chosen.index >= count:
+                raise HetrainError(f"Session(device={str(device)!r}): this machine has {count} CUDA device(s), "
+                                   f"cuda:0..cuda:{count - 1}; leave device= unset to take local rank's own GPU")
         return chosen
     if torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from hetrain.checkpoint import lease
 from hetrain.errors import HetrainError
 from hetrain.metrics.events import CheckpointRecord, StepRecord
+from hetrain.metrics.serve import check_port_range
 from hetrain.runtime.measured import FlopMeter, rates_by_kind
 from hetrain.vocabulary import Env
 
@@ -34,6 +35,26 @@ def run_directory(checkpoint_dir: str | None) -> Path | None:
     else the checkpoint directory, else none; absolute, so a script that changes directory keeps it."""
     chosen = os.environ.get(Env.RUN_DIR) or checkpoint_dir
     return Path(chosen).absolute() if chosen else None
+
+
+def metrics_port_setting(given: Any) -> int | None:
+    """Session(metrics_port=), else HETRAIN_METRICS_PORT (0 or unset: none), checked when the session is
+    made: this node's local ranks serve PORT..PORT+N-1, all of which must be TCP ports."""
+    if given is None:
+        value = os.environ.get(Env.METRICS_PORT, "")
+        if value in ("", "0"):
+            return None
+        if not value.isdigit():
+            raise HetrainError(f"{Env.METRICS_PORT}={value!r} is not a port; set it to a whole number "
+                               "from 1024 to 65535, or unset it")
+        given, given_as = int(value), f"{Env.METRICS_PORT}={{}}"
+    elif isinstance(given, bool) or not isinstance(given, int):
+        raise HetrainError(f"Session(metrics_port={given!r}): the base port is a whole number, e.g. 9400 "
+                           "(each local rank serves base + its local rank), or None for no metrics")
+    else:
+        given_as = "Session(metrics_port={})"
+    check_port_range(given, max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)), given_as)
+    return given
 
 
 def plan_step_seconds(plan: Any) -> float | None:

@@ -39,12 +39,12 @@ from hetrain.runtime.cross_rank import gather_rows
 from hetrain.runtime.data import HeteroLoader, make_loader
 from hetrain.runtime.evaluation import evaluate
 from hetrain.runtime.export import full_model_state
-from hetrain.runtime.environment import (RankEnv, collective_timeout, configure_logging, env_int, init_process_group,
+from hetrain.runtime.environment import (RankEnv, collective_timeout, configure_logging, init_process_group,
                                          leave_group, pick_device, print_user_errors_as_one_line, progress_timeout,
                                          restore_logging)
 from hetrain.runtime.gradients import (GradientStatus, SkipCounter, StepFigures, agree_items_per_sample, clip_gradients,
                                        finish_gradients, launch_step_figures, weighted_mean)
-from hetrain.runtime.reporting import Reports, plan_step_seconds, run_directory, step_record
+from hetrain.runtime.reporting import Reports, metrics_port_setting, plan_step_seconds, run_directory, step_record
 from hetrain.runtime.parallelize import Prepared, equal_piece_counts, exact_zeros, gradient_sync, reduce_late_trainable
 from hetrain.runtime.pipeline_schedule import call_model, item_counter
 from hetrain.runtime.prepare_model import prepare_model
@@ -88,7 +88,7 @@ class Session:
         # Every setting is read and checked before the process group exists: a bad value stops here.
         self._checkpoint_args = checkpoint_settings(checkpoint_dir, checkpoint_interval, keep_checkpoints,
                                                     async_checkpoints)
-        self._metrics_port = metrics_port if metrics_port is not None else env_int(Env.METRICS_PORT, 0) or None
+        self._metrics_port = metrics_port_setting(metrics_port)
         loss_scale, self._balance_overrides = loss_scale_settings(loss_scale), balance_overrides(balance, balance_interval)
         collective_timeout()
         if plan is None and os.environ.get(Env.PLAN):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import hetrain
 from torch.utils.data import TensorDataset
 
 from hetrain.errors import HetrainError
@@ -246,6 +247,35 @@ def test_a_device_named_without_an_index_is_this_local_ranks(monkeypatch):
     assert pick_device(5, "cuda") == torch.device("cuda", 1)
     assert pick_device(5, "cuda:3") == torch.device("cuda", 3)
     assert pick_device(5, "cpu") == torch.device("cpu")
+    with pytest.raises(HetrainError, match=r"4 CUDA device\(s\), cuda:0..cuda:3; leave device= unset"):
+        pick_device(0, "cuda:4")
+
+
+def test_a_cuda_device_asked_of_a_machine_without_one_names_the_fix(monkeypatch):
+    """Session(device="cuda") on a CPU host gave torch's "Torch not compiled with CUDA enabled" deep in set-up."""
+    from hetrain.runtime.environment import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(HetrainError, match=r"Session\(device='cuda'\): torch sees no CUDA device.*leave device= unset"):
+        pick_device(0, "cuda")
+    with pytest.raises(HetrainError, match="torch sees no CUDA device"):
+        hetrain.Session(device="cuda:0")
+    assert pick_device(0, "cpu") == torch.device("cpu")
+
+
+@pytest.mark.parametrize("given, env, message", [
+    (70000, None, r"Session\(metrics_port=70000\): local ranks serve ports 70000..70000, outside 1..65535"),
+    ("9400", None, r"Session\(metrics_port='9400'\): the base port is a whole number"),
+    (None, "70000", r"HETRAIN_METRICS_PORT=70000: local ranks serve ports"),
+    (None, "ninety", r"HETRAIN_METRICS_PORT='ninety' is not a port"),
+])
+def test_a_metrics_port_that_is_no_port_is_refused_when_the_session_is_made(monkeypatch, given, env, message):
+    """Session(metrics_port=70000) was taken, and refused only at loader(), in the launcher flag's words."""
+    if env is not None:
+        monkeypatch.setenv("HETRAIN_METRICS_PORT", env)
+    with pytest.raises(HetrainError, match=message):
+        hetrain.Session(metrics_port=given)
+    assert not torch.distributed.is_initialized()   # refused before the process group starts
 
 
 _SESSIONS_ONE_AFTER_ANOTHER = """
