@@ -56,7 +56,9 @@ class KeptOutputs:
         self.drop()
         if not used:
             return None
-        return sum((t.sum() * 0.0 for t in used), torch.nan_to_num(loss.detach()) * 0.0)
+        # in float32: a half tensor's backward casts the loss scale to its dtype (65536 is past fp16's 65504: inf,
+        # and inf x 0 is NaN); float() casts the zero gradient back instead
+        return sum((t.float().sum() * 0.0 for t in used), torch.nan_to_num(loss.detach().float()) * 0.0)
 
     def _branch(self, fn: Any, nr: int) -> tuple | None:
         """The sink's input for its output `nr` (the tensor DDP passed through), else None."""

@@ -359,7 +359,7 @@ def exact_zeros(prepared: Prepared, loss: torch.Tensor) -> torch.Tensor:
     others ready after the forward; a gradient for them stopped it, 'marked ready twice'). Not the loss
     times 0: a token mean over no tokens is 0/0, and its backward NaN."""
     if holds_node(loss, GATHER_NODE):   # session.gather_rows: its backward is a collective every rank joins
-        return torch.nan_to_num(loss) * 0.0   # (a rank without rows: its tensors are empty, no NaN reaches a weight)
+        return torch.nan_to_num(loss.float()) * 0.0  # (a rank without rows: its tensors are empty, no NaN reaches a weight)
     params = [p for p in prepared.parameters if p.requires_grad]
     if prepared.find_unused:
         zeros = prepared.kept.zeros(loss) if prepared.kept is not None else None
@@ -367,7 +367,7 @@ def exact_zeros(prepared: Prepared, loss: torch.Tensor) -> torch.Tensor:
             return zeros
         reached = reachable_parameters(loss)
         params = [p for p in params if id(p) in reached]
-    return sum((p.sum() * 0.0 for p in params), torch.nan_to_num(loss.detach()) * 0.0)
+    return sum((p.float().sum() * 0.0 for p in params), torch.nan_to_num(loss.detach().float()) * 0.0)   # float: as kept_outputs
 
 
 def reachable_parameters(loss: torch.Tensor) -> set[int]:

@@ -56,14 +56,14 @@ def _optimizer(net):   # weight decay moves a parameter given a zero gradient, a
     return torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.1)
 
 
-def _reference(case):
+def _reference(case, steps=STEPS):
     net, (x, y) = (_AuxOutput() if case in ("aux", "own_loss") else _TwoHeads()), _data()
     if case == "unfreeze":
         net.body.requires_grad_(False)
         net.head_b.requires_grad_(False)
     opt = _optimizer(net)
     n = sum(SHARES)
-    for step in range(STEPS):
+    for step in range(steps):
         if case == "unfreeze" and step == UNFREEZE_AT:
             net.requires_grad_(True)
         used = SHARES[0] if case in ("unused", "aux", "own_loss") and step == NO_ITEMS_AT else n
@@ -75,11 +75,11 @@ def _reference(case):
     return [p.detach() for p in net.parameters()]
 
 
-def _train(rank, world, case, sharding, find_unused):
+def _train(rank, world, case, sharding, find_unused, precisions=("fp32", "fp32"), steps=STEPS):
     import hetrain
 
     plan = Plan(global_batch_size=sum(SHARES), sharding=sharding, balance=BalancePlan(enabled=False),
-                ranks=[RankPlan(rank=r, share=s) for r, s in enumerate(SHARES)])
+                ranks=[RankPlan(rank=r, share=s, precision=p) for (r, s), p in zip(enumerate(SHARES), precisions)])
     session = hetrain.Session(plan)
     net = {"aux": _AuxOutput, "own_loss": _OwnLoss}.get(case, _TwoHeads)()
     if case == "unfreeze":
@@ -90,6 +90,8 @@ def _train(rank, world, case, sharding, find_unused):
     try:
         for xb, yb in session.loader(torch.utils.data.TensorDataset(x, y), global_batch_size=sum(SHARES),
                                      shuffle=False):
+            if session.step_count == steps:
+                break
             if case == "unfreeze" and session.step_count == UNFREEZE_AT:
                 net.requires_grad_(True)
             no_items = case in ("unused", "aux", "own_loss") and rank == 1 and session.step_count == NO_ITEMS_AT
@@ -99,7 +101,8 @@ def _train(rank, world, case, sharding, find_unused):
                 with torch.no_grad():   # a look at the model between forward and backward
                     model(xb, False, yb, mask)
             else:
-                out = model(xb, session.step_count % 2 == 1)
+                with session.autocast():
+                    out = model(xb, session.step_count % 2 == 1)
                 per_sample = (((out["out"] if case == "aux" else out) - yb) ** 2).mean(1)
                 loss = (per_sample * mask).sum() / mask.sum()   # a hand-made mean: 0/0 where nothing counts
             session.backward(loss, num_items=mask.sum())
@@ -148,6 +151,18 @@ def test_a_parameter_behind_an_output_the_loss_leaves_keeps_no_gradient_when_a_r
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
         assert torch.equal(got[-2], net.head_b.weight.detach())   # never trained
+
+
+@pytest.mark.parametrize("sharding", ["none", "zero1"])
+def test_an_fp16_rank_without_items_applies_the_step_at_the_default_loss_scale(sharding):
+    """The zeros of a rank without items were its fp16 outputs' sum times 0: backward cast the loss scale,
+    65536, to fp16 (inf, past its 65504) and inf x 0 made NaN, so every rank skipped a step one process applies
+    and halved the scale, again whenever the scale grew back to 65536. (Up to the step after: a later one
+    overflows in fp16 at that scale on its own, as dynamic loss scaling expects.)"""
+    want = _reference("aux", steps=NO_ITEMS_AT + 1)
+    for got in run_ranks(_train, 2, "aux", sharding, True, ("fp32", "fp16"), NO_ITEMS_AT + 1):
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=0, atol=2e-3)
 
 
 def test_the_outputs_kept_for_a_rank_without_items_go_once_their_backward_ran():
