@@ -48,6 +48,14 @@ def closed(session: Any) -> None:
         heir.watch, session.watch = heir.watch or session.watch, None
 
 
+def earlier_companion(session: Any) -> Any:
+    """The oldest session of this process still open that was made before `session` and had drawn no batch then (a
+    GAN's first session, beside its second), or None."""
+    alive = _alive()
+    mine = next((peers for ref, peers in _open if ref() is session), [])
+    return next((p() for p in mine if any(p() is s for s in alive)), None)
+
+
 def _companions(session: Any) -> list[Any]:
     mine = next((peers for ref, peers in _open if ref() is session), [])
     out = []

@@ -22,6 +22,7 @@ from hetrain.checkpoint import lease
 from hetrain.errors import HetrainError
 from hetrain.metrics.events import CheckpointRecord, StepRecord
 from hetrain.metrics.serve import check_port_range
+from hetrain.runtime.companions import earlier_companion
 from hetrain.runtime.measured import FlopMeter, rates_by_kind
 from hetrain.vocabulary import Env
 
@@ -55,6 +56,41 @@ def metrics_port_setting(given: Any) -> int | None:
         given_as = "Session(metrics_port={})"
     check_port_range(given, max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)), given_as)
     return given
+
+
+def metrics_beside(port: int | None, given: bool, run_dir: Path | None, first_port: int | None,
+                   first_run_dir: Path | None, local_ranks: int) -> tuple[int | None, Path | None]:
+    """The base port and run directory of a session made beside an earlier one of this process that is still open
+    (a GAN's second session, hetrain.runtime.companions): the first keeps the job's ports and run log, so this one
+    serves only a base port the script gave it (`Session(metrics_port=)`) whose ports are none of the first's, and
+    writes only to a run directory that is not the first's (its own checkpoint_dir, without --run-dir)."""
+    apart = first_port is None or (port is not None and abs(port - first_port) >= local_ranks)
+    return (port if given and apart else None), (run_dir if run_dir != first_run_dir else None)
+
+
+def start_metrics(session: Any) -> None:
+    """Prometheus on the session's metrics port, and the run log (hetrain report) wherever the run has a directory;
+    a session made beside an earlier open one leaves the first's to it (`metrics_beside`), saying so on rank 0."""
+    port, run_dir, first = session.metrics_port, session.run_dir, earlier_companion(session)
+    if first is not None:
+        local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+        port, run_dir = metrics_beside(port, session.metrics_port_given, run_dir, first.metrics_port, first.run_dir,
+                                       local_ranks)
+        missing = ([f"on the metrics ports {session.metrics_port}.."] if port != session.metrics_port else []) + \
+            ([f"in the run log {session.run_dir / 'metrics'}"] if run_dir != session.run_dir else [])
+        if missing and session.is_main:
+            log.info("this session was made beside an earlier one of this process (two models trained side by side): "
+                     "the first's figures are the job's, this one's are not %s (Session(metrics_port=) of its own, "
+                     "apart from the first's ports, serves them)", " nor ".join(missing))
+    session.reports.run_dir = run_dir   # where its measured rates go too
+    if port is None and run_dir is None:
+        return
+    session.reports.start_metrics(
+        port=port, rank=session.rank, local_rank=session.local_rank, world_size=session.world_size,
+        device=session.device, device_name=session.entry.device, precision=session.precision,
+        emulated=session.emulated, job=os.environ.get("TORCHELASTIC_RUN_ID", "local"),
+        restart_count=session.restart_count, predicted_step_seconds=plan_step_seconds(session.plan),
+        module=session.prepared.module, whole_model=session.pipeline is None)
 
 
 def plan_step_seconds(plan: Any) -> float | None:

@@ -44,7 +44,7 @@ from hetrain.runtime.environment import (RankEnv, collective_timeout, configure_
                                          restore_logging)
 from hetrain.runtime.gradients import (GradientStatus, SkipCounter, StepFigures, agree_items_per_sample, clip_gradients,
                                        finish_gradients, launch_step_figures, weighted_mean)
-from hetrain.runtime.reporting import Reports, metrics_port_setting, plan_step_seconds, run_directory, step_record
+from hetrain.runtime.reporting import Reports, metrics_port_setting, run_directory, start_metrics, step_record
 from hetrain.runtime.parallelize import Prepared, equal_piece_counts, exact_zeros, gradient_sync, reduce_late_trainable
 from hetrain.runtime.pipeline_schedule import call_model, item_counter
 from hetrain.runtime.prepare_model import prepare_model
@@ -88,7 +88,7 @@ class Session:
         # Every setting is read and checked before the process group exists: a bad value stops here.
         self._checkpoint_args = checkpoint_settings(checkpoint_dir, checkpoint_interval, keep_checkpoints,
                                                     async_checkpoints)
-        self._metrics_port = metrics_port_setting(metrics_port)
+        self.metrics_port, self.metrics_port_given = metrics_port_setting(metrics_port), metrics_port is not None
         loss_scale, self._balance_overrides = loss_scale_settings(loss_scale), balance_overrides(balance, balance_interval)
         collective_timeout()
         if plan is None and os.environ.get(Env.PLAN):
@@ -232,7 +232,7 @@ class Session:
                                              self.reports.checkpoint)
         self.train = train
         self.skips.total = self.train.skipped_steps   # a resumed run keeps counting its skipped steps
-        self._start_metrics()
+        start_metrics(self)   # Prometheus and the run log (a GAN's second session leaves them to its first)
         return loader
 
     @property
@@ -486,15 +486,3 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # -- services: checkpoints and metrics ----------------------------------------------------------
-
-    def _start_metrics(self) -> None:
-        """Prometheus on --metrics-port, and the run log (hetrain report) wherever the run has a directory."""
-        if self._metrics_port is not None or self.run_dir is not None:
-            self.reports.start_metrics(
-                port=self._metrics_port, rank=self.rank, local_rank=self.local_rank, world_size=self.world_size,
-                device=self.device, device_name=self.entry.device, precision=self.precision, emulated=self.emulated,
-                job=os.environ.get("TORCHELASTIC_RUN_ID", "local"), restart_count=self.restart_count,
-                predicted_step_seconds=plan_step_seconds(self.plan), module=self.prepared.module,
-                whole_model=self.pipeline is None)
