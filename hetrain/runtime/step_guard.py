@@ -52,8 +52,8 @@ GONE_BEFORE_STEP = ("the step's gradients are gone between session.backward() an
                     "None: an optimizer.zero_grad() there?), so the step would apply nothing; remove it "
                     "(session.step() zeroes the gradients after each step)")
 BACKWARD_TWICE = ("session.backward() was called twice for one batch; add the losses and call it once: "
-                  "session.backward(loss_a + loss_b) (with num_items of the combined loss); to run a rank's share in "
-                  "smaller pieces for memory, give its plan entry a micro_batch (hetrain runs the pieces); a step that "
+                  "session.backward(loss_a + loss_b) (a token mean beside a sample mean: docs/porting.md); to run a "
+                  "rank's share in smaller pieces for memory, give its plan entry a micro_batch (hetrain runs the pieces); a step that "
                   "takes two gradients in turn (SAM) cannot be run by session.step() (docs/porting.md)")
 MID_STEP_LR = ("the learning rate changed between the micro-batches of one step: a scheduler stepped after every "
                "session.step() call runs once per micro-batch (the loop body does), so its schedule runs that many "
