@@ -429,7 +429,8 @@ def check_reduced(comm_state, find_unused: bool = False) -> None:
         raise HetrainError(
             "this step's gradients were not all-reduced: some parameters got no gradient in its backward (a "
             "branch or head the forward did not use, or a parameter frozen after session.prepare()); pass "
-            "session.prepare(model, optimizer, find_unused_parameters=True), as with DDP")
+            "session.prepare(model, optimizer, find_unused_parameters=True), as with DDP; a head whose loss goes "
+            "to a second session.backward() of the batch: add the losses and call it once")
     if not comm_state.reduced:
         raise HetrainError(
             "this step's gradients were not all-reduced: its forward ran through the unwrapped model "

@@ -131,6 +131,7 @@ def test_a_forward_that_leaves_parameters_without_gradient_is_named_and_find_unu
     variable ready only once'; through the loss's graph, a 0/0 mean's NaN skipped the step)."""
     errors = run_ranks(_train, 2, "unused", "none", False)
     assert all("some parameters got no gradient" in e and "find_unused_parameters=True" in e for e in errors), errors
+    assert all("second session.backward() of the batch: add the losses" in e for e in errors), errors   # multi-task
     want = _reference("unused")
     for got in run_ranks(_train, 2, "unused", "zero1", True):
         for a, b in zip(got, want):
