@@ -8,7 +8,7 @@ from pathlib import Path
 
 from hetrain.errors import HetrainError
 from hetrain.launch.k8s import (K8sJob, catalog_kinds, checkpoint_note, manifests, parse_node_selector, plan_notes,
-                                to_yaml)
+                                to_yaml, unselected_kinds_note)
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
                            args.min_replicas if args.max_replicas is None else args.max_replicas, args.gpus_per_node)
         plan_json = Path(args.plan).read_text(encoding="utf-8")
     selectors = catalog_kinds(selectors, plan)
+    notes.append(unselected_kinds_note(plan, selectors))
     script_args = list(args.script_args)
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]

@@ -83,6 +83,19 @@ def catalog_kinds(selectors: list[NodeSelector], plan: Any = None) -> list[NodeS
     return out
 
 
+def unselected_kinds_note(plan: Any, selectors: list[NodeSelector]) -> str | None:
+    """Selectors that admit some of the plan's device kinds only (as `catalog_kinds` names them): pods never land
+    on the others, so their entries go unused. Said, not refused: a job may leave a kind out on purpose."""
+    if plan is None or not selectors:
+        return None
+    left = sorted({e.device for e in plan.ranks} - {s.kind for s in selectors})
+    if not left:
+        return None
+    return (f"note: the plan's {', '.join(left)} has no --node-selector: the selectors admit "
+            f"{', '.join(sorted({s.kind for s in selectors}))} only, so no pod lands on such a node and the ranks "
+            f"re-split the shares without it; add --node-selector {left[0]}=KEY=VALUE to run on it")
+
+
 def plan_notes(plan: Any, min_replicas: int, max_replicas: int, gpus_per_node: int) -> list[str]:
     """A plan for another number of ranks than the job may have is said, not refused (the ranks re-split
     its shares for the devices present)."""

@@ -69,6 +69,12 @@ def test_a_node_selector_for_a_kind_the_plan_lacks_is_refused_and_another_size_i
     err = capsys.readouterr().err
     assert "the plan has 3 ranks and the job runs 16 to 32 (8 per pod)" in err, err
     assert "gpu-kinds: a100-sxm4-80gb,v100-sxm2-32gb" in (tmp_path / "j.yaml").read_text()
+    assert "has no --node-selector" not in err
+    # a selector for one of the plan's two kinds: every pod on A100 nodes, the V100 entries never used
+    assert main([*common, "--node-selector", "a100=k=a"]) == 0
+    err = capsys.readouterr().err
+    assert "note: the plan's v100-sxm2-32gb has no --node-selector: the selectors admit a100-sxm4-80gb only" in err \
+        and "add --node-selector v100-sxm2-32gb=KEY=VALUE" in err, err
     # a short name is the plan's device it names: A100 for a plan of A100 PCIe 40 GB cards
     pcie = tmp_path / "pcie.json"
     Plan(global_batch_size=8, ranks=[RankPlan(rank=0, device="a100-pcie-40gb", share=8)]).save(pcie)
