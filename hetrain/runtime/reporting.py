@@ -213,11 +213,15 @@ class Reports:
             log.warning("measured rates not written to %s (%s)", self.run_dir, e)
 
     def close(self) -> None:
-        self._write_rates()
-        for observer in self.observers:
-            closer = getattr(observer, "close", None)
-            if closer is not None:
-                closer()
+        """Close every observer, then give back what the session holds, even when an observer's close() raises;
+        the first error is raised after all of it (the next session can take the port and the run directory)."""
+        errors = []
+        for closer in [self._write_rates] + [getattr(o, "close", None) for o in self.observers]:
+            try:
+                if closer is not None:
+                    closer()
+            except Exception as e:  # noqa: BLE001 - raised below, once everything is closed
+                errors.append(e)
         self.observers = []
         if self._flop_meter is not None:   # its hooks leave the script's model (a model prepared again keeps none)
             self._flop_meter.remove()
@@ -225,6 +229,10 @@ class Reports:
         if self._release_lease is not None:
             self._release_lease()
             self._release_lease = None
+        for later in errors[1:]:
+            log.warning("an observer's close() raised too: %r", later)
+        if errors:
+            raise errors[0]
 
 
 def _stop_together(error: HetrainError | None, rank: int, device: torch.device, what: str) -> None:

@@ -476,10 +476,12 @@ class Session:
         if self.checkpoints is not None:   # no final checkpoint the others, in a step, could not join
             self.checkpoints.close(save=not failing)
             self.checkpoints = None
-        self.reports.close()
-        restore_logging(self._log_level_token)
-        if self.owns_group and dist.is_initialized():
-            leave_group(failing, self.balancer.arrived if self.balancer is not None else None)
+        try:   # an observer's close() that raises (raised here) leaves nothing else open
+            self.reports.close()
+        finally:
+            restore_logging(self._log_level_token)
+            if self.owns_group and dist.is_initialized():
+                leave_group(failing, self.balancer.arrived if self.balancer is not None else None)
 
     def __enter__(self) -> "Session":
         return self
