@@ -25,9 +25,9 @@ MEASURED_RATIOS: dict[str, float] = {"fp16": 0.5, "bf16": 0.5, "int8": 0.252}
 def powersgd_ratio(profile: WorkloadProfile, rank: int = 2) -> float:
     """rank*(m+n) per (m x n) matrix sent instead of m*n; vectors (biases, norms) go uncompressed."""
     matrix_params = sum(m * n for m, n in profile.matrix_shapes)
-    vector_params = max(0, profile.params - matrix_params)
+    vector_params = max(0, profile.trained_params - matrix_params)
     sent = vector_params + sum(min(m * n, rank * (m + n)) for m, n in profile.matrix_shapes)
-    return sent / max(profile.params, 1)
+    return sent / max(profile.trained_params, 1)
 
 
 def analytic_ratio(hook: str, profile: WorkloadProfile | None = None, powersgd_rank: int = 2,

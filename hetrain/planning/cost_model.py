@@ -184,7 +184,8 @@ def optimizer_seconds(profile: WorkloadProfile, spec, optimizer: str | None) -> 
     (0 without an optimizer named). The same on every rank of a kind, whatever its share."""
     if optimizer is None:
         return 0.0
-    return parameter_pass_seconds(OPTIMIZER_STEP_BYTES[optimizer], profile, spec)
+    # over the trained parameters only: a frozen one has no gradient, and torch's optimizers skip it
+    return parameter_pass_seconds(OPTIMIZER_STEP_BYTES[optimizer], profile, spec) * profile.trained_params / profile.params
 
 
 def sample_seconds(profile: WorkloadProfile, spec, precision: str, calib: Calibration | None = None,
@@ -249,15 +250,18 @@ def activation_bytes_per_sample(profile: WorkloadProfile, precision: str, checkp
 
 
 def state_bytes(params: float, precision: str, optimizer: str, zero: int = 0, world: int = 1,
-                largest_block_params: float = 0.0) -> tuple[float, float, float]:
+                largest_block_params: float = 0.0, trained: float | None = None) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes: fp32 master weights, a 16-bit cast cache in mixed
-    precision, fp32 gradients; ZeRO-1 shards optimizer state, 2 also gradients, 3 also weights."""
+    precision, fp32 gradients; ZeRO-1 shards optimizer state, 2 also gradients, 3 also weights.
+    Gradients and optimizer state are of the `trained` parameters (all `params` by default): a frozen
+    one has neither."""
     opt = OPTIMIZER_STATE_BYTES[optimizer]
     cast = 2.0 if ELEMENT_BYTES[precision] == 2 else 0.0
     world = max(1, world)
+    trained = params if trained is None else trained
     weights = (4.0 + cast) * params
-    grads = 4.0 * params
-    optim = opt * params
+    grads = 4.0 * trained
+    optim = opt * trained
     if zero >= 1:
         optim /= world
     if zero >= 2:
@@ -281,15 +285,16 @@ def memory_estimate(profile: WorkloadProfile, precision: str, micro_batch: int, 
     if blocks is not None:
         start, stop, _ = blocks.indices(len(profile.blocks))
         params = profile.held_params(start, stop)
+        trained = profile.held_trained_params(start, stop)
         largest = max((profile.held_params(i, i + 1) for i in range(start, stop)), default=params)
     else:
-        params = profile.params
+        params, trained = profile.params, profile.trained_params
         largest = max((b.params for b in chosen), default=params)
-    w, g, o = state_bytes(params, precision, optimizer, zero, world, largest)
+    w, g, o = state_bytes(params, precision, optimizer, zero, world, largest, trained)
     if activations is None:
         activations = activation_bytes_per_sample(profile, precision, checkpointing, blocks) * micro_batch
     act = activations * in_flight
-    step = OPTIMIZER_STEP_TEMP_BYTES.get(optimizer, 0) * params / (max(1, world) if zero >= 1 else 1)
+    step = OPTIMIZER_STEP_TEMP_BYTES.get(optimizer, 0) * trained / (max(1, world) if zero >= 1 else 1)
     return MemoryEstimate(w, g, o, act, CONTEXT_BYTES + FRAGMENTATION * (w + g + o + max(act, step)), step)
 
 

@@ -50,7 +50,8 @@ class Kind:
         measured sizes; under activation checkpointing they shrink by the model's own ratio."""
         if not self.peaks:
             return None
-        weights, grads, _ = cm.state_bytes(profile.params, self.precision, "sgd-nomomentum")
+        weights, grads, _ = cm.state_bytes(profile.params, self.precision, "sgd-nomomentum",
+                                           trained=profile.trained_params)
         points = [(mb, max(0.0, peak - weights - grads)) for mb, peak in self.peaks]
         act = interpolate(points, micro_batch)
         if ckpt:

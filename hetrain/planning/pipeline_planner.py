@@ -90,6 +90,7 @@ def pipeline_candidates(cluster, profile: WorkloadProfile, kinds: list[Kind], gl
                 if (a, b) not in parts:
                     parts[(a, b)] = profile.model_copy(update={
                         "params": max(1, profile.held_params(a, b)),
+                        "trainable_params": profile.held_trained_params(a, b),
                         "flops_per_sample": max(1.0, sum(x.flops_per_sample for x in blocks[a:b])),
                         "activation_bytes_per_sample": sum(x.activation_bytes_per_sample for x in blocks[a:b]),
                         "blocks": [],
@@ -102,8 +103,8 @@ def pipeline_candidates(cluster, profile: WorkloadProfile, kinds: list[Kind], gl
         """The optimizer step over the parameters of the blocks in `ranges` (a 1/shards slice when
         sharded): it runs once per step after the last backward, on every rank at once, so the slowest
         rank's sets the step's."""
-        params = sum(profile.held_params(a, b) for a, b in ranges)
-        return kind.optimizer_seconds(params / shards, profile.params)
+        params = sum(profile.held_trained_params(a, b) for a, b in ranges)
+        return kind.optimizer_seconds(params / shards, profile.trained_params)
 
     speed = sorted(kinds, key=lambda k: k.sample_s)
     replicas = [1]   # the replica count stage_cost shards over (set per search)
@@ -156,12 +157,13 @@ def pipeline_candidates(cluster, profile: WorkloadProfile, kinds: list[Kind], gl
         """Exposed time of the replicas' gradient sum (all-reduce, partly under the last backward);
         sharded, a reduce-scatter plus the weights gathered in each micro-batch's forward and backward."""
         weights = max(4.0 * profile.held_params(a, b) for a, b in bounds)
+        grads = max(4.0 * profile.held_trained_params(a, b) for a, b in bounds)   # a frozen weight sends none
         topo = cm.CommTopology((1,) * d if multi_node else (d,), link, cluster.inter_node_bytes_per_s, staged)
         if zero == 0:
-            comm = cm.allreduce_cost(weights, topo).seconds
-            return cm.exposed_seconds(comm, cm.hidden_seconds(topo, slot * cm.backward_fraction(False)), weights)
+            comm = cm.allreduce_cost(grads, topo).seconds
+            return cm.exposed_seconds(comm, cm.hidden_seconds(topo, slot * cm.backward_fraction(False)), grads)
         gathers = 2 * m * cm.allreduce_cost(weights, topo, factor=1.0).seconds
-        return gathers + cm.allreduce_cost(weights, topo, factor=1.0).seconds
+        return gathers + cm.allreduce_cost(grads, topo, factor=1.0).seconds
 
     divisors = _divisors_desc(math.gcd(*counts))
     for d in divisors:

@@ -137,14 +137,16 @@ def _comm(profile: WorkloadProfile, topo: cm.CommTopology, zero: int, hook: str,
     (per micro-batch) hide under forward and backward except the first block's gather. Over devices
     that exchange data through host memory nothing hides (`cost_model.hidden_seconds`).
     """
-    grad = 4.0 * profile.params
+    grad = 4.0 * profile.trained_params   # a frozen parameter has no gradient to send
     overlap_seconds = cm.hidden_seconds(topo, overlap_seconds)
-    if zero >= 3:
-        c = cm.allreduce_cost(grad, topo, factor=1.0)
-        total = 3 * accum * c.seconds
-        first = total / (3 * accum * max(1, len(profile.blocks)))
+    if zero >= 3:   # every weight gathered in forward and in backward; the trained ones' gradients reduce-scattered
+        gather = cm.allreduce_cost(4.0 * profile.params, topo, factor=1.0)
+        scatter = cm.allreduce_cost(grad, topo, factor=1.0)
+        total = accum * (2 * gather.seconds + scatter.seconds)
+        first = gather.seconds / max(1, len(profile.blocks))
         exposed = max(total - overlap_seconds, first)
-        return exposed, exposed * (c.inter_node_seconds / c.seconds if c.seconds else 0.0)
+        inter = accum * (2 * gather.inter_node_seconds + scatter.inter_node_seconds)
+        return exposed, exposed * (inter / total if total else 0.0)
     ratio = compression_ratio(hook, profile)
     c = cm.allreduce_cost(grad * ratio, topo)
     exposed = cm.exposed_seconds(c.seconds, overlap_seconds, grad * ratio)
@@ -307,7 +309,7 @@ def _priced(strategy: str, asked: Candidate, cluster, profile: WorkloadProfile, 
     cand.step_seconds, cand.samples_per_s = step, global_batch / step
     cand.exposed_comm_seconds, cand.inter_node_seconds = exposed, net_exposed
     # the two-level all-reduce is a DDP communication hook: FSDP2 (zero3) has none to run it
-    two_level = zero < 3 and cm.allreduce_cost(4.0 * profile.params, topo).algorithm == "two-level"
+    two_level = zero < 3 and cm.allreduce_cost(4.0 * profile.trained_params, topo).algorithm == "two-level"
     cand.plan = Plan(
         global_batch_size=global_batch, strategy=strategy, sharding=STRATEGY_SHARDINGS[strategy][0], ranks=ranks,
         # a device planned idle stays so: its balancer may not hand it the min_share of 1 it has by default

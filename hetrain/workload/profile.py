@@ -39,6 +39,13 @@ class BlockProfile(BaseModel):
     tied_params: int = Field(0, ge=0, description="parameters this block shares with block `tied_to` (a tied "
                              "output embedding): counted there, held again by a pipeline stage without it")
     tied_to: int | None = Field(None, ge=0, description="index of the block that holds the tied parameters")
+    trainable_params: int | None = Field(None, ge=0, description="of `params`, those that take a gradient (None: "
+                                         "all); tied ones held again count as trained")
+
+    @property
+    def trained_params(self) -> int:
+        """Parameters of this block that take a gradient (all, where the profile does not say)."""
+        return self.params if self.trainable_params is None else min(self.trainable_params, self.params)
 
 
 class WorkloadProfile(BaseModel):
@@ -50,12 +57,15 @@ class WorkloadProfile(BaseModel):
     name: str
     kind: WorkloadKind = "other"
     params: int = Field(ge=1)
+    trainable_params: int | None = Field(None, ge=0, description="of `params`, those that take a gradient (None: "
+                                         "all): gradients, their all-reduce and optimizer state are priced on "
+                                         "these, weights on all")
     flops_per_sample: float = Field(gt=0, description="forward + backward FLOPs per sample")
     activation_bytes_per_sample: float = Field(ge=0, description="bytes saved for backward per sample")
     activation_dtype_bytes: int = Field(4, description="bytes per element the activations were counted at")
     seq_len: int | None = None
     matrix_shapes: list[tuple[int, int]] = Field(
-        default_factory=list, description="2-D (rows, cols) view of each weight with >= 2 dims"
+        default_factory=list, description="2-D (rows, cols) view of each trained weight with >= 2 dims"
     )
     blocks: list[BlockProfile] = Field(default_factory=list)
     source: str = "measured"
@@ -72,6 +82,16 @@ class WorkloadProfile(BaseModel):
         """Parameters a device that runs blocks [start, stop) holds: theirs, and the tied ones whose
         owning block runs elsewhere (a pipeline's last stage keeps its own copy of a tied embedding)."""
         return sum(b.params + (b.tied_params if b.tied_to is not None and not start <= b.tied_to < stop else 0)
+                   for b in self.blocks[start:stop])
+
+    @property
+    def trained_params(self) -> int:
+        """Parameters that take a gradient (all, where the profile does not say: profiles written before it did)."""
+        return self.params if self.trainable_params is None else min(self.trainable_params, self.params)
+
+    def held_trained_params(self, start: int, stop: int) -> int:
+        """Of `held_params(start, stop)`, those that take a gradient."""
+        return sum(b.trained_params + (b.tied_params if b.tied_to is not None and not start <= b.tied_to < stop else 0)
                    for b in self.blocks[start:stop])
 
     def activation_bytes(self, element_bytes: int) -> float:
@@ -118,7 +138,7 @@ def _kind_of(model: "nn.Module") -> WorkloadKind:
 
 
 def _matrix_shapes(model: "nn.Module") -> list[tuple[int, int]]:
-    return [(p.shape[0], p[0].numel()) for p in model.parameters() if p.dim() >= 2]
+    return [(p.shape[0], p[0].numel()) for p in model.parameters() if p.dim() >= 2 and p.requires_grad]
 
 
 def _batch_of(sample_input) -> int:
@@ -213,6 +233,7 @@ def profile(model: "nn.Module", sample_input, name: str | None = None, kind: Wor
             activation_bytes_per_sample=saved[bname] / batch,
             output_bytes_per_sample=out_bytes[bname] / batch,
             tied_params=sum(p.numel() for p in tied),
+            trainable_params=sum(p.numel() for p in block.parameters() if id(p) not in owner and p.requires_grad),
             tied_to=owner[id(tied[0])] if tied else None,
         ))
         owner.update({id(p): i for p in block.parameters() if id(p) not in owner})
@@ -225,6 +246,7 @@ def profile(model: "nn.Module", sample_input, name: str | None = None, kind: Wor
         name=name or type(model).__name__,
         kind=kind or _kind_of(model),
         params=sum(p.numel() for p in model.parameters()),
+        trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
         flops_per_sample=total_flops / batch,
         activation_bytes_per_sample=total_saved / batch,
         activation_dtype_bytes=4,
