@@ -37,7 +37,8 @@ class StepRecord:
     comm_bytes: dict[str, float] = field(default_factory=dict)  # bytes this rank sent this step, by level
     emulated: bool = False
     script_seconds: float = 0.0    # the script's own time between steps (logging, evaluation): from the
-    #                                previous step() returning to this step's first forward, less the data wait
+    #                                previous step() returning to this step's first forward, between its
+    #                                micro-batches and from its last backward to step(), less the data wait
     checkpoint_seconds: float = 0.0  # the loop held by the checkpoint save the previous step() made (its
     #                                  blocking part), which falls in this step's wall time
     model_flops: float | None = None  # forward and backward FLOPs of this step's batch, when counted

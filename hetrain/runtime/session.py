@@ -272,6 +272,7 @@ class Session:
         inputs, target = self.pipeline.gather_batch((inputs, target))
         loss = self.pipeline.run(inputs, target, loss_fn, item_counter(num_items), state=self.state, scaler=self.scaler)
         self._status = None
+        self.timer.backward_returned(True)   # until step(), the loop body's own time
         return loss if loss is not None else torch.tensor(float("nan"), device=self.device)
 
     def evaluate(self, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
@@ -311,11 +312,10 @@ class Session:
             weighted = loss * self.state.weight(items)
         self.prepared.backward(self.scaler.scale_loss(weighted), first_of_step=self.state.backwards == 1)
         self._kept.after_backward(self.prepared.parameters, self.state.last_micro)
-        if not self.state.last_micro:   # until the next micro-batch's forward, the loop body's own time
-            self.timer.micro_batch_done()
         self._status = None
         if self.state.last_micro:   # finished now: what the script does before step() (torch's clipping,
             self._finish_gradients()   # logging a norm) sees the global batch's final, unscaled gradients
+        self.timer.backward_returned(self.state.last_micro)   # until the next forward (or step()): the script's time
 
     def _launch_figures(self) -> None:
         """Before the step's last backward, start the all-reduce of its items and loss (replicated gradients)."""
@@ -362,13 +362,14 @@ class Session:
         self.state.require_batch("clip_grad_norm_")
         if not self.state.last_micro:
             return None
-        status = self._finish_gradients()
-        params = [p for p in self.prepared.parameters if p.grad is not None]
-        if self.pipeline is not None:
-            norm = self.pipeline.total_norm(norm_type)
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-        else:   # a step skipped for non-finite gradients tells their norm (inf or NaN), as torch's clipping does
-            norm = clip_gradients(params, max_norm, norm_type)
+        with self.timer.collective():   # the ranks' wait in it is not the script's time
+            status = self._finish_gradients()
+            params = [p for p in self.prepared.parameters if p.grad is not None]
+            if self.pipeline is not None:
+                norm = self.pipeline.total_norm(norm_type)
+                torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+            else:   # a step skipped for non-finite gradients tells their norm (inf or NaN), as torch's clipping does
+                norm = clip_gradients(params, max_norm, norm_type)
         self._grad_norm = float(norm)
         if not math.isfinite(self._grad_norm):
             self._status = dataclasses.replace(status, found_inf=True)
@@ -384,6 +385,7 @@ class Session:
         self._steady_lr.check(self.optimizer, self.state.last_micro)
         if not self.state.last_micro:
             return False
+        self.timer.step_called()   # the script's own time since the last backward ends here
         status = self._finish_gradients()
         self.prepared.before_step()   # no backward of the script's own joined the step's gradients
         self.schedulers.check_not_stepped_elsewhere(abandon=lambda: self.optimizer.zero_grad(set_to_none=True))
@@ -435,7 +437,8 @@ class Session:
     def global_mean(self, value: torch.Tensor | float, weight: float | None = None) -> float:
         """The mean over ranks of per-rank means, weighted by their items (this step's, or the last's) (collective)."""
         self.state.refuse_between_micro_batches("session.global_mean()", GLOBAL_MEAN_FIX, forward=False)
-        return weighted_mean(value, self.state.mean_weight() if weight is None else weight, self.device)
+        with self.timer.collective():
+            return weighted_mean(value, self.state.mean_weight() if weight is None else weight, self.device)
 
     def idle_fraction(self, last: int | None = None) -> float:
         """Fraction of this rank's wall time per step spent not computing (waiting on others, for data
@@ -454,7 +457,8 @@ class Session:
     def barrier(self) -> None:
         """Every rank waits until each has reached it, however long one rank's work before it takes (collective)."""
         self.state.check_open()
-        meet(self.watch)
+        with self.timer.collective():
+            meet(self.watch)
 
     def model_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's state dict, on rank 0 (None elsewhere), under any plan: CPU tensors under the

@@ -1,8 +1,9 @@
 """Where a rank's wall time between two step ends goes, beside the compute the timer measures.
 
 A step's wall time runs from the previous `step()`'s end to this one's. Besides compute and the
-wait for data, it holds the script's own time (from `step()` returning to the next forward, and
-between the step's micro-batches, less the data wait: logging, evaluation) and a checkpoint save
+wait for data, it holds the script's own time (from `step()` returning to the next forward, between
+the step's micro-batches and from its last backward to `step()`, less the data wait and the session's
+collective calls there: logging, evaluation) and a checkpoint save
 the previous `step()` made (its blocking part); what is left is waiting on the other ranks
 (`StepRecord.waiting_seconds`).
 """
@@ -36,7 +37,7 @@ class StepClock:
     def step_ended(self, first_forward: float | None, compute: float, data_wait: float,
                    between: float = 0.0) -> StepTimes:
         """The step's optimizer has run: its wall time since the last step's end, and its parts. `between`:
-        the time between the step's micro-batches (the loop body's own, and their data's)."""
+        the loop body's time between the step's micro-batches and before its step() (StepTimer.between_s)."""
         now = time.perf_counter()
         wall = now - self._last_end if self._last_end is not None else None
         if wall is not None:

@@ -19,7 +19,8 @@ import inspect
 import os
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,7 +132,8 @@ class StepTimer:
     comm_waits: Any = None          # FSDP2: a CommWaits, the seconds in its collectives (not compute)
     _micro_s: float = 0.0           # compute of the step's micro-batches before the running one
     _paused: float | None = None    # when the last micro-batch (not the step's last) ended its backward
-    between_s: float = 0.0          # the step's time between its micro-batches: the script's and the data's
+    between_s: float = 0.0          # the script's and the data's time between the step's micro-batches and
+    #                                 before its step(), less the session's collectives in the script's time
     last_between_s: float = 0.0     # that time of the step that ended last
 
     def forward_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
@@ -189,6 +191,30 @@ class StepTimer:
         if self._paused is not None:
             self.between_s += time.perf_counter() - self._paused
             self._paused = None
+
+    def backward_returned(self, last: bool) -> None:
+        """A backward returned: until the next training forward, or after the step's last backward until step(),
+        the loop body's time is the script's (logging the loss before step()), not a wait on the other ranks."""
+        if last:
+            self._paused = time.perf_counter()
+        else:
+            self.micro_batch_done()
+
+    def step_called(self) -> None:
+        """step() begins: the script's own time since the step's last backward ends (what follows is the step's:
+        ZeRO-1's and the balancer's collectives are waits)."""
+        self._unpause()
+
+    @contextmanager
+    def collective(self) -> Iterator[None]:
+        """A collective call of the session's between the steps' work (global_mean, clip_grad_norm_, barrier): its
+        wait on the other ranks is theirs, not the script's (inside the step's compute, it is timed as that)."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self._start is None:
+                self.between_s -= time.perf_counter() - began
 
     def micro_batch_done(self) -> None:
         """A micro-batch that is not the step's last ended its backward: compute pauses until the next
