@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hetrain.errors import HetrainError
+from hetrain.workload.batches import call_model, to_device
 from hetrain.workload.device_profile import BlockTiming, DeviceProfile, Stamp, StepTiming
 from hetrain.workload.modules import RunnableModel
 
@@ -36,16 +37,6 @@ def _loss(out):
     if not isinstance(out, torch.Tensor):
         raise HetrainError("the model's output holds no floating-point tensor to take a gradient of")
     return out.float().mean()
-
-
-def _to(batch, device):
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(b.to(device) for b in batch)
-    return batch.to(device)
-
-
-def _call(module, batch):
-    return module(*batch) if isinstance(batch, (tuple, list)) else module(batch)
 
 
 class _Clock:
@@ -101,7 +92,7 @@ def _autocast(precision: str, device):
 def _fwd_bwd(runnable: RunnableModel, module, batch, precision: str, device, scaler):
     def run():
         with _autocast(precision, device):
-            loss = _loss(_call(module, batch))
+            loss = _loss(call_model(module, batch))
         (scaler.scale(loss) if scaler is not None else loss).backward()
 
     return run
@@ -237,7 +228,7 @@ def measure(runnable: RunnableModel, device, precisions: Sequence[str], micro_ba
         scaler = torch.amp.GradScaler(device.type) if precision == "fp16" and cuda else None
         for i, mb in enumerate(sorted(micro_batches)):
             starting(p * len(micro_batches) + i, f"{device}: {precision} at micro-batch {mb}")
-            batch = _to(runnable.make_input(mb), device)
+            batch = to_device(runnable.make_input(mb), device)
             if cuda:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
@@ -256,7 +247,7 @@ def measure(runnable: RunnableModel, device, precisions: Sequence[str], micro_ba
     starting(total - 1 - int(blocks), f"{device}: an AdamW step")
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
     first = steps[0]
-    _fwd_bwd(runnable, module, _to(runnable.make_input(first.micro_batch), device), "fp32", device, None)()
+    _fwd_bwd(runnable, module, to_device(runnable.make_input(first.micro_batch), device), "fp32", device, None)()
     opt_s = clock.median(optimizer.step, repeats, budget_s)
     module.zero_grad(set_to_none=True)
     if blocks:
@@ -295,7 +286,7 @@ def _block_times(runnable, module, device, steps, clock, repeats, budget_s) -> l
     _set_math(precision, device)
     try:
         with torch.no_grad(), _autocast(precision, device):
-            _call(module, _to(runnable.make_input(mb), device))
+            call_model(module, to_device(runnable.make_input(mb), device))
     finally:
         for h in handles:
             h.remove()

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from hetrain.errors import HetrainError, format_validation_error
+from hetrain.workload.batches import batch_rows, batch_tensors, call_model
 
 if TYPE_CHECKING:  # torch is imported only when a model is profiled, so planning starts fast
     import torch
@@ -141,15 +142,6 @@ def _matrix_shapes(model: "nn.Module") -> list[tuple[int, int]]:
     return [(p.shape[0], p[0].numel()) for p in model.parameters() if p.dim() >= 2 and p.requires_grad]
 
 
-def _batch_of(sample_input) -> int:
-    import torch
-
-    first = sample_input[0] if isinstance(sample_input, (tuple, list)) else sample_input
-    if not isinstance(first, torch.Tensor) or first.dim() == 0:
-        raise HetrainError("sample_input must be a batched tensor (or a tuple of them) with the batch first")
-    return int(first.shape[0])
-
-
 def _first_tensor(out) -> "torch.Tensor":
     import torch
 
@@ -165,7 +157,8 @@ def _first_tensor(out) -> "torch.Tensor":
 
 
 def profile(model: "nn.Module", sample_input, name: str | None = None, kind: WorkloadKind | None = None) -> WorkloadProfile:
-    """Measure per-sample training costs of `model` on `sample_input` (batch first), on CPU.
+    """Measure per-sample training costs of `model` on `sample_input` (batch first: a tensor, a tuple of
+    them, or a dict of them passed as keyword inputs), on CPU.
 
     Runs one forward and backward (the loss is the sum of the first floating output). FLOPs come
     from torch.utils.flop_counter; activation bytes are the distinct tensors saved for backward,
@@ -176,8 +169,7 @@ def profile(model: "nn.Module", sample_input, name: str | None = None, kind: Wor
 
     from hetrain.workload.layers import profile_blocks
 
-    batch = _batch_of(sample_input)
-    inputs = tuple(sample_input) if isinstance(sample_input, (tuple, list)) else (sample_input,)
+    batch = batch_rows(sample_input)
     blocks = profile_blocks(model)
     param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: set[tuple[int, int]] = set()
@@ -212,7 +204,7 @@ def profile(model: "nn.Module", sample_input, name: str | None = None, kind: Wor
     model.train()
     try:
         with FlopCounterMode(display=False) as counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = _first_tensor(model(*inputs)).float().sum()
+            loss = _first_tensor(call_model(model, sample_input)).float().sum()
             loss.backward()
     finally:
         for h in handles:
@@ -240,8 +232,9 @@ def profile(model: "nn.Module", sample_input, name: str | None = None, kind: Wor
     total_saved = sum(saved.values()) + saved_outside
     if total_flops <= 0:
         raise HetrainError("the FLOP counter saw no floating-point work; profile a model that computes on its input")
-    first = inputs[0]
-    seq_len = int(first.shape[1]) if not first.is_floating_point() and first.dim() == 2 else None
+    first = batch_tensors(sample_input)[0]
+    seq_len = (int(first.shape[1]) if isinstance(first, torch.Tensor) and not first.is_floating_point()
+               and first.dim() == 2 else None)
     return WorkloadProfile(
         name=name or type(model).__name__,
         kind=kind or _kind_of(model),

@@ -1,0 +1,61 @@
+"""The batches `hetrain profile` feeds a model: a tensor, a tuple or list of them (positional inputs),
+or a dict of them (keyword inputs, called as model(**batch), as hetrain's runtime does), batch first."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from hetrain.errors import HetrainError
+
+
+def batch_tensors(batch: Any) -> list:
+    """The top-level inputs of a batch, in the order the model receives them."""
+    if isinstance(batch, Mapping):
+        return list(batch.values())
+    if isinstance(batch, (tuple, list)):
+        return list(batch)
+    return [batch]
+
+
+def batch_rows(batch: Any, what: str = "sample_input") -> int:
+    """Samples in a batch: the leading dimension of its first tensor, or of every tensor of a dict
+    (keyword inputs, which must agree)."""
+    import torch
+
+    values = batch_tensors(batch)
+    tensors = [v for v in values if isinstance(v, torch.Tensor) and v.dim() > 0]
+    if isinstance(batch, Mapping):
+        rows = sorted({int(t.shape[0]) for t in tensors})
+        if len(rows) > 1:
+            sizes = ", ".join(f"{k}: {int(v.shape[0])}" for k, v in batch.items()
+                              if isinstance(v, torch.Tensor) and v.dim() > 0)
+            raise HetrainError(f"{what} is a dict whose tensors have different first dimensions ({sizes}); give "
+                               "each keyword input the batch's samples first")
+    elif values and not (isinstance(values[0], torch.Tensor) and values[0].dim() > 0):
+        tensors = []
+    if not tensors:
+        raise HetrainError(f"{what} must be a batched tensor, a tuple of them or a dict of them (keyword inputs), "
+                           "with the batch first")
+    return int(tensors[0].shape[0])
+
+
+def to_device(batch: Any, device) -> Any:
+    """The batch with its tensors on `device` (anything else as it is)."""
+    def move(v):
+        return v.to(device) if hasattr(v, "to") else v
+
+    if isinstance(batch, Mapping):
+        return {k: move(v) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(move(b) for b in batch)
+    return move(batch)
+
+
+def call_model(module, batch: Any):
+    """module(**batch) for a dict, module(*batch) for a tuple or list, module(batch) otherwise."""
+    if isinstance(batch, Mapping):
+        return module(**batch)
+    if isinstance(batch, (tuple, list)):
+        return module(*batch)
+    return module(batch)
