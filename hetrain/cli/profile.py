@@ -102,8 +102,11 @@ def _workload(args: argparse.Namespace, runnable):
         raise HetrainError(f"--script {args.script!r}: its model ({type(runnable.module).__name__}) has no parameter "
                            "that requires a gradient, so there is no training step to time; return the model you "
                            "train")
+    batch = runnable.batch(samples)   # n samples, or one line naming make_input
     try:
-        return profile(runnable.module, runnable.make_input(samples), name=runnable.name, kind=runnable.kind)
+        return profile(runnable.module, batch, name=runnable.name, kind=runnable.kind)
+    except HetrainError:
+        raise
     except (RuntimeError, TypeError, ValueError, IndexError) as e:
         if not args.script:
             raise

@@ -228,7 +228,7 @@ def measure(runnable: RunnableModel, device, precisions: Sequence[str], micro_ba
         scaler = torch.amp.GradScaler(device.type) if precision == "fp16" and cuda else None
         for i, mb in enumerate(sorted(micro_batches)):
             starting(p * len(micro_batches) + i, f"{device}: {precision} at micro-batch {mb}")
-            batch = to_device(runnable.make_input(mb), device)
+            batch = to_device(runnable.batch(mb), device)
             if cuda:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
@@ -247,7 +247,7 @@ def measure(runnable: RunnableModel, device, precisions: Sequence[str], micro_ba
     starting(total - 1 - int(blocks), f"{device}: an AdamW step")
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
     first = steps[0]
-    _fwd_bwd(runnable, module, to_device(runnable.make_input(first.micro_batch), device), "fp32", device, None)()
+    _fwd_bwd(runnable, module, to_device(runnable.batch(first.micro_batch), device), "fp32", device, None)()
     opt_s = clock.median(optimizer.step, repeats, budget_s)
     module.zero_grad(set_to_none=True)
     if blocks:
@@ -286,7 +286,7 @@ def _block_times(runnable, module, device, steps, clock, repeats, budget_s) -> l
     _set_math(precision, device)
     try:
         with torch.no_grad(), _autocast(precision, device):
-            call_model(module, to_device(runnable.make_input(mb), device))
+            call_model(module, to_device(runnable.batch(mb), device))
     finally:
         for h in handles:
             h.remove()

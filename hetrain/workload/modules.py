@@ -17,6 +17,7 @@ from typing import Any
 
 from hetrain.errors import HetrainError
 from hetrain.userfiles import read_text
+from hetrain.workload.batches import batch_rows
 
 _RESNET_LAYERS = {"resnet50": (3, 4, 6, 3), "resnet152": (3, 8, 36, 3)}
 _IMAGE = 224
@@ -30,6 +31,16 @@ class RunnableModel:
     module: Any
     make_input: Callable[[int], Any]
     kind: str | None = None
+
+    def batch(self, n: int) -> Any:
+        """make_input(n), refused in one line unless it holds n samples (a size the timings are divided by)."""
+        made = self.make_input(n)
+        rows = batch_rows(made, f"make_input({n}) of {self.name}")
+        if rows != n:
+            raise HetrainError(f"make_input({n}) of {self.name} gave a batch of {rows} samples, not {n}: its timings "
+                               "would be filed under the wrong micro-batch; fix make_input(n) to return n samples "
+                               "(the first dimension)")
+        return made
 
 
 def _bottleneck(nn, c_in: int, mid: int, stride: int):

@@ -1,5 +1,8 @@
 """What `hetrain profile` feeds a model: keyword inputs (a dict, called as model(**batch), as the runtime
-does)."""
+does), and make_input(n) held to n samples."""
+
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -40,3 +43,21 @@ def test_a_model_with_keyword_inputs_is_profiled_and_timed():
 def test_keyword_inputs_of_different_sizes_are_refused_naming_them():
     with pytest.raises(HetrainError, match=r"different first dimensions \(x: 4, mask: 2\)"):
         profile(Keywords(), {"x": torch.randn(4, 8), "mask": torch.ones(2, 16)})
+
+
+def test_a_make_input_that_ignores_n_is_refused_naming_the_sizes():
+    """make_input always returning 8 samples was timed as micro-batch 64 (34,351 samples/s)."""
+    fixed = RunnableModel("fixed", nn.Linear(8, 2), lambda n: torch.randn(8, 8))
+    with pytest.raises(HetrainError, match=r"make_input\(64\) of fixed gave a batch of 8 samples, not 64: .*fix "
+                                           r"make_input\(n\) to return n samples"):
+        measure(fixed, torch.device("cpu"), ["fp32"], [8, 64], repeats=2, budget_s=0.05, blocks=False)
+
+
+def test_profile_cli_refuses_a_make_input_that_ignores_n_in_one_line(tmp_path):
+    script = tmp_path / "fixed.py"
+    script.write_text("import torch\n\ndef make_model():\n    return torch.nn.Linear(4, 2), lambda n: torch.randn(8, 4)\n")
+    p = subprocess.run([sys.executable, "-m", "hetrain.cli.main", "profile", "--script", str(script), "--device", "cpu",
+                        "--micro-batches", "2", "--seconds", "0.1", "--no-blocks", "--out", str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert "make_input(2) of fixed gave a batch of 8 samples, not 2" in p.stderr
