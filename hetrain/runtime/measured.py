@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -43,9 +43,12 @@ class FlopMeter:
     """Counts the FLOPs of the first forward pass of `module`, and the input elements (the numbers in
     the tensors passed to it) of every forward: a step's FLOPs are the first forward's per input
     element times the step's elements. Padded tokens count as the model computes them; a batch
-    twice as long costs twice the FLOPs whatever `num_items` says."""
+    twice as long costs twice the FLOPs whatever `num_items` says. `carries_samples` says whether the
+    forward now running computes samples: a stand-in piece (rows run so that FSDP2's collectives meet,
+    which carry no samples) is not the model's work."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module, carries_samples: Callable[[], bool] = lambda: True) -> None:
+        self.carries_samples = carries_samples
         self.flops: int | None = None
         self.first_elements = 0
         self.step_elements = 0     # input elements of the forwards since `take_step_flops` last ran
@@ -55,7 +58,8 @@ class FlopMeter:
         self._elements = module.register_forward_pre_hook(self._count, with_kwargs=True)
 
     def _count(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        if torch.is_grad_enabled():   # a training forward; an evaluation under no_grad is not the step's work
+        # a training forward of samples; an evaluation under no_grad, or a stand-in, is not the step's work
+        if torch.is_grad_enabled() and self.carries_samples():
             self.step_elements += _elements(args, kwargs)
 
     def _start(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:

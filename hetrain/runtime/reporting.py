@@ -11,6 +11,7 @@ import logging
 import os
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -90,7 +91,8 @@ def start_metrics(session: Any) -> None:
         device=session.device, device_name=session.entry.device, precision=session.precision,
         emulated=session.emulated, job=os.environ.get("TORCHELASTIC_RUN_ID", "local"),
         restart_count=session.restart_count, predicted_step_seconds=plan_step_seconds(session.plan),
-        module=session.prepared.module, whole_model=session.pipeline is None)
+        module=session.prepared.module, whole_model=session.pipeline is None,
+        carries_samples=lambda state=session.state: state.current_samples() != 0)   # a stand-in piece: 0
 
 
 def plan_step_seconds(plan: Any) -> float | None:
@@ -139,9 +141,10 @@ class Reports:
     def start_metrics(self, *, port: int | None, rank: int, local_rank: int, world_size: int, device: torch.device,
                       device_name: str, job: str, predicted_step_seconds: float | None, restart_count: int,
                       module: torch.nn.Module, whole_model: bool = True, precision: str | None = None,
-                      emulated: bool = False) -> None:
+                      emulated: bool = False, carries_samples: Callable[[], bool] = lambda: True) -> None:
         """Serve this rank's Prometheus metrics on `port` (None: none) and append its run log to the run
-        directory, if any (collective: every rank stops with one line if any cannot)."""
+        directory, if any (collective: every rank stops with one line if any cannot). `carries_samples`: whether
+        the forward now running computes samples (not a stand-in piece), for the model FLOPs MFU counts."""
         from hetrain.metrics import RankMetrics
 
         # the rates a run saves hold for its model: --from-run compares (a pipeline stage holds part of it)
@@ -170,7 +173,7 @@ class Reports:
         self.add(metrics)
         if restart_count:
             metrics.on_restart(restart_count)
-        self._flop_meter = FlopMeter(module)
+        self._flop_meter = FlopMeter(module, carries_samples)
 
     def step(self, record: StepRecord) -> None:
         if not self.observers:

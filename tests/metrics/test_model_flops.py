@@ -1,0 +1,45 @@
+"""The model FLOPs behind MFU count the forwards of samples only: under FSDP2 with micro-batches, a rank's stand-in
+pieces (rows run so that every rank's collectives meet, carrying no samples) inflated its FLOPs per sample by a
+quarter."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+from tests.distributed import run_ranks
+
+
+class _Records:
+    def __init__(self) -> None:
+        self.records = []
+
+    def on_step(self, record) -> None:
+        self.records.append(record)
+
+
+def _fsdp(rank: int, world: int) -> list[float]:
+    import hetrain
+
+    plan = Plan(global_batch_size=24, sharding="fsdp", balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=0, share=16, micro_batch=8), RankPlan(rank=1, share=8)])
+    session = hetrain.Session(plan)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.01))
+    seen = _Records()
+    session.add_observer(seen)
+    data = torch.utils.data.TensorDataset(torch.randn(24 * 4, 16), torch.randint(0, 4, (24 * 4,)))
+    for x, y in session.loader(data, global_batch_size=24, shuffle=False):
+        session.backward(F.cross_entropy(model(x), y))
+        session.step()
+    session.close()
+    return [r.model_flops / r.samples for r in seen.records]
+
+
+def test_stand_in_pieces_are_not_model_flops(tmp_path):
+    first, second = run_ranks(_fsdp, 2, env={"HETRAIN_RUN_DIR": str(tmp_path)})
+    per_sample = 3 * 2 * (16 * 32 + 32 * 4)   # forward and backward of the two Linear layers' products
+    assert first == second == [per_sample] * 4
+
