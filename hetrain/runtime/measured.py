@@ -66,6 +66,9 @@ class FlopMeter:
         from torch.utils.flop_counter import FlopCounterMode
 
         self.first_elements = _elements(args, kwargs)
+        if not self.first_elements or not self.carries_samples():   # a rank without samples yet (its share 0)
+            self.first_elements = 0   # counts the FLOPs of the first forward that has some
+            return
         try:
             self._mode = FlopCounterMode(display=False)
             self._mode.__enter__()
@@ -75,6 +78,8 @@ class FlopMeter:
             self.remove()
 
     def _stop(self, module: torch.nn.Module, args: object, output: object) -> None:
+        if self._mode is None and not self.first_elements:   # a forward without samples: the next one is counted
+            return
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self.flops = int(self._mode.get_total_flops())

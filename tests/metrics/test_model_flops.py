@@ -1,6 +1,6 @@
 """The model FLOPs behind MFU count the forwards of samples only: under FSDP2 with micro-batches, a rank's stand-in
 pieces (rows run so that every rank's collectives meet, carrying no samples) inflated its FLOPs per sample by a
-quarter."""
+quarter; and a rank whose first forward was empty (no share yet) never reported MFU."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+from hetrain.runtime.measured import FlopMeter
 from tests.distributed import run_ranks
 
 
@@ -43,3 +44,11 @@ def test_stand_in_pieces_are_not_model_flops(tmp_path):
     per_sample = 3 * 2 * (16 * 32 + 32 * 4)   # forward and backward of the two Linear layers' products
     assert first == second == [per_sample] * 4
 
+
+def test_a_first_forward_without_samples_waits_for_one_with_them():
+    net = torch.nn.Linear(16, 4)
+    meter = FlopMeter(net)
+    net(torch.randn(0, 16))   # a rank with no share yet
+    assert meter.take_step_flops() is None
+    net(torch.randn(8, 16))
+    assert meter.take_step_flops() == 3 * 2 * 16 * 4 * 8
