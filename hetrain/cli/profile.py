@@ -108,9 +108,15 @@ def _workload(args: argparse.Namespace, runnable):
     except HetrainError:
         raise
     except (RuntimeError, TypeError, ValueError, IndexError) as e:
-        if not args.script:
+        if args.model:
             raise
-        first = (str(e).strip().splitlines() or [""])[0]   # a factory's make_input the model cannot take
+        first = (str(e).strip().splitlines() or [""])[0]
+        if args.hf_config:   # a model whose forward takes other inputs than the token ids hetrain builds
+            raise HetrainError(f"--hf-config {args.hf_config!r}: the model's forward on token inputs failed "
+                               f"({type(e).__name__}: {first}); fix: a --seq-len the model takes, or profile it "
+                               "with --script FILE.py:FACTORY, whose make_input(n) gives a batch of n samples the "
+                               "model takes") from None
+        # a factory's make_input the model cannot take
         raise HetrainError(f"--script {args.script!r}: the model's forward on make_input({samples}) failed "
                            f"({type(e).__name__}: {first}); make_input(n) must give a batch of n samples the "
                            "model takes") from None

@@ -216,6 +216,13 @@ def hf_module(config: str, seq_len: int | None = None) -> RunnableModel:
 
         model = gpt2_blocks(model)
     length = seq_len or min(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 512), 1024)
+    if getattr(cfg, "is_encoder_decoder", False):
+        # T5's forward derives no decoder inputs (BART's does): give the decoder its own tokens, as training does
+        def make_input(n: int) -> dict:
+            return {"input_ids": torch.randint(0, vocab, (n, length)),
+                    "decoder_input_ids": torch.randint(0, vocab, (n, length))}
+
+        return RunnableModel(_hf_name(config), model, make_input, "transformer")
     return RunnableModel(_hf_name(config), model, lambda n: torch.randint(0, vocab, (n, length)), "transformer")
 
 

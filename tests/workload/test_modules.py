@@ -160,3 +160,32 @@ def test_an_hf_config_of_another_architecture_is_profiled_layer_by_layer(tmp_pat
     assert [b.flops_per_sample > 0 for b in workload.blocks if "layer" in b.name] == [True] * 3
     timed = measure(runnable, torch.device("cpu"), ["fp32"], [1], repeats=2, budget_s=0.5)
     assert [t.name for t in timed.blocks if "layer" in t.name] == [n for n, b in blocks if any(b is x for x in layers)]
+
+
+def test_a_t5_hf_config_is_profiled_with_decoder_inputs(tmp_path):
+    """T5 through --hf-config ended in a traceback ('You must specify exactly one of input_ids or inputs_embeds'):
+    only the encoder's tokens were built, and T5 derives no decoder inputs from them."""
+    from transformers import T5Config
+
+    from hetrain.workload import profile
+    from hetrain.workload.measure import measure
+
+    T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2,
+             n_positions=8).save_pretrained(tmp_path)
+    runnable = hf_module(str(tmp_path), seq_len=8)
+    workload = profile(runnable.module, runnable.batch(1), name=runnable.name, kind=runnable.kind)
+    assert workload.flops_per_sample > 0 and workload.seq_len == 8
+    timed = measure(runnable, torch.device("cpu"), ["fp32"], [1], repeats=2, budget_s=0.05, blocks=False)
+    assert [s.micro_batch for s in timed.steps] == [1]
+
+
+def test_an_hf_config_whose_forward_fails_is_one_line_naming_the_fix(tmp_path):
+    """A failed forward was one line for --script only; --hf-config printed torch's traceback."""
+    from transformers import BertConfig
+
+    BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+               max_position_embeddings=8).save_pretrained(tmp_path / "bert")
+    p = _cli("--hf-config", str(tmp_path / "bert"), "--seq-len", "32", "--device", "cpu", "--micro-batches", "1",
+             "--seconds", "0.1", "--no-blocks", "--out", str(tmp_path / "out"))
+    assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.count("\n") == 1, p.stderr
+    assert "the model's forward on token inputs failed" in p.stderr and "fix: a --seq-len the model takes" in p.stderr
