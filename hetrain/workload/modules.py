@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -183,13 +184,24 @@ def require_transformers() -> None:
 def script_module(spec: str) -> RunnableModel:
     """FILE.py:FACTORY, where FACTORY() returns (model, make_input) and make_input(n) a batch of n."""
     file, factory, code = _script_code(spec)
+    folder = str(file.resolve().parent)
+    if folder not in sys.path:   # its own modules beside it import, as under `python FILE.py`
+        sys.path.insert(0, folder)
     mod = importlib.util.module_from_spec(importlib.util.spec_from_file_location(file.stem, file))
-    exec(code, mod.__dict__)  # noqa: S102 - the user's own factory file, as importing it would
+    try:
+        exec(code, mod.__dict__)  # noqa: S102 - the user's own factory file, as importing it would
+    except Exception as e:  # noqa: BLE001 - whatever the user's file raises: one line naming it
+        raise HetrainError(f"--script {spec!r}: running {file.name} failed ({type(e).__name__}: {_first_line(e)}); "
+                           f"fix {file.name}") from None
     fn = getattr(mod, factory or "make_model", None)
     if not callable(fn):
         raise HetrainError(f"--script {spec!r}: {file.name} defines no function {factory or 'make_model'!r}; "
                            "define FACTORY() returning (model, make_input)")
-    made = fn()
+    try:
+        made = fn()
+    except Exception as e:  # noqa: BLE001 - whatever the user's factory raises: one line naming it
+        raise HetrainError(f"--script {spec!r}: {factory or 'make_model'}() raised {type(e).__name__}: "
+                           f"{_first_line(e)}; fix the factory in {file.name}") from None
     if not (isinstance(made, tuple) and len(made) == 2 and callable(made[1])):
         raise HetrainError(f"--script {spec!r}: {factory or 'make_model'}() must return (model, make_input), "
                            "make_input(n) giving a batch of n samples")

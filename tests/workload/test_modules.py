@@ -189,3 +189,25 @@ def test_an_hf_config_whose_forward_fails_is_one_line_naming_the_fix(tmp_path):
              "--seconds", "0.1", "--no-blocks", "--out", str(tmp_path / "out"))
     assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.count("\n") == 1, p.stderr
     assert "the model's forward on token inputs failed" in p.stderr and "fix: a --seq-len the model takes" in p.stderr
+
+
+def test_a_script_imports_the_modules_beside_it_from_any_folder(tmp_path, monkeypatch):
+    """Run from another folder, `from helper import Block` ended in ModuleNotFoundError, though
+    `python FILE.py` finds its neighbours."""
+    monkeypatch.chdir(tmp_path.parent)
+    monkeypatch.setattr(sys, "path", list(sys.path))   # the script's folder joins it: not beyond this test
+    (tmp_path / "hetrain_test_sibling_layers.py").write_text(
+        "import torch\n\nclass Block(torch.nn.Linear):\n    pass\n")
+    (tmp_path / "net.py").write_text("import torch\nfrom hetrain_test_sibling_layers import Block\n\n"
+                                     "def make_model():\n    return Block(4, 2), lambda n: torch.randn(n, 4)\n")
+    runnable = script_module(str(tmp_path / "net.py"))
+    assert tuple(runnable.module(runnable.batch(3)).shape) == (3, 2)
+
+
+def test_a_factory_that_raises_is_one_line_naming_the_script_and_the_error(tmp_path):
+    script = tmp_path / "raising.py"
+    script.write_text("def make_model():\n    raise RuntimeError('dataset path /data/x not found')\n")
+    with pytest.raises(HetrainError, match=r"raising\.py': make_model\(\) raised RuntimeError: dataset path /data/x "
+                                           r"not found; fix the factory in raising\.py") as e:
+        script_module(str(script))
+    assert "\n" not in str(e.value)
