@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 
 from hetrain.cli.console import print_rows, stdout_console
 from hetrain.errors import HetrainError
@@ -133,7 +134,10 @@ def run(args: argparse.Namespace) -> int:
                            f"{args.global_batch_size:,}")
     if args.micro_batch is not None and args.micro_batch < 1:
         raise HetrainError(f"--micro-batch must be a positive integer, got {args.micro_batch}")
-    profiles = load_profiles(args.profiles) if args.profiles else None
+    skipped: list[str] = []
+    profiles = load_profiles(args.profiles, skipped) if args.profiles else None
+    for line in skipped:   # a plan saved beside the profiles (--out DIR/plan.json) is not one of them
+        print(f"hetrain plan: note: {line}", file=sys.stderr, flush=True)
     from rich.console import Console
 
     # weighing pipelines can take a second on large clusters: a spinner on a terminal's stderr, nothing elsewhere

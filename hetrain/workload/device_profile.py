@@ -183,8 +183,25 @@ def falling_times(points: list[tuple[int, float]], tolerance: float = 0.1) -> li
     return out
 
 
-def load_profiles(directory: str | Path) -> dict[str, DeviceProfile]:
-    """Every device profile in `directory`, by device kind."""
+_PROFILE_KEYS = ("device", "stamp", "steps")
+
+
+def _other_document(path: Path) -> str | None:
+    """What a JSON file beside the profiles is, where it is a JSON object with none of a device profile's
+    own keys (a plan saved there with --out): "a plan", or "no device profile"; None for one to read as a
+    profile (a broken one is refused when read)."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or any(k in doc for k in _PROFILE_KEYS):
+        return None
+    return "a plan" if ("ranks" in doc and "global_batch_size" in doc) or "plan" in doc else "no device profile"
+
+
+def load_profiles(directory: str | Path, skipped: list[str] | None = None) -> dict[str, DeviceProfile]:
+    """Every device profile in `directory`, by device kind. Other JSON documents there (a plan saved beside
+    the profiles) are left out, with a line each in `skipped`."""
     directory = Path(directory)
     if not directory.is_dir():
         raise HetrainError(f"--profiles {str(directory)!r} is not a directory; pass the directory "
@@ -193,6 +210,11 @@ def load_profiles(directory: str | Path) -> dict[str, DeviceProfile]:
     paths: dict[str, Path] = {}
     for path in sorted(directory.glob("*.json")):
         if path.name == WORKLOAD_FILE:
+            continue
+        other = _other_document(path)
+        if other is not None:
+            if skipped is not None:
+                skipped.append(f"{path} is {other} (it has no {', '.join(_PROFILE_KEYS)}): left out of the profiles")
             continue
         prof = DeviceProfile.load(path)
         if prof.device in found:   # an older profile kept beside the new one: which is meant?

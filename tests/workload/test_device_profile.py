@@ -148,9 +148,10 @@ def test_a_profile_names_its_device_kind_as_the_catalog_does(tmp_path):
         assert list(load_profiles(tmp_path)) == ["cpu" if spelling == "CPU" else "a100-sxm4-80gb"]
 
 
-def test_profiles_of_another_version_and_other_files_in_the_directory_are_refused_naming_what_they_are(tmp_path):
+def test_profiles_of_another_version_and_broken_ones_are_refused_naming_what_they_are(tmp_path):
     """A version 99 profile was planned from as if current; a plan saved into the profiles directory was told
-    'model: Field required; device: Field required; ...' (its "notes" read as a misspelling of "steps")."""
+    'model: Field required; device: Field required; ...' (its "notes" read as a misspelling of "steps"): it
+    is left out now, with a line saying so."""
     import json
 
     from hetrain.workload import get_profile
@@ -161,8 +162,10 @@ def test_profiles_of_another_version_and_other_files_in_the_directory_are_refuse
         load_profiles(tmp_path)
     (tmp_path / "cpu.json").write_text(json.dumps({"version": 1, "global_batch_size": 8, "notes": [],
                                                    "ranks": [{"rank": 0, "share": 8}]}))
-    with pytest.raises(HetrainError, match="cpu.json: not a device profile: hetrain profile writes them"):
-        load_profiles(tmp_path)
+    skipped: list[str] = []
+    with pytest.raises(HetrainError, match="holds no device profiles"):   # a plan is left out: none is left
+        load_profiles(tmp_path, skipped)
+    assert skipped == [f"{tmp_path / 'cpu.json'} is a plan (it has no device, stamp, steps): left out of the profiles"]
     (tmp_path / "cpu.json").write_text(json.dumps({"modle": "tiny", "device": "cpu"}))   # "model" spelt wrong
     with pytest.raises(HetrainError, match=r"not a device profile: hetrain profile writes them \(it lacks stamp, "
                                            r"steps\)$"):
@@ -241,3 +244,27 @@ def test_hf_config_builds_the_architecture_it_names_else_an_encoder_stays_an_enc
     assert type(hf_module(str(tmp_path / "bert")).module).__name__ == "BertModel"
     assert type(hf_module(str(tmp_path / "mlm")).module).__name__ == "BertForMaskedLM"
     assert type(hf_module(str(tmp_path / "llama")).module).__name__ == "LlamaForCausalLM"
+
+
+def test_a_plan_saved_into_the_profiles_directory_does_not_break_the_next_plan(tmp_path):
+    """plan --profiles dp2 --out dp2/plan.json, then plan --profiles dp2: 'dp2/plan.json: not a device profile'."""
+    import json
+    import subprocess
+    import sys
+
+    from hetrain.workload import profile
+
+    _saved_profile(tmp_path)
+    profile(_tiny().module, torch.randn(2, 16), name="tiny").save(tmp_path / "workload.json")
+
+    def plan(*more: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "hetrain.cli.main", "plan", "--devices", "cpu:1", "--profiles",
+                               str(tmp_path), "--global-batch-size", "4", "--json", *more],
+                              capture_output=True, text=True, timeout=300)
+
+    first = plan("--out", str(tmp_path / "plan.json"))
+    assert first.returncode == 0, first.stderr
+    again = plan("--out", str(tmp_path / "plan-2.json"))
+    assert again.returncode == 0, again.stderr
+    assert f"hetrain plan: note: {tmp_path / 'plan.json'} is a plan" in again.stderr
+    assert json.loads(again.stdout)["ranks"][0]["figures"] == "measured-profile"
