@@ -47,7 +47,8 @@ class RankMetrics:
     `port` is the node's BASE port (`--metrics-port`, HETRAIN_METRICS_PORT): this rank serves
     `/metrics` on port + local_rank; None serves nothing. `run_dir`: where the run log
     (run_dir/metrics/rank-N.jsonl) goes; None writes none. `peak_flops` defaults to the catalog's
-    figure for `device_name` in the step's precision. `nvml`: an NVML module to use instead of
+    figure for `device_name` in the step's precision, and to none on a CPU rank (one emulating a
+    plan's GPU computes at a CPU's rate, which that GPU's peak does not describe). `nvml`: an NVML module to use instead of
     `pynvml` (tests pass a fake). `precision` and `emulated` label `hetrain_rank_info` before the first step.
     """
 
@@ -101,8 +102,8 @@ class RankMetrics:
         return gpu
 
     def on_step(self, record: StepRecord) -> None:
-        if not self._peak_resolved:
-            self._peak = catalog_peak_flops(self.device_name, record.precision)
+        if not self._peak_resolved:   # a CPU rank has none, a CPU rank standing in for a plan's GPU included
+            self._peak = catalog_peak_flops(self.device_name, record.precision) if self.device.type != "cpu" else None
             self._peak_resolved = True
         if record.model_flops is not None:   # counted by the session: the step's own FLOPs
             value = mfu(record.model_flops, 1, record.step_seconds, self._peak)

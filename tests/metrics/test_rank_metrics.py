@@ -96,8 +96,9 @@ def test_rank_info_carries_the_ranks_precision_and_emulation_before_its_first_st
     assert [labels for labels, _ in samples(m)["hetrain_rank_info"]] == [labels]   # one series, not a second
 
 
-def test_mfu_uses_the_catalog_peak_of_the_device_in_its_precision():
-    m = cpu_metrics(device_name="a100-sxm4-80gb", flops_per_item=1e9)
+def test_mfu_uses_the_catalog_peak_of_the_device_in_its_precision(monkeypatch):
+    patch_cuda(monkeypatch.setattr)
+    m = cpu_metrics(device=torch.device("cuda:0"), device_name="a100-sxm4-80gb", flops_per_item=1e9, nvml=FakeNvml())
     m.on_step(step_record(2, step_seconds=1.0, items=156, precision="bf16"))
     assert one(m, "hetrain_peak_flops") == 312e12
     assert one(m, "hetrain_mfu_ratio") == pytest.approx(156e9 / 312e12)
@@ -107,6 +108,17 @@ def test_mfu_uses_the_catalog_peak_of_the_device_in_its_precision():
     cpu = cpu_metrics(device_name="cpu", flops_per_item=1e9)   # the catalog's CPU figure is no peak (MFU of 230%)
     cpu.on_step(step_record(2, step_seconds=1.0, items=156))
     assert "hetrain_mfu_ratio" not in samples(cpu) and "hetrain_peak_flops" not in samples(cpu)
+
+
+def test_a_cpu_rank_standing_in_for_a_gpu_has_no_peak_and_no_mfu(tmp_path):
+    """HETRAIN_EMULATE_DEVICES, or a plan's GPU entry run on a CPU rank: the GPU's peak is no peak of a CPU (the
+    A100's 3.12e14 gave an MFU of 3.6e-8)."""
+    m = cpu_metrics(device_name="a100-sxm4-80gb", flops_per_item=1e9, run_dir=tmp_path, emulated=True)
+    m.on_step(step_record(2, step_seconds=1.0, items=156, precision="bf16", emulated=True))
+    m.close()
+    assert "hetrain_mfu_ratio" not in samples(m) and "hetrain_peak_flops" not in samples(m)
+    start = json.loads((tmp_path / "metrics" / "rank-1.jsonl").read_text().splitlines()[0])
+    assert start["kind"] == "start" and start["peak_flops"] is None
 
 
 def test_cuda_rank_labels_and_nvml_readings(monkeypatch):

@@ -48,17 +48,19 @@ def test_a_rank_that_dies_leaves_every_step_it_logged(tmp_path, how):
         assert json.loads(rep.stdout)[0]["steps"] == 25
 
 
-def test_the_start_line_carries_the_peak_and_flops_per_item_mfu_used(tmp_path):
+def test_the_start_line_carries_the_peak_and_flops_per_item_mfu_used(tmp_path, monkeypatch):
     import dataclasses
 
     import torch
 
     from hetrain.metrics import RankMetrics
     from hetrain.metrics.run_log import read_lines
-    from tests.metrics.fake_gpu_rank import step_record
+    from tests.metrics.fake_gpu_rank import patch_cuda, step_record
+    from tests.metrics.fake_nvml import FakeNvml
 
-    m = RankMetrics(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), device_name="a100-sxm4-80gb",
-                    port=None, run_dir=tmp_path, job="mfu", predicted_step_seconds=0.45)
+    patch_cuda(monkeypatch.setattr)   # a GPU rank: a CPU rank has no peak
+    m = RankMetrics(rank=0, local_rank=0, world_size=1, device=torch.device("cuda:0"), device_name="a100-sxm4-80gb",
+                    port=None, run_dir=tmp_path, job="mfu", predicted_step_seconds=0.45, nvml=FakeNvml())
     m.on_restart(2)
     record = step_record(2, rank=0, world_size=1, shares=(512,), precision="bf16")
     m.on_step(dataclasses.replace(record, model_flops=6.0e12))
