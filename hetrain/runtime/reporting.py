@@ -12,7 +12,6 @@ import os
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +118,8 @@ def step_record(session: Any, totals: Any, times: Any, compute: float, data_wait
         optimizer_seconds=session.timer.last_optimizer_s, loss=totals.loss, grad_norm=grad_norm,
         loss_scale=session.scaler.scale, skipped=not applied, skipped_total=session.skips.total,
         shares=tuple(shares), split_changed=changed, comm_bytes=comm_bytes(session.prepared.comm_state),
-        emulated=session.emulated, script_seconds=times.script, checkpoint_seconds=times.checkpoint)
+        emulated=session.emulated, script_seconds=times.script, checkpoint_seconds=times.checkpoint,
+        model_flops=session.reports.take_step_flops())
 
 
 class Reports:
@@ -175,12 +175,11 @@ class Reports:
             metrics.on_restart(restart_count)
         self._flop_meter = FlopMeter(module, carries_samples)
 
+    def take_step_flops(self) -> float | None:
+        """The model FLOPs of the step's forwards of samples (for its record), when counted."""
+        return self._flop_meter.take_step_flops() if self._flop_meter is not None else None
+
     def step(self, record: StepRecord) -> None:
-        if not self.observers:
-            return
-        flops = self._flop_meter.take_step_flops() if self._flop_meter is not None else None
-        if flops is not None:
-            record = replace(record, model_flops=flops)
         for observer in self.observers:
             observer.on_step(record)
 
