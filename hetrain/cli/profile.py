@@ -197,7 +197,8 @@ def run(args: argparse.Namespace) -> int:
             else:
                 prof = measure(runnable, device, precisions[str(device)], sizes, repeats=args.repeats,
                                budget_s=args.seconds, blocks=not args.no_blocks, progress=shown)
-            prof = prof.model_copy(update={"model": workload.name})
+            prof = prof.model_copy(update={"model": workload.name, "model_params": workload.params,
+                                           "workload_id": workload.identity()})
             written.append((prof.save(out), prof))
     for _, prof in written:
         disturbed = prof.disturbed_note()

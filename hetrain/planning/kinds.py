@@ -140,6 +140,29 @@ def stage_seconds_of(kind: Kind, n_blocks: int, a: int, b: int, micro_batch: int
     return seconds * (cm.CHECKPOINT_COMPUTE_FACTOR if ckpt else 1.0)
 
 
+def _check_model(measured: DeviceProfile, profile: WorkloadProfile, note: str | None) -> str | None:
+    """Refuse a device profile of another model (by name, or of the same name by its identity); `note`, with a
+    line added for a profile that does not record which model it measured."""
+    name = measured.device
+    if measured.model != profile.name:
+        raise HetrainError(f"the {name} profile measured {measured.model!r}, and the plan is for {profile.name!r}: "
+                           f"plan {measured.model!r} with it (--profiles DIR alone plans the workload.json "
+                           f"beside it), or profile {profile.name!r} into a fresh directory (hetrain profile --out "
+                           "DIR)")
+    if measured.workload_id is None:
+        line = (f"{name}: its profile does not record which model {measured.model!r} it measured (an older "
+                "hetrain wrote it), so timings of another model of that name would go unnoticed; re-profile "
+                "into a fresh --out directory to check")
+        return f"{note}; {line}" if note else line
+    if measured.workload_id != profile.identity():
+        params = f" ({measured.model_params:,} parameters; the plan's has {profile.params:,})" \
+            if measured.model_params not in (None, profile.params) else ""
+        raise HetrainError(f"the {name} profile measured another model named {measured.model!r}{params} (its "
+                           "parameters or sequence length differ from the plan's); fix: re-profile this model into a "
+                           "fresh directory (hetrain profile --out NEW_DIR) and plan with --profiles NEW_DIR")
+    return note
+
+
 def most_on_a_node(cluster, name: str) -> int:
     """The most devices of catalog model `name` on one node of the cluster (ranks that share a host)."""
     return max(sum(g.count for g in node.devices if g.spec.name == name) for node in cluster.nodes)
@@ -167,10 +190,8 @@ def kinds_of(cluster, profile: WorkloadProfile, precision: str, calib: cm.Calibr
             )
             rate = next((r for r in (rates.devices if rates else []) if r.device == d.spec.name), None)
             measured = (profiles or {}).get(d.spec.name)
-            if measured is not None and measured.model != profile.name:
-                raise HetrainError(f"the {d.spec.name} profile measured {measured.model!r}, and the plan is for "
-                                   f"{profile.name!r}: plan {measured.model!r} with it (leave out --model), or "
-                                   f"profile {profile.name!r} first (hetrain profile --out DIR)")
+            if measured is not None:
+                kind.note = _check_model(measured, profile, kind.note)
             if rate is not None and rate.precision == prec:
                 kind.rate, kind.source = rate, "measured-run"
             elif measured is not None and prec in measured.precisions():

@@ -64,6 +64,9 @@ class DeviceProfile(_Strict):
 
     version: int = DEVICE_PROFILE_VERSION
     model: str = Field(description="the workload's name (as in workload.json)")
+    model_params: int | None = Field(None, ge=0, description="the workload's parameters")
+    workload_id: str | None = Field(None, description="the workload's identity (WorkloadProfile.identity(): "
+                                    "its parameters and sequence length); None in profiles written before it")
     device: str = Field(description="catalog name of the device kind, or 'cpu'")
     stamp: Stamp
     steps: list[StepTiming]

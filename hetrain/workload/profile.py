@@ -95,6 +95,14 @@ class WorkloadProfile(BaseModel):
         return sum(b.trained_params + (b.tied_params if b.tied_to is not None and not start <= b.tied_to < stop else 0)
                    for b in self.blocks[start:stop])
 
+    def identity(self) -> str:
+        """A digest of what tells one model from another of the same name: its parameters (all, trained, each
+        block's) and sequence length. A device profile records it, so timings of another model are refused."""
+        import hashlib
+
+        what = [self.params, self.trained_params, self.seq_len, [(b.name, b.params) for b in self.blocks]]
+        return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]
+
     def activation_bytes(self, element_bytes: int) -> float:
         """Activation bytes per sample when activations are held in `element_bytes`-wide elements."""
         return self.activation_bytes_per_sample * element_bytes / self.activation_dtype_bytes

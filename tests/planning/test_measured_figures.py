@@ -377,7 +377,8 @@ def test_a_cpu_profile_timed_otherwise_than_the_plan_runs_says_how_to_profile_fo
 def test_a_profile_of_another_model_is_refused_with_the_fix():
     cluster = cluster_from_devices("a100:1,v100:1")
     with pytest.raises(HetrainError, match=r"a100-sxm4-80gb profile measured 'resnet50', and the plan is for "
-                                           r"'gpt2-124m': plan 'resnet50' with it .*or profile 'gpt2-124m' first"):
+                                           r"'gpt2-124m': plan 'resnet50' with it .*or profile 'gpt2-124m' into a fresh "
+                                           r"directory"):
         plan_job(cluster, get_profile("gpt2-124m"), 64, profiles={A100: _profile(A100, [(8, 0.01), (32, 0.03)])})
 
 

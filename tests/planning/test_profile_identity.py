@@ -1,0 +1,68 @@
+"""A device profile is matched to the model it measured, not only to its name: two models both named
+make_model (every --script factory's default) or gpt2 (a folder's name) do not share timings."""
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hetrain.errors import HetrainError
+from hetrain.hardware.cluster import cluster_from_devices
+from hetrain.planning.planner import plan_job
+from hetrain.workload import profile
+from hetrain.workload.measure import measure
+from hetrain.workload.modules import RunnableModel
+
+
+def _model(width: int) -> RunnableModel:
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.ReLU(), torch.nn.Linear(width, 4))
+    return RunnableModel("make_model", module, lambda n: torch.randn(n, 16))
+
+
+def _measured(runnable: RunnableModel, workload_id: str | None):
+    prof = measure(runnable, torch.device("cpu"), ["fp32"], [2], repeats=2, budget_s=0.05, blocks=False)
+    return prof.model_copy(update={"workload_id": workload_id, "model_params": 16 * 32 + 32 + 32 * 4 + 4})
+
+
+def test_a_profile_of_another_model_of_the_same_name_is_refused_naming_the_fix():
+    small, large = _model(32), _model(64)
+    small_w = profile(small.module, small.batch(2), name="make_model")
+    large_w = profile(large.module, large.batch(2), name="make_model")
+    assert small_w.identity() != large_w.identity() and small_w.name == large_w.name
+    cpu = _measured(small, small_w.identity())
+    cluster = cluster_from_devices("cpu:1")
+    assert plan_job(cluster, small_w, 8, profiles={"cpu": cpu}).plan.ranks[0].share == 8
+    with pytest.raises(HetrainError, match=r"the cpu profile measured another model named 'make_model' \(676 "
+                                           r"parameters; the plan's has 1,348\).*fix: re-profile this model into a "
+                                           r"fresh directory") as e:
+        plan_job(cluster, large_w, 8, profiles={"cpu": cpu})
+    assert "\n" not in str(e.value)
+
+
+def test_a_profile_that_does_not_record_its_model_is_used_with_a_note():
+    small = _model(32)
+    workload = profile(small.module, small.batch(2), name="make_model")
+    result = plan_job(cluster_from_devices("cpu:1"), workload, 8, profiles={"cpu": _measured(small, None)})
+    assert result.figures["cpu"] == "measured-profile"
+    assert any("its profile does not record which model 'make_model' it measured" in n and
+               "re-profile into a fresh --out directory" in n for n in result.plan.notes)
+
+
+def test_plan_refuses_a_profile_hetrain_profile_wrote_for_another_script_of_the_same_name(tmp_path):
+    for width in (32, 64):
+        (tmp_path / f"net{width}.py").write_text(
+            "import torch\n\ndef make_model():\n    return torch.nn.Sequential(torch.nn.Linear(16, "
+            f"{width}), torch.nn.Linear({width}, 4)), lambda n: torch.randn(n, 16)\n")
+        p = subprocess.run([sys.executable, "-m", "hetrain.cli.main", "profile", "--script",
+                            f"{tmp_path / f'net{width}.py'}:make_model", "--device", "cpu", "--micro-batches", "2",
+                            "--repeats", "2", "--seconds", "0.1", "--no-blocks", "--out", str(tmp_path / f"p{width}")],
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr
+    shutil.copy(tmp_path / "p32" / "cpu.json", tmp_path / "p64" / "cpu.json")   # a profile of the other model
+    p = subprocess.run([sys.executable, "-m", "hetrain.cli.main", "plan", "--devices", "cpu:1", "--profiles",
+                        str(tmp_path / "p64"), "--global-batch-size", "8"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert "another model named 'make_model'" in p.stderr and "--profiles NEW_DIR" in p.stderr
