@@ -199,7 +199,9 @@ def _other_document(path: Path) -> str | None:
         return None
     if not isinstance(doc, dict) or any(k in doc for k in _PROFILE_KEYS):
         return None
-    return "a plan" if ("ranks" in doc and "global_batch_size" in doc) or "plan" in doc else "no device profile"
+    if ("ranks" in doc and "global_batch_size" in doc) or "plan" in doc:
+        return "a plan"
+    return "a workload profile" if "flops_per_sample" in doc or "params" in doc else "no device profile"
 
 
 def load_profiles(directory: str | Path, skipped: list[str] | None = None) -> dict[str, DeviceProfile]:
@@ -226,5 +228,7 @@ def load_profiles(directory: str | Path, skipped: list[str] | None = None) -> di
                                f"{directory}")
         found[prof.device], paths[prof.device] = prof, path
     if not found:
-        raise HetrainError(f"{directory} holds no device profiles; run hetrain profile --out {directory}")
+        others = [p for p in sorted(directory.glob("*.json")) if p.name != WORKLOAD_FILE]
+        left = f" ({others[0].name} is {_other_document(others[0])}, left out)" if others else ""
+        raise HetrainError(f"{directory} holds no device profiles{left}; run hetrain profile --out {directory}")
     return found

@@ -248,7 +248,7 @@ def test_files_of_another_kind_say_what_they_are_not(tmp_path):
         (("--cluster", str(plan), *m), "this is a plan (hetrain plan's output), not a cluster file; fix: pass it "
                                        "to `hetrain launch --plan`"),
         (("--devices", "a100:1", "--profiles", str(tmp_path / "profiles"), *m),
-         "not a device profile: hetrain profile writes them (it lacks"),
+         "holds no device profiles (a100.json is a workload profile, left out); run hetrain profile --out"),
         (("--devices", "a100:1", "--from-run", str(tmp_path / "run"), *m), "not the measured rates a hetrain run writes"),
         (("--devices", "a100:1", "--model", "resnt50", "--global-batch", "64"), "closest: resnet50"),
         (("--devices", "a100:1", "--strategy", "fast", *m), "invalid choice: 'fast'"),   # argparse: 11 lines before
