@@ -130,8 +130,8 @@ def _host_micro_batches(micro_batches: list[int], workload, copies: int) -> list
     fit = host_micro_batches(micro_batches, workload.activation_bytes(4), workload.params, copies,
                              host_available_bytes())
     if not fit.kept:
-        raise HetrainError(f"{fit.shortfall}; fix: a shorter --seq-len or a smaller model (hetrain profile runs "
-                           "fp32 on the CPU)")
+        raise HetrainError(f"{fit.shortfall}; fix: smaller --micro-batches, a shorter --seq-len or a smaller model "
+                           "(hetrain profile runs fp32 on the CPU)")
     if fit.note:
         print(f"hetrain profile: warning: {fit.note}", file=sys.stderr, flush=True)
     return fit.kept
@@ -146,6 +146,9 @@ def _check_flags(args: argparse.Namespace) -> list[int]:
     if args.repeats < 1 or args.seconds <= 0 or args.concurrent < 1:
         raise HetrainError("--repeats, --seconds and --concurrent must be positive")
     _precision_names(args.precision)
+    if args.seq_len is not None and not args.hf_config:
+        raise HetrainError(f"--seq-len {args.seq_len} applies to --hf-config only: a --script's make_input(n) and a "
+                           "zoo model set their own length; leave out --seq-len")
     if args.model:
         get_profile(args.model, "time your own model: --script FILE.py:FACTORY or --hf-config NAME_OR_PATH")
     elif args.script:
@@ -233,6 +236,7 @@ def _print(written) -> None:
                  f"{t.peak_memory_bytes / 1e9:.2f} GB" if t.peak_memory_bytes is not None else "-"] for t in prof.steps]
         print_rows(console, ["precision", "micro-batch", "seconds", "samples/s", "peak memory"], rows,
                    title=f"{prof.model} on {prof.device} ({s.device_name}; torch {s.torch}"
-                   + (f", CUDA {s.cuda}, driver {s.driver}" if s.cuda else f", {s.threads} threads") + f"; {s.date})")
+                   + (f", CUDA {s.cuda}, driver {s.driver}" if s.cuda
+                      else f", {s.threads} thread{'' if s.threads == 1 else 's'}") + f"; {s.date})")
         console.print(f"optimizer step {prof.optimizer_seconds * 1e3:.1f} ms; {len(prof.blocks)} blocks timed; "
                       f"written to {path}")

@@ -231,6 +231,8 @@ def figures_notes(kinds: list[Kind], profile: WorkloadProfile, profiles: dict[st
     for r in (rates.devices if rates is not None else []):
         if r.device not in planned:
             notes.append(f"{r.device}: measured in the run, but not among this plan's devices: its rates are unused")
+    for name in sorted(set(profiles or {}) - planned):
+        notes.append(f"{name}: profiled, but not among this plan's devices: its profile is unused")
     for k in kinds:
         name = k.spec.name
         if k.source == "measured-run":
