@@ -71,6 +71,9 @@ def no_fit_message(profile, kinds, cands, strategy, optimizer, world, micro_batc
     # a data-parallel strategy takes --micro-batch as a cap; a pipeline's micro-batch must fit its stages
     tries += ["a smaller --micro-batch"] if micro_batch is not None and micro_batch > 1 and strategy in (
         "auto", "pipeline") else []
-    tries += ["devices with more memory"]
+    if own is not None and strategy != "auto" and "blocks" in own.reason:   # more memory would not help
+        tries += ["a model whose profile has 2 or more blocks (its top-level children, a ModuleList's items)"]
+    else:
+        tries += ["devices with more memory"]
     options = tries[0] if len(tries) == 1 else f"{', '.join(tries[:-1])} or {tries[-1]}"
     return f"model {profile.name!r} does not fit with {what}{detail}; try {options}", None

@@ -364,3 +364,15 @@ def test_more_cpu_ranks_are_advised_on_other_machines():
 
     with pytest.raises(NoPlanFits, match=r"add \d+ more cpu on other machines \(CPU ranks of one machine share"):
         plan_job(cluster_from_devices("cpu:2"), get_profile("gpt2-1.5b"), 64)
+
+
+def test_a_pipeline_of_a_one_block_model_is_not_told_to_find_more_memory():
+    """More memory would not help a model with one block to cut into stages."""
+    import torch
+
+    from hetrain.workload import profile
+
+    one = profile(torch.nn.Linear(8, 2), torch.randn(2, 8), name="one")
+    with pytest.raises(HetrainError, match=r"fewer than 2 blocks.*a model whose profile has 2 or more blocks") as e:
+        plan_job(cluster_from_devices("cpu:2"), one, 8, strategy="pipeline")
+    assert "more memory" not in str(e.value)
