@@ -99,10 +99,11 @@ class StepState:
         every rank runs the job's count (`equal_pieces`: FSDP2, SyncBatchNorm) one without a forward pairs. Refused
         after close() too: the session's process group is gone."""
         self.check_open()
-        if self.active and self.backwards > 0 and not self.last_micro and (forward or not self.equal_pieces):
-            raise HetrainError(
-                f"{call} ran between the micro-batches of a step (session.step() returned False: the step has more): "
-                f"ranks run different numbers of micro-batches, so their calls would not pair up; {fix}")
+        if self.active and not self.last_micro and (forward or not self.equal_pieces):   # its first piece too: a
+            raise HetrainError(   # rank with fewer pieces makes fewer calls, whether before a backward or after
+                f"{call} ran between the micro-batches of a step (before its last, where session.step() returns "
+                f"False: the step has more): ranks run different numbers of micro-batches, so their calls would not "
+                f"pair up; {fix}")
 
     def current_samples(self) -> int:
         return self.local_samples if self.micro_samples is None else self.micro_samples

@@ -135,6 +135,8 @@ class StepTimer:
     between_s: float = 0.0          # the script's and the data's time between the step's micro-batches and
     #                                 before its step(), less the session's collectives in the script's time
     last_between_s: float = 0.0     # that time of the step that ended last
+    _waits_in_compute: float = 0.0  # the session's collective calls made inside a compute stretch (global_mean
+    #                                 between a forward and its backward): waits, taken out of the stretch
 
     def forward_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
         """On the model the script calls (not DDP-wrapped): the step's first forward begins compute here."""
@@ -178,7 +180,7 @@ class StepTimer:
 
     def compute_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
         if self._start is None and torch.is_grad_enabled():   # a training forward, not an evaluation
-            self._start = time.perf_counter()
+            self._start, self._waits_in_compute = time.perf_counter(), 0.0
             if self.comm_waits is not None:
                 self.comm_waits.mark()
             if self.started_at is None:
@@ -208,13 +210,16 @@ class StepTimer:
     @contextmanager
     def collective(self) -> Iterator[None]:
         """A collective call of the session's between the steps' work (global_mean, clip_grad_norm_, barrier): its
-        wait on the other ranks is theirs, not the script's (inside the step's compute, it is timed as that)."""
+        wait on the other ranks is theirs, neither the script's nor, between a forward and its backward, compute (a
+        fast rank waiting there for a slow one's forward would look as slow to the balancer)."""
         began = time.perf_counter()
         try:
             yield
         finally:
             if self._start is None:
                 self.between_s -= time.perf_counter() - began
+            else:
+                self._waits_in_compute += time.perf_counter() - began
 
     def micro_batch_done(self) -> None:
         """A micro-batch that is not the step's last ended its backward: compute pauses until the next
@@ -225,11 +230,13 @@ class StepTimer:
         self._start, self._paused = None, time.perf_counter()
 
     def _stretch(self) -> float:
-        """Compute since `_start`: under FSDP2 less its collectives' waits (its last stretch padded first)."""
+        """Compute since `_start`, less the session's collective calls in it, and under FSDP2 less its collectives'
+        waits (its last stretch padded first)."""
+        waits, self._waits_in_compute = self._waits_in_compute, 0.0
         if self.comm_waits is not None:
             self.comm_waits.finish()
-            return max(0.0, time.perf_counter() - self._start - self.comm_waits.since_mark())
-        return time.perf_counter() - self._start
+            waits += self.comm_waits.since_mark()
+        return max(0.0, time.perf_counter() - self._start - waits)
 
     def grads_ready(self) -> None:
         """Called when this rank's last gradient bucket is ready: the compute of the step is over."""

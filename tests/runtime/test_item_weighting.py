@@ -179,9 +179,9 @@ def _train_two_means(rank, world, sharding, steps):
     model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=LR))
     params = []
     for batch in session.loader(lm_data(), global_batch_size=GLOBAL, shuffle=False):
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         samples, tokens = len(batch["labels"]), predicted_tokens(batch["labels"])
         tokens_per_sample = session.global_mean(tokens / samples, weight=samples)   # the global batch's
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         session.backward(_ce_sum(logits, batch["labels"]) / (samples * tokens_per_sample) + AUX * _aux(logits))
         session.step()
         params.append([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()

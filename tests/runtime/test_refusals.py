@@ -780,7 +780,8 @@ def test_a_figure_over_ranks_taken_between_a_steps_micro_batches_is_refused_nami
         assert (gated or every_pass) and len(figures) == (16 if every_pass else 4), len(figures)
         assert all(math.isfinite(f) for f in figures)
     except HetrainError as e:
-        assert not gated and len(figures) == 1, e   # the step's first micro-batch, before any backward, ran
+        assert not gated and figures == [], e   # refused in the step's first micro-batch, before any backward: a rank
+        #                                          with fewer pieces would make fewer calls (gloo's abort, in review)
         assert str(e).startswith(f"session.{call}() ran between the micro-batches of a step"), e
         assert "where session.step() returns True" in str(e)
     session.close()
