@@ -52,3 +52,33 @@ def test_a_first_forward_without_samples_waits_for_one_with_them():
     assert meter.take_step_flops() is None
     net(torch.randn(8, 16))
     assert meter.take_step_flops() == 3 * 2 * 16 * 4 * 8
+
+
+def _pipeline(rank: int, world: int, plan) -> list:
+    import hetrain
+    from tests.pipeline.common import make_data, make_model
+
+    session = hetrain.Session(plan)
+    net = make_model()
+    session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    seen = _Records()
+    session.add_observer(seen)
+    for x, y in session.loader(make_data(), global_batch_size=plan.global_batch_size, shuffle=False):
+        session.forward_backward(x, y, F.cross_entropy)
+        session.step()
+        if session.step_count == 3:
+            break
+    session.close()
+    return [(r.share, r.model_flops) for r in seen.records]
+
+
+def test_a_pipeline_stage_that_reads_no_samples_counts_the_flops_of_its_replicas_batch(tmp_path):
+    """A replica's batch is read spread over its stages' ranks: a stage that read none still computes the whole
+    batch, and its FLOPs (and MFU) were dropped as a stand-in's (found in review)."""
+    from tests.pipeline.common import pipeline_plan
+
+    plan = pipeline_plan([[0, 4], [4, 8]], "gpipe", 1, 4, replica_shares=[3, 1])
+    ranks = run_ranks(_pipeline, 4, plan, env={"HETRAIN_RUN_DIR": str(tmp_path)})
+    # replica 1's one sample is read by one of its two stages' ranks: the other reads none
+    for records in ranks:
+        assert all(flops is not None and flops > 0 for _, flops in records[1:]), ranks
