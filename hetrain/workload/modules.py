@@ -32,10 +32,17 @@ class RunnableModel:
     module: Any
     make_input: Callable[[int], Any]
     kind: str | None = None
+    source: str | None = None   # where make_input comes from, for errors: "--script 'net.py:make'"
 
     def batch(self, n: int) -> Any:
-        """make_input(n), refused in one line unless it holds n samples (a size the timings are divided by)."""
-        made = self.make_input(n)
+        """make_input(n), refused in one line unless it holds n samples (a size the timings are divided by);
+        whatever make_input raises is one line naming it, the script and the error."""
+        try:
+            made = self.make_input(n)
+        except Exception as e:  # noqa: BLE001 - whatever the user's make_input raises: one line naming it
+            where = f"{self.source}: " if self.source else ""
+            raise HetrainError(f"{where}make_input({n}) of {self.name} raised {type(e).__name__}: {_first_line(e)}; "
+                               "fix make_input(n) to return a batch of n samples") from None
         rows = batch_rows(made, f"make_input({n}) of {self.name}")
         if rows != n:
             raise HetrainError(f"make_input({n}) of {self.name} gave a batch of {rows} samples, not {n}: its timings "
@@ -205,7 +212,7 @@ def script_module(spec: str) -> RunnableModel:
     if not (isinstance(made, tuple) and len(made) == 2 and callable(made[1])):
         raise HetrainError(f"--script {spec!r}: {factory or 'make_model'}() must return (model, make_input), "
                            "make_input(n) giving a batch of n samples")
-    return RunnableModel(file.stem if not factory else factory, made[0], made[1])
+    return RunnableModel(file.stem if not factory else factory, made[0], made[1], source=f"--script {spec!r}")
 
 
 def hf_module(config: str, seq_len: int | None = None) -> RunnableModel:

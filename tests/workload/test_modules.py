@@ -211,3 +211,18 @@ def test_a_factory_that_raises_is_one_line_naming_the_script_and_the_error(tmp_p
                                            r"not found; fix the factory in raising\.py") as e:
         script_module(str(script))
     assert "\n" not in str(e.value)
+
+
+def test_a_make_input_that_raises_is_one_line_naming_make_input_the_script_and_the_error(tmp_path):
+    """It ended in a traceback (exit 1) once the first batch was taken outside the profile's guard."""
+    script = tmp_path / "noisy.py"
+    script.write_text("import torch\n\ndef make_model():\n    def make_input(n):\n"
+                      "        raise KeyError('tokenizer missing')\n    return torch.nn.Linear(4, 2), make_input\n")
+    with pytest.raises(HetrainError, match=r"--script '.*noisy\.py': make_input\(3\) of noisy raised KeyError: "
+                                           r"'tokenizer missing'; fix make_input\(n\)") as e:
+        script_module(str(script)).batch(3)
+    assert "\n" not in str(e.value)
+    p = _cli("--script", str(script), "--device", "cpu", "--out", str(tmp_path / "out"), "--micro-batches", "2",
+             "--seconds", "1", "--no-blocks")
+    assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.count("\n") == 1, p.stderr
+    assert "make_input(2) of noisy raised KeyError" in p.stderr
