@@ -314,6 +314,8 @@ class Checkpointer:
 
     def _find_latest(self) -> tuple[str | None, str | None]:
         """(path of the chosen checkpoint or None, the refusal or None); rank 0 only."""
+        for line in store.restore_replaced(self.directory):   # not a warning: nothing is lost, -W error need not stop
+            log.warning("checkpoint directory %s: %s", self.directory, line)
         choice = selection.choose(self.directory)
         for entry in choice.unfinished:
             step = int(entry.name[len(store.TMP_PREFIX):])

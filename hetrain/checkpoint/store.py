@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 from hetrain.checkpoint.errors import describe_os_error, os_error_fix
+from hetrain.checkpoint.manifest import check_layout, read_manifest, verify
 from hetrain.checkpoint.safe_io import fsync_dir
 
 _STEP = re.compile(r"^step-(\d{6,})$")
@@ -99,7 +100,11 @@ def set_aside(path: Path) -> Path:
 
 
 def commit(root: Path, tmp: Path, step: int) -> Path:
-    """Rename a finished tmp directory to step-N (replacing an older one of that step), durably."""
+    """Rename a finished tmp directory to step-N (replacing an older one of that step), durably.
+
+    Replacing takes two renames (step-N to .replaced-step-N, then .tmp-step-N to step-N): a crash between
+    them leaves no step-N, which `restore_replaced` puts back before the next look or prune.
+    """
     fsync_dir(tmp)
     final = root / step_name(step)
     replaced = None
@@ -114,6 +119,39 @@ def commit(root: Path, tmp: Path, step: int) -> Path:
     return final
 
 
+def restore_replaced(root: Path) -> list[str]:
+    """Put back each step-N that a crash took away while a save of the same step replaced it: the new save
+    (`.tmp-step-N`) where its manifest and files verify, else the old one (`.replaced-step-N`). One line per
+    step put back, saying which."""
+    restored = []
+    for entry in sorted(root.glob(f"{_REPLACED_PREFIX}*")) if root.is_dir() else []:
+        suffix = entry.name[len(_REPLACED_PREFIX):]
+        final = root / f"step-{suffix}"
+        if not (suffix.isdigit() and entry.is_dir()) or final.exists() or final.is_symlink():
+            continue   # (a step-N beside it: the replace finished, and prune deletes the old one)
+        tmp = root / f"{TMP_PREFIX}{suffix}"
+        if _verifies(tmp, int(suffix)):
+            os.rename(tmp, final)
+            restored.append(f"{final.name} was being replaced when the job stopped; its new save is complete and "
+                            f"is {final.name} now")
+        else:
+            os.rename(entry, final)
+            restored.append(f"{final.name} was being replaced when the job stopped, before its new save was "
+                            f"complete; the previous {final.name} is back")
+        fsync_dir(root)
+    return restored
+
+
+def _verifies(path: Path, step: int) -> bool:
+    if not path.is_dir():
+        return False
+    try:
+        manifest = read_manifest(path)
+    except ValueError:
+        return False
+    return check_layout(path, manifest, step) is None and verify(path, manifest) is None
+
+
 def prune(root: Path, keep: int | None, newest: Path | None = None) -> tuple[list[Path], dict[str, str]]:
     """Delete all but `keep` committed checkpoints and any stale partial ones: (the deleted, those that
     could not be, each with why: path -> reason).
@@ -125,6 +163,7 @@ def prune(root: Path, keep: int | None, newest: Path | None = None) -> tuple[lis
     """
     removed: list[Path] = []
     failed: dict[str, str] = {}   # path -> why, the first reason only (a retry below may fail another way)
+    restore_replaced(root)   # a checkpoint a crash left half-replaced is counted, not deleted as stale
     if keep is not None:
         others = [path for _, path in committed(root) if newest is None or path != newest]
         for path in others[keep - (newest is not None):]:
