@@ -30,6 +30,10 @@ class KeptOutputs:
         self.tensors: list[torch.Tensor] = []
         self.tensor_index: dict[int, int] = {}
 
+    def __getstate__(self) -> dict:
+        """A copy of the model its hooks are on (deepcopy, an EMA's AveragedModel, torch.save) holds no outputs."""
+        return {"tensors": [], "tensor_index": {}}
+
     def clear(self, *_: Any) -> None:
         """A forward pre-hook: a training forward begins (an evaluation under no_grad keeps them)."""
         if torch.is_grad_enabled():

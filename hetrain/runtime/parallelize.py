@@ -325,7 +325,9 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, sh
         keep_buffers_without_samples(model, without_samples)
         if optimizer is not None:
             optimizer = sharding.rebuild_optimizer(optimizer, names, model)
-        return Prepared(model, optimizer, chosen, buffers=buffer_places(model), half=half_parameters(model))
+        prepared = Prepared(model, optimizer, chosen, buffers=buffer_places(model), half=half_parameters(model))
+        keep_outputs(prepared, model, on_own_model=True)   # for a rank without items: zeros through them
+        return prepared
     if entry.offload_optimizer and device.type == "cuda":
         raise HetrainError(
             f"rank {rank} asks for offload_optimizer with sharding {sharding_name!r}; optimizer state is "
@@ -346,11 +348,26 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, sh
                         half=half_parameters(model))
     prepared.handles.append(timed_handle)   # on the script's own model: gone when the session closes
     prepared.plain = PlainBackwards(ddp, [p for p in model.parameters() if p.requires_grad])
-    if find_unused_parameters:   # the outputs held from a training forward until the next one begins
-        prepared.kept = KeptOutputs()
-        ddp.register_forward_pre_hook(prepared.kept.clear)
-        ddp.register_forward_hook(prepared.kept.note)
+    if find_unused_parameters or prepared.sync_batchnorm:   # the outputs held from a training forward until the
+        keep_outputs(prepared, ddp)                           # next one begins
     return prepared
+
+
+def keep_outputs(prepared: Prepared, module: nn.Module, on_own_model: bool = False) -> None:
+    """Hold each training forward's outputs until the next (hetrain.runtime.kept_outputs): a backward without items
+    sends its zeros through them. Hooks on the script's own model (FSDP2's) go when the session closes."""
+    prepared.kept = KeptOutputs()
+    handles = [module.register_forward_pre_hook(prepared.kept.clear), module.register_forward_hook(prepared.kept.note)]
+    if on_own_model:
+        prepared.handles.extend(handles)
+
+
+def graph_zeros(prepared: Prepared, loss: torch.Tensor) -> torch.Tensor:
+    """A backward without items that must still run through the forward's graph (FSDP2's reduce-scatter,
+    SyncBatchNorm's backward all-reduce): zeros through the outputs the loss took, not through the loss itself,
+    whose own backward a hand-made mean over no items (0/0) makes NaN; the loss where no output was kept."""
+    zeros = prepared.kept.zeros(loss) if prepared.kept is not None else None
+    return zeros if zeros is not None else torch.nan_to_num(loss.float()) * 0.0
 
 
 def exact_zeros(prepared: Prepared, loss: torch.Tensor) -> torch.Tensor:

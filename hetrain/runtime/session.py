@@ -45,7 +45,8 @@ from hetrain.runtime.environment import (RankEnv, collective_timeout, configure_
 from hetrain.runtime.gradients import (GradientStatus, SkipCounter, StepFigures, agree_items_per_sample, clip_gradients,
                                        finish_gradients, launch_step_figures, weighted_mean)
 from hetrain.runtime.reporting import Reports, metrics_port_setting, run_directory, start_metrics, step_record
-from hetrain.runtime.parallelize import Prepared, equal_piece_counts, exact_zeros, gradient_sync, reduce_late_trainable
+from hetrain.runtime.parallelize import (Prepared, equal_piece_counts, exact_zeros, gradient_sync, graph_zeros,
+                                         reduce_late_trainable)
 from hetrain.runtime.pipeline_schedule import call_model, item_counter
 from hetrain.runtime.prepare_model import prepare_model
 from hetrain.runtime.pipeline_stages import check_pipeline_plan
@@ -305,7 +306,7 @@ class Session:
         self._launch_figures()
         if items == 0 and (self.sharding == "fsdp" or self.prepared.sync_batchnorm):
             # No items: zeros through the forward's graph (FSDP2's reduce-scatter, SyncBatchNorm's backward).
-            weighted = torch.nan_to_num(loss.float()) * 0.0
+            weighted = graph_zeros(self.prepared, loss)
         elif items == 0:   # no items: exact zeros, still joining every collective
             weighted = exact_zeros(self.prepared, loss)
         else:
