@@ -5,6 +5,9 @@ from __future__ import annotations
 from hetrain.planning.kinds import Kind
 
 GB = 1e9
+# why a pipeline has no plan where more memory would not help (pipeline_planner gives them, advice here reads them)
+ONE_BLOCK = "the profile has fewer than 2 blocks to place on stages"
+MORE_STAGES = "more stages than the model's {blocks} blocks"
 
 
 def devices_to_add(profile, kinds, best, optimizer, world, global_batch: int | None = None, limit: int = 4096) -> str:
@@ -71,8 +74,12 @@ def no_fit_message(profile, kinds, cands, strategy, optimizer, world, micro_batc
     # a data-parallel strategy takes --micro-batch as a cap; a pipeline's micro-batch must fit its stages
     tries += ["a smaller --micro-batch"] if micro_batch is not None and micro_batch > 1 and strategy in (
         "auto", "pipeline") else []
-    if own is not None and strategy != "auto" and "blocks" in own.reason:   # more memory would not help
+    blocks = len(profile.blocks)
+    if own is not None and strategy != "auto" and own.reason == ONE_BLOCK:   # more memory would not help
         tries += ["a model whose profile has 2 or more blocks (its top-level children, a ModuleList's items)"]
+    elif own is not None and strategy != "auto" and own.reason == MORE_STAGES.format(blocks=blocks):
+        tries += [f"fewer devices (a stage each for at most {blocks} blocks)",
+                  "a model whose profile has more blocks than stages"]
     else:
         tries += ["devices with more memory"]
     options = tries[0] if len(tries) == 1 else f"{', '.join(tries[:-1])} or {tries[-1]}"

@@ -11,6 +11,7 @@ from hetrain.planning.batch_split import split_even
 from hetrain.planning import cost_model as cm
 from hetrain.planning.cost_model import pipeline_bubble
 from hetrain.planning.kinds import Kind
+from hetrain.planning.no_fit import MORE_STAGES, ONE_BLOCK
 from hetrain.planning.partition import interleaved_stages, microbatches_at_most, partition_blocks
 from hetrain.planning.plan import BalancePlan, PipelinePlan, Plan, RankPlan
 from hetrain.planning.planner import Candidate
@@ -51,7 +52,7 @@ def pipeline_candidates(cluster, profile: WorkloadProfile, kinds: list[Kind], gl
     n_blocks = len(blocks)
     if n_blocks < 2:
         for c in out.values():
-            c.reason = "the profile has fewer than 2 blocks to place on stages"
+            c.reason = ONE_BLOCK
         return list(out.values())
     calib = cm.default_calibration()
     multi_node = len(cluster.nodes) > 1
@@ -188,7 +189,7 @@ def _no_plan_reason(label: str, counts: list[int], divisors: list[int], n_blocks
                 f"each replica would hold one device: hybrid needs 2 or more replicas of 2 or more devices "
                 f"(these {sum(counts)} devices make none)")
     if all(stages > n_blocks for _, stages in grids if stages >= 2):
-        return f"more stages than the model's {n_blocks} blocks"
+        return MORE_STAGES.format(blocks=n_blocks)
     return "no partition fits: the stages lack memory"
 
 

@@ -376,3 +376,18 @@ def test_a_pipeline_of_a_one_block_model_is_not_told_to_find_more_memory():
     with pytest.raises(HetrainError, match=r"fewer than 2 blocks.*a model whose profile has 2 or more blocks") as e:
         plan_job(cluster_from_devices("cpu:2"), one, 8, strategy="pipeline")
     assert "more memory" not in str(e.value)
+
+
+def test_a_pipeline_of_more_stages_than_blocks_is_told_fewer_devices_not_2_or_more_blocks():
+    """'more stages than the model's 5 blocks' matched the one-block advice: a 5-block model was told
+    to find a model with 2 or more blocks."""
+    import torch
+
+    from hetrain.workload import profile
+
+    five = profile(torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(5))), torch.randn(2, 8), name="five")
+    with pytest.raises(HetrainError, match=r"more stages than the model's 5 blocks.*fewer devices \(a stage each "
+                                           r"for at most 5 blocks\) or a model whose profile has more blocks than "
+                                           r"stages") as e:
+        plan_job(cluster_from_devices("cpu:7"), five, 14, strategy="pipeline")
+    assert "2 or more blocks" not in str(e.value) and "more memory" not in str(e.value)
