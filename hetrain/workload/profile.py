@@ -41,12 +41,20 @@ class BlockProfile(BaseModel):
                              "output embedding): counted there, held again by a pipeline stage without it")
     tied_to: int | None = Field(None, ge=0, description="index of the block that holds the tied parameters")
     trainable_params: int | None = Field(None, ge=0, description="of `params`, those that take a gradient (None: "
-                                         "all); tied ones held again count as trained")
+                                         "all)")
+    tied_trainable_params: int | None = Field(None, ge=0, description="of `tied_params`, those that take a "
+                                              "gradient (None: all): a frozen tied embedding is held, not trained")
 
     @property
     def trained_params(self) -> int:
         """Parameters of this block that take a gradient (all, where the profile does not say)."""
         return self.params if self.trainable_params is None else min(self.trainable_params, self.params)
+
+    @property
+    def tied_trained_params(self) -> int:
+        """Of the tied parameters, those that take a gradient (all, where the profile does not say)."""
+        return self.tied_params if self.tied_trainable_params is None else min(self.tied_trainable_params,
+                                                                               self.tied_params)
 
 
 class WorkloadProfile(BaseModel):
@@ -92,7 +100,8 @@ class WorkloadProfile(BaseModel):
 
     def held_trained_params(self, start: int, stop: int) -> int:
         """Of `held_params(start, stop)`, those that take a gradient."""
-        return sum(b.trained_params + (b.tied_params if b.tied_to is not None and not start <= b.tied_to < stop else 0)
+        return sum(b.trained_params + (b.tied_trained_params if b.tied_to is not None and not start <= b.tied_to < stop
+                                       else 0)
                    for b in self.blocks[start:stop])
 
     def identity(self) -> str:
@@ -233,6 +242,7 @@ def profile(model: "nn.Module", sample_input, name: str | None = None, kind: Wor
             activation_bytes_per_sample=saved[bname] / batch,
             output_bytes_per_sample=out_bytes[bname] / batch,
             tied_params=sum(p.numel() for p in tied),
+            tied_trainable_params=sum(p.numel() for p in tied if p.requires_grad),
             trainable_params=sum(p.numel() for p in block.parameters() if id(p) not in owner and p.requires_grad),
             tied_to=owner[id(tied[0])] if tied else None,
         ))

@@ -81,3 +81,34 @@ def test_a_frozen_stage_of_a_pipeline_holds_weights_but_no_gradients():
     twin = memory_estimate(full, "fp32", 1, optimizer="sgd", blocks=slice(0, 2))
     assert first.weights == twin.weights and first.gradients == first.optimizer == 0
     assert twin.gradients == 4 * full.held_params(0, 2)
+
+
+class TiedHead(nn.Module):
+    """A frozen embedding tied to the vocabulary head (the head block holds the embedding's weight again)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(1000, 64)
+        self.body = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 1000, bias=False)
+        self.head.weight = self.emb.weight
+        self.emb.weight.requires_grad_(False)
+
+    def forward(self, x):
+        return self.head(self.body(self.emb(x)))
+
+
+def test_a_frozen_tied_weight_is_held_but_not_trained_on_the_stage_holding_its_copy():
+    """The head's stage priced the frozen tied embedding as trained: 64,000 trained there, 4,160 in the model."""
+    from hetrain.planning.cost_model import memory_estimate
+
+    tied = profile(TiedHead(), torch.randint(0, 1000, (2, 8)), name="tied")
+    assert tied.trained_params == 64 * 64 + 64
+    assert tied.blocks[2].tied_params == 64000 and tied.blocks[2].tied_trainable_params == 0
+    assert tied.held_params(2, 3) == 64000 and tied.held_trained_params(2, 3) == 0
+    assert tied.held_trained_params(0, 2) + tied.held_trained_params(2, 3) == tied.trained_params
+    head = memory_estimate(tied, "fp32", 1, optimizer="adamw", blocks=slice(2, 3))
+    assert head.weights == 4 * 64000 and head.gradients == head.optimizer == 0
+    old = tied.model_copy(update={"blocks": [b.model_copy(update={"tied_trainable_params": None})
+                                             for b in tied.blocks]})
+    assert old.held_trained_params(2, 3) == 64000   # a profile without the count trains its tied copy, as before
