@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from hetrain.runtime.precision import watch_precision
 from hetrain.runtime.replicas import copy_from, module_tensors
 from hetrain.runtime.step_guard import stepped_parameters
 from hetrain.runtime.timing import StepTimer, TimedHookState, timed_hook
+from hetrain.runtime.user_parallel import check_bare_model, refuse_outer_wrapper
 from hetrain.vocabulary import ZERO1_SHARDINGS
 
 log = logging.getLogger("hetrain")
@@ -267,6 +267,7 @@ def apply_ddp(model: nn.Module, device: torch.device, comm: CommPlan | None, tim
             timed.forward_synced = module.require_backward_grad_sync
 
     ddp.register_forward_pre_hook(note_sync)
+    refuse_outer_wrapper(ddp)   # a DDP of the script's around it would average the gradients a second time
     return ddp, inner_state, timed_handle
 
 
@@ -307,13 +308,7 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, sh
     `without_samples()` leaves the model's buffers as they were (hetrain.runtime.buffers)."""
     entry = entries[rank]
     check_optimizer(optimizer)
-    fsdp = sys.modules.get("torch.distributed.fsdp")   # loaded where a script wrapped the model in it
-    wrappers = (DistributedDataParallel,) + ((fsdp.FSDPModule, fsdp.FullyShardedDataParallel) if fsdp else ())
-    if isinstance(model, wrappers):
-        bare = "model.module" if isinstance(model, DistributedDataParallel) else "the model before fully_shard()"
-        raise HetrainError(
-            f"session.prepare() was given a model already wrapped in {type(model).__name__}: its gradients would "
-            f"be reduced twice; pass the bare model ({bare}), hetrain wraps it for the plan")
+    check_bare_model(model)   # not parallelized by the script already (hetrain.runtime.user_parallel)
     check_parameters(model, sharding_name)
     check_optimizer_holds_the_model(optimizer, model)
     model = sync_batchnorm(model.to(device), device, len(entries), warn=rank == 0)
