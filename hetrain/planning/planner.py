@@ -151,8 +151,8 @@ def _comm(profile: WorkloadProfile, topo: cm.CommTopology, zero: int, hook: str,
     c = cm.allreduce_cost(grad * ratio, topo)
     exposed = cm.exposed_seconds(c.seconds, overlap_seconds, grad * ratio)
     net = exposed * (c.inter_node_seconds / c.seconds if c.seconds else 0.0)
-    if zero == 1:
-        g = cm.allreduce_cost(grad, topo, factor=1.0)
+    if zero == 1:   # torch's ZeroRedundancyOptimizer broadcasts every parameter it holds, frozen ones included
+        g = cm.allreduce_cost(4.0 * profile.params, topo, factor=1.0)
         exposed, net = exposed + g.seconds, net + g.inter_node_seconds
     return exposed, net
 
