@@ -147,7 +147,21 @@ class Checkpointer:
                 sharded_s = self._stager.stage(sharded) if copy else sharded
         except CheckpointError as e:
             error = e
-        args = (step, shared_s, per_rank_s, sharded_s, sharded is not None, error, start)
+        tmp = store.tmp_dir(self.directory, step)
+        if self.rank == 0 and error is None:
+            try:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            except OSError as e:
+                error = CheckpointError(f"cannot create {tmp} ({describe_os_error(e)}); {os_error_fix(e)}")
+        # agreed here, background save or not: a value that cannot be saved is refused by this save() on every
+        # rank, not by the next one (or close()) an interval later
+        first = self._first_error(None if error is None else str(error))
+        if first is not None:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise error if error is not None else CheckpointError(first)
+        args = (step, tmp, shared_s, per_rank_s, sharded_s, sharded is not None, start)
         if blocking:
             self._write(*args)
         else:
@@ -195,18 +209,9 @@ class Checkpointer:
         except BaseException as e:  # surfaced by wait()
             self._error = e
 
-    def _write(self, step: int, shared: Any, per_rank: Any, sharded: Any, has_sharded: bool,
-               error: BaseException | None, start: float) -> None:
-        tmp = store.tmp_dir(self.directory, step)
-        if self.rank == 0 and error is None:
-            try:
-                shutil.rmtree(tmp, ignore_errors=True)
-                tmp.mkdir(parents=True)
-            except OSError as e:
-                error = CheckpointError(f"cannot create {tmp} ({describe_os_error(e)}); {os_error_fix(e)}")
-        first = self._agree(None if error is None else str(error))
-        if first is not None:
-            self._finish_failed(tmp, error, first)
+    def _write(self, step: int, tmp: Path, shared: Any, per_rank: Any, sharded: Any, has_sharded: bool,
+               start: float) -> None:
+        error: BaseException | None = None
         entries: list[FileEntry] = []
         try:
             if has_sharded:
@@ -238,11 +243,6 @@ class Checkpointer:
         with self._committed_lock:
             done, self._committed = self._committed, []
         return done
-
-    def _finish_failed(self, tmp: Path, error: BaseException | None, reason: str) -> None:
-        if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise error if error is not None else CheckpointError(reason)
 
     def _hash_my_share(self, sharded_dir: Path) -> list[FileEntry]:
         """Hash this rank's part of the DCP files (the listing split across ranks)."""
@@ -423,13 +423,9 @@ class Checkpointer:
 
     # ---- coordination --------------------------------------------------------------------------
 
-    def _agree(self, error: str | None) -> str | None:
-        """Every rank's error (or None) gathered: the first one, so all ranks stop together."""
-        errors = [e for e in self._gather(error) if e is not None]
-        return errors[0] if errors else None
-
     def _first_error(self, error: str | None) -> str | None:
-        """Like `_agree`, naming the rank (and how many more failed) when several ranks run."""
+        """Every rank's error (or None) gathered: the first one, so all ranks stop together, naming the rank
+        (and how many more failed) when several ranks run."""
         errors = [(r, e) for r, e in enumerate(self._gather(error)) if e is not None]
         if not errors:
             return None

@@ -36,12 +36,18 @@ def snapshot(obj: Any, *, copy: bool, where: str = "state", buffers: dict[str, t
     return _snapshot(obj, copy, where, {}, buffers)
 
 
+def check_savable(obj: Any, where: str = "state") -> None:
+    """Raise the CheckpointError `save()` would raise for `obj`, copying nothing: for state given long
+    before its first save (session.add_state), refused when it is given."""
+    _snapshot(obj, False, where, {}, None, check_only=True)
+
+
 def _snapshot(obj: Any, copy: bool, where: str, memo: dict[int, torch.Tensor],
-              buffers: dict[str, torch.Tensor] | None) -> Any:
+              buffers: dict[str, torch.Tensor] | None, check_only: bool = False) -> Any:
     if isinstance(obj, torch.Tensor):
         key = id(obj)
         if key not in memo:
-            memo[key] = _host_tensor(obj, copy, where, buffers)
+            memo[key] = _plain_tensor(obj, where) if check_only else _host_tensor(obj, copy, where, buffers)
         return memo[key]
     if type(obj) in _LEAF_TYPES:
         return obj
@@ -53,10 +59,10 @@ def _snapshot(obj: Any, copy: bool, where: str, memo: dict[int, torch.Tensor],
                     f"{where} has a key {k!r} of type {type(k).__name__}; checkpoint dict keys are "
                     f"str, int, float, bool or None: convert the key before saving"
                 )
-            out[k] = _snapshot(v, copy, f"{where}[{k!r}]", memo, buffers)
+            out[k] = _snapshot(v, copy, f"{where}[{k!r}]", memo, buffers, check_only)
         return out
     if type(obj) in (list, tuple):
-        items = [_snapshot(v, copy, f"{where}[{i}]", memo, buffers) for i, v in enumerate(obj)]
+        items = [_snapshot(v, copy, f"{where}[{i}]", memo, buffers, check_only) for i, v in enumerate(obj)]
         return items if isinstance(obj, list) else tuple(items)
     raise CheckpointError(
         f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}; a checkpoint holds tensors, "
@@ -65,13 +71,17 @@ def _snapshot(obj: Any, copy: bool, where: str, memo: dict[int, torch.Tensor],
     )
 
 
-def _host_tensor(t: torch.Tensor, copy: bool, where: str, buffers: dict[str, torch.Tensor] | None) -> torch.Tensor:
+def _plain_tensor(t: torch.Tensor, where: str) -> torch.Tensor:
     if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
         raise CheckpointError(
             f"{where} is a {type(t).__qualname__} (a tensor subclass such as a DTensor); pass "
             f"sharded state in `sharded` (written through torch.distributed.checkpoint), not here"
         )
-    t = t.detach()
+    return t
+
+
+def _host_tensor(t: torch.Tensor, copy: bool, where: str, buffers: dict[str, torch.Tensor] | None) -> torch.Tensor:
+    t = _plain_tensor(t, where).detach()
     compact = t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
     if not copy and t.device.type == "cpu":
         return t if compact else t.clone()

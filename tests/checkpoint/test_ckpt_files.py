@@ -9,10 +9,12 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 from hetrain.checkpoint import CheckpointError, Checkpointer, capture_rng, restore_rng
 from hetrain.checkpoint.manifest import read_manifest
-from hetrain.checkpoint.safe_io import read_torch_file, sha256_file, snapshot
+from hetrain.checkpoint.safe_io import check_savable, read_torch_file, sha256_file, snapshot
+from tests.distributed import run_ranks
 
 
 class Intruder:
@@ -46,12 +48,42 @@ def test_plain_values_round_trip(tmp_path):
     ({"a": {1, 2}}, "shared['a']"),
     ({(1, 2): 3}, "shared"),
 ])
-def test_save_refuses_values_that_would_need_unpickling(tmp_path, bad, where):
-    ckpt = Checkpointer(tmp_path, async_save=False)
-    with pytest.raises(CheckpointError) as e:
+@pytest.mark.parametrize("async_save", [False, True])
+def test_save_refuses_values_that_would_need_unpickling(tmp_path, bad, where, async_save):
+    ckpt = Checkpointer(tmp_path, async_save=async_save)
+    with pytest.raises(CheckpointError) as e:   # at this save(), not the next one 100 steps later
         ckpt.save(1, bad, {})
     assert where in str(e.value)
-    assert not list(tmp_path.glob("step-*"))
+    ckpt.save(2, {"a": 1.0}, {})   # the refusal is not raised again
+    ckpt.close()
+    assert [p.name for p in tmp_path.glob("step-*")] == ["step-000002"]
+
+
+def test_check_savable_refuses_what_save_refuses():
+    w = torch.ones(3)
+    check_savable({"w": w, "n": [1, 2.5, None]})
+    with pytest.raises(CheckpointError, match=r"session.add_state\('best'\)\['v'\] is a numpy.float64"):
+        check_savable({"v": np.float64(1.0)}, where="session.add_state('best')")
+
+
+def _one_rank_saves_a_set(rank: int, world: int, root: str) -> dict:
+    dist.init_process_group("gloo")
+    ckpt = Checkpointer(root, async_save=True)
+    try:
+        ckpt.save(1, {"w": torch.ones(2)}, {"seen": {1, 2} if rank == 1 else [1, 2]})
+        refused = None
+    except CheckpointError as e:
+        refused = str(e)
+    ckpt.save(2, {"w": torch.ones(2)}, {"seen": [1, 2]})
+    ckpt.close()
+    return {"refused": refused}
+
+
+def test_every_rank_refuses_at_the_save_where_one_rank_holds_a_value_that_cannot_be_saved(tmp_path):
+    results = run_ranks(_one_rank_saves_a_set, 2, str(tmp_path))
+    assert all(r["refused"] is not None and "per_rank['seen'] is a builtins.set" in r["refused"] for r in results)
+    assert results[0]["refused"].startswith("rank 1: ")
+    assert [p.name for p in tmp_path.glob("step-*")] == ["step-000002"]
 
 
 def test_snapshot_copy_detaches_from_later_updates():
