@@ -248,6 +248,19 @@ def leave_group(failing: bool, settle: Callable[[], Any] | None) -> None:
     dist.destroy_process_group()
 
 
+def check_script_group(env: RankEnv, backend: str | None) -> None:
+    """A group the script started is the job's: one of another size than the launcher's (each process a one-rank
+    group of its own) trained the whole global batch on every process, and their checkpoints overwrote each other."""
+    if "WORLD_SIZE" in os.environ and dist.get_world_size() != env.world_size:
+        raise HetrainError(
+            f"the process group the script started has {dist.get_world_size()} rank(s), but the launcher started "
+            f"{env.world_size} (WORLD_SIZE): start it with dist.init_process_group() over the launcher's ranks "
+            "(no rank=/world_size= of its own), or leave it to hetrain.Session()")
+    if backend is not None and dist.get_backend() != backend:
+        raise HetrainError(f"Session(backend={backend!r}): the process group the script started uses "
+                           f"{dist.get_backend()}; start it with {backend}, or leave backend= unset")
+
+
 def init_process_group(env: RankEnv, device: torch.device, backend: str | None = None) -> tuple[bool, Any]:
     """Join the job's process group (NCCL on CUDA, gloo on CPU). Returns (whether this call created it,
     a store of the job that other services may use, or None). A group the script started itself
@@ -259,6 +272,7 @@ def init_process_group(env: RankEnv, device: torch.device, backend: str | None =
         _LEFT_OPEN.clear()
         dist.destroy_process_group()
     if dist.is_initialized():
+        check_script_group(env, backend)
         return False, None
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":

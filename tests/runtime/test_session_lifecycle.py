@@ -625,3 +625,25 @@ def test_a_log_level_given_to_one_session_is_not_kept_by_the_next():
             assert logger.level == logging.WARNING
     finally:
         logger.setLevel(before)
+
+
+def test_a_group_the_script_started_of_another_size_than_the_launchers_is_refused(monkeypatch):
+    """Each process of a 2-rank launch starting a one-rank group of its own trained the whole global batch alone,
+    and with a checkpoint directory they resumed each other's checkpoints: exit status 0 (found auditing)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        with pytest.raises(HetrainError, match=r"the process group the script started has 1 rank\(s\), but the "
+                                               r"launcher started 2 \(WORLD_SIZE\)"):
+            hetrain.Session()
+        monkeypatch.setenv("WORLD_SIZE", "1")
+        with pytest.raises(HetrainError, match=r"Session\(backend='nccl'\): the process group the script started "
+                                               r"uses gloo"):
+            hetrain.Session(backend="nccl")
+        with hetrain.Session() as session:   # the launcher's size: the script's group is used
+            assert session.world_size == 1 and not session.owns_group
+    finally:
+        dist.destroy_process_group()
