@@ -392,6 +392,10 @@ def plan_job(cluster, profile: WorkloadProfile, global_batch: int, *, optimizer:
         raise HetrainError(f"--compression {compression} runs as a DDP communication hook, which --strategy {strategy} "
                            "has none of (FSDP2 and pipeline stages reduce their own way); use --strategy balanced, "
                            "ddp or zero1, or leave out --compression")
+    if profile.trained_params == 0:   # the runtime refuses a model with nothing to train: so does the plan
+        raise HetrainError(f"model {profile.name!r} has no parameter that takes a gradient (its profile's "
+                           "trainable_params is 0), so there is no training step to plan; profile the model you "
+                           "train, with the parameters it trains requiring a gradient")
     calib = calib or cm.default_calibration()
     kinds = kinds_of(cluster, profile, precision, calib, profiles, rates, optimizer)
     world = sum(k.count for k in kinds)

@@ -14,7 +14,7 @@ from typing import Literal
 
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from hetrain.errors import HetrainError, format_validation_error
 from hetrain.workload.batches import batch_rows, batch_tensors, call_model
@@ -44,6 +44,16 @@ class BlockProfile(BaseModel):
                                          "all)")
     tied_trainable_params: int | None = Field(None, ge=0, description="of `tied_params`, those that take a "
                                               "gradient (None: all): a frozen tied embedding is held, not trained")
+
+    @model_validator(mode="after")
+    def _trained_within_held(self) -> "BlockProfile":
+        if self.trainable_params is not None and self.trainable_params > self.params:
+            raise ValueError(f"block {self.name!r}: trainable_params {self.trainable_params} is more than its params "
+                             f"{self.params}")
+        if self.tied_trainable_params is not None and self.tied_trainable_params > self.tied_params:
+            raise ValueError(f"block {self.name!r}: tied_trainable_params {self.tied_trainable_params} is more than "
+                             f"its tied_params {self.tied_params}")
+        return self
 
     @property
     def trained_params(self) -> int:
@@ -86,6 +96,12 @@ class WorkloadProfile(BaseModel):
             raise ValueError(f"workload profile version {v} is not supported; this hetrain reads version "
                              f"{PROFILE_VERSION}: re-run hetrain profile")
         return v
+
+    @model_validator(mode="after")
+    def _trained_within_params(self) -> "WorkloadProfile":
+        if self.trainable_params is not None and self.trainable_params > self.params:
+            raise ValueError(f"trainable_params {self.trainable_params} is more than params {self.params}")
+        return self
 
     def held_params(self, start: int, stop: int) -> int:
         """Parameters a device that runs blocks [start, stop) holds: theirs, and the tied ones whose

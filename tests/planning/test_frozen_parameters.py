@@ -1,6 +1,8 @@
 """Frozen parameters (a fine-tuned head on a frozen backbone) hold weights, but no gradients, no
 optimizer state and nothing to all-reduce: the plan prices them so."""
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -116,3 +118,35 @@ def test_a_frozen_tied_weight_is_held_but_not_trained_on_the_stage_holding_its_c
     old = tied.model_copy(update={"blocks": [b.model_copy(update={"tied_trainable_params": None})
                                              for b in tied.blocks]})
     assert old.held_trained_params(2, 3) == 64000   # a profile without the count trains its tied copy, as before
+
+
+def test_a_profile_that_trains_nothing_is_refused_in_one_line():
+    """It planned without complaint, though the runtime refuses a model with nothing to train."""
+    from hetrain.errors import HetrainError
+    from hetrain.hardware.cluster import cluster_from_devices
+
+    frozen, _ = _twins()
+    none = frozen.model_copy(update={"trainable_params": 0,
+                                     "blocks": [b.model_copy(update={"trainable_params": 0}) for b in frozen.blocks]})
+    with pytest.raises(HetrainError, match=r"model 'ft' has no parameter that takes a gradient \(its profile's "
+                                           r"trainable_params is 0\)") as e:
+        plan_job(cluster_from_devices("a100:2"), none, 8)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("where", ["model", "block", "tied"])
+def test_a_profile_training_more_parameters_than_it_has_is_refused(tmp_path, where):
+    from hetrain.errors import HetrainError
+
+    data = profile(TiedHead(), torch.randint(0, 1000, (2, 8)), name="tied").model_dump()
+    if where == "model":
+        data["trainable_params"] = data["params"] * 10
+    elif where == "block":
+        data["blocks"][1]["trainable_params"] = data["blocks"][1]["params"] + 1
+    else:
+        data["blocks"][2]["tied_trainable_params"] = data["blocks"][2]["tied_params"] + 1
+    path = tmp_path / "workload.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(HetrainError, match=r"is not a workload profile: .*trainable_params \d+ is more than") as e:
+        WorkloadProfile.load(path)
+    assert "\n" not in str(e.value)
