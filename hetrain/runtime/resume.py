@@ -35,6 +35,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from hetrain.checkpoint.checkpointer import Checkpointer
 from hetrain.checkpoint.errors import START_FROM_WEIGHTS
 from hetrain.errors import HetrainError
@@ -264,9 +266,15 @@ class SessionCheckpoints:
         # does not run that end again
         past_end = (self._saved_end_pending and self.last_saved_step == self.state.step
                     and not self.state.loader.state_dict(in_step=True)["epoch_end_pending"])
+        wanted = save and (self.last_saved_step != self.state.step or past_end) and self.state.step > 0 \
+            and not erred_at_epoch_end
+        if wanted and not dist.is_initialized():   # the script's destroy_process_group() came first
+            log.warning("no checkpoint of step %d at close: the process group was destroyed before session.close() "
+                        "(the last checkpoint is step %s); close the session before dist.destroy_process_group()",
+                        self.state.step, self.last_saved_step)
+            wanted = False
         try:
-            if save and (self.last_saved_step != self.state.step or past_end) and self.state.step > 0 \
-                    and not erred_at_epoch_end:
+            if wanted:
                 self.save(blocking=True)
             self.checkpointer.close()
             self._report_committed()

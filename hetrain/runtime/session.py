@@ -478,15 +478,17 @@ class Session:
         if self.watch is not None:
             self.watch.stop(sys.exc_info()[1] if failing else None)   # the others are told why
             self.watch = None
-        if self.checkpoints is not None:   # no final checkpoint the others, in a step, could not join
-            self.checkpoints.close(save=not failing)
-            self.checkpoints = None
-        try:   # an observer's close() that raises (raised here) leaves nothing else open
-            self.reports.close()
+        checkpoints, self.checkpoints = self.checkpoints, None
+        try:   # a final save or an observer's close() that raises (raised here) leaves nothing else open
+            if checkpoints is not None:   # no final checkpoint the others, in a step, could not join
+                checkpoints.close(save=not failing)
         finally:
-            restore_logging(self._log_level_token)
-            if self.owns_group and dist.is_initialized():
-                leave_group(failing, self.balancer.arrived if self.balancer is not None else None)
+            try:
+                self.reports.close()
+            finally:
+                restore_logging(self._log_level_token)
+                if self.owns_group and dist.is_initialized():
+                    leave_group(failing, self.balancer.arrived if self.balancer is not None else None)
 
     def __enter__(self) -> "Session":
         return self

@@ -647,3 +647,28 @@ def test_a_group_the_script_started_of_another_size_than_the_launchers_is_refuse
             assert session.world_size == 1 and not session.owns_group
     finally:
         dist.destroy_process_group()
+
+
+def test_a_group_destroyed_before_close_leaves_the_last_checkpoint_and_says_so(tmp_path):
+    """The script's dist.destroy_process_group() before session.close() ended the close in torch's "Group ... is
+    not registered" from the final save's broadcast (found auditing); the last checkpoint stands, and it says so."""
+    import torch.distributed as dist
+
+    from hetrain.checkpoint.checkpointer import Checkpointer
+    from tests.log_lines import hetrain_warnings
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    session = hetrain.Session(checkpoint_dir=tmp_path, checkpoint_interval=2, async_checkpoints=False)
+    net = make_net()
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    for x, y in session.loader(make_data(), global_batch_size=8):
+        session.backward(F.cross_entropy(model(x), y))
+        session.step()
+        if session.step_count == 3:
+            break
+    dist.destroy_process_group()
+    with hetrain_warnings() as warnings:
+        session.close()
+    assert any("no checkpoint of step 3 at close: the process group was destroyed before session.close() (the last "
+               "checkpoint is step 2)" in w for w in warnings), warnings
+    assert Checkpointer(tmp_path).latest().step == 2
