@@ -41,15 +41,15 @@ def batch_rows(batch: Any, what: str = "sample_input") -> int:
 
 
 def to_device(batch: Any, device) -> Any:
-    """The batch with its tensors on `device` (anything else as it is)."""
-    def move(v):
-        return v.to(device) if hasattr(v, "to") else v
-
+    """The batch with its tensors on `device`, inside nested dicts, lists and tuples too (anything else as
+    it is): the runtime moves a nested batch so, and a block timed on a tensor left on the CPU would fail."""
     if isinstance(batch, Mapping):
-        return {k: move(v) for k, v in batch.items()}
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):   # a named tuple
+        return type(batch)(*(to_device(v, device) for v in batch))
     if isinstance(batch, (tuple, list)):
-        return type(batch)(move(b) for b in batch)
-    return move(batch)
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch.to(device) if hasattr(batch, "to") else batch
 
 
 def call_model(module, batch: Any):

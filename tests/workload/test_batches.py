@@ -61,3 +61,20 @@ def test_profile_cli_refuses_a_make_input_that_ignores_n_in_one_line(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
     assert "make_input(2) of fixed gave a batch of 8 samples, not 2" in p.stderr
+
+
+def test_to_device_moves_the_tensors_of_nested_dicts_lists_and_tuples():
+    """Nested inputs stayed on the CPU: a model timed on a GPU was given tensors it could not use."""
+    from collections import namedtuple
+
+    from hetrain.workload.batches import to_device
+
+    Pair = namedtuple("Pair", "a b")
+    t = torch.zeros(4, 3)
+    batch = {"x": t, "extra": {"mask": t, "pair": (t, [t, 2])}, "named": Pair(t, "s"), "flag": True}
+    moved = to_device(batch, "meta")
+    assert moved["x"].is_meta and moved["extra"]["mask"].is_meta
+    assert moved["extra"]["pair"][0].is_meta and moved["extra"]["pair"][1][0].is_meta
+    assert moved["extra"]["pair"][1][1] == 2 and isinstance(moved["extra"]["pair"], tuple)
+    assert isinstance(moved["named"], Pair) and moved["named"].a.is_meta and moved["named"].b == "s"
+    assert moved["flag"] is True
