@@ -8,6 +8,7 @@ Observers are objects with `on_step(StepRecord)` and, optionally, `on_checkpoint
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import time
 import weakref
@@ -42,18 +43,24 @@ def metrics_port_setting(given: Any) -> int | None:
     """Session(metrics_port=), else HETRAIN_METRICS_PORT (0 or unset: none), checked when the session is
     made: this node's local ranks serve PORT..PORT+N-1, all of which must be TCP ports."""
     if given is None:
-        value = os.environ.get(Env.METRICS_PORT, "")
+        value = os.environ.get(Env.METRICS_PORT, "").strip()
         if value in ("", "0"):
             return None
         if not value.isdigit():
             raise HetrainError(f"{Env.METRICS_PORT}={value!r} is not a port; set it to a whole number "
                                "from 1024 to 65535, or unset it")
         given, given_as = int(value), f"{Env.METRICS_PORT}={{}}"
-    elif isinstance(given, bool) or not isinstance(given, int):
-        raise HetrainError(f"Session(metrics_port={given!r}): the base port is a whole number, e.g. 9400 "
-                           "(each local rank serves base + its local rank), or None for no metrics")
     else:
-        given_as = "Session(metrics_port={})"
+        try:
+            port = None if isinstance(given, bool) else operator.index(given)   # an int, a NumPy integer
+        except TypeError:
+            port = None
+        if port is None:
+            raise HetrainError(f"Session(metrics_port={given!r}): the base port is a whole number, e.g. 9400 "
+                               "(each local rank serves base + its local rank), or None for no metrics")
+        if port == 0:   # as HETRAIN_METRICS_PORT=0: none
+            return None
+        given, given_as = port, "Session(metrics_port={})"
     check_port_range(given, max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)), given_as)
     return given
 

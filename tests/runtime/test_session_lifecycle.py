@@ -278,6 +278,20 @@ def test_a_metrics_port_that_is_no_port_is_refused_when_the_session_is_made(monk
     assert not torch.distributed.is_initialized()   # refused before the process group starts
 
 
+def test_metrics_port_settings_a_script_or_a_shell_writes_are_taken(monkeypatch):
+    """A NumPy integer from a config and an environment value with a space were refused (found in review);
+    metrics_port=0 means none, as HETRAIN_METRICS_PORT=0 does."""
+    import numpy as np
+
+    from hetrain.runtime.reporting import metrics_port_setting
+
+    assert metrics_port_setting(np.int64(9400)) == 9400 and metrics_port_setting(0) is None
+    with pytest.raises(HetrainError, match=r"Session\(metrics_port=True\): the base port is a whole number"):
+        metrics_port_setting(True)
+    monkeypatch.setenv("HETRAIN_METRICS_PORT", " 9400 ")
+    assert metrics_port_setting(None) == 9400
+
+
 _SESSIONS_ONE_AFTER_ANOTHER = """
 import torch, torch.distributed as dist, hetrain
 data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
