@@ -125,6 +125,11 @@ def check_layout(directory: Path, manifest: Manifest, step: int | None) -> str |
     if SHARED_FILE not in names:
         return f"manifest does not list {SHARED_FILE}"
     ranks = {n for n in names if n.startswith("rank-")}
+    if manifest.world_size > len(ranks):   # counted first: a damaged world_size of 10**9 makes no set of 10**9 names
+        first = range(min(manifest.world_size, len(ranks) + 3))   # holds 3 missing names, or all there are
+        missing = [name for name in map(rank_file, first) if name not in ranks]
+        return (f"manifest says world_size {manifest.world_size} but lists {len(ranks)} rank files (lacks "
+                f"{', '.join(missing)})")
     expected = {rank_file(r) for r in range(manifest.world_size)}
     if ranks != expected:
         missing, extra = sorted(expected - ranks), sorted(ranks - expected)

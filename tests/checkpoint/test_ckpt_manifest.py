@@ -63,7 +63,10 @@ BAD = {
     "files: [] and shared.pt bit-flipped": (_files_empty, r"manifest does not list shared\.pt"),
     "shared.pt left out of files and bit-flipped": (_shared_unlisted, r"manifest does not list shared\.pt"),
     "world_size 2 for a 1-rank checkpoint": (lambda d: _edit(d, lambda m: m.update(world_size=2)),
-                                             r"world_size 2 but lacks rank-00001\.pt"),
+                                             r"world_size 2 but lists 1 rank files \(lacks rank-00001\.pt"),
+    "world_size 10**9 (a set of its names would fill memory)": (
+        lambda d: _edit(d, lambda m: m.update(world_size=10**9)),
+        r"world_size 1000000000 but lists 1 rank files \(lacks rank-00001\.pt, rank-00002\.pt, rank-00003\.pt\)"),
     "world_size 0": (lambda d: _edit(d, lambda m: m.update(world_size=0)), r"world_size 0"),
     "a rank file the manifest does not list": (_extra_rank_file, r"rank-00001\.pt is in the directory but not in"),
     "a file listed twice": (_listed_twice, r"lists a file twice"),
