@@ -20,18 +20,21 @@ def batch_tensors(batch: Any) -> list:
 
 def batch_rows(batch: Any, what: str = "sample_input") -> int:
     """Samples in a batch: the leading dimension of its first tensor, or of every tensor of a dict
-    (keyword inputs, which must agree)."""
+    (keyword inputs, which must agree, but for tensors of one row that every sample shares, such as
+    `position_ids` of shape [1, T], as the runtime gives them whole to every micro-batch)."""
     import torch
 
     values = batch_tensors(batch)
     tensors = [v for v in values if isinstance(v, torch.Tensor) and v.dim() > 0]
     if isinstance(batch, Mapping):
-        rows = sorted({int(t.shape[0]) for t in tensors})
+        rows = sorted({int(t.shape[0]) for t in tensors} - {1}) or [1]
         if len(rows) > 1:
             sizes = ", ".join(f"{k}: {int(v.shape[0])}" for k, v in batch.items()
                               if isinstance(v, torch.Tensor) and v.dim() > 0)
             raise HetrainError(f"{what} is a dict whose tensors have different first dimensions ({sizes}); give "
-                               "each keyword input the batch's samples first")
+                               "each keyword input the batch's samples first (or one row every sample shares)")
+        if tensors:
+            return rows[0]
     elif values and not (isinstance(values[0], torch.Tensor) and values[0].dim() > 0):
         tensors = []
     if not tensors:

@@ -78,3 +78,33 @@ def test_to_device_moves_the_tensors_of_nested_dicts_lists_and_tuples():
     assert moved["extra"]["pair"][1][1] == 2 and isinstance(moved["extra"]["pair"], tuple)
     assert isinstance(moved["named"], Pair) and moved["named"].a.is_meta and moved["named"].b == "s"
     assert moved["flag"] is True
+
+
+class Positions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(50, 8), nn.Embedding(6, 8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, input_ids, position_ids):
+        return self.head(self.tokens(input_ids) + self.positions(position_ids))
+
+
+def _positions(n: int) -> dict:
+    return {"input_ids": torch.randint(0, 50, (n, 6)), "position_ids": torch.arange(6)[None]}
+
+
+def test_a_keyword_input_of_one_row_every_sample_shares_is_profiled():
+    """position_ids of shape [1, T] beside input_ids [n, T] was refused ('different first dimensions'),
+    though the runtime gives such a tensor whole to every micro-batch."""
+    prof = profile(Positions(), _positions(4), name="pos")
+    assert prof.flops_per_sample > 0
+    timed = measure(RunnableModel("pos", Positions(), _positions), torch.device("cpu"), ["fp32"], [1, 3], repeats=2,
+                    budget_s=0.05, blocks=False)
+    assert [s.micro_batch for s in timed.steps] == [1, 3]
+    odd = RunnableModel("odd", Positions(), lambda n: {**_positions(n), "position_ids": torch.zeros(2, 6).long()})
+    with pytest.raises(HetrainError, match=r"different first dimensions \(input_ids: 3, position_ids: 2\)"):
+        odd.batch(3)
+    fixed = RunnableModel("fixed", Positions(), lambda n: _positions(1))
+    with pytest.raises(HetrainError, match=r"make_input\(3\) of fixed gave a batch of 1 samples, not 3"):
+        fixed.batch(3)
