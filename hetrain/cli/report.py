@@ -75,6 +75,10 @@ def run(args: argparse.Namespace) -> int:
         what = "is a file, not a directory" if run_dir.exists() else "does not exist"
         raise HetrainError(f"run directory {args.run_dir!r} {what}; give the directory the job wrote")
     runs = load_run(run_dir)
+    for run in runs.values():   # on stderr: --json keeps stdout JSON
+        if run.skipped_lines:
+            print(f"hetrain report: note: {run.log}: {run.skipped_lines} line(s) skipped, not whole records (torn, "
+                  "garbled or not UTF-8, or a step line missing a figure)", file=sys.stderr)
     rows = summary_rows(runs)
     emulated = any(r["emulated"] for r in rows)
     out = check_writable_file(args.out, "--out") if args.out else run_dir / "report.png"

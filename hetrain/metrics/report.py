@@ -74,6 +74,8 @@ class RankRun:
     steps: list[dict[str, Any]] = field(default_factory=list)
     step_attempts: list[int] = field(default_factory=list)
     mixed_emulation: bool = False   # a part of a rank that ran at emulated speeds and without
+    log: Path | None = None
+    skipped_lines: int = 0          # lines of its log that are not whole records, passed over
 
     @property
     def start(self) -> dict[str, Any]:
@@ -154,14 +156,21 @@ class RankRun:
 
 def read_rank(rank: int, path: Path) -> RankRun:
     """One rank's log: its attempts and each step's last complete run."""
-    run = RankRun(rank)
+    run = RankRun(rank, log=path)
     by_step: dict[int, tuple[dict[str, Any], int]] = {}
-    for line in read_lines(path):
+
+    def skipped() -> None:
+        run.skipped_lines += 1
+
+    for line in read_lines(path, skipped):
         kind = line.get("kind")
+        whole_step = kind == "step" and complete_step(line)
+        if kind == "step" and not whole_step:
+            skipped()
         if kind == "start" or not run.attempts:
             run.attempts.append(Attempt(start=line if kind == "start" else {}))
         attempt = run.attempts[-1]
-        if kind == "step" and complete_step(line):
+        if whole_step:
             attempt.last_time = line["time"] if _number(line.get("time")) else attempt.last_time
             line = {k: line[k] for k in _KEPT if k in line}
             by_step[line["step"]] = (line, len(run.attempts) - 1)

@@ -14,7 +14,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -110,17 +110,19 @@ class RunLog:
             self._file.close()
 
 
-def read_lines(path: Path) -> Iterator[dict[str, Any]]:
+def read_lines(path: Path, on_skip: Callable[[], None] | None = None) -> Iterator[dict[str, Any]]:
     """The records (JSON objects) of one rank's log; a torn last line (a rank killed mid-write) and
-    any line that is not an object are skipped."""
-    with open(path, encoding="utf-8") as f:
+    any line that is not an object (garbled, not UTF-8) are skipped, each calling `on_skip`."""
+    with open(path, "rb") as f:
         for line in f:
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
+                record = json.loads(line.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                record = None
             if isinstance(record, dict):
                 yield record
+            elif on_skip is not None and line.strip():
+                on_skip()
 
 
 def find_logs(run_dir: str | Path) -> dict[int, Path]:

@@ -289,6 +289,20 @@ def test_damaged_lines_are_skipped_and_never_replace_a_good_step(tmp_path):
     r = hetrain("report", str(tmp_path), "--json")
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     assert json.loads(r.stdout)[0]["samples_per_second"] == pytest.approx(good["samples_per_second"])
+    assert f"{log}: 6 line(s) skipped" in r.stderr, r.stderr   # (a restart without its count is a record)
+
+
+def test_a_line_that_is_not_utf8_is_skipped_and_counted_naming_the_file(tmp_path):
+    write_run(tmp_path)
+    log = tmp_path / "metrics" / "rank-0.jsonl"
+    good = summary_rows(load_run(tmp_path))[0]
+    data = log.read_bytes().split(b"\n")
+    data[3:3] = [b'{"kind": "step", "device": "\xff\xfe garbled"}']
+    log.write_bytes(b"\n".join(data))
+    assert summary_rows(load_run(tmp_path))[0] == good
+    r = hetrain("report", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert f"hetrain report: note: {log}: 1 line(s) skipped" in r.stderr and "not UTF-8" in r.stderr, r.stderr
 
 
 def test_a_log_with_no_step_says_so_in_one_line(tmp_path):
