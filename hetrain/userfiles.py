@@ -71,6 +71,14 @@ def ensure_directory(path: str | os.PathLike, flag: str) -> Path:
         raise HetrainError(f"{flag} {str(p)!r} is a file, not a directory; fix: give a directory path")
     try:
         p.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        link = dangling_link(p)
+        if link is not None:
+            raise HetrainError(f"{flag} {str(p)!r} cannot be created: {link} is a link to {os.readlink(link)}, which "
+                               "does not exist; fix: create the link's target (mount its volume) or give another "
+                               "directory") from None
+        raise HetrainError(f"{flag} {str(p)!r} cannot be created: a part of its path is a file; fix: give a "
+                           "directory path") from None
     except OSError as e:
         raise HetrainError(f"{flag} {str(p)!r} cannot be created ({e.strerror}); fix: choose a writable path") from None
     probe = p / f".hetrain-write-test-{os.getpid()}"
@@ -80,6 +88,12 @@ def ensure_directory(path: str | os.PathLike, flag: str) -> Path:
     except OSError as e:
         raise HetrainError(f"{flag} {str(p)!r} cannot be written ({e.strerror}); fix: choose a writable directory") from None
     return p
+
+
+def dangling_link(path: Path) -> Path | None:
+    """`path` or the first of its parents that is a link to nothing (a volume not mounted yet, say), if any:
+    a directory under it cannot be made, and its target is not hetrain's to make."""
+    return next((q for q in (path, *path.parents) if q.is_symlink() and not q.exists()), None)
 
 
 def is_binary(path: str | os.PathLike, head_bytes: int = 1 << 16) -> bool:

@@ -10,6 +10,7 @@ from pathlib import Path
 from hetrain.checkpoint.errors import describe_os_error, os_error_fix
 from hetrain.checkpoint.manifest import check_layout, read_manifest, verify
 from hetrain.checkpoint.safe_io import fsync_dir
+from hetrain.userfiles import dangling_link
 
 _STEP = re.compile(r"^step-(\d{6,})$")
 TMP_PREFIX = ".tmp-step-"
@@ -46,7 +47,7 @@ def check_directory(root: Path, probe: str) -> str | None:
     try:
         root.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
-        link = next((p for p in (root, *root.parents) if p.is_symlink() and not p.exists()), None)
+        link = dangling_link(root)
         if link is not None:   # a link to a volume not mounted yet, say: its target is not made here
             return (f"checkpoint directory {root} cannot be created: {link} is a link to {os.readlink(link)}, "
                     "which does not exist; create the link's target (mount its volume) or pass another directory "

@@ -436,3 +436,18 @@ def test_ctrl_c_in_the_demo_ends_it_in_one_line_without_tracebacks():
     err = "".join(seen) + err
     assert p.returncode == 130, err[-2000:]
     assert err.rstrip().endswith("hetrain demo: interrupted") and "Traceback" not in err, err[-2000:]
+
+
+def test_a_checkpoint_dir_that_is_a_dangling_link_is_refused_naming_the_link_and_its_target(tmp_path):
+    """The launcher said 'cannot be created (File exists); fix: choose a writable path' where the Session says
+    precisely that the link's target does not exist."""
+    script = str(ROOT / "examples/train_digits.py")
+    (tmp_path / "ckpt").symlink_to(tmp_path / "volume" / "ckpt")
+    (tmp_path / "file").write_text("not a directory")
+    for path in (tmp_path / "ckpt", tmp_path / "ckpt" / "run1"):
+        with pytest.raises(HetrainError, match=rf"{tmp_path / 'ckpt'} is a link to {tmp_path / 'volume' / 'ckpt'}, "
+                                               "which does not exist; fix: create the link's target"):
+            validate(LaunchConfig(script=script, checkpoint_dir=str(path)))
+    with pytest.raises(HetrainError, match="--run-dir .* cannot be created: a part of its path is a file"):
+        validate(LaunchConfig(script=script, run_dir=str(tmp_path / "file" / "run")))
+    assert not (tmp_path / "volume").exists()
