@@ -154,13 +154,18 @@ def _check_model(measured: DeviceProfile, profile: WorkloadProfile, note: str | 
                 "hetrain wrote it), so timings of another model of that name would go unnoticed; re-profile "
                 "into a fresh --out directory to check")
         return f"{note}; {line}" if note else line
-    if measured.workload_id != profile.identity():
-        params = f" ({measured.model_params:,} parameters; the plan's has {profile.params:,})" \
-            if measured.model_params not in (None, profile.params) else ""
-        raise HetrainError(f"the {name} profile measured another model named {measured.model!r}{params} (its "
-                           "parameters or sequence length differ from the plan's); fix: re-profile this model into a "
-                           "fresh directory (hetrain profile --out NEW_DIR) and plan with --profiles NEW_DIR")
-    return note
+    if measured.workload_id == profile.identity():
+        return note
+    if profile.inputs is not None and measured.workload_id == profile.identity(inputs=False):
+        line = (f"{name}: its profile records the parameters of the model {measured.model!r} it measured, not its "
+                "inputs (an older hetrain wrote it), so timings of other input shapes would go unnoticed; "
+                "re-profile into a fresh --out directory to check")
+        return f"{note}; {line}" if note else line
+    params = f" ({measured.model_params:,} parameters; the plan's has {profile.params:,})" \
+        if measured.model_params not in (None, profile.params) else ""
+    raise HetrainError(f"the {name} profile measured another model named {measured.model!r}{params} (its "
+                       "parameters or inputs differ from the plan's); fix: re-profile this model into a "
+                       "fresh directory (hetrain profile --out NEW_DIR) and plan with --profiles NEW_DIR")
 
 
 def most_on_a_node(cluster, name: str) -> int:

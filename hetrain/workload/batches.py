@@ -55,6 +55,28 @@ def to_device(batch: Any, device) -> Any:
     return batch.to(device) if hasattr(batch, "to") else batch
 
 
+def batch_signature(batch: Any) -> list[str]:
+    """Every tensor of a batch, nested ones too, as 'path: dtype[shape of one sample]' (the leading
+    dimension left out), sorted: what a model's identity takes of its inputs, whatever a dict's key order."""
+    import torch
+
+    out: list[str] = []
+
+    def walk(value: Any, path: str) -> None:
+        if isinstance(value, torch.Tensor):
+            shape = ", ".join(str(d) for d in value.shape[1:])
+            out.append(f"{path or 'input'}: {str(value.dtype).removeprefix('torch.')}[{shape}]")
+        elif isinstance(value, Mapping):
+            for k, v in value.items():
+                walk(v, f"{path}.{k}" if path else str(k))
+        elif isinstance(value, (tuple, list)):
+            for i, v in enumerate(value):
+                walk(v, f"{path}[{i}]")
+
+    walk(batch, "")
+    return sorted(out)
+
+
 def call_model(module, batch: Any):
     """module(**batch) for a dict, module(*batch) for a tuple or list, module(batch) otherwise."""
     if isinstance(batch, Mapping):

@@ -66,7 +66,8 @@ class DeviceProfile(_Strict):
     model: str = Field(description="the workload's name (as in workload.json)")
     model_params: int | None = Field(None, ge=0, description="the workload's parameters")
     workload_id: str | None = Field(None, description="the workload's identity (WorkloadProfile.identity(): "
-                                    "its parameters and sequence length); None in profiles written before it")
+                                    "its parameters and each input tensor's dtype and shape of one sample); None "
+                                    "in profiles written before it")
     device: str = Field(description="catalog name of the device kind, or 'cpu'")
     stamp: Stamp
     steps: list[StepTiming]

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from hetrain.errors import HetrainError, format_validation_error
-from hetrain.workload.batches import batch_rows, batch_tensors, call_model
+from hetrain.workload.batches import batch_rows, batch_signature, batch_tensors, call_model
 
 if TYPE_CHECKING:  # torch is imported only when a model is profiled, so planning starts fast
     import torch
@@ -83,6 +83,9 @@ class WorkloadProfile(BaseModel):
     activation_bytes_per_sample: float = Field(ge=0, description="bytes saved for backward per sample")
     activation_dtype_bytes: int = Field(4, description="bytes per element the activations were counted at")
     seq_len: int | None = None
+    inputs: list[str] | None = Field(None, description="every tensor of the sample batch, nested ones too: "
+                                     "'path: dtype[shape of one sample]', sorted (None: not recorded, a profile "
+                                     "written before hetrain did)")
     matrix_shapes: list[tuple[int, int]] = Field(
         default_factory=list, description="2-D (rows, cols) view of each trained weight with >= 2 dims"
     )
@@ -120,12 +123,18 @@ class WorkloadProfile(BaseModel):
                                        else 0)
                    for b in self.blocks[start:stop])
 
-    def identity(self) -> str:
+    def identity(self, inputs: bool = True) -> str:
         """A digest of what tells one model from another of the same name: its parameters (all, trained, each
-        block's) and sequence length. A device profile records it, so timings of another model are refused."""
+        block's) and its inputs (each tensor's dtype and shape of one sample). A device profile records it, so
+        timings of another model are refused. A profile that does not record its inputs, or `inputs=False`:
+        the digest before hetrain recorded them, of the parameters and the sequence length."""
         import hashlib
 
-        what = [self.params, self.trained_params, self.seq_len, [(b.name, b.params) for b in self.blocks]]
+        blocks = [(b.name, b.params) for b in self.blocks]
+        if inputs and self.inputs is not None:
+            what = [self.params, self.trained_params, blocks, self.inputs]
+        else:
+            what = [self.params, self.trained_params, self.seq_len, blocks]
         return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]
 
     def activation_bytes(self, element_bytes: int) -> float:
@@ -266,9 +275,10 @@ def profile(model: "nn.Module", sample_input, name: str | None = None, kind: Wor
     total_saved = sum(saved.values()) + saved_outside
     if total_flops <= 0:
         raise HetrainError("the FLOP counter saw no floating-point work; profile a model that computes on its input")
-    first = batch_tensors(sample_input)[0]
-    seq_len = (int(first.shape[1]) if isinstance(first, torch.Tensor) and not first.is_floating_point()
-               and first.dim() == 2 else None)
+    tokens = [v for v in batch_tensors(sample_input)
+              if isinstance(v, torch.Tensor) and not v.is_floating_point() and v.dim() == 2]
+    ids = sample_input.get("input_ids") if isinstance(sample_input, dict) else None
+    seq_len = int(ids.shape[1]) if any(ids is t for t in tokens) else int(tokens[0].shape[1]) if tokens else None
     return WorkloadProfile(
         name=name or type(model).__name__,
         kind=kind or _kind_of(model),
@@ -278,6 +288,7 @@ def profile(model: "nn.Module", sample_input, name: str | None = None, kind: Wor
         activation_bytes_per_sample=total_saved / batch,
         activation_dtype_bytes=4,
         seq_len=seq_len,
+        inputs=batch_signature(sample_input),
         matrix_shapes=_matrix_shapes(model),
         blocks=block_profiles,
         source="measured",

@@ -66,3 +66,61 @@ def test_plan_refuses_a_profile_hetrain_profile_wrote_for_another_script_of_the_
                         str(tmp_path / "p64"), "--global-batch-size", "8"], capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
     assert "another model named 'make_model'" in p.stderr and "--profiles NEW_DIR" in p.stderr
+
+
+class _Keywords(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(100, 8)
+        self.conv = torch.nn.Conv2d(3, 8, 3)
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, input_ids=None, pixels=None, flag=False, extra=None):
+        h = self.emb(input_ids).mean(1) if input_ids is not None else 0
+        if pixels is not None:
+            h = h + self.conv(pixels).mean((2, 3))
+        if extra is not None:
+            h = h * extra["scale"][:, :1]
+        return self.head(h)
+
+
+def _identity(batch) -> str:
+    torch.manual_seed(0)
+    return profile(_Keywords(), batch, name="make_model").identity()
+
+
+def test_the_identity_covers_every_input_whatever_a_dicts_key_order():
+    """It took the sequence length of a dict's first value only: the id depended on key order, and an
+    image size or a first value that is no token tensor did not enter it."""
+    ids, pixels = torch.randint(0, 100, (2, 8)), torch.randn(2, 3, 16, 16)
+    base = _identity({"input_ids": ids, "pixels": pixels, "flag": False})
+    assert _identity({"flag": False, "pixels": pixels, "input_ids": ids}) == base   # key order
+    assert _identity({"input_ids": ids[:1], "pixels": pixels[:1]}) == base         # samples do not count
+    assert _identity({"input_ids": ids, "pixels": torch.randn(2, 3, 32, 32)}) != base   # image size
+    assert _identity({"pixels": pixels, "input_ids": torch.randint(0, 100, (2, 16))}) != base   # length
+    assert _identity({"input_ids": ids.int(), "pixels": pixels}) != base             # dtype
+    nested = {"input_ids": ids, "extra": {"scale": torch.ones(2, 8)}}
+    assert _identity(nested) != _identity({"input_ids": ids, "extra": {"scale": torch.ones(2, 4)}})
+    torch.manual_seed(0)
+    prof = profile(_Keywords(), {"flag": False, **nested}, name="make_model")
+    assert prof.inputs == ["extra.scale: float32[8]", "input_ids: int64[8]"] and prof.seq_len == 8
+
+
+def test_profiles_written_before_the_inputs_were_recorded_keep_their_ids():
+    from hetrain.workload.zoo import get_profile
+
+    # the digests hetrain gave these zoo models before (what their device profiles recorded)
+    assert get_profile("gpt2-124m").identity() == "5fdb21a28b92cb03"
+    assert get_profile("resnet50").identity() == "ebff5946109388fb"
+    small = _model(32)
+    workload = profile(small.module, small.batch(2), name="make_model")
+    old_workload = workload.model_copy(update={"inputs": None})
+    assert old_workload.identity() == workload.identity(inputs=False) != workload.identity()
+    cluster = cluster_from_devices("cpu:1")
+    # an old workload.json beside its old device profile
+    plan_job(cluster, old_workload, 8, profiles={"cpu": _measured(small, old_workload.identity())})
+    # a new workload.json beside an old device profile: used, with a note
+    result = plan_job(cluster, workload, 8, profiles={"cpu": _measured(small, workload.identity(inputs=False))})
+    assert result.figures["cpu"] == "measured-profile"
+    assert any("its profile records the parameters of the model 'make_model' it measured, not its inputs" in n
+               for n in result.plan.notes)
