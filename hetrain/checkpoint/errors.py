@@ -43,6 +43,14 @@ def os_error_fix(e: BaseException, what: str = "checkpoint directory", flag: str
     return f"check that the {what} is writable and that every rank sees the same one"
 
 
+def os_read_fix(e: BaseException) -> str:
+    """The likely fix for an OS error met while reading a checkpoint (a refused permission is no damage)."""
+    if getattr(e, "errno", None) in _DENIED:
+        return ("this user may not read it: fix its permissions (files another user wrote) or pass another "
+                "--checkpoint-dir")
+    return "check the file and the filesystem it lies on, or pass another --checkpoint-dir"
+
+
 def describe_os_error(e: BaseException) -> str:
     """`strerror` of an OS error (its class and text for anything else), for a one-line message."""
     if isinstance(e, OSError) and e.strerror:

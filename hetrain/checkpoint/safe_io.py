@@ -17,7 +17,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from hetrain.checkpoint.errors import CheckpointError
+from hetrain.checkpoint.errors import CheckpointError, describe_os_error, os_read_fix
 
 # exact types: a numpy.float64 is a float subclass, yet weights_only loading refuses it
 _LEAF_TYPES = frozenset({int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size})
@@ -170,5 +170,7 @@ def read_torch_file(path: Path) -> Any:
             f"and never runs code from a checkpoint: re-save that state as plain data "
             f"(a state_dict() of tensors and numbers)"
         ) from None
+    except PermissionError as e:   # no damage: another user's file
+        raise CheckpointError(f"{path} cannot be read ({describe_os_error(e)}); {os_read_fix(e)}") from None
     except (RuntimeError, EOFError, OSError) as e:
         raise CheckpointError(f"{path} cannot be read ({e}); the file is damaged: use an older checkpoint") from None

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hetrain.checkpoint import store
-from hetrain.checkpoint.errors import CheckpointError
+from hetrain.checkpoint.errors import CheckpointError, describe_os_error, os_read_fix
 from hetrain.checkpoint.manifest import Manifest, NewerManifestError, check_layout, read_manifest, verify
 from hetrain.vocabulary import Env
 
@@ -34,15 +34,20 @@ def start_fresh_from_env() -> bool:
 
 
 def inspect(path: Path, step: int | None) -> tuple[str | None, Manifest | None]:
-    """(None, manifest) when the checkpoint at `path` is whole; else (the reason, None). Hashes every file."""
+    """(None, manifest) when the checkpoint at `path` is whole; else (the reason, None). Hashes every file.
+
+    A file that cannot be read (another user's) is no damage: CheckpointError names it, and the job stops."""
     try:
         manifest = read_manifest(path)
+        reason = check_layout(path, manifest, step) or verify(path, manifest)
     except NewerManifestError as e:   # not damaged: set aside and passed over, a newer hetrain could not find it
         raise CheckpointError(f"checkpoint {path}: {e}; resume it with the hetrain version that wrote it, "
                               f"or give another checkpoint directory") from None
     except ValueError as e:
         return str(e), None
-    reason = check_layout(path, manifest, step) or verify(path, manifest)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {e.filename or path} while looking for checkpoints in {path.parent} "
+                              f"({describe_os_error(e)}); {os_read_fix(e)}") from None
     return (reason, None) if reason is not None else (None, manifest)
 
 

@@ -126,6 +126,39 @@ def test_same_size_corruption_is_caught_by_checksum(tmp_path):
         fresh.load(_info(tmp_path / "damaged-step-000002"))
 
 
+def test_a_checkpoint_file_this_user_may_not_read_is_named_and_said_to_be_read_not_written(tmp_path, monkeypatch):
+    """It said 'cannot look for checkpoints in DIR (Permission denied); this user may not write there'."""
+    import errno
+
+    from hetrain.checkpoint import manifest, safe_io
+
+    ckpt = Checkpointer(tmp_path, async_save=False)
+    ckpt.save(1, _state(1), {})
+    ckpt.save(2, _state(2), {})
+    shared = tmp_path / "step-000002" / "shared.pt"
+    hash_file = manifest.sha256_file
+
+    def another_users(path):
+        if Path(path) == shared:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return hash_file(path)
+
+    monkeypatch.setattr(manifest, "sha256_file", another_users)
+    with pytest.raises(CheckpointError) as e:
+        Checkpointer(tmp_path, async_save=False).latest()
+    assert str(e.value) == (f"cannot read {shared} while looking for checkpoints in {tmp_path} (Permission denied); "
+                            "this user may not read it: fix its permissions (files another user wrote) or pass "
+                            "another --checkpoint-dir")
+    assert _steps(tmp_path) == ["step-000001", "step-000002"], "no damage: nothing set aside"
+
+    def denied(path, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(safe_io.torch, "load", denied)
+    with pytest.raises(CheckpointError, match=r"shared.pt cannot be read \(Permission denied\); this user may not read"):
+        safe_io.read_torch_file(shared)
+
+
 def test_no_checkpoint_is_none_and_a_missing_manifest_stops_the_job(tmp_path):
     ckpt = Checkpointer(tmp_path, async_save=False)
     assert ckpt.latest() is None
