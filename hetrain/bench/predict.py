@@ -51,7 +51,8 @@ def _profile(args: argparse.Namespace, directory: Path, threads: int):
     runnable = RunnableModel("digits-cnn", digits_cnn(args.width), lambda n: torch.randn(n, 64), "cnn")
     workload = profile(runnable.module, runnable.make_input(8), name="digits-cnn", kind="cnn")
     workload.save(directory / WORKLOAD_FILE)
-    prof = measure_cpu_copies(runnable, args.ranks, threads, ["fp32"], sizes, repeats=15, budget_s=3.0)
+    prof = measure_cpu_copies(runnable, args.ranks, threads, ["fp32"], sizes, repeats=15, budget_s=3.0,
+                              workload=workload)
     prof.save(directory)
     return workload, prof
 

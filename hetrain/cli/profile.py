@@ -196,12 +196,11 @@ def run(args: argparse.Namespace) -> int:
             if args.concurrent > 1:
                 shown(0, 1, f"{device}: {args.concurrent} copies at once")
                 prof = measure_cpu_copies(runnable, args.concurrent, threads, precisions[str(device)], sizes,
-                                          repeats=args.repeats, budget_s=args.seconds, blocks=not args.no_blocks)
+                                          repeats=args.repeats, budget_s=args.seconds, blocks=not args.no_blocks,
+                                          workload=workload)
             else:
                 prof = measure(runnable, device, precisions[str(device)], sizes, repeats=args.repeats,
-                               budget_s=args.seconds, blocks=not args.no_blocks, progress=shown)
-            prof = prof.model_copy(update={"model": workload.name, "model_params": workload.params,
-                                           "workload_id": workload.identity()})
+                               budget_s=args.seconds, blocks=not args.no_blocks, progress=shown, workload=workload)
             written.append((prof.save(out), prof))
     for _, prof in written:
         disturbed = prof.disturbed_note()

@@ -150,16 +150,16 @@ def _check_model(measured: DeviceProfile, profile: WorkloadProfile, note: str | 
                            f"beside it), or profile {profile.name!r} into a fresh directory (hetrain profile --out "
                            "DIR)")
     if measured.workload_id is None:
-        line = (f"{name}: its profile does not record which model {measured.model!r} it measured (an older "
-                "hetrain wrote it), so timings of another model of that name would go unnoticed; re-profile "
-                "into a fresh --out directory to check")
+        line = (f"{name}: its profile does not record which model {measured.model!r} it measured, so timings "
+                "of another model of that name would go unnoticed; re-profile into a fresh --out directory (or "
+                "pass workload= to measure()) to check")
         return f"{note}; {line}" if note else line
     if measured.workload_id == profile.identity():
         return note
     if profile.inputs is not None and measured.workload_id == profile.identity(inputs=False):
         line = (f"{name}: its profile records the parameters of the model {measured.model!r} it measured, not its "
-                "inputs (an older hetrain wrote it), so timings of other input shapes would go unnoticed; "
-                "re-profile into a fresh --out directory to check")
+                "inputs, so timings of other input shapes would go unnoticed; re-profile into a fresh --out "
+                "directory to check")
         return f"{note}; {line}" if note else line
     params = f" ({measured.model_params:,} parameters; the plan's has {profile.params:,})" \
         if measured.model_params not in (None, profile.params) else ""

@@ -23,6 +23,7 @@ from hetrain.errors import HetrainError
 from hetrain.workload.batches import call_model, to_device
 from hetrain.workload.device_profile import BlockTiming, DeviceProfile, Stamp, StepTiming
 from hetrain.workload.modules import RunnableModel
+from hetrain.workload.profile import WorkloadProfile
 
 _AUTOCAST = {"bf16": "bfloat16", "fp16": "float16"}
 
@@ -207,9 +208,12 @@ def host_micro_batches(micro_batches: Sequence[int], activation_bytes_per_sample
 
 def measure(runnable: RunnableModel, device, precisions: Sequence[str], micro_batches: Sequence[int], *,
             repeats: int = 10, budget_s: float = 5.0, blocks: bool = True,
-            progress: Callable[[int, int, str], None] | None = None) -> DeviceProfile:
+            progress: Callable[[int, int, str], None] | None = None,
+            workload: WorkloadProfile | None = None) -> DeviceProfile:
     """Time `runnable` on `device` in each precision at each micro-batch size (largest that fit).
-    `progress(done, total, what)` is called as each point starts, and with done == total at the end."""
+    `progress(done, total, what)` is called as each point starts, and with done == total at the end.
+    `workload` (the model's profile) is recorded as the model measured, so a plan refuses these timings
+    for another model of its name; without it, the plan says it cannot check that."""
     import torch
 
     module = runnable.module.to(device)
@@ -254,8 +258,16 @@ def measure(runnable: RunnableModel, device, precisions: Sequence[str], micro_ba
         starting(total - 1, f"{device}: each block's forward and backward")
     timed_blocks = _block_times(runnable, module, device, steps, clock, repeats, budget_s) if blocks else []
     starting(total, f"{device}: done")
-    return DeviceProfile(model=runnable.name, device=device_kind(device), stamp=stamp(device), steps=steps,
-                         optimizer_seconds=opt_s, blocks=timed_blocks)
+    return stamp_workload(DeviceProfile(model=runnable.name, device=device_kind(device), stamp=stamp(device),
+                                        steps=steps, optimizer_seconds=opt_s, blocks=timed_blocks), workload)
+
+
+def stamp_workload(prof: DeviceProfile, workload: WorkloadProfile | None) -> DeviceProfile:
+    """`prof` recording the model it measured: `workload`'s name, parameters and identity (as it was, without)."""
+    if workload is None:
+        return prof
+    return prof.model_copy(update={"model": workload.name, "model_params": workload.params,
+                                   "workload_id": workload.identity()})
 
 
 def _detached(value):
@@ -343,12 +355,12 @@ def _copy_worker(runnable, precisions, micro_batches, threads, repeats, budget_s
 
 def measure_cpu_copies(runnable: RunnableModel, copies: int, threads: int, precisions: Sequence[str],
                        micro_batches: Sequence[int], *, repeats: int = 10, budget_s: float = 5.0,
-                       blocks: bool = True) -> DeviceProfile:
+                       blocks: bool = True, workload: WorkloadProfile | None = None) -> DeviceProfile:
     """Time `copies` copies of the model at once on the CPU, `threads` threads each, as the ranks of
     one machine share it under `hetrain launch --nproc-per-node copies`; each point (and each block,
     timed in every copy) is the median over the copies. Each copy runs in a process of its own
     (forked, even when there is one), with the allocator setting those ranks get
-    (hetrain.malloc_cache), leaving this process's alone."""
+    (hetrain.malloc_cache), leaving this process's alone. `workload`: as for `measure`."""
     import multiprocessing
 
     copies = max(1, copies)
@@ -362,7 +374,7 @@ def measure_cpu_copies(runnable: RunnableModel, copies: int, threads: int, preci
     errors = [r for r in results if r.startswith("error: ")]
     if errors:
         raise HetrainError(f"profiling {copies} copies at once failed: {errors[0].removeprefix('error: ')}")
-    return _median_profile([DeviceProfile.model_validate_json(r) for r in results])
+    return stamp_workload(_median_profile([DeviceProfile.model_validate_json(r) for r in results]), workload)
 
 
 def _collect(procs, queue) -> list[str]:

@@ -124,3 +124,23 @@ def test_profiles_written_before_the_inputs_were_recorded_keep_their_ids():
     assert result.figures["cpu"] == "measured-profile"
     assert any("its profile records the parameters of the model 'make_model' it measured, not its inputs" in n
                for n in result.plan.notes)
+
+
+def test_a_profile_measure_made_with_its_workload_records_the_model():
+    """Every profile made through the API (measure(), measure_cpu_copies(): hetrain bench predict's) was
+    called one an older hetrain wrote, whose model cannot be checked."""
+    from hetrain.workload.measure import measure_cpu_copies
+
+    small = _model(32)
+    workload = profile(small.module, small.batch(2), name="make_model")
+    timed = measure(small, torch.device("cpu"), ["fp32"], [2], repeats=2, budget_s=0.05, blocks=False,
+                    workload=workload)
+    copies = measure_cpu_copies(small, 1, 1, ["fp32"], [2], repeats=2, budget_s=0.05, blocks=False, workload=workload)
+    for prof in (timed, copies):
+        assert (prof.model, prof.model_params, prof.workload_id) == ("make_model", workload.params,
+                                                                      workload.identity())
+        result = plan_job(cluster_from_devices("cpu:1"), workload, 8, profiles={"cpu": prof})
+        assert not any("does not record" in n for n in result.plan.notes), result.plan.notes
+    bare = measure(small, torch.device("cpu"), ["fp32"], [2], repeats=2, budget_s=0.05, blocks=False)
+    notes = plan_job(cluster_from_devices("cpu:1"), workload, 8, profiles={"cpu": bare}).plan.notes
+    assert any("does not record which model" in n for n in notes) and not any("older hetrain" in n for n in notes)
