@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from hetrain.exiting import once_at_exit
 from hetrain.checkpoint import lease, selection, store
-from hetrain.checkpoint.errors import CheckpointError, describe_os_error, os_error_fix
+from hetrain.checkpoint.errors import CheckpointError, describe_os_error, os_error_fix, os_error_in
 from hetrain.checkpoint.manifest import (
     SHARDED_DIR, SHARED_FILE, FileEntry, Manifest, check_layout, rank_file, read_manifest, verify, write_manifest,
 )
@@ -470,9 +470,7 @@ def _coordination_group(process_group: Any) -> Any:
 
 def _write_error(tmp: Path, rank: int, e: BaseException) -> CheckpointError:
     """A failed write as one line; the fix follows the OS error behind it (torch wraps some in RuntimeError)."""
-    cause: BaseException | None = e
-    while cause is not None and not isinstance(cause, OSError):
-        cause = cause.__cause__ or cause.__context__
+    cause = os_error_in(e)
     what = describe_os_error(cause) if cause is not None else f"{type(e).__name__}: {e}"
     fix = os_error_fix(cause) if cause is not None else (
         "check that the checkpoint directory is writable and that every rank sees the same one")

@@ -17,20 +17,26 @@ class CheckpointError(HetrainError):
     """A checkpoint cannot be written or read: the message names the path, the reason and the fix."""
 
 
-_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+_QUOTA = getattr(errno, "EDQUOT", errno.ENOSPC)
 _DENIED = {errno.EACCES, errno.EPERM}
 
 
 def os_error_fix(e: BaseException, what: str = "checkpoint directory", flag: str = "--checkpoint-dir") -> str:
     """The likely fix for an OS error met while writing a checkpoint, by its errno (never a guess at free space).
 
-    Only a full disk or quota (ENOSPC, EDQUOT) speaks of free space; a vanished file points at another
-    writer in the same directory, a read-only filesystem or a refused permission says so. `what` and `flag`
-    name the directory (a run directory's lease: "run directory", "--run-dir").
+    Only a full disk or quota (ENOSPC, EDQUOT) speaks of free space, and a file too large (EFBIG) of the
+    limit on a file's size; a vanished file points at another writer in the same directory, a read-only
+    filesystem or a refused permission says so. `what` and `flag` name the directory (a run directory's
+    lease: "run directory", "--run-dir").
     """
     code = getattr(e, "errno", None)
-    if code in _FULL:
+    if code == errno.ENOSPC:
         return f"the filesystem is full: free space or pass a {flag} on a larger filesystem"
+    if code == _QUOTA:
+        return f"this user's disk quota is full: free space under it, raise the quota or pass a {flag} elsewhere"
+    if code == errno.EFBIG:
+        return (f"a file is larger than the filesystem or this process's file-size limit (ulimit -f) allows: raise "
+                f"the limit or pass a {flag} on a filesystem that holds larger files")
     if code == errno.EROFS:
         return f"the filesystem is read-only: pass a writable {flag}"
     if code in _DENIED:
@@ -49,6 +55,13 @@ def os_read_fix(e: BaseException) -> str:
         return ("this user may not read it: fix its permissions (files another user wrote) or pass another "
                 "--checkpoint-dir")
     return "check the file and the filesystem it lies on, or pass another --checkpoint-dir"
+
+
+def os_error_in(e: BaseException | None) -> OSError | None:
+    """The OS error behind `e` (itself, or the first in its chain of causes: torch wraps some in RuntimeError)."""
+    while e is not None and not isinstance(e, OSError):
+        e = e.__cause__ or e.__context__
+    return e
 
 
 def describe_os_error(e: BaseException) -> str:

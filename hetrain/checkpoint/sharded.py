@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
-from hetrain.checkpoint.errors import CheckpointError
+from hetrain.checkpoint.errors import CheckpointError, describe_os_error, os_error_fix, os_error_in, os_read_fix
 from hetrain.checkpoint.manifest import SHARDED_DIR
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
@@ -195,6 +195,11 @@ def _unwrapped(doing: str, directory: Path) -> Iterator[None]:
             if isinstance(exc, CheckpointError):
                 raise exc from None
         first = next(iter(e.failures.values()))[0]
+        cause = os_error_in(first)
+        if cause is not None:   # a full disk, a refused permission: what the OS said, and its fix
+            fix = os_error_fix(cause) if doing == "writing" else os_read_fix(cause)
+            raise CheckpointError(f"{doing} sharded state in {directory} failed on ranks {sorted(e.failures)} "
+                                  f"({describe_os_error(cause)}); {fix}") from None
         raise CheckpointError(
             f"{doing} sharded state in {directory} failed on ranks {sorted(e.failures)} "
             f"({type(first).__name__}: {first}); check the directory and that the template matches the saved state"

@@ -168,6 +168,8 @@ def test_a_save_after_another_job_took_the_directory_is_not_committed(tmp_path, 
 
 @pytest.mark.parametrize("code, fix", [
     (errno.ENOSPC, "the filesystem is full: free space"),
+    (errno.EDQUOT, "this user's disk quota is full: free space under it"),
+    (errno.EFBIG, "a file is larger than the filesystem or this process's file-size limit (ulimit -f) allows"),
     (errno.ENOENT, "only one job may use a checkpoint directory"),
     (errno.EACCES, "may not write there"),
     (errno.EROFS, "read-only"),
@@ -189,7 +191,8 @@ def test_a_failed_write_names_its_cause_and_only_a_full_disk_blames_free_space(t
         ckpt.save(1, {"w": torch.ones(2)}, {})
     message = str(e.value)
     assert os.strerror(code) in message and fix in message and "\n" not in message
-    assert ("free space" in message) == (code == errno.ENOSPC)
+    assert ("free space" in message) == (code in (errno.ENOSPC, errno.EDQUOT))
+    assert ("check that the checkpoint directory is writable" in message) == (code == errno.EIO)
 
 
 def test_a_checkpoint_dir_that_is_a_file_or_under_a_file_is_refused_at_start(tmp_path):

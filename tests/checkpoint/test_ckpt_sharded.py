@@ -72,3 +72,19 @@ def test_template_without_sharded_state_is_a_clear_error(tmp_path):
     ckpt.save(1, {}, {})
     with pytest.raises(CheckpointError, match="holds no sharded state"):
         ckpt.load(sharded_template={"t": torch.zeros(3)})
+
+
+def test_a_full_disk_while_writing_sharded_state_says_so(tmp_path, monkeypatch):
+    """It said '(OSError: [Errno 28] ...); check the directory and that the template matches the saved state'."""
+    import errno
+
+    import torch.distributed.checkpoint.filesystem as dcp_files
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dcp_files, "_write_item", full)
+    ckpt = Checkpointer(tmp_path, async_save=False)
+    with pytest.raises(CheckpointError, match=r"writing sharded state in .* failed on ranks \[0\] \(No space left on "
+                                              r"device\); the filesystem is full: free space or pass a --checkpoint-dir"):
+        ckpt.save(1, {"s": 1}, {}, sharded={"t": torch.arange(6.0)})
