@@ -184,8 +184,9 @@ def optimizer_seconds(profile: WorkloadProfile, spec, optimizer: str | None) -> 
     (0 without an optimizer named). The same on every rank of a kind, whatever its share."""
     if optimizer is None:
         return 0.0
-    # over the trained parameters only: a frozen one has no gradient, and torch's optimizers skip it
-    return parameter_pass_seconds(OPTIMIZER_STEP_BYTES[optimizer], profile, spec) * profile.trained_params / profile.params
+    # over the trained parameters only: a frozen one has no gradient, and torch's optimizers skip it (as
+    # parameter_pass_seconds's product, so a model training all its parameters gets its figure to the last bit)
+    return OPTIMIZER_STEP_BYTES[optimizer] * profile.trained_params / spec.mem_bw_bytes_per_s
 
 
 def sample_seconds(profile: WorkloadProfile, spec, precision: str, calib: Calibration | None = None,

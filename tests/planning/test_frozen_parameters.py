@@ -150,3 +150,18 @@ def test_a_profile_training_more_parameters_than_it_has_is_refused(tmp_path, whe
     with pytest.raises(HetrainError, match=r"is not a workload profile: .*trainable_params \d+ is more than") as e:
         WorkloadProfile.load(path)
     assert "\n" not in str(e.value)
+
+
+def test_a_model_training_all_its_parameters_gets_the_optimizer_step_it_got_before_to_the_last_bit():
+    """Scaling the step by trained / params moved 415 of 4,624 figures by one unit in the last place."""
+    from hetrain.hardware.catalog import load_catalog
+    from hetrain.planning.cost_model import OPTIMIZER_STEP_BYTES, optimizer_seconds
+    from hetrain.workload.zoo import get_profile, zoo_names
+
+    specs = list(load_catalog().values())
+    for name in zoo_names():
+        prof = get_profile(name)
+        for spec in specs:
+            for optimizer, step_bytes in OPTIMIZER_STEP_BYTES.items():
+                before = step_bytes * prof.params / spec.mem_bw_bytes_per_s   # the formula before frozen parameters
+                assert optimizer_seconds(prof, spec, optimizer) == before, (name, spec.name, optimizer)
