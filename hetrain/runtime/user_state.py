@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from hetrain.checkpoint.safe_io import check_savable
 from hetrain.errors import HetrainError
 from hetrain.runtime.batch_tree import tensors
 from hetrain.runtime.schedulers import loadable, savable
@@ -81,6 +82,9 @@ class UserStates:
 
     def add(self, name: str, obj: Any) -> None:
         _check(name, obj)
+        # a value no checkpoint could hold (a NumPy scalar, a set, an object) refused now, not at the first save
+        check_savable(savable(dict(obj) if isinstance(obj, dict) else obj.state_dict()),
+                      where=f"session.add_state({name!r})")
         if name in self.items:
             raise HetrainError(f"a state named {name!r} was already given to session.add_state(); give each once")
         self.items[name] = obj

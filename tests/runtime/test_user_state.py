@@ -207,3 +207,17 @@ def test_views_of_one_buffer_restore_into_it_and_fsdp2_resumes(tmp_path, world):
         run_ranks(_flat_views, world, str(tmp_path), 5)
     for flat, linked in run_ranks(_flat_views, world, str(tmp_path), None):
         assert flat == [8.0] * 6 and linked   # 8 steps, every one counted in the buffer the views look into
+
+
+def test_a_state_no_checkpoint_could_hold_is_refused_when_given():
+    """A NumPy scalar in a state given to add_state() was refused only at the first checkpoint, a checkpoint
+    interval into the run (found auditing); it is refused when given, naming where it is."""
+    import numpy as np
+
+    import hetrain
+    from hetrain.errors import HetrainError
+
+    with hetrain.Session() as session:
+        with pytest.raises(HetrainError, match=r"session.add_state\('best'\)\['value'\] is a numpy.float64"):
+            session.add_state("best", {"value": np.float64(0.5)})
+        session.add_state("best_ok", {"value": 0.5})
