@@ -89,13 +89,7 @@ def pipeline_candidates(cluster, profile: WorkloadProfile, kinds: list[Kind], gl
             t = kind.stage_seconds(len(blocks), a, b, mb, ckpt)
             if t is None:
                 if (a, b) not in parts:
-                    parts[(a, b)] = profile.model_copy(update={
-                        "params": max(1, profile.held_params(a, b)),
-                        "trainable_params": profile.held_trained_params(a, b),
-                        "flops_per_sample": max(1.0, sum(x.flops_per_sample for x in blocks[a:b])),
-                        "activation_bytes_per_sample": sum(x.activation_bytes_per_sample for x in blocks[a:b]),
-                        "blocks": [],
-                    })
+                    parts[(a, b)] = stage_profile(profile, a, b)
                 t = cm.compute_seconds(parts[(a, b)], kind.spec, kind.precision, mb, mb, ckpt, calib)
             times[key] = t
         return times[key]
@@ -177,6 +171,19 @@ def pipeline_candidates(cluster, profile: WorkloadProfile, kinds: list[Kind], gl
         if not c.feasible:
             c.reason = c.reason or _no_plan_reason(label, counts, divisors, n_blocks)
     return list(out.values())
+
+
+def stage_profile(profile: WorkloadProfile, a: int, b: int) -> WorkloadProfile:
+    """The profile of blocks [a, b) alone, as a stage holding them runs: their parameters (a tied copy
+    included), those of them that train, FLOPs and activations."""
+    blocks = profile.blocks[a:b]
+    return profile.model_copy(update={
+        "params": max(1, profile.held_params(a, b)),
+        "trainable_params": profile.held_trained_params(a, b),
+        "flops_per_sample": max(1.0, sum(x.flops_per_sample for x in blocks)),
+        "activation_bytes_per_sample": sum(x.activation_bytes_per_sample for x in blocks),
+        "blocks": [],
+    })
 
 
 def _no_plan_reason(label: str, counts: list[int], divisors: list[int], n_blocks: int) -> str:

@@ -165,3 +165,84 @@ def test_a_model_training_all_its_parameters_gets_the_optimizer_step_it_got_befo
             for optimizer, step_bytes in OPTIMIZER_STEP_BYTES.items():
                 before = step_bytes * prof.params / spec.mem_bw_bytes_per_s   # the formula before frozen parameters
                 assert optimizer_seconds(prof, spec, optimizer) == before, (name, spec.name, optimizer)
+
+
+# Each path that prices frozen parameters apart, each with a test that fails where it prices them as trained.
+
+def test_a_pipeline_stage_profile_trains_only_the_trained_parameters_it_holds():
+    from hetrain.planning.pipeline_planner import stage_profile
+
+    frozen, full = _twins()
+    head = WIDTH * 10 + 10
+    assert stage_profile(frozen, 0, 2).trained_params == 0 and stage_profile(frozen, 2, 5).trained_params == head
+    assert stage_profile(full, 0, 2).trained_params == full.held_params(0, 2)
+
+
+def test_a_pipeline_stage_of_frozen_blocks_takes_no_optimizer_step():
+    """Each rank's step is its stage's micro-batches plus its stage's optimizer step, of the trained
+    parameters it holds: none on the frozen stage, the whole model's on the head's."""
+    from hetrain.hardware.cluster import cluster_from_devices
+    from hetrain.hardware.catalog import get_gpu
+    from hetrain.planning.cost_model import optimizer_seconds
+
+    frozen, full = _twins()
+    a100 = get_gpu("a100")
+    a = plan_job(cluster_from_devices("a100:2"), frozen, 64, strategy="pipeline", optimizer="adamw")
+    b = plan_job(cluster_from_devices("a100:2"), full, 64, strategy="pipeline", optimizer="adamw")
+    assert a.plan.pipeline.stages == b.plan.pipeline.stages
+    (s0, e0), (s1, e1) = a.plan.pipeline.stages
+    twin_step = optimizer_seconds(full, a100, "adamw")
+    twin_opt = [twin_step * full.held_params(s, e) / full.params for s, e in ((s0, e0), (s1, e1))]
+    frozen_opt = [0.0, optimizer_seconds(frozen, a100, "adamw")]   # every trained parameter is the head's stage's
+    for ra, rb in zip(a.plan.ranks, b.plan.ranks):   # the same micro-batches: the steps differ by the optimizer's
+        j = ra.stage
+        assert ra.micro_batch == rb.micro_batch and ra.activation_checkpointing == rb.activation_checkpointing
+        assert ra.predicted_step_seconds - frozen_opt[j] == pytest.approx(rb.predicted_step_seconds - twin_opt[j],
+                                                                          rel=1e-12)
+
+
+def test_pipeline_replicas_sum_only_the_trained_gradients():
+    """Four replicas of a 2-stage pipeline over a 1 Gbit/s network: the twin's step is its gradient sum."""
+    frozen, full = _twins()
+    cluster = get_preset("a100x4+v100x4").model_copy(update={"inter_node_gbps": 1.0})
+    steps = []
+    for prof in (frozen, full):
+        hybrid = {c.strategy: c for c in plan_job(cluster, prof, 64, strategy="pipeline").candidates}["hybrid"]
+        assert hybrid.plan is not None and hybrid.plan.pipeline.stages == [[0, 3], [3, 5]]
+        steps.append(hybrid.step_seconds)
+    assert steps[0] < steps[1] / 5
+
+
+def test_zero3_reduce_scatters_only_the_trained_gradients():
+    """FSDP gathers every weight but reduce-scatters the trained ones' gradients only."""
+    frozen, full = _twins()
+    cluster = get_preset("a100x4+v100x4").model_copy(update={"inter_node_gbps": 1.0})
+    topo = topology_of(cluster)
+    exposed = [{c.strategy: c for c in plan_job(cluster, p, 64, strategy="zero3").candidates}["zero3"]
+               for p in (frozen, full)]
+    assert [r.grad_accum for r in exposed[0].plan.ranks] == [r.grad_accum for r in exposed[1].plan.ranks] == [1] * 8
+    saved = (allreduce_cost(4.0 * full.params, topo, factor=1.0).seconds
+             - allreduce_cost(4.0 * frozen.trained_params, topo, factor=1.0).seconds)
+    # the rest of the difference: the slow rank's optimizer step, which hides as much comm under it
+    assert exposed[1].exposed_comm_seconds - exposed[0].exposed_comm_seconds == pytest.approx(saved, rel=0.02)
+
+
+def test_measured_peaks_leave_out_the_gradients_of_the_trained_parameters_only():
+    """A device profile's peak holds the weights, the trained parameters' gradients and the activations:
+    what is left of it is the activations."""
+    from hetrain.hardware.cluster import cluster_from_devices
+    from hetrain.planning.cost_model import default_calibration, state_bytes
+    from hetrain.planning.kinds import kinds_of
+    from hetrain.workload.device_profile import DeviceProfile, Stamp, StepTiming
+
+    frozen, _ = _twins()
+    weights, grads, _ = state_bytes(frozen.params, "bf16", "sgd-nomomentum", trained=frozen.trained_params)
+    assert grads == 4 * frozen.trained_params
+    per_sample = 20_000.0
+    prof = DeviceProfile(model="ft", device="a100-sxm4-80gb", optimizer_seconds=0.001,
+                         stamp=Stamp(device_name="NVIDIA A100-SXM4-80GB", torch="2.5", date="2026-01-01T00:00:00Z"),
+                         steps=[StepTiming(precision="bf16", micro_batch=mb, seconds=0.001 * mb,
+                                           peak_memory_bytes=int(weights + grads + per_sample * mb)) for mb in (8, 32)])
+    kind, = kinds_of(cluster_from_devices("a100:1"), frozen, "bf16", default_calibration(),
+                     profiles={"a100-sxm4-80gb": prof}, optimizer="adamw")
+    assert kind.activations(frozen, 16, False) == pytest.approx(16 * per_sample, abs=1)
