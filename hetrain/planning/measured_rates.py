@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from hetrain.errors import HetrainError
+from hetrain.vocabulary import CPU_DEVICE, PRECISIONS
 
 RATES_FILE = "measured-rates.json"
 RATES_VERSION = 1
@@ -22,10 +24,10 @@ RATES_VERSION = 1
 class DeviceRate(BaseModel):
     """What the ranks of one device kind measured (medians over those ranks)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     device: str = Field(description="catalog name of the device (or 'cpu')")
-    precision: str
+    precision: Literal[PRECISIONS]
     ranks: int = Field(ge=1, description="how many ranks of this kind ran")
     per_sample_seconds: float = Field(gt=0, description="compute seconds per sample")
     fixed_seconds: float = Field(ge=0, description="compute seconds per step that do not grow with the share")
@@ -36,7 +38,8 @@ class DeviceRate(BaseModel):
 class MeasuredRates(BaseModel):
     """A run's measured rates, by device kind."""
 
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())   # model_params: no warning on pydantic < 2.10
+    # model_params: no warning on pydantic < 2.10
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
 
     version: int = RATES_VERSION
     step: int = Field(ge=0, description="the step at which they were measured")
@@ -44,6 +47,13 @@ class MeasuredRates(BaseModel):
     devices: list[DeviceRate]
     model_params: int | None = Field(None, description="parameters of the model the run trained (None: not "
                                                         "recorded, or a pipeline stage's only)")
+
+    @field_validator("version")
+    @classmethod
+    def _known_version(cls, v: int) -> int:
+        if v != RATES_VERSION:
+            raise ValueError(f"measured rates version {v} is not supported; this hetrain reads version {RATES_VERSION}")
+        return v
 
     def check_model(self, params: float, name: str, source: str) -> None:
         """A run's rates hold for the model it trained only: another model is refused, naming both."""
@@ -70,8 +80,10 @@ class MeasuredRates(BaseModel):
                 f"{path} does not exist; pass the run directory (or checkpoint directory) of a job that ran "
                 "at least one re-split interval"
             )
+        from hetrain.planning.plan import unique_keys
+
         try:
-            return cls.model_validate(json.loads(path.read_text()))
+            rates = cls.model_validate(json.loads(path.read_text(), object_pairs_hook=lambda p: unique_keys(p, str(path))))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise HetrainError(f"{path}: not a measured-rates JSON file ({e})") from None
         except ValidationError as e:
@@ -79,3 +91,13 @@ class MeasuredRates(BaseModel):
 
             raise HetrainError(f"{path}: {format_validation_error(e, cls, 'the measured rates a hetrain run writes')}"
                                ) from None
+        from hetrain.hardware.catalog import get_gpu
+
+        for d in rates.devices:
+            if d.device != CPU_DEVICE:
+                try:
+                    get_gpu(d.device)
+                except HetrainError:
+                    raise HetrainError(f"{path}: device {d.device!r} is neither a catalog device nor 'cpu'; fix: the "
+                                       "catalog name a run writes (hetrain devices --catalog lists them)") from None
+        return rates

@@ -35,7 +35,7 @@ def strategy_of(sharding: str) -> str:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)   # 1e400 reads as inf: refused, not run
 
 
 class RankPlan(_Strict):
@@ -192,7 +192,7 @@ class Plan(_Strict):
     @classmethod
     def from_json(cls, text: str, source: str = "plan") -> "Plan":
         try:
-            data = json.loads(text, object_pairs_hook=lambda pairs: _unique_keys(pairs, source))
+            data = json.loads(text, object_pairs_hook=lambda pairs: unique_keys(pairs, source))
             if isinstance(data, dict) and "candidates" in data and isinstance(data.get("plan"), dict):
                 if data.get("plan_sha256") == plan_digest(data["plan"]):   # its plan as printed: an edit, if
                     _check_summary(data, source)                          # any, is in the summary alone
@@ -222,7 +222,7 @@ class Plan(_Strict):
         return cls(global_batch_size=global_batch_size, ranks=ranks, **fields)
 
 
-def _unique_keys(pairs: list[tuple[str, Any]], source: str) -> dict[str, Any]:
+def unique_keys(pairs: list[tuple[str, Any]], source: str) -> dict[str, Any]:
     """A JSON object, refused where one key is written twice (json keeps the last one silently)."""
     keys = [k for k, _ in pairs]
     twice = next((k for k in keys if keys.count(k) > 1), None)
