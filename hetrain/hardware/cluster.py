@@ -361,7 +361,9 @@ class _UniqueKeyLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
+            # a merge key (`<<: *anchor`) is no key of its own: the keys it brings are overridden by those
+            # written beside it, as YAML merges them (flatten_mapping, below), not given twice
+            key = "<<" if key_node.tag == "tag:yaml.org,2002:merge" else self.construct_object(key_node, deep=True)
             line = key_node.start_mark.line + 1
             if key in seen:
                 raise HetrainError(
@@ -369,6 +371,7 @@ class _UniqueKeyLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: 
                     f"{seen[key]}); fix: keep one of them"
                 )
             seen[key] = line
+        self.flatten_mapping(node)
         return super().construct_mapping(node, deep=deep)
 
 

@@ -275,6 +275,16 @@ def test_yaml_aliases_are_read_but_cannot_expand_without_bound(tmp_path: Path) -
     assert time.perf_counter() - started < 10
 
 
+def test_yaml_merge_keys_are_read_their_keys_overridden_by_those_beside_them(tmp_path: Path) -> None:
+    """`- <<: *g` then `count: 3` was refused as malformed YAML: the merge key was built as a key of its own."""
+    cluster = load_cluster(_write(tmp_path, "nodes:\n  - name: a\n    devices:\n      - &g {model: a100, count: 2}\n"
+                                            "      - <<: *g\n        count: 3\n"))
+    assert [(g.spec.name, g.count) for g in cluster.nodes[0].devices] == [("a100-sxm4-80gb", 2), ("a100-sxm4-80gb", 3)]
+    with pytest.raises(HetrainError, match=r"key 'count' appears twice in one mapping"):   # twice beside it: refused
+        load_cluster(_write(tmp_path, "nodes:\n  - name: a\n    devices:\n      - &g {model: a100, count: 2}\n"
+                                      "      - {<<: *g, count: 3, count: 4}\n"))
+
+
 def test_an_error_shows_a_short_part_of_a_large_value(tmp_path: Path) -> None:
     levels = ['l0: &l0 ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
     levels += [f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]" for i in range(1, 4)]
