@@ -235,7 +235,7 @@ class PipelineRunner:
             n = count(tgt)
             calls.append((value.detach().float(), n))
             if n == 0:
-                return torch.nan_to_num(value) * 0.0
+                return output_zeros(output, value)
             return scaler.scale_loss(value * (n / estimate))
 
         self._loss = weighted
@@ -312,6 +312,16 @@ class PipelineRunner:
         powered = local ** norm_type / (1 if self.sharded else self.layout.replicas)
         dist.all_reduce(powered)
         return (powered ** (1.0 / norm_type)).float()
+
+
+def output_zeros(output: Any, loss: torch.Tensor) -> torch.Tensor:
+    """What a last stage's micro-batch without items backpropagates: zeros through the stage's outputs the loss
+    took, not through the loss, whose backward a hand-made mean over no items (0/0) makes NaN (as the
+    data-parallel path, hetrain.runtime.kept_outputs); the loss times 0 where no output carries a gradient."""
+    outs = [t for t in tensors(output) if t.is_floating_point() and t.requires_grad]
+    if not outs:
+        return torch.nan_to_num(loss) * 0.0
+    return sum((torch.nan_to_num(t.float()).mul(0.0).sum() for t in outs), torch.zeros((), device=outs[0].device))
 
 
 def _sum_into(grads: list[torch.Tensor], group: dist.ProcessGroup) -> None:
