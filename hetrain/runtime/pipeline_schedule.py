@@ -294,8 +294,8 @@ class PipelineRunner:
                 p.grad = torch.zeros_like(p)
         if self.stage_group is not None and not self.sharded:   # FSDP2's reduce-scatter summed them already
             _sum_into([p.grad for p in self.module.parameters() if p.grad is not None], self.stage_group)
-        for stages, group in self.tie_groups.items():
-            _sum_into([p.grad for held_by, p in self.ties if held_by == stages], group)
+        for stages, group in self.tie_groups.items():   # a frozen tied weight has no gradient to sum
+            _sum_into([p.grad for held_by, p in self.ties if held_by == stages and p.requires_grad], group)
 
     def total_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The norm of the whole model's gradient (every stage), the same on every rank (collective)."""
