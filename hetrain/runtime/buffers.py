@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from hetrain.runtime.replicas import copy_from
@@ -36,8 +37,9 @@ def buffer_places(module: nn.Module) -> Places:
     return [(m, name, b) for m in module.modules() for name, b in m.named_buffers(recurse=False)]
 
 
-def sync_buffers(places: Places, src: int = 0) -> None:
-    """Overwrite every rank's buffers with rank `src`'s (collective; the step's first rank with samples). Each
+def sync_buffers(places: Places, src: int = 0, group: dist.ProcessGroup | None = None) -> None:
+    """Overwrite every rank's buffers (of `group`) with global rank `src`'s (collective; the step's first rank with
+    samples; under a pipeline, a stage's replicas: the first replica's with samples). Each
     place's buffer now, where it has the size, dtype and device it had at prepare() (one a forward replaced,
     `self.m = 0.9 * self.m + ...`, is copied too), else the tensor it held then, as a stand-in of that size: a
     cache a forward regrew to its rank's longest sequence stays the rank's own, and every rank broadcasts the
@@ -49,7 +51,7 @@ def sync_buffers(places: Places, src: int = 0) -> None:
             now.device == first.device
         buffers.append(now if alike else first)
     if buffers:
-        copy_from(buffers, src=src)
+        copy_from(buffers, src=src, group=group)
 
 
 Snapshot = list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]]

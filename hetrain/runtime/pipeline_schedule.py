@@ -26,6 +26,7 @@ from torch import nn
 from hetrain.errors import HetrainError
 from hetrain.planning.plan import PipelinePlan
 from hetrain.runtime.batch_tree import tensors
+from hetrain.runtime.buffers import buffer_places, restore_buffers, snapshot_buffers, sync_buffers
 from hetrain.runtime.gradients import agree_items_per_sample, local_tensor
 from hetrain.runtime.parallelize import Prepared
 from hetrain.runtime.pipeline_batch import gather_replica_batch
@@ -115,6 +116,8 @@ class PipelineRunner:
         self.speed = speed
         self.busy_seconds = 0.0   # this step's forward and backward compute (padded when emulating a speed)
         self.step_samples = 0     # the samples of the last replica batch this stage ran (its ranks' slices)
+        self.buffers = buffer_places(module) if self.stage_group is not None else []   # synced over the replicas
+        self.buffer_source = layout.stage_ranks()[0]   # the step's first replica with samples: its stage's rank
         self._schedules: dict[tuple, Any] = {}   # by micro-batch count and shapes, most recent last
         self._loss: Callable | None = None
         self._running = False
@@ -171,6 +174,9 @@ class PipelineRunner:
             stages[0].stage_index_to_group_rank = {j: dist.get_group_rank(self.pipe_group, r)
                                                    for j, r in enumerate(self.layout.replica_ranks())}
         for stage in stages:
+            for name in SHAPE_INFERENCE:
+                if hasattr(stage, name):
+                    setattr(stage, name, keeping_buffers(getattr(stage, name), stage.submod))
             stage.forward_one_chunk = self._timed(stage.forward_one_chunk, self.speed)
             stage.backward_one_chunk = self._timed(stage.backward_one_chunk, self.speed)
         return stages
@@ -220,6 +226,7 @@ class PipelineRunner:
     def _run(self, inputs: Any, target: Any, loss_fn: Callable, count: Callable[[Any], float], *, state: StepState,
              scaler: JobLossScaler) -> torch.Tensor | None:
         samples = self.step_samples = self._samples(inputs, target)
+        self.buffer_source = replica_with_samples(self.layout, state.split)
         if state.items_per_sample is None:   # the run's first step: every rank agrees on items per sample
             counted = (count(target), samples) if self.layout.is_last and samples else (0.0, 0)
             state.items_per_sample = agree_items_per_sample(*counted, self.device)
@@ -288,7 +295,9 @@ class PipelineRunner:
 
     def sync_gradients(self) -> None:
         """Sum the stage's gradients over its replicas (each is already weighted by its items), then
-        tied parameters' gradients over the stages holding them."""
+        tied parameters' gradients over the stages holding them; then copy the stage's buffers (BatchNorm's
+        running statistics) from its first replica with samples in the step to the others, as data parallelism
+        copies the first rank's with samples (hetrain.runtime.buffers): the replicas hold one model."""
         for p in self.module.parameters():
             if p.grad is None and p.requires_grad:   # a replica without samples still joins the sum
                 p.grad = torch.zeros_like(p)
@@ -296,6 +305,8 @@ class PipelineRunner:
             _sum_into([p.grad for p in self.module.parameters() if p.grad is not None], self.stage_group)
         for stages, group in self.tie_groups.items():   # a frozen tied weight has no gradient to sum
             _sum_into([p.grad for held_by, p in self.ties if held_by == stages and p.requires_grad], group)
+        if self.buffers:
+            sync_buffers(self.buffers, self.buffer_source, self.stage_group)
 
     def total_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The norm of the whole model's gradient (every stage), the same on every rank (collective)."""
@@ -312,6 +323,30 @@ class PipelineRunner:
         powered = local ** norm_type / (1 if self.sharded else self.layout.replicas)
         dist.all_reduce(powered)
         return (powered ** (1.0 / norm_type)).float()
+
+
+SHAPE_INFERENCE = ("_forward_metadata_inference", "_shape_inference")   # torch's, by version
+
+
+def keeping_buffers(work: Callable, module: nn.Module) -> Callable:
+    """torch's stage learns the shapes it exchanges from a forward of its own on its first step (of placeholder
+    data past the first stage): the buffers that forward moved (BatchNorm's running statistics) go back as they
+    were, so a resumed run, a new micro-batch shape and one process hold the same statistics."""
+
+    def kept(*args: Any, **kwargs: Any) -> Any:
+        snapshot = snapshot_buffers(module)
+        try:
+            return work(*args, **kwargs)
+        finally:
+            restore_buffers(snapshot)
+
+    return kept
+
+
+def replica_with_samples(layout: PipelineLayout, split: list[int] | None) -> int:
+    """This stage's rank in the first replica whose ranks read samples in the step (`split`: every rank's)."""
+    rows = [row for row in layout.grid if split is None or sum(split[r] for r in row) > 0] or layout.grid
+    return rows[0][layout.stage]
 
 
 def output_zeros(output: Any, loss: torch.Tensor) -> torch.Tensor:

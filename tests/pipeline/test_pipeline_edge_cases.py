@@ -1,11 +1,12 @@
 """Pipelines on models and losses off the common path: each gives the update of one process."""
 
 import torch
+from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
 from tests.distributed import run_ranks
-from tests.pipeline.common import CLASSES, FEATURES, LR, count_labels, make_model, pipeline_plan
+from tests.pipeline.common import CLASSES, FEATURES, LR, WIDTH, Block, count_labels, make_model, pipeline_plan
 
 GLOBAL = 8
 
@@ -54,3 +55,58 @@ def test_a_micro_batch_without_items_under_a_hand_written_token_mean():
     assert all(r["applied"] == [True, True] for r in results)
     want = model.state_dict()
     assert max((v - want[k]).abs().max().item() for r in results for k, v in r["state"].items()) < 1e-5
+
+
+def _batchnorm_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, WIDTH), nn.BatchNorm1d(WIDTH), Block(), nn.Linear(WIDTH, CLASSES))
+
+
+def _batchnorm_data() -> TensorDataset:
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(32, FEATURES, generator=g)
+    x[4:8] += 3.0   # the second replica's samples of each global batch: other statistics
+    x[12:16] += 3.0
+    return TensorDataset(x, torch.randint(0, CLASSES, (32,), generator=g))
+
+
+def _train_batchnorm(rank: int, world: int, plan, steps: int) -> dict:
+    import hetrain
+
+    session = hetrain.Session(plan)
+    net = _batchnorm_model()
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=LR))
+    for x, y in session.loader(_batchnorm_data(), global_batch_size=GLOBAL, shuffle=False):
+        session.forward_backward(x, y, F.cross_entropy)
+        session.step()
+        if session.step_count == steps:
+            break
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    session.close()
+    return state
+
+
+def test_batchnorm_statistics_are_one_over_the_replicas():
+    """2 stages x 2 replicas, BatchNorm in stage 0: each stage's buffers are its first replica's after every step,
+    as data parallelism keeps rank 0's (the replicas drifted apart before), and torch's first-step shape
+    inference leaves them as they were (it counted a forward more: a resumed run differed)."""
+    steps, micro = 2, 2
+    model = _batchnorm_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    x, y = _batchnorm_data().tensors
+    for s in range(steps):
+        start = {k: v.clone() for k, v in model.named_buffers()}
+        for replica in (1, 0):   # replica 1's forwards first: replica 0's statistics are the ones kept
+            if replica == 0:
+                model.load_state_dict(start, strict=False)
+            for m in range(2):
+                rows = slice(s * GLOBAL + replica * 4 + m * micro, s * GLOBAL + replica * 4 + (m + 1) * micro)
+                (F.cross_entropy(model(x[rows]), y[rows]) * micro / GLOBAL).backward()
+        opt.step()
+        opt.zero_grad()
+    plan = pipeline_plan([[0, 2], [2, 4]], "gpipe", microbatches=2, global_batch=GLOBAL, replica_shares=[4, 4])
+    results = run_ranks(_train_batchnorm, 4, plan, steps)
+    assert all(torch.equal(v, results[2][k]) for k, v in results[0].items())
+    assert int(results[0]["1.num_batches_tracked"]) == steps * micro
+    want = model.state_dict()
+    assert max((v.float() - want[k].float()).abs().max().item() for r in results for k, v in r.items()) < 1e-5
