@@ -26,17 +26,20 @@ class KeptOutputs:
     and where each value of the output stands among the tensors the sink takes (its outputs count every value
     of the output, ints and None too; its inputs are the tensors alone)."""
 
-    def __init__(self) -> None:
+    def __init__(self, every_forward: bool = False) -> None:
         self.tensors: list[torch.Tensor] = []
         self.tensor_index: dict[int, int] = {}
+        # FSDP2 (no sink): the outputs of every training forward since the last backward, for a loss may take a
+        # model run twice (two views), and the zeros must reach each run's collectives as the others' backward does
+        self.every_forward = every_forward
 
     def __getstate__(self) -> dict:
         """A copy of the model its hooks are on (deepcopy, an EMA's AveragedModel, torch.save) holds no outputs."""
-        return {"tensors": [], "tensor_index": {}}
+        return {"tensors": [], "tensor_index": {}, "every_forward": self.every_forward}
 
     def clear(self, *_: Any) -> None:
         """A forward pre-hook: a training forward begins (an evaluation under no_grad keeps them)."""
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not self.every_forward:
             self.drop()
 
     def drop(self) -> None:
@@ -49,8 +52,12 @@ class KeptOutputs:
             return
         leaves, _ = tree_flatten(output)
         positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        outputs = [leaves[i] for i in positions if leaves[i].requires_grad]
+        if self.every_forward:
+            self.tensors = self.tensors + outputs
+            return
         self.tensor_index = {i: k for k, i in enumerate(positions)}
-        self.tensors = [leaves[i] for i in positions if leaves[i].requires_grad]
+        self.tensors = outputs
 
     def zeros(self, loss: torch.Tensor) -> torch.Tensor | None:
         """Zeros through the outputs `loss` took, or None where it took none that is finite."""

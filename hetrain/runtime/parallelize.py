@@ -351,7 +351,7 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, sh
 def keep_outputs(prepared: Prepared, module: nn.Module, on_own_model: bool = False) -> None:
     """Hold each training forward's outputs until the next (hetrain.runtime.kept_outputs): a backward without items
     sends its zeros through them. Hooks on the script's own model (FSDP2's) go when the session closes."""
-    prepared.kept = KeptOutputs()
+    prepared.kept = KeptOutputs(every_forward=on_own_model)
     handles = [module.register_forward_pre_hook(prepared.kept.clear), module.register_forward_hook(prepared.kept.note)]
     if on_own_model:
         prepared.handles.extend(handles)

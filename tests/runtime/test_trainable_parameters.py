@@ -235,3 +235,61 @@ def test_outputs_in_a_plain_dataclass_under_find_unused_parameters_are_named_not
     find_unused_parameters=True the script had passed (found in review)."""
     for message in run_ranks(_dataclass_job, 2):
         assert message is not None and "not in a plain dataclass" in message and "pass session.prepare" not in message
+
+
+class _Blocks(nn.Module):
+    """Several FSDP2 units (its blocks), run twice a step by the loop (two views of a batch)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.head = nn.Linear(4, 8), nn.Linear(8, 1)
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return self.head(h)
+
+
+def _two_views_loss(a, b, y, mask, safe):
+    per_sample = (((a + b) / 2 - y) ** 2).mean(1)
+    return (per_sample * mask).sum() / (mask.sum().clamp(min=1) if safe else mask.sum())
+
+
+def _two_views(rank, world, safe):
+    import hetrain
+
+    plan = Plan(global_batch_size=sum(SHARES), sharding="fsdp", balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=r, share=s) for r, s in enumerate(SHARES)])
+    with hetrain.Session(plan) as session:
+        net = _Blocks()
+        model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=LR))
+        x, y = _data()
+        for xb, yb in session.loader(torch.utils.data.TensorDataset(x, y), global_batch_size=sum(SHARES),
+                                     shuffle=False):
+            if session.step_count == NO_ITEMS_AT + 1:
+                break
+            no_items = rank == 1 and session.step_count == NO_ITEMS_AT
+            mask = torch.zeros(len(xb)) if no_items else torch.ones(len(xb))
+            session.backward(_two_views_loss(model(xb), model(xb * 0.5), yb, mask, safe), num_items=mask.sum())
+            session.step()
+        return [p.full_tensor().detach() for p in net.parameters()]
+
+
+@pytest.mark.parametrize("safe", [False, True])
+def test_a_rank_without_items_of_a_model_run_twice_a_step_meets_the_others_under_fsdp2(safe):
+    """Its zeros went through the second run's outputs alone while the others' backward went through both runs'
+    FSDP2 collectives: every rank hung, a hand-made 0/0 mean or not (found in review)."""
+    net, (x, y) = _Blocks(), _data()
+    opt, n = torch.optim.SGD(net.parameters(), lr=LR), sum(SHARES)
+    for step in range(NO_ITEMS_AT + 1):
+        used = SHARES[0] if step == NO_ITEMS_AT else n
+        xb, yb = x[step * n:step * n + used], y[step * n:step * n + used]
+        _two_views_loss(net(xb), net(xb * 0.5), yb, torch.ones(len(xb)), True).backward()
+        opt.step()
+        opt.zero_grad()
+    for got in run_ranks(_two_views, 2, safe, env={"HETRAIN_COLLECTIVE_TIMEOUT": "20"}, timeout=100):
+        for a, b in zip(got, net.parameters()):
+            torch.testing.assert_close(a, b.detach(), rtol=0, atol=1e-6)
