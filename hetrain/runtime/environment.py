@@ -112,6 +112,8 @@ def _ranks_from_slurm() -> None:
     rank from Slurm's task variables, which `hetrain launch` and torchrun would otherwise have set; without
     a rendezvous address every task silently trained a one-rank job of its own."""
     tasks = os.environ.get("SLURM_NTASKS", "")
+    if dist.is_initialized():   # the script started its group (mp.spawn per GPU under one task a node): its ranks
+        return
     if "RANK" in os.environ or "WORLD_SIZE" in os.environ or "SLURM_STEP_ID" not in os.environ \
             or not tasks.isdigit() or int(tasks) < 2:
         return

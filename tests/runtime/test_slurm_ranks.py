@@ -46,3 +46,19 @@ def test_a_launcher_set_rank_or_a_single_task_is_left_as_it_is(slurm_task):
     slurm_task.delenv("WORLD_SIZE")
     slurm_task.delenv("SLURM_STEP_ID")                  # the batch script itself, not a task srun started
     assert RankEnv.from_environ().world_size == 1
+
+
+def test_a_group_the_script_started_in_a_task_keeps_its_own_ranks(slurm_task):
+    """One task a node spawning a process per GPU (mp.spawn), each joining the script's own group: the task's
+    Slurm numbers became WORLD_SIZE, and the script's group of 4 was refused as not the launcher's 2 (review)."""
+    import torch.distributed as dist
+
+    import hetrain
+
+    slurm_task.setenv("SLURM_NTASKS", "2")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with hetrain.Session() as session:
+            assert session.world_size == 1 and not session.owns_group
+    finally:
+        dist.destroy_process_group()
