@@ -43,6 +43,12 @@ def _check(name: Any, obj: Any) -> None:
             f"an AveragedModel, a metric) or a dict, not {type(obj).__name__}")
 
 
+def _sharded(name: str) -> HetrainError:
+    return HetrainError(
+        f"the state given to session.add_state({name!r}) holds sharded tensors (DTensor, FSDP2's shards): a "
+        "checkpoint holds one copy of the script's state, rank 0's; keep full tensors there, the same on every rank")
+
+
 def _digest(name: str, value: Any) -> Any:
     """A fingerprint of a state to compare across ranks: tensors by shape and the integer sum of their words,
     other values as they are."""
@@ -51,10 +57,7 @@ def _digest(name: str, value: Any) -> Any:
     def walk(v: Any) -> Any:
         if isinstance(v, torch.Tensor):
             if hasattr(v, "to_local"):
-                raise HetrainError(
-                    f"the state given to session.add_state({name!r}) holds sharded tensors (DTensor, FSDP2's "
-                    "shards): a checkpoint holds one copy of the script's state, rank 0's; keep full tensors there, "
-                    "the same on every rank")
+                raise _sharded(name)
             # an integer sum of the raw words: the same on every rank however its threads add (a float sum
             # of identical values differed between 1 and 2 threads)
             words = {8: torch.int64, 4: torch.int32, 2: torch.int16}.get(v.element_size(), torch.int8)
@@ -83,8 +86,10 @@ class UserStates:
     def add(self, name: str, obj: Any) -> None:
         _check(name, obj)
         # a value no checkpoint could hold (a NumPy scalar, a set, an object) refused now, not at the first save
-        check_savable(savable(dict(obj) if isinstance(obj, dict) else obj.state_dict()),
-                      where=f"session.add_state({name!r})")
+        state = savable(dict(obj) if isinstance(obj, dict) else obj.state_dict())
+        if any(hasattr(t, "to_local") for t in tensors(state)):   # an EMA of FSDP2's shards
+            raise _sharded(name)
+        check_savable(state, where=f"session.add_state({name!r})")
         if name in self.items:
             raise HetrainError(f"a state named {name!r} was already given to session.add_state(); give each once")
         self.items[name] = obj

@@ -221,3 +221,19 @@ def test_a_state_no_checkpoint_could_hold_is_refused_when_given():
         with pytest.raises(HetrainError, match=r"session.add_state\('best'\)\['value'\] is a numpy.float64"):
             session.add_state("best", {"value": np.float64(0.5)})
         session.add_state("best_ok", {"value": 0.5})
+
+
+def test_sharded_tensors_given_to_add_state_are_refused_in_the_sessions_words():
+    """The check at add_state() gave the checkpoint library's fix ("pass sharded state in `sharded`"), an
+    argument add_state has not (found in review)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    import hetrain
+    from hetrain.errors import HetrainError
+
+    with hetrain.Session() as session:
+        shard = distribute_tensor(torch.randn(4), init_device_mesh("cpu", (1,)), [Replicate()])
+        with pytest.raises(HetrainError, match=r"session.add_state\('ema'\) holds sharded tensors \(DTensor, "
+                                               r"FSDP2's shards\).*keep full tensors there"):
+            session.add_state("ema", {"w": shard})
