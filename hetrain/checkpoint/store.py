@@ -131,6 +131,8 @@ def restore_replaced(root: Path) -> list[str]:
         if not (suffix.isdigit() and entry.is_dir()) or final.exists() or final.is_symlink():
             continue   # (a step-N beside it: the replace finished, and prune deletes the old one)
         tmp = root / f"{TMP_PREFIX}{suffix}"
+        if not tmp.is_dir():   # not the commit's window (its new save beside it): an old copy left behind after
+            continue           # its step-N was pruned, perhaps half deleted, never put back as a checkpoint
         if _verifies(tmp, int(suffix)):
             os.rename(tmp, final)
             restored.append(f"{final.name} was being replaced when the job stopped; its new save is complete and "

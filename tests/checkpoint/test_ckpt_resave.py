@@ -63,3 +63,16 @@ def test_a_save_before_any_look_keeps_the_cut_off_step_among_the_kept(tmp_path, 
     assert _names(tmp_path) == ["step-000005", "step-000006"]
     job.save(7, {"w": torch.zeros(3), "step": 7}, {})
     assert _names(tmp_path) == ["step-000006", "step-000007"]
+
+
+def test_an_old_copy_left_behind_after_its_step_was_pruned_is_never_put_back(tmp_path):
+    """A .replaced-step-N a failed delete left behind (a file of another user's in it), its step-N pruned since,
+    perhaps half deleted: it was renamed back to step-N, a checkpoint only verification could tell from a good
+    one (found in review). Only the commit's own window, its new save beside it, is put back."""
+    from hetrain.checkpoint.store import restore_replaced
+
+    left = tmp_path / ".replaced-step-000001"
+    left.mkdir()
+    (left / "rank-00000.pt").write_bytes(b"half deleted")
+    assert restore_replaced(tmp_path) == []
+    assert _names(tmp_path) == [".replaced-step-000001"]
