@@ -60,7 +60,8 @@ def refuse_outer_wrapper(ddp: DistributedDataParallel) -> Any:
         outer = DistributedDataParallel._active_ddp_module
         if outer is not None and outer is not module:
             raise HetrainError(
-                "the model session.prepare() returned was wrapped in a DistributedDataParallel of the script's: its "
-                "gradients would be averaged over the ranks twice; use the returned model as it is (it is already "
-                "data parallel), and keep DDP(...) out of the script")
+                "the model session.prepare() returned was wrapped in a DistributedDataParallel of the script's (or "
+                "ran inside another session's model's forward): its gradients would be averaged over the ranks "
+                "twice; use the returned model as it is (it is already data parallel), and keep DDP(...) out of the "
+                "script")
     return ddp.register_forward_pre_hook(hook)

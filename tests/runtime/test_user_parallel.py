@@ -50,7 +50,8 @@ def _parallelized(rank: int, world: int, how: str, sharding: str) -> str | None:
 
 
 @pytest.mark.parametrize("how, sharding, message", [
-    ("ddp_around", "none", "wrapped in a DistributedDataParallel of the script's: its gradients would be averaged "
+    ("ddp_around", "none", "wrapped in a DistributedDataParallel of the script's (or ran inside another "
+                           "session's model's forward): its gradients would be averaged "
                            "over the ranks twice; use the returned model as it is"),
     ("ddp_around", "zero1", "wrapped in a DistributedDataParallel of the script's"),
     ("replicate", "none", "a model that went through replicate(): its gradients would be reduced twice; pass "
