@@ -58,6 +58,8 @@ def _torch_gathered(session: Any) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     module = session.prepared.module
+    if not module.state_dict():   # a stage of blocks without parameters or buffers (an activation) holds none
+        return {}
     if session.sharding == "fsdp" and session.pipeline is not None:
         # a stage sharded over its replicas: every rank of the stage gets the stage whole (cpu_offload would
         # hand it to global rank 0 only), and the first replica's send it on below

@@ -355,8 +355,9 @@ def stage_state(module: torch.nn.Module, optimizer: Any) -> dict:
     tensor (flattened), so a checkpoint loads into any partition of the blocks (DCP reads the keys asked)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
-    state = {"model": get_model_state_dict(module)}
-    if optimizer is not None:
+    # a stage of blocks without parameters or buffers (an activation) saves no model, one that trains none no optimizer
+    state = {"model": get_model_state_dict(module) if module.state_dict() else {}}
+    if optimizer is not None and any(group["params"] for group in optimizer.param_groups):
         with quiet_step_hooks(optimizer):
             state["optimizer"] = get_optimizer_state_dict(module, optimizer,
                                                           options=StateDictOptions(flatten_optimizer_state_dict=True))
@@ -366,7 +367,8 @@ def stage_state(module: torch.nn.Module, optimizer: Any) -> dict:
 def load_stage_state(module: torch.nn.Module, optimizer: Any, state: dict) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
-    set_model_state_dict(module, state["model"])
+    if state["model"]:
+        set_model_state_dict(module, state["model"])
     if optimizer is not None and "optimizer" in state:
         with quiet_step_hooks(optimizer):
             set_optimizer_state_dict(module, optimizer, state["optimizer"],

@@ -110,3 +110,43 @@ def test_batchnorm_statistics_are_one_over_the_replicas():
     assert int(results[0]["1.num_batches_tracked"]) == steps * micro
     want = model.state_dict()
     assert max((v.float() - want[k].float()).abs().max().item() for r in results for k, v in r.items()) < 1e-5
+
+
+def _stages_without_parameters() -> nn.Sequential:
+    """Stage 1 holds an activation only (no state at all), stage 2 a BatchNorm's running statistics only."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, WIDTH), nn.Tanh(), nn.BatchNorm1d(WIDTH, affine=False),
+                         nn.Linear(WIDTH, CLASSES))
+
+
+def _train_without_parameters(rank: int, world: int, plan, steps: int, checkpoint_dir: str) -> tuple:
+    import hetrain
+
+    session = hetrain.Session(plan, checkpoint_dir=checkpoint_dir, checkpoint_interval=2, async_checkpoints=False)
+    net = _stages_without_parameters()
+    session.prepare(net, torch.optim.AdamW(net.parameters(), lr=0.01))
+    loader = session.loader(_batchnorm_data(), global_batch_size=GLOBAL, shuffle=False)   # resumes
+    started_at = session.step_count
+    while session.step_count < steps:
+        for x, y in loader:
+            session.forward_backward(x, y, F.cross_entropy)
+            session.clip_grad_norm_(1.0)
+            session.step()
+            if session.step_count == steps:
+                break
+    whole = session.model_state_dict()
+    session.close()
+    return whole, started_at
+
+
+def test_stages_without_parameters_save_resume_and_export(tmp_path):
+    """A stage of an activation, one of buffers only: checkpoints, a resume as exact as the run not stopped, and
+    model_state_dict() (torch's 'model state_dict is empty', then 'optim state_dict is empty', on those ranks)."""
+    plan = pipeline_plan([[0, 1], [1, 2], [2, 3], [3, 4]], "1f1b", microbatches=4, global_batch=GLOBAL)
+    whole, _ = run_ranks(_train_without_parameters, 4, plan, 4, str(tmp_path / "whole"))[0]
+    run_ranks(_train_without_parameters, 4, plan, 2, str(tmp_path / "stopped"))
+    resumed, started_at = run_ranks(_train_without_parameters, 4, plan, 4, str(tmp_path / "stopped"))[0]
+    assert started_at == 2
+    assert set(whole) == set(_stages_without_parameters().state_dict())
+    assert all(torch.equal(v, resumed[k]) for k, v in whole.items())
+    assert not torch.equal(whole["0.weight"], _stages_without_parameters()[0].weight.detach())   # it trained
