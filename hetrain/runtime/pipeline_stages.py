@@ -10,15 +10,16 @@ pipeline's stages j, j + p, ... (one per chunk); elsewhere its stage is one of t
 
 The model is an `nn.Sequential` whose children are the blocks the plan partitions (the same
 blocks `hetrain profile` measures: embedding, layers, head). A stage module is an `nn.Sequential`
-of its blocks under their original names ("3", "4", ...), so its `state_dict` keys are the whole
-model's keys and any partition can load a checkpoint written under another.
+(`StageBlocks`) of its blocks under their original names ("3", "4", ...), so its `state_dict` keys are
+the whole model's keys and any partition can load a checkpoint written under another.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import ContextManager
+from typing import Any, ContextManager
 from dataclasses import dataclass
 
 import torch
@@ -146,11 +147,40 @@ def rank_stages(pipeline: PipelinePlan, position: int) -> list[int]:
     return [position + c * p for c in range(pipeline.chunks)]
 
 
-def stage_modules(model: nn.Module, pipeline: PipelinePlan, position: int) -> list[nn.Sequential]:
-    """Each stage's blocks the rank at `position` holds, as an nn.Sequential under their original names
-    (the model's own modules)."""
+class StageBlocks(nn.Sequential):
+    """A stage's blocks under their original names, run as the model's nn.Sequential runs them: each block takes
+    the previous block's output as its one argument (a tuple as one tuple). torch's stage passes the previous
+    stage's outputs (a tuple a block returned) as separate arguments: several go to the first block as that one
+    tuple, or one by one where its forward needs several (the first stage's inputs (ids, mask) to forward(ids, mask))."""
+
+    def __init__(self, blocks: list[tuple[str, nn.Module]], index: int, last: bool) -> None:
+        super().__init__(OrderedDict(blocks))
+        self.index, self.last = index, last
+        params = inspect.signature(blocks[0][1].forward).parameters.values()
+        self.spread = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+                          for p in params) > 1
+
+    def forward(self, *args: Any) -> Any:
+        blocks = iter(self)
+        x = next(blocks)(*args) if self.spread or len(args) == 1 else next(blocks)(args)
+        for block in blocks:
+            x = block(x)
+        if not self.last and not (isinstance(x, torch.Tensor) or (
+                isinstance(x, (tuple, list)) and len(x) > 1 and all(isinstance(t, torch.Tensor) for t in x))):
+            what = f"a {type(x).__name__} of {len(x)}" if isinstance(x, (tuple, list)) else type(x).__name__
+            raise HetrainError(
+                f"pipeline stage {self.index} ends in a block that returns {what}: a stage passes the next a tensor "
+                "or a tuple of two or more tensors (no None, nesting or one-tensor tuple, which it cannot tell from "
+                "the tensor); return that from the block, or re-plan the stages to end at another block")
+        return x
+
+
+def stage_modules(model: nn.Module, pipeline: PipelinePlan, position: int) -> list[StageBlocks]:
+    """Each stage's blocks the rank at `position` holds, as a StageBlocks (an nn.Sequential) under their
+    original names (the model's own modules)."""
     blocks = model_blocks(model, pipeline)
-    return [nn.Sequential(OrderedDict(blocks[slice(*pipeline.stages[s])])) for s in rank_stages(pipeline, position)]
+    return [StageBlocks(blocks[slice(*pipeline.stages[s])], s, s == len(pipeline.stages) - 1)
+            for s in rank_stages(pipeline, position)]
 
 
 def compute_in_precision(module: nn.Module, autocast: Callable[[], ContextManager]) -> None:
@@ -163,11 +193,12 @@ def compute_in_precision(module: nn.Module, autocast: Callable[[], ContextManage
         ctx.__enter__()
         active.append(ctx)
 
+    def fp32(t: object) -> object:
+        return t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float32 else t
+
     def leave(_module: nn.Module, _args: object, output: object) -> object:
         active.pop().__exit__(None, None, None)
-        if isinstance(output, torch.Tensor) and output.is_floating_point() and output.dtype != torch.float32:
-            return output.float()
-        return output
+        return type(output)(fp32(t) for t in output) if isinstance(output, (tuple, list)) else fp32(output)
 
     module.register_forward_pre_hook(enter)
     module.register_forward_hook(leave, always_call=True)
