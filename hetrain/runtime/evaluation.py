@@ -41,7 +41,9 @@ def _evaluate(session: Any, inputs: Any, target: Any, loss_fn: Callable[[Any, An
     session.state.refuse_between_micro_batches("session.evaluate()", "evaluate where session.step() returns True, "
                                                "e.g. if session.step() and session.step_count % N == 0:")
     warn_if_training(session.prepared.module)
-    if session.pipeline is not None:
+    if session.pipeline is not None and num_items is not None and not callable(num_items):
+        total, items = _pipeline_counted(session, inputs, target, loss_fn, items_as_number(num_items))
+    elif session.pipeline is not None:
         inputs, target = session.pipeline.gather_batch((inputs, target))
         total, items = session.pipeline.evaluate(inputs, target, loss_fn, item_counter(num_items))
     elif _agreed_empty(inputs, session):   # a rank whose part is empty runs no forward and counts nothing
@@ -54,6 +56,17 @@ def _evaluate(session: Any, inputs: Any, target: Any, loss_fn: Callable[[Any, An
     sums = torch.tensor([total, items], dtype=torch.float64, device=session.device)
     dist.all_reduce(sums)
     return float(sums[0] / sums[1]) if float(sums[1]) > 0 else math.nan
+
+
+def _pipeline_counted(session: Any, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
+                      items: float) -> tuple[float, float]:
+    """A pipeline's evaluation where each rank gives its part's items as a number, as under data parallelism: the
+    replica's batch runs as one micro-batch (each micro-batch's items are not known), its mean loss weighted by the
+    sum of its ranks' numbers."""
+    counted = torch.tensor([items], dtype=torch.float64, device=session.device)
+    dist.all_reduce(counted, group=session.pipeline.pipe_group)
+    inputs, target = session.pipeline.gather_batch((inputs, target))
+    return session.pipeline.evaluate(inputs, target, loss_fn, lambda _target: float(counted), microbatches=1)
 
 
 def batch_items(num_items: Any, inputs: Any, target: Any) -> float:

@@ -266,10 +266,11 @@ class PipelineRunner:
             return None
         return sum(value * n for value, n in calls if n > 0) / items
 
-    def evaluate(self, inputs: Any, target: Any, loss_fn: Callable, count: Callable[[Any], float]
-                 ) -> tuple[float, float]:
-        """Forward only of the replica batch through every stage (torch's schedule `eval`): on last stages
-        (sum of each micro-batch's mean loss times its items, items), elsewhere (0, 0). Not the step's compute."""
+    def evaluate(self, inputs: Any, target: Any, loss_fn: Callable, count: Callable[[Any], float],
+                 microbatches: int | None = None) -> tuple[float, float]:
+        """Forward only of the replica batch through every stage (torch's schedule `eval`) in `microbatches` (the
+        step's count by default): on last stages (sum of each micro-batch's mean loss times its items, items),
+        elsewhere (0, 0). Not the step's compute."""
         samples = self._samples(inputs, target)
         if samples == 0:
             return 0.0, 0.0
@@ -281,7 +282,7 @@ class PipelineRunner:
             calls.append((float(value.detach().float()), count(tgt)))
             return value
 
-        m = self.microbatches(samples)
+        m = microbatches or self.microbatches(samples)
         schedule = self._schedule(m, (inputs, target))
         args = _as_tuple(inputs) if self.layout.is_first else ()
         busy, self._loss, self._running = self.busy_seconds, loss, True

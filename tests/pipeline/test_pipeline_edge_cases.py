@@ -6,7 +6,8 @@ from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
 from tests.distributed import run_ranks
-from tests.pipeline.common import CLASSES, FEATURES, LR, WIDTH, Block, count_labels, make_model, pipeline_plan
+from tests.pipeline.common import (CLASSES, FEATURES, LR, WIDTH, Block, count_labels, make_data, make_model,
+                                   pipeline_plan)
 
 GLOBAL = 8
 
@@ -150,3 +151,26 @@ def test_stages_without_parameters_save_resume_and_export(tmp_path):
     assert set(whole) == set(_stages_without_parameters().state_dict())
     assert all(torch.equal(v, resumed[k]) for k, v in whole.items())
     assert not torch.equal(whole["0.weight"], _stages_without_parameters()[0].weight.detach())   # it trained
+
+
+def _evaluate_counted(rank: int, world: int, plan) -> float:
+    import hetrain
+
+    session = hetrain.Session(plan)
+    net = make_model(4)
+    model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=LR))
+    x, y = make_data(ignored=True)[rank * 6:(rank + 1) * 6]
+    model.eval()
+    loss = session.evaluate(x, y, F.cross_entropy, num_items=int(count_labels(y)))   # this rank's part's items
+    session.close()
+    return loss
+
+
+def test_evaluate_takes_each_ranks_items_as_a_number():
+    """As under data parallelism (and docs/runtime.md): the replica's batch runs as one micro-batch, weighted by
+    its ranks' numbers (refused with 'pass a function' before)."""
+    plan = pipeline_plan([[0, 3], [3, 6]], "1f1b", microbatches=2, global_batch=GLOBAL, replica_shares=[4, 4])
+    x, y = make_data(ignored=True)[:24]
+    with torch.no_grad():
+        want = F.cross_entropy(make_model(4)(x), y).item()   # the token mean over every rank's items
+    assert all(abs(loss - want) < 1e-5 for loss in run_ranks(_evaluate_counted, 4, plan))
