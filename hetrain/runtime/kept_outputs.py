@@ -13,6 +13,7 @@ over no items) is left out.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,21 +22,27 @@ from torch.utils._pytree import tree_flatten   # the flattening DDP's sink takes
 SINK = "_DDPSinkBackward"
 
 
+def _never() -> bool:
+    """A copy's outputs are never kept (no session tells it when a step is out)."""
+    return False
+
+
 class KeptOutputs:
     """The last training forward's output tensors (DDP's forward hook, held until the next training forward),
     and where each value of the output stands among the tensors the sink takes (its outputs count every value
     of the output, ints and None too; its inputs are the tensors alone)."""
 
-    def __init__(self, every_forward: bool = False) -> None:
+    def __init__(self, every_forward: bool = False, in_step: Callable[[], bool] = lambda: True) -> None:
         self.tensors: list[torch.Tensor] = []
         self.tensor_index: dict[int, int] = {}
         # FSDP2 (no sink): the outputs of every training forward since the last backward, for a loss may take a
         # model run twice (two views), and the zeros must reach each run's collectives as the others' backward does
         self.every_forward = every_forward
+        self.in_step = in_step   # whether a step's batch is out: forwards outside one are no training forwards
 
     def __getstate__(self) -> dict:
         """A copy of the model its hooks are on (deepcopy, an EMA's AveragedModel, torch.save) holds no outputs."""
-        return {"tensors": [], "tensor_index": {}, "every_forward": self.every_forward}
+        return {"tensors": [], "tensor_index": {}, "every_forward": self.every_forward, "in_step": _never}
 
     def clear(self, *_: Any) -> None:
         """A forward pre-hook: a training forward begins (an evaluation under no_grad keeps them)."""
@@ -48,7 +55,7 @@ class KeptOutputs:
 
     def note(self, _module: Any, _args: Any, output: Any) -> None:
         """A forward hook: a training forward's outputs."""
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or not self.in_step():
             return
         leaves, _ = tree_flatten(output)
         positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]

@@ -303,7 +303,8 @@ def apply_zero1(optimizer: torch.optim.Optimizer, model: nn.Module, sharding_nam
 def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, sharding_name: str,
                 entries: Sequence[RankPlan], rank: int, comm: CommPlan | None, device: torch.device,
                 timer: StepTimer, blocks: Sequence[nn.Module] | None = None,
-                find_unused_parameters: bool = False, without_samples: Callable[[], bool] = lambda: False) -> Prepared:
+                find_unused_parameters: bool = False, without_samples: Callable[[], bool] = lambda: False,
+                in_step: Callable[[], bool] = lambda: True) -> Prepared:
     """The model on this rank's device with every choice of its plan entry applied, in order; a forward while
     `without_samples()` leaves the model's buffers as they were (hetrain.runtime.buffers)."""
     entry = entries[rank]
@@ -321,7 +322,7 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, sh
         if optimizer is not None:
             optimizer = sharding.rebuild_optimizer(optimizer, names, model)
         prepared = Prepared(model, optimizer, chosen, buffers=buffer_places(model), half=half_parameters(model))
-        keep_outputs(prepared, model, on_own_model=True)   # for a rank without items: zeros through them
+        keep_outputs(prepared, model, on_own_model=True, in_step=in_step)   # a rank without items: zeros through them
         return prepared
     if entry.offload_optimizer and device.type == "cuda":
         raise HetrainError(
@@ -348,10 +349,13 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, sh
     return prepared
 
 
-def keep_outputs(prepared: Prepared, module: nn.Module, on_own_model: bool = False) -> None:
+def keep_outputs(prepared: Prepared, module: nn.Module, on_own_model: bool = False,
+                 in_step: Callable[[], bool] = lambda: True) -> None:
     """Hold each training forward's outputs until the next (hetrain.runtime.kept_outputs): a backward without items
-    sends its zeros through them. Hooks on the script's own model (FSDP2's) go when the session closes."""
-    prepared.kept = KeptOutputs(every_forward=on_own_model)
+    sends its zeros through them. Hooks on the script's own model (FSDP2's) go when the session closes; there
+    every forward's outputs are kept until the backward, of forwards inside a step only (`in_step`): an evaluation
+    between steps run with gradients on would otherwise hold each batch's graph until the next backward."""
+    prepared.kept = KeptOutputs(every_forward=on_own_model, in_step=in_step)
     handles = [module.register_forward_pre_hook(prepared.kept.clear), module.register_forward_hook(prepared.kept.note)]
     if on_own_model:
         prepared.handles.extend(handles)

@@ -36,4 +36,5 @@ def prepare_model(session: Any, model: torch.nn.Module, optimizer: Any, blocks: 
     return parallelize(model, optimizer, sharding_name=session.sharding, entries=session.assignment.entries,
                        rank=session.rank, comm=comm, device=session.device, timer=session.timer, blocks=blocks,
                        find_unused_parameters=find_unused,
-                       without_samples=lambda: state.active and state.current_samples() == 0), None
+                       without_samples=lambda: state.active and state.current_samples() == 0,
+                       in_step=lambda: state.active), None

@@ -293,3 +293,29 @@ def test_a_rank_without_items_of_a_model_run_twice_a_step_meets_the_others_under
     for got in run_ranks(_two_views, 2, safe, env={"HETRAIN_COLLECTIVE_TIMEOUT": "20"}, timeout=100):
         for a, b in zip(got, net.parameters()):
             torch.testing.assert_close(a, b.detach(), rtol=0, atol=1e-6)
+
+
+def test_an_evaluation_with_gradients_on_between_steps_keeps_no_outputs_under_fsdp2():
+    """Under FSDP2 the outputs of every training forward are kept until the backward (for a rank without items);
+    an evaluation loop run without no_grad between steps kept each batch's outputs, and their graphs, until the
+    next backward (found rereading the change)."""
+    import gc
+    import weakref
+
+    import hetrain
+
+    plan = Plan(global_batch_size=8, sharding="fsdp", balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=0, share=8)])
+    with hetrain.Session(plan) as session:
+        net = _Blocks()
+        model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=LR))
+        x, y = _data()
+        for xb, yb in session.loader(torch.utils.data.TensorDataset(x, y), global_batch_size=8, shuffle=False):
+            session.backward(nn.functional.mse_loss(model(xb), yb))
+            session.step()
+            evaluated = model(xb)   # gradients on, as a loop that forgot torch.no_grad() runs it
+            kept = weakref.ref(evaluated)
+            del evaluated
+            gc.collect()
+            assert kept() is None
+            break
