@@ -150,19 +150,28 @@ def rank_stages(pipeline: PipelinePlan, position: int) -> list[int]:
 class StageBlocks(nn.Sequential):
     """A stage's blocks under their original names, run as the model's nn.Sequential runs them: each block takes
     the previous block's output as its one argument (a tuple as one tuple). torch's stage passes the previous
-    stage's outputs (a tuple a block returned) as separate arguments: several go to the first block as that one
-    tuple, or one by one where its forward needs several (the first stage's inputs (ids, mask) to forward(ids, mask))."""
+    stage's outputs (a tuple a block returned) as separate arguments: they go to the stage's first block as that
+    one tuple. The first stage's inputs are the script's: several ((ids, mask)) go one by one where the first
+    block's forward takes them (forward(ids, mask), forward(x, mask=None)), else as one tuple."""
 
     def __init__(self, blocks: list[tuple[str, nn.Module]], index: int, last: bool) -> None:
         super().__init__(OrderedDict(blocks))
         self.index, self.last = index, last
-        params = inspect.signature(blocks[0][1].forward).parameters.values()
-        self.spread = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
-                          for p in params) > 1
+        self._spreads: dict[int, bool] = {}   # by the number of inputs: whether the first block takes them apart
+
+    def _spread(self, count: int) -> bool:
+        if count not in self._spreads:
+            try:
+                first = getattr(self[0], "_orig_mod", self[0])   # a compiled block: its module's forward
+                inspect.signature(first.forward).bind(*[None] * count)
+                self._spreads[count] = self.index == 0
+            except (TypeError, ValueError):
+                self._spreads[count] = False
+        return self._spreads[count]
 
     def forward(self, *args: Any) -> Any:
         blocks = iter(self)
-        x = next(blocks)(*args) if self.spread or len(args) == 1 else next(blocks)(args)
+        x = next(blocks)(*args) if len(args) == 1 or self._spread(len(args)) else next(blocks)(args)
         for block in blocks:
             x = block(x)
         if not self.last and not (isinstance(x, torch.Tensor) or (
@@ -198,7 +207,10 @@ def compute_in_precision(module: nn.Module, autocast: Callable[[], ContextManage
 
     def leave(_module: nn.Module, _args: object, output: object) -> object:
         active.pop().__exit__(None, None, None)
-        return type(output)(fp32(t) for t in output) if isinstance(output, (tuple, list)) else fp32(output)
+        if not isinstance(output, (tuple, list)):
+            return fp32(output)
+        cast = [fp32(t) for t in output]
+        return type(output)(*cast) if hasattr(output, "_fields") else type(output)(cast)   # a namedtuple too
 
     module.register_forward_pre_hook(enter)
     module.register_forward_hook(leave, always_call=True)

@@ -128,3 +128,41 @@ def test_a_stage_ending_in_a_one_tensor_tuple_is_refused():
 
     with pytest.raises(HetrainError, match="stage 0 ends in a block that returns a tuple of 1"):
         StageBlocks([("0", nn.Linear(2, 2)), ("1", One())], 0, False)(torch.ones(1, 2))
+
+
+def test_a_first_block_with_an_optional_mask_takes_the_inputs_one_by_one():
+    """forward(x, mask=None) got the inputs as one tuple (x the tuple, mask None): the audit's failure inside the
+    user's block, or a mask silently unused (found in review). A later stage's first block takes the previous
+    stage's tuple as one argument, as in the model's own nn.Sequential, whatever its forward takes."""
+    class OptionalMask(Embed):
+        def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> tuple:
+            return super().forward(x, mask)
+
+    class TwoArguments(nn.Module):
+        def forward(self, a, b=None):
+            return a[0] if b is None else a + b   # given the tuple as `a`: its first
+
+    x, mask = torch.randn(3, FEATURES), torch.ones(3, dtype=torch.long)
+    first = StageBlocks([("0", OptionalMask())], 0, False)
+    assert torch.equal(first(x, mask)[2], mask)
+    later = StageBlocks([("0", TwoArguments())], 1, True)
+    h = torch.ones(2)
+    assert torch.equal(later(h, h * 2), h)
+
+
+def test_a_namedtuple_output_keeps_its_type_in_the_precision_hook():
+    """The hook that casts a stage's outputs to fp32 rebuilt a namedtuple from one generator: TypeError."""
+    from collections import namedtuple
+
+    from hetrain.runtime.pipeline_stages import compute_in_precision
+
+    Out = namedtuple("Out", "logits aux")
+
+    class Pair(nn.Module):
+        def forward(self, x):
+            return Out(x.to(torch.bfloat16), x)
+
+    module = Pair()
+    compute_in_precision(module, contextlib.nullcontext)
+    out = module(torch.ones(2))
+    assert isinstance(out, Out) and out.logits.dtype == torch.float32
