@@ -22,6 +22,11 @@ MAX_PORT = 65535
 BIND_ADDR = "0.0.0.0"  # reachable by a Prometheus on another host or pod
 
 
+def local_world_size() -> int:
+    """The node's ranks, as torchrun says (LOCAL_WORLD_SIZE), 1 without a launcher: the ports the node's ranks take."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+
+
 def check_port_range(base: int, nproc_per_node: int, given_as: str = "--metrics-port {}") -> None:
     """`--metrics-port` (or what `given_as` names) must leave room for PORT..PORT+nproc_per_node-1."""
     last = base + nproc_per_node - 1
@@ -90,7 +95,7 @@ def serve(registry: CollectorRegistry, base: int, local_rank: int, addr: str = B
                     "was not closed (a sweep's trial that raised): close each session (session.close(), or with "
                     "hetrain.Session() as session:)") from None
             # the node's ranks (torchrun's LOCAL_WORLD_SIZE): a suggestion must leave room for all of them
-            count = max(local_rank + 1, int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0))
+            count = max(local_rank + 1, local_world_size())
             raise _in_use(base, port, count, addr) from None
         raise
     _SERVING[port] = weakref.ref(server)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from hetrain.checkpoint import lease
 from hetrain.errors import HetrainError
 from hetrain.metrics.events import CheckpointRecord, StepRecord
-from hetrain.metrics.serve import check_port_range
+from hetrain.metrics.serve import check_port_range, local_world_size
 from hetrain.runtime.companions import earlier_companion
 from hetrain.runtime.measured import FlopMeter, rates_by_kind
 from hetrain.vocabulary import Env
@@ -61,7 +61,7 @@ def metrics_port_setting(given: Any) -> int | None:
         if port == 0:   # as HETRAIN_METRICS_PORT=0: none
             return None
         given, given_as = port, "Session(metrics_port={})"
-    check_port_range(given, max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)), given_as)
+    check_port_range(given, local_world_size(), given_as)
     return given
 
 
@@ -80,9 +80,8 @@ def start_metrics(session: Any) -> None:
     a session made beside an earlier open one leaves the first's to it (`metrics_beside`), saying so on rank 0."""
     port, run_dir, first = session.metrics_port, session.run_dir, earlier_companion(session)
     if first is not None:
-        local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
         port, run_dir = metrics_beside(port, session.metrics_port_given, run_dir, first.metrics_port, first.run_dir,
-                                       local_ranks)
+                                       local_world_size())
         missing = ([f"on the metrics ports {session.metrics_port}.."] if port != session.metrics_port else []) + \
             ([f"in the run log {session.run_dir / 'metrics'}"] if run_dir != session.run_dir else [])
         if missing and session.is_main:
