@@ -27,6 +27,14 @@ def _never() -> bool:
     return False
 
 
+def zeros_through(tensors: list[torch.Tensor], loss: torch.Tensor) -> torch.Tensor:
+    """A zero whose backward reaches each of `tensors` with zeros (and the loss's value, NaN or not, not at all). In
+    float32: a half tensor's backward casts the loss scale to its dtype (65536 is past fp16's 65504: inf, and inf x 0
+    is NaN); float() casts the zero gradient back instead. nan_to_num: a non-finite value sends no NaN either."""
+    start = torch.nan_to_num(loss.detach().float()) * 0.0
+    return sum((torch.nan_to_num(t.float()).sum() * 0.0 for t in tensors), start)
+
+
 class KeptOutputs:
     """The last training forward's output tensors (DDP's forward hook, held until the next training forward),
     and where each value of the output stands among the tensors the sink takes (its outputs count every value
@@ -74,9 +82,7 @@ class KeptOutputs:
         self.drop()
         if not used:
             return None
-        # in float32: a half tensor's backward casts the loss scale to its dtype (65536 is past fp16's 65504: inf,
-        # and inf x 0 is NaN); float() casts the zero gradient back instead
-        return sum((t.float().sum() * 0.0 for t in used), torch.nan_to_num(loss.detach().float()) * 0.0)
+        return zeros_through(used, loss)
 
     def _branch(self, fn: Any, nr: int) -> tuple | None:
         """The sink's input for its output `nr` (the tensor DDP passed through), else None."""

@@ -23,7 +23,7 @@ from hetrain.planning.plan import CommPlan, RankPlan
 from hetrain.runtime import memory, sharding
 from hetrain.runtime.buffers import buffer_places, keep_buffers_without_samples, sync_buffers
 from hetrain.runtime.cross_rank import GATHER_NODE
-from hetrain.runtime.kept_outputs import KeptOutputs
+from hetrain.runtime.kept_outputs import KeptOutputs, zeros_through
 from hetrain.runtime.plain_backward import PlainBackwards, session_backward
 from hetrain.runtime.precision import watch_precision
 from hetrain.runtime.replicas import copy_from, module_tensors
@@ -383,7 +383,7 @@ def exact_zeros(prepared: Prepared, loss: torch.Tensor) -> torch.Tensor:
             return zeros
         reached = reachable_parameters(loss)
         params = [p for p in params if id(p) in reached]
-    return sum((p.float().sum() * 0.0 for p in params), torch.nan_to_num(loss.detach().float()) * 0.0)   # float: as kept_outputs
+    return zeros_through(params, loss)
 
 
 def reachable_parameters(loss: torch.Tensor) -> set[int]:

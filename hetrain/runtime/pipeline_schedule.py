@@ -28,6 +28,7 @@ from hetrain.planning.plan import PipelinePlan
 from hetrain.runtime.batch_tree import tensors
 from hetrain.runtime.buffers import buffer_places, restore_buffers, snapshot_buffers, sync_buffers
 from hetrain.runtime.gradients import agree_items_per_sample, local_tensor
+from hetrain.runtime.kept_outputs import zeros_through
 from hetrain.runtime.parallelize import Prepared
 from hetrain.runtime.pipeline_batch import gather_replica_batch
 from hetrain.planning.partition import microbatches_for
@@ -355,9 +356,7 @@ def output_zeros(output: Any, loss: torch.Tensor) -> torch.Tensor:
     took, not through the loss, whose backward a hand-made mean over no items (0/0) makes NaN (as the
     data-parallel path, hetrain.runtime.kept_outputs); the loss times 0 where no output carries a gradient."""
     outs = [t for t in tensors(output) if t.is_floating_point() and t.requires_grad]
-    if not outs:
-        return torch.nan_to_num(loss) * 0.0
-    return sum((torch.nan_to_num(t.float()).mul(0.0).sum() for t in outs), torch.zeros((), device=outs[0].device))
+    return zeros_through(outs, loss) if outs else torch.nan_to_num(loss) * 0.0
 
 
 def _sum_into(grads: list[torch.Tensor], group: dist.ProcessGroup) -> None:
