@@ -9,7 +9,7 @@ TEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.hetrain-installed
 
-.PHONY: demo test install prometheus clean
+.PHONY: demo test install prometheus bytecode clean
 
 install: $(STAMP)
 
@@ -19,11 +19,17 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	@touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(STAMP) bytecode
 	$(BIN)/hetrain demo
 
-test: $(STAMP) prometheus
+test: $(STAMP) prometheus bytecode
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
+
+# Every rank and CLI process imports hetrain anew. An editable install is not byte-compiled, and where
+# PYTHONDONTWRITEBYTECODE is set no process caches what it compiled: written once here, each process
+# reads it (stale files are recompiled by Python, which checks each source's time stamp).
+bytecode:
+	@$(BIN)/python -m compileall -q hetrain tests examples
 
 # The metrics tests scrape a real Prometheus server; installed from the distribution when missing.
 prometheus:
