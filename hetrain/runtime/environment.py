@@ -142,7 +142,7 @@ def pick_device(local_rank: int, device: str | torch.device | None = None) -> to
                 return torch.device("cuda", local_rank % count)   # "cuda": this local rank's GPU
             if chosen.index >= count:
                 raise HetrainError(f"Session(device={str(device)!r}): this machine has {count} CUDA device(s), "
-                                   f"cuda:0..cuda:{count - 1}; leave device= unset to take local rank's own GPU")
+                                   f"cuda:0..cuda:{count - 1}; leave device= unset to take this local rank's own GPU")
         return chosen
     if torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())
