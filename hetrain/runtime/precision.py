@@ -231,13 +231,21 @@ class JobLossScaler:
 
 
 @contextlib.contextmanager
-def autocast(precision: str, device: torch.device) -> Iterator[None]:
-    """The rank's autocast region: bf16/fp16 autocast, or nothing for fp32/tf32."""
+def autocast(precision: str, device: torch.device, sharding: str = "none") -> Iterator[None]:
+    """The rank's autocast region: bf16/fp16 autocast, or nothing for fp32/tf32.
+
+    Under FSDP2 (`sharding` "fsdp") autocast keeps no cache of its weight casts. Its cache holds the 16-bit
+    cast of every leaf parameter until the region ends, and FSDP2's gathered parameters are leaves: with
+    activation checkpointing, where nothing else keeps the casts, each rank held a 16-bit copy of the whole
+    model through the forward (2 bytes a parameter of the model, where its shard is 4 / ranks), 478 MB more
+    than its blocks' on a 201M-parameter model over 2 ranks, against 93 MB without the cache. The casts
+    are the same either way, so is the update; a weight used twice in one forward is cast twice.
+    """
     dtype = _DTYPES.get(precision)
     if dtype is None:
         yield
         return
-    with torch.autocast(device_type=device.type, dtype=dtype):
+    with torch.autocast(device_type=device.type, dtype=dtype, cache_enabled=sharding != "fsdp"):
         yield
 
 
