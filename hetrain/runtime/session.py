@@ -298,8 +298,9 @@ class Session:
         items = self.state.current_samples() if num_items is None else items_as_number(num_items)
         items = 0 if self.state.micro_samples == 0 else items   # a piece without samples of its own counts nothing
         check_has_graph(loss, items)   # before anything is counted or checked: the retry finds all as it was
-        self._kept.check(self.prepared.parameters, self.state, self.device if self.sharding == "fsdp" else None,
-                         self.optimizer)
+        with self.timer.collective():   # under FSDP2 the ranks agree in it: a wait on a slower forward is not compute
+            self._kept.check(self.prepared.parameters, self.state, self.device if self.sharding == "fsdp" else None,
+                             self.optimizer)
         if self.state.items_per_sample is None:   # the run's first backward: the ranks agree on an estimate
             self.state.items_per_sample = agree_items_per_sample(items, self.state.current_samples(), self.device)
         self.state.record_backward(loss, items)
