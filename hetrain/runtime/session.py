@@ -248,7 +248,7 @@ class Session:
 
     def autocast(self) -> AbstractContextManager[Any]:
         """This rank's precision for the forward pass (bf16/fp16 autocast, or none)."""
-        return autocast(self.precision, self.device)
+        return autocast(self.precision, self.device, self.sharding)
 
     def forward_backward(self, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
                          num_items: Any = None) -> torch.Tensor:

@@ -69,3 +69,23 @@ def test_fsdp_autocast_without_checkpointing_keeps_the_casts_backward_needs():
     whole = 2 * sum(p.numel() for p in make_model(WIDTH, DEPTH).parameters())
     for result in run_ranks(_casts_alive, 2, False):
         assert result["fsdp"][0] >= 0.9 * whole and result["none"][0] >= 0.9 * whole, (result["fsdp"][0], whole)
+
+
+def _session_caches(rank, world, sharding):
+    import hetrain
+    from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+
+    plan = Plan(global_batch_size=4, sharding=sharding, balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=r, share=2, precision="bf16") for r in range(world)])
+    session = hetrain.Session(plan)
+    net = make_model(WIDTH, DEPTH)
+    session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    with session.autocast():
+        cached = torch.is_autocast_cache_enabled()
+    session.close()
+    return cached
+
+
+def test_the_sessions_autocast_under_fsdp_keeps_no_weight_cache_and_elsewhere_keeps_it():
+    assert run_ranks(_session_caches, 2, "fsdp") == [False, False]
+    assert run_ranks(_session_caches, 2, "none") == [True, True]
