@@ -24,7 +24,8 @@ Guards keep noise and outside load from moving samples:
 - a rank with two or more recent intervals (of the last ``LOAD_MEMORY * history``) at about its
   current share that took 0.8 of the modelled time or less is modelled at the second fastest one's
   speed: outside load only adds time; unless its last ``LASTING`` intervals at about its share were
-  all slow, a slowdown that lasts (a device throttled, another job on it), which is the rank's speed;
+  all slow, a slowdown that lasts (a device throttled, another job on it), which is the rank's speed:
+  its intervals from before the slowdown, at any share, and the slope fitted on them are then dropped;
 - the split changes only when the modelled step time falls by more than ``hysteresis`` *and* the
   gap between the slowest and the fastest rank exceeds three standard errors from the windows'
   own scatter, and two consecutive intervals ask for the same direction (the re-split right after
@@ -423,12 +424,27 @@ class Balancer:
             return 1.0
         share = self.shares[rank]
         # intervals near the current share only: the model is not trusted far from where it was measured
-        ratios = [t / cost.time(n) for n, t in self.recent[rank]
-                  if abs(n - share) <= NEAR * share and cost.time(n) > 0]
-        if len(ratios) < 2 or (len(ratios) >= LASTING and min(ratios[-LASTING:]) > LOADED):
-            return 1.0   # no two fast intervals to go by, or the slowdown has lasted: the rank's speed
+        near = [(i, t / cost.time(n)) for i, (n, t) in enumerate(self.recent[rank])
+                if abs(n - share) <= NEAR * share and cost.time(n) > 0]
+        ratios = [x for _, x in near]
+        if len(ratios) < 2:
+            return 1.0   # no two fast intervals to go by
         best = sorted(ratios)[1]   # the second best: one lucky interval is not the rank's speed
+        if len(ratios) >= LASTING and min(ratios[-LASTING:]) > LOADED:
+            if best <= LOADED:
+                self._forget_before(rank, near[-LASTING][0])
+            return 1.0   # the slowdown has lasted: the rank's speed
         return best if best <= LOADED else 1.0   # a smaller difference is noise, not load
+
+    def _forget_before(self, rank: int, first: int) -> None:
+        """A slowdown has lasted from the rank's interval ``recent[rank][first]`` on: its speed changed, and
+        what it measured before (its fast intervals, at any share, and the slope fitted on them) would stand
+        for a speed it no longer has. Kept, they made a lasting slowdown look like outside load again each time
+        the split came back near a share it ran fast at, and the split swung back and forth."""
+        kept = len(self.recent[rank]) - first
+        del self.recent[rank][:first]
+        del self.history[rank][: max(len(self.history[rank]) - kept, 0)]
+        self.slopes[rank] = fit_slope(self.history[rank])
 
     @staticmethod
     def _gap_is_real(observed: Sequence[RankMeasurement], loads: Sequence[float] | None = None,
