@@ -228,11 +228,14 @@ class MemoryEstimate:
     overhead: float
     step_temporaries: float = 0.0
     """what the optimizer step allocates while it runs, after backward has freed the activations"""
+    weight_casts: float = 0.0
+    """16-bit casts of weights that backward keeps, freed with the activations (sharded FSDP2 weights only:
+    see `weight_cast_bytes`)"""
 
     @property
     def total(self) -> int:
-        return int(math.ceil(self.weights + self.gradients + self.optimizer + max(self.activations, self.step_temporaries)
-                             + self.overhead))
+        held = max(self.activations + self.weight_casts, self.step_temporaries)
+        return int(math.ceil(self.weights + self.gradients + self.optimizer + held + self.overhead))
 
 
 def activation_bytes_per_sample(profile: WorkloadProfile, precision: str, checkpointing: bool,
@@ -251,11 +254,14 @@ def activation_bytes_per_sample(profile: WorkloadProfile, precision: str, checkp
 
 
 def state_bytes(params: float, precision: str, optimizer: str, zero: int = 0, world: int = 1,
-                largest_block_params: float = 0.0, trained: float | None = None) -> tuple[float, float, float]:
+                largest_block_params: float = 0.0, trained: float | None = None,
+                checkpointing: bool = False) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes: fp32 master weights, a 16-bit cast cache in mixed
     precision, fp32 gradients; ZeRO-1 shards optimizer state, 2 also gradients, 3 also weights.
     Gradients and optimizer state are of the `trained` parameters (all `params` by default): a frozen
-    one has neither."""
+    one has neither. ZeRO-3 (FSDP2) shards fp32 weights only and gathers a block and the next one in
+    fp32; with activation checkpointing their 16-bit casts too, without it `weight_cast_bytes` counts
+    the casts of every weight."""
     opt = OPTIMIZER_STATE_BYTES[optimizer]
     cast = 2.0 if ELEMENT_BYTES[precision] == 2 else 0.0
     world = max(1, world)
@@ -267,9 +273,21 @@ def state_bytes(params: float, precision: str, optimizer: str, zero: int = 0, wo
         optim /= world
     if zero >= 2:
         grads /= world
-    if zero >= 3:
-        weights = weights / world + 2 * (4.0 + cast) * largest_block_params  # gathered block + prefetch
+    if zero >= 3:   # the fp32 shard, then the gathered block and the prefetched one
+        weights = 4.0 * params / world + 2 * (4.0 + (cast if checkpointing else 0.0)) * largest_block_params
     return weights, grads, optim
+
+
+def weight_cast_bytes(params: float, precision: str, zero: int, checkpointing: bool) -> float:
+    """16-bit casts of weights kept for backward beyond `state_bytes`'s: under ZeRO-3 (FSDP2) without activation
+    checkpointing, every gathered weight's cast, 2 bytes a parameter held. autocast casts each gathered fp32
+    weight as an op uses it (hetrain's autocast keeps no cache of them under FSDP2) and the op saves the
+    cast for backward, so by the forward's end a rank holds a 16-bit copy of all it computes with, not a
+    shard of one (1.87 bytes a parameter of the model measured over 2 and 4 CPU ranks, its 2-D weights'
+    share). With checkpointing a block's casts live while it is recomputed."""
+    if zero < 3 or checkpointing or ELEMENT_BYTES[precision] != 2:
+        return 0.0
+    return 2.0 * params
 
 
 def memory_estimate(profile: WorkloadProfile, precision: str, micro_batch: int, *, optimizer: str = "adamw",
@@ -291,12 +309,14 @@ def memory_estimate(profile: WorkloadProfile, precision: str, micro_batch: int, 
     else:
         params, trained = profile.params, profile.trained_params
         largest = max((b.params for b in chosen), default=params)
-    w, g, o = state_bytes(params, precision, optimizer, zero, world, largest, trained)
+    w, g, o = state_bytes(params, precision, optimizer, zero, world, largest, trained, checkpointing)
     if activations is None:
         activations = activation_bytes_per_sample(profile, precision, checkpointing, blocks) * micro_batch
     act = activations * in_flight
+    casts = weight_cast_bytes(params, precision, zero, checkpointing) * in_flight   # each micro-batch its own
     step = OPTIMIZER_STEP_TEMP_BYTES.get(optimizer, 0) * trained / (max(1, world) if zero >= 1 else 1)
-    return MemoryEstimate(w, g, o, act, CONTEXT_BYTES + FRAGMENTATION * (w + g + o + max(act, step)), step)
+    return MemoryEstimate(w, g, o, act, CONTEXT_BYTES + FRAGMENTATION * (w + g + o + max(act + casts, step)), step,
+                          casts)
 
 
 # ---------------------------------------------------------------- communication

@@ -281,7 +281,10 @@ def _priced(strategy: str, asked: Candidate, cluster, profile: WorkloadProfile, 
     ranks, compute, slow_rank = [], {}, None
     for r in range(world):
         share, mb, ckpt = per_rank[r]
-        ckpt = ckpt and share > 0   # an idle rank recomputes nothing (nor hides more communication)
+        # an idle rank recomputes nothing (nor hides more communication); under ZeRO-3 it runs the job's pieces
+        # empty, and checkpoints them where their 16-bit weight casts would not fit beside its state
+        ckpt = ckpt and (share > 0 or (pieces is not None and kind_of[r].memory(
+            profile, 0, optimizer=optimizer, zero=zero, world=world, ckpt=False).total > kind_of[r].spec.memory_bytes))
         per_rank[r] = (share, mb, ckpt)
         k = kind_of[r]
         if pieces is not None:   # every rank runs the job's count of micro-batches, priced at their size
