@@ -84,6 +84,40 @@ def _each(state: Any, convert: Callable[[Any], Any]) -> Any:
     return state
 
 
+def moved_settings(optimizer: Any) -> list[dict]:
+    """Each parameter group's scheduled settings (lr, momentum, betas) as plain numbers and lists, as a checkpoint
+    holds them (a tensor lr as its value)."""
+    def plain(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return v.item() if v.numel() == 1 else None
+        if isinstance(v, (tuple, list)):
+            items = [plain(x) for x in v]
+            return None if any(x is None for x in items) else items
+        return v if isinstance(v, (int, float)) else None
+
+    out = []
+    for group in optimizer.param_groups:
+        values = {key: plain(group[key]) for key in MOVED if key in group}
+        out.append({k: v for k, v in values.items() if v is not None})
+    return out
+
+
+def put_back(optimizer: Any, settings: list[dict]) -> None:
+    """Set the optimizer's scheduled settings to `settings` (`moved_settings`' form, by parameter group): building a
+    scheduler sets them to the schedule's start, and loading its state leaves them there."""
+    for group, saved in zip(optimizer.param_groups, settings):
+        for key in MOVED:
+            if key not in group or key not in saved:
+                continue
+            mine, value = group[key], saved[key]
+            if isinstance(mine, torch.Tensor):   # a tensor lr (capturable, fused): kept, its value set
+                mine.fill_(value)
+            elif isinstance(mine, tuple):
+                group[key] = tuple(m.fill_(v) if isinstance(m, torch.Tensor) else v for m, v in zip(mine, value))
+            else:
+                group[key] = value
+
+
 def position(scheduler: Any) -> Any:
     """How many steps the scheduler has taken: a ChainedScheduler's, those of the schedulers it chains (it
     counts none itself); None for one that counts none."""
@@ -221,7 +255,4 @@ class Schedulers:
         scheduler.load_state_dict(saved)
         self._stepped_to[index] = position(scheduler)
         # Building the scheduler moved the optimizer's settings to the schedule's start: back to the checkpoint's.
-        for group, saved in zip(optimizer.param_groups, self._saved_settings):
-            for key in MOVED:
-                if key in group and key in saved:
-                    group[key] = tuple(saved[key]) if isinstance(group[key], tuple) else saved[key]
+        put_back(optimizer, self._saved_settings)

@@ -12,7 +12,10 @@ optimizer `prepare()` returned: `optimizer.register_step_post_hook(lambda *_: em
 runs right after every applied update and before that step's checkpoint.
 
 State may be given before or after `session.loader()` (which resumes the newest checkpoint): given
-after, its saved state is loaded when it is given.
+after, its saved state is loaded when it is given. An LR scheduler the script steps itself (once an epoch) is
+saved with its optimizer's scheduled settings (lr, momentum, betas) and puts them back when loaded: one built
+after `session.loader()` set them to the schedule's start, and its state alone leaves them there (a LambdaLR
+resumed in its third epoch said 0.7 and the optimizer ran at 1.0).
 """
 
 from __future__ import annotations
@@ -27,9 +30,11 @@ import torch
 from hetrain.checkpoint.safe_io import check_savable
 from hetrain.errors import HetrainError
 from hetrain.runtime.batch_tree import tensors
-from hetrain.runtime.schedulers import loadable, savable
+from hetrain.runtime.schedulers import is_scheduler, loadable, moved_settings, put_back, savable
 
 log = logging.getLogger("hetrain")
+
+SETTINGS = "hetrain_optimizer_settings"   # beside a scheduler's state: its optimizer's scheduled settings
 
 
 def _check(name: Any, obj: Any) -> None:
@@ -98,8 +103,7 @@ class UserStates:
 
     def state_dict(self) -> dict[str, Any]:
         # savable: a Counter (a MultiStepLR's milestones, a scheduler stepped by the script once an epoch)
-        return {name: savable(dict(obj) if isinstance(obj, dict) else obj.state_dict())
-                for name, obj in self.items.items()}
+        return {name: _state(obj) for name, obj in self.items.items()}
 
     def load_state_dict(self, saved: dict[str, Any] | None) -> None:
         """A checkpoint's states: loaded into the objects given so far, kept for those given later."""
@@ -137,8 +141,23 @@ class UserStates:
             restored = {k: _restored(obj.get(k), v, shared) for k, v in value.items()}
             obj.clear()
             obj.update(restored)
+        elif is_scheduler(obj) and isinstance(value, dict) and SETTINGS in value:
+            value = dict(value)
+            settings = value.pop(SETTINGS)
+            obj.load_state_dict(value)
+            put_back(obj.optimizer, settings)
         else:
             obj.load_state_dict(value)
+
+
+def _state(obj: Any) -> Any:
+    """A given state as a checkpoint holds it; a scheduler's with its optimizer's scheduled settings."""
+    if isinstance(obj, dict):
+        return savable(dict(obj))
+    state = savable(obj.state_dict())
+    if is_scheduler(obj) and isinstance(state, dict) and getattr(obj, "optimizer", None) is not None:
+        state = {**state, SETTINGS: moved_settings(obj.optimizer)}
+    return state
 
 
 def _aliased(state: list[torch.Tensor], protected: list[torch.Tensor]) -> set[int]:
