@@ -22,7 +22,7 @@ WORKLOAD_FILE = "workload.json"
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())   # model_params: older pydantic warns
 
 
 class StepTiming(_Strict):
