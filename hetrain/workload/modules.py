@@ -184,7 +184,7 @@ def _script_code(spec: str):
 def require_transformers() -> None:
     """A one-line error naming the fix when transformers is not installed."""
     if importlib.util.find_spec("transformers") is None:
-        raise HetrainError("--hf-config needs the transformers package; pip install transformers, "
+        raise HetrainError("--hf-config needs the transformers package; pip install 'transformers>=4.40', "
                            "or profile a zoo model (--model) or your own factory (--script)")
 
 
