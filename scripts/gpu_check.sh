@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # hetrain's GPU check: one script, under 10 minutes on one GPU.
 #
-#   scripts/gpu_check.sh [OUT_DIR]        (default OUT_DIR: gpu-check-out)
+#   scripts/gpu_check.sh [OUT_DIR]        (default OUT_DIR: gpu-check-out, in the current folder)
 #
 # 1. versions and date (driver, torch, CUDA, cuDNN);
 # 2. `hetrain devices --json` (NVML discovery);
@@ -15,18 +15,19 @@
 #    and software versions, ready to add to the calibration data.
 # Without a CUDA device it prints one line and exits with status 2; nothing else runs.
 set -uo pipefail
+OUT="${1:-gpu-check-out}"
+case "$OUT" in /*) ;; *) OUT="$PWD/$OUT" ;; esac   # OUT_DIR is the caller's, before the script moves to the repo
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-.venv/bin/python}"
 [ -x "$PY" ] || PY="$(command -v python3)"
 HETRAIN=("$PY" -m hetrain.cli.main)
-OUT="${1:-gpu-check-out}"
-mkdir -p "$OUT"
 FAILED=()
 
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     echo "gpu_check: no CUDA device visible to torch on $(hostname); nothing to check (run it on a GPU machine)"
     exit 2
 fi
+mkdir -p "$OUT"
 
 step() {  # step NAME SECONDS CMD...: run with a time limit, log to OUT/NAME.log, remember failures
     local name="$1" limit="$2"; shift 2
