@@ -409,7 +409,7 @@ class Balancer:
     def _opening(self, observed: Sequence[RankMeasurement], loads: Sequence[float], costs: Sequence[RankCost]) -> bool:
         """The job's first re-split, on a gap between ranks that is wide and far beyond their noise: a
         device difference, which the opening move covers in fewer re-splits."""
-        if self.changes:
+        if self._move_bound is not None:   # set by every re-split of the balance's own, and saved with it
             return False
         times = [c.time(n) for c, n in zip(costs, self.shares)]
         return (min(times) > 0 and max(times) >= WIDE_GAP * min(times)
