@@ -255,13 +255,15 @@ def activation_bytes_per_sample(profile: WorkloadProfile, precision: str, checkp
 
 def state_bytes(params: float, precision: str, optimizer: str, zero: int = 0, world: int = 1,
                 largest_block_params: float = 0.0, trained: float | None = None,
-                checkpointing: bool = False) -> tuple[float, float, float]:
+                checkpointing: bool = False, largest_block_trained: float | None = None) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes: fp32 master weights, a 16-bit cast cache in mixed
     precision, fp32 gradients; ZeRO-1 shards optimizer state, 2 also gradients, 3 also weights.
     Gradients and optimizer state are of the `trained` parameters (all `params` by default): a frozen
     one has neither. ZeRO-3 (FSDP2) shards fp32 weights only and gathers a block and the next one in
-    fp32; with activation checkpointing their 16-bit casts too, without it `weight_cast_bytes` counts
-    the casts of every weight."""
+    fp32; with activation checkpointing the running block's 16-bit casts too (the prefetched one has
+    none yet), without it `weight_cast_bytes` counts the casts of every weight. In backward it also holds a block's unsharded fp32 gradients and the
+    reduce-scatter's input of them (of `largest_block_trained`, by default the largest block's
+    parameters)."""
     opt = OPTIMIZER_STATE_BYTES[optimizer]
     cast = 2.0 if ELEMENT_BYTES[precision] == 2 else 0.0
     world = max(1, world)
@@ -274,7 +276,8 @@ def state_bytes(params: float, precision: str, optimizer: str, zero: int = 0, wo
     if zero >= 2:
         grads /= world
     if zero >= 3:   # the fp32 shard, then the gathered block and the prefetched one
-        weights = 4.0 * params / world + 2 * (4.0 + (cast if checkpointing else 0.0)) * largest_block_params
+        weights = 4.0 * params / world + (2 * 4.0 + (cast if checkpointing else 0.0)) * largest_block_params
+        grads += 2 * 4.0 * (largest_block_params if largest_block_trained is None else largest_block_trained)
     return weights, grads, optim
 
 
@@ -306,10 +309,12 @@ def memory_estimate(profile: WorkloadProfile, precision: str, micro_batch: int, 
         params = profile.held_params(start, stop)
         trained = profile.held_trained_params(start, stop)
         largest = max((profile.held_params(i, i + 1) for i in range(start, stop)), default=params)
+        largest_trained = max((profile.held_trained_params(i, i + 1) for i in range(start, stop)), default=trained)
     else:
         params, trained = profile.params, profile.trained_params
         largest = max((b.params for b in chosen), default=params)
-    w, g, o = state_bytes(params, precision, optimizer, zero, world, largest, trained, checkpointing)
+        largest_trained = max((b.trained_params for b in chosen), default=trained)
+    w, g, o = state_bytes(params, precision, optimizer, zero, world, largest, trained, checkpointing, largest_trained)
     if activations is None:
         activations = activation_bytes_per_sample(profile, precision, checkpointing, blocks) * micro_batch
     act = activations * in_flight
