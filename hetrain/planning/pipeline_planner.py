@@ -137,9 +137,7 @@ def pipeline_candidates(cluster, profile: WorkloadProfile, kinds: list[Kind], gl
                     if found is None:
                         continue
                     bounds, slot = found
-                    scale = cm.ELEMENT_BYTES[stage_kinds[0].precision] / profile.activation_dtype_bytes
-                    p2p = max(mb * blocks[b - 1].output_bytes_per_sample * scale for _, b in bounds[:-1]) / (
-                        link * cm.LINK_EFFICIENCY)
+                    p2p = transfer_seconds(profile, bounds, mb, link)
                     optimizer_s = [stage_optimizer_seconds(k, ranges, d if zero else 1)
                                    for k, ranges in zip(stage_kinds, held_blocks(bounds, v))]
                     step = cm.pipeline_step_seconds([slot] * p, m, p2p, chunks=v) + \
@@ -171,6 +169,15 @@ def pipeline_candidates(cluster, profile: WorkloadProfile, kinds: list[Kind], gl
         if not c.feasible:
             c.reason = c.reason or _no_plan_reason(label, counts, divisors, n_blocks)
     return list(out.values())
+
+
+def transfer_seconds(profile: WorkloadProfile, bounds: list[tuple[int, int]], micro_batch: int, link: float) -> float:
+    """One micro-batch's hand-off between stages over `link` (bytes/s), the largest of the cuts: stage outputs,
+    and the gradients sent back of them, travel in fp32 whatever each stage computes in (docs/pipeline.md),
+    4 bytes an element of the profile's activations."""
+    scale = 4 / profile.activation_dtype_bytes
+    largest = max(micro_batch * profile.blocks[b - 1].output_bytes_per_sample * scale for _, b in bounds[:-1])
+    return largest / (link * cm.LINK_EFFICIENCY)
 
 
 def stage_profile(profile: WorkloadProfile, a: int, b: int) -> WorkloadProfile:
