@@ -122,7 +122,9 @@ def stall_message(stall: Stall, after: dict[int, Progress | None], own_seconds: 
         erred = [after[r].phase.split(ERRED, 1)[1] for r in done if ERRED in after[r].phase]
         how = f"left the session on an error ({'; '.join(erred)})" if erred else "closed the session"
         why = "every rank makes (let the error end the script, rather than catch it and go on" if erred else \
-            "every rank makes before close() (is it inside `if rank == 0:`?"
+            ("every rank makes as many times before close() (is it inside `if rank == 0:`, or in a loop over each "
+             "rank's own part of a set, whose batches differ in number by rank? pad every rank's part to one count "
+             "of batches, or gather once after the loop")
         return (f"{ranks_text(done)} {how} while {ranks_text(sorted(calls))} wait(s) in session."
                 f"{', session.'.join(sorted(set(calls.values())))} for {own_seconds:.0f} s: a collective call {why}; "
                 f"limit {timeout_s:g} s, hetrain launch --collective-timeout)")
@@ -202,6 +204,10 @@ def ended_early(after: dict[int, Progress | None]) -> str | None:
             "session.backward() and step() on every batch, an empty one too (a `continue` past it skips the step)")
 
 
+ENDS_TOGETHER = tuple(f"{INSIDE}{call}()" for call in ("gather_rows", "global_mean", "barrier"))
+"""Calls that end on every rank at once (an all-gather, an all-reduce, a meeting): a rank still in one after
+another closed waits in vain. Not model_state_dict(), whose rank 0 may work on after the others return."""
+
 CLOSED_KEY = "hetrain/progress/closed"
 """Set by a rank that closes its session: ranks still waiting check whether they wait in vain."""
 
@@ -224,6 +230,7 @@ class ProgressWatch:
         self._since = time.monotonic()
         self._seq = 0
         self._seen: dict[int, Progress | None] | None = None   # the last read of every rank's entry while waiting
+        self._closed_seen: list[int] | None = None   # the closed ranks a check in a call that ends together saw
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -334,7 +341,7 @@ class ProgressWatch:
                 self._publish()
                 now = time.monotonic()
                 stalled = now - self._since
-                if self._closed_early(stalled):
+                if self._closed_early(stalled) or self._call_after_close(stalled):
                     return
                 if stalled < self.timeout_s - 3 * self.interval_s:
                     before, reported_at = None, 0.0
@@ -378,6 +385,24 @@ class ProgressWatch:
                for r in streams):
             return False
         self.on_stall(early, find_stall(after, after))
+        return True
+
+
+    def _call_after_close(self, stalled: float) -> bool:
+        """In a call every rank ends at once (session.gather_rows() in an evaluation loop whose ranks have
+        different numbers of batches) while the others closed their sessions or wait in such calls: the rank
+        waits in vain. Said at the second check that sees it (a rank that closed right after the call's end has
+        let this one out by then), by the lowest rank in the call, without waiting for the progress timeout."""
+        if self._phase not in ENDS_TOGETHER or stalled < 3 * self.interval_s or not self.store.check([CLOSED_KEY]):
+            self._closed_seen = None
+            return False
+        after = self._read_all()
+        done = sorted(r for r, p in after.items() if p is not None and is_done(p.phase))
+        calls = sorted(r for r, p in after.items() if p is not None and p.phase in ENDS_TOGETHER)
+        seen, self._closed_seen = self._closed_seen, done
+        if not done or len(done) + len(calls) != len(after) or calls[0] != self.rank or seen != done:
+            return False
+        self.on_stall(stall_message(find_stall(after, after), after, stalled, self.timeout_s), find_stall(after, after))
         return True
 
 
