@@ -307,17 +307,17 @@ def predict_row(row: PublishedRow, calib: Calibration) -> float:
             "activation_bytes_per_sample": profile.activation_bytes_per_sample * calib.packed_token_fraction,
         })
     mb = row.batch_per_gpu
-    compute = (compute_seconds(profile, spec, row.precision, mb, mb, False, calib, row.fp32_math)
-               + recipe_step_seconds(row, profile, spec))
+    forward_backward = compute_seconds(profile, spec, row.precision, mb, mb, False, calib, row.fp32_math)
+    compute = forward_backward + recipe_step_seconds(row, profile, spec)
     exposed = 0.0
-    if row.gpus > 1:
+    if row.gpus > 1:   # the all-reduce hides under backward, not the optimizer step after it
         kind = default_link([spec])
         link = link_bytes_per_s([spec], kind)
         topo = CommTopology(node_sizes=(row.gpus,), intra_bytes_per_s=link, inter_bytes_per_s=link,
                             host_staged=kind == "host")
         grad_bytes = 4.0 * profile.params
         comm = allreduce_cost(grad_bytes, topo).seconds
-        exposed = exposed_seconds(comm, hidden_seconds(topo, compute * backward_fraction(False)), grad_bytes)
+        exposed = exposed_seconds(comm, hidden_seconds(topo, forward_backward * backward_fraction(False)), grad_bytes)
     return row.gpus * mb / (compute + exposed) * data_parallel_efficiency(row.gpus, calib)
 
 

@@ -351,11 +351,12 @@ def test_when_nothing_fits_the_device_that_cannot_hold_the_least_is_named():
 
 def test_an_idle_rank_is_not_planned_to_checkpoint_nor_credited_for_it():
     """Pricing checkpointing per kind marked 256 idle L4s as checkpointing: their larger backward fraction
-    'hid' more communication, a 5.7% faster prediction for the same shares (20733.6 -> 21919.3)."""
+    'hid' more communication, a 5.7% faster prediction for the same shares (20733.6 -> 21919.3). An idle rank
+    hides none: its step is the optimizer's, after the all-reduce (14471.1, where 20733.6 hid it under that)."""
     result = plan_job(get_preset("mix1024"), get_profile("bert-large"), 4096)
     idle = [r for r in result.plan.ranks if r.share == 0]
     assert idle and not any(r.activation_checkpointing for r in idle)
-    assert result.plan.predicted_samples_per_s == pytest.approx(20733.6, abs=0.1)
+    assert result.plan.predicted_samples_per_s == pytest.approx(14471.1, abs=0.1)
 
 
 def test_more_cpu_ranks_are_advised_on_other_machines():
