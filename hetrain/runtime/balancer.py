@@ -36,6 +36,8 @@ Guards keep noise and outside load from moving samples:
   re-split may open with 30% when the gap is wide (the slowest rank's modelled step 1.3x the
   fastest's or more) and beyond six standard errors: a device difference, reached in two re-splits
   instead of three or four. Outside load later in a run never opens wide.
+With ``min_share`` 0, a rank moved to 0 samples (it measures nothing there) is given one sample for an
+interval now and then, at ever longer waits while it stays too slow for it (`IdleProbes`).
 A split decided at step t reaches the loop ``lag`` steps later (the loader's prefetch depth); those
 steps, and the first one at the new sizes (it allocates), are not measured.
 """
@@ -55,6 +57,8 @@ import torch.distributed as dist
 
 from hetrain.planning.batch_split import RankCost, rebalance, step_time
 from hetrain.planning.plan import BalancePlan
+from hetrain.runtime.cost_line import anchored_cost, fit_slope
+from hetrain.runtime.idle_probes import IdleProbes
 
 log = logging.getLogger("hetrain.balance")
 
@@ -125,30 +129,6 @@ def _spread(times: Sequence[float]) -> tuple[float, int]:
     return sum(min(abs(t / mean - 1.0), 0.5) ** 2 for t in times), len(times) - 1
 
 
-def fit_slope(history: Sequence[tuple[float, float]], min_spread: float = 1.1,
-              max_rel_error: float = 0.1) -> float | None:
-    """The per-sample slope of ``fixed + n * per_sample`` by least squares over (samples, seconds)
-    pairs, or None unless it is well determined: four or more points over shares that differ by
-    ``min_spread``, a standard error within ``max_rel_error`` of the slope, and a positive slope and
-    fixed part. (A slope too flat from noise would move the split too far and make it swing.)"""
-    points = [(n, t) for n, t in history if n > 0 and math.isfinite(t) and t > 0]
-    if len(points) < 4:
-        return None
-    ns = [n for n, _ in points]
-    if max(ns) < min_spread * min(ns):
-        return None
-    mean_n = sum(ns) / len(ns)
-    mean_t = sum(t for _, t in points) / len(points)
-    var = sum((n - mean_n) ** 2 for n in ns)
-    slope = sum((n - mean_n) * (t - mean_t) for n, t in points) / var
-    if slope <= 0 or mean_t - slope * mean_n < 0:
-        return None
-    residual = sum((t - mean_t - slope * (n - mean_n)) ** 2 for n, t in points) / (len(points) - 2)
-    if math.sqrt(residual / var) > max_rel_error * slope:
-        return None
-    return slope
-
-
 def _agree(move: Sequence[int], other: Sequence[int]) -> bool:
     """Two moves of the split go the same way (their changes of share point alike)."""
     return len(move) == len(other) and sum(d * e for d, e in zip(move, other)) > 0
@@ -183,14 +163,6 @@ def bounded_move(old: Sequence[int], new: Sequence[int], bound: float | None,
     return out, bound
 
 
-def anchored_cost(n: float, t: float, slope: float | None) -> RankCost:
-    """The cost line through the measured point (n samples in t seconds) with the given slope;
-    without a slope, or with one steeper than the point allows, proportional through the origin."""
-    if slope is None or slope * n > t:
-        return RankCost(per_sample=t / n)
-    return RankCost(per_sample=slope, fixed=t - slope * n)
-
-
 @dataclass
 class Balancer:
     """Collects (samples, seconds) per step and re-splits every ``config.interval`` steps."""
@@ -219,10 +191,12 @@ class Balancer:
     _in_flight: Any = field(default=None, repr=False)   # the work of an exchange still on its way
     _arrived: list[RankMeasurement] | None = None        # its figures, until `settle` re-splits on them
     _exchanged: Any = field(default=None, repr=False)   # (local, gathered) of the last exchange, until the next
+    probes: IdleProbes | None = None           # when a rank moved to 0 samples is measured again
 
     def __post_init__(self) -> None:
         if self._skip is None:
             self._skip = self.warmup_steps
+        self.probes = self.probes or IdleProbes([n == 0 for n in self.shares])
         if self.share_caps is not None and self.config.enabled and self.rank == 0:
             log.info("every rank runs the job's count of micro-batches a step (FSDP2, SyncBatchNorm): re-splits add "
                      "at most one to it, a rank taking at most %s samples (re-plan with larger micro-batches to move "
@@ -359,6 +333,12 @@ class Balancer:
         last = self.costs if self.costs is not None and len(self.costs) == ranks else [None] * ranks
         self.costs = [c if c is not None else last[r] for r, c in enumerate(fitted)]   # None: never measured
         costs = [c or fill for c in self.costs]
+        min_share = min(self.config.min_share, sum(self.shares) // len(self.shares))
+        probe = self.probes.next_split(self.shares, [m.has_window() for m in observed], costs, min_share,
+                                       self._max_shares(min_share))
+        if probe is not None:   # a rank at 0 samples measured again, or back to 0: no move of the balance's own
+            self._asked, self._streak = None, False
+            return probe[0] != self.shares and self._resplit(step, probe[0], costs, probe[1])
         # Windows shorter than an interval (just after a re-split) are too short to weigh a gap: a move
         # in flight keeps its streak while they grow, instead of starting over from a confirmation.
         young = any(m.has_window() and m.window_steps < self.config.interval for m in observed)
@@ -366,9 +346,8 @@ class Balancer:
             # within the noise at the loosest threshold: no move can pass, the split search is not run
             self._asked, self._streak = None, self._streak and young
             return False
-        min_share = min(self.config.min_share, sum(self.shares) // len(self.shares))
-        new, t_old, t_new = rebalance(self.shares, costs, min_share=min_share, max_share=self._max_shares(min_share),
-                                      hysteresis=self.config.hysteresis)
+        new, _, _ = rebalance(self.shares, costs, min_share=min_share, max_share=self._max_shares(min_share),
+                              hysteresis=self.config.hysteresis)
         asked, self._asked = self._asked, None
         streak, self._streak = self._streak, False
         if new == self.shares:
@@ -377,7 +356,6 @@ class Balancer:
         new, bound = bounded_move(self.shares, new, self._move_bound if streak else None,
                                   self._last_move if streak else None, self._reversed,
                                   first=OPENING_MOVE if self._opening(observed, loads, costs) else FIRST_MOVE)
-        t_new = step_time(new, costs)
         move = [b - a for a, b in zip(self.shares, new)]
         # a re-split right after one that went the same way continues a confirmed move
         continues = streak and self._last_move is not None and _agree(move, self._last_move)
@@ -391,14 +369,19 @@ class Balancer:
             self._asked = move   # confirmed at the next re-split, or dropped: a passing load asks once
             log.debug("step %d: split %s -> %s waits for the next interval to confirm it", step, self.shares, new)
             return False
-        self.changes.append(SplitChange(step, list(self.shares), new, t_old, t_new))
         # a reversal stops the bound growing for the rest of a run of re-splits; a new run starts afresh
         self._reversed = streak and (self._reversed or (self._last_move is not None and not _agree(move, self._last_move)))
         self._last_move = move
         self._move_bound = bound
         self._streak = True
-        log.info("step %d: split %s -> %s (predicted compute per step %.1f ms -> %.1f ms)",
-                 step, self.shares, new, 1e3 * t_old, 1e3 * t_new)
+        return self._resplit(step, new, costs)
+
+    def _resplit(self, step: int, new: list[int], costs: Sequence[RankCost], why: str = "") -> bool:
+        """Take the split `new`, decided at `step` (True)."""
+        t_old, t_new = step_time(self.shares, costs), step_time(new, costs)
+        self.changes.append(SplitChange(step, list(self.shares), new, t_old, t_new))
+        log.info("step %d: split %s -> %s (predicted compute per step %.1f ms -> %.1f ms)%s",
+                 step, self.shares, new, 1e3 * t_old, 1e3 * t_new, f": {why}" if why else "")
         self.shares = new
         self._scatter = [*self._scatter, _spread([t for _, t in self._window])][-self.config.history:]
         self._window = []
@@ -463,12 +446,13 @@ class Balancer:
                 "history": [[list(p) for p in h] for h in self.history],
                 "recent": [[list(p) for p in h] for h in self.recent],
                 "slopes": list(self.slopes),
+                "costs": None if self.costs is None else [c and [c.per_sample, c.fixed] for c in self.costs],
                 "interval": [list(p) for p in self._interval],
                 "window": [list(p) for p in self._window],
                 "scatter": [list(x) for x in self._scatter],
                 "skip": self._skip,
                 "move_bound": self._move_bound, "last_move": self._last_move, "asked": self._asked,
-                "streak": self._streak, "reversed": self._reversed,
+                "streak": self._streak, "reversed": self._reversed, "probes": self.probes.state_dict(),
                 # an exchange begun at the saved step: a resumed run re-splits on it where this run does
                 "arrived": [dataclasses.astuple(m) for m in self.arrived() or []]}
 
@@ -481,6 +465,8 @@ class Balancer:
         self.history = [[(float(n), float(t)) for n, t in h] for h in state["history"]]
         self.recent = [[(float(n), float(t)) for n, t in h] for h in state.get("recent", state["history"])]
         self.slopes = [None if s is None else float(s) for s in state.get("slopes", [None] * len(self.history))]
+        saved_costs = state.get("costs")   # a rank at 0 samples measures nothing: its model is only here
+        self.costs = None if saved_costs is None else [c and RankCost(float(c[0]), float(c[1])) for c in saved_costs]
         self._interval = [(int(n), float(t)) for n, t in state.get("interval", [])]
         self._window = [(int(n), float(t)) for n, t in state.get("window", [])]
         self._scatter = [(float(ss), int(dof)) for ss, dof in state.get("scatter", [])]
@@ -490,6 +476,7 @@ class Balancer:
         self._asked = state.get("asked")
         self._streak = bool(state.get("streak", False))
         self._reversed = bool(state.get("reversed", False))
+        self.probes.load_state_dict(state.get("probes", {}))
         self._in_flight = None
         self._arrived = [RankMeasurement(*(float(v) for v in m)) for m in state.get("arrived", [])] or None
         return True

@@ -59,3 +59,27 @@ def test_a_resumed_job_does_not_open_wide_again():
     slower = lambda r, step: 1.0 if r == 0 else (0.5 if step <= 100 else 0.15)   # noqa: E731
     moves = _run(slower, 300, BalancePlan(interval=10))
     assert _run(slower, 300, BalancePlan(interval=10), resume_at=(95,)) == moves
+
+
+def test_a_rank_moved_to_no_samples_is_measured_again_and_comes_back_once_it_recovers():
+    """min_share 0, interval 5: rank 1 is 20x slower for steps 20-120, then as fast as rank 0. It went to 0
+    samples at step 60 and, measuring nothing there, kept its slow model: [128, 0] to the end (the job at
+    one rank's speed). Now it is given one sample now and then (the wait doubling while it stays slow),
+    found fast, and the split comes back to even. A resumed job, saved mid-way, re-splits alike."""
+    slow = lambda r, step: 0.05 if r == 1 and 20 < step <= 120 else 1.0   # noqa: E731
+    config = BalancePlan(interval=5, min_share=0)
+    moves = _run(slow, 300, config)
+    assert [128, 0] in [new for step, new in moves if step <= 120], moves     # too slow for even one sample
+    assert all(abs(new[0] - 64) <= 3 for step, new in moves[-1:]) and moves[-1][0] <= 220, moves
+    tries = [step for step, new in moves if new == [127, 1]]
+    assert tries and all(b - a >= 40 for a, b in zip(tries, tries[1:])), moves   # now and then, not each interval
+    for resume_at in ((98,), (101, 129, 147)):
+        assert _run(slow, 300, config, resume_at=resume_at) == moves
+
+
+def test_a_rank_the_plan_left_idle_is_not_measured_again():
+    """A rank the plan gives no samples (min_share 0: a device whose step alone outlasts the job's) is tried
+    once, its model being unknown, and then stays idle as the plan asked, however long the job runs."""
+    slow = lambda r, step: 0.02 if r == 1 else 1.0   # noqa: E731
+    moves = _run(slow, 600, BalancePlan(interval=5, min_share=0), shares=(128, 0))
+    assert moves[-1][1] == [128, 0] and len(moves) <= 3, moves

@@ -1,0 +1,41 @@
+"""A rank's cost line, ``fixed + n * per_sample``: its slope fitted on the intervals the balancer kept,
+and the line through a measured point. Pure functions: every rank reaches the same model."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from hetrain.planning.batch_split import RankCost
+
+
+def fit_slope(history: Sequence[tuple[float, float]], min_spread: float = 1.1,
+              max_rel_error: float = 0.1) -> float | None:
+    """The per-sample slope of ``fixed + n * per_sample`` by least squares over (samples, seconds)
+    pairs, or None unless it is well determined: four or more points over shares that differ by
+    ``min_spread``, a standard error within ``max_rel_error`` of the slope, and a positive slope and
+    fixed part. (A slope too flat from noise would move the split too far and make it swing.)"""
+    points = [(n, t) for n, t in history if n > 0 and math.isfinite(t) and t > 0]
+    if len(points) < 4:
+        return None
+    ns = [n for n, _ in points]
+    if max(ns) < min_spread * min(ns):
+        return None
+    mean_n = sum(ns) / len(ns)
+    mean_t = sum(t for _, t in points) / len(points)
+    var = sum((n - mean_n) ** 2 for n in ns)
+    slope = sum((n - mean_n) * (t - mean_t) for n, t in points) / var
+    if slope <= 0 or mean_t - slope * mean_n < 0:
+        return None
+    residual = sum((t - mean_t - slope * (n - mean_n)) ** 2 for n, t in points) / (len(points) - 2)
+    if math.sqrt(residual / var) > max_rel_error * slope:
+        return None
+    return slope
+
+
+def anchored_cost(n: float, t: float, slope: float | None) -> RankCost:
+    """The cost line through the measured point (n samples in t seconds) with the given slope;
+    without a slope, or with one steeper than the point allows, proportional through the origin."""
+    if slope is None or slope * n > t:
+        return RankCost(per_sample=t / n)
+    return RankCost(per_sample=slope, fixed=t - slope * n)
