@@ -379,13 +379,16 @@ class AllReduceCost:
 
 
 def allreduce_cost(nbytes: float, topo: CommTopology, factor: float = 2.0) -> AllReduceCost:
-    """Flat ring over all ranks or two-level (inside nodes, then across nodes), whichever is faster."""
+    """Flat ring over all ranks or two-level (inside nodes, then across nodes), whichever is faster. A flat ring
+    over several nodes runs at its slowest link: the network between nodes, or inside a node (a ring through
+    every rank crosses each node's own links too, PCIe where it is slower than the network)."""
     n, nodes = topo.world, len(topo.node_sizes)
     if n <= 1 or nbytes <= 0:
         return AllReduceCost(0.0, "none", 0.0)
     if nodes == 1:
         return AllReduceCost(ring_seconds(nbytes, n, topo.intra_bytes_per_s, LATENCY_INTRA_S, factor), "ring", 0.0)
-    flat_inter = ring_seconds(nbytes, n, topo.inter_bytes_per_s, LATENCY_INTER_S, factor)
+    slowest = min(topo.inter_bytes_per_s, topo.intra_bytes_per_s)
+    flat_inter = ring_seconds(nbytes, n, slowest, LATENCY_INTER_S, factor)
     k = max(topo.node_sizes)
     inside = 2 * ring_seconds(nbytes, k, topo.intra_bytes_per_s, LATENCY_INTRA_S, factor / 2) if k > 1 else 0.0
     across = ring_seconds(nbytes, nodes, topo.inter_bytes_per_s, LATENCY_INTER_S, factor)
