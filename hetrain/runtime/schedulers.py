@@ -9,8 +9,7 @@ keeps calling `scheduler.step(metric)`, and the session only checkpoints and res
 A scheduler may be given before or after `session.loader()` (which resumes the newest checkpoint):
 given after, its saved state is loaded when it is given, and the optimizer's scheduled settings
 (lr, momentum, betas), which building the scheduler reset to the schedule's start, return to the
-checkpoint's. A scheduler given past its start with no checkpoint of the session's to resume (its state
-loaded from a run that began without hetrain) puts the lr it last set back on the optimizer likewise.
+checkpoint's.
 """
 
 from __future__ import annotations
@@ -128,31 +127,6 @@ def position(scheduler: Any) -> Any:
     return getattr(scheduler, "last_epoch", None)
 
 
-def _moved_on(at: Any) -> bool:
-    """Whether a scheduler's `position` is past its start."""
-    if isinstance(at, tuple):
-        return any(_moved_on(inner) for inner in at)
-    return isinstance(at, int) and at > 0
-
-
-def _follow_loaded_state(scheduler: Any, optimizer: Any, index: int) -> None:
-    """A scheduler whose state the script loaded (a run that began without hetrain: its optimizer's state loaded
-    before prepare(), the scheduler built after it on the optimizer prepare() returned, then its state): building it
-    set the lr to the schedule's start (a LambdaLR warm-up's 0) and its state does not move the lr back, so the
-    optimizer goes on at the lr the scheduler last set, as in the run that saved them."""
-    last = getattr(scheduler, "_last_lr", None)
-    if not _moved_on(position(scheduler)) or not isinstance(last, (list, tuple)) or \
-            len(last) != len(optimizer.param_groups):
-        return
-    last = [float(lr) for lr in last]
-    now = [float(group["lr"]) for group in optimizer.param_groups]
-    if now == last:
-        return
-    log.info("LR scheduler %d (%s) was given at step %s of its schedule with the optimizer's lr at %s: it goes on "
-             "at the lr the scheduler last set, %s", index, type(scheduler).__name__, position(scheduler), now, last)
-    put_back(optimizer, [{"lr": lr} for lr in last])
-
-
 def on_metric(scheduler: Any) -> bool:
     """A scheduler stepped on a metric (ReduceLROnPlateau): the script steps it, the session only saves it."""
     return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
@@ -193,8 +167,6 @@ class Schedulers:
         index = len(self.items) - 1
         if self._saved is not None:
             self._load(index, optimizer)
-        else:   # a checkpoint of the session's own, loaded later, puts back its settings over these
-            _follow_loaded_state(scheduler, optimizer, index)
 
     def step(self, applied: bool) -> None:
         """At the end of a step: after an applied update, step every scheduler not stepped on a metric."""

@@ -1,7 +1,8 @@
 """docs/porting.md, "Continuing a run that began without hetrain", run as written with a warm-up schedule (a
 LambdaLR, as every Hugging Face `get_scheduler` schedule is): the continued run takes the steps the plain torch run
 would take next, at the lr its scheduler had reached. Building the scheduler after `prepare()` set the lr to the
-schedule's start (0 in a warm-up) and loading its state left it there: the first continued step applied no update."""
+schedule's start (0 in a warm-up) and loading its state left it there: without the recipe's loop that puts the
+optimizer's saved settings back, the first continued step applied no update."""
 
 import io
 
@@ -47,6 +48,8 @@ def _continued(rank, world, saved):
     model, optimizer = session.prepare(model, optimizer)
     scheduler = _schedule(optimizer)                    # on the optimizer prepare() returns
     scheduler.load_state_dict(ck["scheduler"])
+    for group, saved in zip(optimizer.param_groups, ck["optimizer"]["param_groups"]):   # building the scheduler
+        group.update({k: saved[k] for k in ("lr", "momentum", "betas") if k in saved})    # reset these: put them back
     session.add_scheduler(scheduler)
     session.scaler.load_state_dict(ck["scaler"])      # a GradScaler's state: the job's loss scale goes on
     del ck
