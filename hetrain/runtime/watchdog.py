@@ -121,10 +121,12 @@ def stall_message(stall: Stall, after: dict[int, Progress | None], own_seconds: 
     if calls and done and len(calls) + len(done) == len(after):   # `if rank == 0: session.model_state_dict()` at the end
         erred = [after[r].phase.split(ERRED, 1)[1] for r in done if ERRED in after[r].phase]
         how = f"left the session on an error ({'; '.join(erred)})" if erred else "closed the session"
+        in_loops = any(f"{INSIDE}{c}" in ENDS_TOGETHER for c in calls.values())   # not model_state_dict()
         why = "every rank makes (let the error end the script, rather than catch it and go on" if erred else \
             ("every rank makes as many times before close() (is it inside `if rank == 0:`, or in a loop over each "
              "rank's own part of a set, whose batches differ in number by rank? pad every rank's part to one count "
-             "of batches, or gather once after the loop")
+             "of batches, or gather once after the loop" if in_loops else
+             "every rank makes before close() (is it inside `if rank == 0:`?")
         return (f"{ranks_text(done)} {how} while {ranks_text(sorted(calls))} wait(s) in session."
                 f"{', session.'.join(sorted(set(calls.values())))} for {own_seconds:.0f} s: a collective call {why}; "
                 f"limit {timeout_s:g} s, hetrain launch --collective-timeout)")

@@ -35,6 +35,14 @@ def test_a_call_left_waiting_by_a_closed_rank_names_unequal_counts_of_calls():
     assert "pad every rank's part to one count of batches, or gather once after the loop" in message, message
 
 
+def test_a_model_state_dict_left_waiting_by_a_closed_rank_is_not_told_to_pad_batches():
+    """`if rank == 0: session.model_state_dict()` at the end: a call made once, not in a loop over batches
+    (the advice to pad each rank's part was given there too; found in review)."""
+    after = {0: Progress(9, "in session.model_state_dict()", 1.0, 6), 1: Progress(9, "done", 1.0, 7)}
+    message = stall_message(find_stall(after, after), after, 4.0, 300.0)
+    assert "is it inside `if rank == 0:`?" in message and "pad every rank's part" not in message, message
+
+
 def _watch(store, reports, call):
     watch = ProgressWatch(store, 0, 2, 300.0, on_stall=lambda message, stall: reports.append(message))
     watch.between(9)
