@@ -140,8 +140,10 @@ def pipeline_candidates(cluster, profile: WorkloadProfile, kinds: list[Kind], gl
                     p2p = transfer_seconds(profile, bounds, mb, link)
                     optimizer_s = [stage_optimizer_seconds(k, ranges, d if zero else 1)
                                    for k, ranges in zip(stage_kinds, held_blocks(bounds, v))]
-                    step = cm.pipeline_step_seconds([slot] * p, m, p2p, chunks=v) + \
-                        replica_sync_seconds(bounds, d, m, zero, slot) + max(optimizer_s)
+                    # d replicas in lockstep lose what d-way data parallelism loses (synchronisation,
+                    # stragglers); each rank's optimizer step after their gradient sum runs alone
+                    step = (cm.pipeline_step_seconds([slot] * p, m, p2p, chunks=v) + replica_sync_seconds(
+                        bounds, d, m, zero, slot)) / cm.data_parallel_efficiency(d, calib) + max(optimizer_s)
                     if step < out[label].step_seconds:
                         out[label] = _pipeline_plan(label, profile, kinds, stage_kinds, per, d, bounds, mb, m, v,
                                                     global_batch, step, stage_cost, p, zero, optimizer_s)
@@ -263,9 +265,10 @@ def _pipeline_plan(label, profile, kinds, stage_kinds, per, d, bounds, mb, m, ch
                                       chunks=chunks),
                 predicted_samples_per_s=global_batch / step)
     c = Candidate(label, samples_per_s=global_batch / step, step_seconds=step, plan=plan)
-    bubble = pipeline_bubble(p, m, chunks)
+    bubble, kept = pipeline_bubble(p, m, chunks), cm.data_parallel_efficiency(d)
     c.reason = (f"{d} replica(s) of a {p}-rank {name} pipeline, {m} micro-batches of {mb}; "
-                f"predicted bubble {bubble:.1%}; stages {[list(x) for x in stages]}")
+                f"predicted bubble {bubble:.1%}" + (f", {1 - kept:.0%} lost to {d}-way synchronisation" if d > 1 else "")
+                + f"; stages {[list(x) for x in stages]}")
     held = (lambda a, b: f"blocks {a}-{b - 1}") if chunks == 1 else (lambda a, b: f"{b - a} blocks")
     kinds_by_stage = ", ".join(f"{j}: {k.spec.name} {held(a, b)}" for j, (k, (a, b)) in
                                enumerate(zip(stage_kinds, bounds)))
