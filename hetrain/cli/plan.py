@@ -94,7 +94,7 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
                              "cannot hold N runs as without the flag, and a note says so")
     parser.add_argument("--compression", default="auto", choices=list(COMPRESSION_CHOICES),
                         help="gradient compression of the all-reduce (DDP and ZeRO-1): auto (the default) sends fp32, "
-                             "or a 16-bit all-reduce where the link between nodes is the bottleneck; powersgd, int8 "
+                             "or a 16-bit all-reduce where the all-reduce across nodes is the bottleneck; powersgd, int8 "
                              "and topk carry part of each gradient to later steps (the update differs from one "
                              "process's) and run only when named here")
     parser.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS),

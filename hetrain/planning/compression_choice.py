@@ -1,9 +1,9 @@
 """Which gradient compression a data-parallel candidate runs.
 
 Unasked, the planner chooses among the compressions that keep the update one process's to the
-precision sent (none, a 16-bit all-reduce), and only where the link between nodes is the
-bottleneck. PowerSGD, int8 and top-k send part of each gradient and carry the rest to later steps
-(error feedback): the update differs from one process's, so they run only when asked for by name
+precision sent (none, a 16-bit all-reduce), and only where the all-reduce across nodes is the
+bottleneck (bound by the network, or by a node's own link where that is slower). PowerSGD, int8
+and top-k send part of each gradient and carry the rest to later steps (error feedback): the update differs from one process's, so they run only when asked for by name
 (`hetrain plan --compression powersgd`); a note says what PowerSGD would gain where it would.
 """
 
@@ -37,7 +37,7 @@ def choose_compression(price: Callable[[str], Any], strategy: str, nodes: int, h
     best = max(c.samples_per_s for c in tried)
     chosen = next(c for c in tried if c.samples_per_s >= GOOD_ENOUGH * best)
     speeds = ", ".join(f"{c.compression} {c.samples_per_s:.0f}/s" for c in tried)
-    chosen.notes.append(f"{strategy}: the link between nodes is the bottleneck (exposed network time {share:.0%} of a "
+    chosen.notes.append(f"{strategy}: the all-reduce across nodes is the bottleneck (its exposed time {share:.0%} of a "
                         f"step without compression); predicted {speeds}; chose {chosen.compression}"
                         + (" (the least lossy within 5% of the best)" if chosen is plain else ""))
     lossy = price("powersgd")
