@@ -3,8 +3,9 @@
 Unasked, the planner chooses among the compressions that keep the update one process's to the
 precision sent (none, a 16-bit all-reduce), and only where the all-reduce across nodes is the
 bottleneck (bound by the network, or by a node's own link where that is slower). PowerSGD, int8
-and top-k send part of each gradient and carry the rest to later steps (error feedback): the update differs from one process's, so they run only when asked for by name
-(`hetrain plan --compression powersgd`); a note says what PowerSGD would gain where it would.
+and top-k send part of each gradient and carry the rest to later steps (error feedback): the update
+differs from one process's, so they run only when asked for by name (`hetrain plan --compression
+powersgd`); a note says what PowerSGD would gain where it would.
 """
 
 from __future__ import annotations
