@@ -456,6 +456,19 @@ class Balancer:
                 # an exchange begun at the saved step: a resumed run re-splits on it where this run does
                 "arrived": [dataclasses.astuple(m) for m in self.arrived() or []]}
 
+    def local_state_dict(self) -> dict:
+        """This rank's own step times, saved with its own state: the shared state is rank 0's."""
+        return {"interval": [list(p) for p in self._interval], "window": [list(p) for p in self._window],
+                "scatter": [list(x) for x in self._scatter]}
+
+    def load_local_state_dict(self, state: dict | None) -> None:
+        """This rank's own step times, after `load_state_dict`; None (a checkpoint without them): none, not rank
+        0's, which a rank at 0 samples would report as its own until it measures again."""
+        state = state or {}
+        self._interval = [(int(n), float(t)) for n, t in state.get("interval", [])]
+        self._window = [(int(n), float(t)) for n, t in state.get("window", [])]
+        self._scatter = [(float(ss), int(dof)) for ss, dof in state.get("scatter", [])]
+
     def load_state_dict(self, state: dict) -> bool:
         """Continue from a saved balancer of as many ranks; False (this run's split and no history kept)
         where the ranks now have other device kinds, whose measurements would say the wrong ranks are slow."""

@@ -129,7 +129,7 @@ class TrainState:
             "world_size": self.world_size,
             "plan": self.plan.to_json() if self.plan is not None else "",
         }
-        return shared, {"rng": capture_rng()}, sharded
+        return shared, {"rng": capture_rng(), "balancer": self.balancer.local_state_dict()}, sharded
 
     def sharded_template(self, shared: dict | None = None) -> dict | None:
         """The sharded state's shapes, for DCP to load into (FSDP2 only): with the checkpoint's `shared`
@@ -181,11 +181,14 @@ class TrainState:
             self.step_state.resumed_loss = shared.get("loss")
         if self.step_state is not None and shared.get("items_per_sample") is not None:
             self.step_state.items_per_sample = float(shared["items_per_sample"])
-        if int(shared["world_size"]) == self.world_size and not self.balancer.load_state_dict(shared["balancer"]):
-            self.loader.start_split_anew()
-            log.warning("resuming with the ranks on other devices than the checkpoint's (%s, was %s): the split "
-                        "starts from this run's plan and is measured anew", self.balancer.devices,
-                        shared["balancer"].get("devices"))
+        if int(shared["world_size"]) == self.world_size:
+            if self.balancer.load_state_dict(shared["balancer"]):   # rank 0's; this rank's own step times apart
+                self.balancer.load_local_state_dict(per_rank.get("balancer") if per_rank is not None else None)
+            else:
+                self.loader.start_split_anew()
+                log.warning("resuming with the ranks on other devices than the checkpoint's (%s, was %s): the split "
+                            "starts from this run's plan and is measured anew", self.balancer.devices,
+                            shared["balancer"].get("devices"))
         if per_rank is not None:
             restore_rng(per_rank["rng"])
 

@@ -13,18 +13,19 @@ FIXED, PER_SAMPLE = 4e-3, 0.15e-3   # a step's fixed part and its cost per sampl
 def _run(speed, steps, config, shares=(64, 64), noise=0.02, seed=0, resume_at=()):
     """Every rank's balancer on the same exchanged figures; rank r's step takes (FIXED + n * PER_SAMPLE)
     / speed(r, step), scattered by `noise` (nothing at 0 samples). The re-splits, as (step, new split).
-    At the steps `resume_at` every rank's balancer is saved and a new one, made as a resumed job makes
-    it, loads the state."""
+    At the steps `resume_at` the balancers are saved as a checkpoint keeps them (rank 0's state shared, each
+    rank's own step times with its own state) and new ones, made as a resumed job makes them, load them."""
     rng = random.Random(seed)
     ranks = [Balancer(config.model_copy(), shares=list(shares), rank=r) for r in range(len(shares))]
     changes = []
     for step in range(1, steps + 1):
         if step in resume_at:
             changes += ranks[0].changes
-            saved = [b.state_dict() for b in ranks]
+            shared, own = ranks[0].state_dict(), [b.local_state_dict() for b in ranks]   # as a checkpoint keeps them
             ranks = [Balancer(config.model_copy(), shares=list(shares), rank=r) for r in range(len(shares))]
-            for b, state in zip(ranks, saved):
-                assert b.load_state_dict(state)
+            for b, state in zip(ranks, own):
+                assert b.load_state_dict(shared)
+                b.load_local_state_dict(state)
         now = list(ranks[0].shares)
         for r, b in enumerate(ranks):
             busy = (FIXED + now[r] * PER_SAMPLE) / speed(r, step) if now[r] else 0.0
@@ -83,3 +84,25 @@ def test_a_rank_the_plan_left_idle_is_not_measured_again():
     slow = lambda r, step: 0.02 if r == 1 else 1.0   # noqa: E731
     moves = _run(slow, 600, BalancePlan(interval=5, min_share=0), shares=(128, 0))
     assert moves[-1][1] == [128, 0] and len(moves) <= 3, moves
+
+
+def test_a_rank_resumed_from_rank_0s_shared_state_reports_none_of_rank_0s_step_times():
+    """A checkpoint's shared state is rank 0's: every rank that loaded it took rank 0's recent step times for
+    its own. A rank at 0 samples measures nothing, so after a resume it reported rank 0's figures, which
+    replaced its saved model, and it was tried 4 intervals later where the uninterrupted job waited 7. Each
+    rank's own step times are kept with its own state; a checkpoint without them gives none."""
+    shares = [120, 8]
+    ranks = [Balancer(BalancePlan(interval=5, min_share=0), shares=list(shares), rank=r) for r in range(2)]
+    for step in range(1, 20):
+        for r, b in enumerate(ranks):
+            b.record(shares[r], (FIXED + shares[r] * PER_SAMPLE) * (1 + r))
+    shared = ranks[0].state_dict()
+    for r, own in enumerate([ranks[0].local_state_dict(), ranks[1].local_state_dict()]):
+        resumed = Balancer(BalancePlan(interval=5, min_share=0), shares=list(shares), rank=r)
+        assert resumed.load_state_dict(shared)
+        resumed.load_local_state_dict(own)
+        assert resumed.local_measurement() == ranks[r].local_measurement()
+    older = Balancer(BalancePlan(interval=5, min_share=0), shares=list(shares), rank=1)
+    assert older.load_state_dict(shared)
+    older.load_local_state_dict(None)   # a checkpoint written before the ranks' own figures were kept
+    assert older.local_measurement().window_steps == 0
