@@ -401,8 +401,8 @@ class Balancer:
     def _load_factor(self, rank: int, cost: RankCost | None) -> float:
         """How much of the rank's modelled time is outside load (1: none): the second fastest of its
         recent intervals at about its share against the model. Outside load only adds time, so a
-        rank's speed is what its best recent intervals show; a slowdown that lasts ``LASTING`` intervals
-        (or ``LOAD_MEMORY * history``, when fast ones at other shares remain) is the rank's speed."""
+        rank's speed is what its best recent intervals show; a slowdown seen in the last ``LASTING``
+        intervals near the share is the rank's speed, and what it measured before is dropped."""
         if cost is None or len(self.recent) <= rank:
             return 1.0
         share = self.shares[rank]
