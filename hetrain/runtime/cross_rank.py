@@ -14,7 +14,9 @@ any split is each rank's mean over its own rows against every rank's columns (do
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from collections.abc import Callable
+from typing import Any, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -30,26 +32,30 @@ class _GatherRows(torch.autograd.Function):
     """[world, rows, ...] of every rank's padded rows; backward sums every rank's gradient, keeps this rank's."""
 
     @staticmethod
-    def forward(ctx: Any, padded: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, padded: torch.Tensor, waiting: Callable[[], ContextManager]) -> torch.Tensor:
+        ctx.waiting = waiting
         parts = [torch.empty_like(padded) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, padded)
         return torch.stack(parts)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         grad = grad.contiguous()
-        dist.all_reduce(grad)
-        return grad[dist.get_rank()]
+        with ctx.waiting():   # in the rank's backward: its wait for a slower rank's is not its compute
+            dist.all_reduce(grad)
+        return grad[dist.get_rank()], None
 
 
 GATHER_NODE = "_GatherRowsBackward"   # its node in an autograd graph (a backward without items goes through it)
 
 
-def gather_rows(tensor: torch.Tensor, *, offset: bool = False, cut: bool = False) -> Any:
+def gather_rows(tensor: torch.Tensor, *, offset: bool = False, cut: bool = False,
+                waiting: Callable[[], ContextManager] = contextlib.nullcontext) -> Any:
     """Every rank's `tensor` joined along the first dimension in rank order (sizes may differ by rank); the
     gradient reaches each rank's own rows. With `offset=True`, (rows, index of this rank's first row). Collective:
     every rank calls it, once per forward, with the same trailing shape. `cut`: this rank's step is cut into
-    micro-batches, where it would join pieces, not the global batch (refused on every rank)."""
+    micro-batches, where it would join pieces, not the global batch (refused on every rank). `waiting`: the
+    context its collectives run in (the session times a rank's wait there as waiting, not compute)."""
     if tensor.dim() == 0:
         raise HetrainError("session.gather_rows() joins rows along the first dimension; got a 0-d tensor "
                            "(give it a dimension of rows: t.reshape(1))")
@@ -58,17 +64,18 @@ def gather_rows(tensor: torch.Tensor, *, offset: bool = False, cut: bool = False
     dtype = tensor.dtype
     if tensor.is_floating_point() and tensor.element_size() < 4:
         tensor = tensor.float()   # a bf16 rank beside an fp32 one: one dtype on the wire, the rank's own back
-    with collective_call(None, "gather_rows"):   # a rank that waits here alone is named with the call
+    with collective_call(None, "gather_rows"), waiting():   # a rank that waits here alone is named with the call
         sizes = _agreed_sizes(tensor, cut)
     longest, rank = max(sizes), dist.get_rank()
     padded = tensor.contiguous()
     if tensor.shape[0] < longest:
         padded = torch.cat([padded, padded.new_zeros(longest - tensor.shape[0], *tensor.shape[1:])])
-    if tensor.requires_grad:
-        parts = _GatherRows.apply(padded)
-    else:
-        parts = [torch.empty_like(padded) for _ in range(len(sizes))]
-        dist.all_gather(parts, padded)
+    with waiting():
+        if tensor.requires_grad:
+            parts = _GatherRows.apply(padded, waiting)
+        else:
+            parts = [torch.empty_like(padded) for _ in range(len(sizes))]
+            dist.all_gather(parts, padded)
     rows = torch.cat([part[:size] for part, size in zip(parts, sizes)]).to(dtype)
     return (rows, sum(sizes[:rank])) if offset else rows
 

@@ -454,7 +454,7 @@ class Session:
     observers = property(lambda self: self.reports.observers)
     def gather_rows(self, tensor: torch.Tensor, *, offset: bool = False) -> Any:   # hetrain.runtime.cross_rank
         """Every rank's rows of `tensor`, in rank order; the gradient reaches each rank's own (collective)."""
-        return gather_rows(tensor, offset=offset, cut=self.state.cut)
+        return gather_rows(tensor, offset=offset, cut=self.state.cut, waiting=self.timer.collective)
 
     def barrier(self) -> None:
         """Every rank waits until each has reached it, however long one rank's work before it takes (collective)."""
