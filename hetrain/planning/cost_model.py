@@ -255,7 +255,8 @@ def activation_bytes_per_sample(profile: WorkloadProfile, precision: str, checkp
 
 def state_bytes(params: float, precision: str, optimizer: str, zero: int = 0, world: int = 1,
                 largest_block_params: float = 0.0, trained: float | None = None,
-                checkpointing: bool = False, largest_block_trained: float | None = None) -> tuple[float, float, float]:
+                checkpointing: bool = False, largest_block_trained: float | None = None,
+                pipelined: bool = False) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes: fp32 master weights, a 16-bit cast cache in mixed
     precision, fp32 gradients; ZeRO-1 shards optimizer state, 2 also gradients, 3 also weights.
     Gradients and optimizer state are of the `trained` parameters (all `params` by default): a frozen
@@ -263,7 +264,11 @@ def state_bytes(params: float, precision: str, optimizer: str, zero: int = 0, wo
     fp32; with activation checkpointing the running block's 16-bit casts too (the prefetched one has
     none yet), without it `weight_cast_bytes` counts the casts of every weight. In backward it also holds a block's unsharded fp32 gradients and the
     reduce-scatter's input of them (of `largest_block_trained`, by default the largest block's
-    parameters)."""
+    parameters). `pipelined`: a pipeline stage under ZeRO-3, which torch's PipelineStage runs with
+    `set_reshard_after_backward(False)` and `set_requires_gradient_sync(False)` in every micro-batch's
+    backward and reduce-scatters once after the last: through a step the stage holds all its weights
+    gathered in fp32 beside their shard, and all its gradients unsharded beside the reduce-scatter's
+    sharded output; only the optimizer state stays sharded."""
     opt = OPTIMIZER_STATE_BYTES[optimizer]
     cast = 2.0 if ELEMENT_BYTES[precision] == 2 else 0.0
     world = max(1, world)
@@ -275,7 +280,10 @@ def state_bytes(params: float, precision: str, optimizer: str, zero: int = 0, wo
         optim /= world
     if zero >= 2:
         grads /= world
-    if zero >= 3:   # the fp32 shard, then the gathered block and the prefetched one
+    if zero >= 3 and pipelined:   # the fp32 shard and every weight gathered; every gradient unsharded
+        weights = 4.0 * params / world + 4.0 * params + (cast if checkpointing else 0.0) * largest_block_params
+        grads += 4.0 * trained
+    elif zero >= 3:   # the fp32 shard, then the gathered block and the prefetched one
         weights = 4.0 * params / world + (2 * 4.0 + (cast if checkpointing else 0.0)) * largest_block_params
         grads += 2 * 4.0 * (largest_block_params if largest_block_trained is None else largest_block_trained)
     return weights, grads, optim
@@ -296,12 +304,12 @@ def weight_cast_bytes(params: float, precision: str, zero: int, checkpointing: b
 def memory_estimate(profile: WorkloadProfile, precision: str, micro_batch: int, *, optimizer: str = "adamw",
                     zero: int = 0, world: int = 1, checkpointing: bool = False,
                     blocks: slice | None = None, in_flight: int = 1,
-                    activations: float | None = None) -> MemoryEstimate:
+                    activations: float | None = None, pipelined: bool = False) -> MemoryEstimate:
     """Predicted peak memory of one device training `blocks` (all by default) at `micro_batch`.
 
     `in_flight` micro-batches keep their activations at once (pipeline stages under 1F1B).
     `activations`: the bytes one micro-batch holds for backward as a device profile measured them,
-    in place of the modelled ones.
+    in place of the modelled ones. `pipelined`: a pipeline stage (see `state_bytes`).
     """
     chosen = profile.blocks[blocks] if blocks is not None else profile.blocks
     if blocks is not None:
@@ -314,7 +322,8 @@ def memory_estimate(profile: WorkloadProfile, precision: str, micro_batch: int, 
         params, trained = profile.params, profile.trained_params
         largest = max((b.params for b in chosen), default=params)
         largest_trained = max((b.trained_params for b in chosen), default=trained)
-    w, g, o = state_bytes(params, precision, optimizer, zero, world, largest, trained, checkpointing, largest_trained)
+    w, g, o = state_bytes(params, precision, optimizer, zero, world, largest, trained, checkpointing, largest_trained,
+                          pipelined)
     if activations is None:
         activations = activation_bytes_per_sample(profile, precision, checkpointing, blocks) * micro_batch
     act = activations * in_flight

@@ -74,7 +74,8 @@ def pipeline_candidates(cluster, profile: WorkloadProfile, kinds: list[Kind], gl
             result = None
             for ckpt in (False, True):
                 mem = cm.memory_estimate(profile, kind.precision, mb, optimizer=optimizer, checkpointing=ckpt,
-                                         blocks=sub, in_flight=in_flight, zero=zero, world=replicas[0]).total
+                                         blocks=sub, in_flight=in_flight, zero=zero, world=replicas[0],
+                                         pipelined=True).total
                 if mem <= kind.spec.memory_bytes:
                     result = (stage_seconds(kind, a, b, mb, ckpt), ckpt, mem)
                     break

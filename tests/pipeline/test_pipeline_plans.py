@@ -169,9 +169,9 @@ def test_interleaving_pays_where_the_bubble_outweighs_the_transfers():
 
 
 def test_stages_too_big_for_their_replicas_are_sharded_with_fsdp2():
-    """A 4.5B model on 2 A100s and 2 V100s: a 2-stage pipeline replicated twice fits only with each stage
+    """A 3.3B model on 2 A100s and 2 V100s: a 2-stage pipeline replicated twice fits only with each stage
     sharded (FSDP2, ZeRO-3) over its 2 replicas; the planner says so, and the plan runs on CPU ranks."""
-    model = gpt_3b(layers=40, hidden=3072)
+    model = gpt_3b(layers=28, hidden=3072)
     result = plan_job(cluster_from_devices("a100-sxm4-40gb:2,v100-sxm2-32gb:2"), model, 64, strategy="pipeline")
     hybrid = next(c for c in result.candidates if c.strategy == "hybrid")
     assert hybrid.feasible and hybrid.plan.sharding == "fsdp"
@@ -179,7 +179,37 @@ def test_stages_too_big_for_their_replicas_are_sharded_with_fsdp2():
     assert all(r.memory_bytes <= r.memory_capacity_bytes for r in hybrid.plan.ranks)
     pipe = next(c for c in result.candidates if c.strategy == "pipeline")
     assert pipe.plan.sharding == "none"                    # one replica: nothing to shard over
-    _runs_with_the_global_update(_scaled(hybrid.plan, global_batch=16, microbatches=2), layers=40)
+    _runs_with_the_global_update(_scaled(hybrid.plan, global_batch=16, microbatches=2), layers=28)
+
+
+def _held_through_the_step(profile, plan, rank) -> float:
+    """What a stage sharded over d replicas holds through a step whatever its micro-batches: torch's
+    PipelineStage runs every backward with set_reshard_after_backward(False) and
+    set_requires_gradient_sync(False), reduce-scattering once after the last, so every weight stays
+    gathered in fp32 beside its shard and every gradient unsharded beside its reduce-scattered shard."""
+    p = plan.pipeline.ranks_per_pipeline
+    d = plan.world_size // p
+    ranges = plan.pipeline.stages[rank.stage::p]
+    params = sum(profile.held_params(a, b) for a, b in ranges)
+    trained = sum(profile.held_trained_params(a, b) for a, b in ranges)
+    return 4.0 * (1 + 1 / d) * (params + trained)
+
+
+@pytest.mark.parametrize("devices, model, global_batch, hybrid_fits", [
+    ("v100-sxm2-16gb:8", get_profile("gpt3-2.7b"), 64, False),
+    ("a100-sxm4-40gb:2,v100-sxm2-32gb:2", gpt_3b(layers=28, hidden=3072), 64, True),
+])
+def test_a_sharded_stage_is_planned_with_its_weights_gathered_through_the_step(devices, model, global_batch,
+                                                                                 hybrid_fits):
+    """GPT-3 2.7B on 8 V100 16 GB at 64: a hybrid whose stages are sharded over 4 replicas was planned at
+    13.2 and 12.0 GB, counting one gathered block and its unsharded gradients, where the stages hold all
+    theirs through a step (22.2 and 21.0 GB); it fits no 16 GB, and the 1-replica pipeline is chosen."""
+    result = plan_job(cluster_from_devices(devices), model, global_batch, strategy="pipeline")
+    hybrid = next(c for c in result.candidates if c.strategy == "hybrid")
+    assert hybrid.feasible == hybrid_fits
+    if hybrid.feasible and hybrid.plan.sharding == "fsdp":
+        for r in hybrid.plan.ranks:
+            assert _held_through_the_step(model, hybrid.plan, r) <= r.memory_bytes <= r.memory_capacity_bytes
 
 
 def test_the_cli_plan_for_gpt3_2_7b_is_accepted_and_runs_scaled_down(tmp_path):

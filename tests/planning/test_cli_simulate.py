@@ -32,7 +32,9 @@ def test_a_size_that_does_not_fit_is_left_out_not_the_whole_sweep(tmp_path):
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1, p.stderr
     assert "sizes 1 do not fit llama-7b" in lines[0] and "GB short" in lines[0] and "left out" in lines[0]
-    assert p.stdout.strip() == f"wrote {tmp_path / 's'}.csv and {tmp_path / 's'}.png (6 points)"
+    # zero3 and pipeline at 8 and at 16, hybrid at 16: 8 V100s fit no hybrid (its stages sharded over 2
+    # replicas hold their weights gathered and gradients unsharded through the step)
+    assert p.stdout.strip() == f"wrote {tmp_path / 's'}.csv and {tmp_path / 's'}.png (5 points)"
 
 
 def test_the_sizes_that_fit_give_the_same_figures_with_or_without_the_ones_that_do_not(tmp_path):
