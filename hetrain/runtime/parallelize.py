@@ -343,6 +343,8 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, sh
                         sync_batchnorm=any(isinstance(m, nn.SyncBatchNorm) for m in model.modules()), buffers=buffers,
                         half=half_parameters(model))
     prepared.handles.append(timed_handle)   # on the script's own model: gone when the session closes
+    if optimizer is not None and sharding_name in ZERO1_SHARDINGS:   # its broadcast's wait is not optimizer time
+        prepared.handles.extend(timer.time_local_steps(optimizer.optim))
     prepared.plain = PlainBackwards(ddp, [p for p in model.parameters() if p.requires_grad])
     if find_unused_parameters or prepared.sync_batchnorm:   # the outputs held from a training forward until the
         keep_outputs(prepared, ddp)                           # next one begins

@@ -137,6 +137,9 @@ class StepTimer:
     last_between_s: float = 0.0     # that time of the step that ended last
     _waits_in_compute: float = 0.0  # the session's collective calls made inside a compute stretch (global_mean
     #                                 between a forward and its backward): waits, taken out of the stretch
+    _local_step_s: float | None = None   # ZeRO-1: its local optimizer's step seconds (None: not ZeRO-1)
+    _local_began: float = 0.0
+    _local_depth: int = 0
 
     def forward_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
         """On the model the script calls (not DDP-wrapped): the step's first forward begins compute here."""
@@ -264,10 +267,31 @@ class StepTimer:
         are: the copy tells no session and measures nothing a session reads."""
         return {**self.__dict__, "on_grads_ready": None, "comm_waits": None}
 
+    def time_local_steps(self, optimizer: torch.optim.Optimizer) -> list[Any]:
+        """ZeRO-1: the step's optimizer time is its rank-local optimizer's step alone (torch's step hooks on it),
+        not the broadcast of every rank's part after it, where a fast rank waits for a slower one. The hooks'
+        handles, to remove when the session closes."""
+        def began(*_: Any) -> None:   # a subclass's step() calling super().step() runs the hooks again, inside
+            self._local_depth += 1
+            if self._local_depth == 1:
+                self._local_began = time.perf_counter()
+
+        def ended(*_: Any) -> None:
+            self._local_depth -= 1
+            if self._local_depth == 0:
+                self._local_step_s = (self._local_step_s or 0.0) + time.perf_counter() - self._local_began
+
+        self._local_step_s = 0.0
+        return [optimizer.register_step_pre_hook(began), optimizer.register_step_post_hook(ended)]
+
     def time_optimizer(self, fn: Callable[[], Any]) -> Any:
         t0 = time.perf_counter()
+        local = self._local_step_s is not None
+        if local:
+            self._local_step_s, self._local_depth = 0.0, 0
         out = fn()
-        self.optimizer_s = pad_to_speed(time.perf_counter() - t0, self.speed)
+        took = self._local_step_s if local else time.perf_counter() - t0
+        self.optimizer_s = pad_to_speed(took, self.speed)
         return out
 
     def end_step(self) -> float:
