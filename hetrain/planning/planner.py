@@ -306,9 +306,10 @@ def _priced(strategy: str, asked: Candidate, cluster, profile: WorkloadProfile, 
         if slow_rank is None or t > compute[slow_rank][0]:
             slow_rank = r
     t_slow, accum_slow = compute[slow_rank]
-    # the all-reduce hides under the last micro-batch's backward, not the optimizer step that follows it
-    backward = t_slow - kind_of[slow_rank].time(0, 1, False)
-    overlap = t_slow if zero >= 3 else max(0.0, backward) / accum_slow * cm.backward_fraction(per_rank[slow_rank][2])
+    # the all-reduce hides under the last micro-batch's backward, FSDP2's gathers and reduce-scatters under
+    # every micro-batch's forward and backward; neither under the optimizer step that follows them
+    compute = max(0.0, t_slow - kind_of[slow_rank].time(0, 1, False))
+    overlap = compute if zero >= 3 else compute / accum_slow * cm.backward_fraction(per_rank[slow_rank][2])
     exposed, net_exposed = _comm(profile, topo, zero, hook, accum_slow, overlap)
     step = (t_slow + exposed) / kept
     cand.step_seconds, cand.samples_per_s = step, global_batch / step
