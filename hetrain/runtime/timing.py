@@ -219,10 +219,12 @@ class StepTimer:
         try:
             yield
         finally:
-            if self._start is None:
-                self.between_s -= time.perf_counter() - began
-            else:
+            if self._start is not None:
                 self._waits_in_compute += time.perf_counter() - began
+            elif self._paused is not None or self.started_at is None:   # in the script's time, which it leaves
+                self.between_s -= time.perf_counter() - began
+            # else: after the last gradient was ready, in the rest of backward (gather_rows' all-reduce on a tensor
+            # no parameter of the model's made) or in step(): a wait already, not the script's to give back
 
     def micro_batch_done(self) -> None:
         """A micro-batch that is not the step's last ended its backward: compute pauses until the next
