@@ -11,17 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from tests.distributed import run_ranks
+from tests.metrics.step_records import StepRecords
 
 SLEEP_S = 0.03
 STEPS = 8
-
-
-class _Records:
-    def __init__(self) -> None:
-        self.records = []
-
-    def on_step(self, record) -> None:
-        self.records.append(record)
 
 
 class _SlowBackward(torch.autograd.Function):
@@ -43,7 +36,7 @@ def _train(rank: int, world: int, where: str) -> dict[str, float]:
     session = hetrain.Session()
     net = torch.nn.Linear(16, 8)
     model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
-    seen = _Records()
+    seen = StepRecords()
     session.add_observer(seen)
     data = torch.utils.data.TensorDataset(torch.randn(24 * (STEPS + 1), 16))
     for (x,) in session.loader(data, global_batch_size=24):
@@ -86,7 +79,7 @@ def _gathered_before_forward(rank: int, world: int) -> dict[str, float]:
     net = torch.nn.Linear(16, 8)
     extra = torch.nn.Parameter(torch.randn(4, 8))   # the script's own tensor, not the model's
     model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
-    seen = _Records()
+    seen = StepRecords()
     session.add_observer(seen)
     data = torch.utils.data.TensorDataset(torch.randn(24 * (STEPS + 1), 16))
     for (x,) in session.loader(data, global_batch_size=24):

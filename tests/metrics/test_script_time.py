@@ -10,17 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from tests.distributed import run_ranks
+from tests.metrics.step_records import StepRecords
 
 SLEEP_S = 0.03
 STEPS = 12
-
-
-class _Records:
-    def __init__(self) -> None:
-        self.records = []
-
-    def on_step(self, record) -> None:
-        self.records.append(record)
 
 
 def _train(rank: int, world: int, sleepers: tuple[int, ...], mean_before_step: bool,
@@ -30,7 +23,7 @@ def _train(rank: int, world: int, sleepers: tuple[int, ...], mean_before_step: b
     session = hetrain.Session()
     net = torch.nn.Linear(16, 4)
     model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
-    seen = _Records()
+    seen = StepRecords()
     session.add_observer(seen)
     data = torch.utils.data.TensorDataset(torch.randn(24 * (STEPS + 1), 16), torch.randint(0, 4, (24 * (STEPS + 1),)))
     for x, y in session.loader(data, global_batch_size=24):

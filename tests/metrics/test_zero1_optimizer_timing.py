@@ -11,17 +11,10 @@ import torch.nn.functional as F
 
 from hetrain.planning.plan import BalancePlan, Plan, RankPlan
 from tests.distributed import run_ranks
+from tests.metrics.step_records import StepRecords
 
 SLEEP_S = 0.03
 STEPS = 8
-
-
-class _Records:
-    def __init__(self) -> None:
-        self.records = []
-
-    def on_step(self, record) -> None:
-        self.records.append(record)
 
 
 class SlowSGD(torch.optim.SGD):
@@ -43,7 +36,7 @@ def _train(rank: int, world: int) -> dict[str, float]:
     session = hetrain.Session(plan)
     net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
     model, _ = session.prepare(net, SlowSGD(net.parameters(), lr=0.1))
-    seen = _Records()
+    seen = StepRecords()
     session.add_observer(seen)
     data = torch.utils.data.TensorDataset(torch.randn(24 * (STEPS + 1), 16), torch.randint(0, 4, (24 * (STEPS + 1),)))
     for x, y in session.loader(data, global_batch_size=24):
