@@ -8,7 +8,7 @@ is modelled to take k times the current one waits k - 1 times as long (at least 
 modelled to cost at most a quarter of the time since the last one, a rank that stays slow costs ever
 less, and one that recovers is back within about as long as it was idle. A rank the plan left idle is not re-measured:
 the balancer tries it once (its model is then unknown) and keeps it idle once measured slow, as the plan
-asked. Pure decisions on the figures every rank shares: every rank reaches the same split.
+asked; one that try found fast enough to keep its samples is re-measured like any other if it goes idle later. Pure decisions on the figures every rank shares: every rank reaches the same split.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ class IdleProbes:
     gaps: list[int] = field(default_factory=list)     # intervals to wait before measuring it again
     probing: int | None = None        # the rank given one sample for this interval
     before: list[int] | None = None   # the split that interval came from
+    held: list[int] = field(default_factory=list)     # intervals in a row each rank has had samples
 
     def next_split(self, shares: Sequence[int], measured: Sequence[bool], costs: Sequence[RankCost],
                    min_share: int, max_share: int | list[int] | None) -> tuple[list[int], str] | None:
@@ -50,7 +51,12 @@ class IdleProbes:
                                 f"{self._wait(before, rank, costs, min_share):.0f} intervals")
             self.gaps[rank] = PROBE_AFTER
             return None
+        if len(self.held) != ranks:
+            self.held = [0] * ranks
         for r, n in enumerate(shares):
+            self.held[r] = self.held[r] + 1 if n > 0 else 0
+            if self.held[r] >= 3 and r < len(self.planned_idle):   # kept past its try (given, not measured at
+                self.planned_idle[r] = False   # once, measured): fast enough, whatever the plan thought
             planned = r < len(self.planned_idle) and self.planned_idle[r]
             self.waited[r] = self.waited[r] + 1 if n == 0 and not planned else 0
         due = [r for r in range(ranks) if self.waited[r] and self.waited[r] >= self._wait(shares, r, costs, min_share)]
@@ -79,10 +85,14 @@ class IdleProbes:
         return self.gaps[rank] * max(1.0, step_time(new, costs) / now - 1.0)
 
     def state_dict(self) -> dict:
-        return {"waited": list(self.waited), "gaps": list(self.gaps), "probing": self.probing, "before": self.before}
+        return {"waited": list(self.waited), "gaps": list(self.gaps), "probing": self.probing, "before": self.before,
+                "held": list(self.held), "planned_idle": list(self.planned_idle)}
 
     def load_state_dict(self, state: dict) -> None:
         self.waited = [int(n) for n in state.get("waited", [])]
         self.gaps = [int(n) for n in state.get("gaps", [])]
         self.probing = state.get("probing")
         self.before = state.get("before")
+        self.held = [int(n) for n in state.get("held", [])]
+        if "planned_idle" in state:
+            self.planned_idle = [bool(p) for p in state["planned_idle"]]

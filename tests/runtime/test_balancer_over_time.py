@@ -106,3 +106,15 @@ def test_a_rank_resumed_from_rank_0s_shared_state_reports_none_of_rank_0s_step_t
     assert older.load_state_dict(shared)
     older.load_local_state_dict(None)   # a checkpoint written before the ranks' own figures were kept
     assert older.local_measurement().window_steps == 0
+
+
+def test_a_rank_the_plan_left_idle_that_proved_fast_is_measured_again_after_a_slowdown():
+    """The plan left rank 1 idle, its try found it fast and the split went even; 20x slower for steps 100-300, it
+    was moved to 0 and, still marked the plan's idle rank, never tried again: [128, 0] to step 800 (found in
+    review). Once it has kept samples it is re-measured like any other and comes back."""
+    slow = lambda r, step: 0.05 if r == 1 and 100 <= step < 300 else 1.0   # noqa: E731
+    moves = _run(slow, 800, BalancePlan(interval=5, min_share=0), shares=(128, 0))
+    assert [128, 0] in [new for step, new in moves if 100 <= step < 300], moves
+    assert abs(moves[-1][1][0] - 64) <= 3 and moves[-1][0] <= 500, moves
+    for resume_at in ((150,), (310,)):
+        assert _run(slow, 800, BalancePlan(interval=5, min_share=0), shares=(128, 0), resume_at=resume_at) == moves
