@@ -447,9 +447,6 @@ class Balancer:
                 "recent": [[list(p) for p in h] for h in self.recent],
                 "slopes": list(self.slopes),
                 "costs": None if self.costs is None else [c and [c.per_sample, c.fixed] for c in self.costs],
-                "interval": [list(p) for p in self._interval],
-                "window": [list(p) for p in self._window],
-                "scatter": [list(x) for x in self._scatter],
                 "skip": self._skip,
                 "move_bound": self._move_bound, "last_move": self._last_move, "asked": self._asked,
                 "streak": self._streak, "reversed": self._reversed, "probes": self.probes.state_dict(),
@@ -457,7 +454,8 @@ class Balancer:
                 "arrived": [dataclasses.astuple(m) for m in self.arrived() or []]}
 
     def local_state_dict(self) -> dict:
-        """This rank's own step times, saved with its own state: the shared state is rank 0's."""
+        """This rank's own step times, saved with its own state: the shared state (`state_dict`) is rank 0's and
+        holds none."""
         return {"interval": [list(p) for p in self._interval], "window": [list(p) for p in self._window],
                 "scatter": [list(x) for x in self._scatter]}
 
@@ -480,9 +478,6 @@ class Balancer:
         self.slopes = [None if s is None else float(s) for s in state.get("slopes", [None] * len(self.history))]
         saved_costs = state.get("costs")   # a rank at 0 samples measures nothing: its model is only here
         self.costs = None if saved_costs is None else [c and RankCost(float(c[0]), float(c[1])) for c in saved_costs]
-        self._interval = [(int(n), float(t)) for n, t in state.get("interval", [])]
-        self._window = [(int(n), float(t)) for n, t in state.get("window", [])]
-        self._scatter = [(float(ss), int(dof)) for ss, dof in state.get("scatter", [])]
         self._skip = int(state.get("skip", 0))
         self._move_bound = state.get("move_bound")
         self._last_move = state.get("last_move")
