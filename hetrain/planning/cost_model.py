@@ -262,8 +262,8 @@ def state_bytes(params: float, precision: str, optimizer: str, zero: int = 0, wo
     Gradients and optimizer state are of the `trained` parameters (all `params` by default): a frozen
     one has neither. ZeRO-3 (FSDP2) shards fp32 weights only and gathers a block and the next one in
     fp32; with activation checkpointing the running block's 16-bit casts too (the prefetched one has
-    none yet), without it `weight_cast_bytes` counts the casts of every weight. In backward it also holds a block's unsharded fp32 gradients and the
-    reduce-scatter's input of them (of `largest_block_trained`, by default the largest block's
+    none yet), without it `weight_cast_bytes` counts the casts of every weight. In backward it also
+    holds a block's unsharded fp32 gradients and the reduce-scatter's input of them (of `largest_block_trained`, by default the largest block's
     parameters). `pipelined`: a pipeline stage under ZeRO-3, which torch's PipelineStage runs with
     `set_reshard_after_backward(False)` and `set_requires_gradient_sync(False)` in every micro-batch's
     backward and reduce-scatters once after the last: through a step the stage holds all its weights
