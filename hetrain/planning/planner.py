@@ -308,8 +308,8 @@ def _priced(strategy: str, asked: Candidate, cluster, profile: WorkloadProfile, 
     t_slow, accum_slow = compute[slow_rank]
     # the all-reduce hides under the last micro-batch's backward, FSDP2's gathers and reduce-scatters under
     # every micro-batch's forward and backward; neither under the optimizer step that follows them
-    compute = max(0.0, t_slow - kind_of[slow_rank].time(0, 1, False))
-    overlap = compute if zero >= 3 else compute / accum_slow * cm.backward_fraction(per_rank[slow_rank][2])
+    working = max(0.0, t_slow - kind_of[slow_rank].time(0, 1, False))   # the slowest rank's step less its optimizer
+    overlap = working if zero >= 3 else working / accum_slow * cm.backward_fraction(per_rank[slow_rank][2])
     exposed, net_exposed = _comm(profile, topo, zero, hook, accum_slow, overlap)
     step = (t_slow + exposed) / kept
     cand.step_seconds, cand.samples_per_s = step, global_batch / step

@@ -389,7 +389,6 @@ class ProgressWatch:
         self.on_stall(early, find_stall(after, after))
         return True
 
-
     def _call_after_close(self, stalled: float) -> bool:
         """In a call every rank ends at once (session.gather_rows() in an evaluation loop whose ranks have
         different numbers of batches) while the others closed their sessions or wait in such calls: the rank
@@ -404,7 +403,8 @@ class ProgressWatch:
         seen, self._closed_seen = self._closed_seen, done
         if not done or len(done) + len(calls) != len(after) or calls[0] != self.rank or seen != done:
             return False
-        self.on_stall(stall_message(find_stall(after, after), after, stalled, self.timeout_s), find_stall(after, after))
+        stall = find_stall(after, after)
+        self.on_stall(stall_message(stall, after, stalled, self.timeout_s), stall)
         return True
 
 
