@@ -69,6 +69,21 @@ def balance_setup(plan: Plan | None, plan_shares: list[int], world_size: int, gl
     return BalanceSetup(shares, config)
 
 
+def saved_split_outside(shares: list[int], config: BalancePlan) -> str | None:
+    """Why a checkpoint's split cannot go on under this run's balance settings (a resume under a plan whose
+    min_share or max_share changed), or None. Continued as saved, a rank stayed at 0 samples under a plan that
+    gives every rank one (a model that cannot take an empty batch failed every restart), and a rank kept more
+    samples than a max_share set as its memory's bound."""
+    low = [r for r, n in enumerate(shares) if n < config.min_share]
+    if low:
+        return f"rank {low[0]} was at {shares[low[0]]} samples, below this run's balance.min_share {config.min_share}"
+    high = [r for r, n in enumerate(shares) if config.max_share is not None and n > config.max_share]
+    if high:
+        return (f"rank {high[0]} was at {shares[high[0]]} samples, above this run's balance.max_share "
+                f"{config.max_share}")
+    return None
+
+
 def piece_caps(shares: list[int], pieces: list[tuple[int | None, int]] | None) -> list[int | None] | None:
     """Each rank's most samples a re-split may give it, where every rank runs the job's count of micro-batches
     (`pieces`: each rank's (micro_batch, grad_accum); FSDP2 data parallelism, SyncBatchNorm), else None: those

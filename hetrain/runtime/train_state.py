@@ -22,6 +22,7 @@ from hetrain.checkpoint.errors import START_FROM_WEIGHTS
 from hetrain.checkpoint.rng import capture_rng, restore_rng
 from hetrain.errors import HetrainError
 from hetrain.planning.plan import Plan
+from hetrain.runtime.balance_config import saved_split_outside
 from hetrain.runtime.balancer import Balancer
 from hetrain.runtime.gradients import local_tensor
 from hetrain.runtime.data import HeteroLoader
@@ -182,13 +183,15 @@ class TrainState:
         if self.step_state is not None and shared.get("items_per_sample") is not None:
             self.step_state.items_per_sample = float(shared["items_per_sample"])
         if int(shared["world_size"]) == self.world_size:
-            if self.balancer.load_state_dict(shared["balancer"]):   # rank 0's; this rank's own step times apart
+            outside = saved_split_outside(shared["balancer"]["shares"], self.balancer.config)
+            if outside is None and self.balancer.load_state_dict(shared["balancer"]):   # rank 0's; own times apart
                 self.balancer.load_local_state_dict(per_rank.get("balancer") if per_rank is not None else None)
             else:
                 self.loader.start_split_anew()
-                log.warning("resuming with the ranks on other devices than the checkpoint's (%s, was %s): the split "
-                            "starts from this run's plan and is measured anew", self.balancer.devices,
-                            shared["balancer"].get("devices"))
+                why = outside or (f"the ranks are on other devices than the checkpoint's ({self.balancer.devices}, "
+                                  f"was {shared['balancer'].get('devices')})")
+                if self.rank == 0:
+                    log.warning("resuming where %s: the split starts from this run's plan and is measured anew", why)
         if per_rank is not None:
             restore_rng(per_rank["rng"])
 
