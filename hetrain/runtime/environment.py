@@ -280,7 +280,12 @@ def init_process_group(env: RankEnv, device: torch.device, backend: str | None =
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = collective_timeout()
-    if "MASTER_ADDR" in os.environ:
+    # a MASTER_ADDR left in the shell, without a launcher's WORLD_SIZE, is no job of several ranks: a one-process
+    # run read MASTER_PORT (a KeyError) or waited 600 s on another host's address
+    if "MASTER_ADDR" in os.environ and ("WORLD_SIZE" in os.environ or env.world_size > 1):
+        if "MASTER_PORT" not in os.environ:
+            raise HetrainError(f"MASTER_ADDR is set ({os.environ['MASTER_ADDR']}) but MASTER_PORT is not; set both, or "
+                               "start the script with `hetrain launch --nproc-per-node N script.py`")
         # Under the elastic agent's shared store, workers keep one store across restarts; keys written
         # by a failed attempt (a dead rank's address) would be read by the next one: namespace them by
         # the restart count (which only nodes that restart together share). Otherwise rank 0 hosts a
