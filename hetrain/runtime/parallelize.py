@@ -183,7 +183,7 @@ def check_parameters(model: nn.Module, sharding_name: str = "none") -> None:
     sparse = [n for n, m in model.named_modules()
               if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
     if sparse:
-        raise HetrainError(f"{sparse[0]} makes sparse gradients (sparse=True): {SPARSE_FIX}")
+        raise HetrainError(f"{sparse[0] or 'the model'} makes sparse gradients (sparse=True): {SPARSE_FIX}")
     if len(dtypes) > 1 and sharding_name != "none":
         kinds = ", ".join(f"{str(d).removeprefix('torch.')} ({n})" for d, n in dtypes.items())
         raise HetrainError(

@@ -35,6 +35,8 @@ class Tokens(torch.nn.Module):
 def test_a_sparse_embedding_is_refused_naming_sparse_false(sharding):
     with pytest.raises(HetrainError, match=r"^emb makes sparse gradients \(sparse=True\).*sparse=False"):
         _prepare(Tokens(sparse=True), sharding)
+    with pytest.raises(HetrainError, match=r"^the model makes sparse gradients"):   # the table alone: no name
+        _prepare(torch.nn.Embedding(10, 2, sparse=True), sharding)
     _prepare(Tokens(sparse=False), sharding)
 
 
