@@ -18,7 +18,8 @@ def catalog_peak_flops(device_name: str, precision: str) -> float | None:
 
 
 def mfu(flops_per_item: float | None, items: int, seconds: float | None, peak_flops: float | None) -> float | None:
-    """FLOPs of `items` done in `seconds`, as a fraction of `peak_flops`; None when a figure is missing."""
-    if not flops_per_item or not peak_flops or not seconds or seconds <= 0:
+    """FLOPs of `items` done in `seconds`, as a fraction of `peak_flops`: 0 for a step that computed none (a rank
+    at 0 samples still spends the step's time); None when a figure is missing (no peak, no FLOPs model, no time)."""
+    if flops_per_item is None or not peak_flops or not seconds or seconds <= 0:
         return None
     return flops_per_item * items / seconds / peak_flops

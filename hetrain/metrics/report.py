@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from statistics import fmean
 from typing import Any
 
 from hetrain.errors import HetrainError
@@ -257,7 +256,10 @@ def summary_row(run: RankRun) -> dict[str, Any]:
     t = run.timed
     step_seconds = sum(s["step_seconds"] for s in t)
     causes = run.time_by_cause()
-    mfus = [s["mfu"] for s in t if s.get("mfu") is not None]
+    # over the steps MFU is known for: their model FLOPs over their wall time (each step's MFU weighted by its
+    # time), what the gauge's figures add up to; a step at 0 samples counts as the time it took
+    mfu_steps = [s for s in t if s.get("mfu") is not None]
+    mfu_seconds = sum(s["step_seconds"] for s in mfu_steps)
     last = run.steps[-1] if run.steps else {}
     sent = [s["comm_bytes"] for s in run.steps if s.get("comm_bytes")]
     return {
@@ -271,7 +273,7 @@ def summary_row(run: RankRun) -> dict[str, Any]:
         if step_seconds and all(s.get("items") is not None for s in t) else None,
         "share": last["share"] / sum(last["shares"]) if last.get("shares") and sum(last["shares"]) else None,
         **{cause: causes[cause] / step_seconds if step_seconds else None for cause in CAUSES},
-        "mfu": fmean(mfus) if mfus else None,
+        "mfu": sum(s["mfu"] * s["step_seconds"] for s in mfu_steps) / mfu_seconds if mfu_seconds else None,
         # None where no step measured its traffic (FSDP2's collectives are not counted), never 0 for it
         "comm_bytes": sum(sum(d.values()) for d in sent) if sent else None,
         "checkpoints": len(run.checkpoint_steps), "restarts": run.restarts,
