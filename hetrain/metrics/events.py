@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+SPLIT_REASONS = ("balance", "try", "back")
+"""Why the balancer changed the split: a re-split on the ranks' measured speeds; a rank at 0 samples given one
+sample to measure it again (`min_share` 0); the split it came from again, that try finding the rank too slow."""
+
 
 @dataclass(frozen=True)
 class StepRecord:
@@ -42,6 +46,7 @@ class StepRecord:
     checkpoint_seconds: float = 0.0  # the loop held by the checkpoint save the previous step() made (its
     #                                  blocking part), which falls in this step's wall time
     model_flops: float | None = None  # forward and backward FLOPs of this step's batch, when counted
+    split_reason: str | None = None   # where split_changed, why (SPLIT_REASONS)
 
     @property
     def waiting_seconds(self) -> float | None:

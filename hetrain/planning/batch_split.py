@@ -22,13 +22,18 @@ from hetrain.errors import HetrainError
 
 @dataclass(frozen=True)
 class RankCost:
-    """A rank's step time as a function of its share: ``fixed + n * per_sample`` seconds."""
+    """A rank's step time as a function of its share: ``fixed + n * per_sample`` seconds. At 0 samples a rank
+    still runs its step's fixed part (its optimizer step, the backward of exact zeros that joins the gradient
+    all-reduce): ``idle``, what it measured there, or else ``fixed``."""
 
     per_sample: float
     fixed: float = 0.0
+    idle: float | None = None
 
     def time(self, n: int) -> float:
-        return self.fixed + n * self.per_sample if n > 0 else 0.0
+        if n > 0:
+            return self.fixed + n * self.per_sample
+        return self.fixed if self.idle is None else self.idle
 
 
 def _bounds(total: int, costs: Sequence[Cost], counts: Sequence[int], min_share, max_share
@@ -101,7 +106,10 @@ def split_min_max(
     ``counts``, k stands for ``counts[k]`` identical devices and the result lists every device
     (kind by kind). Exact for non-decreasing costs: bisection on the step time finds, for a time
     just below the optimum, how many samples each device can take; the few samples left go one
-    at a time to the device that would finish them first (identical devices move together).
+    at a time to the device that would finish them first (identical devices move together). A device
+    whose step takes longer at 0 samples than at 1 (an idle rank's backward of exact zeros can cost more
+    than one sample's) keeps at least one where the batch has one for it: a sample moved to it from any
+    other device shortens its step and lengthens none, so the costs are non-decreasing from there.
     """
     if total < 0:
         raise HetrainError(f"global batch must be >= 0, got {total}")
@@ -113,9 +121,15 @@ def split_min_max(
     for r, c in enumerate(costs):
         if isinstance(c, RankCost) and (not (c.per_sample > 0 and math.isfinite(c.per_sample)) or c.fixed < 0):
             raise HetrainError(f"rank {r}: per-sample time must be positive and finite, got {c.per_sample}")
+        if isinstance(c, RankCost) and c.idle is not None and not (c.idle >= 0 and math.isfinite(c.idle)):
+            raise HetrainError(f"rank {r}: the time at 0 samples must be >= 0 and finite, got {c.idle}")
     lo, hi = _bounds(total, costs, counts, min_share, max_share)
     caps = lambda t: [_capacity(c, t, int(l), int(h)) for c, l, h in zip(costs, lo, hi)]  # noqa: E731
     taken = lambda shares: sum(n * s for n, s in zip(counts, shares))  # noqa: E731
+    for k in sorted(range(len(costs)), key=lambda k: -costs[k].time(0)):   # too few samples for all: the longest first
+        slower_idle = costs[k].time(0) > costs[k].time(1)
+        if lo[k] == 0 and hi[k] >= 1 and counts[k] and slower_idle and taken(lo) + counts[k] <= total:
+            lo[k] = 1
     t_lo, t_hi = 0.0, max(c.time(int(h)) for c, h, n in zip(costs, hi, counts) if n)
     if taken(caps(t_lo)) < total:
         for _ in range(200):

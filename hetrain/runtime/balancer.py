@@ -36,7 +36,9 @@ Guards keep noise and outside load from moving samples:
   re-split may open with 30% when the gap is wide (the slowest rank's modelled step 1.3x the
   fastest's or more) and beyond six standard errors: a device difference, reached in two re-splits
   instead of three or four. Outside load later in a run never opens wide.
-With ``min_share`` 0, a rank moved to 0 samples (it measures nothing there) is given one sample for an
+A rank at 0 samples is modelled at what its steps there took (until then, its line's fixed part:
+hetrain.runtime.rank_measurement). With ``min_share`` 0, a rank moved to 0 samples (it measures no cost per
+sample there) is given one sample for an
 interval now and then, at ever longer waits while it stays too slow for it (`IdleProbes`).
 A split decided at step t reaches the loop ``lag`` steps later (the loader's prefetch depth); those
 steps, and the first one at the new sizes (it allocates), are not measured.
@@ -59,13 +61,12 @@ from hetrain.planning.batch_split import RankCost, rebalance, step_time
 from hetrain.planning.plan import BalancePlan
 from hetrain.runtime.cost_line import anchored_cost, fit_slope
 from hetrain.runtime.idle_probes import IdleProbes
+from hetrain.runtime.rank_measurement import MIN_SCATTER, RankMeasurement, median_or_nan, spread
 
 log = logging.getLogger("hetrain.balance")
 
 SIGNIFICANCE = 3.0      # standard errors the measured gap between ranks must exceed
 CONTINUE_SIGNIFICANCE = 2.0   # ... to continue the last re-split's move, right after it
-MEDIAN_SE = 1.2533      # standard error of a median of k normal draws: 1.2533 * sd / sqrt(k)
-MIN_SCATTER = 0.01      # the least step-to-step scatter assumed, as a fraction of the median
 LOAD_MEMORY = 3         # intervals of `history` each rank's best recent speed is looked for in
 NEAR = 0.15             # intervals within this fraction of the current share show the rank's best speed
 FIRST_MOVE = 0.1        # the first re-split moves a rank by at most this fraction of an even share
@@ -82,51 +83,7 @@ class SplitChange:
     new: list[int]
     predicted_old_s: float
     predicted_new_s: float
-
-
-@dataclass(frozen=True)
-class RankMeasurement:
-    """What one rank measured, as exchanged at a re-split (NaN where it has no figure).
-
-    ``samples``/``seconds``: its share and median compute seconds per step over the interval;
-    ``window_*``: the same over its steps since the split last changed, with their scatter
-    (a robust standard deviation) and how many steps there were.
-    """
-
-    samples: float
-    seconds: float
-    window_samples: float
-    window_seconds: float
-    window_sd: float = 0.0
-    window_steps: float = math.inf
-
-    @classmethod
-    def exact(cls, samples: float, seconds: float) -> "RankMeasurement":
-        """A noise-free figure (planning, tests): one interval, and a window of the same."""
-        return cls(samples, seconds, samples, seconds)
-
-    def has_interval(self) -> bool:
-        return self.samples > 0 and math.isfinite(self.seconds) and self.seconds > 0
-
-    def has_window(self) -> bool:
-        return self.window_samples > 0 and math.isfinite(self.window_seconds) and self.window_seconds > 0
-
-    def standard_error(self) -> float:
-        if not self.has_window() or not math.isfinite(self.window_sd):
-            return math.inf
-        if math.isinf(self.window_steps):
-            return 0.0
-        return MEDIAN_SE * self.window_sd / math.sqrt(max(self.window_steps, 1.0))
-
-
-def _spread(times: Sequence[float]) -> tuple[float, int]:
-    """(sum of squared relative deviations from the mean, degrees of freedom) of one window's step
-    times. A deviation counts at most 50%: a step stalled by outside load widens the scatter, as it
-    should, without swamping it."""
-    if len(times) < 2:
-        return 0.0, 0
-    mean = sum(times) / len(times)
-    return sum(min(abs(t / mean - 1.0), 0.5) ** 2 for t in times), len(times) - 1
+    reason: str = "balance"   # one of SPLIT_REASONS (hetrain.metrics.events)
 
 
 def _agree(move: Sequence[int], other: Sequence[int]) -> bool:
@@ -175,13 +132,16 @@ class Balancer:
     share_caps: list[int | None] | None = None   # each rank's most samples (piece_caps: one piece over the count)
     _interval: list[tuple[int, float]] = field(default_factory=list)  # this rank's steps of the interval
     _window: list[tuple[int, float]] = field(default_factory=list)    # ... since the split last changed
-    _scatter: list[tuple[float, int]] = field(default_factory=list)   # _spread() of past windows
+    _scatter: list[tuple[float, int]] = field(default_factory=list)   # spread() of past windows
+    _floors: list[float] = field(default_factory=list)   # its last steps' optimizer seconds, at any share
+    _idle: list[float] = field(default_factory=list)     # this rank's steps at 0 samples since the split changed
     _skip: int | None = None                  # steps still to ignore (warm-up, first step at new sizes)
     lag: int = 0                    # steps between a decided split and the first step that uses it
     history: list[list[tuple[float, float]]] = field(default_factory=list)  # per rank, per interval
     recent: list[list[tuple[float, float]]] = field(default_factory=list)   # ... the last LOAD_MEMORY * history
     slopes: list[float | None] = field(default_factory=list)   # per rank, the last fitted per-sample cost
     costs: list[RankCost] | None = None        # the last model of every rank
+    idle: list[float | None] = field(default_factory=list)   # per rank, what its last steps at 0 samples took
     changes: list[SplitChange] = field(default_factory=list)
     _move_bound: float | None = None           # samples a rank may move at the next re-split (None: first)
     _last_move: list[int] | None = None        # each rank's change of share at the last re-split
@@ -217,12 +177,18 @@ class Balancer:
     def window_cap(self) -> int:
         return self.config.history * self.config.interval
 
-    def record(self, samples: int, seconds: float) -> None:
-        """One step of this rank: how many samples it computed, in how many seconds (compute and data wait)."""
+    def record(self, samples: int, seconds: float, optimizer_seconds: float = math.nan) -> None:
+        """One step of this rank: how many samples it computed, in how many seconds (compute and data wait), of
+        them its optimizer step's (what its step takes at any share, at 0 samples too)."""
         if self._skip > 0:
             self._skip -= 1
             return  # the first steps pay for allocation and warm-up, not for samples
-        if samples <= 0 or not math.isfinite(seconds):
+        if not math.isfinite(seconds):
+            return
+        self._floors = [*self._floors, optimizer_seconds][-self.window_cap:]   # the same at any share
+        if samples <= 0:   # at its share of 0 (not a partial last batch's 0), its step's fixed part alone
+            if seconds > 0 and (self.rank is None or self.shares[self.rank] == 0):
+                self._idle = [*self._idle, seconds][-self.window_cap:]
             return
         self._interval.append((samples, seconds))
         del self._interval[: -self.config.interval]   # an interval's steps (balancing off: none is ever taken)
@@ -247,11 +213,12 @@ class Balancer:
             med = statistics.median(times)
             # The scatter is pooled with past windows' (relative to each window's mean): a few steps
             # can agree by chance. Timings on a shared machine scatter by 1% at least.
-            spreads = [*self._scatter, _spread(times)]
+            spreads = [*self._scatter, spread(times)]
             ss, dof = sum(x for x, _ in spreads), sum(d for _, d in spreads)
             sd = max(math.sqrt(ss / dof), MIN_SCATTER) * med if dof else math.nan
-            return RankMeasurement(n, t, float(self._window[0][0]), med, sd, float(len(times)))
-        return RankMeasurement(n, t, nan, nan, nan, 0.0)
+            return RankMeasurement(n, t, float(self._window[0][0]), med, sd, float(len(times)),
+                                   median_or_nan(self._floors), median_or_nan(self._idle))
+        return RankMeasurement(n, t, nan, nan, nan, 0.0, median_or_nan(self._floors), median_or_nan(self._idle))
 
     def take_measurement(self) -> RankMeasurement:
         """This rank's measurement, ending the interval."""
@@ -267,9 +234,8 @@ class Balancer:
         if step is not None and not self.due(step):
             return
         m = self.take_measurement()
-        local = torch.tensor([m.samples, m.seconds, m.window_samples, m.window_seconds, m.window_sd,
-                              m.window_steps], dtype=torch.float64, device=device)
-        out = [torch.zeros(6, dtype=torch.float64, device=device) for _ in range(dist.get_world_size(group))]
+        local = torch.tensor(dataclasses.astuple(m), dtype=torch.float64, device=device)
+        out = [torch.zeros_like(local) for _ in range(dist.get_world_size(group))]
         self._in_flight = dist.all_gather(out, local, group=group, async_op=True)
         # held until the next exchange: gloo's worker frees the finished gather after `arrived` returns,
         # and tensors still held here are then freed without the interpreter lock (see settle_at_exit)
@@ -301,6 +267,8 @@ class Balancer:
         if len(self.history) != ranks:
             self.history = [[] for _ in range(ranks)]
             self.slopes = [None] * ranks
+        if len(self.idle) != ranks:
+            self.idle = [None] * ranks
         if len(self.recent) != ranks:
             self.recent = [list(h) for h in self.history]
         for r, m in enumerate(observed):
@@ -312,12 +280,14 @@ class Balancer:
             slope = fit_slope(self.history[r])
             if slope is not None:
                 self.slopes[r] = slope
+            if m.has_idle():
+                self.idle[r] = m.idle_seconds
         fitted: list[RankCost | None] = []
         for r, m in enumerate(observed):
             if m.has_window():
-                fitted.append(anchored_cost(m.window_samples, m.window_seconds, self.slopes[r]))
+                fitted.append(anchored_cost(m.window_samples, m.window_seconds, self.slopes[r], m.floor()))
             elif m.has_interval():
-                fitted.append(anchored_cost(m.samples, m.seconds, self.slopes[r]))
+                fitted.append(anchored_cost(m.samples, m.seconds, self.slopes[r], m.floor()))
             else:
                 fitted.append(None)
         loads = [self._load_factor(r, c) for r, c in enumerate(fitted)]
@@ -332,13 +302,15 @@ class Balancer:
                         fixed=sum(c.fixed for c in known) / len(known))
         last = self.costs if self.costs is not None and len(self.costs) == ranks else [None] * ranks
         self.costs = [c if c is not None else last[r] for r, c in enumerate(fitted)]   # None: never measured
-        costs = [c or fill for c in self.costs]
+        # a rank at 0 samples costs what its steps there took, or until it has run some its line's fixed part
+        costs = [dataclasses.replace(c or fill, idle=i) for c, i in zip(self.costs, self.idle)]
         min_share = min(self.config.min_share, sum(self.shares) // len(self.shares))
         probe = self.probes.next_split(self.shares, [m.has_window() for m in observed], costs, min_share,
                                        self._max_shares(min_share))
         if probe is not None:   # a rank at 0 samples measured again, or back to 0: no move of the balance's own
             self._asked, self._streak = None, False
-            return probe[0] != self.shares and self._resplit(step, probe[0], costs, probe[1])
+            reason = "try" if self.probes.probing is not None else "back"
+            return probe[0] != self.shares and self._resplit(step, probe[0], costs, probe[1], reason)
         # Windows shorter than an interval (just after a re-split) are too short to weigh a gap: a move
         # in flight keeps its streak while they grow, instead of starting over from a confirmation.
         young = any(m.has_window() and m.window_steps < self.config.interval for m in observed)
@@ -376,18 +348,23 @@ class Balancer:
         self._streak = True
         return self._resplit(step, new, costs)
 
-    def _resplit(self, step: int, new: list[int], costs: Sequence[RankCost], why: str = "") -> bool:
-        """Take the split `new`, decided at `step` (True)."""
+    def _resplit(self, step: int, new: list[int], costs: Sequence[RankCost], why: str = "",
+                 reason: str = "balance") -> bool:
+        """Take the split `new`, decided at `step` (True), for `reason` (SPLIT_REASONS)."""
         t_old, t_new = step_time(self.shares, costs), step_time(new, costs)
-        self.changes.append(SplitChange(step, list(self.shares), new, t_old, t_new))
+        self.changes.append(SplitChange(step, list(self.shares), new, t_old, t_new, reason))
         log.info("step %d: split %s -> %s (predicted compute per step %.1f ms -> %.1f ms)%s",
                  step, self.shares, new, 1e3 * t_old, 1e3 * t_new, f": {why}" if why else "")
         self.shares = new
-        self._scatter = [*self._scatter, _spread([t for _, t in self._window])][-self.config.history:]
-        self._window = []
+        self._scatter = [*self._scatter, spread([t for _, t in self._window])][-self.config.history:]
+        self._window, self._idle = [], []
         # the loop reaches the new split `lag` steps later; its first step at the new sizes allocates
         self._skip = max(self._skip, 1 + self.lag)
         return True
+
+    def with_reason(self, record: Any) -> Any:
+        """A step's record (a StepRecord) with why the split changed at that step, where it did."""
+        return dataclasses.replace(record, split_reason=self.changes[-1].reason) if record.split_changed else record
 
     def _opening(self, observed: Sequence[RankMeasurement], loads: Sequence[float], costs: Sequence[RankCost]) -> bool:
         """The job's first re-split, on a gap between ranks that is wide and far beyond their noise: a
@@ -428,6 +405,7 @@ class Balancer:
         del self.recent[rank][:first]
         del self.history[rank][: max(len(self.history[rank]) - kept, 0)]
         self.slopes[rank] = fit_slope(self.history[rank])
+        self.idle[rank] = None   # measured at 0 samples before the change, as slow or as fast as it was then
 
     @staticmethod
     def _gap_is_real(observed: Sequence[RankMeasurement], loads: Sequence[float] | None = None,
@@ -447,6 +425,7 @@ class Balancer:
                 "recent": [[list(p) for p in h] for h in self.recent],
                 "slopes": list(self.slopes),
                 "costs": None if self.costs is None else [c and [c.per_sample, c.fixed] for c in self.costs],
+                "idle": list(self.idle),
                 "skip": self._skip,
                 "move_bound": self._move_bound, "last_move": self._last_move, "asked": self._asked,
                 "streak": self._streak, "reversed": self._reversed, "probes": self.probes.state_dict(),
@@ -457,7 +436,7 @@ class Balancer:
         """This rank's own step times, saved with its own state: the shared state (`state_dict`) is rank 0's and
         holds none."""
         return {"interval": [list(p) for p in self._interval], "window": [list(p) for p in self._window],
-                "scatter": [list(x) for x in self._scatter]}
+                "scatter": [list(x) for x in self._scatter], "floors": list(self._floors), "idle": list(self._idle)}
 
     def load_local_state_dict(self, state: dict | None) -> None:
         """This rank's own step times, after `load_state_dict`; None (a checkpoint without them): none, not rank
@@ -466,6 +445,8 @@ class Balancer:
         self._interval = [(int(n), float(t)) for n, t in state.get("interval", [])]
         self._window = [(int(n), float(t)) for n, t in state.get("window", [])]
         self._scatter = [(float(ss), int(dof)) for ss, dof in state.get("scatter", [])]
+        self._floors = [float(t) for t in state.get("floors", [])]
+        self._idle = [float(t) for t in state.get("idle", [])]
 
     def load_state_dict(self, state: dict) -> bool:
         """Continue from a saved balancer of as many ranks; False (this run's split and no history kept)
@@ -478,6 +459,7 @@ class Balancer:
         self.slopes = [None if s is None else float(s) for s in state.get("slopes", [None] * len(self.history))]
         saved_costs = state.get("costs")   # a rank at 0 samples measures nothing: its model is only here
         self.costs = None if saved_costs is None else [c and RankCost(float(c[0]), float(c[1])) for c in saved_costs]
+        self.idle = [None if t is None else float(t) for t in state.get("idle", [])]
         self._skip = int(state.get("skip", 0))
         self._move_bound = state.get("move_bound")
         self._last_move = state.get("last_move")

@@ -33,9 +33,16 @@ def fit_slope(history: Sequence[tuple[float, float]], min_spread: float = 1.1,
     return slope
 
 
-def anchored_cost(n: float, t: float, slope: float | None) -> RankCost:
-    """The cost line through the measured point (n samples in t seconds) with the given slope;
-    without a slope, or with one steeper than the point allows, proportional through the origin."""
-    if slope is None or slope * n > t:
-        return RankCost(per_sample=t / n)
+FLOOR_AT_MOST = 0.95    # of a measured step's time: the floor taken under a line, so its samples cost something
+
+
+def anchored_cost(n: float, t: float, slope: float | None, floor: float = 0.0) -> RankCost:
+    """The cost line through the measured point (n samples in t seconds) with the given slope; without a slope,
+    or with one steeper than the point allows (its line would pass 0 samples below ``floor``, the least a step
+    of the rank takes: its optimizer step, which a rank at 0 samples runs too), the line through the point and
+    (0, floor). A step's fixed part is its optimizer step and more, so that line is as steep as the truth or
+    steeper, and a split it moves does not pass the balance point; without a floor it goes through the origin."""
+    floor = min(max(floor, 0.0), FLOOR_AT_MOST * t) if math.isfinite(floor) else 0.0
+    if slope is None or slope * n > t - floor:
+        return RankCost(per_sample=(t - floor) / n, fixed=floor)
     return RankCost(per_sample=slope, fixed=t - slope * n)

@@ -1,6 +1,7 @@
 """When the balancer measures again a rank it moved to no samples (``min_share`` 0).
 
-A rank at 0 samples measures nothing, so its model stays the one that sent it there: a rank slowed for a
+A rank at 0 samples measures its step there but no cost per sample, so its line stays the one that sent it
+there: a rank slowed for a
 while (a throttled device, another job on it) would stay idle after it recovered. Now and then such a rank
 is given one sample for an interval; if it is still too slow to take even that, the split goes back to the
 one before and the wait before the next try doubles. The wait counts in what a try costs: a try whose step

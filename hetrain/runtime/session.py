@@ -411,15 +411,15 @@ class Session:
         data_wait = self.train.loader.data_wait_seconds
         times = self.clock.step_ended(first_forward, compute, data_wait, self.timer.last_between_s)
         totals = self.state.finish(status.global_items, status.loss)
-        self.balancer.record(totals.local_samples, compute + data_wait)
+        self.balancer.record(totals.local_samples, compute + data_wait, self.timer.last_optimizer_s)
         self.train.step += 1
         changed = self.balancer.settle(self.train.step)   # on the figures exchanged one step ago, if any
         if changed is not None:
             self.reports.save_rates(self.assignment.entries, self.balancer, step=self.train.step, emulated=self.emulated)
         self.balancer.begin_exchange(self.device, step=self.train.step)   # when an interval ends here
         if self.reports.observers:
-            self.reports.step(step_record(self, totals, times, compute, data_wait, not status.found_inf, bool(changed),
-                                          self._grad_norm))
+            self.reports.step(self.balancer.with_reason(step_record(self, totals, times, compute, data_wait,
+                                                                    not status.found_inf, bool(changed), self._grad_norm)))
         self._status, self._grad_norm = None, None
         if self.checkpoints is not None:
             with self.clock.checkpoint():
