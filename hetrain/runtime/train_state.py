@@ -183,7 +183,9 @@ class TrainState:
         if self.step_state is not None and shared.get("items_per_sample") is not None:
             self.step_state.items_per_sample = float(shared["items_per_sample"])
         if int(shared["world_size"]) == self.world_size:
-            outside = saved_split_outside(shared["balancer"]["shares"], self.balancer.config)
+            # (a plan whose own split breaks its bounds, as balancing off allows, keeps the saved one as before)
+            outside = (saved_split_outside(shared["balancer"]["shares"], self.balancer.config)
+                       if saved_split_outside(self.balancer.shares, self.balancer.config) is None else None)
             if outside is None and self.balancer.load_state_dict(shared["balancer"]):   # rank 0's; own times apart
                 self.balancer.load_local_state_dict(per_rank.get("balancer") if per_rank is not None else None)
             else:

@@ -62,3 +62,8 @@ def test_a_resume_under_a_plan_whose_bounds_the_saved_split_breaks_starts_from_t
     run_ranks(_run, 2, str(tmp_path / "c"), _plan([6, 2], min_share=0), 2)
     kept = run_ranks(_run, 2, str(tmp_path / "c"), _plan([4, 4], min_share=1, max_share=7), 4)
     assert [t for t, _ in kept] == [[6, 6], [2, 2]] and kept[0][1] == []
+    # a plan whose own split is outside its bounds (balancing off does not check them) resumes as it ran
+    own = _plan([6, 2], min_share=0, max_share=5, enabled=False)
+    run_ranks(_run, 2, str(tmp_path / "d"), own, 2)
+    again = run_ranks(_run, 2, str(tmp_path / "d"), own, 4)
+    assert [t for t, _ in again] == [[6, 6], [2, 2]] and again[0][1] == []
