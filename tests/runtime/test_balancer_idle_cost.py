@@ -59,7 +59,9 @@ def test_a_rank_whose_idle_step_is_fast_still_goes_idle():
 
 
 def test_equal_ranks_with_a_large_optimizer_step_keep_their_split():
-    """The line through the optimizer's seconds is flatter than one through the origin: noise moves nothing."""
+    """Equal ranks with an optimizer step larger than their samples' work keep their split under noise: the line
+    through the optimizer's seconds is flatter than one through the origin (a gap moves more samples), and what
+    keeps the split is the significance gate, which the floor leaves as it was."""
     def time(r, n):
         return OPTIMIZER[0] + FIXED[0] + n * PER_SAMPLE[0]
     for seed in range(3):
