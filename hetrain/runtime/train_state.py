@@ -90,6 +90,7 @@ class TrainState:
         inside `session.step()`, before the script's code after it (the loader's state says so)."""
         model, optimizer = self.prepared.model, self.prepared.optimizer
         self.check_finite()
+        unstepped = self.step == self.skipped_steps and optimizer is not None and not any(optimizer.state.values())
         with_state = state_names(self.prepared.state_module, optimizer) if self.sharding == "fsdp" else []
         sharded = None
         model_state = optimizer_state = None
@@ -101,7 +102,7 @@ class TrainState:
             sharded = {"model": get_model_state_dict(model)}
             if optimizer is not None:  # a fresh optimizer's state is initialised first, as a template
                 with trainable(self.prepared.state_module, with_state if names_with_state is None else names_with_state):
-                    with quiet_step_hooks(optimizer):
+                    with as_it_was(optimizer):
                         sharded["optimizer"] = get_optimizer_state_dict(model, optimizer)
         else:
             model_state = self.prepared.state_module.state_dict()
@@ -115,6 +116,7 @@ class TrainState:
             "optimizer": optimizer_state,
             "optimizer_class": _optimizer_class(optimizer),
             "optimizer_state_names": with_state,
+            "optimizer_unstepped": unstepped,   # no update yet: what DCP's template step gave it is not its state
             # FSDP2: a resume compares them with its model's (the sharded load reads only the keys it has)
             "model_keys": sorted(sharded["model"]) if self.fsdp and not self.pipelined else None,
             "optimizer_settings": _settings(optimizer),
@@ -166,6 +168,8 @@ class TrainState:
                         load_zero1_state(optimizer, shared["optimizer"])
                     else:
                         optimizer.load_state_dict(shared["optimizer"])
+            if (self.pipelined or self.fsdp) and shared.get("optimizer_unstepped") and optimizer is not None:
+                optimizer.state.clear()   # saved before its first update: the loaded state is DCP's template step's
         except (RuntimeError, KeyError, ValueError) as e:
             raise HetrainError(
                 f"{where} was saved from a different model or optimizer ({load_error_summary(e)}); resume with the model "
@@ -358,6 +362,20 @@ def trainable(model: torch.nn.Module, names: Sequence[str]) -> Iterator[None]:
             p.requires_grad_(False)
 
 
+@contextlib.contextmanager
+def as_it_was(optimizer: Any) -> Iterator[None]:
+    """Around torch's `get_optimizer_state_dict`, which gives an optimizer without state its state by a step over
+    zero gradients at learning rate 0 (`_init_optim_state`): Adam's step count became 1 before its first update,
+    which was then bias-corrected as a second (0.744 of it) and every later one differed (a 2-stage fp16 pipeline
+    whose first 6 steps overflowed ended 0.0128 from the run without checkpoints). An optimizer without state has
+    none again after (the state dict keeps the tensors); the script's step hooks are set aside for it."""
+    empty = not any(optimizer.state.values())
+    with quiet_step_hooks(optimizer):
+        yield
+    if empty:
+        optimizer.state.clear()
+
+
 def stage_state(module: torch.nn.Module, optimizer: Any) -> dict:
     """A pipeline stage's model and optimizer state under the whole model's parameter names, one key per
     tensor (flattened), so a checkpoint loads into any partition of the blocks (DCP reads the keys asked)."""
@@ -366,7 +384,7 @@ def stage_state(module: torch.nn.Module, optimizer: Any) -> dict:
     # a stage of blocks without parameters or buffers (an activation) saves no model, one that trains none no optimizer
     state = {"model": get_model_state_dict(module) if module.state_dict() else {}}
     if optimizer is not None and any(group["params"] for group in optimizer.param_groups):
-        with quiet_step_hooks(optimizer):
+        with as_it_was(optimizer):
             state["optimizer"] = get_optimizer_state_dict(module, optimizer,
                                                           options=StateDictOptions(flatten_optimizer_state_dict=True))
     return state
