@@ -8,7 +8,8 @@ micro-batches. The same stage of every replica sums its gradients (all-reduce in
 process group), and `hetrain.runtime.gradients.finish_gradients` divides by the true global item
 count, which only last stages report. Replicas with unequal shares therefore stay exact.
 
-Each rank computes its stage under its own precision's autocast; stage outputs travel in fp32.
+Each rank computes its stage under its own precision's autocast; stage outputs travel in fp32 (float64 where
+the stage computes in float64: `hetrain.runtime.pipeline_stages.handoff_dtype`).
 """
 
 from __future__ import annotations
@@ -241,7 +242,7 @@ class PipelineRunner:
             with self.autocast():
                 value = loss_fn(output, tgt)
             n = count(tgt)
-            calls.append((value.detach().float(), n))
+            calls.append((value.detach().to(torch.promote_types(value.dtype, torch.float32)), n))   # fp64 kept
             if n == 0:
                 return output_zeros(output, value)
             return scaler.scale_loss(value * (n / estimate))
@@ -280,7 +281,7 @@ class PipelineRunner:
         def loss(output: Any, tgt: Any) -> torch.Tensor:
             with self.autocast():
                 value = loss_fn(output, tgt)
-            calls.append((float(value.detach().float()), count(tgt)))
+            calls.append((float(value.detach()), count(tgt)))
             return value
 
         m = microbatches or self.microbatches(samples)
@@ -311,20 +312,24 @@ class PipelineRunner:
             sync_buffers(self.buffers, self.buffer_source, self.stage_group)
 
     def total_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """The norm of the whole model's gradient (every stage), the same on every rank (collective)."""
+        """The norm of the whole model's gradient (every stage), the same on every rank (collective): in fp32, or
+        float64 where any stage's gradients are double (clipping a double model by an fp32 norm moved it 5e-9)."""
         counted_elsewhere = {id(p) for stages, p in self.ties if stages[0] != self.layout.stage}
         grads = [local_tensor(p.grad) for p in self.module.parameters()
                  if p.grad is not None and id(p) not in counted_elsewhere]
         local = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite=False) if grads else \
             torch.zeros((), device=self.device)
+        double = float(any(g.dtype == torch.float64 for g in grads))   # summed (or maxed) with the norm: one call
         local = local.to(device=self.device, dtype=torch.float64)
         if math.isinf(norm_type):
-            dist.all_reduce(local, op=dist.ReduceOp.MAX)
-            return local.float()
-        # Each stage's gradient is held whole by every replica (count it once), or in shards (count all).
-        powered = local ** norm_type / (1 if self.sharded else self.layout.replicas)
-        dist.all_reduce(powered)
-        return (powered ** (1.0 / norm_type)).float()
+            both = torch.stack([local, local.new_tensor(double)])
+            dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        else:   # each stage's gradient is held whole by every replica (count it once), or in shards (count all)
+            both = torch.stack([local ** norm_type / (1 if self.sharded else self.layout.replicas),
+                                local.new_tensor(double)])
+            dist.all_reduce(both)
+            both[0] = both[0] ** (1.0 / norm_type)
+        return both[0] if both[1] > 0 else both[0].float()
 
 
 SHAPE_INFERENCE = ("_forward_metadata_inference", "_shape_inference")   # torch's, by version

@@ -192,24 +192,37 @@ def stage_modules(model: nn.Module, pipeline: PipelinePlan, position: int) -> li
             for s in rank_stages(pipeline, position)]
 
 
+def handoff_dtype(module: nn.Module) -> torch.dtype:
+    """The dtype a stage's floating outputs travel in: fp32 (16-bit outputs widened, as the planner prices a
+    hand-off), or float64 where the stage computes in float64 (its floating weights or buffers are double), so
+    the next stage's double weights get double inputs, as in the model's own nn.Sequential."""
+    held = [t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()]
+    return torch.float64 if any(t.dtype == torch.float64 for t in held) else torch.float32
+
+
 def compute_in_precision(module: nn.Module, autocast: Callable[[], ContextManager]) -> None:
-    """The stage's forward under its rank's autocast (its backward outside it, as torch advises), and
-    its floating outputs in fp32, so stages of different precisions exchange one dtype."""
+    """The stage's forward under its rank's autocast (its backward outside it, as torch advises), and its
+    floating outputs in one dtype (`handoff_dtype`; a float64 output is never narrowed), so stages of
+    different precisions exchange one dtype. torch's stage learns the dtypes it receives, and those of the
+    gradients it sends back, from a forward through these hooks."""
     active: list[ContextManager] = []
+    wide = handoff_dtype(module)
 
     def enter(_module: nn.Module, _args: object) -> None:
         ctx = autocast()
         ctx.__enter__()
         active.append(ctx)
 
-    def fp32(t: object) -> object:
-        return t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float32 else t
+    def widen(t: object) -> object:
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dtype in (wide, torch.float64):
+            return t
+        return t.to(wide)
 
     def leave(_module: nn.Module, _args: object, output: object) -> object:
         active.pop().__exit__(None, None, None)
         if not isinstance(output, (tuple, list)):
-            return fp32(output)
-        cast = [fp32(t) for t in output]
+            return widen(output)
+        cast = [widen(t) for t in output]
         return type(output)(*cast) if hasattr(output, "_fields") else type(output)(cast)   # a namedtuple too
 
     module.register_forward_pre_hook(enter)
