@@ -193,17 +193,17 @@ def stage_modules(model: nn.Module, pipeline: PipelinePlan, position: int) -> li
 
 
 def handoff_dtype(module: nn.Module) -> torch.dtype:
-    """The dtype a stage's floating outputs travel in: fp32 (16-bit outputs widened, as the planner prices a
-    hand-off), or float64 where the stage computes in float64 (its floating weights or buffers are double), so
-    the next stage's double weights get double inputs, as in the model's own nn.Sequential."""
-    held = [t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()]
-    return torch.float64 if any(t.dtype == torch.float64 for t in held) else torch.float32
+    """The dtype a stage's 16-bit outputs are widened to: fp32, as the planner prices a hand-off, or float64 where
+    the stage's weights are double. fp32 and float64 outputs travel as they are, as in the model's own
+    nn.Sequential: a double output cast to fp32 met the next stage's double weights ("mixed dtype"), and an fp32
+    model's output widened to double for a double buffer of its stage met the next stage's fp32 weights."""
+    return torch.float64 if any(p.dtype == torch.float64 for p in module.parameters()) else torch.float32
 
 
 def compute_in_precision(module: nn.Module, autocast: Callable[[], ContextManager]) -> None:
     """The stage's forward under its rank's autocast (its backward outside it, as torch advises), and its
-    floating outputs in one dtype (`handoff_dtype`; a float64 output is never narrowed), so stages of
-    different precisions exchange one dtype. torch's stage learns the dtypes it receives, and those of the
+    16-bit outputs widened (`handoff_dtype`; fp32 and float64 outputs are left as they are), so stages of
+    different precisions exchange the dtype the model computes in. torch's stage learns the dtypes it receives, and those of the
     gradients it sends back, from a forward through these hooks."""
     active: list[ContextManager] = []
     wide = handoff_dtype(module)
@@ -214,7 +214,7 @@ def compute_in_precision(module: nn.Module, autocast: Callable[[], ContextManage
         active.append(ctx)
 
     def widen(t: object) -> object:
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dtype in (wide, torch.float64):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.element_size() >= 4:
             return t
         return t.to(wide)
 

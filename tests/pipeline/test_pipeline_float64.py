@@ -105,3 +105,55 @@ def test_handoff_dtype_is_fp32_unless_the_stage_computes_in_float64():
     assert handoff_dtype(nn.Linear(2, 2).bfloat16()) == torch.float32
     assert handoff_dtype(nn.Linear(2, 2).double()) == torch.float64
     assert handoff_dtype(nn.ReLU()) == torch.float32   # no weights: a double output still travels as it is
+    scaled = nn.Linear(2, 2)
+    scaled.register_buffer("gain", torch.ones(2, dtype=torch.float64))
+    assert handoff_dtype(scaled) == torch.float32   # a double buffer: the stage's outputs are its fp32 weights'
+
+
+class Scaled(nn.Module):
+    """A block of an fp32 model keeping a gain in a float64 buffer, used in fp32."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.register_buffer("gain", torch.full((16,), 1.5, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) * self.gain.float()
+
+
+def _fp32_with_a_double_buffer(rank: int, world: int) -> list[float]:
+    import hetrain
+
+    session = hetrain.Session(pipeline_plan([[0, 3], [3, 8]], "1f1b", microbatches=3, global_batch=GLOBAL))
+    net = make_model()
+    net[1] = Scaled(net[1])
+    session.prepare(net, torch.optim.SGD(net.parameters(), lr=LR))
+    losses = []
+    for x, y in session.loader(make_data(), global_batch_size=GLOBAL, shuffle=True, seed=0):
+        session.forward_backward(x, y, F.cross_entropy)
+        session.step()
+        losses.append(session.loss)
+        if session.step_count == STEPS:
+            break
+    session.close()
+    return losses
+
+
+def test_an_fp32_model_with_a_double_buffer_hands_off_fp32():
+    """Its stage's fp32 outputs were widened to double for the buffer, and the next stage's fp32 weights refused
+    them ("mixed dtype (CPU)"); they train as one process does."""
+    model, data = make_model(), make_data()
+    model[1] = Scaled(model[1])
+    order = GlobalBatchOrder(len(data), GLOBAL, shuffle=True, seed=0, drop_last=True)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    want = []
+    for step in range(STEPS):
+        x, y = data[order.global_batch(*divmod(step, order.steps_per_epoch))]
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(float(loss.detach()))
+    got = run_ranks(_fp32_with_a_double_buffer, 2)
+    assert all(max(abs(a - b) for a, b in zip(losses, want, strict=True)) < 1e-5 for losses in got)
