@@ -30,7 +30,7 @@ from hetrain.runtime.parallelize import Prepared
 from hetrain.runtime.precision import JobLossScaler
 from hetrain.runtime.schedulers import MOVED, Schedulers, is_scheduler
 from hetrain.runtime.sharding import is_zero1
-from hetrain.runtime.step_guard import quiet_step_hooks
+from hetrain.runtime.step_guard import any_rank, quiet_step_hooks
 from hetrain.runtime.step_state import StepState
 from hetrain.runtime.user_state import UserStates
 
@@ -90,7 +90,8 @@ class TrainState:
         inside `session.step()`, before the script's code after it (the loader's state says so)."""
         model, optimizer = self.prepared.model, self.prepared.optimizer
         self.check_finite()
-        unstepped = self.step == self.skipped_steps and optimizer is not None and not any(optimizer.state.values())
+        unstepped = self.fsdp and not any_rank([optimizer is not None and any(optimizer.state.values())],
+                                               collective_device())[0]
         with_state = state_names(self.prepared.state_module, optimizer) if self.sharding == "fsdp" else []
         sharded = None
         model_state = optimizer_state = None
@@ -116,7 +117,8 @@ class TrainState:
             "optimizer": optimizer_state,
             "optimizer_class": _optimizer_class(optimizer),
             "optimizer_state_names": with_state,
-            "optimizer_unstepped": unstepped,   # no update yet: what DCP's template step gave it is not its state
+            # no rank's optimizer has state yet (no update applied): what DCP's template step gave it is none
+            "optimizer_unstepped": unstepped,
             # FSDP2: a resume compares them with its model's (the sharded load reads only the keys it has)
             "model_keys": sorted(sharded["model"]) if self.fsdp and not self.pipelined else None,
             "optimizer_settings": _settings(optimizer),
@@ -360,6 +362,14 @@ def trainable(model: torch.nn.Module, names: Sequence[str]) -> Iterator[None]:
     finally:
         for p in frozen:
             p.requires_grad_(False)
+
+
+def collective_device() -> torch.device:
+    """Where the default group's collectives take their tensors: this rank's GPU under NCCL, else the CPU."""
+    import torch.distributed as dist
+
+    nccl = dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
 
 @contextlib.contextmanager
