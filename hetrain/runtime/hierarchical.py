@@ -22,6 +22,7 @@ import torch.distributed as dist
 from hetrain.errors import HetrainError
 from hetrain.runtime.comm_hooks import FlatHookState, flat_state
 from hetrain.runtime.compression import CommStats, SerialRunner, allgather_bytes
+from hetrain.runtime.environment import collective_timeout
 
 if TYPE_CHECKING:
     from hetrain.planning.plan import CommPlan
@@ -69,11 +70,11 @@ def island_groups(islands: list[list[int]]) -> IslandGroups:
     me = dist.get_rank()
     own_group = None
     for island in islands:  # every rank creates every group, in the same order
-        group = dist.new_group(island)
+        group = dist.new_group(island, timeout=collective_timeout())   # the job's, not gloo's 30 min
         if me in island:
             own_group, own_island = group, island
     leaders = [island[0] for island in islands]
-    leaders_group = dist.new_group(leaders)
+    leaders_group = dist.new_group(leaders, timeout=collective_timeout())
     return IslandGroups(islands, own_island, own_group, leaders, leaders_group if me in leaders else None)
 
 

@@ -28,6 +28,7 @@ from hetrain.errors import HetrainError
 from hetrain.planning.plan import PipelinePlan
 from hetrain.runtime.batch_tree import tensors
 from hetrain.runtime.buffers import buffer_places, restore_buffers, snapshot_buffers, sync_buffers
+from hetrain.runtime.environment import collective_timeout
 from hetrain.runtime.gradients import agree_items_per_sample, local_tensor
 from hetrain.runtime.kept_outputs import zeros_through
 from hetrain.runtime.parallelize import Prepared
@@ -60,13 +61,13 @@ def make_groups(layout: PipelineLayout) -> tuple[dist.ProcessGroup, dist.Process
     rank creates every group, in the same order, as torch requires."""
     pipe_group = stage_group = None
     for row in layout.grid:
-        g = dist.new_group(ranks=row)
+        g = dist.new_group(ranks=row, timeout=collective_timeout())   # the job's, not gloo's 30 min
         if row is layout.replica_ranks():
             pipe_group = g
     if layout.replicas > 1:
         for j in range(layout.stages):
             ranks = layout.stage_ranks(j)
-            g = dist.new_group(ranks=ranks)
+            g = dist.new_group(ranks=ranks, timeout=collective_timeout())
             if j == layout.stage:
                 stage_group = g
     return pipe_group, stage_group
@@ -382,7 +383,7 @@ def make_tie_groups(layout: PipelineLayout, ties: list[tuple[tuple[int, ...], nn
     mine = {}
     for stages in sorted({s for s, _ in ties}):
         for replica, row in enumerate(layout.grid):
-            g = dist.new_group(ranks=[row[j] for j in stages])
+            g = dist.new_group(ranks=[row[j] for j in stages], timeout=collective_timeout())
             if replica == layout.replica and layout.stage in stages:
                 mine[stages] = g
     return mine
