@@ -8,8 +8,8 @@ micro-batches. The same stage of every replica sums its gradients (all-reduce in
 process group), and `hetrain.runtime.gradients.finish_gradients` divides by the true global item
 count, which only last stages report. Replicas with unequal shares therefore stay exact.
 
-Each rank computes its stage under its own precision's autocast; stage outputs travel in fp32 (float64 where
-the stage computes in float64: `hetrain.runtime.pipeline_stages.handoff_dtype`).
+Each rank computes its stage under its own precision's autocast; its 16-bit outputs are widened to fp32 (float64
+where the stage's weights are double: `hetrain.runtime.pipeline_stages.handoff_dtype`), others travel as they are.
 """
 
 from __future__ import annotations

@@ -194,10 +194,11 @@ def stage_modules(model: nn.Module, pipeline: PipelinePlan, position: int) -> li
 
 def handoff_dtype(module: nn.Module) -> torch.dtype:
     """The dtype a stage's 16-bit outputs are widened to: fp32, as the planner prices a hand-off, or float64 where
-    the stage's weights are double. fp32 and float64 outputs travel as they are, as in the model's own
+    all the stage's weights are double (autocast never narrows double: a 16-bit output came from fp32 work). fp32 and float64 outputs travel as they are, as in the model's own
     nn.Sequential: a double output cast to fp32 met the next stage's double weights ("mixed dtype"), and an fp32
     model's output widened to double for a double buffer of its stage met the next stage's fp32 weights."""
-    return torch.float64 if any(p.dtype == torch.float64 for p in module.parameters()) else torch.float32
+    floating = [p for p in module.parameters() if p.is_floating_point()]
+    return torch.float64 if floating and all(p.dtype == torch.float64 for p in floating) else torch.float32
 
 
 def compute_in_precision(module: nn.Module, autocast: Callable[[], ContextManager]) -> None:

@@ -157,3 +157,44 @@ def test_an_fp32_model_with_a_double_buffer_hands_off_fp32():
         want.append(float(loss.detach()))
     got = run_ranks(_fp32_with_a_double_buffer, 2)
     assert all(max(abs(a - b) for a, b in zip(losses, want, strict=True)) < 1e-5 for losses in got)
+
+
+class Gained(nn.Module):
+    """An fp32 block behind a learnable float64 gain (a parameter, used in fp32)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.gain = nn.Parameter(torch.ones(6, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x * self.gain.float())
+
+
+def _bf16_stage_with_a_double_parameter(rank: int, world: int) -> int:
+    import hetrain
+
+    plan = pipeline_plan([[0, 1], [1, 8]], "1f1b", microbatches=3, global_batch=GLOBAL, precisions=["bf16", "fp32"])
+    session = hetrain.Session(plan)
+    net = make_model()
+    net[0] = Gained(net[0])
+    session.prepare(net, torch.optim.SGD(net.parameters(), lr=LR))
+    for x, y in session.loader(make_data(), global_batch_size=GLOBAL, shuffle=True, seed=0):
+        session.forward_backward(x, y, F.cross_entropy)
+        session.step()
+        if session.step_count == 2:
+            break
+    session.close()
+    return session.step_count
+
+
+def test_a_bf16_stage_of_an_fp32_model_with_one_double_parameter_hands_off_fp32():
+    """Its bf16 outputs were widened to double for that parameter; the next stage's fp32 weights refused them."""
+    assert handoff_dtype_of(Gained(nn.Linear(6, 16))) == torch.float32
+    assert run_ranks(_bf16_stage_with_a_double_parameter, 2) == [2, 2]
+
+
+def handoff_dtype_of(module: nn.Module) -> torch.dtype:
+    from hetrain.runtime.pipeline_stages import handoff_dtype
+
+    return handoff_dtype(module)
