@@ -227,7 +227,8 @@ class Session:
         loader.gradients_pending = lambda: gradients_pending(self.prepared.model)
         watch_loader(loader, self.watch, lambda: self.train.step + 1)   # reading, computing, a stream's end
         train = TrainState(self.prepared, self.sharding, self.scaler, self.balancer, loader, self.plan, self.world_size,
-                           self.rank, schedulers=self.schedulers, step_state=self.state, user_states=self.user_states)
+                           self.rank, schedulers=self.schedulers, step_state=self.state, user_states=self.user_states,
+                           device=self.device)
         # resumes the newest checkpoint; a failed resume leaves the session without a loader (and the directory free)
         self.checkpoints = start_checkpoints(train, self._checkpoint_args, lambda: list(self.step_seconds)[-20:],
                                              self.reports.checkpoint)

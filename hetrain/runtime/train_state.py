@@ -36,6 +36,9 @@ from hetrain.runtime.user_state import UserStates
 
 log = logging.getLogger("hetrain")
 
+NON_FINITE = ("{what} holds NaN or inf at step {step}; no checkpoint is written with it (the last good checkpoint "
+              "stays): lower the learning rate or clip gradients")
+
 # Optimizer settings that a schedule moves during training: a checkpoint's values are expected to differ.
 SCHEDULED = {*MOVED, "initial_lr"}
 # How torch's optimizers run a step, not what it computes: a resume keeps the script's (fused=True added later).
@@ -66,6 +69,7 @@ class TrainState:
     step_state: StepState | None = None   # its items per sample weight the next step's backward
     step: int = 0
     skipped_steps: int = 0
+    device: torch.device = torch.device("cpu")   # the session's: where its collectives take their tensors
 
     def __post_init__(self) -> None:
         # a dict of the script's state restores into the tensors it holds, never into the model's own
@@ -89,9 +93,19 @@ class TrainState:
         frozen ones out); `names_with_state`: a checkpoint's such parameters, for a template. `in_step`: taken
         inside `session.step()`, before the script's code after it (the loader's state says so)."""
         model, optimizer = self.prepared.model, self.prepared.optimizer
-        self.check_finite()
-        unstepped = self.fsdp and not any_rank([optimizer is not None and any(optimizer.state.values())],
-                                               collective_device())[0]
+        # No checkpoint stores non-finite weights. Under FSDP2 and pipelines a rank's are its own shard or stage:
+        # every rank learns of another's in one all-reduce, with whether any rank's optimizer holds state yet
+        # (none: no update applied, and what DCP's template step gives it is no state of its own).
+        bad = self.non_finite()
+        unstepped = False
+        if self.fsdp:
+            has_state, bad_elsewhere = any_rank([optimizer is not None and any(optimizer.state.values()),
+                                                 bad is not None], self.device)
+            unstepped = not has_state
+            bad = bad or (NON_FINITE.format(what="a parameter of another rank", step=self.step) if bad_elsewhere
+                          else None)
+        if bad is not None:
+            raise HetrainError(bad)
         with_state = state_names(self.prepared.state_module, optimizer) if self.sharding == "fsdp" else []
         sharded = None
         model_state = optimizer_state = None
@@ -220,15 +234,13 @@ class TrainState:
                 f"{where} was saved from a different model ({'; '.join(parts)}); resume with the model it was saved "
                 f"with, or {START_FROM_WEIGHTS}")
 
-    def check_finite(self) -> None:
-        """A checkpoint never stores non-finite weights."""
+    def non_finite(self) -> str | None:
+        """Why no checkpoint is written with this rank's weights (one holds NaN or inf), or None."""
         for name, p in self.prepared.state_module.named_parameters():
             local = local_tensor(p)
             if local.numel() and not bool(torch.isfinite(local.detach()).all()):
-                raise HetrainError(
-                    f"parameter {name} holds NaN or inf at step {self.step}; no checkpoint is written with it "
-                    "(the last good checkpoint stays): lower the learning rate or clip gradients"
-                )
+                return NON_FINITE.format(what=f"parameter {name}", step=self.step)
+        return None
 
     def _full_optimizer_state(self) -> dict | None:
         optimizer = self.prepared.optimizer
@@ -362,14 +374,6 @@ def trainable(model: torch.nn.Module, names: Sequence[str]) -> Iterator[None]:
     finally:
         for p in frozen:
             p.requires_grad_(False)
-
-
-def collective_device() -> torch.device:
-    """Where the default group's collectives take their tensors: this rank's GPU under NCCL, else the CPU."""
-    import torch.distributed as dist
-
-    nccl = dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
-    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
 
 @contextlib.contextmanager
