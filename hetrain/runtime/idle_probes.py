@@ -1,15 +1,15 @@
 """When the balancer measures again a rank it moved to no samples (``min_share`` 0).
 
-A rank at 0 samples measures its step there but no cost per sample, so its line stays the one that sent it
-there: a rank slowed for a
-while (a throttled device, another job on it) would stay idle after it recovered. Now and then such a rank
-is given one sample for an interval; if it is still too slow to take even that, the split goes back to the
-one before and the wait before the next try doubles. The wait counts in what a try costs: a try whose step
-is modelled to take k times the current one waits k - 1 times as long (at least as long), so a try is
-modelled to cost at most a quarter of the time since the last one, a rank that stays slow costs ever
-less, and one that recovers is back within about as long as it was idle. A rank the plan left idle is not re-measured:
-the balancer tries it once (its model is then unknown) and keeps it idle once measured slow, as the plan
-asked; one that try found fast enough to keep its samples is re-measured like any other if it goes idle later. Pure decisions on the figures every rank shares: every rank reaches the same split.
+A rank at 0 samples measures its step there but no cost per sample, so its line stays the one that sent it there: a
+rank slowed for a while (a throttled device, another job on it) would stay idle after it recovered. Now and then
+such a rank is given one sample for an interval; if it is still too slow to take even that, the split goes back to
+the one before and the wait before the next try doubles. The wait counts in what a try costs: a try whose step is
+modelled to take k times the current one waits k - 1 times as long (at least as long), so a try is modelled to cost
+at most a quarter of the time since the last one, a rank that stays slow costs ever less, and one that recovers is
+back within about as long as it was idle. A rank the plan left idle is not re-measured: the balancer tries it once
+(its model is then unknown) and keeps it idle once measured slow, as the plan asked; one that try found fast enough
+to keep its samples is re-measured like any other if it goes idle later. Pure decisions on the figures every rank
+shares: every rank reaches the same split.
 """
 
 from __future__ import annotations
