@@ -41,10 +41,7 @@ def _train(rank: int, world: int, sleepers: tuple[int, ...], mean_before_step: b
         if session.step_count >= STEPS:
             break
     session.close()
-    timed = [r for r in seen.records if r.step_seconds is not None]
-    return {"slept": SLEEP_S * len(timed) if rank in sleepers else 0.0,
-            "script": sum(r.script_seconds for r in timed), "ranks": sum(r.waiting_seconds for r in timed),
-            "compute": sum(r.compute_seconds for r in timed)}
+    return seen.totals(SLEEP_S if rank in sleepers else 0.0)
 
 
 def test_time_before_step_is_the_script_s_on_a_balanced_job():

@@ -45,8 +45,7 @@ def _train(rank: int, world: int) -> dict[str, float]:
         if session.step_count >= STEPS:
             break
     session.close()
-    timed = [r for r in seen.records if r.step_seconds is not None]
-    return {"slept": SLEEP_S * len(timed) if rank == 1 else 0.0, "compute": sum(r.compute_seconds for r in timed)}
+    return seen.totals(SLEEP_S if rank == 1 else 0.0)
 
 
 def test_a_fast_ranks_wait_in_zero1s_broadcast_for_a_slower_step_is_not_its_optimizer_time():
