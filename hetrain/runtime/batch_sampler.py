@@ -13,6 +13,7 @@ from __future__ import annotations
 import reprlib
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 from torch.utils.data import Sampler
 
 from hetrain.errors import HetrainError
@@ -34,6 +35,21 @@ def check_global_batch(global_batch_size: object, world_size: int) -> int:
         raise HetrainError(f"global batch size {global_batch_size} is smaller than the number of ranks "
                            f"({world_size}); use a global batch of at least {world_size}")
     return global_batch_size
+
+
+def check_order_arguments(shuffle: object, seed: object, drop_last: object) -> tuple[bool, int, bool]:
+    """`session.loader()`'s shuffle and drop_last as bools and its seed as a whole number. A flag passed on from a
+    command line as a string ("False") would otherwise read as true."""
+    for name, value in (("shuffle", shuffle), ("drop_last", drop_last)):
+        if not isinstance(value, (bool, np.bool_)):
+            parse = " (a command-line flag arrives as a string: parse it, e.g. argparse's action=\"store_true\")" \
+                if isinstance(value, str) else ""
+            raise HetrainError(f"session.loader(..., {name}={reprlib.repr(value)}): pass True or False{parse}")
+    whole = whole_number(seed)
+    if whole is None:
+        raise HetrainError(f"session.loader(..., seed={reprlib.repr(seed)}): the seed of the sample order is a whole "
+                           "number; pass one, e.g. 0")
+    return bool(shuffle), whole, bool(drop_last)
 
 
 class ShareSchedule:

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, IterableDataset, default_collate
 from hetrain.checkpoint.errors import START_FROM_WEIGHTS
 from hetrain.errors import HetrainError, ranks_by_value, ranks_text
 from hetrain.runtime.batch_tree import check_cuttable
-from hetrain.runtime.batch_sampler import RankBatchSampler, ShareSchedule, step_shares
+from hetrain.runtime.batch_sampler import RankBatchSampler, ShareSchedule, check_order_arguments, step_shares
 from hetrain.runtime.batch_transfer import to_device
 from hetrain.runtime.environment import add_error_hint
 from hetrain.runtime.loader_options import checked_options
@@ -431,6 +431,7 @@ def make_loader(dataset: Any, global_batch_size: int, *, shuffle: bool = True, s
     prefetch_factor, persistent_workers, worker_init_fn, timeout, multiprocessing_context, ...),
     with DataLoader's meaning. Collective when ranks are initialised (they agree on the lag).
     """
+    shuffle, seed, drop_last = check_order_arguments(shuffle, seed, drop_last)
     dataloader_options = checked_options(dataset, dataloader_options)
     stream = isinstance(dataset, IterableDataset)
     settings = {"global_batch_size": global_batch_size, "seed": seed, "shuffle": shuffle if not stream else None,
