@@ -77,8 +77,10 @@ class MeasuredRates(BaseModel):
         path = directory / RATES_FILE if directory.is_dir() else directory
         if not path.is_file():
             raise HetrainError(
-                f"{path} does not exist; pass the run directory (or checkpoint directory) of a job that ran "
-                "at least one re-split interval"
+                f"{path} does not exist: a job writes it once its balancer has measured one re-split interval, "
+                "and a job that does not balance (a pipeline plan, or balancing turned off) measures none; pass the "
+                "run directory (or checkpoint directory) of a balanced job, or plan with --profiles DIR from "
+                "hetrain profile"
             )
         from hetrain.planning.plan import unique_keys
 

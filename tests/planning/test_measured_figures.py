@@ -145,6 +145,8 @@ def test_from_run_without_a_rates_file_is_a_one_line_error(tmp_path):
                   "--from-run", str(tmp_path))
     assert p.returncode != 0 and "Traceback" not in p.stderr
     assert "measured-rates.json does not exist" in p.stderr
+    # a pipeline run, whose balancing is off, never writes one: the line says so and names what to plan with
+    assert "a pipeline plan, or balancing turned off) measures none" in p.stderr and "--profiles DIR" in p.stderr
 
 
 def test_cpu_profile_then_plan_with_it(tmp_path):
