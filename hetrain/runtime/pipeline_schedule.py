@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Callable, Mapping
-from typing import Any, ContextManager
+from typing import TYPE_CHECKING, Any, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -35,12 +34,15 @@ from hetrain.runtime.parallelize import Prepared
 from hetrain.runtime.pipeline_batch import gather_replica_batch
 from hetrain.planning.partition import microbatches_for
 from hetrain.runtime.pipeline_stages import PipelineLayout, compute_in_precision, rank_stages, stage_modules
+from hetrain.runtime.pipeline_timing import StageClock
 from hetrain.runtime.precision import JobLossScaler
 from hetrain.runtime.replicas import module_tensors, receive_from, send_to
 from hetrain.runtime.sharding import carry_state, state_where_parameters_are
 from hetrain.runtime.step_guard import warn_if_evaluating
 from hetrain.runtime.step_state import StepState, items_as_number
-from hetrain.runtime.timing import pad_to_speed
+
+if TYPE_CHECKING:   # FSDP2's timed collectives are imported where a stage is sharded, not with every session
+    from hetrain.runtime.fsdp_waits import CommWaits
 
 log = logging.getLogger("hetrain")
 
@@ -102,7 +104,7 @@ class PipelineRunner:
 
     def __init__(self, module: nn.Module, layout: PipelineLayout, pipeline: PipelinePlan, device: torch.device,
                  autocast: Callable[[], ContextManager], ties: list[tuple[tuple[int, ...], nn.Parameter]] | None = None, speed: float | None = None,
-                 sharded: bool = False, chunks: list[nn.Module] | None = None) -> None:
+                 sharded: bool = False, chunks: list[nn.Module] | None = None, comm_waits: CommWaits | None = None) -> None:
         self.module = module   # every block this rank holds (its chunks' blocks)
         self.layout = layout
         self.pipeline = pipeline
@@ -117,7 +119,7 @@ class PipelineRunner:
         for chunk in self.chunks:
             compute_in_precision(chunk, autocast)
         self.speed = speed
-        self.busy_seconds = 0.0   # this step's forward and backward compute (padded when emulating a speed)
+        self.clock = StageClock(speed, comm_waits)   # this step's forward and backward compute
         self.step_samples = 0     # the samples of the last replica batch this stage ran (its ranks' slices)
         self.buffers = buffer_places(module) if self.stage_group is not None else []   # synced over the replicas
         self.buffer_source = layout.stage_ranks()[0]   # the step's first replica with samples: its stage's rank
@@ -137,22 +139,9 @@ class PipelineRunner:
                                "session.evaluate(inputs, target, loss_fn), and save with "
                                "session.model_state_dict() (docs/pipeline.md)")
 
-    def _timed(self, work: Callable, speed: float | None) -> Callable:
-        """The stage's compute of one micro-batch, timed (transfers are outside it) and, on a CPU rank
-        emulating a slower device, padded to 1/speed of its length."""
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter()
-            out = work(*args, **kwargs)
-            self.busy_seconds += pad_to_speed(time.perf_counter() - started, speed)
-            return out
-
-        return timed
-
     def take_busy_seconds(self) -> float:
         """This step's compute seconds so far, and start counting the next step's."""
-        busy, self.busy_seconds = self.busy_seconds, 0.0
-        return busy
+        return self.clock.take()
 
     def microbatches(self, samples: int) -> int:
         m = microbatches_for(samples, self.pipeline.microbatches,
@@ -180,8 +169,8 @@ class PipelineRunner:
             for name in SHAPE_INFERENCE:
                 if hasattr(stage, name):
                     setattr(stage, name, keeping_buffers(getattr(stage, name), stage.submod))
-            stage.forward_one_chunk = self._timed(stage.forward_one_chunk, self.speed)
-            stage.backward_one_chunk = self._timed(stage.backward_one_chunk, self.speed)
+            stage.forward_one_chunk = self.clock.timed(stage.forward_one_chunk)
+            stage.backward_one_chunk = self.clock.timed(stage.backward_one_chunk)
         return stages
 
     def _schedule(self, m: int, batch: Any) -> Any:
@@ -288,12 +277,12 @@ class PipelineRunner:
         m = microbatches or self.microbatches(samples)
         schedule = self._schedule(m, (inputs, target))
         args = _as_tuple(inputs) if self.layout.is_first else ()
-        busy, self._loss, self._running = self.busy_seconds, loss, True
+        busy, self._loss, self._running = self.clock.busy_seconds, loss, True
         try:
             with torch.no_grad():
                 schedule.eval(*args, **({"target": target} if self.layout.is_last else {}))
         finally:
-            self.busy_seconds, self._loss, self._running = busy, None, False
+            self.clock.busy_seconds, self._loss, self._running = busy, None, False
         calls = calls[-m:]
         return sum(v * n for v, n in calls if n > 0), float(sum(n for _, n in calls))
 
@@ -451,10 +440,13 @@ def prepare_pipeline(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
     if layout.stages > 1:   # each stage draws its own dropout masks (one seed repeated a stage's masks in the next)
         torch.manual_seed(int(torch.randint(0, 2**62, ()).item()) + layout.stage)
     if sharded:
+        from hetrain.runtime.fsdp_waits import time_fsdp_collectives
         from hetrain.runtime.pipeline_sharding import ShardedChunks, shard_stage
 
         names = {id(p): n for n, p in module.named_parameters()}
         shard_stage(chunks, layout, device)
+        # its gathers' waits for the other replicas are not compute, and an emulated speed pads none of them
+        comm_waits = time_fsdp_collectives(nn.ModuleList(chunks), speed)
         if len(chunks) > 1:
             module = ShardedChunks(chunks)
         by_name = dict(module.named_parameters())
@@ -465,6 +457,7 @@ def prepare_pipeline(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
             for group in optimizer.param_groups:
                 group["params"] = [new_by_old[id(p)] for p in group["params"]]
     else:
+        comm_waits = None
         state_where_parameters_are(optimizer)
-    runner = PipelineRunner(module, layout, pipeline, device, autocast, ties, speed, sharded, chunks)
+    runner = PipelineRunner(module, layout, pipeline, device, autocast, ties, speed, sharded, chunks, comm_waits)
     return Prepared(module, optimizer, blocks), runner
