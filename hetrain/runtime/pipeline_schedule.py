@@ -120,6 +120,7 @@ class PipelineRunner:
             compute_in_precision(chunk, autocast)
         self.speed = speed
         self.clock = StageClock(speed, comm_waits)   # this step's forward and backward compute
+        self.inferring_shapes = False   # in torch's shape inference, whose forward is not the step's work
         self.step_samples = 0     # the samples of the last replica batch this stage ran (its ranks' slices)
         self.buffers = buffer_places(module) if self.stage_group is not None else []   # synced over the replicas
         self.buffer_source = layout.stage_ranks()[0]   # the step's first replica with samples: its stage's rank
@@ -142,6 +143,11 @@ class PipelineRunner:
     def take_busy_seconds(self) -> float:
         """This step's compute seconds so far, and start counting the next step's."""
         return self.clock.take()
+
+    def carries_samples(self) -> bool:
+        """Whether the forward now running is the step's work (for the model FLOPs): torch's shape inference,
+        a forward of its own on a new schedule's first step, is not."""
+        return not self.inferring_shapes
 
     def microbatches(self, samples: int) -> int:
         m = microbatches_for(samples, self.pipeline.microbatches,
@@ -168,10 +174,22 @@ class PipelineRunner:
         for stage in stages:
             for name in SHAPE_INFERENCE:
                 if hasattr(stage, name):
-                    setattr(stage, name, keeping_buffers(getattr(stage, name), stage.submod))
+                    setattr(stage, name, self._inferring(keeping_buffers(getattr(stage, name), stage.submod)))
             stage.forward_one_chunk = self.clock.timed(stage.forward_one_chunk)
             stage.backward_one_chunk = self.clock.timed(stage.backward_one_chunk)
         return stages
+
+    def _inferring(self, work: Callable) -> Callable:
+        """torch's shape inference, flagged while it runs: its forward counts no model FLOPs."""
+
+        def inferring(*args: Any, **kwargs: Any) -> Any:
+            self.inferring_shapes = True
+            try:
+                return work(*args, **kwargs)
+            finally:
+                self.inferring_shapes = False
+
+        return inferring
 
     def _schedule(self, m: int, batch: Any) -> Any:
         """The schedule of `m` micro-batches of this batch's shapes (every rank of a replica holds the

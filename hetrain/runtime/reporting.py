@@ -97,9 +97,10 @@ def start_metrics(session: Any) -> None:
         emulated=session.emulated, job=os.environ.get("TORCHELASTIC_RUN_ID", "local"),
         restart_count=session.restart_count, predicted_step_seconds=plan_step_seconds(session.plan),
         module=session.prepared.module, whole_model=session.pipeline is None,
-        # a stand-in piece (FSDP2) reads 0 samples; a pipeline stage computes its replica's batch whatever it read
+        # a stand-in piece (FSDP2) reads 0 samples; a pipeline stage computes its replica's batch whatever it read,
+        # but not in torch's shape inference
         carries_samples=(lambda state=session.state: state.current_samples() != 0) if session.pipeline is None
-        else (lambda: True))
+        else (lambda runner=session.pipeline: runner.carries_samples()))
 
 
 def plan_step_seconds(plan: Any) -> float | None:
