@@ -2,7 +2,8 @@
 
 `rates_by_kind` groups the balancer's cost lines by the device kind each rank runs, for
 `measured-rates.json` (`hetrain plan --from-run`). `FlopMeter` counts the FLOPs of one forward
-pass with torch's FlopCounterMode and each step's input elements, for the MFU a rank reports.
+pass (of each of a pipeline rank's chunks) with torch's FlopCounterMode and each step's input elements, for
+the MFU a rank reports.
 """
 
 from __future__ import annotations
@@ -40,18 +41,42 @@ def rates_by_kind(entries: Sequence[RankPlan], costs: Sequence[RankCost | None],
 
 
 class FlopMeter:
-    """Counts the FLOPs of the first forward pass of `module`, and the input elements (the numbers in
-    the tensors passed to it) of every forward: a step's FLOPs are the first forward's per input
-    element times the step's elements. Padded tokens count as the model computes them; a batch
-    twice as long costs twice the FLOPs whatever `num_items` says. `carries_samples` says whether the
-    forward now running computes samples: a stand-in piece (rows run so that FSDP2's collectives meet,
-    which carry no samples) is not the model's work."""
+    """Counts the FLOPs of the first forward pass of each of `modules` (the model, or a pipeline rank's chunks,
+    which torch's schedule calls one by one), and the input elements (the numbers in the tensors passed to it)
+    of every forward: a step's FLOPs are each module's first forward's per input element times its elements in
+    the step. Padded tokens count as the model computes them; a batch twice as long costs twice the FLOPs
+    whatever `num_items` says. `carries_samples` says whether the forward now running computes samples: a
+    stand-in piece (rows run so that FSDP2's collectives meet, which carry no samples) or a pipeline's shape
+    inference (a forward of torch's own on placeholder data) is not the model's work."""
 
-    def __init__(self, module: torch.nn.Module, carries_samples: Callable[[], bool] = lambda: True) -> None:
+    def __init__(self, modules: torch.nn.Module | Sequence[torch.nn.Module],
+                 carries_samples: Callable[[], bool] = lambda: True) -> None:
+        modules = [modules] if isinstance(modules, torch.nn.Module) else list(modules)
+        self._parts = [_ModuleFlops(m, carries_samples) for m in modules]
+
+    def take_step_flops(self) -> float | None:
+        """Forward and backward FLOPs (3x the forwards') of the forwards since the last call; None before
+        every module's first forward was counted, when one could not be, or when they count none."""
+        taken = [part.take_step_flops() for part in self._parts]
+        if any(flops is None for flops in taken) or not any(taken):
+            return None
+        return sum(taken)
+
+    def remove(self) -> None:
+        for part in self._parts:
+            part.remove()
+
+
+class _ModuleFlops:
+    """One module's FLOPs per input element (its first forward of samples) and its input elements since the
+    last `take_step_flops`."""
+
+    def __init__(self, module: torch.nn.Module, carries_samples: Callable[[], bool]) -> None:
         self.carries_samples = carries_samples
         self.flops: int | None = None
         self.first_elements = 0
         self.step_elements = 0     # input elements of the forwards since `take_step_flops` last ran
+        self.failed = False
         self._mode = None
         self._counting = [module.register_forward_pre_hook(self._start, with_kwargs=True),
                           module.register_forward_hook(self._stop)]
@@ -74,7 +99,7 @@ class FlopMeter:
             self._mode.__enter__()
         except Exception as e:  # noqa: BLE001 - a model the counter cannot follow reports no MFU
             log.debug("FLOPs not counted: %s", e)
-            self._mode = None
+            self._mode, self.failed = None, True
             self.remove()
 
     def _stop(self, module: torch.nn.Module, args: object, output: object) -> None:
@@ -91,11 +116,13 @@ class FlopMeter:
             self.remove()
 
     def take_step_flops(self) -> float | None:
-        """Forward and backward FLOPs (3x the forward's) of the forwards since the last call; None
-        before the first forward was counted, or when it could not be."""
+        """Forward and backward FLOPs of the forwards since the last call: 0 for a module whose forward counts
+        none (an activation), None before its first forward was counted, or when it could not be."""
         elements, self.step_elements = self.step_elements, 0
-        if not self.flops or not self.first_elements:
+        if self.failed or self.flops is None:
             return None
+        if not self.flops or not self.first_elements:
+            return 0.0
         return 3.0 * self.flops * elements / self.first_elements
 
     def remove(self) -> None:

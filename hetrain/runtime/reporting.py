@@ -98,9 +98,10 @@ def start_metrics(session: Any) -> None:
         restart_count=session.restart_count, predicted_step_seconds=plan_step_seconds(session.plan),
         module=session.prepared.module, whole_model=session.pipeline is None,
         # a stand-in piece (FSDP2) reads 0 samples; a pipeline stage computes its replica's batch whatever it read,
-        # but not in torch's shape inference
+        # in its chunks (torch calls them, not the rank's module that holds them all), but not in shape inference
         carries_samples=(lambda state=session.state: state.current_samples() != 0) if session.pipeline is None
-        else (lambda runner=session.pipeline: runner.carries_samples()))
+        else (lambda runner=session.pipeline: runner.carries_samples()),
+        counted=session.pipeline.chunks if session.pipeline is not None else None)
 
 
 def plan_step_seconds(plan: Any) -> float | None:
@@ -150,10 +151,12 @@ class Reports:
     def start_metrics(self, *, port: int | None, rank: int, local_rank: int, world_size: int, device: torch.device,
                       device_name: str, job: str, predicted_step_seconds: float | None, restart_count: int,
                       module: torch.nn.Module, whole_model: bool = True, precision: str | None = None,
-                      emulated: bool = False, carries_samples: Callable[[], bool] = lambda: True) -> None:
+                      emulated: bool = False, carries_samples: Callable[[], bool] = lambda: True,
+                      counted: list[torch.nn.Module] | None = None) -> None:
         """Serve this rank's Prometheus metrics on `port` (None: none) and append its run log to the run
         directory, if any (collective: every rank stops with one line if any cannot). `carries_samples`: whether
-        the forward now running computes samples (not a stand-in piece), for the model FLOPs MFU counts."""
+        the forward now running computes samples (not a stand-in piece), for the model FLOPs MFU counts, in the
+        forwards of `counted` (a pipeline rank's chunks; `module` when None)."""
         from hetrain.metrics import RankMetrics
 
         # the rates a run saves hold for its model: --from-run compares (a pipeline stage holds part of it)
@@ -182,7 +185,7 @@ class Reports:
         self.add(metrics)
         if restart_count:
             metrics.on_restart(restart_count)
-        self._flop_meter = FlopMeter(module, carries_samples)
+        self._flop_meter = FlopMeter(counted or module, carries_samples)
 
     def take_step_flops(self) -> float | None:
         """The model FLOPs of the step's forwards of samples (for its record), when counted."""
