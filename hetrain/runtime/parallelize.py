@@ -58,22 +58,29 @@ class Prepared:
     handles: list[Any] = field(default_factory=list)   # hooks on the script's own model, removed at release()
     half: list[tuple[str, nn.Parameter]] = field(default_factory=list)   # frozen in half precision at prepare()
 
-    def backward(self, loss: torch.Tensor, first_of_step: bool) -> None:
+    def backward(self, loss: torch.Tensor, first_of_step: bool, last_of_step: bool = True) -> None:
         """The session's backward of `loss` (weighted, scaled); then the outputs kept for one without items go."""
         unfrozen = next((name for name, p in self.half if p.requires_grad), None)
         if unfrozen is not None:   # refused before FSDP2's reduce-scatter fails on it, or DDP leaves it unreduced
             raise HetrainError(half_trainable(unfrozen, next(p.dtype for n, p in self.half if n == unfrozen)))
         if self.plain is not None:
             self.plain.before_backward(first_of_step)
-        with session_backward():
+        with session_backward(self.plain):
             try:
                 loss.backward()
             except NotImplementedError as e:   # DDP's buckets read a sparse gradient (F.embedding(sparse=True))
                 if "Sparse" not in str(e):
                     raise
                 raise HetrainError(f"a sparse gradient reached the step ({e}): {SPARSE_FIX}") from e
+        if self.plain is not None:
+            self.plain.after_backward(last_of_step)
         if self.kept is not None:
             self.kept.drop()
+
+    def check_pieces(self) -> None:
+        """Refuses a write to the model between a step's micro-batches (plain_backward.py)."""
+        if self.plain is not None:
+            self.plain.check_pieces()
 
     def before_step(self) -> None:
         """Refuses a step whose gradients a backward of the script's own joined after session.backward()."""

@@ -14,6 +14,15 @@ these are the two cases where they would not be:
 Each trainable parameter carries a hook after its gradient is accumulated; the session's own
 backwards run inside `session_backward()`, where the hooks note nothing. (Replicated parameters only:
 FSDP2's sharded parameters are not accumulated by autograd, and a pipeline stage runs its own backward.)
+
+Under micro-batches the loop body runs once per piece, so two more writes land between a step's pieces,
+both refused at the next piece's backward:
+
+- another session's backward through this model (a GAN's generator loss through its discriminator): its
+  gradient joins this model's step, where one process would have zeroed it, and its pieces run through
+  this model before its step applies;
+- a change of the parameters themselves (a second optimizer of the script's own stepped in the loop
+  body): it updates on one piece's local gradient, before the ranks' are summed, and the ranks part.
 """
 
 from __future__ import annotations
@@ -28,7 +37,8 @@ from hetrain.errors import HetrainError
 
 __all__ = ["PlainBackwards", "session_backward"]
 
-_inside = 0   # session backwards running now (any session's: a GAN's generator loss reaches its discriminator)
+_inside: list[object] = []   # the sessions' backwards running now, the innermost last (a GAN's generator loss
+                             # reaches its discriminator)
 
 AFTER = ("a loss.backward() of the script's own reached the model's parameters after session.backward() in this "
          "step: its gradient is not weighted by this rank's share of the global batch, and under DDP not all-reduced "
@@ -38,17 +48,26 @@ AFTER = ("a loss.backward() of the script's own reached the model's parameters a
 BEFORE = ("a loss.backward() of the script's own ran through this forward before session.backward(): DDP all-reduces "
           "the first backward of a forward only, so the session's would not be; give both losses to one "
           "session.backward(loss_a + loss_b)")
+FOREIGN = ("another session's backward (a GAN's generator loss through this discriminator) reached this model's "
+           "parameters between the micro-batches of its step: the loop body runs once per micro-batch, so that "
+           "gradient joins this model's update, which one process would have zeroed, and the other model's pieces "
+           "run through this one before its step applies; run sessions whose losses reach each other's models "
+           "without micro-batches (no micro_batch in the plan's ranks)")
+MOVED = ("the model's parameters changed between the micro-batches of one step: the loop body runs once per "
+         "micro-batch, and an update of the script's own in it (a second optimizer's step(), an in-place change) "
+         "used one piece's gradient before the ranks' were summed, so the ranks' models part; update once a step, "
+         "after its last micro-batch: `if session.step(): other_optimizer.step()`")
 
 
 @contextlib.contextmanager
-def session_backward() -> Iterator[None]:
-    """The session's own backward runs inside: its accumulations are not the script's."""
-    global _inside
-    _inside += 1
+def session_backward(owner: object = None) -> Iterator[None]:
+    """The session's own backward runs inside (`owner`: its PlainBackwards): its accumulations are not the
+    script's, and another session's step in progress tells them from its own."""
+    _inside.append(owner)
     try:
         yield
     finally:
-        _inside -= 1
+        _inside.pop()
 
 
 class PlainBackwards:
@@ -59,13 +78,17 @@ class PlainBackwards:
         self.since_forward = False   # a plain backward since the last training forward
         self.in_step = False         # a plain backward since the step's first session.backward()
         self._armed = False          # the step's first session.backward() ran
-        self._handles = [p.register_post_accumulate_grad_hook(self._accumulated) for p in params if p.requires_grad]
+        self.foreign = False         # another session's backward reached the parameters between this step's pieces
+        self._params = [p for p in params if p.requires_grad]
+        self._versions: list[int] | None = None   # the parameters' in-place versions after a piece before the last
+        self._handles = [p.register_post_accumulate_grad_hook(self._accumulated) for p in self._params]
         self._handles.append(model.register_forward_pre_hook(self._forward))
 
     def __getstate__(self) -> dict:
         """A copy of the prepared model (deepcopy, an AveragedModel of it) carries inert hooks: it notes nothing
         the session reads (the forward pre-hook is copied with the module; the parameters' hooks are not)."""
-        return {"since_forward": False, "in_step": False, "_armed": False, "_handles": []}
+        return {"since_forward": False, "in_step": False, "_armed": False, "foreign": False, "_params": [],
+                "_versions": None, "_handles": []}
 
     def remove(self) -> None:
         """The session closed: its hooks leave the parameters (a new session prepares them again)."""
@@ -74,9 +97,11 @@ class PlainBackwards:
         self._handles = []
 
     def _accumulated(self, param: torch.Tensor) -> None:
-        if _inside == 0:
+        if not _inside:
             self.since_forward = True
             self.in_step = self.in_step or self._armed
+        elif self._versions is not None and _inside[-1] is not self:
+            self.foreign = True
 
     def _forward(self, module: Any, args: Any) -> None:
         if torch.is_grad_enabled():
@@ -89,7 +114,21 @@ class PlainBackwards:
         if first_of_step:
             self._armed, self.in_step = True, False
 
+    def check_pieces(self) -> None:
+        """Before a session backward, ahead of anything it counts or sends: nothing wrote to the model between this
+        piece and the step's last one (every rank reads the same)."""
+        versions, self._versions, foreign, self.foreign = self._versions, None, self.foreign, False
+        if foreign:
+            raise HetrainError(FOREIGN)
+        if versions is not None and versions != [p._version for p in self._params]:
+            raise HetrainError(MOVED)
+
+    def after_backward(self, last_of_step: bool) -> None:
+        """A piece's backward ended: before the step's last, the parameters' versions, which nothing changes until
+        the step (a GAN's other session reaching them is noted from here on)."""
+        self._versions = None if last_of_step else [p._version for p in self._params]
+
     def before_step(self) -> None:
-        plain, self.in_step, self._armed = self.in_step, False, False
+        plain, self.in_step, self._armed, self._versions = self.in_step, False, False, None
         if plain:
             raise HetrainError(AFTER)

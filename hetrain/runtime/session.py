@@ -302,6 +302,7 @@ class Session:
         with self.timer.collective():   # under FSDP2 the ranks agree in it: a wait on a slower forward is not compute
             self._kept.check(self.prepared.parameters, self.state, self.device if self.sharding == "fsdp" else None,
                              self.optimizer)
+        self.prepared.check_pieces()   # nothing wrote to the model between this step's micro-batches
         if self.state.items_per_sample is None:   # the run's first backward: the ranks agree on an estimate
             self.state.items_per_sample = agree_items_per_sample(items, self.state.current_samples(), self.device)
         self.state.record_backward(loss, items)
@@ -313,7 +314,7 @@ class Session:
             weighted = exact_zeros(self.prepared, loss)
         else:
             weighted = loss * self.state.weight(items)
-        self.prepared.backward(self.scaler.scale_loss(weighted), first_of_step=self.state.backwards == 1)
+        self.prepared.backward(self.scaler.scale_loss(weighted), self.state.backwards == 1, self.state.last_micro)
         self._kept.after_backward(self.prepared.parameters, self.state.last_micro)
         self._status = None
         if self.state.last_micro:   # finished now: what the script does before step() (torch's clipping,

@@ -1,0 +1,116 @@
+"""Writes that land between the micro-batches of one step, where the loop body runs once per piece: another
+session's backward through the model (a GAN) and a second optimizer of the script's own. Each trained the
+wrong model silently: the discriminator ended 0.31 from one process after 5 steps, the two ranks of the
+second optimizer's run 0.13 apart after 6."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+from hetrain.errors import HetrainError
+from hetrain.planning.plan import BalancePlan, Plan, RankPlan
+from tests.distributed import run_ranks
+
+GLOBAL, STEPS, SHARES, MICRO = 16, 4, (10, 6), (4, 3)
+
+
+def _plan(micro: bool) -> Plan:
+    return Plan(global_batch_size=GLOBAL, balance=BalancePlan(enabled=False),
+                ranks=[RankPlan(rank=r, share=s, micro_batch=m if micro else None)
+                       for r, (s, m) in enumerate(zip(SHARES, MICRO))])
+
+
+def _data() -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randn(GLOBAL * STEPS, 4, generator=g), torch.randn(GLOBAL * STEPS, 2, generator=g))
+
+
+def _net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def _head_optimizers(net):
+    return torch.optim.SGD(net[0].parameters(), lr=0.1, momentum=0.9), torch.optim.Adam(net[2].parameters(), lr=0.01)
+
+
+def _second_optimizer(rank, world, where):
+    import hetrain
+
+    session = hetrain.Session(_plan(True))
+    net = _net()
+    main, head = _head_optimizers(net)
+    model, _ = session.prepare(net, main)
+    try:
+        for x, y in session.loader(_data(), GLOBAL, shuffle=False):
+            session.backward(F.mse_loss(model(x), y))
+            if where == "each piece":
+                head.step()
+            if session.step() and where == "after the step":
+                head.step()
+                head.zero_grad()
+            if session.step_count >= STEPS:
+                break
+    except HetrainError as e:
+        return str(e)
+    finally:
+        session.close()
+    return {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+
+def test_a_second_optimizer_stepped_on_each_micro_batch_is_refused_and_once_a_step_is_one_process():
+    for said in run_ranks(_second_optimizer, 2, "each piece"):
+        assert isinstance(said, str) and said.startswith("the model's parameters changed between the micro-batches"), said
+        assert "`if session.step(): other_optimizer.step()`" in said
+    ranks = run_ranks(_second_optimizer, 2, "after the step")
+    net = _net()
+    main, head = _head_optimizers(net)
+    x, y = _data().tensors
+    for s in range(STEPS):   # one process on the whole global batch
+        main.zero_grad(), head.zero_grad()
+        F.mse_loss(net(x[s * GLOBAL:(s + 1) * GLOBAL]), y[s * GLOBAL:(s + 1) * GLOBAL]).backward()
+        main.step(), head.step()
+    for params in ranks:
+        for k, v in net.state_dict().items():
+            torch.testing.assert_close(params[k], v, rtol=1e-5, atol=1e-6)
+
+
+def _gan(rank, world, micro, through):
+    import hetrain
+
+    gen, disc = torch.nn.Linear(4, 2), torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    sd, sg = hetrain.Session(_plan(micro)), hetrain.Session(_plan(micro))
+    disc_m, _ = sd.prepare(disc, torch.optim.SGD(disc.parameters(), lr=0.1))
+    gen_m, _ = sg.prepare(gen, torch.optim.SGD(gen.parameters(), lr=0.1))
+    data = _data()
+    lg = iter(sg.loader(data, GLOBAL, shuffle=False))
+    try:
+        for z, real in sd.loader(data, GLOBAL, shuffle=False):
+            fake = gen_m(z)
+            sd.backward(F.softplus(-disc_m(real)).mean() + F.softplus(disc_m(fake.detach())).mean())
+            sd.step()
+            z_g, _ = next(lg)
+            sg.backward(F.softplus(-disc_m(gen_m(z_g))).mean() if through else gen_m(z_g).square().mean())
+            sg.step()
+            if sd.step_count >= STEPS:
+                break
+    except HetrainError as e:
+        return str(e)
+    finally:
+        sg.close()
+        sd.close()
+    return sd.step_count
+
+
+@pytest.mark.parametrize("micro, through, refused", [(True, True, True), (True, False, False), (False, True, False)],
+                         ids=["micro-batches, generator loss through the discriminator", "micro-batches, apart",
+                              "no micro-batches"])
+def test_a_gans_generator_backward_between_the_discriminators_micro_batches_is_refused(micro, through, refused):
+    for said in run_ranks(_gan, 2, micro, through):
+        if refused:
+            assert isinstance(said, str) and said.startswith("another session's backward (a GAN's generator loss "
+                                                             "through this discriminator) reached"), said
+            assert "without micro-batches (no micro_batch in the plan's ranks)" in said
+        else:
+            assert said == STEPS, said
