@@ -30,6 +30,14 @@ def _close(items: float | None, samples: float | None) -> bool:
     return items is None or samples is None or abs(items - samples) <= 1e-6 * max(abs(samples), 1.0)
 
 
+def _place(row: dict, before: str) -> str:
+    """A pipeline rank's stage (and replica, where there are several), counted from 0 as in the plan."""
+    if row.get("stage") is None:
+        return ""
+    replica = f", replica {row['replica']}" if (row.get("replicas") or 1) > 1 else ""
+    return f"{before}stage {row['stage']} of {row['stages']}{replica}"
+
+
 def _print_table(console, rows: list[dict]) -> None:
     from rich import box
 
@@ -50,7 +58,9 @@ def _print_table(console, rows: list[dict]) -> None:
         for key, (_, spec) in zip(keys, columns):
             value = row[key]
             if key == "device" and row["rank"] in split:   # a rank that resumed on another device: a row each
-                cells[-1].append(f"{value}\nsteps {row['first_step']}-{row['last_step']}")
+                cells[-1].append(f"{value}\nsteps {row['first_step']}-{row['last_step']}{_place(row, ', ')}")
+            elif key == "device" and row.get("stage") is not None:
+                cells[-1].append(f"{value}{_place(row, chr(10))}")
             elif key == "comm_bytes" and value is not None:
                 cells[-1].append(f"{value / 1e9:.1f} GB" if value >= 1e10 else f"{value / 1e6:.1f} MB")
             else:

@@ -23,7 +23,8 @@ class RankCollector(Collector):
 
     def __init__(self, state: RankState, lock: threading.Lock, labels: dict[str, str], *,
                  world_size: int, predicted_step_seconds: float | None, peak_flops: Callable[[], float | None],
-                 memory: Callable[[], dict[str, float]], gpu: Callable[[], dict[str, float]] | None = None) -> None:
+                 memory: Callable[[], dict[str, float]], gpu: Callable[[], dict[str, float]] | None = None,
+                 info: dict[str, str] | None = None) -> None:
         self.state, self.lock = state, lock
         self.label_names = list(labels)
         self.label_values = list(labels.values())
@@ -32,6 +33,7 @@ class RankCollector(Collector):
         self.peak_flops = peak_flops
         self.memory = memory
         self.gpu = gpu
+        self.info = info or {}   # more of hetrain_rank_info's labels (a pipeline rank's stage and replica)
 
     def _family(self, name: str, extra: tuple[str, ...] = ()) -> Metric:
         m = BY_NAME[name]
@@ -64,7 +66,7 @@ class RankCollector(Collector):
         info = InfoMetricFamily(family_name(BY_NAME["hetrain_rank_info"]), BY_NAME["hetrain_rank_info"].help,
                                 labels=self.label_names)
         info.add_metric(self.label_values, {"precision": s.precision or "", "world_size": str(self.world_size),
-                                            "emulated": str(s.emulated).lower()})
+                                            "emulated": str(s.emulated).lower(), **self.info})
         yield info
         yield from self._one("hetrain_predicted_step_seconds", self.predicted)
         yield from self._by("hetrain_memory_bytes", "kind", self.memory())

@@ -26,8 +26,9 @@ class Metric:
 
 
 METRICS: tuple[Metric, ...] = (
-    Metric("hetrain_rank_info", "info", "One series per rank carrying its labels, the precision and world size.",
-           ("precision", "world_size", "emulated"), source="start"),
+    Metric("hetrain_rank_info", "info", "One series per rank carrying its labels, the precision and world size "
+           "(and a pipeline rank's stage and replica).",
+           ("precision", "world_size", "emulated"), source="start"),   # a pipeline rank's add stage(s), replica(s)
     Metric("hetrain_step", "gauge", "Steps completed, resumed steps included."),
     Metric("hetrain_steps_total", "counter", "Steps this process ran."),
     Metric("hetrain_step_seconds", "summary",

@@ -49,14 +49,15 @@ class RankMetrics:
     (run_dir/metrics/rank-N.jsonl) goes; None writes none. `peak_flops` defaults to the catalog's
     figure for `device_name` in the step's precision, and to none on a CPU rank (one emulating a
     plan's GPU computes at a CPU's rate, which that GPU's peak does not describe). `nvml`: an NVML module to use instead of
-    `pynvml` (tests pass a fake). `precision` and `emulated` label `hetrain_rank_info` before the first step.
+    `pynvml` (tests pass a fake). `precision` and `emulated` label `hetrain_rank_info` before the first step;
+    `place`, a pipeline rank's stage and replica (stage, stages, replica, replicas), labels it and the run log's start.
     """
 
     def __init__(self, *, rank: int, local_rank: int, world_size: int, device: torch.device, device_name: str,
                  port: int | None, run_dir: str | Path | None, job: str,
                  predicted_step_seconds: float | None = None, peak_flops: float | None = None,
                  flops_per_item: float | None = None, nvml: ModuleType | None = None, precision: str | None = None,
-                 emulated: bool = False) -> None:
+                 emulated: bool = False, place: dict[str, int] | None = None) -> None:
         self.rank, self.device, self.device_name = rank, torch.device(device), device_name
         self.flops_per_item = flops_per_item
         self._peak: float | None = peak_flops
@@ -70,11 +71,11 @@ class RankMetrics:
         self.registry.register(RankCollector(
             self.state, self._lock, labels, world_size=world_size, predicted_step_seconds=predicted_step_seconds,
             peak_flops=lambda: self._peak, memory=lambda: rank_memory(self.device),
-            gpu=gpu.sample if gpu is not None else None))
+            gpu=gpu.sample if gpu is not None else None, info={k: str(v) for k, v in (place or {}).items()}))
         # the run log's start line waits for the first record: by then the peak (which needs the step's
         # precision) and the model's FLOPs per item (counted over the first forward) are known
         self._start: dict | None = {**labels, "rank": rank, "local_rank": local_rank, "world_size": world_size,
-                                    "predicted_step_seconds": predicted_step_seconds}
+                                    "predicted_step_seconds": predicted_step_seconds, **(place or {})}
         self._held: list[dict] = []   # lines that come before the first step (a restart), after the start line
         self._log = RunLog(run_dir, rank) if run_dir is not None else None
         if self._log is not None:   # a rank that fails before its first step still logs its start (and restart)

@@ -269,8 +269,9 @@ def summary_row(run: RankRun) -> dict[str, Any]:
         "predicted_step_seconds": run.start.get("predicted_step_seconds"),
         "samples_per_second": sum(s["samples"] for s in t) / step_seconds if step_seconds else None,
         # items (a token-mean loss's tokens, num_items): the work of a step whose samples vary in length
+        # none on a pipeline stage before the last, which computes no loss and counts no items
         "items_per_second": sum(s["items"] for s in t) / step_seconds
-        if step_seconds and all(s.get("items") is not None for s in t) else None,
+        if step_seconds and all(s.get("items") is not None for s in t) and not before_last_stage(run.start) else None,
         "share": last["share"] / sum(last["shares"]) if last.get("shares") and sum(last["shares"]) else None,
         **{cause: causes[cause] / step_seconds if step_seconds else None for cause in CAUSES},
         "mfu": sum(s["mfu"] * s["step_seconds"] for s in mfu_steps) / mfu_seconds if mfu_seconds else None,
@@ -278,7 +279,16 @@ def summary_row(run: RankRun) -> dict[str, Any]:
         "comm_bytes": sum(sum(d.values()) for d in sent) if sent else None,
         "checkpoints": len(run.checkpoint_steps), "restarts": run.restarts,
         "emulated": any(s.get("emulated") for s in run.steps),
+        **{key: run.start.get(key) for key in PLACE},
     }
+
+
+PLACE = ("stage", "stages", "replica", "replicas")
+"""A pipeline rank's place, from its start line (counted from 0; absent off a pipeline)."""
+
+
+def before_last_stage(start: dict[str, Any]) -> bool:
+    return start.get("stage") is not None and start.get("stages") is not None and start["stage"] < start["stages"] - 1
 
 
 def summary_rows(runs: dict[int, RankRun]) -> list[dict[str, Any]]:

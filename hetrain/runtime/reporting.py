@@ -96,12 +96,20 @@ def start_metrics(session: Any) -> None:
         device=session.device, device_name=session.entry.device, precision=session.precision,
         emulated=session.emulated, job=os.environ.get("TORCHELASTIC_RUN_ID", "local"),
         restart_count=session.restart_count, predicted_step_seconds=plan_step_seconds(session.plan),
-        module=session.prepared.module, whole_model=session.pipeline is None,
+        module=session.prepared.module, whole_model=session.pipeline is None, place=pipeline_place(session.layout),
         # a stand-in piece (FSDP2) reads 0 samples; a pipeline stage computes its replica's batch whatever it read,
         # in its chunks (torch calls them, not the rank's module that holds them all), but not in shape inference
         carries_samples=(lambda state=session.state: state.current_samples() != 0) if session.pipeline is None
         else (lambda runner=session.pipeline: runner.carries_samples()),
         counted=session.pipeline.chunks if session.pipeline is not None else None)
+
+
+def pipeline_place(layout: Any) -> dict[str, int] | None:
+    """A pipeline rank's stage and replica (counted from 0) and how many there are; None off a pipeline."""
+    if layout is None:
+        return None
+    return {"stage": layout.stage, "stages": len(layout.replica_ranks()), "replica": layout.replica,
+            "replicas": len(layout.grid)}
 
 
 def plan_step_seconds(plan: Any) -> float | None:
@@ -152,11 +160,12 @@ class Reports:
                       device_name: str, job: str, predicted_step_seconds: float | None, restart_count: int,
                       module: torch.nn.Module, whole_model: bool = True, precision: str | None = None,
                       emulated: bool = False, carries_samples: Callable[[], bool] = lambda: True,
-                      counted: list[torch.nn.Module] | None = None) -> None:
+                      counted: list[torch.nn.Module] | None = None, place: dict[str, int] | None = None) -> None:
         """Serve this rank's Prometheus metrics on `port` (None: none) and append its run log to the run
         directory, if any (collective: every rank stops with one line if any cannot). `carries_samples`: whether
         the forward now running computes samples (not a stand-in piece), for the model FLOPs MFU counts, in the
-        forwards of `counted` (a pipeline rank's chunks; `module` when None)."""
+        forwards of `counted` (a pipeline rank's chunks; `module` when None). `place`: a pipeline rank's stage and
+        replica (`pipeline_place`), in its run log's start line and its hetrain_rank_info."""
         from hetrain.metrics import RankMetrics
 
         # the rates a run saves hold for its model: --from-run compares (a pipeline stage holds part of it)
@@ -178,7 +187,8 @@ class Reports:
         try:
             metrics = RankMetrics(rank=rank, local_rank=local_rank, world_size=world_size, device=device,
                                   device_name=device_name, port=port, run_dir=self.run_dir, job=job,
-                                  predicted_step_seconds=predicted_step_seconds, precision=precision, emulated=emulated)
+                                  predicted_step_seconds=predicted_step_seconds, precision=precision, emulated=emulated,
+                                  place=place)
         except HetrainError as e:
             error = e
         _stop_together(error, rank, device, "could not serve its metrics or write its run log")

@@ -4,6 +4,7 @@ quarter; and a rank whose first forward was empty (no share yet) never reported 
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -72,13 +73,47 @@ def _pipeline(rank: int, world: int, plan) -> list:
     return [(r.share, r.model_flops) for r in seen.records]
 
 
-def test_a_pipeline_stage_that_reads_no_samples_counts_the_flops_of_its_replicas_batch(tmp_path):
-    """A replica's batch is read spread over its stages' ranks: a stage that read none still computes the whole
-    batch, and its FLOPs (and MFU) were dropped as a stand-in's (found in review)."""
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """Two replicas of a two-stage pipeline, with a run directory: each rank's step records, and the directory."""
     from tests.pipeline.common import pipeline_plan
 
+    run_dir = tmp_path_factory.mktemp("run")
     plan = pipeline_plan([[0, 4], [4, 8]], "gpipe", 1, 4, replica_shares=[3, 1])
-    ranks = run_ranks(_pipeline, 4, plan, env={"HETRAIN_RUN_DIR": str(tmp_path)})
+    return run_ranks(_pipeline, 4, plan, env={"HETRAIN_RUN_DIR": str(run_dir)}), run_dir
+
+
+def test_a_pipeline_stage_that_reads_no_samples_counts_the_flops_of_its_replicas_batch(hybrid):
+    """A replica's batch is read spread over its stages' ranks: a stage that read none still computes the whole
+    batch, and its FLOPs (and MFU) were dropped as a stand-in's (found in review)."""
+    ranks, _ = hybrid
     # replica 1's one sample is read by one of its two stages' ranks: the other reads none
     for records in ranks:
         assert all(flops is not None and flops > 0 for _, flops in records[1:]), ranks
+
+
+def test_the_run_log_and_the_report_name_each_pipeline_ranks_stage_and_replica(hybrid):
+    """No view said which stage or replica a rank was, and the report printed an items/s column of 0.0 for every
+    stage before the last (which computes no loss and counts no items), on a run that never passed num_items."""
+    import json
+
+    from hetrain.cli.report import _print_table
+    from hetrain.metrics.report import load_run, summary_rows
+    from rich.console import Console
+
+    _, run_dir = hybrid
+    places = {}
+    for r in range(4):
+        start = json.loads((run_dir / "metrics" / f"rank-{r}.jsonl").read_text().splitlines()[0])
+        assert start["kind"] == "start", start
+        places[r] = (start["stage"], start["stages"], start["replica"], start["replicas"])
+    assert sorted(places.values()) == [(0, 2, 0, 2), (0, 2, 1, 2), (1, 2, 0, 2), (1, 2, 1, 2)], places
+    rows = summary_rows(load_run(run_dir))
+    for row in rows:
+        assert (row["stage"], row["stages"], row["replica"], row["replicas"]) == places[row["rank"]]
+        assert (row["items_per_second"] is None) == (row["stage"] == 0), row
+    console = Console(width=200, record=True)
+    _print_table(console, rows)
+    table = console.export_text()
+    assert "items/s" not in table, table   # the last stages' items are their samples
+    assert "stage 0 of 2, replica 1" in table and "stage 1 of 2, replica 0" in table, table

@@ -96,6 +96,13 @@ def test_rank_info_carries_the_ranks_precision_and_emulation_before_its_first_st
     assert [labels for labels, _ in samples(m)["hetrain_rank_info"]] == [labels]   # one series, not a second
 
 
+def test_rank_info_names_a_pipeline_ranks_stage_and_replica_and_no_other_rank_has_them():
+    [(labels, _)] = samples(cpu_metrics(place={"stage": 1, "stages": 3, "replica": 0, "replicas": 2}))["hetrain_rank_info"]
+    assert (labels["stage"], labels["stages"], labels["replica"], labels["replicas"]) == ("1", "3", "0", "2"), labels
+    [(labels, _)] = samples(cpu_metrics())["hetrain_rank_info"]
+    assert not {"stage", "stages", "replica", "replicas"} & set(labels), labels
+
+
 def test_mfu_uses_the_catalog_peak_of_the_device_in_its_precision(monkeypatch):
     patch_cuda(monkeypatch.setattr)
     m = cpu_metrics(device=torch.device("cuda:0"), device_name="a100-sxm4-80gb", flops_per_item=1e9, nvml=FakeNvml())
