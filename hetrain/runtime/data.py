@@ -29,7 +29,7 @@ from hetrain.runtime.environment import add_error_hint
 from hetrain.runtime.loader_options import checked_options
 from hetrain.runtime.loader_position import StepPosition
 from hetrain.runtime.loader_workers import with_sigterm_left_to_rank
-from hetrain.runtime.data_order import GlobalBatchOrder, rank_slice
+from hetrain.runtime.data_order import GlobalBatchOrder, generator_seed, rank_slice
 from hetrain.runtime.sample_seeds import KeyedBatches, SeededSamples
 from hetrain.runtime.memory import empty_batch, equal_pieces, job_piece_count, micro_batch_sizes, split_batch
 from hetrain.runtime.step_state import StepState
@@ -186,7 +186,7 @@ class HeteroLoader:
         if self._epoch_done():
             self._epoch, self._in_epoch = self._epoch + 1, 0
         self.schedule.observe(self.run_step, self.split.shares)
-        self._generator.manual_seed(self.seed * 1_000_003 + self._epoch)
+        self._generator.manual_seed(generator_seed(self.seed * 1_000_003 + self._epoch))
         if self.stream:
             self._source.new_pass(self._in_epoch, self._epoch)
         else:

@@ -13,6 +13,14 @@ import torch
 
 from hetrain.errors import HetrainError
 
+_SEEDS = (-(1 << 63), 1 << 64)   # what torch.Generator.manual_seed takes
+
+
+def generator_seed(value: int) -> int:
+    """`value` for torch.Generator.manual_seed: as it is where torch takes it, else wrapped into 64 bits (a seed such
+    as torch.initial_seed() times a factor overflowed torch's range and failed at the first batch)."""
+    return value if _SEEDS[0] <= value < _SEEDS[1] else value % _SEEDS[1]
+
 
 class GlobalBatchOrder:
     """Which dataset indices form global batch ``step`` of ``epoch``."""
@@ -45,7 +53,7 @@ class GlobalBatchOrder:
         if self._perm_epoch != epoch:
             if self.shuffle:
                 g = torch.Generator()
-                g.manual_seed(self.seed + epoch)
+                g.manual_seed(generator_seed(self.seed + epoch))
                 self._perm = torch.randperm(self.dataset_len, generator=g)
             else:
                 self._perm = torch.arange(self.dataset_len)

@@ -42,3 +42,24 @@ def test_numpy_flags_and_seeds_from_a_config_are_taken():
                                                    [16, 17, 18, 19]]
     finally:
         session.close()
+
+
+@pytest.mark.parametrize("seed", [2**45, 8077939988512092666, np.uint64(2**63), -(2**62)])
+def test_any_whole_seed_orders_the_samples(seed):
+    """seed=torch.initial_seed() (or any seed past 2**43) failed at the first batch with torch's "Overflow when
+    unpacking long long"; the seeds torch took before give the same order as before."""
+    session = _session()
+    try:
+        batches = [b[0].tolist() for b in session.loader(TensorDataset(torch.arange(20.0)), 8, seed=seed)]
+        assert len(batches) == 2 and len({x for b in batches for x in b}) == 16, batches
+    finally:
+        session.close()
+
+
+def test_a_seed_torch_took_before_keeps_its_order():
+    session = _session()
+    try:
+        batches = [b[0].tolist() for b in session.loader(TensorDataset(torch.arange(20.0)), 8, seed=3)]
+    finally:
+        session.close()
+    assert batches[0] == torch.randperm(20, generator=torch.Generator().manual_seed(3))[:8].float().tolist()
