@@ -18,9 +18,9 @@ FSDP2's sharded parameters are not accumulated by autograd, and a pipeline stage
 Under micro-batches the loop body runs once per piece, so two more writes land between a step's pieces,
 both refused at the next piece's backward:
 
-- another session's backward through this model (a GAN's generator loss through its discriminator): its
-  gradient joins this model's step, where one process would have zeroed it, and its pieces run through
-  this model before its step applies;
+- another session's backward through this model (a GAN's generator loss through its discriminator, frozen
+  or not): its pieces run through this model before its step applies, and its gradient, where the
+  parameters are not frozen, joins this model's step, where one process would have zeroed it;
 - a change of the parameters themselves (a second optimizer of the script's own stepped in the loop
   body): it updates on one piece's local gradient, before the ranks' are summed, and the ranks part.
 """
@@ -28,7 +28,7 @@ both refused at the next piece's backward:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -48,15 +48,16 @@ AFTER = ("a loss.backward() of the script's own reached the model's parameters a
 BEFORE = ("a loss.backward() of the script's own ran through this forward before session.backward(): DDP all-reduces "
           "the first backward of a forward only, so the session's would not be; give both losses to one "
           "session.backward(loss_a + loss_b)")
-FOREIGN = ("another session's backward (a GAN's generator loss through this discriminator) reached this model's "
-           "parameters between the micro-batches of its step: the loop body runs once per micro-batch, so that "
-           "gradient joins this model's update, which one process would have zeroed, and the other model's pieces "
-           "run through this one before its step applies; run sessions whose losses reach each other's models "
-           "without micro-batches (no micro_batch in the plan's ranks)")
+FOREIGN = ("another session's backward (a GAN's generator loss through this discriminator) went through this model "
+           "between the micro-batches of its step: the loop body runs once per micro-batch, so the other model's "
+           "pieces run through this one before its step applies, and their gradient (unless its parameters are "
+           "frozen) joins this model's update, which one process would have zeroed; run sessions whose losses go "
+           "through each other's models without micro-batches (no micro_batch in the plan's ranks)")
 MOVED = ("the model's parameters changed between the micro-batches of one step: the loop body runs once per "
          "micro-batch, and an update of the script's own in it (a second optimizer's step(), an in-place change) "
          "used one piece's gradient before the ranks' were summed, so the ranks' models part; update once a step, "
-         "after its last micro-batch: `if session.step(): other_optimizer.step()`")
+         "after its last micro-batch: `if session.step(): other_optimizer.step()` (a module that changes its own "
+         "weights in its forward, nn.Embedding(max_norm=...), cannot take micro-batches)")
 
 
 @contextlib.contextmanager
@@ -83,6 +84,7 @@ class PlainBackwards:
         self._versions: list[int] | None = None   # the parameters' in-place versions after a piece before the last
         self._handles = [p.register_post_accumulate_grad_hook(self._accumulated) for p in self._params]
         self._handles.append(model.register_forward_pre_hook(self._forward))
+        self._handles.append(model.register_forward_hook(self._output))
 
     def __getstate__(self) -> dict:
         """A copy of the prepared model (deepcopy, an AveragedModel of it) carries inert hooks: it notes nothing
@@ -101,6 +103,21 @@ class PlainBackwards:
             self.since_forward = True
             self.in_step = self.in_step or self._armed
         elif self._versions is not None and _inside[-1] is not self:
+            self.foreign = True
+
+    def _output(self, module: Any, args: Any, output: Any) -> None:
+        """Between a step's pieces, a backward through this forward's outputs by another session (its parameters
+        frozen or not) is noted."""
+        if self._versions is None or not torch.is_grad_enabled():
+            return
+        values = output.values() if isinstance(output, Mapping) else output if isinstance(output, (list, tuple)) \
+            else [output]
+        for value in values:
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                value.register_hook(self._through)
+
+    def _through(self, grad: torch.Tensor) -> None:
+        if _inside and _inside[-1] is not self:
             self.foreign = True
 
     def _forward(self, module: Any, args: Any) -> None:
