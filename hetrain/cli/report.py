@@ -38,7 +38,7 @@ def _place(row: dict, before: str) -> str:
     return f"{before}stage {row['stage']} of {row['stages']}{replica}"
 
 
-def _print_table(console, rows: list[dict]) -> None:
+def print_table(console, rows: list[dict]) -> None:
     from rich import box
 
     columns = [("rank", "d"), ("device", "s"), ("steps", "d"), ("step s", ".4f"), ("predicted step s", ".4f"),
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
     else:
         console = stdout_console()
-        _print_table(console, rows)
+        print_table(console, rows)
         if emulated:
             console.print("timings are emulated: CPU ranks standing in for other devices (a plan's devices, or "
                           "--emulate-speeds)")

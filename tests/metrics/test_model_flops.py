@@ -97,7 +97,7 @@ def test_the_run_log_and_the_report_name_each_pipeline_ranks_stage_and_replica(h
     stage before the last (which computes no loss and counts no items), on a run that never passed num_items."""
     import json
 
-    from hetrain.cli.report import _print_table
+    from hetrain.cli.report import print_table
     from hetrain.metrics.report import load_run, summary_rows
     from rich.console import Console
 
@@ -113,7 +113,7 @@ def test_the_run_log_and_the_report_name_each_pipeline_ranks_stage_and_replica(h
         assert (row["stage"], row["stages"], row["replica"], row["replicas"]) == places[row["rank"]]
         assert (row["items_per_second"] is None) == (row["stage"] == 0), row
     console = Console(width=200, record=True)
-    _print_table(console, rows)
+    print_table(console, rows)
     table = console.export_text()
     assert "items/s" not in table, table   # the last stages' items are their samples
     assert "stage 0 of 2, replica 1" in table and "stage 1 of 2, replica 0" in table, table
