@@ -330,6 +330,7 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, sh
             optimizer = sharding.rebuild_optimizer(optimizer, names, model)
         prepared = Prepared(model, optimizer, chosen, buffers=buffer_places(model), half=half_parameters(model))
         keep_outputs(prepared, model, on_own_model=True, in_step=in_step)   # a rank without items: zeros through them
+        prepared.plain = PlainBackwards(model, [p for p in model.parameters() if p.requires_grad])   # between pieces
         return prepared
     if entry.offload_optimizer and device.type == "cuda":
         raise HetrainError(

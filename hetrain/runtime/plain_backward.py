@@ -13,7 +13,8 @@ these are the two cases where they would not be:
 
 Each trainable parameter carries a hook after its gradient is accumulated; the session's own
 backwards run inside `session_backward()`, where the hooks note nothing. (Replicated parameters only:
-FSDP2's sharded parameters are not accumulated by autograd, and a pipeline stage runs its own backward.)
+FSDP2's sharded parameters are not accumulated by autograd, and a pipeline stage runs its own backward;
+the checks between micro-batches below hold under FSDP2 too.)
 
 Under micro-batches the loop body runs once per piece, so two more writes land between a step's pieces,
 both refused at the next piece's backward:
@@ -117,8 +118,10 @@ class PlainBackwards:
                 value.register_hook(self._through)
 
     def _through(self, grad: torch.Tensor) -> None:
+        """Refused at once, before the backward reaches this model's parameters and their collectives (FSDP2's
+        gathers and reduce-scatters would meet another rank's in the wrong order)."""
         if _inside and _inside[-1] is not self:
-            self.foreign = True
+            raise HetrainError(FOREIGN)
 
     def _forward(self, module: Any, args: Any) -> None:
         if torch.is_grad_enabled():
