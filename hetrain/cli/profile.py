@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from hetrain.cli.console import print_rows, stdout_console
@@ -139,12 +140,15 @@ def _host_micro_batches(micro_batches: list[int], workload, copies: int) -> list
 
 def _check_flags(args: argparse.Namespace) -> list[int]:
     """What can be checked without torch (so a mistyped flag is refused at once); the micro-batches."""
-    from hetrain.workload.modules import require_transformers, script_file
+    from hetrain.workload.modules import check_seq_len, require_transformers, script_file
     from hetrain.workload.zoo import get_profile
 
     micro_batches = _ints(args.micro_batches, "--micro-batches")
     if args.repeats < 1 or args.seconds <= 0 or args.concurrent < 1:
         raise HetrainError("--repeats, --seconds and --concurrent must be positive")
+    if not math.isfinite(args.seconds):
+        raise HetrainError(f"--seconds {args.seconds}: give a finite number of seconds per point, e.g. --seconds 5")
+    check_seq_len(args.seq_len)
     _precision_names(args.precision)
     if args.seq_len is not None and not args.hf_config:
         raise HetrainError(f"--seq-len {args.seq_len} applies to --hf-config only: a --script's make_input(n) and a "

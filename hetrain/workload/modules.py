@@ -215,8 +215,16 @@ def script_module(spec: str) -> RunnableModel:
     return RunnableModel(file.stem if not factory else factory, made[0], made[1], source=f"--script {spec!r}")
 
 
+def check_seq_len(seq_len: int | None) -> None:
+    """Refuse a --seq-len below 1 (0 would silently mean the config's own length)."""
+    if seq_len is not None and seq_len < 1:
+        raise HetrainError(f"--seq-len {seq_len}: the sequence length must be at least 1; fix: --seq-len 128, "
+                           "or leave it out for the config's positions (at most 1024)")
+
+
 def hf_module(config: str, seq_len: int | None = None) -> RunnableModel:
     """A Hugging Face model from its config (a hub name or a config.json path), random weights."""
+    check_seq_len(seq_len)
     require_transformers()
     import torch
 
@@ -234,7 +242,8 @@ def hf_module(config: str, seq_len: int | None = None) -> RunnableModel:
         from hetrain.workload.block_models import gpt2_blocks
 
         model = gpt2_blocks(model)
-    length = seq_len or min(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 512), 1024)
+    positions = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 512)
+    length = seq_len if seq_len is not None else min(positions, 1024)
     if getattr(cfg, "is_encoder_decoder", False):
         # T5's forward derives no decoder inputs (BART's does): give the decoder its own tokens, as training does
         def make_input(n: int) -> dict:
