@@ -37,7 +37,8 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
                         help="rank 1 is killed after this step (default: the step before the third checkpoint)")
     parser.add_argument("--hidden", type=whole(1), default=1024, help="MLP width (state bytes grow with its square)")
     parser.add_argument("--depth", type=whole(1), default=4, help="MLP hidden layers")
-    parser.add_argument("--global-batch-size", "--global-batch", dest="global_batch", type=whole(2), default=128)
+    parser.add_argument("--global-batch-size", "--global-batch", dest="global_batch", type=whole(2), default=128,
+                        help="samples per step, split over the ranks")
     parser.add_argument("--monitor-interval", type=number(above=0), default=0.1,
                         help="seconds between the elastic agent's checks of its workers")
     parser.add_argument("--measure-saves", type=int, default=3,
@@ -112,6 +113,11 @@ def run(args: argparse.Namespace) -> dict:
         raise HetrainError(f"--interval {args.interval} must be >= 1")
     if args.measure_saves < 0:
         raise HetrainError(f"--measure-saves {args.measure_saves} must be >= 0 (0: no timed saves)")
+    if args.kill_step is None and kill_step >= args.steps:
+        steps = "1" if args.steps == 2 else f"between 1 and {args.steps - 1}"
+        raise HetrainError(f"--steps {args.steps} ends before the default --kill-step {kill_step} (the step before the "
+                           f"third checkpoint: 3 x --interval - 1); fix: --steps {kill_step + 1} or more, or a smaller "
+                           f"--interval, or --kill-step {steps}")
     if not 0 < kill_step < args.steps:
         raise HetrainError(f"--kill-step {kill_step} must be between 1 and --steps - 1 ({args.steps - 1})")
     with tempfile.TemporaryDirectory(prefix="hetrain-bench-recover-") as tmp:

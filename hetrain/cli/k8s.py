@@ -30,7 +30,17 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                         help="each local rank serves Prometheus /metrics on PORT + local_rank (ports metrics-0..)")
     parser.add_argument("--out", default=None, help="write the manifest here (default: stdout)")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script, after --")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER,
+                        help="arguments for the script, after --: ... --script train.py -- --epochs 3")
+    refuse = parser.error
+
+    def error(message: str):
+        # argparse reads a script's own flag given before `--` as a mistyped hetrain k8s flag
+        if message.startswith("unrecognized arguments: -"):
+            message += "; a flag for the script goes after `--` (`hetrain k8s ... --script train.py -- --epochs 3`)"
+        refuse(message)
+
+    parser.error = error   # type: ignore[method-assign]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -207,6 +207,9 @@ class Plan(_Strict):
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
         path = Path(path)
+        if path.is_dir():
+            raise HetrainError(f"plan file {str(path)!r} is a directory; fix: give the plan's JSON file, e.g. the "
+                               "plan.json that `hetrain plan --out plan.json` wrote")
         if not path.is_file():
             raise HetrainError(f"plan file {str(path)!r} does not exist; write one with `hetrain plan --out {path}`")
         from hetrain.userfiles import read_text
