@@ -27,7 +27,8 @@ def add_job_options(parser: argparse.ArgumentParser, steps: int = 100) -> None:
     parser.add_argument("--speeds", default="1,0.5", help="emulated speed per rank, e.g. 1,0.5")
     parser.add_argument("--steps", type=whole(1), default=steps, help="training steps per mode")
     parser.add_argument("--warmup", type=whole(0), default=10, help="steps per mode not timed")
-    parser.add_argument("--global-batch-size", "--global-batch", dest="global_batch", type=int, default=512)
+    parser.add_argument("--global-batch-size", "--global-batch", dest="global_batch", type=int, default=512,
+                        help="samples per step, split over the ranks")
     parser.add_argument("--model", choices=["cnn", "mlp"], default="cnn", help="a small CNN, or an MLP")
     parser.add_argument("--hidden", type=whole(1), default=64, help="CNN channels or MLP width")
     parser.add_argument("--interval", type=whole(1), default=5, help="balancer interval in steps")

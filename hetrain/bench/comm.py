@@ -23,16 +23,20 @@ WIDTH = 512
 def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", type=whole(2), default=2, help="CPU ranks (gloo)")
     parser.add_argument("--steps", type=whole(1), default=500, help="optimizer steps per hook")
-    parser.add_argument("--global-batch-size", "--global-batch", dest="global_batch_size", type=whole(2), default=64)
-    parser.add_argument("--lr", type=number(above=0), default=0.05)
+    parser.add_argument("--global-batch-size", "--global-batch", dest="global_batch_size", type=whole(2), default=64,
+                        help="samples per step, split evenly over the ranks")
+    parser.add_argument("--lr", type=number(above=0), default=0.05, help="SGD learning rate (momentum 0.9)")
     parser.add_argument("--hooks", default=",".join(HOOKS), help="comma-separated compressions")
-    parser.add_argument("--powersgd-rank", type=whole(1), default=2)
-    parser.add_argument("--powersgd-warmup-steps", type=whole(0), default=10)
-    parser.add_argument("--topk-ratio", type=number(above=0, most=1), default=0.01)
+    parser.add_argument("--powersgd-rank", type=whole(1), default=2, help="rank of PowerSGD's low-rank factors")
+    parser.add_argument("--powersgd-warmup-steps", type=whole(0), default=10,
+                        help="steps PowerSGD sends uncompressed before it compresses")
+    parser.add_argument("--topk-ratio", type=number(above=0, most=1), default=0.01,
+                        help="share of the gradient's entries topk sends (the largest)")
     parser.add_argument("--bucket-cap-mb", type=number(above=0), default=0.25, help="DDP bucket size (several buckets overlap)")
     parser.add_argument("--islands", type=island_text, default=None,
                         help="two-level all-reduce over islands of ranks, e.g. '0,1;2,3' (every rank once)")
-    parser.add_argument("--seed", type=whole(0), default=0)
+    parser.add_argument("--seed", type=whole(0), default=0,
+                        help="seed of the train/test split, the initial weights and the batches")
 
 
 def parse_islands(text: str) -> list[list[int]]:

@@ -29,7 +29,8 @@ from hetrain.launch.launcher import LaunchConfig, launch
 def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=whole(0), default=2, help="DataLoader workers per rank")
     parser.add_argument("--slow-workers", type=whole(0), default=0, help="workers of the rank whose loader is slowed")
-    parser.add_argument("--global-batch-size", "--global-batch", dest="global_batch", type=whole(2), default=64)
+    parser.add_argument("--global-batch-size", "--global-batch", dest="global_batch", type=whole(2), default=64,
+                        help="samples per step, split over the ranks")
     parser.add_argument("--samples", type=whole(2), default=1024, help="images in the dataset")
     parser.add_argument("--steps", type=whole(1), default=40, help="timed steps per mode")
     parser.add_argument("--warmup", type=whole(0), default=40, help="untimed steps per mode (the balancer settles)")

@@ -24,7 +24,8 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=whole(1), default=64, help="transformer width")
     parser.add_argument("--depth", type=whole(1), default=6, help="transformer blocks")
     parser.add_argument("--seq", type=whole(1), default=32, help="tokens per sample")
-    parser.add_argument("--global-batch-size", "--global-batch", dest="global_batch_size", type=whole(1), default=12)
+    parser.add_argument("--global-batch-size", "--global-batch", dest="global_batch_size", type=whole(1), default=12,
+                        help="samples per step, split over the ranks")
     parser.add_argument("--preset", default="a100x4+v100x4", help="cluster for the largest-model report")
 
 

@@ -39,10 +39,11 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--blocks", type=whole(2), default=12, help="blocks of the model (>= ranks)")
     parser.add_argument("--block-ms", type=number(above=0), default=1.0,
                         help="forward milliseconds per sample per block at speed 1 (backward takes twice that)")
-    parser.add_argument("--global-batch-size", "--global-batch", dest="global_batch", type=whole(1), default=192, help="samples per step (micro-batches of 4 by default)")
+    parser.add_argument("--global-batch-size", "--global-batch", dest="global_batch", type=whole(1), default=192,
+                        help="samples per step (micro-batches of 4 by default)")
     parser.add_argument("--microbatches", type=whole(1), default=48,
                         help="micro-batches per step (m = 16p: the bubble (p-1)/(m+p-1) is 4%%; it shrinks as m grows)")
-    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="the pipeline schedule every plan runs")
     parser.add_argument("--chunks", type=whole(1), default=3,
                         help="stages per rank under interleaved-1f1b (3 cuts the planner's 6, 3, 3 blocks into "
                              "chunks of 2, 1, 1 and the even 4, 4, 4 into 2, 1, 1)")

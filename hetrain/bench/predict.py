@@ -27,7 +27,8 @@ from hetrain.hardware.catalog import rank_threads
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", type=whole(1), default=2, help="CPU ranks of the planned job")
-    parser.add_argument("--global-batch-size", "--global-batch", dest="global_batch_size", type=whole(1), default=1024)
+    parser.add_argument("--global-batch-size", "--global-batch", dest="global_batch_size", type=whole(1), default=1024,
+                        help="samples per step of the planned job")
     parser.add_argument("--width", type=whole(1), default=64, help="channels of the benchmark's small CNN")
     parser.add_argument("--steps", type=whole(1), default=20, help="steps the job runs")
     parser.add_argument("--warmup", type=whole(0), default=5, help="first steps not timed")

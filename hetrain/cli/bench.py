@@ -25,6 +25,19 @@ BENCHES = {
 }
 
 
+class DefaultsShown(argparse.HelpFormatter):
+    """--help names each option's default as the code has it (here and in simulate, profile, k8s and demo);
+    an option whose help already says its default, or whose default is none, off or empty, is left alone."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (not action.option_strings or "(default" in text or default is argparse.SUPPRESS
+                or default is None or default is False or default == []):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser(parser: argparse.ArgumentParser) -> None:
     # optional to argparse, so that a missing name is refused in run() with the list, not "required: name, rest"
     parser.add_argument("name", nargs="?", choices=sorted(BENCHES), help="which benchmark")
@@ -37,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
         raise HetrainError(f"name a benchmark: one of {', '.join(sorted(BENCHES))}; "
                            "`hetrain bench NAME --help` for its options")
     module = importlib.import_module(f"hetrain.bench.{args.name}")
-    parser = _OneLineParser(prog=f"hetrain bench {args.name}", description=BENCHES[args.name])
+    parser = _OneLineParser(prog=f"hetrain bench {args.name}", description=BENCHES[args.name],
+                            formatter_class=DefaultsShown)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     module.build_parser(parser)
     bargs = parser.parse_args(args.rest)

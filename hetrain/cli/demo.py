@@ -7,11 +7,13 @@ import argparse
 import sys
 
 from hetrain.bench.balance import add_job_options, run_job
+from hetrain.cli.bench import DefaultsShown
 from hetrain.cli.console import stdout_console
 from hetrain.runtime.speeds import parse_speeds
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = DefaultsShown
     add_job_options(parser)
 
 

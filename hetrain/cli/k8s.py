@@ -6,12 +6,14 @@ import argparse
 import sys
 from pathlib import Path
 
+from hetrain.cli.bench import DefaultsShown
 from hetrain.errors import HetrainError
 from hetrain.launch.k8s import (K8sJob, catalog_kinds, checkpoint_note, manifests, parse_node_selector, plan_notes,
                                 to_yaml, unselected_kinds_note)
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = DefaultsShown
     parser.add_argument("--image", default=None, help="container image holding hetrain and the script")
     parser.add_argument("--script", default=None, help="training script, as a path inside the image")
     parser.add_argument("--name", default="hetrain", help="job name (lowercase, digits, '-')")
@@ -25,8 +27,9 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
                         help="nodes of GPU kind KIND carry label KEY=VALUE; repeat once per kind")
     parser.add_argument("--checkpoint-pvc", default=None,
                         help="PersistentVolumeClaim (ReadWriteMany) shared by all pods for checkpoints")
-    parser.add_argument("--checkpoint-dir", default="/checkpoints", help="where the checkpoints go in each pod: the claim's mount (a job of one pod without a claim: "
-                        "a directory of the pod's own)")
+    parser.add_argument("--checkpoint-dir", default="/checkpoints",
+                        help="where the checkpoints go in each pod: the claim's mount (a job of one pod without a "
+                             "claim: a directory of the pod's own)")
     parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                         help="each local rank serves Prometheus /metrics on PORT + local_rank (ports metrics-0..)")
     parser.add_argument("--out", default=None, help="write the manifest here (default: stdout)")

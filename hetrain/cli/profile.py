@@ -15,12 +15,14 @@ import json
 import math
 import sys
 
+from hetrain.cli.bench import DefaultsShown
 from hetrain.cli.console import print_rows, stdout_console
 from hetrain.errors import HetrainError
 from hetrain.userfiles import ensure_directory
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = DefaultsShown
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--model", help="reference model by zoo name: resnet50, bert-large, gpt2-124m, ...")
     what.add_argument("--script", metavar="FILE.py:FACTORY",

@@ -9,6 +9,7 @@ import math
 import csv
 import sys
 
+from hetrain.cli.bench import DefaultsShown
 from hetrain.errors import HetrainError, NoPlanFits
 from hetrain.userfiles import check_writable_file
 
@@ -16,10 +17,10 @@ NO_FIT = "does not fit"   # the strategy cell of a CSV row for a size where no p
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="resnet152", help="reference model name (see hetrain plan --help); "
-                        "default resnet152")
+    parser.formatter_class = DefaultsShown
+    parser.add_argument("--model", default="resnet152", help="reference model name (see hetrain plan --help)")
     parser.add_argument("--mix", default="a100:1,v100:1",
-                        help="device mix repeated at each size, MODEL:COUNT,... (default a100:1,v100:1)")
+                        help="device mix repeated at each size, MODEL:COUNT,...")
     parser.add_argument("--sizes", default="1,2,4,8,16,32", help="how many copies of the mix, comma-separated")
     parser.add_argument("--per-node", type=int, default=8, help="devices per node (NVLink inside, network between)")
     parser.add_argument("--inter-node-gbps", type=float, default=100.0, help="network bandwidth per node, Gb/s")
