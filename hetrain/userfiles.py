@@ -23,12 +23,12 @@ def read_text(path: str | os.PathLike, what: str, max_bytes: int = MAX_TEXT_BYTE
         size = p.stat().st_size
         if p.is_dir():
             raise HetrainError(f"{what} {str(p)!r} is a directory; fix: give the path of a file")
-        if size > max_bytes:
-            raise HetrainError(
-                f"{what} {str(p)!r} is {size / 2**20:.1f} MiB; hetrain reads {what}s of at most "
-                f"{max_bytes / 2**20:g} MiB; fix: check that this is the right file"
-            )
-        data = p.read_bytes()
+        with open(p, "rb") as f:   # at most the limit and a byte: a device or a pipe's size is 0 (/dev/zero never ends)
+            data = f.read(max_bytes + 1) if size <= max_bytes else b""
+        if size > max_bytes or len(data) > max_bytes:
+            said = f"{size / 2**20:.1f} MiB" if size > max_bytes else f"over {max_bytes / 2**20:g} MiB"
+            raise HetrainError(f"{what} {str(p)!r} is {said}; hetrain reads {what}s of at most "
+                               f"{max_bytes / 2**20:g} MiB; fix: check that this is the right file")
     except FileNotFoundError:
         raise HetrainError(f"{what} {str(p)!r} not found; fix: check the path") from None
     except OSError as e:
