@@ -10,7 +10,7 @@ import argparse
 import importlib
 import json
 
-from hetrain.cli.console import stdout_console
+from hetrain.cli.console import DefaultsShown, stdout_console
 from hetrain.errors import HetrainError
 
 BENCHES = {
@@ -23,19 +23,6 @@ BENCHES = {
     "pipeline": "the planner's uneven layer partition against an even one and data parallelism, on emulated speeds",
     "data": "plain DDP with DataLoader workers against hetrain's loader, on decoded JPEG images",
 }
-
-
-class DefaultsShown(argparse.HelpFormatter):
-    """--help names each option's default as the code has it (here and in simulate, profile, k8s and demo);
-    an option whose help already says its default, or whose default is none, off or empty, is left alone."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        default = action.default
-        if (not action.option_strings or "(default" in text or default is argparse.SUPPRESS
-                or default is None or default is False or default == []):
-            return text
-        return f"{text} (default: %(default)s)"
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:

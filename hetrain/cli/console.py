@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from typing import Any
@@ -66,3 +67,16 @@ def print_rows(console: Any, headings: list[str], rows: list[list[str]], *, titl
             record.add_row(heading, cell)
         console.print(record)
     console.print()
+
+
+class DefaultsShown(argparse.HelpFormatter):
+    """--help names each option's default as the code has it (simulate, profile, k8s, demo and the benchmarks);
+    an option whose help already says its default, or whose default is none, off or empty, is left alone."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (not action.option_strings or "(default" in text or default is argparse.SUPPRESS
+                or default is None or default is False or default == []):
+            return text
+        return f"{text} (default: %(default)s)"

@@ -7,8 +7,7 @@ import argparse
 import sys
 
 from hetrain.bench.balance import add_job_options, run_job
-from hetrain.cli.bench import DefaultsShown
-from hetrain.cli.console import stdout_console
+from hetrain.cli.console import DefaultsShown, stdout_console
 from hetrain.runtime.speeds import parse_speeds
 
 

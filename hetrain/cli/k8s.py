@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from hetrain.cli.bench import DefaultsShown
+from hetrain.cli.console import DefaultsShown
 from hetrain.errors import HetrainError
 from hetrain.launch.k8s import (K8sJob, catalog_kinds, checkpoint_note, manifests, parse_node_selector, plan_notes,
                                 to_yaml, unselected_kinds_note)

@@ -15,7 +15,7 @@ import json
 import math
 import sys
 
-from hetrain.cli.bench import DefaultsShown
+from hetrain.cli.console import DefaultsShown
 from hetrain.cli.console import print_rows, stdout_console
 from hetrain.errors import HetrainError
 from hetrain.userfiles import ensure_directory

@@ -9,7 +9,7 @@ import math
 import csv
 import sys
 
-from hetrain.cli.bench import DefaultsShown
+from hetrain.cli.console import DefaultsShown
 from hetrain.errors import HetrainError, NoPlanFits
 from hetrain.userfiles import check_writable_file
 
