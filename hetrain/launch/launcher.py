@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -164,6 +165,38 @@ def check_rendezvous(cfg: LaunchConfig, lo: int, hi: int) -> None:
                            "the --master-addr host)")
 
 
+# torch's rendezvous settings read as whole numbers (seconds, or a count; torch's default), and those read as words
+RDZV_CONF_INTS = {"join_timeout": 600, "last_call_timeout": 30, "close_timeout": 30, "heartbeat_timeout": 5,
+                  "read_timeout": 60, "timeout": 600, "keep_alive_interval": 5, "keep_alive_max_attempt": 3}
+RDZV_CONF_WORDS = {"is_host": "1 true t yes y 0 false f no n", "store_type": "tcp file"}
+STREAMS = re.compile(r"[0123]|(\d:[0123],)*\d:[0123]")   # torchrun's --redirects and --tee (Std.from_str)
+
+
+def check_rdzv_conf(conf: str, backend: str) -> None:
+    """--rdzv-conf K=V,... as torch's rendezvous reads it (the agent raised a traceback); other keys pass as given."""
+    for key, eq, value in ((p.strip() for p in kv.partition("=")) for kv in filter(str.strip, conf.split(","))):
+        if not (key and eq and value):
+            raise HetrainError(f"--rdzv-conf {conf!r}: {key or value!r} is not KEY=VALUE; fix: write KEY=VALUE "
+                               "settings joined by commas, e.g. join_timeout=120,read_timeout=10")
+        if key in RDZV_CONF_INTS and not (value.isdigit() and int(value) > 0):   # torch refuses a timeout <= 0
+            raise HetrainError(f"--rdzv-conf {key}={value}: {key} must be a whole number above 0, e.g. "
+                               f"{key}={RDZV_CONF_INTS[key]} (torch's default)")
+        words = RDZV_CONF_WORDS.get(key, "").split() if key != "store_type" or backend == "c10d" else []
+        if words and value.lower() not in words:
+            raise HetrainError(f"--rdzv-conf {key}={value}: {key} must be one of {', '.join(words)}")
+
+
+def check_backend(name: str) -> None:
+    """A rendezvous torch has: c10d, static, etcd and etcd-v2 (with the python-etcd package), or a plugin's."""
+    from importlib import metadata, util
+
+    if name in ("etcd", "etcd-v2") and util.find_spec("etcd") is None:
+        raise HetrainError(f"--rdzv-backend {name} needs the python-etcd package and an etcd server; fix: leave "
+                           "--rdzv-backend out (c10d, served by one of the nodes)")
+    if name not in ("c10d", "static", "etcd", "etcd-v2", *(e.name for e in metadata.entry_points(group="torchrun.handlers"))):
+        raise HetrainError(f"--rdzv-backend {name!r} is not a rendezvous torch has; fix: use c10d (the default) or static")
+
+
 def validate(cfg: LaunchConfig) -> None:
     """User errors, each as one line that names the fix."""
     if not cfg.module and not Path(cfg.script).is_file():
@@ -201,12 +234,23 @@ def validate(cfg: LaunchConfig) -> None:
     check_rendezvous(cfg, lo, hi)
     if cfg.master_port is not None and not 1 <= cfg.master_port <= 65535:
         raise HetrainError(f"--master-port {cfg.master_port} is not a TCP port; fix: use a port from 1 to 65535, e.g. 29500")
+    if cfg.rdzv_backend is not None:
+        check_backend(cfg.rdzv_backend)
+    if cfg.rdzv_conf:
+        check_rdzv_conf(cfg.rdzv_conf, rendezvous_backend(cfg))
+    if cfg.monitor_interval is not None and not (math.isfinite(cfg.monitor_interval) and cfg.monitor_interval > 0):
+        raise HetrainError(f"--monitor-interval {cfg.monitor_interval:g} must be a positive number of seconds, e.g. 0.1")
+    for flag, value in (("--redirects", cfg.redirects), ("--tee", cfg.tee)):
+        if value and not STREAMS.fullmatch(value):
+            raise HetrainError(f"{flag} {value!r} must be 0 (none), 1 (stdout), 2 (stderr) or 3 (both), or per local "
+                               "rank R:N joined by commas (local ranks 0-9), e.g. 0:3,1:1")
+    if cfg.local_ranks_filter and not all(r.strip().isdigit() for r in cfg.local_ranks_filter.split(",")):
+        raise HetrainError(f"--local-ranks-filter {cfg.local_ranks_filter!r} must be local ranks, e.g. 0 or 0,1")
     if cfg.collective_timeout is not None and not (math.isfinite(cfg.collective_timeout) and cfg.collective_timeout > 0):
         raise HetrainError(f"--collective-timeout {cfg.collective_timeout} must be a positive number of seconds, e.g. 600")
-    if cfg.checkpoint_dir is not None:
-        ensure_directory(cfg.checkpoint_dir, "--checkpoint-dir")
-    if cfg.run_dir is not None:
-        ensure_directory(cfg.run_dir, "--run-dir")
+    for flag, path in (("--checkpoint-dir", cfg.checkpoint_dir), ("--run-dir", cfg.run_dir), ("--log-dir", cfg.log_dir)):
+        if path is not None:   # torch's agent makes --log-dir too, and raised a traceback where it is a file
+            ensure_directory(path, flag)
     if cfg.plan is not None:
         check_plan_devices(load_plan(cfg.plan))
     if cfg.metrics_port is not None:
@@ -405,12 +449,9 @@ def rendezvous_line(error: BaseException, cfg: LaunchConfig) -> str:
 
 def _streams(value: str | None, local_rank: int) -> int:
     """torchrun's --redirects/--tee for one local rank: 0 none, 1 stdout, 2 stderr, 3 both ("3", or "0:3,1:1")."""
-    try:
-        if value and ":" in value:
-            return dict((int(r), int(v)) for r, v in (part.split(":") for part in value.split(","))).get(local_rank, 0)
-        return int(value) if value else 0
-    except ValueError:   # torchrun's parser refuses it before the job starts
-        return 0
+    if value and ":" in value:   # (validate() checked its form)
+        return dict((int(r), int(v)) for r, v in (part.split(":") for part in value.split(","))).get(local_rank, 0)
+    return int(value) if value else 0
 
 
 def output_place(cfg: LaunchConfig, local_rank: int) -> str:

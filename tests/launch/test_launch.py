@@ -110,16 +110,16 @@ def test_torchruns_environment_defaults_are_read_and_a_flag_on_the_line_wins(mon
     reads them: hetrain launch ignored them, and each node of a two-node job trained alone."""
     import argparse
 
-    from hetrain.cli.launch import build_parser
+    from hetrain.cli.launch import build_parser, launch_config
 
     for name, value in {"NPROC_PER_NODE": "3", "NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.5",
                         "MASTER_PORT": "29400", "MAX_RESTARTS": "2", "RDZV_ID": "job7", "STANDALONE": "0"}.items():
         monkeypatch.setenv(f"PET_{name}", value)
     parser = argparse.ArgumentParser()
     build_parser(parser)
-    args = parser.parse_args(["train.py"])
-    assert (args.nproc_per_node, args.nnodes, args.node_rank, args.master_addr, args.master_port, args.max_restarts,
-            args.rdzv_id, args.standalone) == (3, "2", 1, "10.0.0.5", 29400, 2, "job7", False)
+    cfg, _ = launch_config(parser.parse_args(["train.py"]))
+    assert (cfg.nproc_per_node, cfg.nnodes, cfg.node_rank, cfg.master_addr, cfg.master_port, cfg.max_restarts,
+            cfg.rdzv_id, cfg.standalone) == (3, "2", 1, "10.0.0.5", 29400, 2, "job7", False)
     args = parser.parse_args(["--nproc-per-node", "1", "--nnodes", "1", "train.py"])
     assert (args.nproc_per_node, args.nnodes) == (1, "1")
     # torchrun's other spellings: auto (CUDA devices, else CPU cores), cpu; an empty variable is unset
@@ -127,11 +127,11 @@ def test_torchruns_environment_defaults_are_read_and_a_flag_on_the_line_wins(mon
         monkeypatch.setenv(f"PET_{name}", value)
     parser = argparse.ArgumentParser()
     build_parser(parser)
-    args = parser.parse_args(["train.py"])
-    assert (args.nproc_per_node, args.master_port, args.standalone) == (os.cpu_count(), None, False)
+    cfg, _ = launch_config(parser.parse_args(["train.py"]))
+    assert (cfg.nproc_per_node, cfg.master_port, cfg.standalone) == (os.cpu_count(), None, False)
     assert parser.parse_args(["--nproc-per-node", "cpu", "train.py"]).nproc_per_node == os.cpu_count()
     # and the elastic agent's parser, which reads the line again, does not read those variables raw
-    agent_args(LaunchConfig(script="train.py", nproc_per_node=args.nproc_per_node))
+    agent_args(LaunchConfig(script="train.py", nproc_per_node=cfg.nproc_per_node))
     assert os.environ["PET_STANDALONE"] == "false" and os.environ["PET_MASTER_PORT"] == ""
     # hetrain's own flags take torchrun's underscore spelling too
     args = parser.parse_args(["--checkpoint_dir", "c", "--emulate_speeds", "1,0.5", "--collective_timeout", "9",
