@@ -269,9 +269,7 @@ def summary_row(run: RankRun) -> dict[str, Any]:
         "predicted_step_seconds": run.start.get("predicted_step_seconds"),
         "samples_per_second": sum(s["samples"] for s in t) / step_seconds if step_seconds else None,
         # items (a token-mean loss's tokens, num_items): the work of a step whose samples vary in length
-        # none on a pipeline stage before the last, which computes no loss and counts no items
-        "items_per_second": sum(s["items"] for s in t) / step_seconds
-        if step_seconds and all(s.get("items") is not None for s in t) and not before_last_stage(run.start) else None,
+        "items_per_second": items_per_second(run),
         "share": last["share"] / sum(last["shares"]) if last.get("shares") and sum(last["shares"]) else None,
         **{cause: causes[cause] / step_seconds if step_seconds else None for cause in CAUSES},
         "mfu": sum(s["mfu"] * s["step_seconds"] for s in mfu_steps) / mfu_seconds if mfu_seconds else None,
@@ -284,7 +282,18 @@ def summary_row(run: RankRun) -> dict[str, Any]:
 
 
 PLACE = ("stage", "stages", "replica", "replicas")
-"""A pipeline rank's place, from its start line (counted from 0; absent off a pipeline)."""
+"""A pipeline rank's place, from the start line in force for its last step (counted from 0; absent off a pipeline)."""
+
+
+def items_per_second(run: RankRun) -> float | None:
+    """Items over the seconds of the timed steps that counted them: not those the rank ran as a pipeline stage before
+    the last (which computes no loss and counts no items; a resume may have moved the rank to another stage)."""
+    counted = [s for s, a in zip(run.steps, run.step_attempts)
+               if s.get("step_seconds") and not before_last_stage(run.attempts[a].start)]
+    seconds = sum(s["step_seconds"] for s in counted)
+    if not seconds or any(s.get("items") is None for s in counted):
+        return None
+    return sum(s["items"] for s in counted) / seconds
 
 
 def before_last_stage(start: dict[str, Any]) -> bool:

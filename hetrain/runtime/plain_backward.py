@@ -17,7 +17,8 @@ FSDP2's sharded parameters are not accumulated by autograd, and a pipeline stage
 the checks between micro-batches below hold under FSDP2 too.)
 
 Under micro-batches the loop body runs once per piece, so two more writes land between a step's pieces,
-both refused at the next piece's backward:
+both refused: the first in that backward, as it reaches this model's outputs; the second at the next piece's
+session backward:
 
 - another session's backward through this model (a GAN's generator loss through its discriminator, frozen
   or not): its pieces run through this model before its step applies, and its gradient, where the
@@ -83,6 +84,7 @@ class PlainBackwards:
         self.foreign = False         # another session's backward reached the parameters between this step's pieces
         self._params = [p for p in params if p.requires_grad]
         self._versions: list[int] | None = None   # the parameters' in-place versions after a piece before the last
+        self._output_hooks: list[Any] = []   # on outputs of forwards between pieces, dropped at the next piece
         self._handles = [p.register_post_accumulate_grad_hook(self._accumulated) for p in self._params]
         self._handles.append(model.register_forward_pre_hook(self._forward))
         self._handles.append(model.register_forward_hook(self._output))
@@ -91,13 +93,19 @@ class PlainBackwards:
         """A copy of the prepared model (deepcopy, an AveragedModel of it) carries inert hooks: it notes nothing
         the session reads (the forward pre-hook is copied with the module; the parameters' hooks are not)."""
         return {"since_forward": False, "in_step": False, "_armed": False, "foreign": False, "_params": [],
-                "_versions": None, "_handles": []}
+                "_versions": None, "_output_hooks": [], "_handles": []}
 
     def remove(self) -> None:
         """The session closed: its hooks leave the parameters (a new session prepares them again)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._drop_output_hooks()
+
+    def _drop_output_hooks(self) -> None:
+        for handle in self._output_hooks:
+            handle.remove()
+        self._output_hooks = []
 
     def _accumulated(self, param: torch.Tensor) -> None:
         if not _inside:
@@ -108,19 +116,19 @@ class PlainBackwards:
 
     def _output(self, module: Any, args: Any, output: Any) -> None:
         """Between a step's pieces, a backward through this forward's outputs by another session (its parameters
-        frozen or not) is noted."""
+        frozen or not) is refused. (An output that is a parameter itself is left to `_accumulated`.)"""
         if self._versions is None or not torch.is_grad_enabled():
             return
         values = output.values() if isinstance(output, Mapping) else output if isinstance(output, (list, tuple)) \
             else [output]
         for value in values:
-            if isinstance(value, torch.Tensor) and value.requires_grad:
-                value.register_hook(self._through)
+            if isinstance(value, torch.Tensor) and value.requires_grad and value.grad_fn is not None:
+                self._output_hooks.append(value.register_hook(self._through))
 
     def _through(self, grad: torch.Tensor) -> None:
-        """Refused at once, before the backward reaches this model's parameters and their collectives (FSDP2's
-        gathers and reduce-scatters would meet another rank's in the wrong order)."""
-        if _inside and _inside[-1] is not self:
+        """Refused at once, as the backward reaches this model's outputs (before its parameters: FSDP2's gathers and
+        reduce-scatters would meet another rank's in the wrong order)."""
+        if self._versions is not None and _inside and _inside[-1] is not self:
             raise HetrainError(FOREIGN)
 
     def _forward(self, module: Any, args: Any) -> None:
@@ -138,6 +146,7 @@ class PlainBackwards:
         """Before a session backward, ahead of anything it counts or sends: nothing wrote to the model between this
         piece and the step's last one (every rank reads the same)."""
         versions, self._versions, foreign, self.foreign = self._versions, None, self.foreign, False
+        self._drop_output_hooks()
         if foreign:
             raise HetrainError(FOREIGN)
         if versions is not None and versions != [p._version for p in self._params]:
@@ -150,5 +159,6 @@ class PlainBackwards:
 
     def before_step(self) -> None:
         plain, self.in_step, self._armed, self._versions = self.in_step, False, False, None
+        self._drop_output_hooks()
         if plain:
             raise HetrainError(AFTER)

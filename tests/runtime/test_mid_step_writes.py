@@ -128,3 +128,46 @@ def test_under_fsdp2_a_gans_generator_backward_between_the_discriminators_micro_
     aborted rank 1 (exit -6) with no word of why."""
     for said in run_ranks(_gan, 2, True, "frozen", "fsdp"):
         assert isinstance(said, str) and said.startswith("another session's backward"), said
+
+
+class _BiasOut(torch.nn.Module):
+    """Returns one of its parameters among its outputs (a contrastive model's learnt logit bias)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.bias = torch.nn.Linear(4, 2), torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, x):
+        return {"logits": self.lin(x), "bias": self.bias}
+
+
+def _sessions_one_after_another(rank, world):
+    import torch.distributed as dist
+
+    import hetrain
+
+    dist.init_process_group("gloo")   # the script's own group: each session runs on it
+    net, said = _BiasOut(), []
+    for micro in (True, False):
+        session = hetrain.Session(_plan(micro))
+        model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.01))
+        try:
+            for x, y in session.loader(_data(), GLOBAL, shuffle=False):
+                out = model(x)
+                session.backward(F.mse_loss(out["logits"] + out["bias"], y))
+                session.step()
+                if session.step_count >= 2:
+                    break
+            said.append(session.step_count)
+        except HetrainError as e:
+            said.append(str(e))
+        finally:
+            session.close()
+    return said, len(net.bias._backward_hooks or {})
+
+
+def test_a_model_that_returns_a_parameter_trains_in_a_later_session_and_keeps_no_hooks():
+    """The checks' hooks on such an output stayed on the parameter, one per forward between pieces, and refused
+    the next session's first backward as another session's through the model (found in review)."""
+    for said, hooks in run_ranks(_sessions_one_after_another, 2):
+        assert said == [2, 2] and hooks == 0, (said, hooks)
