@@ -591,7 +591,7 @@ if __name__ == "__main__":
         session.backward(F.cross_entropy(model(x), y))
         session.step()
     if session.is_main:
-        print("trained", session.step_count, flush=True)
+        print(f"trained {session.step_count}", flush=True)   # one write: two ranks never run together
     session.close()
 '''
 

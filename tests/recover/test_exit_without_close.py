@@ -22,7 +22,7 @@ loader = session.loader(data, global_batch_size=32, seed=0)
 for x, y in loader:   # one epoch: 8 steps, the last one saved in the background
     session.backward(F.cross_entropy(model(x), y))
     session.step()
-print("trained", session.step_count, flush=True)
+print(f"trained {session.step_count}", flush=True)   # one write: two ranks never run together
 """
 
 
