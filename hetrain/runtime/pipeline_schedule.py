@@ -118,7 +118,6 @@ class PipelineRunner:
         self.chunks = chunks or [module]
         for chunk in self.chunks:
             compute_in_precision(chunk, autocast)
-        self.speed = speed
         self.clock = StageClock(speed, comm_waits)   # this step's forward and backward compute
         self.inferring_shapes = False   # in torch's shape inference, whose forward is not the step's work
         self.step_samples = 0     # the samples of the last replica batch this stage ran (its ranks' slices)
