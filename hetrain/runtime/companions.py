@@ -68,6 +68,29 @@ def _companions(session: Any) -> list[Any]:
     return out
 
 
+def _pieces(session: Any) -> list[tuple[int | None, int]]:
+    return [(e.micro_batch, e.grad_accum) for e in session.assignment.entries]
+
+
+def pieces_in_step(session: Any) -> bool:
+    """Whether `session`'s loader runs the job's count of micro-batches a step on every rank (each rank's
+    micro_batch and grad_accum) because another session is trained beside it in the same loop body: a
+    loop body runs once per piece, and where ranks run different counts the two sessions' collectives (each
+    DDP's gradient all-reduce, its buffer broadcasts, its bucket rebuild after the first step, the ranks'
+    agreement at the first backward) would pair up across the models: gloo's 'Received data size doesn't match'
+    and SIGABRT, or a hang. The companion's loader, made earlier with a count of its own on each rank, runs its
+    job's count too, from its first batch. A rank short of pieces runs stand-ins (two samples, no items)."""
+    others = [o for o in _companions(session) if getattr(o, "layout", None) is None]
+    if not others or session.layout is not None or session.world_size == 1 or \
+            all(mb is None and ga == 1 for mb, ga in _pieces(session)):
+        return False
+    for other in others:
+        train = getattr(other, "train", None)
+        if train is not None and train.loader.same_piece_count is None and other.state.begun == 0:
+            train.loader.same_piece_count, other.state.equal_pieces = _pieces(other), True
+    return True
+
+
 def leading_loader(session: Any, global_batch_size: int, checkpoint_dir: Any = None) -> Any:
     """The loader of the first companion of `session` with a map-style loader of `global_batch_size` samples on as
     many ranks, or None. Refuses a companion that checkpoints to `checkpoint_dir` too (their saves would collide,
