@@ -91,6 +91,12 @@ def pieces_in_step(session: Any) -> bool:
     return True
 
 
+def other_parameters(session: Any) -> set[int]:
+    """The ids of the trainable parameters of the models the other open sessions of this process prepared."""
+    return {id(p) for other in _alive() if other is not session and getattr(other, "prepared", None) is not None
+            for p in other.prepared.parameters if p.requires_grad}
+
+
 def leading_loader(session: Any, global_batch_size: int, checkpoint_dir: Any = None) -> Any:
     """The loader of the first companion of `session` with a map-style loader of `global_batch_size` samples on as
     many ranks, or None. Refuses a companion that checkpoints to `checkpoint_dir` too (their saves would collide,

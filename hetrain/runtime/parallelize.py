@@ -379,12 +379,16 @@ def graph_zeros(prepared: Prepared, loss: torch.Tensor) -> torch.Tensor:
     return zeros if zeros is not None else torch.nan_to_num(loss.float()) * 0.0
 
 
-def exact_zeros(prepared: Prepared, loss: torch.Tensor) -> torch.Tensor:
+def exact_zeros(prepared: Prepared, loss: torch.Tensor, others: set[int] = frozenset()) -> torch.Tensor:
     """What a backward without items runs: exact zeros for every trainable parameter (every rank joins every
     bucket's all-reduce), or under find_unused_parameters for those the loss reaches only (DDP marked the
     others ready after the forward; a gradient for them stopped it, 'marked ready twice'). Not the loss
-    times 0: a token mean over no tokens is 0/0, and its backward NaN."""
-    if holds_node(loss, GATHER_NODE):   # session.gather_rows: its backward is a collective every rank joins
+    times 0: a token mean over no tokens is 0/0, and its backward NaN. But where the loss reaches parameters of
+    another session's model (`others`, their ids: a GAN generator's loss through its discriminator), that
+    model's DDP all-reduces in this backward on the ranks with items, before this one's: the rank without
+    runs the loss's own graph too (its tensors are empty, so no NaN reaches a weight), joining both in turn."""
+    if holds_node(loss, GATHER_NODE) or (others and not others.isdisjoint(reachable_parameters(loss))):
+        # session.gather_rows: its backward is a collective every rank joins; another session's model: its DDP's
         return torch.nan_to_num(loss.float()) * 0.0  # (a rank without rows: its tensors are empty, no NaN reaches a weight)
     params = [p for p in prepared.parameters if p.requires_grad]
     if prepared.find_unused:

@@ -34,7 +34,7 @@ from hetrain.runtime.balance_config import balance_overrides, balance_setup, pie
 from hetrain.runtime.balancer import Balancer
 from hetrain.runtime.batch_sampler import check_global_batch
 from hetrain.runtime.comm_hooks import forget_feedback
-from hetrain.runtime.companions import closed, follow, leading_loader, opened, pieces_in_step
+from hetrain.runtime.companions import closed, follow, leading_loader, opened, other_parameters, pieces_in_step
 from hetrain.runtime.cross_rank import gather_rows
 from hetrain.runtime.data import HeteroLoader, make_loader
 from hetrain.runtime.evaluation import evaluate
@@ -311,7 +311,7 @@ class Session:
             # No items: zeros through the forward's graph (FSDP2's reduce-scatter, SyncBatchNorm's backward).
             weighted = graph_zeros(self.prepared, loss)
         elif items == 0:   # no items: exact zeros, still joining every collective
-            weighted = exact_zeros(self.prepared, loss)
+            weighted = exact_zeros(self.prepared, loss, other_parameters(self))
         else:
             weighted = loss * self.state.weight(items)
         self.prepared.backward(self.scaler.scale_loss(weighted), self.state.backwards == 1, self.state.last_micro)

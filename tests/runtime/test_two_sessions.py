@@ -29,7 +29,7 @@ def _bce(logits, target):
     return F.binary_cross_entropy_with_logits(logits, torch.full_like(logits, target))
 
 
-def _train(rank, world, order, workers):
+def _train(rank, world, order, workers, resplits=((10, 6), (12, 4))):
     import hetrain
 
     plan = Plan(global_batch_size=GLOBAL, balance=BalancePlan(enabled=True, interval=2),
@@ -50,7 +50,7 @@ def _train(rank, world, order, workers):
         sd.backward(_bce(disc_m(real), 1.0) + _bce(disc_m(fake.detach()), 0.0))
         sd.step()
         if sd.step_count in (3, 6):   # a re-split the discriminator's balancer decides (on every rank)
-            sd.balancer.shares = [10, 6] if sd.step_count == 3 else [12, 4]
+            sd.balancer.shares = list(resplits[0] if sd.step_count == 3 else resplits[1])
         if order == "after":   # the generator's batch drawn after the discriminator's step
             _, z_g = next(lg)
         splits.append((len(z), len(z_g)))
@@ -66,7 +66,18 @@ def test_a_second_session_takes_the_first_ones_split_and_the_update_is_one_proce
     """Each session re-split on its own timings: the generator's loss, computed on the discriminator's
     slice, was weighted by the generator session's share (0.0013 off one process). Drawn after the
     discriminator's step with workers prefetching, a first version cut one step's batch by another's split."""
-    results = run_ranks(_train, 2, order, workers)
+    _check_one_process(run_ranks(_train, 2, order, workers))
+
+
+def test_a_rank_at_no_samples_joins_the_discriminators_all_reduce_in_the_generators_backward():
+    """From step 4 to 6 rank 1 had no samples: its generator backward ran exact zeros through the generator alone,
+    while rank 0's went through the discriminator, whose DDP all-reduced first, and gloo aborted rank 1 (exit -6)."""
+    results = run_ranks(_train, 2, "together", (0, 0), ((16, 0), (12, 4)))
+    assert (0, 0) in results[1][1], results[1][1]   # rank 1 drew steps without samples
+    _check_one_process(results)
+
+
+def _check_one_process(results):
     gen, disc = _nets()
     opt_g, opt_d = torch.optim.Adam(gen.parameters(), lr=1e-2), torch.optim.Adam(disc.parameters(), lr=1e-2)
     real_all, z_all = _data()
