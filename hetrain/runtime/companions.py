@@ -92,9 +92,9 @@ def pieces_in_step(session: Any) -> bool:
 
 
 def other_parameters(session: Any) -> set[int]:
-    """The ids of the trainable parameters of the models the other open sessions of this process prepared."""
+    """The ids of the parameters of the models the other open sessions of this process prepared."""
     return {id(p) for other in _alive() if other is not session and getattr(other, "prepared", None) is not None
-            for p in other.prepared.parameters if p.requires_grad}
+            for p in other.prepared.parameters}
 
 
 def leading_loader(session: Any, global_batch_size: int, checkpoint_dir: Any = None) -> Any:

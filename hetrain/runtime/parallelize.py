@@ -371,10 +371,17 @@ def keep_outputs(prepared: Prepared, module: nn.Module, on_own_model: bool = Fal
         prepared.handles.extend(handles)
 
 
-def graph_zeros(prepared: Prepared, loss: torch.Tensor) -> torch.Tensor:
+def graph_zeros(prepared: Prepared, loss: torch.Tensor, others: set[int] = frozenset()) -> torch.Tensor:
     """A backward without items that must still run through the forward's graph (FSDP2's reduce-scatter,
     SyncBatchNorm's backward all-reduce): zeros through the outputs the loss took, not through the loss itself,
-    whose own backward a hand-made mean over no items (0/0) makes NaN; the loss where no output was kept."""
+    whose own backward a hand-made mean over no items (0/0) makes NaN; the loss where no output was kept. Beside
+    another session's model (`others`: its parameters' ids), which the loss may have gone through frozen or not
+    (a GAN's generator loss through its discriminator, whose gathers and reduce-scatters run in this backward on
+    the ranks with items), the loss's own graph, times 0, where it is finite or the forward's outputs are empty
+    (a rank without samples: no NaN reaches a weight through them)."""
+    empty = prepared.kept is not None and prepared.kept.tensors and all(t.numel() == 0 for t in prepared.kept.tensors)
+    if others and (empty or bool(torch.isfinite(loss.detach()).all())):
+        return torch.nan_to_num(loss.float()) * 0.0
     zeros = prepared.kept.zeros(loss) if prepared.kept is not None else None
     return zeros if zeros is not None else torch.nan_to_num(loss.float()) * 0.0
 

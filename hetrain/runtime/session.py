@@ -309,7 +309,7 @@ class Session:
         self._launch_figures()
         if items == 0 and (self.sharding == "fsdp" or self.prepared.sync_batchnorm):
             # No items: zeros through the forward's graph (FSDP2's reduce-scatter, SyncBatchNorm's backward).
-            weighted = graph_zeros(self.prepared, loss)
+            weighted = graph_zeros(self.prepared, loss, other_parameters(self))
         elif items == 0:   # no items: exact zeros, still joining every collective
             weighted = exact_zeros(self.prepared, loss, other_parameters(self))
         else:

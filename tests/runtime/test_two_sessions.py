@@ -29,10 +29,10 @@ def _bce(logits, target):
     return F.binary_cross_entropy_with_logits(logits, torch.full_like(logits, target))
 
 
-def _train(rank, world, order, workers, resplits=((10, 6), (12, 4))):
+def _train(rank, world, order, workers, resplits=((10, 6), (12, 4)), sharding="none"):
     import hetrain
 
-    plan = Plan(global_batch_size=GLOBAL, balance=BalancePlan(enabled=True, interval=2),
+    plan = Plan(global_batch_size=GLOBAL, balance=BalancePlan(enabled=True, interval=2), sharding=sharding,
                 ranks=[RankPlan(rank=r, share=GLOBAL // 2) for r in range(2)])
     gen, disc = _nets()
     opt_g, opt_d = torch.optim.Adam(gen.parameters(), lr=1e-2), torch.optim.Adam(disc.parameters(), lr=1e-2)
@@ -56,9 +56,11 @@ def _train(rank, world, order, workers, resplits=((10, 6), (12, 4))):
         splits.append((len(z), len(z_g)))
         sg.backward(_bce(disc_m(fake), 1.0))
         sg.step()
+    params = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach()   # FSDP2's shards, whole (collective)
+              for p in list(gen.parameters()) + list(disc.parameters())]
     sg.close()
     sd.close()
-    return [p.detach() for p in list(gen.parameters()) + list(disc.parameters())], splits
+    return params, splits
 
 
 @pytest.mark.parametrize("order,workers", [("together", (0, 0)), ("after", (1, 0)), ("after", (0, 2))])
@@ -69,10 +71,12 @@ def test_a_second_session_takes_the_first_ones_split_and_the_update_is_one_proce
     _check_one_process(run_ranks(_train, 2, order, workers))
 
 
-def test_a_rank_at_no_samples_joins_the_discriminators_all_reduce_in_the_generators_backward():
-    """From step 4 to 6 rank 1 had no samples: its generator backward ran exact zeros through the generator alone,
-    while rank 0's went through the discriminator, whose DDP all-reduced first, and gloo aborted rank 1 (exit -6)."""
-    results = run_ranks(_train, 2, "together", (0, 0), ((16, 0), (12, 4)))
+@pytest.mark.parametrize("sharding", ["none", "fsdp"])
+def test_a_rank_at_no_samples_joins_the_discriminators_collectives_in_the_generators_backward(sharding):
+    """From step 4 to 6 rank 1 had no samples: its generator backward ran zeros through the generator alone, while
+    rank 0's went through the discriminator, whose DDP all-reduced first (FSDP2: gathered and reduce-scattered),
+    and gloo aborted a rank (exit -6)."""
+    results = run_ranks(_train, 2, "together", (0, 0), ((16, 0), (12, 4)), sharding)
     assert (0, 0) in results[1][1], results[1][1]   # rank 1 drew steps without samples
     _check_one_process(results)
 
