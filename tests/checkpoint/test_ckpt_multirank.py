@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import statistics
+import threading
 import warnings
 from pathlib import Path
 
@@ -41,11 +42,22 @@ def _async_vs_sync(rank: int, world: int, root: str) -> dict:
     shared, per_rank, _ = background.load(rank=rank)
     loaded_ok = torch.equal(shared["model"]["weight"][0, :4], saved[-1]) and shared["step"] == 3
     own_ok = torch.equal(per_rank["local"], torch.full((8,), float(rank + 3)))
+    # A background save() hands the writing to a thread and returns: held back here, its step is not yet written
+    held = Checkpointer(Path(root) / "held", async_save=True)
+    gate, write = threading.Event(), held._write
+    held._write = lambda *args: (gate.wait(120), write(*args))
+    held.save(4, {"model": model.state_dict(), "step": 4}, {"rng": capture_rng(), "local": torch.zeros(8)})
+    returned_first = not (Path(root) / "held" / "step-000004").exists()
+    gate.set()
+    held.close()
     return {"sync": sync_block, "async": async_block, "async_total": async_total, "bytes": background.last_bytes,
-            "loaded_ok": loaded_ok, "own_ok": own_ok}
+            "loaded_ok": loaded_ok, "own_ok": own_ok, "returned_first": returned_first,
+            "written": (Path(root) / "held" / "step-000004" / "shared.pt").exists()}
 
 
-def test_background_save_writes_the_same_bytes_and_blocks_less(tmp_path):
+def test_background_save_writes_the_same_bytes_and_returns_before_writing(tmp_path):
+    """What the loop waits for in each (the figures printed) is a benchmark's: `hetrain bench recover` prints
+    `blocking_ratio`. A ratio asserted here failed under the load of a full test run (0.29 against 0.2)."""
     results = run_ranks(_async_vs_sync, 2, str(tmp_path))
     for step in (1, 2, 3):
         name = f"step-{step:06d}"
@@ -61,7 +73,7 @@ def test_background_save_writes_the_same_bytes_and_blocks_less(tmp_path):
           f"{r0['async'][0] * 1e3:.0f} ms on the first save (ratio {first_ratio:.3f}), "
           f"{statistics.median(r0['async'][1:]) * 1e3:.0f} ms after (ratio {steady_ratio:.3f}); "
           f"background total {statistics.median(r0['async_total']) * 1e3:.0f} ms")
-    assert steady_ratio < 0.2
+    assert all(r["returned_first"] and r["written"] for r in results), results
 
 
 def _sharded(rank: int, world: int, root: str) -> dict:
