@@ -92,8 +92,9 @@ def pieces_in_step(session: Any) -> bool:
 
 
 def other_parameters(session: Any) -> set[int]:
-    """The ids of the parameters of the models the other open sessions of this process prepared."""
-    return {id(p) for other in _alive() if other is not session and getattr(other, "prepared", None) is not None
+    """The ids of the parameters of the models that `session`'s companions prepared (sessions made beside it, not
+    one an earlier error left open, a notebook cell's, whose model may be this one)."""
+    return {id(p) for other in _companions(session) if getattr(other, "prepared", None) is not None
             for p in other.prepared.parameters}
 
 

@@ -371,32 +371,41 @@ def keep_outputs(prepared: Prepared, module: nn.Module, on_own_model: bool = Fal
         prepared.handles.extend(handles)
 
 
-def graph_zeros(prepared: Prepared, loss: torch.Tensor, others: set[int] = frozenset()) -> torch.Tensor:
+THROUGH_NOT_FINITE = (
+    "this rank's loss counts no items and is not finite (a mean over a fully masked batch, 0/0), and it went through "
+    "another session's model (a GAN's generator loss through its discriminator), whose all-reduce this backward "
+    "must join on every rank: make the loss finite where it counts nothing, e.g. divide by count.clamp(min=1)")
+
+
+def graph_zeros(prepared: Prepared, loss: torch.Tensor, others: set[int] = frozenset(), empty: bool = False) -> torch.Tensor:
     """A backward without items that must still run through the forward's graph (FSDP2's reduce-scatter,
     SyncBatchNorm's backward all-reduce): zeros through the outputs the loss took, not through the loss itself,
     whose own backward a hand-made mean over no items (0/0) makes NaN; the loss where no output was kept. Beside
-    another session's model (`others`: its parameters' ids), which the loss may have gone through frozen or not
-    (a GAN's generator loss through its discriminator, whose gathers and reduce-scatters run in this backward on
-    the ranks with items), the loss's own graph, times 0, where it is finite or the forward's outputs are empty
-    (a rank without samples: no NaN reaches a weight through them)."""
-    empty = prepared.kept is not None and prepared.kept.tensors and all(t.numel() == 0 for t in prepared.kept.tensors)
+    a companion session's model (`others`: its parameters' ids), which the loss may have gone through frozen or
+    not (a GAN's generator loss through its discriminator, whose gathers and reduce-scatters run in this backward
+    on the ranks with items), the loss's own graph, times 0, where the loss is finite or this rank has no samples
+    (`empty`: no NaN reaches a weight through its empty tensors)."""
     if others and (empty or bool(torch.isfinite(loss.detach()).all())):
         return torch.nan_to_num(loss.float()) * 0.0
     zeros = prepared.kept.zeros(loss) if prepared.kept is not None else None
     return zeros if zeros is not None else torch.nan_to_num(loss.float()) * 0.0
 
 
-def exact_zeros(prepared: Prepared, loss: torch.Tensor, others: set[int] = frozenset()) -> torch.Tensor:
+def exact_zeros(prepared: Prepared, loss: torch.Tensor, others: set[int] = frozenset(), empty: bool = False) -> torch.Tensor:
     """What a backward without items runs: exact zeros for every trainable parameter (every rank joins every
     bucket's all-reduce), or under find_unused_parameters for those the loss reaches only (DDP marked the
     others ready after the forward; a gradient for them stopped it, 'marked ready twice'). Not the loss
     times 0: a token mean over no tokens is 0/0, and its backward NaN. But where the loss reaches parameters of
-    another session's model (`others`, their ids: a GAN generator's loss through its discriminator), that
-    model's DDP all-reduces in this backward on the ranks with items, before this one's: the rank without
-    runs the loss's own graph too (its tensors are empty, so no NaN reaches a weight), joining both in turn."""
-    if holds_node(loss, GATHER_NODE) or (others and not others.isdisjoint(reachable_parameters(loss))):
-        # session.gather_rows: its backward is a collective every rank joins; another session's model: its DDP's
+    a companion session's model (`others`, their ids: a GAN generator's loss through its discriminator), that
+    model's DDP all-reduces in this backward on the ranks with items, before this one's: this rank runs the
+    loss's own graph too, joining both in turn, where no NaN reaches a weight through it (the loss is finite,
+    or the rank has no samples, `empty`, and its tensors are empty); else it is refused, naming the fix."""
+    if holds_node(loss, GATHER_NODE):   # session.gather_rows: its backward is a collective every rank joins
         return torch.nan_to_num(loss.float()) * 0.0  # (a rank without rows: its tensors are empty, no NaN reaches a weight)
+    if others and not others.isdisjoint(reachable_parameters(loss)):
+        if not empty and not bool(torch.isfinite(loss.detach()).all()):
+            raise HetrainError(THROUGH_NOT_FINITE)
+        return torch.nan_to_num(loss.float()) * 0.0
     params = [p for p in prepared.parameters if p.requires_grad]
     if prepared.find_unused:
         zeros = prepared.kept.zeros(loss) if prepared.kept is not None else None

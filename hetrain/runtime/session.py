@@ -309,9 +309,9 @@ class Session:
         self._launch_figures()
         if items == 0 and (self.sharding == "fsdp" or self.prepared.sync_batchnorm):
             # No items: zeros through the forward's graph (FSDP2's reduce-scatter, SyncBatchNorm's backward).
-            weighted = graph_zeros(self.prepared, loss, other_parameters(self))
+            weighted = graph_zeros(self.prepared, loss, other_parameters(self), self.state.local_samples == 0)
         elif items == 0:   # no items: exact zeros, still joining every collective
-            weighted = exact_zeros(self.prepared, loss, other_parameters(self))
+            weighted = exact_zeros(self.prepared, loss, other_parameters(self), self.state.local_samples == 0)
         else:
             weighted = loss * self.state.weight(items)
         self.prepared.backward(self.scaler.scale_loss(weighted), self.state.backwards == 1, self.state.last_micro)
