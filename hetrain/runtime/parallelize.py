@@ -383,9 +383,11 @@ def graph_zeros(prepared: Prepared, loss: torch.Tensor, others: set[int] = froze
     whose own backward a hand-made mean over no items (0/0) makes NaN; the loss where no output was kept. Beside
     a companion session's model (`others`: its parameters' ids), which the loss may have gone through frozen or
     not (a GAN's generator loss through its discriminator, whose gathers and reduce-scatters run in this backward
-    on the ranks with items), the loss's own graph, times 0, where the loss is finite or this rank has no samples
-    (`empty`: no NaN reaches a weight through its empty tensors)."""
-    if others and (empty or bool(torch.isfinite(loss.detach()).all())):
+    on the ranks with items), the loss's own graph, times 0, where this rank has no samples (`empty`: no NaN
+    reaches a weight through its empty tensors). Not where it has samples and counts no items: a finite loss
+    can still send NaN backward (torch.where over 0/0), and whether it went through the other model cannot be
+    told (a frozen model's parameters are not in its graph, FSDP2's gathered ones are not those prepared)."""
+    if others and empty:
         return torch.nan_to_num(loss.float()) * 0.0
     zeros = prepared.kept.zeros(loss) if prepared.kept is not None else None
     return zeros if zeros is not None else torch.nan_to_num(loss.float()) * 0.0

@@ -378,3 +378,46 @@ def test_a_loss_without_items_that_is_not_finite_and_goes_through_the_other_mode
     said = (tmp_path / "rank1.txt").read_text()
     assert said.startswith("this rank's loss counts no items and is not finite"), said
     assert "count.clamp(min=1)" in said
+
+
+def _apart_guarded(rank, world):
+    import hetrain
+
+    plan = Plan(global_batch_size=GLOBAL, balance=BalancePlan(enabled=False), sharding="fsdp",
+                ranks=[RankPlan(rank=r, share=GLOBAL // 2) for r in range(2)])
+    torch.manual_seed(0)
+    a, b, data = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1), _masked_data()
+    sa, sb = hetrain.Session(plan), hetrain.Session(plan)
+    am, _ = sa.prepare(a, torch.optim.SGD(a.parameters(), lr=0.1))
+    bm, _ = sb.prepare(b, torch.optim.SGD(b.parameters(), lr=0.1))
+    lb = iter(sb.loader(data, GLOBAL, shuffle=False))
+    for x, y, w in sa.loader(data, GLOBAL, shuffle=False):
+        err, n = (((am(x).squeeze(-1) - y) ** 2) * w).sum(), w.sum()
+        sa.backward(torch.where(n > 0, err / n, torch.zeros(())), num_items=n)   # finite; NaN backward at n = 0
+        sa.step()
+        xb, yb, _ = next(lb)
+        sb.backward(((bm(xb).squeeze(-1) - yb) ** 2).mean())
+        sb.step()
+    params = [p.full_tensor().detach() for p in list(a.parameters()) + list(b.parameters())]
+    sb.close()
+    sa.close()
+    return params
+
+
+def test_a_rank_with_samples_but_no_items_beside_a_companion_sends_exact_zeros():
+    """Review: under FSDP2 any companion made the rank's zeros go through its loss's own graph, and a torch.where
+    guard over 0/0 sent NaN backward: the step was skipped, 0.076 from one process (exact before, and now)."""
+    results = run_ranks(_apart_guarded, 2)
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+    opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    x_all, y_all, w_all = _masked_data().tensors
+    for s in range(STEPS):
+        x, y, w = (t[s * GLOBAL:(s + 1) * GLOBAL] for t in (x_all, y_all, w_all))
+        for opt, loss in ((opt_a, lambda: _masked_mean(a(x), y, w)), (opt_b, lambda: F.mse_loss(b(x).squeeze(-1), y))):
+            opt.zero_grad()
+            loss().backward()
+            opt.step()
+    want = list(a.parameters()) + list(b.parameters())
+    for params in results:
+        assert max((p - w).abs().max().item() for p, w in zip(params, want)) < 1e-5
