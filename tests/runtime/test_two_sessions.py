@@ -269,13 +269,22 @@ def test_two_sessions_apart_where_ranks_run_different_numbers_of_micro_batches_a
     """Rank 0 ran three pieces a step and rank 1 one: the sessions' collectives (each DDP's all-reduce, the ranks'
     agreement at the first backward) paired across the two models, and gloo aborted rank 0 (exit -6, 'Received
     data size doesn't match expected size'). Beside another session every rank runs the job's count of pieces."""
-    results = run_ranks(_apart, 2, order, False)
     a, b = _nets()
-    opt_a, opt_b = torch.optim.Adam(a.parameters(), lr=1e-2), torch.optim.Adam(b.parameters(), lr=1e-2)
     real_all, z_all = _data()
-    for s in range(STEPS):
+
+    def losses(s):
         real, z = real_all[s * GLOBAL:(s + 1) * GLOBAL], z_all[s * GLOBAL:(s + 1) * GLOBAL]
-        for opt, loss in ((opt_a, lambda: F.mse_loss(a(z), real)), (opt_b, lambda: _bce(b(real), 1.0))):
+        return lambda: F.mse_loss(a(z), real), lambda: _bce(b(real), 1.0)
+
+    _check_apart(run_ranks(_apart, 2, order, False), a, b, lambda m: torch.optim.Adam(m.parameters(), lr=1e-2), losses)
+
+
+def _check_apart(results, a, b, optimizer, losses):
+    """Every rank's parameters against one process stepping each model on its own loss of each global batch
+    (`losses(step)`: that step's two loss functions)."""
+    opts = optimizer(a), optimizer(b)
+    for s in range(STEPS):
+        for opt, loss in zip(opts, losses(s)):
             opt.zero_grad()
             loss().backward()
             opt.step()
@@ -345,17 +354,22 @@ def test_a_session_left_open_by_an_error_does_not_change_how_a_rank_without_item
         assert max((p - w).abs().max().item() for p, w in zip(params, model.parameters())) < 1e-5
 
 
-def _masked_gan(rank, world, out):
+def _two_halves(first, second, sharding="none"):
+    """Two sessions side by side at an even split, each preparing its model with SGD; the second's loader."""
     import hetrain
 
-    plan = Plan(global_batch_size=GLOBAL, balance=BalancePlan(enabled=False),
+    plan = Plan(global_batch_size=GLOBAL, balance=BalancePlan(enabled=False), sharding=sharding,
                 ranks=[RankPlan(rank=r, share=GLOBAL // 2) for r in range(2)])
+    s1, s2 = hetrain.Session(plan), hetrain.Session(plan)
+    m1, _ = s1.prepare(first, torch.optim.SGD(first.parameters(), lr=0.1))
+    m2, _ = s2.prepare(second, torch.optim.SGD(second.parameters(), lr=0.1))
+    return s1, s2, m1, m2, iter(s2.loader(_masked_data(), GLOBAL, shuffle=False))
+
+
+def _masked_gan(rank, world, out):
     torch.manual_seed(0)
-    gen, disc, data = torch.nn.Linear(4, 2), torch.nn.Linear(2, 1), _masked_data()
-    sd, sg = hetrain.Session(plan), hetrain.Session(plan)
-    disc_m, _ = sd.prepare(disc, torch.optim.SGD(disc.parameters(), lr=0.1))
-    gen_m, _ = sg.prepare(gen, torch.optim.SGD(gen.parameters(), lr=0.1))
-    lg = iter(sg.loader(data, GLOBAL, shuffle=False))
+    disc, gen, data = torch.nn.Linear(2, 1), torch.nn.Linear(4, 2), _masked_data()
+    sd, sg, disc_m, gen_m, lg = _two_halves(disc, gen)
     try:
         for z, y, _ in sd.loader(data, GLOBAL, shuffle=False):
             sd.backward(_masked_mean(disc_m(gen_m(z).detach()), y, torch.ones_like(y)))
@@ -381,16 +395,9 @@ def test_a_loss_without_items_that_is_not_finite_and_goes_through_the_other_mode
 
 
 def _apart_guarded(rank, world):
-    import hetrain
-
-    plan = Plan(global_batch_size=GLOBAL, balance=BalancePlan(enabled=False), sharding="fsdp",
-                ranks=[RankPlan(rank=r, share=GLOBAL // 2) for r in range(2)])
     torch.manual_seed(0)
     a, b, data = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1), _masked_data()
-    sa, sb = hetrain.Session(plan), hetrain.Session(plan)
-    am, _ = sa.prepare(a, torch.optim.SGD(a.parameters(), lr=0.1))
-    bm, _ = sb.prepare(b, torch.optim.SGD(b.parameters(), lr=0.1))
-    lb = iter(sb.loader(data, GLOBAL, shuffle=False))
+    sa, sb, am, bm, lb = _two_halves(a, b, "fsdp")
     for x, y, w in sa.loader(data, GLOBAL, shuffle=False):
         err, n = (((am(x).squeeze(-1) - y) ** 2) * w).sum(), w.sum()
         sa.backward(torch.where(n > 0, err / n, torch.zeros(())), num_items=n)   # finite; NaN backward at n = 0
@@ -407,17 +414,12 @@ def _apart_guarded(rank, world):
 def test_a_rank_with_samples_but_no_items_beside_a_companion_sends_exact_zeros():
     """Review: under FSDP2 any companion made the rank's zeros go through its loss's own graph, and a torch.where
     guard over 0/0 sent NaN backward: the step was skipped, 0.076 from one process (exact before, and now)."""
-    results = run_ranks(_apart_guarded, 2)
     torch.manual_seed(0)
     a, b = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
-    opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
     x_all, y_all, w_all = _masked_data().tensors
-    for s in range(STEPS):
+
+    def losses(s):
         x, y, w = (t[s * GLOBAL:(s + 1) * GLOBAL] for t in (x_all, y_all, w_all))
-        for opt, loss in ((opt_a, lambda: _masked_mean(a(x), y, w)), (opt_b, lambda: F.mse_loss(b(x).squeeze(-1), y))):
-            opt.zero_grad()
-            loss().backward()
-            opt.step()
-    want = list(a.parameters()) + list(b.parameters())
-    for params in results:
-        assert max((p - w).abs().max().item() for p, w in zip(params, want)) < 1e-5
+        return lambda: _masked_mean(a(x), y, w), lambda: F.mse_loss(b(x).squeeze(-1), y)
+
+    _check_apart(run_ranks(_apart_guarded, 2), a, b, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), losses)
