@@ -146,7 +146,7 @@ def launch_config(args: argparse.Namespace) -> tuple[LaunchConfig, dict[str, str
     from_env = {}
     for dest, value in vars(args).items():
         if isinstance(value, FromEnv):
-            from_env["--" + dest.replace("_", "-")] = value.var
+            from_env[_flag(dest)] = value.var
             if dest in TYPES:
                 setattr(args, dest, _from_env(value, dest, TYPES[dest]))
     return LaunchConfig(
@@ -164,11 +164,16 @@ def launch_config(args: argparse.Namespace) -> tuple[LaunchConfig, dict[str, str
     ), from_env
 
 
+def _flag(dest: str) -> str:
+    """The flag of an argparse name: --max-restarts for max_restarts."""
+    return "--" + dest.replace("_", "-")
+
+
 def _from_env(value: FromEnv, dest: str, convert: Callable[[str], object]) -> object:
     try:
         return convert(value)
     except (ValueError, argparse.ArgumentTypeError) as e:
-        flag = "--" + dest.replace("_", "-")
+        flag = _flag(dest)
         why = f"not a {'whole ' if convert is int else ''}number" if convert in (int, float) else str(e)
         raise HetrainError(f"{value.var}={str(value)!r}, torchrun's default of {flag}: {why}; fix: set {value.var} to "
                            f"what {flag} takes, or unset it") from None

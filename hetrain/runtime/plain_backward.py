@@ -30,10 +30,11 @@ session backward:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from hetrain.errors import HetrainError
 
@@ -119,9 +120,7 @@ class PlainBackwards:
         frozen or not) is refused. (An output that is a parameter itself is left to `_accumulated`.)"""
         if self._versions is None or not torch.is_grad_enabled():
             return
-        values = output.values() if isinstance(output, Mapping) else output if isinstance(output, (list, tuple)) \
-            else [output]
-        for value in values:
+        for value in tree_flatten(output)[0]:   # as DDP's sink and the kept outputs take them
             if isinstance(value, torch.Tensor) and value.requires_grad and value.grad_fn is not None:
                 self._output_hooks.append(value.register_hook(self._through))
 

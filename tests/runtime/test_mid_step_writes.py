@@ -79,10 +79,27 @@ def test_a_second_optimizer_stepped_on_each_micro_batch_is_refused_and_once_a_st
         torch.testing.assert_close(ranks[0][k], v, rtol=1e-5, atol=1e-6)
 
 
-def _gan(rank, world, micro, through, sharding="none"):
+class _NestedScore(torch.nn.Module):
+    """A discriminator whose score sits inside its outputs' nesting (a model output's tuple of hidden states)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+    def forward(self, x):
+        return {"scores": (self.net(x),)}
+
+
+def _first_score(out):
+    return out["scores"][0] if isinstance(out, dict) else out
+
+
+def _gan(rank, world, micro, through, sharding="none", nested=False):
     import hetrain
 
-    gen, disc = torch.nn.Linear(4, 2), torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    gen = torch.nn.Linear(4, 2)
+    disc = _NestedScore() if nested else torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    score = _first_score
     sd, sg = hetrain.Session(_plan(micro, sharding)), hetrain.Session(_plan(micro, sharding))
     disc_m, _ = sd.prepare(disc, torch.optim.SGD(disc.parameters(), lr=0.1))
     gen_m, _ = sg.prepare(gen, torch.optim.SGD(gen.parameters(), lr=0.1))
@@ -91,11 +108,11 @@ def _gan(rank, world, micro, through, sharding="none"):
     try:
         for z, real in sd.loader(data, GLOBAL, shuffle=False):
             fake = gen_m(z)
-            sd.backward(F.softplus(-disc_m(real)).mean() + F.softplus(disc_m(fake.detach())).mean())
+            sd.backward(F.softplus(-score(disc_m(real))).mean() + F.softplus(score(disc_m(fake.detach()))).mean())
             sd.step()
             z_g, _ = next(lg)
             disc.requires_grad_(through != "frozen")   # the generator's loss through a frozen discriminator
-            sg.backward(F.softplus(-disc_m(gen_m(z_g))).mean() if through else gen_m(z_g).square().mean())
+            sg.backward(F.softplus(-score(disc_m(gen_m(z_g)))).mean() if through else gen_m(z_g).square().mean())
             disc.requires_grad_(True)
             sg.step()
             if sd.step_count >= STEPS:
@@ -121,6 +138,13 @@ def test_a_gans_generator_backward_between_the_discriminators_micro_batches_is_r
             assert "without micro-batches (no micro_batch in the plan's ranks)" in said
         else:
             assert said == STEPS, said
+
+
+def test_a_discriminators_score_nested_in_its_outputs_is_watched_as_a_flat_one():
+    """The check looked one level into a forward's outputs: a score in a tuple inside a dict got no hook, and the
+    generator's pieces went through a frozen discriminator that had not stepped, unrefused."""
+    for said in run_ranks(_gan, 2, True, "frozen", "none", True):
+        assert isinstance(said, str) and said.startswith("another session's backward"), said
 
 
 def test_under_fsdp2_a_gans_generator_backward_between_the_discriminators_micro_batches_is_refused():
