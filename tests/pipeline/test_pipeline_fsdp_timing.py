@@ -18,8 +18,11 @@ from hetrain.planning.plan import BalancePlan, PipelinePlan, Plan, RankPlan
 from tests.distributed import run_ranks
 from tests.metrics.step_records import StepRecords
 
-WAIT = 0.01       # rank 1's sleep in each of its blocks' forwards (4 x WAIT at its emulated speed 0.25)
-BLOCKS, MICRO, STEPS = 4, 2, 5
+# rank 1's sleep in each of its blocks' forwards (4 x WAIT at its emulated speed 0.25). Large beside the machine's
+# scheduling: at 0.01 s, a loaded run's late wake-ups, padded four-fold, took rank 1's compute to 1.39 s of a
+# 1.28 s bound; at 0.04 s each rank computes 0.64 s a step of its own, 1.28 s over the timed steps
+WAIT = 0.04
+BLOCKS, MICRO, STEPS = 4, 2, 3
 OWN = MICRO * BLOCKS // 2 * 4 * WAIT   # each rank's own compute a step: 4 x WAIT in half the blocks, each micro-batch
 
 
