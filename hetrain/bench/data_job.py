@@ -11,7 +11,8 @@ and each rate is the median over its blocks:
 The device is emulated (hetrain/bench/emulated_device.py): the small CNN runs for real, and a
 `DeviceTime` layer after it waits ``--device-ms`` per sample, leaving the CPU cores to the input
 pipeline as an accelerator would. A rank at emulated speed s pads its compute (CNN and wait) to 1/s
-of its time, as in every hetrain benchmark. Rank 0 writes the figures as JSON.
+of its time, as in every hetrain benchmark. Rank 0 writes the figures as JSON. Both modes' workers start
+from a fork server, never forked from the rank (`worker_options`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import multiprocessing
 import os
 import statistics
 import sys
@@ -95,6 +97,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def worker_options(workers: int) -> dict:
+    """DataLoader options for `workers` persistent workers, started from a fork server. A worker forked from
+    the rank itself can hang before it runs a line: CPython before 3.12 deadlocks a child forked while
+    another thread creates an interpreter thread state (python/cpython#112275), which gloo's threads do when
+    they free a finished collective's tensors or run a future's callback, as after DDP's all-reduce or
+    session.loader()'s agreement; the rank then waits for its batch for ever and its peer in the step's
+    all-reduce (a 300 s timeout of the suite, about one stuck child in 2,000 such forks here). The fork
+    server is a fresh process without threads; it imports torch and this module once, for every worker."""
+    if workers == 0:
+        return {"num_workers": 0}
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "PIL.Image", "hetrain.bench.data_job"])
+    return {"num_workers": workers, "persistent_workers": True, "multiprocessing_context": context}
+
+
 def _cycle(make_iter):
     while True:
         yield from make_iter()
@@ -113,7 +130,7 @@ class PlainDDP:
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
         self.sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True)
         self.loader = DataLoader(data, batch_size=args.global_batch // world, sampler=self.sampler,
-                                 num_workers=args.workers, drop_last=True, persistent_workers=args.workers > 0)
+                                 drop_last=True, **worker_options(args.workers))
         self.epoch = 0
         self.batches = _cycle(self._epoch)
         self.shares = [args.global_batch // world] * world
@@ -151,7 +168,7 @@ class Hetrain:
         self.model = small_cnn(args.width, device_ms=args.device_ms)
         self.ddp, _ = self.session.prepare(self.model, torch.optim.SGD(self.model.parameters(), lr=0.05))
         self.loader = self.session.loader(data, global_batch_size=args.global_batch, shuffle=True, seed=0,
-                                          num_workers=workers, persistent_workers=workers > 0)
+                                          **worker_options(workers))
         self.batches = _cycle(lambda: iter(self.loader))
         self.waits: list[float] = []   # each step's wait for its batch
         self.untimed = max(1, args.warmup)   # compare() runs this many warm-up steps before the timed ones

@@ -47,6 +47,29 @@ def test_data_wait_is_the_mean_over_the_timed_steps_and_both_splits_are_named(mo
     assert got["split_changes"] == [{"step": 16, "new": [43, 21]}]
 
 
+NO_FORK = """
+import os, sys
+from torch.utils.data import DataLoader
+from hetrain.bench.data_job import JpegImages, worker_options
+
+def forked(*args):
+    raise AssertionError("the rank forked a DataLoader worker itself")
+
+os.fork = forked
+x, y = next(iter(DataLoader(JpegImages(8), batch_size=4, **worker_options(1))))
+print(tuple(x.shape), len(y))
+"""
+
+
+def test_bench_data_starts_its_workers_without_forking_the_rank():
+    """A worker forked from a rank whose gloo threads make interpreter thread states can hang in fork on
+    CPython before 3.12 (python/cpython#112275): this test's command timed out after 300 s in CI. The bench's
+    loaders start their workers from a fork server, a process without threads; os.fork is refused here."""
+    r = run_cli([sys.executable, "-c", NO_FORK], cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["(4,", "3,", "32,", "32)", "4"]
+
+
 def test_bench_data_refuses_a_slowed_loader_that_is_not_slower():
     r = run_cli([sys.executable, "-m", "hetrain.cli.main", "bench", "data", "--workers", "1", "--slow-workers", "1"],
                 cwd=ROOT, timeout=60)
