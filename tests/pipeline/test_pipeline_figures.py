@@ -47,9 +47,10 @@ def test_a_stage_reports_its_replicas_samples_and_share():
 
 
 def test_a_stage_counts_the_scripts_own_time_as_the_scripts():
-    """No module hook sees a pipeline's step begin: the script's 0.1 s between steps was reported as 0 and
-    counted as waiting on the other ranks."""
+    """No module hook sees a pipeline's step begin: the script's time between steps was reported as 0 and
+    counted as waiting on the other ranks. Its 0.4 s pause is large beside a loaded machine's scheduling (at
+    0.1 s, waiting was held under 0.09 s a step)."""
     plan = pipeline_plan([[0, 4], [4, 8]], "1f1b", 1, 8)
-    for records in run_ranks(_records, 2, plan, ("script_seconds", "waiting_seconds"), 0.1):
+    for records in run_ranks(_records, 2, plan, ("script_seconds", "waiting_seconds"), 0.4):
         for script, waiting in records[1:]:   # a process's first step has no step before it
-            assert script >= 0.09 and waiting < 0.09, records
+            assert script >= 0.36 and waiting < 0.2, records
