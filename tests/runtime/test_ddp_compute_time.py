@@ -14,6 +14,8 @@ from torch.utils.data import TensorDataset
 from tests.distributed import run_ranks
 
 PAUSE = 0.4   # rank 0's own time after each step: rank 1 waits for it in the next step's first collective
+# The bounds are fractions of PAUSE summed over the timed steps, not each step's: a quarter of PAUSE a step
+# (0.1 s) is one hiccup of a loaded machine; a wait taken for compute or the script's is PAUSE in a step or more
 
 
 def _late_rank_zero(rank: int, world: int, with_buffer: bool, sharding: str = "none") -> list[tuple[int, float, float]]:
@@ -47,9 +49,10 @@ def test_the_bucket_rebuild_and_buffer_broadcast_waits_are_waiting_on_ranks_not_
     for with_buffer in (False, True):
         steps = run_ranks(_late_rank_zero, 2, with_buffer, sharding)[1]
         assert [s[0] for s in steps] == [2, 3, 4]
-        for step, compute, waiting, script in steps:
-            assert compute < 0.25 * PAUSE, (with_buffer, step, compute)
-            assert waiting > 0.75 * PAUSE and script < 0.25 * PAUSE, (with_buffer, step, waiting, script)
+        n = len(steps)
+        assert sum(s[1] for s in steps) < 0.25 * PAUSE * n, (with_buffer, steps)
+        assert sum(s[2] for s in steps) > 0.75 * PAUSE * n, (with_buffer, steps)
+        assert sum(s[3] for s in steps) < 0.25 * PAUSE * n, (with_buffer, steps)
 
 
 class _Slow(torch.nn.Module):
@@ -84,7 +87,7 @@ def test_an_evaluation_between_steps_is_not_compute(through):
     """Through the wrapped model it started the next step's compute clock: with generate() on rank 0 two
     equal ranks were re-split [12, 12] -> [7, 17]."""
     for compute in run_ranks(_evaluate_between_steps, 2, through):
-        assert compute and all(c < 0.25 * PAUSE for c in compute), compute
+        assert compute and sum(compute) < 0.25 * PAUSE * len(compute), compute
 
 
 class _Block(torch.nn.Module):
@@ -127,5 +130,4 @@ def test_under_fsdp2_a_ranks_wait_in_a_blocks_gather_is_waiting_not_compute():
     fast = ranks[1]
     assert all(compute > PAUSE for compute, _ in ranks[0])   # rank 0 computed its pause
     assert len(fast) == 3
-    for compute, waiting in fast:
-        assert compute < 0.25 * PAUSE and waiting > 0.75 * PAUSE, (compute, waiting)
+    assert sum(c for c, _ in fast) < 0.25 * PAUSE * 3 and sum(w for _, w in fast) > 0.75 * PAUSE * 3, fast
