@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import io
 import os
+import signal
 import subprocess
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -104,17 +106,98 @@ def _check_alive(procs, results: dict, queue, deadline: float) -> None:
 PIPE_GRACE_S = 10.0
 """How long run_cli reads a command's output after the command exited (its own output is complete then)."""
 
+STACK_DUMPS = Path(__file__).resolve().parent / "stack_dumps"
+"""On a command's PYTHONPATH: its sitecustomize has every Python process dump its stacks on STACKS_SIGNAL."""
+STACKS_SIGNAL = signal.SIGUSR2
+STACKS_QUIET_S = 0.5   # a process's dump is taken as whole once its stderr was quiet this long (2 s at most)
+MOST_DUMPED = 16       # processes asked for their stacks, at most
+
+
+class CommandTimedOut(subprocess.TimeoutExpired):
+    """run_cli's command ran past its timeout; the message holds the stacks of each of its processes, taken
+    before they were killed (pytest shows a TimeoutExpired as the command alone)."""
+
+    def __init__(self, cmd: list[str], timeout: float, output: str, stderr: str, before: str, stacks: str) -> None:
+        super().__init__(cmd, timeout, output, stderr)
+        self.before, self.stacks = before, stacks
+
+    def __str__(self) -> str:
+        return (f"{super().__str__()}\n--- its stderr before it was stopped (tail) ---\n{self.before[-3000:]}"
+                f"\n--- where each of its processes was (stacks on {STACKS_SIGNAL.name}) ---\n{self.stacks[-40000:]}")
+
+
+def with_stack_dumps(env: dict | None) -> dict:
+    """`env` (this process's when None) with STACK_DUMPS first on PYTHONPATH."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(STACK_DUMPS), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process below it (a launcher's workers start sessions of their own: not its group)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():   # without /proc: `pid` alone
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            children.setdefault(int(stat[stat.rindex(b")") + 2:].split()[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop(0)
+        found.append(p)
+        todo.extend(children.get(p, []))
+    return found
+
+
+def _describe(pid: int) -> tuple[str, bool]:
+    """(pid, state, kernel wait and command line, in words; whether it runs Python)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = " ".join(f.read().decode(errors="replace").split())
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0].decode()
+        with open(f"/proc/{pid}/wchan") as f:
+            wchan = f.read().strip() or "-"
+        python = os.path.basename(os.readlink(f"/proc/{pid}/exe")).startswith("python")
+    except OSError:
+        return f"pid {pid} (gone)", False
+    return f"pid {pid} state {state} wchan {wchan}: {cmdline[:300]}", python
+
+
+def dump_stacks(pid: int, err: list[str]) -> str:
+    """Ask each process of the command rooted at `pid` for its stacks, one at a time, and return them, each
+    under its process's line; `err` is the list the command's stderr lines are being read into."""
+    out = []
+    for p in descendants(pid)[:MOST_DUMPED]:
+        said, python = _describe(p)
+        start = len(err)
+        if python:
+            try:
+                os.kill(p, STACKS_SIGNAL)
+            except ProcessLookupError:
+                continue
+            deadline, seen, quiet_since = time.monotonic() + 2.0, start, time.monotonic()
+            while time.monotonic() < deadline and time.monotonic() - quiet_since < STACKS_QUIET_S:
+                time.sleep(0.05)
+                if len(err) != seen:
+                    seen, quiet_since = len(err), time.monotonic()
+        out.append(f"=== {said}\n" + ("".join(err[start:]) if python else "(not a Python process)\n"))
+    return "".join(out)
+
 
 def run_cli(cmd: list[str], *, cwd=None, timeout: float = 300, env: dict | None = None,
             grace: float = PIPE_GRACE_S) -> subprocess.CompletedProcess:
-    """Run a command in its own process group and return when it exits; on timeout the whole group
-    (agent and ranks) is killed. Its output is read by threads, so a process the command left running
-    with its stdout open fails the test within `grace` seconds instead of holding it forever."""
-    import signal
+    """Run a command in its own process group and return when it exits. On timeout, each of its processes is
+    asked for its stacks (STACK_DUMPS), then all are killed (agent, ranks, their workers), and CommandTimedOut
+    says where each was. Its output is read by threads, so a process the command left running with its stdout
+    open fails the test within `grace` seconds instead of holding it forever."""
     import threading
 
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=env)
+                            start_new_session=True, env=with_stack_dumps(env))
     parts: dict[str, list[str]] = {"out": [], "err": []}
 
     def read(stream, key: str) -> None:
@@ -128,10 +211,20 @@ def run_cli(cmd: list[str], *, cwd=None, timeout: float = 300, env: dict | None 
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        everyone, before = descendants(proc.pid), "".join(parts["err"])
+        stacks = dump_stacks(proc.pid, parts["err"])
+        for p in [*everyone, *descendants(proc.pid)]:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         proc.wait()
         _join_all(readers, grace)
-        raise subprocess.TimeoutExpired(cmd, timeout, "".join(parts["out"]), "".join(parts["err"])) from None
+        raise CommandTimedOut(cmd, timeout, "".join(parts["out"]), "".join(parts["err"]), before, stacks) from None
     _join_all(readers, grace)
     out, err = "".join(parts["out"]), "".join(parts["err"])
     if any(t.is_alive() for t in readers):
