@@ -28,6 +28,9 @@ from tests.ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 30
+# rank 0's compute a step (rank 1's twice that): rank 0 waits about COMPUTE_S a step on rank 1, 2.9 s in all, far
+# above what a loaded machine's hiccups add to rank 1's waits (at the driver's 0.02 s, 0.58 s against them)
+COMPUTE_S = 0.1
 DIGITS_EPOCHS = 8   # 44 steps of 32 digits an epoch: about 2 s of steps, several scrapes of each rank
 GPU_ONLY = ("nvml", "nvlink", "mfu")   # MFU divides by a datasheet peak: a CPU rank has none
 DASHBOARD = ROOT / "hetrain" / "data" / "dashboard.json"
@@ -68,6 +71,7 @@ def run(tmp_path_factory):
                   "--stop-file", str(stop), "--dcgm-port", str(base + 3)], work / "gpu.log")
     job = _popen([sys.executable, "-m", "hetrain.cli.main", "launch", "--nproc-per-node", "2",
                   "--metrics-port", str(base), "tests/metrics/rank_driver.py", "--steps", str(STEPS),
+                  "--compute-seconds", str(COMPUTE_S),
                   "--run-dir", str(work / "run"), "--stop-file", str(stop)], work / "job.log")
     digits = _popen([sys.executable, "-m", "hetrain.cli.main", "launch", "--nproc-per-node", "2",
                      "--emulate-speeds", "1,0.5", "--metrics-port", str(base + 4), "--checkpoint-dir",
