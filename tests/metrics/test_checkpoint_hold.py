@@ -50,6 +50,7 @@ def _train(rank, world, ckpt_dir):
 def test_the_reported_blocking_time_includes_capturing_the_state(tmp_path):
     (blocking, held, committed), = run_ranks(_train, 1, str(tmp_path))
     assert blocking == [pytest.approx(0.3, abs=1e-9)] * 2, blocking
-    # the time until committed counts from the capture too: it was shorter than the time the loop was held
-    assert committed == [pytest.approx(0.3, abs=1e-9)] * 2, committed
+    # the time until committed counts from the capture too: it was shorter than the time the loop was held. A
+    # background write commits whenever its thread gets there: past the next capture's 0.3 s, or not
+    assert len(committed) == 2 and all(c >= 0.3 - 1e-9 for c in committed), committed
     assert held[2] == pytest.approx(blocking[0], abs=1e-9), held   # step 3 pays step 2's save: the two agree
