@@ -57,6 +57,9 @@ BETWEEN = "in the script's own code between steps"
 READING = "reading its batch"
 STREAM_ENDED = "its stream ended"   # after a pass, until every rank begins the next
 DONE = "done"
+FORK_CAN_HANG = sys.version_info < (3, 12)
+"""CPython before 3.12 can deadlock a child forked while another thread of the parent makes a Python thread
+state, as gloo's and NCCL's threads do (python/cpython#112275): a DataLoader worker forked from a rank."""
 ERRED = "left on an error: "   # after DONE's ": ", then the error's one line
 BARRIER = f"{INSIDE}barrier()"
 IN_A_STEP = ("waiting", "computing")   # a rank in a step, which needs every rank to end
@@ -109,6 +112,12 @@ def find_stall(before: dict[int, Progress | None], after: dict[int, Progress | N
     speaking = [r for r in sorted(after) if r not in silent]
     reporter = next((r for r in culprits if r in speaking), speaking[0] if speaking else min(after))
     return Stall(culprits, step, reporter, silent)
+
+
+FORKED_WORKER = (f"; on Python {sys.version_info[0]}.{sys.version_info[1]} a worker forked from a rank can hang before "
+                 "it runs (python/cpython#112275, fixed in 3.12): multiprocessing_context=\"forkserver\" in "
+                 "session.loader(...) starts workers without forking the rank (the script's training code then sits "
+                 "under `if __name__ == \"__main__\":`)")
 
 
 def stall_message(stall: Stall, after: dict[int, Progress | None], own_seconds: float, timeout_s: float) -> str:
@@ -165,7 +174,8 @@ def stall_message(stall: Stall, after: dict[int, Progress | None], own_seconds: 
         (" (an evaluation, a save or a download on this rank alone? ranks that wait for it call session.barrier(); "
          "or a collective of the script's own that the other ranks do not call, a dist.barrier() inside `if rank == "
          "0:`; under FSDP2 or a pipeline every rank takes part in every forward)" if doing == BETWEEN else
-         " (a DataLoader worker or the dataset stalled)" if doing == READING else "")
+         f" (a DataLoader worker or the dataset stalled{FORKED_WORKER if FORK_CAN_HANG else ''})" if doing == READING
+         else "")
     return (f"{who} made no progress at step {stall.step} for {seconds:.0f} s ({doing}{others}; "
             f"limit {timeout_s:g} s, hetrain launch --collective-timeout{compiling})")
 

@@ -45,6 +45,26 @@ def test_a_silent_culprit_is_named_by_the_lowest_rank_that_can_speak_at_the_step
     assert (done.culprits, done.silent, done.reporter) == ([1], [], 1)
 
 
+@pytest.mark.parametrize("fork_can_hang", [True, False])
+def test_a_rank_stalled_reading_its_batch_is_told_how_a_worker_forked_from_it_can_hang(monkeypatch, fork_can_hang):
+    """On Python before 3.12 a DataLoader worker forked from a rank can deadlock before it runs (python/cpython#112275),
+    and the rank waits for its batch until the progress limit: the message named only 'a DataLoader worker or the
+    dataset stalled', not the start method that avoids it."""
+    from hetrain.runtime import watchdog
+
+    monkeypatch.setattr(watchdog, "FORK_CAN_HANG", fork_can_hang)
+    before = {0: _p(3, "waiting", 2), 1: _p(3, watchdog.READING, 2)}
+    after = {0: _p(3, "waiting", 4), 1: _p(3, watchdog.READING, 4)}
+    message = watchdog.stall_message(find_stall(before, after), after, 300.0, 300.0)
+    assert message.startswith("rank 1 made no progress at step 3 for 300 s (reading its batch; rank 0 waits on it")
+    assert "a DataLoader worker or the dataset stalled" in message, message
+    hint = ("a worker forked from a rank can hang before it runs (python/cpython#112275, fixed in 3.12): "
+            'multiprocessing_context="forkserver" in session.loader(...)')
+    assert (hint in message) == fork_can_hang, message
+    computing = {0: _p(3, "waiting", 4), 1: _p(3, "computing", 4)}   # not reading: no word of workers
+    assert "forkserver" not in watchdog.stall_message(find_stall(before, computing), computing, 300.0, 300.0)
+
+
 def test_a_stall_beside_a_rank_inside_a_collective_call_of_the_session_names_the_call():
     """`if rank == 0: session.model_state_dict()` under FSDP2 left the job to 'rank 0 made no progress
     (computing)', naming neither the call nor that every rank makes it."""
