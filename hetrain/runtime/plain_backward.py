@@ -30,7 +30,7 @@ session backward:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -120,8 +120,8 @@ class PlainBackwards:
         frozen or not) is refused. (An output that is a parameter itself is left to `_accumulated`.)"""
         if self._versions is None or not torch.is_grad_enabled():
             return
-        for value in tree_flatten(output)[0]:   # as DDP's sink and the kept outputs take them
-            if isinstance(value, torch.Tensor) and value.requires_grad and value.grad_fn is not None:
+        for value in _tensors(output):
+            if value.requires_grad and value.grad_fn is not None:
                 self._output_hooks.append(value.register_hook(self._through))
 
     def _through(self, grad: torch.Tensor) -> None:
@@ -161,3 +161,15 @@ class PlainBackwards:
         self._drop_output_hooks()
         if plain:
             raise HetrainError(AFTER)
+
+
+def _tensors(output: Any) -> Iterator[torch.Tensor]:
+    """The tensors of a forward's outputs, at any depth: torch's tree_flatten (as DDP's sink and the kept outputs
+    take them), then into what it leaves whole, a dict or list subclass it does not know (`class Out(dict)`)."""
+    for leaf in tree_flatten(output)[0]:
+        if isinstance(leaf, torch.Tensor):
+            yield leaf
+        elif isinstance(leaf, Mapping):
+            yield from _tensors(list(leaf.values()))
+        elif isinstance(leaf, (list, tuple)):
+            yield from _tensors(list(leaf))

@@ -59,7 +59,7 @@ STREAM_ENDED = "its stream ended"   # after a pass, until every rank begins the 
 DONE = "done"
 FORK_CAN_HANG = sys.version_info < (3, 12)
 """CPython before 3.12 can deadlock a child forked while another thread of the parent makes a Python thread
-state, as gloo's and NCCL's threads do (python/cpython#112275): a DataLoader worker forked from a rank."""
+state, as gloo's threads do (python/cpython#112275): a DataLoader worker forked from a rank."""
 ERRED = "left on an error: "   # after DONE's ": ", then the error's one line
 BARRIER = f"{INSIDE}barrier()"
 IN_A_STEP = ("waiting", "computing")   # a rank in a step, which needs every rank to end
