@@ -68,10 +68,6 @@ def _companions(session: Any) -> list[Any]:
     return out
 
 
-def _pieces(session: Any) -> list[tuple[int | None, int]]:
-    return [(e.micro_batch, e.grad_accum) for e in session.assignment.entries]
-
-
 def pieces_in_step(session: Any) -> bool:
     """Whether `session`'s loader runs the job's count of micro-batches a step on every rank (each rank's
     micro_batch and grad_accum) because another session is trained beside it in the same loop body: a
@@ -82,12 +78,12 @@ def pieces_in_step(session: Any) -> bool:
     job's count too, from its first batch. A rank short of pieces runs stand-ins (two samples, no items)."""
     others = [o for o in _companions(session) if getattr(o, "layout", None) is None]
     if not others or session.layout is not None or session.world_size == 1 or \
-            all(mb is None and ga == 1 for mb, ga in _pieces(session)):
+            all(mb is None and ga == 1 for mb, ga in session.assignment.pieces):
         return False
     for other in others:
         train = getattr(other, "train", None)
         if train is not None and train.loader.same_piece_count is None and other.state.begun == 0:
-            train.loader.same_piece_count, other.state.equal_pieces = _pieces(other), True
+            train.loader.same_piece_count, other.state.equal_pieces = other.assignment.pieces, True
     return True
 
 

@@ -49,6 +49,11 @@ class Assignment:
         return [e.share for e in self.entries]
 
     @property
+    def pieces(self) -> list[tuple[int | None, int]]:
+        """Each rank's (micro_batch, grad_accum): how it splits its share into a step's pieces, by rank."""
+        return [(e.micro_batch, e.grad_accum) for e in self.entries]
+
+    @property
     def devices(self) -> list[str]:
         """Each rank's device kind, by rank."""
         return [e.device for e in self.entries]

@@ -212,8 +212,8 @@ class Session:
         leader = leading_loader(self, global_batch_size, self._checkpoint_args[0])   # a companion session's
         setup = balance_setup(self.plan, self.assignment.shares, self.world_size, global_batch_size,
                               *self._balance_overrides, pipeline=self.layout is not None or leader is not None)
-        pieces = [(e.micro_batch, e.grad_accum) for e in self.assignment.entries] if equal_piece_counts(
-            self.prepared.model, self.sharding, self.layout) or pieces_in_step(self) else None   # the job's count
+        pieces = self.assignment.pieces if equal_piece_counts(self.prepared.model, self.sharding, self.layout) \
+            or pieces_in_step(self) else None   # the job's count
         self.state.equal_pieces = pieces is not None
         balancer = self.balancer = Balancer(config=setup.config, shares=setup.shares, devices=self.assignment.devices,
                                             rank=self.rank, share_caps=piece_caps(setup.shares, pieces))
