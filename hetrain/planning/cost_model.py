@@ -455,3 +455,11 @@ def pipeline_bubble(stages: int, microbatches: int, chunks: int = 1) -> float:
     of interleaved 1F1B with v chunks per rank, (p - 1) / (v * m + p - 1) when m >= p, and
     1 - v*m / (v*p + m - 1) with fewer micro-batches than ranks."""
     return 1.0 - chunks * microbatches / pipeline_chunk_slots(stages, microbatches, chunks)
+
+
+def sharded_stage_gathers(microbatches: int) -> int:
+    """All-gathers of each block's weights in one step of a pipeline stage sharded over its replicas
+    (FSDP2): one in each micro-batch's forward, one in the step's first backward, after which torch's
+    PipelineStage keeps them gathered (`set_reshard_after_backward(False)`) until the last; m + 1,
+    whatever the stage's place, 1F1B or interleaved (tests/pipeline/test_sharded_stage_gathers.py)."""
+    return microbatches + 1

@@ -151,14 +151,14 @@ def pipeline_candidates(cluster, profile: WorkloadProfile, kinds: list[Kind], gl
 
     def replica_sync_seconds(bounds: list[tuple[int, int]], d: int, m: int, zero: int, slot: float) -> float:
         """Exposed time of the replicas' gradient sum (all-reduce, partly under the last backward);
-        sharded, a reduce-scatter plus the weights gathered in each micro-batch's forward and backward."""
+        sharded, a reduce-scatter plus the weights' gathers (cm.sharded_stage_gathers)."""
         weights = max(4.0 * profile.held_params(a, b) for a, b in bounds)
         grads = max(4.0 * profile.held_trained_params(a, b) for a, b in bounds)   # a frozen weight sends none
         topo = cm.CommTopology((1,) * d if multi_node else (d,), link, cluster.inter_node_bytes_per_s, staged)
         if zero == 0:
             comm = cm.allreduce_cost(grads, topo).seconds
             return cm.exposed_seconds(comm, cm.hidden_seconds(topo, slot * cm.backward_fraction(False)), grads)
-        gathers = 2 * m * cm.allreduce_cost(weights, topo, factor=1.0).seconds
+        gathers = cm.sharded_stage_gathers(m) * cm.allreduce_cost(weights, topo, factor=1.0).seconds
         return gathers + cm.allreduce_cost(grads, topo, factor=1.0).seconds
 
     divisors = _divisors_desc(math.gcd(*counts))
@@ -278,6 +278,6 @@ def _pipeline_plan(label, profile, kinds, stage_kinds, per, d, bounds, mb, m, ch
                    f"{formula} = {bubble:.1%} of the step")
     if zero:
         c.notes.append(f"{label}: unsharded, no stage layout fits the devices' memory; each stage is sharded with "
-                       f"FSDP2 (ZeRO-3) over its {d} replicas (sharding fsdp), its weights gathered for each "
-                       "micro-batch")
+                       f"FSDP2 (ZeRO-3) over its {d} replicas (sharding fsdp), its weights gathered in each "
+                       "micro-batch's forward and once in the step's first backward")
     return c
