@@ -459,7 +459,9 @@ def pipeline_bubble(stages: int, microbatches: int, chunks: int = 1) -> float:
 
 def sharded_stage_gathers(microbatches: int) -> int:
     """All-gathers of each block's weights in one step of a pipeline stage sharded over its replicas
-    (FSDP2): one in each micro-batch's forward, one in the step's first backward, after which torch's
-    PipelineStage keeps them gathered (`set_reshard_after_backward(False)`) until the last; m + 1,
-    whatever the stage's place, 1F1B or interleaved (tests/pipeline/test_sharded_stage_gathers.py)."""
+    (FSDP2), m + 1: a forward reshards the weights after it, a backward keeps them (torch's PipelineStage
+    sets `set_reshard_after_backward(False)` until the last), so each warm-up forward (w of them) and each
+    backward that follows a forward (m - w + 1) gathers, and an op that follows a backward finds them
+    gathered; whatever the stage's place, GPipe, 1F1B or interleaved (counted on CPU ranks in
+    tests/pipeline/test_sharded_stage_gathers.py)."""
     return microbatches + 1

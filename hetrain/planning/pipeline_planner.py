@@ -278,6 +278,6 @@ def _pipeline_plan(label, profile, kinds, stage_kinds, per, d, bounds, mb, m, ch
                    f"{formula} = {bubble:.1%} of the step")
     if zero:
         c.notes.append(f"{label}: unsharded, no stage layout fits the devices' memory; each stage is sharded with "
-                       f"FSDP2 (ZeRO-3) over its {d} replicas (sharding fsdp), its weights gathered in each "
-                       "micro-batch's forward and once in the step's first backward")
+                       f"FSDP2 (ZeRO-3) over its {d} replicas (sharding fsdp), its weights gathered m + 1 "
+                       "times a step")
     return c

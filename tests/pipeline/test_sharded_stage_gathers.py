@@ -1,6 +1,7 @@
 """A pipeline stage sharded over its replicas (FSDP2) gathers each block's weights m + 1 times a step, as the
-planner prices it: once in each micro-batch's forward and once in the step's first backward. The planner
-charged 2m (a gather in every forward and every backward), up to twice the gathers the runtime makes."""
+planner prices it (a forward reshards them, a backward keeps them: each warm-up forward and each backward that
+follows a forward gathers). The planner charged 2m, a gather in every forward and every backward, up to twice
+the gathers the runtime makes."""
 
 import pytest
 import torch
@@ -53,10 +54,11 @@ def _plans():
     stages = [list(b) for b in interleaved_stages([4, 4], 2)]
     interleaved = one.model_copy(update={"pipeline": PipelinePlan(stages=stages, schedule="interleaved-1f1b",
                                                                   microbatches=4, chunks=2)})
-    return {"1f1b": one, "interleaved": interleaved}
+    gpipe = pipeline_plan([[0, 4], [4, 8]], "gpipe", microbatches=4, global_batch=16, replica_shares=[8, 8])
+    return {"1f1b": one, "interleaved": interleaved, "gpipe": gpipe}
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "gpipe"])
 def test_a_sharded_stage_gathers_each_block_once_per_micro_batch_and_once_more(schedule):
     plan = _plans()[schedule]
     results = run_ranks(_gathers_per_step, 4, plan.model_copy(update={"sharding": "fsdp"}))
