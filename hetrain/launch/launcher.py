@@ -19,7 +19,6 @@ MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_ yourself) keeps glibc's default
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import re
@@ -32,6 +31,7 @@ from typing import Any
 from hetrain.errors import HetrainError, ranks_text
 from hetrain.hardware.catalog import rank_threads
 from hetrain.malloc_cache import worker_env as malloc_cache_env
+from hetrain.launch.agent_lines import leave_to_the_launcher
 from hetrain.launch.failures import describe, first_failure, is_cause, killed_from_outside, stopped_on_sigterm
 from hetrain.launch.graceful_stop import GracefulStop, agent_signals
 from hetrain.launch.leftovers import adopt_orphans, end_leftovers
@@ -374,10 +374,6 @@ def agent_args(cfg: LaunchConfig) -> Any:
     return args
 
 
-def _without_failed_line(record: logging.LogRecord) -> bool:
-    return not str(record.msg).startswith("failed (exitcode")
-
-
 def launch(cfg: LaunchConfig) -> int:
     """Run the job on the elastic agent; returns 0, or raises HetrainError naming the failed rank."""
     validate(cfg)
@@ -397,9 +393,7 @@ def launch(cfg: LaunchConfig) -> int:
     launch_id = adopt_orphans()
     stop = GracefulStop(launch_id)
     stop.install()
-    # the agent's own "failed (exitcode: ...) local_rank: ..." line: the launcher's last line names the rank and why
-    agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-    agent_log.addFilter(_without_failed_line)
+    agent_lines_back = leave_to_the_launcher()   # the agent's failure and signal lines: the last line says them
     try:
         run(args)
     except ChildFailedError as e:
@@ -411,7 +405,7 @@ def launch(cfg: LaunchConfig) -> int:
     except SignalException as e:
         raise JobStopped(stopped_line(signal.Signals(e.sigval)), 128 + int(e.sigval)) from None
     finally:
-        agent_log.removeFilter(_without_failed_line)
+        agent_lines_back()
         stop.uninstall()
         os.environ.clear()
         os.environ.update(saved)

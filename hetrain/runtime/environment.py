@@ -385,7 +385,8 @@ def _flush(files: list[Any]) -> None:
 
 
 def print_user_errors_as_one_line() -> None:
-    """In a worker, a HetrainError (bad input) ends the rank with one line, on every rank, and exit 2."""
+    """In a worker, a HetrainError (bad input) ends the rank with one line, on every rank, and exit 2; under
+    `hetrain launch`, Ctrl-C's KeyboardInterrupt is one line naming where the script was (`interrupted_line`)."""
     previous = sys.excepthook
     if getattr(previous, "_hetrain", False) or getattr(previous, _TORCH_PREFIXED, False):   # (it wraps ours)
         return
@@ -396,6 +397,12 @@ def print_user_errors_as_one_line() -> None:
         if not isinstance(value, HetrainError):
             _add_hints(value)
         record_exception(value)  # tells the launcher why this rank ended, and when
+        if isinstance(value, KeyboardInterrupt) and os.environ.get(Env.LAUNCH_ID) and not sys.flags.interactive:
+            from hetrain.runtime.interrupted import interrupted_line
+
+            sys.__stderr__.write(interrupted_line(tb, os.environ.get("RANK", "0")) + "\n")   # the launcher says
+            sys.__stderr__.flush()   # the rest; Python still ends the process by SIGINT, as without the hook
+            return
         if isinstance(value, HetrainError) and (hasattr(sys, "ps1") or sys.flags.interactive):
             sys.__stderr__.write(f"hetrain: error: {value}\n")   # at an interactive prompt: the prompt goes on
             return

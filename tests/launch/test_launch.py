@@ -438,6 +438,34 @@ def test_ctrl_c_in_the_demo_ends_it_in_one_line_without_tracebacks():
     assert err.rstrip().endswith("hetrain demo: interrupted") and "Traceback" not in err, err[-2000:]
 
 
+def test_ctrl_c_on_a_launched_job_is_a_line_per_rank_naming_where_it_was_and_the_launchers_line():
+    """Each rank printed its KeyboardInterrupt traceback (torch's frames; on rank 1 a peer's closed gloo connection
+    as its cause) and the agent two warnings of its own signalling, 45 lines above the launcher's last line."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    p = subprocess.Popen([sys.executable, "-m", "hetrain.cli.main", "launch", "--nproc-per-node", "2",
+                          "examples/train_digits.py", "--epochs", "1000"], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    seen = []
+    for line in p.stderr:   # the ranks are training once rank 0 says how it starts
+        seen.append(line)
+        if "start from an even split" in line:
+            break
+    time.sleep(2)
+    os.killpg(p.pid, signal.SIGINT)   # what Ctrl-C in a terminal sends: the whole foreground group
+    _, err = p.communicate(timeout=60)
+    err = "".join(seen) + err
+    assert p.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "closing signal" not in err and "death signal" not in err, err[-3000:]
+    said = sorted(line for line in err.splitlines() if "interrupted by SIGINT (Ctrl-C)" in line)
+    assert [line.split("]")[0] for line in said] == ["[hetrain rank 0", "[hetrain rank 1"], err[-3000:]
+    assert all(" in examples/train_digits.py:" in line for line in said), said
+    assert err.rstrip().splitlines()[-1].startswith("hetrain launch: error: the job was stopped by SIGINT; "), err
+
+
 def test_a_checkpoint_dir_that_is_a_dangling_link_is_refused_naming_the_link_and_its_target(tmp_path):
     """The launcher said 'cannot be created (File exists); fix: choose a writable path' where the Session says
     precisely that the link's target does not exist."""
