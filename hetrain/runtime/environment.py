@@ -386,7 +386,8 @@ def _flush(files: list[Any]) -> None:
 
 def print_user_errors_as_one_line() -> None:
     """In a worker, a HetrainError (bad input) ends the rank with one line, on every rank, and exit 2; under
-    `hetrain launch`, Ctrl-C's KeyboardInterrupt is one line naming where the script was (`interrupted_line`)."""
+    `hetrain launch`, Ctrl-C's KeyboardInterrupt and a lost peer are one line naming where the script was
+    (hetrain.runtime.ending_lines)."""
     previous = sys.excepthook
     if getattr(previous, "_hetrain", False) or getattr(previous, _TORCH_PREFIXED, False):   # (it wraps ours)
         return
@@ -397,11 +398,10 @@ def print_user_errors_as_one_line() -> None:
         if not isinstance(value, HetrainError):
             _add_hints(value)
         record_exception(value)  # tells the launcher why this rank ended, and when
-        if isinstance(value, KeyboardInterrupt) and os.environ.get(Env.LAUNCH_ID) and not sys.flags.interactive:
-            from hetrain.runtime.interrupted import interrupted_line
-
-            sys.__stderr__.write(interrupted_line(tb, os.environ.get("RANK", "0")) + "\n")   # the launcher says
-            sys.__stderr__.flush()   # the rest; Python still ends the process by SIGINT, as without the hook
+        line = _ending_line(value, tb) if os.environ.get(Env.LAUNCH_ID) and not sys.flags.interactive else None
+        if line:   # the launcher's last line says the rest; the exit status is Python's (130 after Ctrl-C)
+            sys.__stderr__.write(line + "\n")
+            sys.__stderr__.flush()
             return
         if isinstance(value, HetrainError) and (hasattr(sys, "ps1") or sys.flags.interactive):
             sys.__stderr__.write(f"hetrain: error: {value}\n")   # at an interactive prompt: the prompt goes on
@@ -426,6 +426,19 @@ def print_user_errors_as_one_line() -> None:
 
     hook._hetrain = True
     sys.excepthook = hook
+
+
+def _ending_line(error: BaseException, tb: Any) -> str | None:
+    """A launched rank's one line in place of its traceback (hetrain.runtime.ending_lines), or None."""
+    from hetrain.runtime import ending_lines
+    from hetrain.runtime.failure_record import is_peer_loss, one_line
+
+    rank = os.environ.get("RANK", "0")
+    if isinstance(error, KeyboardInterrupt):
+        return ending_lines.interrupted_line(tb, rank)
+    if is_peer_loss(error) and os.environ.get("WORLD_SIZE", "1") != "1":
+        return ending_lines.peer_lost_line(one_line(error), tb, rank)
+    return None
 
 
 class _StderrHandler(logging.StreamHandler):

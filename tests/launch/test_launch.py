@@ -466,6 +466,39 @@ def test_ctrl_c_on_a_launched_job_is_a_line_per_rank_naming_where_it_was_and_the
     assert err.rstrip().splitlines()[-1].startswith("hetrain launch: error: the job was stopped by SIGINT; "), err
 
 
+FAILS_ON_RANK_1 = """
+import time
+import torch
+import hetrain
+
+session = hetrain.Session()
+net = torch.nn.Linear(4, 1)
+model, _ = session.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+data = torch.utils.data.TensorDataset(torch.randn(256, 4), torch.randn(256, 1))
+for x, y in session.loader(data, global_batch_size=16):
+    if session.step_count == 3 and session.rank == 1:
+        time.sleep(1)   # rank 0 waits in this step's gradient all-reduce
+        raise ValueError("a bad batch")
+    session.backward(torch.nn.functional.mse_loss(model(x), y))
+    session.step()
+session.close()
+"""
+
+
+def test_a_failed_ranks_traceback_is_the_only_one_its_peers_say_they_lost_it_in_a_line(tmp_path):
+    """Rank 0, waiting in an all-reduce when rank 1 raised, printed its own 17-line traceback of the closed gloo
+    connection beside rank 1's, the one to read."""
+    (tmp_path / "job.py").write_text(FAILS_ON_RANK_1)
+    r = hetrain("launch", "--nproc-per-node", "2", str(tmp_path / "job.py"))
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.stderr.count("Traceback") == 1 and "[rank1]: Traceback" in r.stderr, r.stderr[-3000:]
+    assert "[rank1]: ValueError: a bad batch" in r.stderr, r.stderr[-3000:]
+    lost = [line for line in r.stderr.splitlines() if line.startswith("[hetrain rank 0] stopped: it lost its connection")]
+    assert len(lost) == 1 and "job.py:14 (<module>)" in lost[0], r.stderr[-3000:]   # session.backward's line
+    assert r.stderr.rstrip().splitlines()[-1].startswith("hetrain launch: error: rank 1 exited with code 1: "
+                                                         "ValueError: a bad batch"), r.stderr[-3000:]
+
+
 def test_a_checkpoint_dir_that_is_a_dangling_link_is_refused_naming_the_link_and_its_target(tmp_path):
     """The launcher said 'cannot be created (File exists); fix: choose a writable path' where the Session says
     precisely that the link's target does not exist."""

@@ -1,10 +1,10 @@
-"""The line a launched rank stopped by Ctrl-C prints names the script's own innermost frame."""
+"""The line a launched rank ends with (Ctrl-C, a lost peer) names the script's own innermost frame."""
 
 import sys
 
 import torch
 
-from hetrain.runtime.interrupted import interrupted_line
+from hetrain.runtime.ending_lines import interrupted_line, peer_lost_line
 
 
 def _scripts_loop():
@@ -21,7 +21,7 @@ def _caught(fn):
 
 def test_the_line_names_the_innermost_frame_outside_torch_and_hetrain():
     line = interrupted_line(_caught(_scripts_loop), "3")
-    assert line.startswith("[hetrain rank 3] interrupted by SIGINT (Ctrl-C) in tests/runtime/test_interrupted.py:"), line
+    assert line.startswith("[hetrain rank 3] interrupted by SIGINT (Ctrl-C) in tests/runtime/test_ending_lines.py:"), line
     assert line.endswith("(_scripts_loop)"), line
 
 
@@ -39,8 +39,16 @@ def test_frames_inside_torch_and_hetrain_are_passed_over_for_the_scripts_own():
             exec(inside, {})   # a frame whose code lies in the library's directory
 
         line = interrupted_line(_caught(scripts_step), "0")
-        assert line.endswith("(scripts_step)") and "test_interrupted.py:" in line, line
+        assert line.endswith("(scripts_step)") and "test_ending_lines.py:" in line, line
 
 
 def test_without_a_traceback_the_line_names_no_place():
     assert interrupted_line(None, "1") == "[hetrain rank 1] interrupted by SIGINT (Ctrl-C)"
+
+
+def test_a_lost_peer_is_said_with_the_error_and_where_the_script_waited():
+    line = peer_lost_line("RuntimeError: Connection closed by peer [127.0.0.1]:1234", _caught(_scripts_loop), "0")
+    assert line.startswith("[hetrain rank 0] stopped: it lost its connection to a peer in "
+                           "tests/runtime/test_ending_lines.py:"), line
+    assert "(_scripts_loop) (RuntimeError: Connection closed by peer [127.0.0.1]:1234); the launcher's last line " \
+           "names the rank whose failure was the cause" in line, line
