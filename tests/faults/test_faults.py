@@ -115,6 +115,10 @@ def test_fault(request, tmp_path, uninterrupted, waiting_jobs, faults, restarts,
         fault_step = int(re.search(r":(\d+)$", faults).group(1))
         resumed = [int(s) for s in re.findall(r"rank \d+ starts at step (\d+)", r.stdout)]
         assert max(resumed) == (fault_step - 1) // INTERVAL * INTERVAL > 0, f"the restart resumed from {resumed}, not the checkpoint"
+        # the agent says its restart only at INFO: the ranks' start-up lines came again with no word why
+        said = [line for line in r.stderr.splitlines() if line.startswith("hetrain launch: the job failed on this node")]
+        assert said == ["hetrain launch: the job failed on this node (its output is above); starting every rank again, "
+                        "restart 1 of 1 (--max-restarts)"], r.stderr[-3000:]
     if report:
         last = r.stderr.strip().splitlines()[-1]
         assert re.search(report, last), last
