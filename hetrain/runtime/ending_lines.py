@@ -20,6 +20,8 @@ from types import TracebackType
 import torch
 
 import hetrain
+from hetrain.errors import HetrainError
+from hetrain.runtime.failure_record import is_peer_loss, one_line
 
 _LIBRARIES = tuple(str(Path(m.__file__).resolve().parent) + os.sep for m in (torch, hetrain))
 
@@ -50,3 +52,16 @@ def peer_lost_line(error: str, tb: TracebackType | None, rank: str) -> str:
     """'[hetrain rank R] stopped: it lost its connection to a peer in FILE:LINE (FUNCTION) (ERROR); ...'."""
     return (f"[hetrain rank {rank}] stopped: it lost its connection to a peer{where(tb)} ({error}); the launcher's "
             "last line names the rank whose failure was the cause")
+
+
+def ending_line(error: BaseException, tb: TracebackType | None) -> str | None:
+    """A launched rank's one line in place of its traceback, or None where the traceback is the one to read (a
+    HetrainError has its own line)."""
+    rank = os.environ.get("RANK", "0")
+    if isinstance(error, HetrainError):
+        return None
+    if isinstance(error, KeyboardInterrupt):
+        return interrupted_line(tb, rank)
+    if is_peer_loss(error) and os.environ.get("WORLD_SIZE", "1") != "1":
+        return peer_lost_line(one_line(error), tb, rank)
+    return None

@@ -398,7 +398,9 @@ def print_user_errors_as_one_line() -> None:
         if not isinstance(value, HetrainError):
             _add_hints(value)
         record_exception(value)  # tells the launcher why this rank ended, and when
-        line = _ending_line(value, tb) if os.environ.get(Env.LAUNCH_ID) and not sys.flags.interactive else None
+        from hetrain.runtime.ending_lines import ending_line
+
+        line = ending_line(value, tb) if os.environ.get(Env.LAUNCH_ID) and not sys.flags.interactive else None
         if line:   # the launcher's last line says the rest; the exit status is Python's (130 after Ctrl-C)
             sys.__stderr__.write(line + "\n")
             sys.__stderr__.flush()
@@ -426,19 +428,6 @@ def print_user_errors_as_one_line() -> None:
 
     hook._hetrain = True
     sys.excepthook = hook
-
-
-def _ending_line(error: BaseException, tb: Any) -> str | None:
-    """A launched rank's one line in place of its traceback (hetrain.runtime.ending_lines), or None."""
-    from hetrain.runtime import ending_lines
-    from hetrain.runtime.failure_record import is_peer_loss, one_line
-
-    rank = os.environ.get("RANK", "0")
-    if isinstance(error, KeyboardInterrupt):
-        return ending_lines.interrupted_line(tb, rank)
-    if is_peer_loss(error) and os.environ.get("WORLD_SIZE", "1") != "1":
-        return ending_lines.peer_lost_line(one_line(error), tb, rank)
-    return None
 
 
 class _StderrHandler(logging.StreamHandler):

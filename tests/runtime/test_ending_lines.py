@@ -52,3 +52,14 @@ def test_a_lost_peer_is_said_with_the_error_and_where_the_script_waited():
                            "tests/runtime/test_ending_lines.py:"), line
     assert "(_scripts_loop) (RuntimeError: Connection closed by peer [127.0.0.1]:1234); the launcher's last line " \
            "names the rank whose failure was the cause" in line, line
+
+
+def test_a_hetrain_error_that_reads_like_a_lost_peer_keeps_its_own_line(monkeypatch):
+    """A bad-input error naming a refused connection is the rank's own error, not an echo of a peer's."""
+    from hetrain.errors import HetrainError
+    from hetrain.runtime.ending_lines import ending_line
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert ending_line(HetrainError("metrics server: connection refused on port 9400"), None) is None
+    assert ending_line(RuntimeError("Connection closed by peer [127.0.0.1]:1234"), None).startswith(
+        "[hetrain rank ")
