@@ -415,50 +415,41 @@ def test_torchruns_console_flags_pass_through(tmp_path):
     assert logged == ["hello from rank 0\n", "hello from rank 1\n"], logged
 
 
-def test_ctrl_c_in_the_demo_ends_it_in_one_line_without_tracebacks():
-    """It printed two ranks' tracebacks and the launcher's advice for a user's job (checkpoints, SIGTERM, kill
-    PID), 60 lines, where the demo has neither checkpoints nor a PID to give (found auditing the CLI)."""
+def _ctrl_c(args: list[str], training: str) -> tuple[int, str]:
+    """Run `hetrain ARGS`, send SIGINT to its whole group once a stderr line holds `training` (and 2 s more), as
+    Ctrl-C in a terminal does; (exit status, stderr)."""
     import os
     import signal
     import subprocess
     import time
 
-    p = subprocess.Popen([sys.executable, "-m", "hetrain.cli.main", "demo", "--steps", "2000"], cwd=ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    p = subprocess.Popen([sys.executable, "-m", "hetrain.cli.main", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
     seen = []
-    for line in p.stderr:   # the ranks are training once they say their speeds are emulated
+    for line in p.stderr:
         seen.append(line)
-        if "speeds are emulated on CPU ranks" in line:
+        if training in line:
             break
     time.sleep(2)
     os.killpg(p.pid, signal.SIGINT)   # what Ctrl-C in a terminal sends: the whole foreground group
     _, err = p.communicate(timeout=60)
-    err = "".join(seen) + err
-    assert p.returncode == 130, err[-2000:]
+    return p.returncode, "".join(seen) + err
+
+
+def test_ctrl_c_in_the_demo_ends_it_in_one_line_without_tracebacks():
+    """It printed two ranks' tracebacks and the launcher's advice for a user's job (checkpoints, SIGTERM, kill
+    PID), 60 lines, where the demo has neither checkpoints nor a PID to give (found auditing the CLI)."""
+    code, err = _ctrl_c(["demo", "--steps", "2000"], "speeds are emulated on CPU ranks")   # the ranks train
+    assert code == 130, err[-2000:]
     assert err.rstrip().endswith("hetrain demo: interrupted") and "Traceback" not in err, err[-2000:]
 
 
 def test_ctrl_c_on_a_launched_job_is_a_line_per_rank_naming_where_it_was_and_the_launchers_line():
     """Each rank printed its KeyboardInterrupt traceback (torch's frames; on rank 1 a peer's closed gloo connection
     as its cause) and the agent two warnings of its own signalling, 45 lines above the launcher's last line."""
-    import os
-    import signal
-    import subprocess
-    import time
-
-    p = subprocess.Popen([sys.executable, "-m", "hetrain.cli.main", "launch", "--nproc-per-node", "2",
-                          "examples/train_digits.py", "--epochs", "1000"], cwd=ROOT, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, start_new_session=True)
-    seen = []
-    for line in p.stderr:   # the ranks are training once rank 0 says how it starts
-        seen.append(line)
-        if "start from an even split" in line:
-            break
-    time.sleep(2)
-    os.killpg(p.pid, signal.SIGINT)   # what Ctrl-C in a terminal sends: the whole foreground group
-    _, err = p.communicate(timeout=60)
-    err = "".join(seen) + err
-    assert p.returncode == 130, err[-3000:]
+    code, err = _ctrl_c(["launch", "--nproc-per-node", "2", "examples/train_digits.py", "--epochs", "1000"],
+                        "start from an even split")   # the ranks train once rank 0 says how it starts
+    assert code == 130, err[-3000:]
     assert "Traceback" not in err and "closing signal" not in err and "death signal" not in err, err[-3000:]
     said = sorted(line for line in err.splitlines() if "interrupted by SIGINT (Ctrl-C)" in line)
     assert [line.split("]")[0] for line in said] == ["[hetrain rank 0", "[hetrain rank 1"], err[-3000:]
