@@ -491,4 +491,6 @@ def failure_line(failures: dict[int, Any], cfg: LaunchConfig) -> str:
         return (f"every rank on this node lost its peers ({describe(rank, failure)}): the failure began on another "
                 f"node, whose output says which rank and why; the job ended after {cfg.max_restarts} restart(s) "
                 f"allowed; {where}")
-    return f"{describe(rank, failure)}; the job ended after {cfg.max_restarts} restart(s) allowed; {where}"
+    oom = ("; a SIGKILL no one sent is most often the kernel's, when the host runs out of memory (`dmesg` names "
+           "the process it killed)") if failure.exitcode == -signal.SIGKILL else ""
+    return f"{describe(rank, failure)}; the job ended after {cfg.max_restarts} restart(s) allowed; {where}{oom}"

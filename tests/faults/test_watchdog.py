@@ -539,6 +539,10 @@ def test_a_node_whose_ranks_only_lost_their_peers_says_the_failure_began_on_anot
     # a rank of this node that failed by itself is named as before
     line = failure_line({0: _failure(1, 100, echo), 1: _failure(-9, 100)}, LaunchConfig(script="t.py", nnodes="2"))
     assert line.startswith("rank 1 was killed by SIGKILL; the job ended"), line
+    # a SIGKILL's usual sender is said; another signal's line has no such words
+    assert line.endswith("; a SIGKILL no one sent is most often the kernel's, when the host runs out of memory "
+                         "(`dmesg` names the process it killed)"), line
+    assert "out of memory" not in failure_line({1: _failure(-11, 100)}, LaunchConfig(script="t.py", nproc_per_node=2))
 
 
 SHORT_STREAM_SCRIPT = '''
