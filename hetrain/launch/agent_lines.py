@@ -25,7 +25,10 @@ def restart_line(record: logging.LogRecord) -> str | None:
     """The launcher's line for an agent's record that announces a restart, else None."""
     msg, args = str(record.msg), record.args if isinstance(record.args, tuple) else ()
     if msg.startswith(RESTARTING) and len(args) == 4:
-        left, most = int(args[2]), int(args[3])
+        try:
+            left, most = int(args[2]), int(args[3])
+        except (TypeError, ValueError):   # another torch's record: the agent's own line is left as it is
+            return None
         return (f"hetrain launch: the job failed on this node (its output is above); starting every rank again, "
                 f"restart {most - left + 1} of {most} (--max-restarts)")
     if msg.startswith(NODES_JOINING) and len(args) == 3:

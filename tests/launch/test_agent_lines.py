@@ -28,6 +28,11 @@ def test_a_node_waiting_to_join_is_said_without_calling_it_new():
                     "every rank again with them")
 
 
+def test_a_restart_record_of_another_shape_is_left_to_the_agent():
+    """A filter that raised would stop the agent in the middle of its restart: such a record gets no line."""
+    assert restart_line(_record(FAILED, "default", "FAILED", "many", None)) is None
+
+
 def test_other_records_are_not_restarts():
     assert restart_line(_record("[%s] Stopping worker group", "default")) is None
     assert restart_line(_record("[%s] worker group successfully finished. Waiting %s seconds for other agents to "
