@@ -42,14 +42,14 @@ def leave_to_the_launcher() -> Callable[[], None]:
     agent, workers = logging.getLogger(AGENT), logging.getLogger(WORKERS)
     level, shown = agent.level, agent.getEffectiveLevel()   # what the user's LOGLEVEL shows, WARNING by default
 
+    def workers_said(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(AGENT_LINES)
+
     def agent_said(record: logging.LogRecord) -> bool:
         line = restart_line(record)
         if line is not None:
             print(line, file=sys.stderr, flush=True)
-        return record.levelno >= shown and not str(record.msg).startswith(AGENT_LINES)
-
-    def workers_said(record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(AGENT_LINES)
+        return record.levelno >= shown and workers_said(record)
 
     agent.addFilter(agent_said)
     agent.setLevel(min(shown, logging.INFO))   # its restarts are INFO records
