@@ -74,6 +74,14 @@ def how_it_ended(exitcode: int) -> str:
     return f"exited with code {exitcode}"
 
 
+def killed_hint(exitcode: int) -> str:
+    """What a rank's death by SIGKILL most often means, to follow the sentence that says it; else ''."""
+    if exitcode != -signal.SIGKILL:
+        return ""
+    return ("; a SIGKILL no one sent is most often the kernel's, when the host runs out of memory (`dmesg` names "
+            "the process it killed)")
+
+
 def describe(rank: int, failure: Any) -> str:
     """One sentence: the rank, how it ended, and what it recorded (a stall report names its culprit)."""
     record = _record(failure)

@@ -24,7 +24,8 @@ import os
 import re
 import signal
 import sys
-from dataclasses import dataclass, field
+import tempfile
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,8 @@ from hetrain.errors import HetrainError, ranks_text
 from hetrain.hardware.catalog import rank_threads
 from hetrain.malloc_cache import worker_env as malloc_cache_env
 from hetrain.launch.agent_lines import leave_to_the_launcher
-from hetrain.launch.failures import describe, first_failure, is_cause, killed_from_outside, stopped_on_sigterm
+from hetrain.launch.failures import (describe, first_failure, is_cause, killed_from_outside, killed_hint,
+                                     stopped_on_sigterm)
 from hetrain.launch.graceful_stop import GracefulStop, agent_signals
 from hetrain.launch.leftovers import adopt_orphans, end_leftovers
 from hetrain.metrics.serve import check_ports_free
@@ -389,11 +391,13 @@ def launch(cfg: LaunchConfig) -> int:
     if cfg.emulate_speeds is not None:
         print(f"hetrain launch: emulating device speeds {os.environ[Env.EMULATE_SPEEDS]} on CPU ranks; "
               "all timings from this run are emulated", file=sys.stderr, flush=True)
-    args = agent_args(cfg)
+    # the ranks' error files go to a folder of the launcher's (a restart's line names who failed from them)
+    log_dir = cfg.log_dir or (None if cfg.redirects or cfg.tee else tempfile.mkdtemp(prefix="hetrain-launch-"))
+    args = agent_args(replace(cfg, log_dir=log_dir))
     launch_id = adopt_orphans()
     stop = GracefulStop(launch_id)
     stop.install()
-    agent_lines_back = leave_to_the_launcher()   # the agent's failure and signal lines: the last line says them
+    agent_lines_back = leave_to_the_launcher(_max_nodes(cfg.nnodes)[1] == 1, log_dir, remove=log_dir != cfg.log_dir)
     try:
         run(args)
     except ChildFailedError as e:
@@ -491,6 +495,5 @@ def failure_line(failures: dict[int, Any], cfg: LaunchConfig) -> str:
         return (f"every rank on this node lost its peers ({describe(rank, failure)}): the failure began on another "
                 f"node, whose output says which rank and why; the job ended after {cfg.max_restarts} restart(s) "
                 f"allowed; {where}")
-    oom = ("; a SIGKILL no one sent is most often the kernel's, when the host runs out of memory (`dmesg` names "
-           "the process it killed)") if failure.exitcode == -signal.SIGKILL else ""
-    return f"{describe(rank, failure)}; the job ended after {cfg.max_restarts} restart(s) allowed; {where}{oom}"
+    return (f"{describe(rank, failure)}; the job ended after {cfg.max_restarts} restart(s) allowed; "
+            f"{where}{killed_hint(failure.exitcode)}")
