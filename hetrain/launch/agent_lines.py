@@ -47,14 +47,17 @@ def failed_rank(record: logging.LogRecord) -> tuple[int, int] | None:
 
 
 def who_failed(failed: tuple[int, int] | None, records: dict[int, FailureRecord | None], one_node: bool) -> str:
-    """Who failed, as a restart's line says it: the rank whose record is a cause and came first (an error of its
-    own, or a stall it reported), else the failure the agent saw first where no peer's echo ends so (a signal, the
-    script's own exit code), else, on one node, the one rank that left no record while every other only lost its
-    connection; else the node. `failed`: (exit code, local rank) as the agent reported it (`failed_rank`);
-    `records`: each local rank's record in the failed attempt (`attempt_records`)."""
+    """Who failed, as a restart's line says it: the failure the agent saw first, where no peer's echo ends so (a
+    signal, the script's own exit code: never a peer's loss), else the rank whose record is a cause and came first
+    (an error of its own, or a stall it reported), else, on one node, the one rank that left no record while every
+    other only lost its connection; else the node. `failed`: (exit code, local rank) as the agent reported it
+    (`failed_rank`); `records`: each local rank's record in the failed attempt (`attempt_records`)."""
     def rank(local: int) -> str:
         return f"rank {local}" if one_node else f"local rank {local} of this node"
 
+    if failed is not None and failed[0] not in ECHOES:
+        code, local = failed
+        return f"{rank(local)} {how_it_ended(code)}" + (" (its output is above)" if code > 0 else killed_hint(code))
     causes = sorted((r.time, local, r) for local, r in records.items() if r is not None and not r.secondary)
     if causes:
         _, local, record = causes[0]
@@ -62,9 +65,6 @@ def who_failed(failed: tuple[int, int] | None, records: dict[int, FailureRecord 
             by = "" if one_node and record.blame == local else f"; {rank(local)} reported it"
             return f"{record.message}{by} (its output is above)"
         return f"{rank(local)} failed: {record.message} (its output is above)"
-    if failed is not None and failed[0] not in ECHOES:
-        code, local = failed
-        return f"{rank(local)} {how_it_ended(code)}" + (" (its output is above)" if code > 0 else killed_hint(code))
     silent = [local for local, r in records.items() if r is None]
     if one_node and len(records) > 1 and len(silent) == 1:   # every other record is an echo (no cause above)
         return (f"rank {silent[0]} ended with no error of its own, and every other rank only lost its connection to "

@@ -108,6 +108,9 @@ def test_the_one_rank_without_a_record_beside_echoes_is_named_when_the_agent_saw
                            "it (a signal, or an exit of the script's own; a SIGKILL no one sent is most often the "
                            "kernel's")
     assert who_failed((-int(signal.SIGKILL), 1), records, True).startswith("rank 1 was killed by SIGKILL; ")
+    # a signal is never a peer's echo: it goes before a record a peer wrote of an error that followed from it
+    cause_too = {0: FailureRecord("HetrainError: the checkpoint of step 8 was not committed", 10.0), 1: None}
+    assert who_failed((-int(signal.SIGKILL), 1), cause_too, True).startswith("rank 1 was killed by SIGKILL; ")
     # two ranks without a record, or several nodes (the cause may be elsewhere): the node's failure, no rank
     assert who_failed((2, 0), {**records, 2: None}, True).startswith("the job failed on this node")
     assert who_failed((2, 0), records, False).startswith("the job failed on this node")
