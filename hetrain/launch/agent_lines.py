@@ -50,7 +50,8 @@ def who_failed(failed: tuple[int, int] | None, records: dict[int, FailureRecord 
     """Who failed, as a restart's line says it: the failure the agent saw first, where no peer's echo ends so (a
     signal, the script's own exit code: never a peer's loss), else the rank whose record is a cause and came first
     (an error of its own, or a stall it reported), else, on one node, the one rank that left no record while every
-    other only lost its connection; else the node. `failed`: (exit code, local rank) as the agent reported it
+    other only lost its connection, or, on several, another node where every rank here only lost its peers; else
+    this node. `failed`: (exit code, local rank) as the agent reported it
     (`failed_rank`); `records`: each local rank's record in the failed attempt (`attempt_records`)."""
     def rank(local: int) -> str:
         return f"rank {local}" if one_node else f"local rank {local} of this node"
@@ -70,6 +71,8 @@ def who_failed(failed: tuple[int, int] | None, records: dict[int, FailureRecord 
         return (f"rank {silent[0]} ended with no error of its own, and every other rank only lost its connection to "
                 "it (a signal, or an exit of the script's own; a SIGKILL no one sent is most often the kernel's, when "
                 "the host runs out of memory: `dmesg` names the process it killed)")
+    if not one_node and records and all(r is not None and r.secondary for r in records.values()):
+        return "every rank on this node only lost its peers: the failure began on another node, whose output says which"
     return "the job failed on this node (its output is above)"
 
 

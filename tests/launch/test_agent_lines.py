@@ -114,6 +114,10 @@ def test_the_one_rank_without_a_record_beside_echoes_is_named_when_the_agent_saw
     # two ranks without a record, or several nodes (the cause may be elsewhere): the node's failure, no rank
     assert who_failed((2, 0), {**records, 2: None}, True).startswith("the job failed on this node")
     assert who_failed((2, 0), records, False).startswith("the job failed on this node")
+    # on several nodes, a node whose every rank only lost its peers is not where the failure began
+    echoes = {0: records[0], 1: FailureRecord("RuntimeError: Connection reset by peer", 10.1, secondary=True)}
+    assert who_failed((2, 1), echoes, False) == ("every rank on this node only lost its peers: the failure began on "
+                                                 "another node, whose output says which")
 
 
 def test_no_folder_or_an_unreadable_record_names_no_rank(tmp_path):
