@@ -7,9 +7,16 @@ What a user imports:
 
 from __future__ import annotations
 
+import os as _os
 from typing import TYPE_CHECKING
 
 from hetrain.errors import HetrainError
+from hetrain.vocabulary import Env as _Env
+
+if _os.environ.get(_Env.LAUNCH_ID):   # a rank of `hetrain launch`: Ctrl-C before its Session is a line too
+    from hetrain.runtime.interrupt_hook import say_interrupts_in_a_line
+
+    say_interrupts_in_a_line()
 
 if TYPE_CHECKING:   # what a type checker sees of the names imported on first use below
     from hetrain.planning.plan import Plan

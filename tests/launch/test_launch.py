@@ -415,9 +415,9 @@ def test_torchruns_console_flags_pass_through(tmp_path):
     assert logged == ["hello from rank 0\n", "hello from rank 1\n"], logged
 
 
-def _ctrl_c(args: list[str], training: str) -> tuple[int, str]:
-    """Run `hetrain ARGS`, send SIGINT to its whole group once a stderr line holds `training` (and 2 s more), as
-    Ctrl-C in a terminal does; (exit status, stderr)."""
+def _ctrl_c(args: list[str], training: str, stream: str = "stderr") -> tuple[int, str]:
+    """Run `hetrain ARGS`, send SIGINT to its whole group once a line of `stream` holds `training` (and 2 s more),
+    as Ctrl-C in a terminal does; (exit status, stderr)."""
     import os
     import signal
     import subprocess
@@ -426,14 +426,14 @@ def _ctrl_c(args: list[str], training: str) -> tuple[int, str]:
     p = subprocess.Popen([sys.executable, "-m", "hetrain.cli.main", *args], cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, start_new_session=True)
     seen = []
-    for line in p.stderr:
+    for line in getattr(p, stream):
         seen.append(line)
         if training in line:
             break
     time.sleep(2)
     os.killpg(p.pid, signal.SIGINT)   # what Ctrl-C in a terminal sends: the whole foreground group
     _, err = p.communicate(timeout=60)
-    return p.returncode, "".join(seen) + err
+    return p.returncode, ("".join(seen) if stream == "stderr" else "") + err
 
 
 def test_ctrl_c_in_the_demo_ends_it_in_one_line_without_tracebacks():
@@ -454,6 +454,30 @@ def test_ctrl_c_on_a_launched_job_is_a_line_per_rank_naming_where_it_was_and_the
     said = sorted(line for line in err.splitlines() if "interrupted by SIGINT (Ctrl-C)" in line)
     assert [line.split("]")[0] for line in said] == ["[hetrain rank 0", "[hetrain rank 1"], err[-3000:]
     assert all(" in examples/train_digits.py:" in line for line in said), said
+    assert err.rstrip().splitlines()[-1].startswith("hetrain launch: error: the job was stopped by SIGINT; "), err
+
+
+LOADS_BEFORE_ITS_SESSION = """
+import time
+import hetrain
+
+print("loading the model's weights", flush=True)
+time.sleep(60)   # a long load before the Session
+session = hetrain.Session()
+"""
+
+
+def test_ctrl_c_before_a_launched_ranks_session_began_is_its_line_too(tmp_path):
+    """A script interrupted while it loaded (before hetrain.Session()) printed each rank's KeyboardInterrupt
+    traceback: the Session's one-line hook was not there yet."""
+    (tmp_path / "job.py").write_text(LOADS_BEFORE_ITS_SESSION)
+    code, err = _ctrl_c(["launch", "--nproc-per-node", "2", str(tmp_path / "job.py")], "loading the model's weights",
+                        stream="stdout")
+    assert code == 130, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    said = sorted(line for line in err.splitlines() if "interrupted by SIGINT (Ctrl-C)" in line)
+    assert [line.split("]")[0] for line in said] == ["[hetrain rank 0", "[hetrain rank 1"], err[-3000:]
+    assert all(line.endswith("job.py:6 (<module>)") for line in said), said   # the sleep
     assert err.rstrip().splitlines()[-1].startswith("hetrain launch: error: the job was stopped by SIGINT; "), err
 
 
