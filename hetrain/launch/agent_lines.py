@@ -51,8 +51,8 @@ def who_failed(failed: tuple[int, int] | None, records: dict[int, FailureRecord 
     signal, the script's own exit code: never a peer's loss), else the rank whose record is a cause and came first
     (an error of its own, or a stall it reported), else, on one node, the one rank that left no record while every
     other only lost its connection, or, on several, another node where every rank here only lost its peers; else
-    this node. `failed`: (exit code, local rank) as the agent reported it
-    (`failed_rank`); `records`: each local rank's record in the failed attempt (`attempt_records`)."""
+    this node. `failed`: (exit code, local rank) as the agent reported it (`failed_rank`); `records`: each local
+    rank's record in the failed attempt (`attempt_records`)."""
     def rank(local: int) -> str:
         return f"rank {local}" if one_node else f"local rank {local} of this node"
 
