@@ -3,8 +3,9 @@
 - Ctrl-C: the terminal sends SIGINT to every rank of the job at once (and the agent sends it again), and
   each rank printed its KeyboardInterrupt traceback: torch's frames, with a peer's closed connection as
   its cause on the others, above the launcher's line that says what the stop means for the job.
-- A peer's failure: every other rank's collective loses its connection, and each printed that traceback
-  beside the failed rank's own, which is the one to read; the launcher's line names that rank.
+- A peer's failure: every other rank's collective loses its connection (or waits past its timeout), and
+  each printed that traceback beside the failed rank's own, which is the one to read; the launcher's line
+  names that rank.
 
 Each line names the innermost frame of the script's own code, the part of the traceback that told where
 the rank was; the whole traceback stays in the rank's failure record.
@@ -13,6 +14,7 @@ the rank was; the whole traceback stays in the rank's failure record.
 from __future__ import annotations
 
 import os
+import re
 import traceback
 from pathlib import Path
 from types import TracebackType
@@ -48,10 +50,16 @@ def interrupted_line(tb: TracebackType | None, rank: str) -> str:
     return f"[hetrain rank {rank}] interrupted by SIGINT (Ctrl-C){where(tb)}"
 
 
+_TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+
+
 def peer_lost_line(error: str, tb: TracebackType | None, rank: str) -> str:
-    """'[hetrain rank R] stopped: it lost its connection to a peer in FILE:LINE (FUNCTION) (ERROR); ...'."""
-    return (f"[hetrain rank {rank}] stopped: it lost its connection to a peer{where(tb)} ({error}); the launcher's "
-            "last line names the rank whose failure was the cause")
+    """'[hetrain rank R] stopped: it lost its connection to a peer in FILE:LINE (FUNCTION) (ERROR); ...', or, where
+    the error is a timeout, that it waited on a peer past the timeout (the peer may still be there)."""
+    what = "it waited on a peer past the collective timeout" if _TIMED_OUT.search(error) else \
+        "it lost its connection to a peer"
+    return (f"[hetrain rank {rank}] stopped: {what}{where(tb)} ({error}); the launcher's last line names the rank "
+            "whose failure was the cause")
 
 
 def ending_line(error: BaseException, tb: TracebackType | None) -> str | None:

@@ -54,6 +54,15 @@ def test_a_lost_peer_is_said_with_the_error_and_where_the_script_waited():
            "names the rank whose failure was the cause" in line, line
 
 
+def test_a_collective_that_timed_out_is_not_called_a_lost_connection():
+    """The peer it waited on may still be there, stalled: the rank says it waited, not that the peer is gone."""
+    error = "RuntimeError: [../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 30000ms"
+    line = peer_lost_line(error, _caught(_scripts_loop), "1")
+    assert line.startswith("[hetrain rank 1] stopped: it waited on a peer past the collective timeout in "
+                           "tests/runtime/test_ending_lines.py:"), line
+    assert f"({error}); the launcher's last line names the rank whose failure was the cause" in line, line
+
+
 def test_a_hetrain_error_that_reads_like_a_lost_peer_keeps_its_own_line(monkeypatch):
     """A bad-input error naming a refused connection is the rank's own error, not an echo of a peer's."""
     from hetrain.errors import HetrainError
