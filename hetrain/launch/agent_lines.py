@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable
 
 from hetrain.launch.attempt_records import attempt_records
-from hetrain.launch.failures import how_it_ended, killed_hint
+from hetrain.launch.failures import STOPPED_BY_AGENT, how_it_ended, killed_hint
 from hetrain.runtime.failure_record import FailureRecord
 from hetrain.runtime.watchdog import STALL_EXIT
 
@@ -30,7 +30,7 @@ WORKERS = "torch.distributed.elastic.multiprocessing.api"   # its workers: faile
 RESTARTING = "[%s] Worker group %s. "   # then "%s/%s attempts left; will restart worker group"
 NODES_JOINING = "[%s] Detected %s new nodes"
 FAILED = "failed (exitcode: %s) local_rank: %s"   # then " (pid: %s) of binary: %s": the first failure it saw
-ECHOES = (1, 2, STALL_EXIT, -int(signal.SIGTERM), 128 + int(signal.SIGTERM))
+ECHOES = (1, 2, STALL_EXIT, *STOPPED_BY_AGENT)
 """Exit codes a rank that only lost a peer, or reported a peer's stall, also ends with: a Python error (2 where a
 launched rank with peers exits at once), the progress watch's report, the agent's SIGTERM."""
 
@@ -69,8 +69,7 @@ def who_failed(failed: tuple[int, int] | None, records: dict[int, FailureRecord 
     silent = [local for local, r in records.items() if r is None]
     if one_node and len(records) > 1 and len(silent) == 1:   # every other record is an echo (no cause above)
         return (f"rank {silent[0]} ended with no error of its own, and every other rank only lost its connection to "
-                "it (a signal, or an exit of the script's own; a SIGKILL no one sent is most often the kernel's, when "
-                "the host runs out of memory: `dmesg` names the process it killed)")
+                f"it (a signal, or an exit of the script's own){killed_hint(-int(signal.SIGKILL))}")
     if not one_node and records and all(r is not None and r.secondary for r in records.values()):
         return "every rank on this node only lost its peers: the failure began on another node, whose output says which"
     return "the job failed on this node (its output is above)"

@@ -10,7 +10,6 @@ Nothing here imports torch until a rank is interrupted.
 
 from __future__ import annotations
 
-import os
 import sys
 from types import TracebackType
 
@@ -27,9 +26,9 @@ def say_interrupts_in_a_line() -> None:
     def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
         if isinstance(value, KeyboardInterrupt) and not sys.flags.interactive:
             try:
-                from hetrain.runtime.ending_lines import interrupted_line
+                from hetrain.runtime.ending_lines import ending_line
 
-                line = interrupted_line(tb, os.environ.get("RANK", "0"))
+                line = ending_line(value, tb)   # the Session's hook's line for it
             except Exception:   # (interrupted inside torch's own import, say): the traceback, as before
                 line = None
             if line is not None:

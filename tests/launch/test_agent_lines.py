@@ -105,7 +105,7 @@ def test_the_one_rank_without_a_record_beside_echoes_is_named_when_the_agent_saw
     records = {0: FailureRecord("RuntimeError: Connection closed by peer", 10.0, secondary=True), 1: None}
     line = who_failed((2, 0), records, True)
     assert line.startswith("rank 1 ended with no error of its own, and every other rank only lost its connection to "
-                           "it (a signal, or an exit of the script's own; a SIGKILL no one sent is most often the "
+                           "it (a signal, or an exit of the script's own); a SIGKILL no one sent is most often the "
                            "kernel's")
     assert who_failed((-int(signal.SIGKILL), 1), records, True).startswith("rank 1 was killed by SIGKILL; ")
     # a signal is never a peer's echo: it goes before a record a peer wrote of an error that followed from it
